@@ -1,0 +1,164 @@
+"""The cost model: the single place where bytes and FLOPs become seconds (DESIGN.md §5).
+
+The simulator prices every op of a plan here, and the optimisers (FlexGen's LP, TightLLM's ILP, Select-N's record)
+build their terms from the same functions. Terms are plain arithmetic, so a byte count may be a float or a cvxpy
+expression (a placement fraction times a size): where a rate depends on the size of a transfer, an expression is
+priced at the large-transfer rate (the last point of the curve), which is what the LP's linearity needs.
+
+Conventions: ``num_seqs`` sequences in a GPU batch, each with ``q_tokens`` query tokens at the end of a context of
+``ctx_tokens`` tokens (the query tokens included); prefill of a prompt of s tokens is q = ctx = s, a decode step is
+q = 1, ctx = current length, TightLLM's recompute of N_r tokens is q = N_r + 1.
+"""
+from __future__ import annotations
+
+import math
+from numbers import Real
+
+from .specs import Curve, HardwareSpec, ModelSpec
+
+# ----------------------------------------------------------------------------------------------------------------
+# curves
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def interp(curve: Curve, x: float) -> float:
+    """y at x on a curve, linear in log(x) between points, clamped to the end points."""
+    if x <= curve[0][0]:
+        return curve[0][1]
+    if x >= curve[-1][0]:
+        return curve[-1][1]
+    lx = math.log(x)
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if x <= x1:
+            w = (lx - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return y0 + w * (y1 - y0)
+    return curve[-1][1]  # pragma: no cover
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, Real)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# transfers
+# ----------------------------------------------------------------------------------------------------------------
+DIRECTIONS = ("h2d", "d2h")
+
+
+def link_bytes_per_s(hw: HardwareSpec, nbytes, direction: str, pinned: bool = True) -> float:
+    """Bandwidth of one copy of ``nbytes`` over PCIe in ``direction`` ('h2d' or 'd2h'), pinned or pageable host."""
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+    curve = {("h2d", True): hw.h2d_pinned, ("d2h", True): hw.d2h_pinned,
+             ("h2d", False): hw.h2d_pageable, ("d2h", False): hw.d2h_pageable}[direction, pinned]
+    return interp(curve, nbytes) if _is_number(nbytes) else curve[-1][1]
+
+
+def transfer_seconds(hw: HardwareSpec, nbytes, direction: str, pinned: bool = True, other_busy_s: float = 0.0):
+    """Seconds to copy ``nbytes`` over PCIe: latency + bytes / bandwidth(size, direction).
+
+    Duplex: for the first ``other_busy_s`` seconds the opposite direction is also busy, and this copy runs at
+    ``duplex_fraction`` of its bandwidth (measured: 49.5 of 55.2 GB/s on the H200 link); after that at full rate.
+    """
+    bw = link_bytes_per_s(hw, nbytes, direction, pinned)
+    if _is_number(nbytes) and nbytes <= 0:
+        return 0.0
+    if other_busy_s > 0 and _is_number(nbytes):
+        slow_bw = bw * hw.duplex_fraction
+        if nbytes <= slow_bw * other_busy_s:
+            return hw.link_latency_s + nbytes / slow_bw
+        return hw.link_latency_s + other_busy_s + (nbytes - slow_bw * other_busy_s) / bw
+    return hw.link_latency_s + nbytes / bw
+
+
+def disk_seconds(hw: HardwareSpec, nbytes, direction: str):
+    """Seconds to read ('read': disk -> host) or write ('write': host -> disk) ``nbytes``."""
+    if _is_number(nbytes) and nbytes <= 0:
+        return 0.0
+    if direction == "read":
+        return nbytes / hw.disk_read_bytes_per_s
+    if direction == "write":
+        return nbytes / hw.disk_write_bytes_per_s
+    raise ValueError(f"disk direction must be 'read' or 'write', got {direction!r}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPU compute
+# ----------------------------------------------------------------------------------------------------------------
+COMPUTE_PARTS = ("layer", "pre_attn", "attn", "post_attn", "embed", "head")
+
+
+def gemm_flops_per_token(model: ModelSpec, part: str) -> float:
+    """FLOPs of the dense GEMMs of one token through ``part`` of a decoder layer (2 FLOP per multiply-add)."""
+    h, q, kv, f = model.d_model, model.q_dim, model.kv_dim, model.ffn_dim
+    qkv = 2 * h * (q + 2 * kv)  # Q, K and V projections
+    out = 2 * q * h  # attention output projection
+    ffn = 2 * h * f * (3 if model.family == "llama" else 2)  # SwiGLU has gate, up, down; OPT fc1, fc2
+    return {"layer": qkv + out + ffn, "pre_attn": qkv, "post_attn": out + ffn, "attn": 0.0, "embed": 0.0,
+            "head": 2 * h * model.vocab_size}[part]
+
+
+def gemm_seconds(hw: HardwareSpec, tokens: float, flops):
+    """Seconds for ``flops`` of GEMM work over ``tokens`` rows: FLOPs / (peak · efficiency(tokens))."""
+    if _is_number(flops) and flops <= 0:
+        return 0.0
+    return flops / (hw.gpu_peak_flops * interp(hw.gemm_efficiency, max(tokens, 1)))
+
+
+def attention_flops(model: ModelSpec, num_seqs, q_tokens: int, ctx_tokens: int):
+    """FLOPs of causal attention (QK^T and PV: 4 FLOP per query·key·head_dim) for the last ``q_tokens`` queries of
+    a ``ctx_tokens`` context: query i (0-based among the q) sees ctx - q + i + 1 keys."""
+    keys = q_tokens * (ctx_tokens - q_tokens) + q_tokens * (q_tokens + 1) / 2
+    return 4 * num_seqs * keys * model.num_heads * model.head_dim
+
+
+def attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_tokens: int, ctx_tokens: int):
+    """GPU attention: the larger of its FLOPs at the prefill efficiency and its KV read at the decode efficiency."""
+    flops = attention_flops(model, num_seqs, q_tokens, ctx_tokens)
+    t_flops = flops / (hw.gpu_peak_flops * interp(hw.attn_prefill_efficiency, ctx_tokens))
+    kv_read = num_seqs * ctx_tokens * model.kv_bytes_per_token()
+    t_mem = kv_read / (hw.gpu_hbm_bytes_per_s * interp(hw.attn_decode_efficiency, ctx_tokens))
+    if _is_number(t_flops) and _is_number(t_mem):
+        return max(t_flops, t_mem)
+    return t_flops + t_mem  # an upper bound that stays linear (expressions only)
+
+
+def compute_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_tokens: int, ctx_tokens: int):
+    """One GPU compute op: ``part`` of one layer (or 'embed'/'head') for a batch of ``num_seqs`` sequences.
+    'layer' = 'pre_attn' (norm, QKV) + 'attn' + 'post_attn' (output projection, norm, FFN)."""
+    tokens = num_seqs * q_tokens
+    if part == "embed":  # a gather: memory-bound, tiny
+        return hw.kernel_overhead_s + model.hidden_bytes(tokens) / hw.gpu_hbm_bytes_per_s
+    if part == "head":  # final norm + LM head on the last position of each sequence only
+        return hw.kernel_overhead_s + gemm_seconds(hw, num_seqs, num_seqs * gemm_flops_per_token(model, "head"))
+    t = hw.kernel_overhead_s + gemm_seconds(hw, tokens, tokens * gemm_flops_per_token(model, part))
+    if part in ("attn", "layer"):
+        t = t + attention_seconds(model, hw, num_seqs, q_tokens, ctx_tokens)
+    return t
+
+
+def cpu_attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_tokens: int, ctx_tokens: int):
+    """Attention on the host CPU over a KV cache in host memory (FlexGen's CPU delegation): FLOPs / CPU FLOP/s."""
+    return attention_flops(model, num_seqs, q_tokens, ctx_tokens) / hw.cpu_attention_flops
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# per-op pricing, for the simulator
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def op_seconds(op, model: ModelSpec, hw: HardwareSpec, other_busy_s: float = 0.0) -> float:
+    """Duration of one plan op (see ``offsim.plan.Op``). ``other_busy_s``: for PCIe copies, how long the opposite
+    direction stays busy from this op's start (duplex)."""
+    k = op.kind
+    if k == "compute":
+        return compute_seconds(model, hw, op.part, op.num_seqs, op.q_tokens, op.ctx_tokens)
+    if k == "cpu_compute":
+        return cpu_attention_seconds(model, hw, op.num_seqs, op.q_tokens, op.ctx_tokens)
+    if k in ("h2d", "d2h"):
+        return transfer_seconds(hw, op.nbytes, k, pinned=op.pinned, other_busy_s=other_busy_s)
+    if k == "disk_read":
+        return disk_seconds(hw, op.nbytes, "read")
+    if k == "disk_write":
+        return disk_seconds(hw, op.nbytes, "write")
+    raise ValueError(f"op {op.id}: unknown kind {k!r}")

@@ -1,0 +1,236 @@
+"""The block schedule that the static and FlexGen policies share: a description of placement and pipelining
+(``Schedule``) turned into a Plan (``build_block_plan``).
+
+FlexGen's zig-zag block schedule (seed 001; FlexGen §4.1, Alg. 1): for step i, layer j, batch k -- load the
+weights of the next layer, load the cache of batch k+1, store the cache of batch k-1, compute batch k. Here the
+"layers" of a step are [embedding (-1), decoder layers 0..L-1, LM head (L)], as in FlexGen's own layer list; the
+embedding and the head keep their weights on the GPU. With one GPU batch and prefetching this is ZeRO-Inference's
+layer-by-layer streaming; without prefetching and with pageable memory it is Accelerate's synchronous offload.
+
+Buffers (what bounds GPU memory): streamed weights are double-buffered when prefetching (the load of a layer waits
+until the layer loaded two loads earlier has run its last batch), single-buffered otherwise; loaded KV is
+double-buffered across batches (the load for position p waits for the compute at position p-2).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import OffsimError
+from ..plan import Plan, PlanBuilder
+from ..specs import ModelSpec, Workload
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Everything the block-schedule generator needs; policies fill it in."""
+
+    policy: str
+    weight_split: tuple[tuple[int, int], ...]  # per layer: bytes (gpu, cpu) of its flat weights; the rest on disk
+    kv_split: tuple[int, int]  # KV heads on (gpu, cpu); the rest on disk
+    hidden_home: str = "gpu"  # 'gpu' or 'cpu': where activations wait between layers
+    prefetch: bool = True  # load layer j+1's weights while layer j computes
+    overlap: bool = True  # False: every op waits for the one issued before it
+    cpu_attention: bool = False  # decode attention on the CPU over the host KV cache
+    pinned: bool = True  # host buffers pinned (False: pageable copies)
+    settings: tuple = ()  # (key, value) pairs recorded in the plan for provenance
+
+
+def workspace_bytes(model: ModelSpec, tokens: int) -> int:
+    """GPU scratch of one layer's forward over ``tokens`` tokens: Q/K/V, attention output and the FFN
+    intermediate (two of them for SwiGLU), fp16. Attention itself is assumed fused (no score matrix)."""
+    ffn = model.ffn_dim * (2 if model.family == "llama" else 1)
+    return tokens * (model.q_dim + 2 * model.kv_dim + model.d_model + ffn) * model.dtype_bytes
+
+
+def resident_bytes(model: ModelSpec, wl: Workload, s: Schedule) -> dict[str, int]:
+    """Bytes held for the whole run on each tier: placed weights, the KV cache at its final length on its home
+    tiers, activations of the whole block where they live, and (GPU) the embedding and LM head."""
+    n_kv = model.num_kv_heads
+    kv_total = model.kv_bytes(wl.num_prompts, wl.max_len)
+    kg, kc = s.kv_split
+    gpu_w = sum(g for g, _ in s.weight_split)
+    cpu_w = sum(c for _, c in s.weight_split)
+    disk_w = model.num_layers * model.layer_weight_bytes() - gpu_w - cpu_w
+    hidden = model.hidden_bytes(wl.num_prompts * wl.prompt_len)  # the block's activations at prefill
+    gpu = model.embedding_bytes() + gpu_w + kv_total * kg // n_kv + (hidden if s.hidden_home == "gpu" else 0)
+    cpu = cpu_w + kv_total * kc // n_kv + (hidden if s.hidden_home == "cpu" else 0)
+    disk = disk_w + kv_total * (n_kv - kg - kc) // n_kv
+    return {"gpu": int(gpu), "cpu": int(cpu), "disk": int(disk)}
+
+
+def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict[str, int]) -> Plan:
+    """Emit the ops of one block (``num_gpu_batches`` × ``gpu_batch_size`` prompts, all generation steps)."""
+    L, nb, gbs = model.num_layers, wl.num_gpu_batches, wl.gpu_batch_size
+    W = model.layer_weight_bytes()
+    n_kv = model.num_kv_heads
+    kg, kc = s.kv_split
+    kd = n_kv - kg - kc
+    kvpt = model.kv_bytes_per_token()
+    if s.cpu_attention and kg:
+        raise OffsimError("CPU attention needs the KV cache off the GPU: the GPU share of the cache must be 0 %")
+    if wl.max_len > model.max_positions:
+        raise OffsimError(f"prompt-len + gen-len - 1 = {wl.max_len} exceeds {model.name}'s {model.max_positions} "
+                          "positions")
+    b = PlanBuilder(serial=not s.overlap)
+    add = b.add
+    pinned = s.pinned
+
+    def kv_bytes(heads: int, tokens: int) -> int:
+        return gbs * tokens * kvpt * heads // n_kv
+
+    # --- streamed weights: instances (step, layer) in execution order, loaded ahead by the cursor --------------
+    streamed = [j for j in range(L) if s.weight_split[j][0] < W]
+    instances = [(i, j) for i in range(wl.gen_len) for j in streamed]
+    inst_index = {ij: u for u, ij in enumerate(instances)}
+    loaded: dict[int, list[int]] = {}  # instance -> ids of its h2d ops
+    free_op: dict[int, int] = {}  # instance -> id of the last compute that used it
+    cursor = [0]
+
+    def issue_weight_load(u: int) -> None:
+        i, j = instances[u]
+        g, c = s.weight_split[j]
+        back = 2 if s.prefetch else 1  # double or single buffering of streamed weights
+        dep = free_op.get(u - back)
+        phase = "prefill" if i == 0 else "decode"
+        ids = []
+        if c:
+            ids.append(add("h2d", [dep], phase, i, j, 0, tensor="weight", lo=g, hi=g + c, nbytes=c, pinned=pinned,
+                           alloc=(c, 0, 0)))
+        if W - g - c:
+            rd = add("disk_read", [dep], phase, i, j, 0, tensor="weight", lo=g + c, hi=W, nbytes=W - g - c,
+                     alloc=(0, W - g - c, 0))
+            ids.append(add("h2d", [rd], phase, i, j, 0, tensor="weight", lo=g + c, hi=W, nbytes=W - g - c,
+                           pinned=pinned, alloc=(W - g - c, 0, 0), free=(0, W - g - c, 0)))
+        loaded[u] = ids
+
+    def ensure_loaded(upto: int) -> None:
+        while cursor[0] <= min(upto, len(instances) - 1):
+            issue_weight_load(cursor[0])
+            cursor[0] += 1
+
+    # --- per batch state --------------------------------------------------------------------------------------
+    last_out: dict[int, int] = {}  # batch -> op that produced its current hidden (on GPU)
+    hidden_store: dict[int, int] = {}  # batch -> d2h op that parked its hidden on the CPU
+    kv_stored: dict[tuple[int, int], list[int]] = {}  # (layer, batch) -> ops that made the last KV durable
+    computes: list[int] = []  # compute ops in position order (for KV double buffering)
+
+    positions = [(i, j, k) for i in range(wl.gen_len) for j in range(-1, L + 1) for k in range(nb)]
+    pending_kv_loads: dict[int, list[int]] = {}
+
+    def emit_kv_loads(p: int) -> None:
+        """Bring the KV prefix of position p to the GPU (GPU attention over a host/disk cache)."""
+        i, j, k = positions[p]
+        if i == 0 or not 0 <= j < L or s.cpu_attention or not (kc or kd):
+            return
+        ctx_prev = wl.prompt_len + i - 1  # tokens whose KV exists before this step
+        dep_buf = computes[p - 2] if p >= 2 and len(computes) >= p - 1 else None
+        deps = [dep_buf] + kv_stored.get((j, k), [])
+        phase = "decode"
+        ids = []
+        if kc:
+            nbytes = kv_bytes(kc, ctx_prev)
+            ids.append(add("h2d", deps, phase, i, j, k, tensor="kv", lo=0, hi=ctx_prev, head_lo=kg, head_hi=kg + kc,
+                           nbytes=nbytes, pinned=pinned, alloc=(nbytes, 0, 0)))
+        if kd:
+            nbytes = kv_bytes(kd, ctx_prev)
+            rd = add("disk_read", deps, phase, i, j, k, tensor="kv", lo=0, hi=ctx_prev, head_lo=kg + kc,
+                     head_hi=n_kv, nbytes=nbytes, alloc=(0, nbytes, 0))
+            ids.append(add("h2d", [rd], phase, i, j, k, tensor="kv", lo=0, hi=ctx_prev, head_lo=kg + kc,
+                           head_hi=n_kv, nbytes=nbytes, pinned=pinned, alloc=(nbytes, 0, 0), free=(0, nbytes, 0)))
+        pending_kv_loads[p] = ids
+
+    for p, (i, j, k) in enumerate(positions):
+        phase = "prefill" if i == 0 else "decode"
+        q = wl.prompt_len if i == 0 else 1
+        ctx = wl.prompt_len + i
+        decoder = 0 <= j < L
+        # weights: the current layer's (first batch only), then, when prefetching, the next streamed layer's
+        if decoder and k == 0 and (i, j) in inst_index:
+            u = inst_index[(i, j)]
+            ensure_loaded(u + (1 if s.prefetch else 0))
+        elif k == 0 and s.prefetch and not decoder:
+            # embedding / head: prefetch the next streamed decoder layer
+            nxt = next((inst_index[(ii, jj)] for ii, jj in ([(i, x) for x in range(max(j, 0), L)] +
+                                                            [(i + 1, x) for x in range(L)])
+                        if (ii, jj) in inst_index), None)
+            if nxt is not None:
+                ensure_loaded(nxt)
+        if p == 0:
+            emit_kv_loads(0)
+        if p + 1 < len(positions):
+            emit_kv_loads(p + 1)  # prefetch the next batch's cache (FlexGen: load_cache(k+1))
+        # hidden input: from the CPU if parked there
+        deps = [last_out.get(k)]
+        if s.hidden_home == "cpu" and k in hidden_store and j >= 0:
+            hb = model.hidden_bytes(gbs * q)
+            hl = add("h2d", [hidden_store.pop(k)], phase, i, j, k, tensor="hidden", lo=ctx - q, hi=ctx, nbytes=hb,
+                     pinned=pinned, alloc=(hb, 0, 0), free=(0, hb, 0))
+            deps = [hl]
+        if decoder and (i, j) in inst_index:
+            deps += loaded[inst_index[(i, j)]]
+        deps += pending_kv_loads.pop(p, [])
+        last_k = k == nb - 1
+        streamed_bytes = (W - s.weight_split[j][0]) if decoder else 0
+        w_free = streamed_bytes if (decoder and last_k) else 0
+        kv_loaded = sum(o.alloc[0] for o in (b.ops[d] for d in deps if d is not None)
+                        if o.tensor == "kv" and o.kind == "h2d")
+        new_kv_off_gpu = kv_bytes(kc + kd, q) if decoder else 0  # new KV that will be stored off the GPU
+        ws = workspace_bytes(model, gbs * q) if decoder else model.hidden_bytes(gbs * q)
+        if decoder and s.cpu_attention and i > 0:
+            # FlexGen's CPU delegation: QKV on the GPU, attention on the CPU over the host cache, rest on the GPU
+            pre = add("compute", deps + kv_stored.get((j, k), []), phase, i, j, k, part="pre_attn", num_seqs=gbs,
+                      q_tokens=q, ctx_tokens=ctx, alloc=(ws, 0, 0))
+            qkv_b = gbs * q * (model.q_dim + 2 * model.kv_dim) * model.dtype_bytes
+            cpu_deps = []
+            if kd:  # the cache lives on disk: read the prefix into host memory for the CPU
+                nbytes = kv_bytes(kd, ctx - q)
+                cpu_deps.append(add("disk_read", kv_stored.get((j, k), []), phase, i, j, k, tensor="kv", lo=0,
+                                    hi=ctx - q, head_lo=kc, head_hi=n_kv, nbytes=nbytes, alloc=(0, nbytes, 0)))
+            d = add("d2h", [pre], phase, i, j, k, tensor="qkv", lo=ctx - q, hi=ctx, nbytes=qkv_b, pinned=pinned)
+            disk_staged = kv_bytes(kd, ctx - q) if kd else 0
+            att = add("cpu_compute", [d] + cpu_deps, phase, i, j, k, part="attn", num_seqs=gbs, q_tokens=q,
+                      ctx_tokens=ctx, free=(0, disk_staged, 0))
+            ob = gbs * q * model.q_dim * model.dtype_bytes
+            back = add("h2d", [att], phase, i, j, k, tensor="attn_out", lo=ctx - q, hi=ctx, nbytes=ob, pinned=pinned)
+            comp = add("compute", [back, pre], phase, i, j, k, part="post_attn", num_seqs=gbs, q_tokens=q,
+                       ctx_tokens=ctx, frees_weights=last_k, free=(ws + w_free, 0, 0))
+            stores = [att]
+            if kd:  # append the new token's KV to the disk copy
+                nb_new = kv_bytes(kd, q)
+                stores = [add("disk_write", [att], phase, i, j, k, tensor="kv", lo=ctx - q, hi=ctx, head_lo=kc,
+                              head_hi=n_kv, nbytes=nb_new)]
+            kv_stored[(j, k)] = stores
+        else:
+            part = "layer" if decoder else ("embed" if j < 0 else "head")
+            # (the embedding of step i waits for the LM head of step i-1 through last_out: the next token)
+            comp = add("compute", deps, phase, i, j, k, part=part, num_seqs=gbs, q_tokens=q, ctx_tokens=ctx,
+                       frees_weights=decoder and last_k, alloc=(ws + new_kv_off_gpu, 0, 0),
+                       free=(ws + w_free + kv_loaded, 0, 0))
+            if decoder and (kc or kd):
+                # store the new tokens' KV of the host- and disk-homed heads (FlexGen: store_cache)
+                stores = []
+                if kc:
+                    nbytes = kv_bytes(kc, q)
+                    stores.append(add("d2h", [comp], phase, i, j, k, tensor="kv", lo=ctx - q, hi=ctx, head_lo=kg,
+                                      head_hi=kg + kc, nbytes=nbytes, pinned=pinned, free=(nbytes, 0, 0)))
+                if kd:
+                    nbytes = kv_bytes(kd, q)
+                    st = add("d2h", [comp], phase, i, j, k, tensor="kv", lo=ctx - q, hi=ctx, head_lo=kg + kc,
+                             head_hi=n_kv, nbytes=nbytes, pinned=pinned, alloc=(0, nbytes, 0), free=(nbytes, 0, 0))
+                    stores.append(add("disk_write", [st], phase, i, j, k, tensor="kv", lo=ctx - q, hi=ctx,
+                                      head_lo=kg + kc, head_hi=n_kv, nbytes=nbytes, free=(0, nbytes, 0)))
+                kv_stored[(j, k)] = stores
+        computes.append(comp)
+        last_out[k] = comp
+        if decoder and last_k and (i, j) in inst_index:
+            free_op[inst_index[(i, j)]] = comp
+        if s.hidden_home == "cpu" and j < L:
+            hb = model.hidden_bytes(gbs * q)
+            hidden_store[k] = add("d2h", [comp], phase, i, j, k, tensor="hidden", lo=ctx - q, hi=ctx, nbytes=hb,
+                                  pinned=pinned, alloc=(0, hb, 0), free=(hb, 0, 0))
+    cap = dict(capacity)
+    settings = dict(s.settings)
+    return Plan(model=model, workload=wl, policy=s.policy, settings=settings, capacity=cap,
+                resident=resident_bytes(model, wl, s), weight_split=[tuple(x) for x in s.weight_split],
+                kv_split=tuple(s.kv_split), hidden_home=s.hidden_home, ops=b.ops)
+

@@ -1,0 +1,523 @@
+"""Model, hardware and workload specifications: frozen dataclasses with explicit ``from_dict``/``to_dict``.
+
+ModelSpec comes from a transformers config (object, dict or ``config.json`` path) -- never the hub -- or a preset.
+HardwareSpec comes from a preset (each constant says where it comes from) or a hardware-profile JSON, the schema
+``offexec profile`` writes (``HARDWARE_SCHEMA``). Workload is prompt/generation length and the block shape.
+
+Byte accounting (DESIGN.md §3): a layer's weights are laid out as one flat fp16 buffer (see ``layer_tensors``), so a
+"slice" of a layer's weights is a byte range of that buffer; KV cache bytes per token per layer are
+``2 (K and V) * n_kv_heads * head_dim * dtype_bytes`` (= 4·h bytes for OPT in fp16, as FlexGen counts).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from .errors import OffsimError
+
+GiB = 1 << 30
+GB = 10**9
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Model
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer, as far as cost and layout go. Derived sizes are methods, in bytes."""
+
+    name: str
+    family: str  # "opt" (LayerNorm, learned positions, ReLU FFN) or "llama" (RMSNorm, RoPE, SwiGLU, GQA)
+    num_layers: int
+    d_model: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab_size: int
+    max_positions: int
+    dtype_bytes: int = 2  # fp16
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self):
+        if self.family not in ("opt", "llama"):
+            raise OffsimError(f"model family {self.family!r} is not supported; valid: 'opt', 'llama'")
+        for f in ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "ffn_dim", "vocab_size",
+                  "max_positions", "dtype_bytes"):
+            if int(getattr(self, f)) <= 0:
+                raise OffsimError(f"model {self.name}: {f} must be positive, got {getattr(self, f)}")
+        if self.num_heads % self.num_kv_heads:
+            raise OffsimError(f"model {self.name}: num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                              f"({self.num_kv_heads})")
+
+    # -- layout -----------------------------------------------------------------------------------------------
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def layer_tensors(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(name, shape) of one decoder layer's weights, in the order of its flat buffer. Shapes are [out, in]."""
+        h, q, kv, f = self.d_model, self.q_dim, self.kv_dim, self.ffn_dim
+        if self.family == "opt":
+            return [("q_proj.weight", (q, h)), ("q_proj.bias", (q,)),
+                    ("k_proj.weight", (kv, h)), ("k_proj.bias", (kv,)),
+                    ("v_proj.weight", (kv, h)), ("v_proj.bias", (kv,)),
+                    ("out_proj.weight", (h, q)), ("out_proj.bias", (h,)),
+                    ("self_attn_layer_norm.weight", (h,)), ("self_attn_layer_norm.bias", (h,)),
+                    ("fc1.weight", (f, h)), ("fc1.bias", (f,)),
+                    ("fc2.weight", (h, f)), ("fc2.bias", (h,)),
+                    ("final_layer_norm.weight", (h,)), ("final_layer_norm.bias", (h,))]
+        return [("q_proj.weight", (q, h)), ("k_proj.weight", (kv, h)), ("v_proj.weight", (kv, h)),
+                ("o_proj.weight", (h, q)), ("input_layernorm.weight", (h,)),
+                ("gate_proj.weight", (f, h)), ("up_proj.weight", (f, h)), ("down_proj.weight", (h, f)),
+                ("post_attention_layernorm.weight", (h,))]
+
+    def layer_weight_bytes(self) -> int:
+        """Bytes of one decoder layer's weights (all tensors of ``layer_tensors``)."""
+        return sum(math.prod(s) for _, s in self.layer_tensors()) * self.dtype_bytes
+
+    def embedding_bytes(self) -> int:
+        """Bytes outside the decoder layers: token (+ position) embeddings, final norm, LM head if untied."""
+        h = self.d_model
+        n = self.vocab_size * h + h * (2 if self.family == "opt" else 1)  # embeddings + final norm (w, b for OPT)
+        if self.family == "opt":
+            n += (self.max_positions + 2) * h  # learned positions; OPT offsets them by 2
+        if not self.tie_word_embeddings:
+            n += self.vocab_size * h
+        return n * self.dtype_bytes
+
+    def weight_bytes(self) -> int:
+        """All weights, bytes."""
+        return self.num_layers * self.layer_weight_bytes() + self.embedding_bytes()
+
+    def flexgen_model_bytes(self) -> int:
+        """Model size exactly as FlexGen accounts it (flexgen/opt_config.py ``model_bytes``), for comparison only:
+        it drops some biases and the position table, so it differs from ``weight_bytes`` by < 0.1 %."""
+        h = self.d_model
+        per_layer = h * (3 * h + 1) + h * (h + 1) + h * (4 * h + 1) + h * 4 * (h + 1) + h * 4
+        return 2 * (self.num_layers * per_layer + self.vocab_size * (h + 1))
+
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes of one token in one layer: K and V, n_kv_heads · head_dim each."""
+        return 2 * self.kv_dim * self.dtype_bytes  # 2: K and V
+
+    def kv_bytes(self, num_seqs: int, num_tokens: int, num_layers: int | None = None) -> int:
+        """KV-cache bytes for ``num_seqs`` sequences of ``num_tokens`` tokens over ``num_layers`` (default: all)."""
+        layers = self.num_layers if num_layers is None else num_layers
+        return num_seqs * num_tokens * layers * self.kv_bytes_per_token()
+
+    def hidden_bytes(self, num_tokens: int) -> int:
+        """Bytes of the hidden state (activations between layers) for ``num_tokens`` tokens."""
+        return num_tokens * self.d_model * self.dtype_bytes
+
+    # -- construction -----------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModelSpec":
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise OffsimError(f"model spec has unknown fields {sorted(unknown)}; valid: {sorted(names)}")
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise OffsimError(f"model spec is incomplete: {e}") from None
+
+    @classmethod
+    def from_hf_config(cls, config: Any, name: str | None = None) -> "ModelSpec":
+        """From a transformers ``PretrainedConfig``, its dict, or a path to a ``config.json`` (no hub access)."""
+        if isinstance(config, (str, Path)):
+            path = Path(config)
+            if path.is_dir():
+                path = path / "config.json"
+            try:
+                cfg = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError) as e:
+                raise OffsimError(f"cannot read model config {path}: {e}") from None
+            name = name or path.parent.name
+        elif isinstance(config, Mapping):
+            cfg = dict(config)
+        elif hasattr(config, "to_dict"):
+            cfg = config.to_dict()
+        else:
+            raise OffsimError(f"expected a transformers config, dict or config.json path, got {type(config).__name__}")
+        mtype = cfg.get("model_type")
+        try:
+            if mtype == "opt":
+                h = cfg["hidden_size"]
+                if cfg.get("word_embed_proj_dim", h) != h or not cfg.get("do_layer_norm_before", True):
+                    raise OffsimError("OPT variants with a projected embedding or post-layer-norm (opt-350m) are not "
+                                      "supported")
+                if cfg.get("activation_function", "relu") != "relu":
+                    raise OffsimError(f"OPT activation {cfg['activation_function']!r} not supported; valid: 'relu'")
+                heads = cfg["num_attention_heads"]
+                return cls(name=name or cfg.get("_name_or_path") or "opt", family="opt",
+                           num_layers=cfg["num_hidden_layers"], d_model=h, num_heads=heads, num_kv_heads=heads,
+                           head_dim=h // heads, ffn_dim=cfg["ffn_dim"], vocab_size=cfg["vocab_size"],
+                           max_positions=cfg["max_position_embeddings"], norm_eps=1e-5,
+                           tie_word_embeddings=cfg.get("tie_word_embeddings", True))
+            if mtype == "llama":
+                h = cfg["hidden_size"]
+                heads = cfg["num_attention_heads"]
+                return cls(name=name or cfg.get("_name_or_path") or "llama", family="llama",
+                           num_layers=cfg["num_hidden_layers"], d_model=h, num_heads=heads,
+                           num_kv_heads=cfg.get("num_key_value_heads") or heads,
+                           head_dim=cfg.get("head_dim") or h // heads, ffn_dim=cfg["intermediate_size"],
+                           vocab_size=cfg["vocab_size"], max_positions=cfg["max_position_embeddings"],
+                           norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=cfg.get("rope_theta", 10000.0),
+                           tie_word_embeddings=cfg.get("tie_word_embeddings", False))
+        except KeyError as e:
+            raise OffsimError(f"model config lacks field {e.args[0]!r} (model_type {mtype!r})") from None
+        raise OffsimError(f"model_type {mtype!r} is not supported; valid: 'opt', 'llama'")
+
+    def to_hf_config_dict(self) -> dict:
+        """The transformers config dict of this model (``OPTConfig(**d)`` / ``LlamaConfig(**d)``)."""
+        return _hf_config(self.family, self.num_layers, self.d_model, self.num_heads, self.num_kv_heads,
+                          self.ffn_dim, self.vocab_size, self.max_positions, self.rope_theta, self.norm_eps,
+                          self.tie_word_embeddings, self.head_dim)
+
+
+def _hf_config(family, layers, h, heads, kv_heads, ffn, vocab, max_pos, rope_theta=10000.0, eps=None,
+               tie=None, head_dim=None) -> dict:
+    if family == "opt":
+        return {"model_type": "opt", "num_hidden_layers": layers, "hidden_size": h, "num_attention_heads": heads,
+                "ffn_dim": ffn, "vocab_size": vocab, "max_position_embeddings": max_pos,
+                "word_embed_proj_dim": h, "do_layer_norm_before": True, "activation_function": "relu",
+                "tie_word_embeddings": True if tie is None else tie, "enable_bias": True}
+    d = {"model_type": "llama", "num_hidden_layers": layers, "hidden_size": h, "num_attention_heads": heads,
+         "num_key_value_heads": kv_heads, "intermediate_size": ffn, "vocab_size": vocab,
+         "max_position_embeddings": max_pos, "rope_theta": rope_theta, "rms_norm_eps": 1e-5 if eps is None else eps,
+         "tie_word_embeddings": False if tie is None else tie, "hidden_act": "silu"}
+    if head_dim is not None and head_dim != h // heads:
+        d["head_dim"] = head_dim
+    return d
+
+
+# Preset configs are transformers config dicts (public model cards' config.json values) and go through the same
+# ``from_hf_config`` path as a user's config.
+MODEL_PRESETS: dict[str, dict] = {
+    "opt-125m": _hf_config("opt", 12, 768, 12, 12, 3072, 50272, 2048),
+    "opt-1.3b": _hf_config("opt", 24, 2048, 32, 32, 8192, 50272, 2048),
+    "opt-6.7b": _hf_config("opt", 32, 4096, 32, 32, 16384, 50272, 2048),
+    "opt-13b": _hf_config("opt", 40, 5120, 40, 40, 20480, 50272, 2048),
+    "opt-30b": _hf_config("opt", 48, 7168, 56, 56, 28672, 50272, 2048),
+    "opt-66b": _hf_config("opt", 64, 9216, 72, 72, 36864, 50272, 2048),
+    "opt-175b": _hf_config("opt", 96, 12288, 96, 96, 49152, 50272, 2048),
+    "llama-2-7b": _hf_config("llama", 32, 4096, 32, 32, 11008, 32000, 4096, 10000.0, 1e-5),
+    "llama-2-13b": _hf_config("llama", 40, 5120, 40, 40, 13824, 32000, 4096, 10000.0, 1e-5),
+    "llama-2-70b": _hf_config("llama", 80, 8192, 64, 8, 28672, 32000, 4096, 10000.0, 1e-5),
+    "llama-3-8b": _hf_config("llama", 32, 4096, 32, 8, 14336, 128256, 8192, 500000.0, 1e-5),
+    "llama-3-70b": _hf_config("llama", 80, 8192, 64, 8, 28672, 128256, 8192, 500000.0, 1e-5),
+}
+
+
+def get_model(name_or_path: str | Path) -> ModelSpec:
+    """A preset by name, or a ``config.json`` (or a directory holding one)."""
+    key = str(name_or_path)
+    if key.lower() in MODEL_PRESETS:
+        return ModelSpec.from_hf_config(MODEL_PRESETS[key.lower()], name=key.lower())
+    p = Path(key)
+    if p.suffix == ".json" or p.is_dir():
+        if not (p if p.suffix == ".json" else p / "config.json").exists():
+            raise OffsimError(f"model config {p} does not exist")
+        return ModelSpec.from_hf_config(p)
+    raise OffsimError(f"unknown model {key!r}; valid presets: {', '.join(MODEL_PRESETS)} "
+                      "(or a path to a transformers config.json)")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Hardware
+# ----------------------------------------------------------------------------------------------------------------
+HARDWARE_SCHEMA = "offsim.hardware/1"
+
+Curve = tuple[tuple[float, float], ...]  # (x, y) points, x increasing; interpolated in log(x), clamped at the ends
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """One GPU, its PCIe link, the host and a disk. Every rate is in bytes/s or FLOP/s, every size in bytes.
+
+    Curves are ((x, y), ...) with x increasing, interpolated linearly in log(x) by the cost model:
+    - ``gemm_efficiency``: x = tokens (rows of the GEMM), y = achieved / peak FLOP/s;
+    - ``attn_prefill_efficiency``: x = context tokens, y = achieved / peak FLOP/s of causal attention;
+    - ``attn_decode_efficiency``: x = context tokens, y = achieved / HBM bytes/s of reading the KV cache;
+    - ``h2d_pinned`` ... ``d2h_pageable``: x = transfer bytes, y = bytes/s of one copy of that size.
+    """
+
+    name: str
+    gpu_mem_bytes: int
+    gpu_peak_flops: float
+    gpu_hbm_bytes_per_s: float
+    gemm_efficiency: Curve
+    attn_prefill_efficiency: Curve
+    attn_decode_efficiency: Curve
+    h2d_pinned: Curve
+    d2h_pinned: Curve
+    h2d_pageable: Curve
+    d2h_pageable: Curve
+    duplex_fraction: float  # share of its own bandwidth each direction keeps while the other direction is busy
+    cpu_mem_bytes: int
+    cpu_attention_flops: float  # FLOP/s of attention on the host CPU (FlexGen's CPU delegation)
+    disk_bytes: int
+    disk_read_bytes_per_s: float
+    disk_write_bytes_per_s: float
+    link_latency_s: float = 0.0  # fixed cost of one copy, on top of bytes / bandwidth
+    kernel_overhead_s: float = 0.0  # fixed cost of one compute op (launches, norms, residual adds)
+    source: str = ""  # provenance: where the numbers come from
+
+    def __post_init__(self):
+        for f in ("gpu_mem_bytes", "gpu_peak_flops", "gpu_hbm_bytes_per_s", "cpu_mem_bytes", "cpu_attention_flops",
+                  "disk_read_bytes_per_s", "disk_write_bytes_per_s"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, float)) or not v > 0:
+                raise OffsimError(f"hardware {self.name}: {f} must be a positive number, got {v!r}")
+        if not 0 < self.duplex_fraction <= 1:
+            raise OffsimError(f"hardware {self.name}: duplex_fraction must be in (0, 1], got {self.duplex_fraction}")
+        for f in ("gemm_efficiency", "attn_prefill_efficiency", "attn_decode_efficiency", "h2d_pinned", "d2h_pinned",
+                  "h2d_pageable", "d2h_pageable"):
+            c = getattr(self, f)
+            if not c or any(len(p) != 2 or not p[0] > 0 or not p[1] > 0 for p in c):
+                raise OffsimError(f"hardware {self.name}: {f} must be a non-empty list of positive [x, y] pairs")
+            if any(a[0] >= b[0] for a, b in zip(c, c[1:])):
+                raise OffsimError(f"hardware {self.name}: {f} x values must increase")
+
+    def with_(self, **changes) -> "HardwareSpec":
+        """A copy with fields replaced (e.g. a smaller GPU memory budget)."""
+        d = self.to_dict()
+        d.pop("schema")
+        d.update(changes)
+        return HardwareSpec.from_dict(d)
+
+    def scaled_link(self, factor: float) -> "HardwareSpec":
+        """A copy whose PCIe bandwidths (all four curves) are multiplied by ``factor``."""
+        sc = lambda c: tuple((x, y * factor) for x, y in c)  # noqa: E731
+        return self.with_(h2d_pinned=sc(self.h2d_pinned), d2h_pinned=sc(self.d2h_pinned),
+                          h2d_pageable=sc(self.h2d_pageable), d2h_pageable=sc(self.d2h_pageable))
+
+    def to_dict(self) -> dict:
+        d = {"schema": HARDWARE_SCHEMA}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            d[f.name] = [list(p) for p in v] if isinstance(v, tuple) else v
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "hardware profile") -> "HardwareSpec":
+        d = dict(d)
+        schema = d.pop("schema", HARDWARE_SCHEMA)
+        if schema != HARDWARE_SCHEMA:
+            raise OffsimError(f"{where}: field 'schema' is {schema!r}; this offsim reads {HARDWARE_SCHEMA!r}")
+        d.pop("provenance", None)  # free-form, kept in the file only
+        names = {f.name: f for f in fields(cls)}
+        unknown = set(d) - set(names)
+        if unknown:
+            raise OffsimError(f"{where}: unknown fields {sorted(unknown)}")
+        try:
+            for k, v in list(d.items()):
+                if isinstance(v, list):
+                    d[k] = tuple((float(a), float(b)) for a, b in v)
+            return cls(**d)
+        except TypeError as e:
+            raise OffsimError(f"{where}: {e}") from None
+        except ValueError as e:
+            raise OffsimError(f"{where}: malformed curve ({e})") from None
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "HardwareSpec":
+        try:
+            d = json.loads(Path(path).read_text())
+        except OSError as e:
+            raise OffsimError(f"cannot read hardware profile {path}: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise OffsimError(f"hardware profile {path} is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise OffsimError(f"hardware profile {path}: expected a JSON object")
+        return cls.from_dict(d, where=f"hardware profile {path}")
+
+
+def roofline_gemm_curve(peak_flops: float, hbm_bytes_per_s: float, compute_eff: float, mem_eff: float) -> Curve:
+    """GEMM efficiency by tokens for a GPU known only by its datasheet: a [t x h] @ [h x 4h] fp16 GEMM does 2·t·h·4h
+    FLOP on 2·h·4h bytes of weights, t FLOP per byte, so achieved = min(compute_eff·peak, mem_eff·HBM·t)."""
+    pts = []
+    for t in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384):
+        pts.append((float(t), min(compute_eff, mem_eff * hbm_bytes_per_s * t / peak_flops)))
+    return tuple(pts)
+
+
+def _flat(bw: float) -> Curve:
+    return ((1.0, bw), (1e12, bw))
+
+
+def _h200() -> HardwareSpec:
+    peak = 989e12  # H200 SXM dense fp16 tensor-core peak (NVIDIA datasheet)
+    gemm_tflops = [(1, 4.10), (8, 32.28), (32, 128.83), (64, 256.57), (256, 612.52), (1024, 763.53),
+                   (4096, 707.50), (16384, 670.43)]  # ANCHORS.md / h200_probe: [t x 7168] @ [7168 x 28672]
+    pinned_h2d = [(1 << 20, 43.71e9), (4 << 20, 50.03e9), (16 << 20, 54.68e9), (64 << 20, 55.09e9),
+                  (256 << 20, 54.78e9), (1 << 30, 55.16e9)]
+    pinned_d2h = [(1 << 20, 48.63e9), (4 << 20, 52.79e9), (16 << 20, 55.02e9), (64 << 20, 55.09e9),
+                  (256 << 20, 55.13e9), (1 << 30, 55.29e9)]
+    pageable_h2d = [(1 << 20, 8.61e9), (4 << 20, 14.04e9), (16 << 20, 17.52e9), (64 << 20, 15.77e9),
+                    (256 << 20, 17.90e9), (1 << 30, 18.99e9)]
+    hbm = 4.8e12  # H200 HBM3e, datasheet
+    return HardwareSpec(
+        name="h200", gpu_mem_bytes=141 * GB, gpu_peak_flops=peak, gpu_hbm_bytes_per_s=hbm,
+        gemm_efficiency=tuple((float(t), tf * 1e12 / peak) for t, tf in gemm_tflops),
+        # not in the probe: flash-style prefill attention reaches about half of peak on Hopper (estimate; replace
+        # with `offexec profile`)
+        attn_prefill_efficiency=((128.0, 0.25), (512.0, 0.4), (2048.0, 0.5), (8192.0, 0.55)),
+        # probe: SDPA decode read 3.13 TB/s of KV at ctx 512, 4.08 at 2048, 4.31 at 8192 (bs 8)
+        attn_decode_efficiency=((512.0, 3.13e12 / hbm), (2048.0, 4.08e12 / hbm), (8192.0, 4.31e12 / hbm)),
+        h2d_pinned=tuple((float(a), b) for a, b in pinned_h2d),
+        d2h_pinned=tuple((float(a), b) for a, b in pinned_d2h),
+        h2d_pageable=tuple((float(a), b) for a, b in pageable_h2d),
+        d2h_pageable=tuple((float(a), b) for a, b in pageable_h2d),  # not measured: taken equal to H2D pageable
+        duplex_fraction=49.46 / 55.2,  # probe: 1 GB each way at once kept 49.5 GB/s of 55.2
+        cpu_mem_bytes=125 * GiB,  # usable host memory of the one-GPU machine
+        # FlexGen's CPU attention measured on this host (ANCHORS.md: 12.78 decode tok/s, 48 seqs, ctx ~528, OPT-30B)
+        # scans ~9.3 GB/s of fp16 KV, i.e. ~9.3 GFLOP/s (attention does 1 FLOP per KV byte)
+        cpu_attention_flops=9.3e9,
+        disk_bytes=64 * GiB, disk_read_bytes_per_s=1.07e9, disk_write_bytes_per_s=0.39e9,  # probe: virtio disk
+        link_latency_s=0.0,  # the measured curves already include the per-copy cost
+        kernel_overhead_s=30e-6,  # estimate: ~10 launches per layer op at ~3 us
+        source="ANCHORS.md H200 probe 2026-11-29 (shared/docs/h200_probe_2026-11-29.jsonl); datasheet peak/HBM; "
+               "prefill attention and kernel overhead estimated",
+    )
+
+
+def _t4() -> HardwareSpec:
+    peak = 65e12  # T4 fp16 tensor-core peak (NVIDIA T4 datasheet)
+    hbm = 320e9  # T4 GDDR6, datasheet
+    mm_p = 21.24e12  # FlexGen's T4 profile (cost_model.py): prefill GEMM 21.24 TFLOP/s
+    ctog = 12.89 * GiB  # FlexGen's T4 profile: CPU->GPU 12.89 GB/s (GB = 2^30 in FlexGen)
+    return HardwareSpec(
+        name="t4", gpu_mem_bytes=15 * GiB,  # 16 GB card; FlexGen's cost model budgets 15 GB of it ("gmem")
+        gpu_peak_flops=peak, gpu_hbm_bytes_per_s=hbm,
+        # roofline: capped at FlexGen's measured prefill GEMM rate, memory-bound below ~80 tokens at 0.8 x HBM
+        # (which gives ~4 TFLOP/s at 16 tokens, FlexGen's decode "mm_flops_g" 4.3)
+        gemm_efficiency=roofline_gemm_curve(peak, hbm, mm_p / peak, 0.8),
+        attn_prefill_efficiency=((1.0, 9.97e12 / peak),),  # FlexGen's T4 profile: bmm_flops_p 9.97 TFLOP/s
+        # FlexGen's T4 profile: decode bmm 0.079 TFLOP/s at 1 FLOP per KV byte = 79 GB/s of 320
+        attn_decode_efficiency=((1.0, 0.079e12 / hbm),),
+        h2d_pinned=_flat(ctog), d2h_pinned=_flat(ctog),  # PCIe 3.0 x16 is symmetric
+        # pageable copies go through a staging buffer: about half the pinned rate on PCIe 3.0 hosts (estimate)
+        h2d_pageable=_flat(ctog / 2), d2h_pageable=_flat(ctog / 2),
+        duplex_fraction=0.9,  # assumed as measured on the H200's link
+        cpu_mem_bytes=208 * GB,  # FlexGen's testbed: 208 GB DRAM
+        cpu_attention_flops=0.0123e12,  # FlexGen's T4 profile: cpu_flops 0.0123 TFLOP/s
+        disk_bytes=1500 * GB,  # 1.5 TB: four GCP local NVMe SSDs
+        # GCP local SSD (NVMe), 4 x 375 GB: 2,650 MB/s read, 1,400 MB/s write (Google Cloud documentation)
+        disk_read_bytes_per_s=2.65e9, disk_write_bytes_per_s=1.4e9,
+        link_latency_s=10e-6, kernel_overhead_s=50e-6,
+        source="T4 datasheet (65 TFLOP/s fp16, 320 GB/s); FlexGen's released T4 profile (cost_model.py: ctog 12.89 GB/s,"
+               " mm_flops_p 21.24T, bmm_flops 9.97T/0.079T, cpu_flops 0.0123T); GCP local-SSD throughput; "
+               "pageable = pinned/2 estimate",
+    )
+
+
+def _pcie4_gpu(name: str, mem: int, peak: float, hbm: float, link: float, cpu_mem: int, cpu_cores: int,
+               src: str) -> HardwareSpec:
+    return HardwareSpec(
+        name=name, gpu_mem_bytes=mem, gpu_peak_flops=peak, gpu_hbm_bytes_per_s=hbm,
+        gemm_efficiency=roofline_gemm_curve(peak, hbm, 0.7, 0.8),  # 70 % of peak, 80 % of HBM: typical cuBLAS
+        attn_prefill_efficiency=((128.0, 0.2), (2048.0, 0.4), (8192.0, 0.45)),
+        attn_decode_efficiency=((512.0, 0.6), (4096.0, 0.8)),
+        h2d_pinned=((1 << 20, 0.8 * link), (16 << 20, link), (1 << 30, link)),
+        d2h_pinned=((1 << 20, 0.8 * link), (16 << 20, link), (1 << 30, link)),
+        h2d_pageable=_flat(link / 2), d2h_pageable=_flat(link / 2),
+        duplex_fraction=0.9, cpu_mem_bytes=cpu_mem,
+        cpu_attention_flops=cpu_cores * 1.0e9,  # ~1 GFLOP/s per core of fp16 attention in PyTorch (estimate)
+        disk_bytes=2000 * GB, disk_read_bytes_per_s=3.0e9, disk_write_bytes_per_s=2.0e9,  # PCIe 4 NVMe (estimate)
+        link_latency_s=10e-6, kernel_overhead_s=30e-6, source=src)
+
+
+def _rtx3090() -> HardwareSpec:
+    # RTX 3090: 24 GB, 71 TFLOP/s fp16 with fp32 accumulate (GA102 whitepaper), 936 GB/s; PCIe 4.0 x16 pinned
+    # ~25.4 GB/s, which gives ANCHORS.md's ~2,800 FLOP per byte moved. TightLLM C1: 24-core CPU, 128 GB.
+    return _pcie4_gpu("rtx3090", 24 * GiB, 71e12, 936e9, 25.4e9, 128 * GB, 24,
+                      "GA102 whitepaper (71 TFLOP/s fp16/fp32-acc, 936 GB/s); PCIe 4.0 x16 25.4 GB/s (ANCHORS.md "
+                      "ratio 2,800 FLOP/B); TightLLM C1 host (24 cores, 128 GB); efficiencies estimated")
+
+
+def _a800() -> HardwareSpec:
+    # A800 80 GB: A100 silicon, 312 TFLOP/s dense fp16, 2.04 TB/s HBM2e; PCIe 4.0 x16 ~26 GB/s (ANCHORS.md's
+    # ~12,000 FLOP per byte). TightLLM C2: 26-core CPU, 256 GB.
+    return _pcie4_gpu("a800", 80 * GB, 312e12, 2.04e12, 26e9, 256 * GB, 26,
+                      "A100/A800 datasheet (312 TFLOP/s fp16, 2.04 TB/s); PCIe 4.0 x16 26 GB/s (ANCHORS.md ratio "
+                      "12,000 FLOP/B); TightLLM C2 host (26 cores, 256 GB); efficiencies estimated")
+
+
+HARDWARE_PRESETS = {"t4": _t4, "rtx3090": _rtx3090, "a800": _a800, "h200": _h200}
+
+
+def get_hardware(name_or_path: str | Path, gpu_mem_gb: float | None = None) -> HardwareSpec:
+    """A preset by name or a hardware-profile JSON; ``gpu_mem_gb`` (GiB) overrides the GPU memory (a budget)."""
+    key = str(name_or_path)
+    if key.lower() in HARDWARE_PRESETS:
+        hw = HARDWARE_PRESETS[key.lower()]()
+    elif key.endswith(".json") or Path(key).exists():
+        hw = HardwareSpec.from_json(key)
+    else:
+        raise OffsimError(f"unknown hardware {key!r}; valid presets: {', '.join(HARDWARE_PRESETS)} "
+                          "(or a hardware-profile JSON written by `offexec profile`)")
+    if gpu_mem_gb is not None:
+        if not gpu_mem_gb > 0:
+            raise OffsimError(f"--gpu-mem-gb must be positive, got {gpu_mem_gb}")
+        hw = hw.with_(gpu_mem_bytes=int(gpu_mem_gb * GiB))
+    return hw
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Workload
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Workload:
+    """What to generate: ``num_gpu_batches`` batches of ``gpu_batch_size`` prompts (one FlexGen block), each prompt
+    ``prompt_len`` tokens, ``gen_len`` tokens generated per prompt (the first by prefill)."""
+
+    prompt_len: int
+    gen_len: int
+    gpu_batch_size: int = 1
+    num_gpu_batches: int = 1
+    prompt_lens: tuple[int, ...] = field(default=())  # optional per-prompt lengths (informational; mean is used)
+
+    def __post_init__(self):
+        for f in ("prompt_len", "gen_len", "gpu_batch_size", "num_gpu_batches"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v <= 0:
+                raise OffsimError(f"{f.replace('_', '-')} must be a positive integer, got {v!r}")
+
+    @property
+    def num_prompts(self) -> int:
+        return self.gpu_batch_size * self.num_gpu_batches
+
+    @property
+    def max_len(self) -> int:
+        """Tokens in a sequence at the end of generation (the last generated token's KV is never needed)."""
+        return self.prompt_len + self.gen_len - 1
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["prompt_lens"] = list(self.prompt_lens)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Workload":
+        d = dict(d)
+        d["prompt_lens"] = tuple(d.get("prompt_lens", ()))
+        return cls(**d)
+
+    def with_(self, **changes) -> "Workload":
+        d = asdict(self)
+        d.update(changes)
+        return Workload(**d)

@@ -1,0 +1,142 @@
+"""Trace: when each op of a plan ran (predicted by offsim.sim or measured by offexec), in one schema, and the
+metrics both halves report.
+
+Throughput follows FlexGen's definitions (DESIGN.md §3), so numbers compare with the papers:
+prefill tok/s = prompts · prompt_len / prefill_s; decode tok/s = prompts · (gen_len − 1) / decode_s;
+total tok/s = prompts · gen_len / (prefill_s + decode_s). prefill_s ends when the last step-0 op ends; decode_s is the
+rest of the makespan.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from .errors import OffsimError
+from .plan import STREAMS, TIERS
+
+TRACE_SCHEMA = "offsim.trace/1"
+COLUMNS = ["op_id", "kind", "stream", "phase", "step", "layer", "batch", "start_s", "end_s", "nbytes"]
+
+
+@dataclass
+class Trace:
+    """One row per op. ``meta`` says what ran where: model, hardware, policy, workload (dict), source
+    ('offsim' or 'offexec'), and for measured traces machine/commit/date. ``peak_bytes`` per tier."""
+
+    df: pd.DataFrame
+    meta: dict = field(default_factory=dict)
+    peak_bytes: dict = field(default_factory=lambda: {t: 0 for t in TIERS})
+
+    # ---- metrics ----------------------------------------------------------------------------------------------
+    @property
+    def makespan_s(self) -> float:
+        return float(self.df["end_s"].max()) if len(self.df) else 0.0
+
+    def metrics(self) -> dict:
+        """Phase times and throughputs (FlexGen's definitions), per-stream busy time, GPU idle, peak bytes."""
+        wl = self.meta["workload"]
+        prompts = wl["gpu_batch_size"] * wl["num_gpu_batches"]
+        df = self.df
+        makespan = self.makespan_s
+        pre = df[df["step"] == 0]
+        prefill_s = float(pre["end_s"].max()) if len(pre) else 0.0
+        decode_s = makespan - prefill_s
+        dur = df["end_s"] - df["start_s"]
+        busy = {s: float(dur[df["stream"] == s].sum()) for s in STREAMS}
+        out = {
+            "model": self.meta.get("model"), "hardware": self.meta.get("hardware"),
+            "policy": self.meta.get("policy"), "source": self.meta.get("source"),
+            "prompt_len": wl["prompt_len"], "gen_len": wl["gen_len"],
+            "gpu_batch_size": wl["gpu_batch_size"], "num_gpu_batches": wl["num_gpu_batches"], "batch": prompts,
+            "prefill_s": prefill_s, "decode_s": decode_s, "total_s": makespan,
+            "prefill_tok_s": prompts * wl["prompt_len"] / prefill_s if prefill_s > 0 else float("inf"),
+            "decode_tok_s": prompts * (wl["gen_len"] - 1) / decode_s if decode_s > 0 else float("inf"),
+            "total_tok_s": prompts * wl["gen_len"] / makespan if makespan > 0 else float("inf"),
+            "gpu_idle_s": makespan - busy["compute"],
+            "gpu_idle_frac": (makespan - busy["compute"]) / makespan if makespan > 0 else 0.0,
+        }
+        for s in STREAMS:
+            out[f"busy_{s}_s"] = busy[s]
+        for t in TIERS:
+            out[f"peak_{t}_bytes"] = int(self.peak_bytes.get(t, 0))
+        return out
+
+    def step_latency(self) -> pd.DataFrame:
+        """Per generation step: start, end and latency (end of step minus end of the previous step)."""
+        g = self.df.groupby("step").agg(start_s=("start_s", "min"), end_s=("end_s", "max")).reset_index()
+        g["latency_s"] = g["end_s"].diff().fillna(g["end_s"])
+        return g
+
+    def busy_by(self, keys=("kind",)) -> pd.DataFrame:
+        """Total op time grouped by ``keys`` (e.g. ('step', 'kind'))."""
+        d = self.df.assign(dur_s=self.df["end_s"] - self.df["start_s"])
+        return d.groupby(list(keys))["dur_s"].agg(["sum", "count", "mean"]).reset_index()
+
+    # ---- export -----------------------------------------------------------------------------------------------
+    def to_chrome(self, path: str | Path) -> None:
+        """Chrome/Perfetto trace JSON: one track per stream (open in ui.perfetto.dev or chrome://tracing)."""
+        tid = {s: i for i, s in enumerate(STREAMS)}
+        events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": s}}
+                  for s, i in tid.items()]
+        for r in self.df.itertuples(index=False):
+            events.append({"name": f"{r.kind} L{r.layer} b{r.batch}", "cat": r.kind, "ph": "X", "pid": 0,
+                           "tid": tid[r.stream], "ts": r.start_s * 1e6, "dur": (r.end_s - r.start_s) * 1e6,
+                           "args": {"op": int(r.op_id), "step": int(r.step), "bytes": int(r.nbytes)}})
+        _atomic_write(path, json.dumps({"traceEvents": events, "otherData": _jsonable(self.meta)}))
+
+    def to_csv(self, path: str | Path) -> None:
+        """CSV of the rows, with the metadata as a JSON comment on the first line."""
+        path = Path(path)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        with open(tmp, "w") as f:
+            f.write("# " + json.dumps({"schema": TRACE_SCHEMA, "meta": _jsonable(self.meta),
+                                       "peak_bytes": self.peak_bytes}) + "\n")
+            self.df.to_csv(f, index=False)
+        tmp.replace(path)
+
+    @classmethod
+    def from_csv(cls, path: str | Path) -> "Trace":
+        path = Path(path)
+        try:
+            with open(path) as f:
+                head = f.readline()
+                if not head.startswith("# "):
+                    raise OffsimError(f"trace {path}: first line must be '# ' + JSON metadata")
+                info = json.loads(head[2:])
+                df = pd.read_csv(f)
+        except OSError as e:
+            raise OffsimError(f"cannot read trace {path}: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise OffsimError(f"trace {path}: metadata line is not JSON ({e})") from None
+        if info.get("schema") != TRACE_SCHEMA:
+            raise OffsimError(f"trace {path}: field 'schema' is {info.get('schema')!r}; expected {TRACE_SCHEMA!r}")
+        missing = [c for c in COLUMNS if c not in df.columns]
+        if missing:
+            raise OffsimError(f"trace {path}: missing columns {missing}")
+        return cls(df=df[COLUMNS], meta=info.get("meta", {}), peak_bytes=info.get("peak_bytes", {}))
+
+    @classmethod
+    def from_arrays(cls, plan, start: np.ndarray, end: np.ndarray, meta: dict, peak_bytes: dict) -> "Trace":
+        """Build from per-op start/end arrays indexed by op id (what the simulator and the executor record)."""
+        ops = plan.ops
+        df = pd.DataFrame({
+            "op_id": np.arange(len(ops)),
+            "kind": [o.kind for o in ops], "stream": [o.stream for o in ops], "phase": [o.phase for o in ops],
+            "step": [o.step for o in ops], "layer": [o.layer for o in ops], "batch": [o.batch for o in ops],
+            "start_s": start, "end_s": end, "nbytes": [o.nbytes for o in ops]})
+        return cls(df=df, meta=meta, peak_bytes=peak_bytes)
+
+
+def _jsonable(x):
+    return json.loads(json.dumps(x, default=str))
+
+
+def _atomic_write(path, text: str) -> None:
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
