@@ -26,7 +26,7 @@ simulator reports the true peak under its timing.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -51,8 +51,10 @@ class PlanError(OffsimError):
     """A plan breaks a rule; the message names the op and the rule."""
 
 
-@dataclass(slots=True)
 class Op:
+    """One op of a plan. Fields not given take the class defaults below (plain attributes, not a dataclass: a plan
+    of OPT-175B has ~2·10^5 ops and must build in about a second)."""
+
     id: int
     kind: str
     deps: tuple[int, ...]
@@ -79,6 +81,22 @@ class Op:
     alloc: tuple[int, int, int] = (0, 0, 0)
     free: tuple[int, int, int] = (0, 0, 0)
 
+    def __init__(self, id, kind, deps, phase, step, layer, batch, stream="", **kw):
+        self.id, self.kind, self.deps, self.phase, self.step, self.layer, self.batch = \
+            id, kind, deps, phase, step, layer, batch
+        self.stream = stream
+        if kw:
+            if not _OPTIONAL.issuperset(kw):
+                raise TypeError(f"Op got unknown fields {sorted(set(kw) - _OPTIONAL)}")
+            self.__dict__.update(kw)
+
+    def __eq__(self, other):
+        return isinstance(other, Op) and all(getattr(self, f) == getattr(other, f) for f in OP_FIELDS)
+
+    def __repr__(self):
+        return "Op(" + ", ".join(f"{f}={getattr(self, f)!r}" for f in OP_FIELDS
+                                 if f in self.__dict__ or f in _REQUIRED) + ")"
+
     @property
     def src(self) -> str:
         return ROUTE_OF_KIND.get(self.kind, ("", ""))[0]
@@ -92,7 +110,9 @@ class Op:
         return f"op {self.id} ({self.kind} {what} step {self.step} layer {self.layer} batch {self.batch})"
 
 
-OP_FIELDS = [f.name for f in fields(Op)]
+OP_FIELDS = list(Op.__annotations__)
+_REQUIRED = OP_FIELDS[:7]
+_OPTIONAL = set(OP_FIELDS[7:])
 
 
 @dataclass
@@ -299,9 +319,17 @@ class PlanBuilder:
 
     def add(self, kind: str, deps: Iterable[int | None], phase: str, step: int, layer: int, batch: int,
             **kw) -> int:
-        i = len(self.ops)
-        ds = {d for d in deps if d is not None}
+        ops = self.ops
+        i = len(ops)
+        ds = [d for d in deps if d is not None]
         if self.serial and i:
-            ds.add(i - 1)
-        self.ops.append(Op(i, kind, tuple(sorted(ds)), phase, step, layer, batch, STREAM_OF_KIND[kind], **kw))
+            ds.append(i - 1)
+        if len(ds) > 1:
+            ds = sorted(set(ds))
+        op = Op(i, kind, tuple(ds), phase, step, layer, batch, STREAM_OF_KIND[kind])
+        if kw:
+            if not _OPTIONAL.issuperset(kw):
+                raise TypeError(f"Op got unknown fields {sorted(set(kw) - _OPTIONAL)}")
+            op.__dict__.update(kw)
+        ops.append(op)
         return i

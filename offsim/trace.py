@@ -123,11 +123,13 @@ class Trace:
     def from_arrays(cls, plan, start: np.ndarray, end: np.ndarray, meta: dict, peak_bytes: dict) -> "Trace":
         """Build from per-op start/end arrays indexed by op id (what the simulator and the executor record)."""
         ops = plan.ops
+        cols = list(zip(*[(o.kind, o.stream, o.phase, o.step, o.layer, o.batch, o.nbytes) for o in ops])) \
+            if ops else [[]] * 7
         df = pd.DataFrame({
-            "op_id": np.arange(len(ops)),
-            "kind": [o.kind for o in ops], "stream": [o.stream for o in ops], "phase": [o.phase for o in ops],
-            "step": [o.step for o in ops], "layer": [o.layer for o in ops], "batch": [o.batch for o in ops],
-            "start_s": start, "end_s": end, "nbytes": [o.nbytes for o in ops]})
+            "op_id": np.arange(len(ops)), "kind": cols[0], "stream": cols[1], "phase": cols[2],
+            "step": np.asarray(cols[3], dtype=np.int64), "layer": np.asarray(cols[4], dtype=np.int64),
+            "batch": np.asarray(cols[5], dtype=np.int64), "start_s": start, "end_s": end,
+            "nbytes": np.asarray(cols[6], dtype=np.int64)})
         return cls(df=df, meta=meta, peak_bytes=peak_bytes)
 
 

@@ -64,16 +64,18 @@ class FlexGenSettings:
 def weight_split_from_percent(model: ModelSpec, gpu_pct: float, cpu_pct: float) -> tuple[int, int]:
     """Bytes (gpu, cpu) of one layer's flat weights for placement percentages, on element boundaries."""
     W, e = model.layer_weight_bytes(), model.dtype_bytes
-    g = int(round(W * gpu_pct / 100 / e)) * e
-    c = min(int(round(W * cpu_pct / 100 / e)) * e, W - g)
+    g = int(W * gpu_pct / 100 / e) * e  # rounded down: never more on a fast tier than asked
+    c = min(int(W * cpu_pct / 100 / e) * e, W - g)
+    if gpu_pct + cpu_pct >= 100:
+        c = W - g  # nothing on disk when nothing was asked there
     return g, c
 
 
 def kv_split_from_percent(model: ModelSpec, gpu_pct: float, cpu_pct: float) -> tuple[int, int]:
     """KV heads (gpu, cpu) for cache placement percentages (FlexGen splits the cache along heads)."""
     n = model.num_kv_heads
-    g = int(round(n * gpu_pct / 100))
-    c = min(int(round(n * cpu_pct / 100)), n - g)
+    g = int(n * gpu_pct / 100 + 1e-9)  # rounded down, as for weights
+    c = n - g if gpu_pct + cpu_pct >= 100 else min(int(n * cpu_pct / 100 + 1e-9), n - g)
     return g, c
 
 

@@ -115,7 +115,8 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
     computes: list[int] = []  # compute ops in position order (for KV double buffering)
 
     positions = [(i, j, k) for i in range(wl.gen_len) for j in range(-1, L + 1) for k in range(nb)]
-    pending_kv_loads: dict[int, list[int]] = {}
+    pending_kv_loads: dict[int, list[int]] = {}  # position -> its KV h2d ops
+    pending_kv_bytes: dict[int, int] = {}  # position -> GPU bytes those loads hold until its compute ends
 
     def emit_kv_loads(p: int) -> None:
         """Bring the KV prefix of position p to the GPU (GPU attention over a host/disk cache)."""
@@ -138,6 +139,7 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
             ids.append(add("h2d", [rd], phase, i, j, k, tensor="kv", lo=0, hi=ctx_prev, head_lo=kg + kc,
                            head_hi=n_kv, nbytes=nbytes, pinned=pinned, alloc=(nbytes, 0, 0), free=(0, nbytes, 0)))
         pending_kv_loads[p] = ids
+        pending_kv_bytes[p] = sum(b.ops[x].nbytes for x in ids)
 
     for p, (i, j, k) in enumerate(positions):
         phase = "prefill" if i == 0 else "decode"
@@ -163,8 +165,9 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         deps = [last_out.get(k)]
         if s.hidden_home == "cpu" and k in hidden_store and j >= 0:
             hb = model.hidden_bytes(gbs * q)
+            # (the block's activations are reserved on their home tier in `resident`; the GPU copy is scratch)
             hl = add("h2d", [hidden_store.pop(k)], phase, i, j, k, tensor="hidden", lo=ctx - q, hi=ctx, nbytes=hb,
-                     pinned=pinned, alloc=(hb, 0, 0), free=(0, hb, 0))
+                     pinned=pinned)
             deps = [hl]
         if decoder and (i, j) in inst_index:
             deps += loaded[inst_index[(i, j)]]
@@ -172,8 +175,7 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         last_k = k == nb - 1
         streamed_bytes = (W - s.weight_split[j][0]) if decoder else 0
         w_free = streamed_bytes if (decoder and last_k) else 0
-        kv_loaded = sum(o.alloc[0] for o in (b.ops[d] for d in deps if d is not None)
-                        if o.tensor == "kv" and o.kind == "h2d")
+        kv_loaded = pending_kv_bytes.pop(p, 0)
         new_kv_off_gpu = kv_bytes(kc + kd, q) if decoder else 0  # new KV that will be stored off the GPU
         ws = workspace_bytes(model, gbs * q) if decoder else model.hidden_bytes(gbs * q)
         if decoder and s.cpu_attention and i > 0:
@@ -227,7 +229,7 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         if s.hidden_home == "cpu" and j < L:
             hb = model.hidden_bytes(gbs * q)
             hidden_store[k] = add("d2h", [comp], phase, i, j, k, tensor="hidden", lo=ctx - q, hi=ctx, nbytes=hb,
-                                  pinned=pinned, alloc=(0, hb, 0), free=(hb, 0, 0))
+                                  pinned=pinned)
     cap = dict(capacity)
     settings = dict(s.settings)
     return Plan(model=model, workload=wl, policy=s.policy, settings=settings, capacity=cap,

@@ -1,0 +1,364 @@
+"""Policy search: FlexGen's linear program over placement fractions, and a search that keeps each policy at its best.
+
+FlexGen's LP (FlexGen §4.3, seed 001): for a fixed block shape (gpu_batch_size, num_gpu_batches), nine placement
+fractions (weights, KV cache, activations over GPU/CPU/disk) are continuous; the latency of one block is
+  T = T_pre · L + T_gen · L · (n − 1),
+with T_pre and T_gen the per-layer maxima of the H2D, D2H, disk and compute times of the prefill and an average
+decode step (context s + n/2), subject to peak memory per tier. Minimise T / block size. The terms here are built
+from ``offsim.costmodel`` (the functions the simulator prices ops with), so the LP and the simulator agree up to what
+an average step and a max-of-streams bound leave out; the search therefore simulates the best LP candidates and
+keeps the best *simulated* one.
+
+``search(policy, ...)`` is the one entry point: FlexGen via the LP; the static policies by enumerating batch sizes;
+policies in their own modules (TightLLM, Select-N) through the ``CANDIDATES`` generators they export.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import cvxpy as cp
+import numpy as np
+import pandas as pd
+
+from . import costmodel as cm
+from .errors import OffsimError
+from .plan import PlanError
+from .policies import POLICIES, build_plan
+from .policies.schedule import workspace_bytes
+from .sim import simulate
+from .specs import HardwareSpec, ModelSpec, Workload
+
+LP_SOLVER = cp.HIGHS  # named explicitly: the LP must not depend on whichever solver cvxpy finds first
+GPU_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+NUM_GPU_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16)
+VARS = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc")
+TIE_BREAK = 1e-3  # weight of total traffic time against the block time in the LP objective
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FlexGen's LP
+# ----------------------------------------------------------------------------------------------------------------
+def flexgen_terms(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int, gbs: int, nb: int,
+                  x: dict[str, Any], cpu_attention: bool) -> dict[str, Any]:
+    """Per-layer time terms and per-tier peak memory of FlexGen's cost model for placement fractions ``x``
+    (floats or cvxpy expressions). Returns {'pre': [terms], 'gen': [terms], 'mem': {tier: bytes}}."""
+    L, s, n = model.num_layers, prompt_len, gen_len
+    bls = gbs * nb
+    W = model.layer_weight_bytes()
+    kvpt = model.kv_bytes_per_token()
+    hid = model.hidden_bytes(1)
+    ctx_avg = s + n / 2  # FlexGen's average decode context
+    max_len = s + n - 1
+    w_off, c_off, h_off = x["wc"] + x["wd"], x["cc"] + x["cd"], x["hc"]
+    T = cm.transfer_seconds
+
+    # prefill of one layer for the whole block
+    h2d_pre = T(hw, w_off * W, "h2d") + T(hw, h_off * bls * s * hid, "h2d")
+    d2h_pre = T(hw, c_off * bls * s * kvpt, "d2h") + T(hw, h_off * bls * s * hid, "d2h")
+    disk_pre = cm.disk_seconds(hw, x["wd"] * W, "read") + cm.disk_seconds(hw, x["cd"] * bls * s * kvpt, "write")
+    comp_pre = nb * cm.compute_seconds(model, hw, "layer", gbs, s, s)
+    # an average decode step of one layer for the whole block
+    h2d_gen = T(hw, w_off * W, "h2d") + T(hw, h_off * bls * hid, "h2d")
+    d2h_gen = T(hw, h_off * bls * hid, "d2h")
+    disk_gen = cm.disk_seconds(hw, x["wd"] * W, "read") + cm.disk_seconds(hw, x["cd"] * bls * kvpt, "write")
+    if cpu_attention:
+        # QKV of the new token goes down, the attention output comes back; the CPU attends over the host cache
+        qkv = bls * (model.q_dim + 2 * model.kv_dim) * model.dtype_bytes
+        d2h_gen = d2h_gen + T(hw, c_off * qkv, "d2h")
+        h2d_gen = h2d_gen + T(hw, c_off * bls * model.q_dim * model.dtype_bytes, "h2d")
+        disk_gen = disk_gen + cm.disk_seconds(hw, x["cd"] * bls * ctx_avg * kvpt, "read")
+        comp_gen = (nb * (cm.compute_seconds(model, hw, "pre_attn", gbs, 1, ctx_avg)
+                          + cm.compute_seconds(model, hw, "post_attn", gbs, 1, ctx_avg))
+                    + c_off * nb * cm.cpu_attention_seconds(model, hw, gbs, 1, ctx_avg)
+                    + x["cg"] * nb * cm.attention_seconds(model, hw, gbs, 1, ctx_avg))
+    else:
+        h2d_gen = h2d_gen + T(hw, c_off * bls * ctx_avg * kvpt, "h2d")
+        d2h_gen = d2h_gen + T(hw, c_off * bls * kvpt, "d2h")
+        disk_gen = disk_gen + cm.disk_seconds(hw, x["cd"] * bls * ctx_avg * kvpt, "read")
+        comp_gen = nb * cm.compute_seconds(model, hw, "layer", gbs, 1, ctx_avg)
+
+    kv_total = model.kv_bytes(bls, max_len)
+    hidden_block = model.hidden_bytes(bls * s)
+    loaded_kv_buf = 0 if cpu_attention else 2 * c_off * gbs * max_len * kvpt  # one layer's prefix, two batches
+    gpu = (model.embedding_bytes() + x["wg"] * W * L + 2 * w_off * W  # resident + double-buffered streamed layer
+           + x["cg"] * kv_total + loaded_kv_buf + x["hg"] * hidden_block + workspace_bytes(model, gbs * s)
+           + c_off * gbs * s * kvpt)  # a prefill batch's new KV waits on the GPU until it is stored
+    cpu = (x["wc"] * W * L + x["cc"] * kv_total + x["hc"] * hidden_block
+           + 2 * x["wd"] * W + x["cd"] * gbs * max_len * kvpt)  # disk staging (weights double-buffered)
+    disk = x["wd"] * W * L + x["cd"] * kv_total
+    return {"pre": [h2d_pre, d2h_pre, disk_pre, comp_pre], "gen": [h2d_gen, d2h_gen, disk_gen, comp_gen],
+            "mem": {"gpu": gpu, "cpu": cpu, "disk": disk}}
+
+
+def flexgen_block_seconds(terms: dict, model: ModelSpec, gen_len: int) -> float:
+    """T = T_pre · L + T_gen · L · (n − 1) for float terms (the LP's objective times the block size)."""
+    L = model.num_layers
+    return max(terms["pre"]) * L + max(terms["gen"]) * L * (gen_len - 1)
+
+
+class Affine:
+    """An affine function of the placement fractions, c·x + c0: what ``flexgen_terms`` returns when given the basis
+    (``Affine.basis()``). The cost model prices it like any non-number (large-transfer bandwidth), and its
+    coefficients fill the LP's parameter matrices, so a block shape costs one parameter update, not a compile."""
+
+    __slots__ = ("c", "c0")
+
+    def __init__(self, c: np.ndarray, c0: float = 0.0):
+        self.c, self.c0 = c, c0
+
+    @staticmethod
+    def basis() -> dict[str, "Affine"]:
+        return {k: Affine(np.eye(len(VARS))[i]) for i, k in enumerate(VARS)}
+
+    def __add__(self, o):
+        return Affine(self.c + o.c, self.c0 + o.c0) if isinstance(o, Affine) else Affine(self.c, self.c0 + o)
+
+    __radd__ = __add__
+
+    def __mul__(self, k):
+        return Affine(self.c * k, self.c0 * k)
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, k):
+        return Affine(self.c / k, self.c0 / k)
+
+
+def _affine(e) -> tuple[np.ndarray, float]:
+    return (e.c, e.c0) if isinstance(e, Affine) else (np.zeros(len(VARS)), float(e))
+
+
+@dataclass
+class LPResult:
+    gpu_batch_size: int
+    num_gpu_batches: int
+    cpu_attention: bool
+    fractions: dict[str, float]  # the LP optimum
+    seconds_per_token: float  # objective: T / block size
+    percent: tuple[int, ...]  # rounded to FlexGen's six integers
+    binding: list[str] = field(default_factory=list)  # memory constraints at their limit
+
+
+class _ParamLP:
+    """FlexGen's LP, compiled once (cvxpy DPP): min (L·t_pre + L·(n−1)·t_gen) / bls over the fractions, with
+    t_pre, t_gen above every per-layer term and memory per tier (normalised by capacity) at most 1."""
+
+    def __init__(self):
+        n = len(VARS)
+        self.x = cp.Variable(n, nonneg=True)
+        self.t = cp.Variable(2, nonneg=True)  # t_pre, t_gen
+        self.A = {k: cp.Parameter((4, n)) for k in ("pre", "gen")}
+        self.b = {k: cp.Parameter(4) for k in ("pre", "gen")}
+        self.M, self.m = cp.Parameter((3, n)), cp.Parameter(3)
+        self.w = cp.Parameter(2, nonneg=True)  # objective weights L/bls, L(n-1)/bls
+        self.cg_max = cp.Parameter(nonneg=True)
+        i = {k: j for j, k in enumerate(VARS)}
+        x = self.x
+        cons = [x[i["wg"]] + x[i["wc"]] + x[i["wd"]] == 1, x[i["cg"]] + x[i["cc"]] + x[i["cd"]] == 1,
+                x[i["hg"]] + x[i["hc"]] == 1, x[i["cg"]] <= self.cg_max,
+                self.A["pre"] @ x + self.b["pre"] <= self.t[0], self.A["gen"] @ x + self.b["gen"] <= self.t[1],
+                self.M @ x + self.m <= 1]
+        # tie-break: among equally fast placements prefer the one that moves least (an LP optimum is often
+        # degenerate when one stream dominates; the others' traffic still costs in a real schedule)
+        self.tie = cp.Parameter(n)  # TIE_BREAK · (objective weights) · column sums of the term matrices
+        self.prob = cp.Problem(cp.Minimize(self.w @ self.t + self.tie @ x), cons)
+
+
+_LP: _ParamLP | None = None
+
+
+def flexgen_lp(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int, gbs: int, nb: int,
+               cpu_attention: bool = False) -> LPResult | None:
+    """Solve FlexGen's LP for one block shape; None if no placement fits memory (or the solver gives up)."""
+    global _LP
+    if _LP is None:
+        _LP = _ParamLP()
+    lp = _LP
+    terms = flexgen_terms(model, hw, prompt_len, gen_len, gbs, nb, Affine.basis(), cpu_attention)
+    for k in ("pre", "gen"):
+        rows = [_affine(e) for e in terms[k]]
+        lp.A[k].value = np.array([r[0] for r in rows])
+        lp.b[k].value = np.array([r[1] for r in rows])
+    cap = {"gpu": hw.gpu_mem_bytes, "cpu": hw.cpu_mem_bytes, "disk": hw.disk_bytes}
+    rows = [_affine(terms["mem"][t]) for t in cap]
+    lp.M.value = np.array([r[0] / cap[t] for r, t in zip(rows, cap)])
+    lp.m.value = np.array([r[1] / cap[t] for r, t in zip(rows, cap)])
+    L, bls = model.num_layers, gbs * nb
+    lp.w.value = np.array([L / bls, L * (gen_len - 1) / bls])
+    lp.cg_max.value = 0.0 if cpu_attention else 1.0
+    lp.tie.value = TIE_BREAK * lp.w.value.sum() * (lp.A["pre"].value.sum(0) + lp.A["gen"].value.sum(0))
+    try:
+        lp.prob.solve(solver=LP_SOLVER)
+    except (cp.error.SolverError, ValueError):  # HiGHS status 'unknown': treat as no solution
+        return None
+    if lp.prob.status not in (cp.OPTIMAL, cp.OPTIMAL_INACCURATE) or lp.x.value is None:
+        return None
+    fr = {k: float(np.clip(lp.x.value[j], 0, 1)) for j, k in enumerate(VARS)}
+    use = lp.M.value @ lp.x.value + lp.m.value
+    binding = [t for t, u in zip(cap, use) if u > 1 - 1e-4]
+    sec_per_tok = float(lp.w.value @ lp.t.value)
+    return LPResult(gbs, nb, cpu_attention, fr, sec_per_tok, round_percent(fr), binding)
+
+
+def round_percent(fr: dict[str, float]) -> tuple[int, int, int, int, int, int]:
+    """FlexGen's six integers from fractions, rounding down the GPU shares so memory stays within the LP's."""
+    wg = int(math.floor(fr["wg"] * 100 + 1e-6))
+    wc = 100 - wg if fr["wd"] < 5e-3 else min(100 - wg, int(math.floor(fr["wc"] * 100 + 1e-6)))
+    cg = int(math.floor(fr["cg"] * 100 + 1e-6))
+    cc = 100 - cg if fr["cd"] < 5e-3 else min(100 - cg, int(math.floor(fr["cc"] * 100 + 1e-6)))
+    ag = 100 if fr["hg"] >= 0.5 else 0
+    return (wg, wc, cg, cc, ag, 100 - ag)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# search
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class SearchResult:
+    policy: str
+    settings: dict[str, Any]
+    workload: Workload
+    metrics: dict[str, Any]
+    candidates: pd.DataFrame  # every candidate evaluated (simulated or not), best first
+
+    def summary(self) -> dict:
+        return {"policy": self.policy, "settings": self.settings, "gpu_batch_size": self.workload.gpu_batch_size,
+                "num_gpu_batches": self.workload.num_gpu_batches, **{k: self.metrics[k] for k in (
+                    "prefill_tok_s", "decode_tok_s", "total_tok_s")}}
+
+
+def flexgen_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
+                       gpu_batch_sizes: Iterable[int] = GPU_BATCH_SIZES,
+                       num_gpu_batches: Iterable[int] = NUM_GPU_BATCHES,
+                       cpu_attention: Iterable[bool] = (False, True)) -> list[LPResult]:
+    """LP optimum for every block shape that fits, best (lowest seconds per token) first."""
+    out = []
+    for ca in cpu_attention:
+        for nb in num_gpu_batches:
+            for gbs in gpu_batch_sizes:
+                r = flexgen_lp(model, hw, prompt_len, gen_len, gbs, nb, ca)
+                if r is None:
+                    break  # a larger GPU batch needs more memory still
+                out.append(r)
+    return sorted(out, key=lambda r: r.seconds_per_token)
+
+
+def _flexgen_candidates(model, hw, prompt_len, gen_len):
+    for r in flexgen_candidates(model, hw, prompt_len, gen_len):
+        yield ({"percent": r.percent, "cpu_attention": r.cpu_attention},
+               Workload(prompt_len, gen_len, r.gpu_batch_size, r.num_gpu_batches), r.seconds_per_token)
+
+
+def _static_candidates(policy: str):
+    def gen(model, hw, prompt_len, gen_len):
+        W = model.layer_weight_bytes() * model.num_layers
+        offloads = ["cpu"] if W <= 0.95 * hw.cpu_mem_bytes else []
+        offloads += ["disk"]
+        for off in offloads:
+            variants = [{"offload": off}] if policy == "static-accelerate" else \
+                [{"offload": off, "kv_on_cpu": False}, {"offload": off, "kv_on_cpu": True}]
+            for st in variants:
+                for gbs in GPU_BATCH_SIZES:
+                    yield st, Workload(prompt_len, gen_len, gbs, 1), None
+            if off == "cpu":
+                return  # disk only when the weights do not fit in host memory
+    return gen
+
+
+def _policy_candidates(policy: str):
+    if policy == "flexgen":
+        return _flexgen_candidates
+    if policy in ("static-accelerate", "static-zero"):
+        return _static_candidates(policy)
+    for mod in ("tightllm", "selectn"):
+        try:
+            m = importlib.import_module(f"offsim.policies.{mod}")
+        except ModuleNotFoundError:
+            continue
+        gen = getattr(m, "CANDIDATES", {}).get(policy)
+        if gen is not None:
+            return lambda *a: ((c[0], c[1], None) if len(c) == 2 else c for c in gen(*a))
+    raise OffsimError(f"policy {policy!r} has no search; valid: {', '.join(POLICIES)}")
+
+
+def search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
+           max_sims: int = 4, progress: bool = False) -> SearchResult:
+    """The best settings and block shape of ``policy`` for this model, hardware and lengths, by simulated total
+    throughput. LP-ranked policies (FlexGen) simulate only their ``max_sims`` best LP candidates; the others
+    simulate every candidate that passes ``Plan.validate`` (memory)."""
+    if policy not in POLICIES:
+        raise OffsimError(f"unknown policy {policy!r}; valid: {', '.join(POLICIES)}")
+    Workload(prompt_len, gen_len)  # validates the lengths
+    rows, best, reasons = [], None, []
+    cands = list(_policy_candidates(policy)(model, hw, prompt_len, gen_len))
+    ranked = any(c[2] is not None for c in cands)
+    sims = 0
+    it = cands
+    if progress:
+        from tqdm import tqdm
+        it = tqdm(cands, desc=f"search {policy}", unit="cand")
+    for settings, wl, lp_s in it:
+        row = {"gpu_batch_size": wl.gpu_batch_size, "num_gpu_batches": wl.num_gpu_batches,
+               "settings": dict(settings), "lp_s_per_token": lp_s}
+        if ranked and (sims >= max_sims or len(rows) >= 3 * max_sims):
+            rows.append(row)
+            continue
+        try:
+            plan = build_plan(policy, model, hw, wl, settings)
+        except PlanError as e:
+            reasons.append(str(e))
+            row["error"] = str(e)
+            rows.append(row)
+            continue
+        except OffsimError as e:
+            reasons.append(str(e))
+            row["error"] = str(e)
+            rows.append(row)
+            continue
+        try:
+            m = simulate(plan, hw).metrics()
+        except OffsimError as e:  # e.g. memory overflow under the simulated timing
+            reasons.append(str(e))
+            row["error"] = str(e)
+            rows.append(row)
+            continue
+        sims += 1
+        row.update({k: m[k] for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s", "peak_gpu_bytes")})
+        rows.append(row)
+        if best is None or m["total_tok_s"] > best[2]["total_tok_s"]:
+            best = (dict(settings), wl, m)
+    if best is None:
+        raise OffsimError(infeasibility_reason(policy, model, hw, prompt_len, gen_len, reasons))
+    df = pd.DataFrame(rows)
+    if "total_tok_s" in df:
+        df = df.sort_values("total_tok_s", ascending=False, na_position="last").reset_index(drop=True)
+    return SearchResult(policy, best[0], best[1], best[2], df)
+
+
+def infeasibility_reason(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
+                         reasons: list[str]) -> str:
+    """Which constraint binds when nothing fits: the smallest block (one sequence) against each tier."""
+    wl = Workload(prompt_len, gen_len)
+    W = model.layer_weight_bytes()
+    need_gpu = model.embedding_bytes() + 2 * W + workspace_bytes(model, prompt_len)
+    total = model.weight_bytes() + model.kv_bytes(1, wl.max_len)
+    have = hw.gpu_mem_bytes + hw.cpu_mem_bytes + hw.disk_bytes
+    if need_gpu > hw.gpu_mem_bytes:
+        why = (f"GPU memory: even one sequence needs {need_gpu} bytes on the GPU (embedding, two streamed layers, "
+               f"scratch), short by {need_gpu - hw.gpu_mem_bytes} bytes")
+    elif total > have:
+        why = f"total memory: weights + KV need {total} bytes, GPU + CPU + disk hold {have}, short by {total - have}"
+    else:
+        why = reasons[0] if reasons else "no candidate"
+    return f"no feasible {policy} setting for {model.name} on {hw.name}: {why}"
+
+
+def _silence_cvxpy():
+    warnings.filterwarnings("ignore", module="cvxpy")
+
+
+_silence_cvxpy()

@@ -1,0 +1,86 @@
+"""Select-N (arXiv 2502.08182; seed 003, DESIGN.md §6): one decoder layer in every N has its weights offloaded to
+pinned host memory and fetched ahead of use, so its PCIe copy overlaps the compute of the N - 1 resident layers in
+front of it. N is the *offloading interval*: a smaller N offloads more (more host memory used, more PCIe traffic, less
+GPU memory for weights), a larger N less; N > num_layers offloads nothing.
+
+Which layers: layer j is offloaded iff ``j % N == N - 1`` (N = 1: every layer, as ZeRO-Inference; N = 2: the odd
+layers; N = 4: layers 3, 7, 11, ...), so ``num_layers // N`` layers live on the host and each sits at the end of a
+run of N - 1 resident ones, the spacing that gives every copy the longest compute to hide under.
+
+The plan is the shared block schedule (``schedule.build_block_plan``) with a per-layer weight placement -- resident
+layers (W, 0), offloaded ones (0, W) -- the KV cache on the GPU (Select-N keeps vLLM's paged cache on the GPU and
+spends the GPU memory it frees on a larger batch) and next-layer prefetch on: the load of offloaded layer j is
+issued when the previous offloaded layer runs, double-buffered. So a selectn plan uses only ops the static policies
+already use, which the executor runs unchanged.
+
+One N per plan: a plan's weight placement is static (``Plan.weight_split``), so prefill and decode with different
+N are two iterations with two plans; ``offsim.selectn_record`` chooses N per iteration and prices the switch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import OffsimError
+from ..plan import Plan
+from ..specs import HardwareSpec, ModelSpec, Workload
+from .schedule import Schedule, build_block_plan
+
+
+@dataclass(frozen=True)
+class SelectNSettings:
+    """``interval``: the offloading interval N >= 1 (layer j offloaded iff j % N == N - 1; N > num_layers offloads
+    nothing); ``prefetch``: load an offloaded layer while the resident layers before it compute (Select-N's overlap;
+    False is the ablation: the copy starts when the layer is reached)."""
+
+    interval: int = 1
+    prefetch: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.interval, bool) or not isinstance(self.interval, int) or self.interval < 1:
+            raise OffsimError(f"selectn interval must be an integer >= 1 (1 offloads every layer, a value above "
+                              f"the layer count offloads none), got {self.interval!r}")
+
+
+def offloaded_layers(num_layers: int, interval: int) -> list[int]:
+    """Decoder layers whose weights live in host memory for offloading interval N = ``interval``."""
+    if interval < 1:
+        raise OffsimError(f"selectn interval must be >= 1, got {interval}")
+    return [j for j in range(num_layers) if j % interval == interval - 1]
+
+
+def host_weight_bytes(model: ModelSpec, interval: int) -> int:
+    """Host-memory bytes of the offloaded weights: (num_layers // N) layers of ``layer_weight_bytes`` each."""
+    return len(offloaded_layers(model.num_layers, interval)) * model.layer_weight_bytes()
+
+
+def selectn_schedule(model: ModelSpec, interval: int, prefetch: bool = True) -> Schedule:
+    """The block schedule of Select-N with offloading interval ``interval``."""
+    W = model.layer_weight_bytes()
+    off = set(offloaded_layers(model.num_layers, interval))
+    split = tuple((0, W) if j in off else (W, 0) for j in range(model.num_layers))
+    return Schedule(policy="selectn", weight_split=split, kv_split=(model.num_kv_heads, 0), hidden_home="gpu",
+                    prefetch=prefetch, overlap=True, cpu_attention=False, pinned=True,
+                    settings=(("interval", interval), ("prefetch", prefetch)))
+
+
+def selectn_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: SelectNSettings) -> Plan:
+    from . import capacity_of  # the package imports this module while it is being built
+
+    return build_block_plan(model, wl, selectn_schedule(model, st.interval, st.prefetch), capacity_of(hw))
+
+
+def selectn_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int):
+    """For ``offsim.optimize.search``: every distinct interval (1..num_layers, and num_layers + 1 = no offloading)
+    times GPU batch sizes 1, 2, 4, ... whose KV cache alone still fits the GPU (one GPU batch: Select-N serves one
+    batch per iteration). Plans that do not fit are the search's to reject."""
+    L = model.num_layers
+    max_len = prompt_len + gen_len - 1
+    bs = 1
+    while model.kv_bytes(bs, max_len) < hw.gpu_mem_bytes and bs <= 4096:
+        for n in range(1, L + 2):
+            yield {"interval": n}, Workload(prompt_len, gen_len, bs, 1)
+        bs *= 2
+
+
+POLICY = {"selectn": (selectn_plan, SelectNSettings)}
+CANDIDATES = {"selectn": selectn_candidates}
