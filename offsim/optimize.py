@@ -86,7 +86,8 @@ def flexgen_terms(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: 
     loaded_kv_buf = 0 if cpu_attention else 2 * c_off * gbs * max_len * kvpt  # one layer's prefix, two batches
     gpu = (model.embedding_bytes() + x["wg"] * W * L + 2 * w_off * W  # resident + double-buffered streamed layer
            + x["cg"] * kv_total + loaded_kv_buf + x["hg"] * hidden_block + workspace_bytes(model, gbs * s)
-           + c_off * gbs * s * kvpt)  # a prefill batch's new KV waits on the GPU until it is stored
+           + 2 * c_off * gbs * s * kvpt)  # a prefill batch's new KV waits on the GPU until stored, while the
+    # next layer computes its own
     cpu = (x["wc"] * W * L + x["cc"] * kv_total + x["hc"] * hidden_block
            + 2 * x["wd"] * W + x["cd"] * gbs * max_len * kvpt)  # disk staging (weights double-buffered)
     disk = x["wd"] * W * L + x["cd"] * kv_total
@@ -192,7 +193,7 @@ def flexgen_lp(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int
     lp.cg_max.value = 0.0 if cpu_attention else 1.0
     lp.tie.value = TIE_BREAK * lp.w.value.sum() * (lp.A["pre"].value.sum(0) + lp.A["gen"].value.sum(0))
     try:
-        lp.prob.solve(solver=LP_SOLVER)
+        lp.prob.solve(solver=LP_SOLVER, output_flag=False)  # output_flag: HiGHS prints no banner
     except (cp.error.SolverError, ValueError):  # HiGHS status 'unknown': treat as no solution
         return None
     if lp.prob.status not in (cp.OPTIMAL, cp.OPTIMAL_INACCURATE) or lp.x.value is None:
