@@ -417,61 +417,116 @@ def _scan_point(model, hw, phase, batch, seq_len, slo, probe_converged: bool, to
 # ----------------------------------------------------------------------------------------------------------------
 # runtime choice
 # ----------------------------------------------------------------------------------------------------------------
+def switch_seconds(model: ModelSpec, hw: HardwareSpec, old: int, new: int) -> float:
+    """Time to change the interval between iterations: the layers offloaded under ``old`` but resident under ``new``
+    are copied to the GPU before the next iteration (pinned H2D, not overlapped: an upper bound); layers that become
+    offloaded are dropped (the host keeps their pinned copy), which costs nothing."""
+    grow = set(offloaded_layers(model.num_layers, old)) - set(offloaded_layers(model.num_layers, new))
+    return costmodel.transfer_seconds(hw, len(grow) * model.layer_weight_bytes(), "h2d") if grow else 0.0
+
+
 @dataclass(frozen=True)
 class Choice:
-    """The interval for one iteration. ``meets_slo`` False: no interval can; ``interval`` is then the fastest."""
+    """The interval of one iteration. ``latency_s``: the record's latency at the covering grid point, plus
+    ``switch_s`` when coming from another interval. ``meets_slo`` False: no interval can; ``interval`` is then the
+    fastest."""
 
     phase: str
     batch: int
     seq_len: int
     interval: int
     latency_s: float
+    switch_s: float
     host_bytes: int
     meets_slo: bool
     point: PointSummary
 
 
 def choose_interval(record: PerformanceRecord, model: ModelSpec, phase: str, batch: int, seq_len: int,
-                    slo_s: float | None = None, strict: bool = False) -> Choice:
-    """N for one iteration: N_min of the covering grid point (the most host memory that meets the SLO). With no
-    interval meeting the SLO: the fastest one, ``meets_slo`` False -- or, ``strict``, an OffsimError that says so
-    and gives the best latency achievable."""
+                    slo_s: float | None = None, strict: bool = False, current: int | None = None,
+                    hw: HardwareSpec | None = None) -> Choice:
+    """N for one iteration at (batch, seq_len): N_min of the covering grid point -- the most host memory that meets
+    the SLO. With ``current`` (the previous iteration's N; needs ``hw``), the smallest N in [N_min, N_max] whose
+    latency plus ``switch_seconds(current, N)`` meets the SLO. When none can: the fastest interval with
+    ``meets_slo`` False -- or, ``strict``, an OffsimError that says so and gives the best latency achievable."""
     p = record.point(phase, batch, seq_len, slo_s)
     if p.status == "oom":
         raise OffsimError(f"Select-N cannot run {model.name} {phase} batch {batch}, seq_len {seq_len}: {p.note}")
-    if p.status == "slo_unreachable":
-        if strict or p.best_interval is None:
-            raise OffsimError(f"Select-N: {p.note}")
-        n = p.best_interval
-        return Choice(phase, batch, seq_len, n, p.best_latency_s, host_weight_bytes(model, n), False, p)
-    n = p.n_min
-    return Choice(phase, batch, seq_len, n, record.latency(phase, p.batch, p.seq_len, n),
-                  host_weight_bytes(model, n), True, p)
+    if current is not None and hw is None:
+        raise OffsimError("choose_interval: pricing a change of interval needs the hardware (hw=...)")
+    r = record.rows(phase, p.batch, p.seq_len)
+    ok = r[r["status"] == "ok"].sort_values("interval")
+    if ok.empty:  # a point the build skipped after terminating early: nothing measured to fall back on
+        raise OffsimError(f"Select-N cannot meet the {phase} SLO at batch {batch}, seq_len {seq_len}: {p.note}")
+    sw = {int(n): (switch_seconds(model, hw, current, int(n)) if current is not None else 0.0)
+          for n in ok["interval"]}
+    cost = {int(n): float(lat) + sw[int(n)] for n, lat in zip(ok["interval"], ok["latency_s"])}
+    if p.status == "meets":
+        for n in range(p.n_min, p.n_max + 1):
+            if n in cost and cost[n] <= p.slo_s:
+                return Choice(phase, batch, seq_len, n, cost[n], sw[n], host_weight_bytes(model, n), True, p)
+        why = (f"no interval in [{p.n_min}, {p.n_max}] meets the {phase} SLO {p.slo_s * 1e3:.1f} ms at batch "
+               f"{p.batch}, seq_len {p.seq_len} once the switch from N={current} is paid")
+    else:
+        why = p.note
+    n = min(cost, key=lambda k: (cost[k], -k))
+    if strict:
+        raise OffsimError(f"Select-N: {why}; best achievable {cost[n] * 1e3:.1f} ms at N={n}")
+    return Choice(phase, batch, seq_len, n, cost[n], sw[n], host_weight_bytes(model, n), False, p)
 
 
-def iteration_intervals(record: PerformanceRecord, model: ModelSpec, wl: Workload) -> list[Choice]:
-    """The choice for every iteration of a workload: the prefill at (batch, prompt_len), then decode step i at
-    context prompt_len + i."""
+def request_intervals(record: PerformanceRecord, model: ModelSpec, hw: HardwareSpec, wl: Workload) -> list[Choice]:
+    """The interval of every iteration of a batch of requests: the prefill at (batch, prompt_len), then decode step
+    i at context prompt_len + i.
+
+    The decode steps bind (there are gen_len − 1 of them): when one interval meets the TPOT SLO at every step, all
+    use the largest of their N_min (no switches); otherwise each step chooses in turn, paying switches. The prefill
+    then offloads as much as its TTFT SLO allows, provided the reload before the first decode step
+    (``switch_seconds``) still fits in that step's slack; prefill and decode so use different N when it pays."""
     b = wl.num_prompts
-    out = [choose_interval(record, model, "prefill", b, wl.prompt_len)]
-    for i in range(1, wl.gen_len):
-        out.append(choose_interval(record, model, "decode", b, wl.prompt_len + i))
-    return out
-
-
-def switch_seconds(model: ModelSpec, hw: HardwareSpec, old: int, new: int) -> float:
-    """Time to change the interval between iterations: the layers offloaded under ``old`` but resident under ``new``
-    are copied to the GPU before the next iteration (pinned H2D, not overlapped: an upper bound); layers that become
-    offloaded are dropped (the host keeps their pinned copy)."""
-    grow = set(offloaded_layers(model.num_layers, old)) - set(offloaded_layers(model.num_layers, new))
-    return costmodel.transfer_seconds(hw, len(grow) * model.layer_weight_bytes(), "h2d") if grow else 0.0
+    ctxs = [wl.prompt_len + i for i in range(1, wl.gen_len)]
+    dec: list[Choice] = []
+    if ctxs:
+        pts = [record.point("decode", b, c) for c in ctxs]
+        if all(p.meets for p in pts) and max(p.n_min for p in pts) <= min(p.n_max for p in pts):
+            n_d = max(p.n_min for p in pts)
+            dec = [Choice("decode", b, c, n_d, record.latency("decode", b, c, n_d), 0.0,
+                          host_weight_bytes(model, n_d), True, p) for c, p in zip(ctxs, pts)]
+        else:
+            cur = None
+            for c in ctxs:
+                ch = choose_interval(record, model, "decode", b, c, current=cur, hw=hw)
+                dec.append(ch)
+                cur = ch.interval
+    pre = record.point("prefill", b, wl.prompt_len)
+    if pre.status == "meets" and dec:
+        d0 = dec[0]
+        base = d0.latency_s - d0.switch_s
+        slack = max(record.slo_s("decode") - base, 0.0)
+        r = record.rows("prefill", pre.batch, pre.seq_len)
+        r = r[(r["status"] == "ok") & (r["interval"] >= pre.n_min) & (r["interval"] <= pre.n_max)]
+        cands = sorted((int(n), float(lat)) for n, lat in zip(r["interval"], r["latency_s"]) if lat <= pre.slo_s)
+        sw = {n: switch_seconds(model, hw, n, d0.interval) for n, _ in cands}
+        ok = [(n, lat) for n, lat in cands if sw[n] <= slack]
+        n, lat = ok[0] if ok else min(cands, key=lambda c: (sw[c[0]], c[0]))
+        first = Choice("prefill", b, wl.prompt_len, n, lat, 0.0, host_weight_bytes(model, n), True, pre)
+    else:
+        first = choose_interval(record, model, "prefill", b, wl.prompt_len)
+    if dec:
+        d0 = dec[0]
+        sw = switch_seconds(model, hw, first.interval, d0.interval)
+        lat = d0.latency_s - d0.switch_s + sw
+        dec[0] = Choice(d0.phase, d0.batch, d0.seq_len, d0.interval, lat, sw, d0.host_bytes,
+                        lat <= record.slo_s("decode"), d0.point)
+    return [first] + dec
 
 
 def simulate_phased(model: ModelSpec, hw: HardwareSpec, wl: Workload, intervals: Sequence[int]) -> dict:
-    """Simulate a workload whose iterations use their own intervals (``intervals[0]`` for the prefill,
-    ``intervals[i]`` for decode step i): the prefill is the plan ``Workload(prompt_len, 1)`` at its N; each run of
-    decode steps with one N takes its step latencies from the block plan at that N; changes of N cost
-    ``switch_seconds``. Returns TTFT, per-step TPOTs, throughputs (FlexGen's definitions) and peaks."""
+    """Simulate a batch of requests whose iterations use their own intervals (``intervals[0]`` for the prefill,
+    ``intervals[i]`` for decode step i): the prefill is the plan ``Workload(prompt_len, 1)`` at its N (its makespan
+    is the TTFT); each run of decode steps with one N takes its step latencies from the block plan at that N; a
+    change of N costs ``switch_seconds``, added to the step after it. Returns TTFT, per-step TPOTs, throughputs
+    (FlexGen's definitions) and the GPU peak."""
     if len(intervals) != wl.gen_len:
         raise OffsimError(f"need one interval per iteration ({wl.gen_len}), got {len(intervals)}")
     if wl.num_gpu_batches != 1:
@@ -488,13 +543,27 @@ def simulate_phased(model: ModelSpec, hw: HardwareSpec, wl: Workload, intervals:
         for i in range(1, wl.gen_len):
             if intervals[i] == n:
                 steps[i] = float(sl.loc[i])
-    switch = sum(switch_seconds(model, hw, a, b) for a, b in zip(intervals, intervals[1:]))
-    tpots = [steps[i] for i in range(1, wl.gen_len)]
-    decode_s = sum(tpots) + switch
+    tpots = [steps[i] + switch_seconds(model, hw, intervals[i - 1], intervals[i]) for i in range(1, wl.gen_len)]
+    decode_s = sum(tpots)
     total = ttft + decode_s
     prompts = wl.num_prompts
-    return {"ttft_s": ttft, "tpot_s": tpots, "switch_s": switch, "prefill_s": ttft, "decode_s": decode_s,
-            "total_s": total, "prefill_tok_s": prompts * wl.prompt_len / ttft,
+    return {"ttft_s": ttft, "tpot_s": tpots, "prefill_s": ttft, "decode_s": decode_s, "total_s": total,
+            "switch_s": sum(switch_seconds(model, hw, a, b) for a, b in zip(intervals, intervals[1:])),
+            "prefill_tok_s": prompts * wl.prompt_len / ttft,
             "decode_tok_s": prompts * (wl.gen_len - 1) / decode_s if decode_s > 0 else math.inf,
             "total_tok_s": prompts * wl.gen_len / total, "peak_gpu_bytes": int(peak),
             "host_bytes_max": max(host_weight_bytes(model, n) for n in intervals)}
+
+
+def fastest_interval(model: ModelSpec, hw: HardwareSpec, wl: Workload) -> int:
+    """The least offloading whose plan for the whole workload fits GPU memory (simulated): the fastest Select-N can
+    be when no interval meets an SLO. OffsimError if even N = 1 does not fit."""
+    for n in intervals_of(model):
+        try:
+            simulate(build_plan("selectn", model, hw, wl, {"interval": n}), hw)
+            return n
+        except OffsimError as e:
+            if not _is_memory_error(e):
+                raise
+    raise OffsimError(f"Select-N cannot fit {model.name} with batch {wl.num_prompts}, prompt {wl.prompt_len}, gen "
+                      f"{wl.gen_len} in {hw.gpu_mem_bytes} bytes of GPU memory even with every layer offloaded")
