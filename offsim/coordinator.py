@@ -50,6 +50,10 @@ class Option:
     def share(self, grid: int = SHARE_GRID) -> float:
         return self.share_units / grid
 
+    def hardware(self, hw: HardwareSpec, grid: int = SHARE_GRID) -> HardwareSpec:
+        """``hw`` with the link scaled to this option's share (unchanged when nothing crosses the link)."""
+        return hw if self.share_units in (0, grid) else hw.scaled_link(self.share_units / grid)
+
 
 @dataclass(frozen=True)
 class Instance:
