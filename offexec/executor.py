@@ -1,0 +1,670 @@
+"""The executor: runs an offsim plan with real tensors and measures it (DESIGN.md §8).
+
+It does what the ops say and nothing else -- placement, order, prefetching and buffering are the plan's; the
+executor only binds ops to buffers (``program.bind``) and issues them:
+
+- GPU ops (compute, h2d, d2h) go to one CUDA stream per plan stream. An op on another stream that it depends on is
+  awaited on the GPU through that op's end event (``cudaStreamWaitEvent``); the issuing thread never waits for the
+  GPU. Every op is bracketed by two timing events.
+- Host ops (cpu attention, disk reads and writes) run on one worker thread per plan stream ('cpu', 'disk'), in plan
+  order; a worker waits for the GPU ops its op depends on by synchronising on their end events. A GPU op that
+  depends on a host op is issued once that host op has finished.
+- One issuing thread walks the streams' op lists and issues, among the ops whose dependencies allow it, the one
+  earliest in plan order -- plan order exactly, unless a host op holds a stream back.
+
+On ``device='cpu'`` the same handlers run every op in plan order, one after the other (CI's path); times are wall
+clock. The result is a ``Trace`` in offsim's schema (``source='offexec'``) plus the generated tokens.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from offsim.plan import Plan
+from offsim.policies.schedule import workspace_bytes
+from offsim.trace import Trace
+
+from . import model as M
+from .memory import BufferPool, DiskTier, ExecError, HostBuffer, apply_gpu_budget, check_gpu_budget, host_tensor
+from .program import GPU_STREAMS, HOST_STREAMS, Program, bind
+from .weights import ModelWeights
+
+
+@dataclass
+class RunResult:
+    trace: Trace
+    tokens: np.ndarray  # [num_prompts, gen_len] generated token ids (batch-major: prompt p = batch p // gbs)
+    stats: dict  # memory peaks, issue overhead, pool sizes
+    logits: list | None = None  # per (step, batch): [gbs, V] float32 CPU tensors, when asked
+    kv: dict = field(default_factory=dict)  # home-tier KV caches after the run, when asked (tests)
+
+
+def run_plan(plan: Plan, weights: ModelWeights, device: str = "cuda", prompts: torch.Tensor | None = None,
+             seed: int = 0, gpu_budget_bytes: int | None = None, disk_dir: str | None = None,
+             record_logits: bool = False, keep_kv: bool = False, meta: dict | None = None,
+             threaded: bool = False) -> RunResult:
+    """Run ``plan`` with ``weights`` on ``device``; return the measured trace and the generated tokens.
+
+    ``prompts``: [num_prompts, prompt_len] token ids (default: seeded random ids). ``gpu_budget_bytes``: the GPU
+    memory cap (default: the plan's GPU capacity). ``threaded``: on the CPU, run the stream scheduler with host
+    stand-ins for streams instead of plain plan order (tests)."""
+    ex = Executor(plan, weights, device, prompts, seed, gpu_budget_bytes, disk_dir, record_logits, keep_kv,
+                  threaded)
+    try:
+        return ex.run(meta or {})
+    finally:
+        ex.close()
+
+
+class Executor:
+    def __init__(self, plan: Plan, weights: ModelWeights, device: str, prompts, seed: int,
+                 gpu_budget_bytes: int | None, disk_dir: str | None, record_logits: bool, keep_kv: bool,
+                 threaded: bool = False):
+        self.plan, self.spec, self.wts = plan, plan.model, weights
+        if weights.spec.layer_weight_bytes() != plan.model.layer_weight_bytes() or \
+                weights.spec.num_layers != plan.model.num_layers:
+            raise ExecError(f"weights are for model {weights.spec.name}, the plan for {plan.model.name}")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ExecError("--device cuda was asked but no CUDA device is available (use --device cpu)")
+        if self.device.type not in ("cuda", "cpu"):
+            raise ExecError(f"--device must be 'cuda' or 'cpu', got {device!r}")
+        self.cuda = self.device.type == "cuda"
+        self.threaded = threaded
+        self.dtype = weights.dtype
+        self.e = self.spec.dtype_bytes
+        self.record_logits, self.keep_kv = record_logits, keep_kv
+        self._disk_dir = disk_dir
+        self.budget = int(gpu_budget_bytes if gpu_budget_bytes is not None else plan.capacity["gpu"])
+        self.prog: Program = bind(plan, weights.layout)
+        self.disk: DiskTier | None = None
+        self.host_kv: HostBuffer | None = None
+        self.pools: dict[str, BufferPool] = {}
+        wl = plan.workload
+        self.nb, self.gbs, self.cap = wl.num_gpu_batches, wl.gpu_batch_size, wl.max_len
+        if prompts is None:
+            g = torch.Generator().manual_seed(seed)
+            prompts = torch.randint(0, self.spec.vocab_size, (wl.num_prompts, wl.prompt_len), generator=g)
+        if tuple(prompts.shape) != (wl.num_prompts, wl.prompt_len):
+            raise ExecError(f"prompts have shape {list(prompts.shape)}, the workload needs "
+                            f"[{wl.num_prompts}, {wl.prompt_len}]")
+        self.prompts = prompts
+        self.gpu_need = self._gpu_need()
+        if self.cuda:
+            check_gpu_budget(self.gpu_need, self.budget)  # before any large allocation
+
+    # ---- memory -----------------------------------------------------------------------------------------------
+    def _kv_elems(self, heads: int) -> int:
+        """Elements of one (layer, batch) KV buffer of ``heads`` heads at full length: [cap, 2, B, heads, D]."""
+        return self.cap * 2 * self.gbs * heads * self.spec.head_dim
+
+    def _gpu_need(self) -> dict[str, int]:
+        """GPU bytes this executor will hold for the plan, by purpose (the budget pre-check)."""
+        p, s, e = self.prog, self.spec, self.e
+        wl = self.plan.workload
+        groups = p.groups
+        resident_w = sum(g for g, _ in self.plan.weight_split)
+        kv_gpu = s.num_layers * self.nb * self._kv_elems(groups["gpu"][1] - groups["gpu"][0]) * e
+        pools = p.pool_peak["wslot"] * p.slot_numel * e
+        for g in ("cpu", "disk"):
+            lo, hi = groups[g]
+            pools += p.pool_peak[f"kvwork_{g}"] * self._kv_elems(hi - lo) * e
+        tokens = self.gbs * wl.prompt_len
+        hidden = s.hidden_bytes(tokens) * (self.nb + 1)  # every batch's activations + one being produced
+        return {"embeddings": s.embedding_bytes(), "resident weights": resident_w, "resident KV": kv_gpu,
+                "buffer pools": pools, "activations": hidden + workspace_bytes(s, tokens)}
+
+    def _setup(self) -> None:
+        s, plan, dev, dt = self.spec, self.plan, self.device, self.dtype
+        L, e = s.num_layers, self.e
+        Wn = self.wts.layer_numel
+        if self.cuda:
+            apply_gpu_budget(dev, self.budget)
+        pinned = all(o.pinned for o in plan.ops) if plan.ops else True
+        self.wts.set_pinned(pinned)
+        self.emb = self.wts.emb.to(dev)
+        self.rope = M.Rope(s, dev, dt, self.cap + 1) if s.family == "llama" else None
+        # resident weight bytes [0, gpu) of each layer
+        self.g_el = [g // e for g, _ in plan.weight_split]
+        self.c_el = [c // e for _, c in plan.weight_split]
+        self.w_res = [self.wts.layers[j, :self.g_el[j]].to(dev) if self.g_el[j] else None for j in range(L)]
+        self.view_cache: dict = {}
+        # KV homes
+        groups = self.prog.groups
+        self.kv_heads = {g: hi - lo for g, (lo, hi) in groups.items()}
+        D = s.head_dim
+        shape = lambda n: (self.cap, 2, self.gbs, n, D)  # noqa: E731  token-major: a prefix is contiguous
+        self.kv_gpu = None
+        if self.kv_heads["gpu"]:
+            self.kv_gpu = torch.zeros((L, self.nb) + shape(self.kv_heads["gpu"]), dtype=dt, device=dev)
+        self.kv_host = None
+        if self.kv_heads["cpu"]:
+            self.host_kv = HostBuffer(L * self.nb * self._kv_elems(self.kv_heads["cpu"]), dt, pinned and self.cuda)
+            self.kv_host = self.host_kv.tensor.view((L, self.nb) + shape(self.kv_heads["cpu"]))
+        # disk tier: weight bytes [gpu + cpu, W) of each layer, KV of disk-homed heads
+        disk_w = [Wn - self.g_el[j] - self.c_el[j] for j in range(L)]
+        self.disk_w_stride = max(disk_w) * e
+        self.disk_kv_stride = self._kv_elems(self.kv_heads["disk"]) * e
+        need = self.disk_w_stride * L + self.disk_kv_stride * L * self.nb
+        if need:
+            self.disk = DiskTier(self._disk_dir, need)
+            if self.disk_w_stride:
+                self.disk.create("weights.bin", self.disk_w_stride * L)
+                for j in range(L):
+                    if disk_w[j]:
+                        self.disk.write("weights.bin", self.wts.layers[j, Wn - disk_w[j]:].contiguous(),
+                                        j * self.disk_w_stride)
+            if self.disk_kv_stride:
+                self.disk.create("kv.bin", self.disk_kv_stride * L * self.nb)
+        # pools, reserved up front so that an overflow shows before the run
+        p = self.prog
+        self.pools["wslot"] = BufferPool("wslot", p.slot_numel, dt, dev)
+        for g in ("cpu", "disk"):
+            self.pools[f"kvwork_{g}"] = BufferPool(f"kvwork_{g}", self._kv_elems(self.kv_heads[g]), dt, dev)
+        for name, pool in self.pools.items():
+            pool.reserve(p.pool_peak[name])
+        # token ids of every sequence: [nb, B, cap + 1]
+        self.tokens = torch.zeros(self.nb, self.gbs, self.cap + 1, dtype=torch.long, device=dev)
+        self.tokens[:, :, :plan.workload.prompt_len] = self.prompts.view(self.nb, self.gbs, -1).to(dev)
+        self.logits: list = []
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+        if self.disk is not None:
+            self.disk.close()
+            self.disk = None
+        if self.host_kv is not None:
+            self.host_kv.close()
+            self.host_kv = None
+
+    # ---- the run ----------------------------------------------------------------------------------------------
+    def run(self, meta: dict) -> RunResult:
+        self._setup()
+        ops = self.plan.ops
+        n = len(ops)
+        self.vals: dict[int, object] = {}
+        self.val_left = [v.users for v in self.prog.values]
+        self.val_stream: dict[int, object] = {}
+        self.val_events: dict[int, list] = {}
+        self.val_lock = threading.Lock()
+        self.start = np.zeros(n)
+        self.end = np.zeros(n)
+        self.issue_s = 0.0
+        t_wall = time.perf_counter()
+        if self.cuda or self.threaded:
+            self._run_streams()
+        else:
+            self._run_sequential()
+        wall_s = time.perf_counter() - t_wall
+        wl = self.plan.workload
+        toks = self.tokens[:, :, wl.prompt_len:wl.prompt_len + wl.gen_len].reshape(wl.num_prompts, wl.gen_len)
+        peaks = {"gpu": 0, "cpu": 0, "disk": self.disk.size_bytes if self.disk else 0}
+        stats = {"wall_s": wall_s, "issue_s": self.issue_s, "gpu_need_bytes": self.gpu_need,
+                 "pool_buffers": {k: p.count for k, p in self.pools.items()},
+                 "pool_buffers_plan_order": dict(self.prog.pool_peak),
+                 "host_staging_peak_bytes_plan_order": self.prog.host_peak_bytes,
+                 "host_weights_master_bytes": self.wts.host.nbytes,
+                 "host_weights_tier_bytes": sum(c for _, c in self.plan.weight_split),
+                 "host_kv_bytes": self.host_kv.nbytes if self.host_kv else 0,
+                 "budget_bytes": self.budget}
+        if self.cuda:
+            peaks["gpu"] = torch.cuda.max_memory_reserved(self.device)
+            stats["gpu_max_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
+            stats["gpu_max_reserved_bytes"] = peaks["gpu"]
+        peaks["cpu"] = stats["host_weights_tier_bytes"] + stats["host_kv_bytes"] + self.prog.host_peak_bytes
+        makespan = float(self.end.max()) if n else 0.0
+        stats["issue_frac"] = self.issue_s / makespan if makespan > 0 else 0.0
+        m = {"model": self.spec.name, "hardware": meta.get("hardware", self.device.type), "policy": self.plan.policy,
+             "workload": wl.to_dict(), "settings": self.plan.settings, "source": "offexec", "device": str(self.device)}
+        m.update(meta)
+        trace = Trace.from_arrays(self.plan, self.start, self.end, m, peaks)
+        kv = {}
+        if self.keep_kv:
+            kv = {"gpu": None if self.kv_gpu is None else self.kv_gpu.cpu(),
+                  "cpu": None if self.kv_host is None else self.kv_host.clone(),
+                  "disk": self._read_disk_kv() if self.disk_kv_stride else None}
+        return RunResult(trace, toks.cpu().numpy(), stats, self.logits if self.record_logits else None, kv)
+
+    def _read_disk_kv(self) -> torch.Tensor:
+        s = self.spec
+        out = torch.empty((s.num_layers, self.nb, self.cap, 2, self.gbs, self.kv_heads["disk"], s.head_dim),
+                          dtype=self.dtype)
+        self.disk.read("kv.bin", out, 0)
+        return out
+
+    def _run_sequential(self) -> None:
+        t0 = time.perf_counter()
+        self.stream = None
+        for b in self.prog.bound:
+            a = time.perf_counter()
+            getattr(self, "_op_" + b.fn)(b.op, b.args, b.info)
+            z = time.perf_counter()
+            self.start[b.op.id], self.end[b.op.id] = a - t0, z - t0
+            self._done(b, ())
+
+    def _run_streams(self) -> None:
+        """The stream scheduler. On CUDA, real streams and events; with ``threaded`` on the CPU, stand-ins that run
+        each GPU op at issue (so CI exercises the issue loop, the host workers and their dependencies)."""
+        ops, bound = self.plan.ops, self.prog.bound
+        n = len(ops)
+        dev = self.device
+        cuda = self.cuda
+        Event = (lambda: torch.cuda.Event(enable_timing=True)) if cuda else _HostEvent  # noqa: E731
+        streams = {s: (torch.cuda.Stream(dev) if cuda else _HostStream(s)) for s in GPU_STREAMS}
+        queues: dict[str, deque] = {s: deque() for s in GPU_STREAMS + HOST_STREAMS}
+        for op in ops:
+            queues[op.stream].append(op.id)
+        is_host = np.array([op.stream in HOST_STREAMS for op in ops])
+        issued = np.zeros(n, dtype=bool)
+        done = np.zeros(n, dtype=bool)  # host ops: finished
+        self.ev_start: list = [None] * n
+        self.ev_end: list = [None] * n
+        cond = threading.Condition()
+        errors: list = []
+        host_q = {s: deque() for s in HOST_STREAMS}
+
+        def worker(sname):
+            if cuda:
+                torch.cuda.set_device(dev)
+            while True:
+                with cond:
+                    while not host_q[sname] and not errors:
+                        cond.wait()
+                    if errors:
+                        return
+                    oid = host_q[sname].popleft()
+                if oid < 0:
+                    return
+                b = bound[oid]
+                try:
+                    for d in b.op.deps:
+                        if is_host[d]:
+                            with cond:
+                                while not done[d] and not errors:
+                                    cond.wait()
+                        else:
+                            self.ev_end[d].synchronize()
+                    a = time.perf_counter()
+                    getattr(self, "_op_" + b.fn)(b.op, b.args, b.info)
+                    z = time.perf_counter()
+                    self.start[oid], self.end[oid] = a - self.t0, z - self.t0
+                    self._done(b, ())
+                except BaseException as exc:  # surface in the issuing thread
+                    with cond:
+                        errors.append(exc)
+                        cond.notify_all()
+                    return
+                with cond:
+                    done[oid] = True
+                    cond.notify_all()
+
+        if cuda:
+            torch.cuda.synchronize(dev)
+        ref = Event()
+        ref.record(streams["compute"])
+        if cuda:
+            torch.cuda.synchronize(dev)
+        self.t0 = time.perf_counter()
+        threads = [threading.Thread(target=worker, args=(s,), daemon=True, name=f"offexec-{s}") for s in HOST_STREAMS]
+        for t in threads:
+            t.start()
+        remaining = n
+        issue = 0.0
+        cur = None
+        try:
+            while remaining:
+                best = None
+                for sname, q in queues.items():
+                    if not q:
+                        continue
+                    oid = q[0]
+                    if best is not None and oid > best:
+                        continue
+                    ok = True
+                    for d in ops[oid].deps:
+                        if not issued[d] or (is_host[d] and not done[d]):
+                            ok = False
+                            break
+                    if ok:
+                        best = oid
+                if best is None:
+                    with cond:
+                        if errors:
+                            raise errors[0]
+                        cond.wait(timeout=0.05)
+                        if errors:
+                            raise errors[0]
+                    continue
+                op = ops[best]
+                queues[op.stream].popleft()
+                remaining -= 1
+                issued[best] = True
+                if is_host[best]:
+                    with cond:
+                        host_q[op.stream].append(best)
+                        cond.notify_all()
+                    continue
+                a = time.perf_counter()
+                s = streams[op.stream]
+                if s is not cur and cuda:
+                    torch.cuda.set_stream(s)
+                    cur = s
+                self.stream = s
+                for d in op.deps:
+                    if not is_host[d] and ops[d].stream != op.stream:
+                        s.wait_event(self.ev_end[d])
+                b = bound[best]
+                ev0, ev1 = Event(), Event()
+                ev0.record(s)
+                getattr(self, "_op_" + b.fn)(op, b.args, b.info)
+                ev1.record(s)
+                self.ev_start[best], self.ev_end[best] = ev0, ev1
+                self._done(b, (ev1,))
+                issue += time.perf_counter() - a
+            for sname in HOST_STREAMS:
+                with cond:
+                    host_q[sname].append(-1)
+                    cond.notify_all()
+            for t in threads:
+                t.join()
+            if errors:
+                raise errors[0]
+            if cuda:
+                torch.cuda.synchronize(dev)
+        finally:
+            with cond:
+                if not errors:
+                    errors.append(None)
+                cond.notify_all()
+            if cuda:
+                torch.cuda.set_stream(torch.cuda.default_stream(dev))
+        self.issue_s = issue
+        for oid in range(n):
+            if not is_host[oid]:
+                self.start[oid] = ref.elapsed_time(self.ev_start[oid]) / 1e3
+                self.end[oid] = ref.elapsed_time(self.ev_end[oid]) / 1e3
+        self.ev_start = self.ev_end = None
+
+    def _done(self, b, events) -> None:
+        """After op ``b`` is issued (GPU) or finished (host): values whose last user it was go back."""
+        with self.val_lock:
+            for vid in b.args.values():
+                if events:
+                    self.val_events.setdefault(vid, []).extend(events)
+                self.val_left[vid] -= 1
+                if self.val_left[vid] == 0:
+                    self._free(vid)
+
+    def _free(self, vid: int) -> None:
+        v = self.prog.values[vid]
+        t = self.vals.pop(vid, None)
+        evs = self.val_events.pop(vid, ())
+        self.val_stream.pop(vid, None)
+        if v.kind in self.pools and t is not None:
+            self.pools[v.kind].release(t, _last_per_stream(evs))
+
+    # ---- helpers ----------------------------------------------------------------------------------------------
+    def _val(self, vid: int):
+        """A value for the op being issued; GPU tensors made on another stream are marked as used on this one."""
+        t = self.vals[vid]
+        if self.cuda and self.stream is not None:
+            made = self.val_stream.get(vid)
+            if made is not None and made is not self.stream:
+                for x in (t if isinstance(t, tuple) else (t,)):
+                    if isinstance(x, torch.Tensor) and x.is_cuda:
+                        x.record_stream(self.stream)
+        return t
+
+    def _put(self, vid: int, t) -> None:
+        self.vals[vid] = t
+        if self.cuda and self.prog.values[vid].kind not in self.pools:  # pool buffers are never freed
+            self.val_stream[vid] = self.stream
+
+    def _pool_get(self, vid: int) -> torch.Tensor:
+        """The pool buffer of value ``vid``, taken from its pool at the value's first use."""
+        t = self.vals.get(vid)
+        if t is None:
+            t = self.vals[vid] = self.pools[self.prog.values[vid].kind].acquire(self.stream)
+        return t
+
+    def _weights(self, j: int, args: dict) -> dict:
+        if "w" not in args:
+            key = (j, None)
+            w = self.view_cache.get(key)
+            if w is None:
+                w = self.view_cache[key] = M.layer_views(self.wts.layout, [(0, self.w_res[j])])
+            return w
+        slot = self._pool_get(args["w"])
+        key = (j, slot.data_ptr())
+        w = self.view_cache.get(key)
+        if w is None:
+            base = self.prog.slot_base[j]
+            pieces = [(base, slot[:self.wts.layer_numel - base])]
+            if base:
+                pieces.insert(0, (0, self.w_res[j][:base]))
+            w = self.view_cache[key] = M.layer_views(self.wts.layout, pieces)
+        return w
+
+    def _kv_view(self, buf: torch.Tensor, heads: int) -> torch.Tensor:
+        return buf.view(self.cap, 2, self.gbs, heads, self.spec.head_dim)
+
+    def _attend_gpu(self, op, args, q, k_new, v_new) -> torch.Tensor:
+        """Write the new tokens' K/V into each head group's buffer and attend over positions [0, ctx)."""
+        j, b = op.layer, op.batch
+        ctx, start = op.ctx_tokens, op.ctx_tokens - op.q_tokens
+        groups = []
+        for g, (lo, hi) in self.prog.groups.items():
+            if hi <= lo:
+                continue
+            if g == "gpu":
+                buf = self.kv_gpu[j, b]
+            else:
+                buf = self._kv_view(self._pool_get(args[f"kv_{g}"]), hi - lo)
+            buf[start:ctx, 0] = k_new[:, :, lo:hi].transpose(0, 1)  # [T, B, n, D]
+            buf[start:ctx, 1] = v_new[:, :, lo:hi].transpose(0, 1)
+            K = buf[:ctx, 0].permute(1, 2, 0, 3)  # [B, n, C, D]
+            V = buf[:ctx, 1].permute(1, 2, 0, 3)
+            groups.append((lo, hi, K, V))
+        return M.attention(self.spec, q, groups)
+
+    # ---- op handlers: compute ---------------------------------------------------------------------------------
+    def _op_embed(self, op, args, info):
+        start = op.ctx_tokens - op.q_tokens
+        ids = self.tokens[op.batch, :, start:op.ctx_tokens]  # [B, T]
+        self._put(args["out"], M.embed(self.spec, self.emb, ids, start))
+
+    def _op_head(self, op, args, info):
+        x = self._val(args["x"])
+        logits = M.head(self.spec, self.emb, x)  # [B, V]
+        self.tokens[op.batch, :, op.ctx_tokens] = logits.argmax(-1)
+        if self.record_logits:
+            self.logits.append((op.step, op.batch, logits.float().cpu()))
+
+    def _op_layer(self, op, args, info):
+        x = self._val(args["x"])
+        w = self._weights(op.layer, args)
+        start = op.ctx_tokens - op.q_tokens
+        q, k, v = M.pre_attn(self.spec, w, x, start, self.rope)
+        o = self._attend_gpu(op, args, q, k, v)
+        self._put(args["out"], M.post_attn(self.spec, w, x, o))
+
+    def _op_pre_attn(self, op, args, info):
+        x = self._val(args["x"])
+        w = self._weights(op.layer, args)
+        q, k, v = M.pre_attn(self.spec, w, x, op.ctx_tokens - op.q_tokens, self.rope)
+        self._put(args["out"], (x, q, k, v))
+
+    def _op_attn_gpu(self, op, args, info):
+        _, q, k, v = self._val(args["pre"])
+        self._put(args["out"], self._attend_gpu(op, args, q, k, v))
+
+    def _op_post_attn(self, op, args, info):
+        x = self._val(args["pre"])[0]
+        o = self._val(args["attn"])
+        w = self._weights(op.layer, args)
+        self._put(args["out"], M.post_attn(self.spec, w, x, o))
+
+    def _op_attn_cpu(self, op, args, info):
+        """FlexGen's CPU delegation: attention on the host over the host-homed (and disk-read) KV."""
+        s = self.spec
+        H, Hk = s.num_heads, s.num_kv_heads
+        qkv = self.vals[args["qkv"]]  # [B, T, H + 2 Hk, D]
+        q, k_new, v_new = qkv[:, :, :H], qkv[:, :, H:H + Hk], qkv[:, :, H + Hk:]
+        j, b = op.layer, op.batch
+        ctx, start = op.ctx_tokens, op.ctx_tokens - op.q_tokens
+        groups = []
+        lo, hi = self.prog.groups["cpu"]
+        if hi > lo:
+            buf = self.kv_host[j, b]
+            buf[start:ctx, 0] = k_new[:, :, lo:hi].transpose(0, 1)
+            buf[start:ctx, 1] = v_new[:, :, lo:hi].transpose(0, 1)
+            groups.append((lo, hi, buf[:ctx, 0].permute(1, 2, 0, 3), buf[:ctx, 1].permute(1, 2, 0, 3)))
+        lo, hi = self.prog.groups["disk"]
+        if hi > lo:
+            new = torch.stack((k_new[:, :, lo:hi], v_new[:, :, lo:hi]), 0).permute(2, 0, 1, 3, 4)  # [T, 2, B, n, D]
+            if start:
+                stage = self.vals[args["kvread"]][:start]  # [start, 2, B, n, D]
+                new = torch.cat((stage, new), 0)
+            groups.append((lo, hi, new[:, 0].permute(1, 2, 0, 3), new[:, 1].permute(1, 2, 0, 3)))
+        out = host_tensor((qkv.shape[0], qkv.shape[1], H * s.head_dim), qkv.dtype, self.device)
+        M.attention(s, q, groups, out=out)
+        self.vals[args["out"]] = out
+
+    # ---- op handlers: transfers -------------------------------------------------------------------------------
+    def _op_h2d_weight(self, op, args, info):
+        j = op.layer
+        base = self.prog.slot_base[j]
+        slot = self._pool_get(args["slot"])
+        if info.get("init"):
+            if base < self.g_el[j]:  # the straddling tensor's resident head, so that it is whole in the slot
+                slot[:self.g_el[j] - base].copy_(self.w_res[j][base:], non_blocking=True)
+        lo, hi = op.lo // self.e, op.hi // self.e
+        if "stage" in args:
+            a = lo - info["stage_lo"]
+            src = self.vals[args["stage"]][a:a + hi - lo]
+        else:
+            src = self.wts.layers[j, lo:hi]
+        slot[lo - base:hi - base].copy_(src, non_blocking=True)
+
+    def _op_disk_read_weight(self, op, args, info):
+        j = op.layer
+        lo, hi = op.lo // self.e, op.hi // self.e
+        first = self.g_el[j] + self.c_el[j]
+        out = host_tensor((hi - lo,), self.dtype, self.device)
+        self.disk.read("weights.bin", out, j * self.disk_w_stride + (lo - first) * self.e)
+        self.vals[args["out"]] = out
+
+    def _op_h2d_kv(self, op, args, info):
+        g = "cpu" if "src" not in args else "disk"
+        glo, ghi = self.prog.groups[g]
+        buf = self._pool_get(args["dst"])
+        dst = self._kv_view(buf, ghi - glo)[op.lo:op.hi, :, :, op.head_lo - glo:op.head_hi - glo]
+        if g == "cpu":
+            src = self.kv_host[op.layer, op.batch, op.lo:op.hi, :, :, op.head_lo - glo:op.head_hi - glo]
+        else:
+            a = op.lo - info["src_lo"]
+            src = self.vals[args["src"]][a:a + op.hi - op.lo]
+        dst.copy_(src, non_blocking=True)
+
+    def _op_d2h_kv(self, op, args, info):
+        glo, ghi = self.prog.groups["cpu" if "out" not in args else "disk"]
+        src = self._kv_view(self._pool_get(args["src"]), ghi - glo)[op.lo:op.hi, :, :, op.head_lo - glo:op.head_hi - glo]
+        if "out" not in args:
+            self.kv_host[op.layer, op.batch, op.lo:op.hi, :, :, op.head_lo - glo:op.head_hi - glo].copy_(
+                src, non_blocking=True)
+        else:
+            out = host_tensor(src.shape, self.dtype, self.device)
+            out.copy_(src, non_blocking=True)
+            self.vals[args["out"]] = out
+
+    def _op_disk_read_kv(self, op, args, info):
+        n = self.kv_heads["disk"]
+        out = host_tensor((op.hi - op.lo, 2, self.gbs, n, self.spec.head_dim), self.dtype, self.device)
+        tok_bytes = 2 * self.gbs * n * self.spec.head_dim * self.e
+        base = (op.layer * self.nb + op.batch) * self.disk_kv_stride
+        self.disk.read("kv.bin", out, base + op.lo * tok_bytes)
+        self.vals[args["out"]] = out
+
+    def _op_disk_write_kv(self, op, args, info):
+        n = self.kv_heads["disk"]
+        glo = self.prog.groups["disk"][0]
+        if op.head_lo != glo or op.head_hi != glo + n:
+            raise ExecError(f"{op.describe()}: the disk tier writes whole disk-homed head groups "
+                            f"([{glo}, {glo + n}))")
+        src = self.vals[args["src"]]
+        a, b = op.lo - info["src_lo"], op.hi - info["src_lo"]
+        if info["src_kind"] == "qkv":  # CPU attention's landing buffer [B, T, H + 2 Hk, D]
+            s = self.spec
+            h0 = s.num_heads + glo
+            k = src[:, a:b, h0:h0 + n]
+            v = src[:, a:b, h0 + s.num_kv_heads:h0 + s.num_kv_heads + n]
+            data = torch.stack((k, v), 0).permute(2, 0, 1, 3, 4).contiguous()  # [T, 2, B, n, D]
+        else:
+            h = op.head_lo - info["src_h0"]
+            data = src[a:b, :, :, h:h + n].contiguous()
+        tok_bytes = 2 * self.gbs * n * self.spec.head_dim * self.e
+        base = (op.layer * self.nb + op.batch) * self.disk_kv_stride
+        self.disk.write("kv.bin", data, base + op.lo * tok_bytes)
+
+    def _op_d2h_hidden(self, op, args, info):
+        x = self._val(args["src"])
+        out = host_tensor(x.shape, x.dtype, self.device)
+        out.copy_(x, non_blocking=True)
+        self.vals[args["out"]] = out
+
+    def _op_h2d_hidden(self, op, args, info):
+        src = self.vals[args["src"]]
+        self._put(args["out"], src.to(self.device, non_blocking=True))
+
+    def _op_d2h_qkv(self, op, args, info):
+        _, q, k, v = self._val(args["src"])
+        packed = torch.cat((q, k, v), 2)  # [B, T, H + 2 Hk, D] (made on this stream, which then owns it)
+        out = host_tensor(packed.shape, packed.dtype, self.device)
+        out.copy_(packed, non_blocking=True)
+        self.vals[args["out"]] = out
+
+    def _op_h2d_attn_out(self, op, args, info):
+        src = self.vals[args["src"]]
+        self._put(args["out"], src.to(self.device, non_blocking=True))
+
+
+class _HostStream:
+    """Stand-in for a CUDA stream when the scheduler runs on the CPU: work runs at issue, so nothing to wait for."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def wait_event(self, ev) -> None:
+        pass
+
+
+class _HostEvent:
+    """Stand-in for a CUDA timing event: the host clock when recorded."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def record(self, stream=None) -> None:
+        self.t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, other: "_HostEvent") -> float:
+        return (other.t - self.t) * 1e3
+
+
+def _last_per_stream(events) -> tuple:
+    """Events to wait on before reusing a buffer: all of them (an event is cheap to wait on once done)."""
+    seen, out = set(), []
+    for ev in reversed(events):
+        if id(ev) not in seen:
+            seen.add(id(ev))
+            out.append(ev)
+    return tuple(out)

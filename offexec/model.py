@@ -1,0 +1,234 @@
+"""Layer math of OPT and Llama decoders as small torch functions (DESIGN.md §8), written so that an offloading
+executor can call them piece by piece.
+
+A decoder layer's weights are one flat buffer in ``ModelSpec.layer_tensors`` order; ``layer_views`` turns (a piece
+of) that buffer into named [out, in] tensors without copying. A layer runs in three parts, matching the plan's
+compute parts (``offsim.costmodel.COMPUTE_PARTS``):
+
+- ``pre_attn``: norm and Q/K/V projections (and RoPE for Llama) of the T new tokens;
+- ``attention``: the T queries against K/V of positions [0, C) -- a loaded (or resident) prefix plus the freshly
+  computed tokens -- given as head groups that may live in different buffers (GPU-resident heads, heads loaded from
+  the host, heads loaded from disk). T may be anything from 1 (decode) through C (prefill); 1 < T < C is TightLLM's
+  recompute of the last T - 1 tokens plus the new one, a causal block aligned to the bottom right;
+- ``post_attn``: output projection, residual, norm, FFN, residual.
+
+Shapes: B sequences, T new tokens, C context tokens (the new ones included), E = d_model, H query heads, Hk KV heads,
+D head dim, V vocabulary. They reproduce transformers' ``OPTForCausalLM`` and ``LlamaForCausalLM`` (same weights,
+same logits within fp32 rounding; tests/test_offexec_model.py).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from offsim.specs import ModelSpec
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+OPT_POSITION_OFFSET = 2  # OPT's learned position table starts at index 2 (transformers OPTLearnedPositionalEmbedding)
+
+
+def dtype_of(spec: ModelSpec, name: str | None = None) -> torch.dtype:
+    """The torch dtype of a model's weights: ``name`` if given, else fp16 for 2-byte specs and fp32 for 4-byte."""
+    if name is not None:
+        return DTYPES[name]
+    return {2: torch.float16, 4: torch.float32}[spec.dtype_bytes]
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where one tensor of a layer lives in the layer's flat buffer: elements [lo, hi)."""
+
+    name: str
+    shape: tuple[int, ...]
+    lo: int
+    hi: int
+
+
+def layer_layout(spec: ModelSpec) -> list[TensorSlot]:
+    """Element ranges of each tensor of one decoder layer in its flat buffer (``layer_tensors`` order)."""
+    out, off = [], 0
+    for name, shape in spec.layer_tensors():
+        n = math.prod(shape)
+        out.append(TensorSlot(name, shape, off, off + n))
+        off += n
+    return out
+
+
+def layer_views(layout: list[TensorSlot], pieces: list[tuple[int, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Named tensors of one layer from pieces of its flat buffer. ``pieces``: (first element, 1-D tensor) covering
+    disjoint element ranges; every tensor must lie inside one piece (the executor assembles a tensor that straddles
+    two tiers into the later piece before calling this)."""
+    views = {}
+    for t in layout:
+        for base, buf in pieces:
+            if base <= t.lo and t.hi <= base + buf.numel():
+                views[t.name] = buf[t.lo - base:t.hi - base].view(t.shape)
+                break
+        else:
+            raise ValueError(f"tensor {t.name} (elements [{t.lo}, {t.hi})) is not inside one piece of the buffer")
+    return views
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# embeddings and head (weights always on the GPU: offsim's schedule keeps them there)
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class Embeddings:
+    """Weights outside the decoder layers. tokens: [V, E]; positions: [max_positions + 2, E] (OPT only);
+    norm_w / norm_b: final norm (norm_b OPT only); lm_head: [V, E] or None when tied to ``tokens``."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor | None
+    norm_w: torch.Tensor
+    norm_b: torch.Tensor | None
+    lm_head: torch.Tensor | None
+
+    def to(self, device, dtype=None) -> "Embeddings":
+        f = (lambda t: None if t is None else t.to(device=device, dtype=dtype or t.dtype))  # noqa: E731
+        return Embeddings(f(self.tokens), f(self.positions), f(self.norm_w), f(self.norm_b), f(self.lm_head))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.tokens, self.positions, self.norm_w, self.norm_b,
+                                                          self.lm_head) if t is not None)
+
+
+def embed(spec: ModelSpec, emb: Embeddings, tokens: torch.Tensor, start: int) -> torch.Tensor:
+    """tokens: [B, T] ids of positions [start, start + T) -> hidden [B, T, E]."""
+    x = F.embedding(tokens, emb.tokens)  # [B, T, E]
+    if spec.family == "opt":
+        T = tokens.shape[1]
+        x = x + emb.positions[start + OPT_POSITION_OFFSET:start + OPT_POSITION_OFFSET + T]  # [T, E] broadcast
+    return x
+
+
+def head(spec: ModelSpec, emb: Embeddings, x: torch.Tensor) -> torch.Tensor:
+    """x: [B, T, E] -> logits [B, V] of each sequence's last position (final norm, then the LM head)."""
+    h = _norm(spec, x[:, -1], emb.norm_w, emb.norm_b)  # [B, E]
+    return F.linear(h, emb.tokens if emb.lm_head is None else emb.lm_head)  # [B, V]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# decoder layer
+# ----------------------------------------------------------------------------------------------------------------
+def _norm(spec: ModelSpec, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    if spec.family == "opt":
+        return F.layer_norm(x, (x.shape[-1],), w, b, spec.norm_eps)
+    # RMSNorm as transformers' LlamaRMSNorm: statistics in fp32, scale in the input dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + spec.norm_eps)
+    return w * xf.to(x.dtype)
+
+
+class Rope:
+    """cos/sin tables of rotary position embeddings (Llama; transformers' default rope type), [P, D] in ``dtype``."""
+
+    def __init__(self, spec: ModelSpec, device, dtype, max_positions: int | None = None):
+        D = spec.head_dim
+        P = max_positions or spec.max_positions
+        inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64, device=device).float() / D))
+        freqs = torch.arange(P, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [P, D/2]
+        e = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        self.cos = e.cos().to(dtype)
+        self.sin = e.sin().to(dtype)
+
+    def apply(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """x: [B, T, n, D] of positions [start, start + T) -> rotated, same shape."""
+        T = x.shape[1]
+        cos = self.cos[start:start + T][None, :, None, :]  # [1, T, 1, D]
+        sin = self.sin[start:start + T][None, :, None, :]
+        half = x.shape[-1] // 2
+        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # rotate_half
+        return x * cos + rot * sin
+
+
+def pre_attn(spec: ModelSpec, w: dict, x: torch.Tensor, start: int, rope: Rope | None = None):
+    """x: [B, T, E] hidden of positions [start, start + T) -> q [B, T, H, D], k [B, T, Hk, D], v [B, T, Hk, D]."""
+    B, T, _ = x.shape
+    H, Hk, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    if spec.family == "opt":
+        h = _norm(spec, x, w["self_attn_layer_norm.weight"], w["self_attn_layer_norm.bias"])
+        q = F.linear(h, w["q_proj.weight"], w["q_proj.bias"]).view(B, T, H, D)
+        k = F.linear(h, w["k_proj.weight"], w["k_proj.bias"]).view(B, T, Hk, D)
+        v = F.linear(h, w["v_proj.weight"], w["v_proj.bias"]).view(B, T, Hk, D)
+        return q, k, v
+    h = _norm(spec, x, w["input_layernorm.weight"], None)
+    q = F.linear(h, w["q_proj.weight"]).view(B, T, H, D)
+    k = F.linear(h, w["k_proj.weight"]).view(B, T, Hk, D)
+    v = F.linear(h, w["v_proj.weight"]).view(B, T, Hk, D)
+    return rope.apply(q, start), rope.apply(k, start), v
+
+
+def attention(spec: ModelSpec, q: torch.Tensor, groups: list[tuple[int, int, torch.Tensor, torch.Tensor]],
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of T queries at the end of a C-token context.
+
+    q: [B, T, H, D]; groups: (head_lo, head_hi, K, V) with K, V: [B, head_hi - head_lo, C, D] for KV heads
+    [head_lo, head_hi) (query heads [head_lo·G, head_hi·G), G = H / Hk: GQA). Query t (0-based) sees keys
+    [0, C - T + t] -- causal, aligned to the bottom right -- so a prefill (T = C), a decode step (T = 1) and a
+    recompute block (1 < T < C) are one function. Returns out [B, T, H·D] (written into ``out`` if given).
+    """
+    B, T, H, D = q.shape
+    G = H // spec.num_kv_heads
+    if out is None:
+        out = q.new_empty(B, T, H * D)
+    o4 = out.view(B, T, H, D)
+    for h0, h1, K, V in groups:
+        C = K.shape[2]
+        qg = q[:, :, h0 * G:h1 * G].transpose(1, 2)  # [B, n·G, T, D]
+        if T == 1:
+            mask, causal = None, False
+        elif T == C:
+            mask, causal = None, True
+        else:
+            mask, causal = causal_lower_right(T, C), False
+        og = F.scaled_dot_product_attention(qg, K, V, attn_mask=mask, is_causal=causal, enable_gqa=G > 1)
+        o4[:, :, h0 * G:h1 * G] = og.transpose(1, 2)  # [B, T, n·G, D]
+    return out
+
+
+def post_attn(spec: ModelSpec, w: dict, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """x: [B, T, E] residual (the layer's input); o: [B, T, H·D] attention output -> the layer's output [B, T, E]."""
+    if spec.family == "opt":
+        x = x + F.linear(o, w["out_proj.weight"], w["out_proj.bias"])
+        h = _norm(spec, x, w["final_layer_norm.weight"], w["final_layer_norm.bias"])
+        h = F.relu_(F.linear(h, w["fc1.weight"], w["fc1.bias"]))  # [B, T, F]
+        return x + F.linear(h, w["fc2.weight"], w["fc2.bias"])
+    x = x + F.linear(o, w["o_proj.weight"])
+    h = _norm(spec, x, w["post_attention_layernorm.weight"], None)
+    g = F.silu(F.linear(h, w["gate_proj.weight"])).mul_(F.linear(h, w["up_proj.weight"]))  # [B, T, F] SwiGLU
+    return x + F.linear(g, w["down_proj.weight"])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# a plain forward, no offloading: the reference the executor is tested against on the GPU
+# ----------------------------------------------------------------------------------------------------------------
+def reference_generate(spec: ModelSpec, layers: list[dict], emb: Embeddings, prompt: torch.Tensor, gen_len: int,
+                       rope: Rope | None = None, return_logits: bool = False):
+    """Greedy generation with everything in memory: prompt [B, S] -> tokens [B, gen_len] (and logits per step,
+    [gen_len, B, V], if asked). KV cache in [B, Hk, C, D] tensors, extended by cat."""
+    B, S = prompt.shape
+    cache: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * spec.num_layers
+    toks, logits_all = [], []
+    cur, start = prompt, 0
+    for _ in range(gen_len):
+        x = embed(spec, emb, cur, start)
+        for j, w in enumerate(layers):
+            q, k, v = pre_attn(spec, w, x, start, rope)
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hk, T, D]
+            if cache[j] is not None:
+                k, v = torch.cat((cache[j][0], k), 2), torch.cat((cache[j][1], v), 2)
+            cache[j] = (k, v)
+            o = attention(spec, q, [(0, spec.num_kv_heads, k, v)])
+            x = post_attn(spec, w, x, o)
+        lg = head(spec, emb, x)
+        nxt = lg.argmax(-1)
+        toks.append(nxt)
+        logits_all.append(lg)
+        start += cur.shape[1]
+        cur = nxt[:, None]
+    out = torch.stack(toks, 1)
+    return (out, torch.stack(logits_all)) if return_logits else out

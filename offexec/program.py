@@ -1,0 +1,380 @@
+"""Static binding of a plan's ops to the data they read and write (the executor's first pass, no policy logic).
+
+The plan says *what* each op moves or computes (offsim/plan.py's docstring); this pass decides *which buffer*, by
+replaying the plan in plan order -- the order in which the simulator also understands the data -- and recording, for
+every op, the values it uses (by id) and, for every value, how many ops use it, so the executor frees a buffer right
+after its last user. Binding in plan order, rather than at run time, makes the data each op sees independent of the
+order in which the executor's threads happen to issue ops.
+
+Values (``Value.kind``), all per GPU batch ``k`` and layer ``j``:
+- ``hidden`` (GPU) / ``hidden_host``: a batch's activations between ops (compute output, or an h2d of a parked one);
+- ``pre`` (GPU): a ``pre_attn`` result -- residual, Q, K, V of the new tokens -- for ``attn`` / ``post_attn``;
+- ``qkv_host``, ``attn_host`` (host), ``attn`` (GPU): CPU-attention traffic (FlexGen's delegation);
+- ``wslot`` (GPU pool): the streamed part of layer j's weights for step i, filled by one or more weight h2d ops and
+  read by that step's compute ops of layer j;
+- ``kvwork_cpu`` / ``kvwork_disk`` (GPU pool): a working KV buffer of the heads homed on the host / on disk, holding
+  positions [0, ctx): the prefix delivered by KV h2d ops plus the tokens the next compute of (j, k) adds; stores
+  (d2h) of those heads read it;
+- ``wstage``, ``kvread``, ``kvout`` (host staging): data on its way between disk and the GPU.
+
+Homes (never values; the executor allocates them once): resident weight bytes [0, gpu) per layer, host weight bytes,
+disk weight bytes, the KV of GPU-homed heads on the GPU, of host-homed heads in host memory, of disk-homed heads on
+disk, the token ids of every sequence.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from offsim.plan import Op, Plan
+
+from .memory import ExecError
+
+GPU_STREAMS = ("compute", "h2d", "d2h")
+HOST_STREAMS = ("cpu", "disk")
+POOL_KINDS = ("wslot", "kvwork_cpu", "kvwork_disk")
+
+
+@dataclass(slots=True)
+class Value:
+    id: int
+    kind: str
+    key: tuple
+    producer: int  # op that creates it
+    users: int = 0  # ops that use it, the producer included
+    last: int = -1  # last user in plan order
+    nbytes: int = 0
+    covered: list = field(default_factory=list)  # kvwork / wslot: [lo, hi) ranges filled by transfers
+
+
+@dataclass(slots=True)
+class Bound:
+    """What op ``op`` does: handler name and the values it uses by role."""
+
+    op: Op
+    fn: str
+    args: dict  # role -> value id
+    info: dict  # role -> plain number or tag (offsets of staged data)
+
+
+@dataclass
+class Program:
+    plan: Plan
+    bound: list[Bound]
+    values: list[Value]
+    pool_peak: dict[str, int]  # most pool buffers live at once, in plan order
+    host_peak_bytes: int  # most bytes of host staging values live at once, in plan order
+    slot_base: list[int]  # per layer: first element of the streamed slot (start of the tensor that straddles gpu|cpu)
+    slot_numel: int  # elements of one weight slot
+    groups: dict[str, tuple[int, int]]  # home group -> KV heads [lo, hi)
+
+
+def weight_slot_base(layout, g_elems: int) -> int:
+    """First element of a layer's streamed slot: the start of the tensor that holds element ``g_elems`` (the first
+    byte not resident on the GPU), so that every tensor lies wholly in the resident buffer or in the slot."""
+    for t in layout:
+        if t.lo <= g_elems < t.hi:
+            return t.lo
+    return g_elems
+
+
+def bind(plan: Plan, layout) -> Program:
+    """Resolve every op's inputs and outputs; raise ExecError naming the first op the executor cannot run."""
+    m, wl = plan.model, plan.workload
+    L, e = m.num_layers, m.dtype_bytes
+    Wn = layout[-1].hi
+    n_kv = m.num_kv_heads
+    kg, kc = plan.kv_split
+    groups = {"gpu": (0, kg), "cpu": (kg, kg + kc), "disk": (kg + kc, n_kv)}
+    gbs = wl.gpu_batch_size
+    g_el = [g // e for g, _ in plan.weight_split]
+    c_el = [c // e for _, c in plan.weight_split]
+    slot_base = [weight_slot_base(layout, g) if g < Wn else Wn for g in g_el]
+    slot_numel = max([Wn - b for b in slot_base] + [0])
+
+    values: list[Value] = []
+    bound: list[Bound] = []
+
+    def new(kind, key, op, nbytes=0) -> int:
+        v = Value(len(values), kind, key, op.id, nbytes=nbytes)
+        values.append(v)
+        return v.id
+
+    def use(vid, op):
+        v = values[vid]
+        v.users += 1
+        v.last = op.id
+        return vid
+
+    def fail(op, msg):
+        raise ExecError(f"{op.describe()}: {msg}")
+
+    def group_of(op) -> str:
+        for name, (lo, hi) in groups.items():
+            if lo <= op.head_lo and op.head_hi <= hi and hi > lo:
+                return name
+        fail(op, f"KV heads [{op.head_lo}, {op.head_hi}) span more than one home tier (gpu heads [0, {kg}), cpu "
+                 f"[{kg}, {kg + kc}), disk [{kg + kc}, {n_kv}))")
+
+    hidden: dict[int, int] = {}
+    hidden_host: dict[int, int] = {}
+    pre: dict[tuple, int] = {}
+    qkv_host: dict[tuple, int] = {}
+    attn_host: dict[tuple, int] = {}
+    attn_gpu: dict[tuple, int] = {}
+    wslot: dict[tuple, int] = {}
+    wstage: dict[int, list] = {}
+    kv_pending: dict[tuple, int] = {}
+    kv_current: dict[tuple, int] = {}
+    kv_read: dict[tuple, list] = {}
+    host_frag: dict[tuple, list] = {}
+
+    def weights_of(op, args):
+        j = op.layer
+        if g_el[j] < Wn:
+            vid = wslot.get((op.step, j))
+            if vid is None:
+                fail(op, f"computes layer {j}, whose weight bytes [{g_el[j] * e}, {Wn * e}) are not GPU-resident, "
+                         f"but no weight load of layer {j} for step {op.step} precedes it")
+            need_lo = g_el[j]
+            if _prefix_end(values[vid].covered, need_lo) < Wn:
+                fail(op, f"layer {j}'s streamed weight bytes [{need_lo * e}, {Wn * e}) are not all loaded for step "
+                         f"{op.step} (loaded element ranges: {values[vid].covered})")
+            args["w"] = use(vid, op)
+
+    def kv_for_attention(op, args):
+        """Working KV buffers of the off-GPU head groups for a GPU attention over positions [0, ctx)."""
+        j, k = op.layer, op.batch
+        start = op.ctx_tokens - op.q_tokens
+        for g in ("cpu", "disk"):
+            lo, hi = groups[g]
+            if hi <= lo:
+                continue
+            vid = kv_pending.pop((j, k, g), None)
+            if vid is None:
+                if start > 0:
+                    fail(op, f"attends over KV positions [0, {start}) of heads [{lo}, {hi}) (home: {g}) but no KV "
+                             f"load of layer {j} batch {k} precedes it")
+                vid = new(f"kvwork_{g}", (j, k), op)
+            elif _prefix_end(values[vid].covered, 0) < start:
+                fail(op, f"attends over KV positions [0, {start}) of heads [{lo}, {hi}) but only "
+                         f"{values[vid].covered} were loaded")
+            args[f"kv_{g}"] = use(vid, op)
+            kv_current[(j, k, g)] = vid
+
+    for op in plan.ops:
+        args: dict = {}
+        info: dict = {}
+        kind, j, k, i = op.kind, op.layer, op.batch, op.step
+        if kind in ("compute", "cpu_compute") and op.num_seqs != gbs:
+            fail(op, f"computes {op.num_seqs} sequences; the executor runs GPU batches of {gbs}")
+        if kind == "compute":
+            part = op.part
+            if part == "embed":
+                fn = "embed"
+                args["out"] = use(new("hidden", (k,), op), op)
+                hidden[k] = args["out"]
+            elif part in ("layer", "pre_attn", "head"):
+                if k not in hidden:
+                    fail(op, f"no activations of batch {k} precede it (no embed or earlier layer)")
+                args["x"] = use(hidden[k], op)
+                if part == "head":
+                    fn = "head"
+                else:
+                    weights_of(op, args)
+                    if part == "layer":
+                        fn = "layer"
+                        kv_for_attention(op, args)
+                        args["out"] = use(new("hidden", (k,), op), op)
+                        hidden[k] = args["out"]
+                    else:
+                        fn = "pre_attn"
+                        args["out"] = use(new("pre", (j, k), op), op)
+                        pre[(j, k)] = args["out"]
+            elif part == "attn":
+                fn = "attn_gpu"
+                if (j, k) not in pre:
+                    fail(op, "GPU attention with no pre_attn of this layer and batch before it")
+                args["pre"] = use(pre[(j, k)], op)
+                kv_for_attention(op, args)
+                args["out"] = use(new("attn", (j, k), op), op)
+                attn_gpu[(j, k)] = args["out"]
+            elif part == "post_attn":
+                fn = "post_attn"
+                if (j, k) not in pre or (j, k) not in attn_gpu:
+                    fail(op, "post_attn needs a pre_attn and an attention output of this layer and batch before it")
+                args["pre"] = use(pre[(j, k)], op)
+                args["attn"] = use(attn_gpu[(j, k)], op)
+                weights_of(op, args)
+                args["out"] = use(new("hidden", (k,), op), op)
+                hidden[k] = args["out"]
+            else:  # pragma: no cover - validate() rejects other parts
+                fail(op, f"unknown compute part {part!r}")
+        elif kind == "cpu_compute":
+            fn = "attn_cpu"
+            if (j, k) not in qkv_host:
+                fail(op, "CPU attention with no Q/K/V copied to the host (d2h 'qkv') before it")
+            if groups["gpu"][1] > 0:
+                fail(op, f"CPU attention over KV heads homed on the GPU ([0, {kg})) is not supported")
+            args["qkv"] = use(qkv_host[(j, k)], op)
+            start = op.ctx_tokens - op.q_tokens
+            lo, hi = groups["disk"]
+            if hi > lo and start > 0:
+                frag = kv_read.get((j, k))
+                if frag is None or frag[1] > 0 or frag[2] < start or (frag[3], frag[4]) != (lo, hi):
+                    fail(op, f"CPU attention over disk-homed heads [{lo}, {hi}) needs positions [0, {start}) read "
+                             "from disk (disk_read 'kv') before it")
+                args["kvread"] = use(frag[0], op)
+            args["out"] = use(new("attn_host", (j, k), op), op)
+            attn_host[(j, k)] = args["out"]
+            host_frag[(j, k)] = [args["qkv"], start, op.ctx_tokens, 0, n_kv, "qkv"]
+        elif op.tensor == "weight":
+            if kind == "h2d":
+                fn = "h2d_weight"
+                lo, hi = op.lo // e, op.hi // e
+                if lo < g_el[j]:
+                    fail(op, f"loads weight bytes [{op.lo}, {op.hi}) of which [{op.lo}, {g_el[j] * e}) are GPU-resident")
+                if lo < g_el[j] + c_el[j] < hi:
+                    fail(op, f"one weight load spans the host and disk parts of layer {j} (split at byte "
+                             f"{(g_el[j] + c_el[j]) * e})")
+                vid = wslot.get((i, j))
+                if vid is None:
+                    vid = wslot[(i, j)] = new("wslot", (i, j), op)
+                    info["init"] = True  # first load of this slot: bring the straddling tensor's resident head
+                values[vid].covered.append((lo, hi))
+                args["slot"] = use(vid, op)
+                if lo >= g_el[j] + c_el[j]:
+                    frag = wstage.get(j)
+                    if frag is None or not (frag[1] <= lo and hi <= frag[2]):
+                        fail(op, f"loads disk-homed weight bytes [{op.lo}, {op.hi}) of layer {j} with no disk_read "
+                                 "of them before it")
+                    args["stage"] = use(frag[0], op)
+                    info["stage_lo"] = frag[1]
+            elif kind == "disk_read":
+                fn = "disk_read_weight"
+                lo, hi = op.lo // e, op.hi // e
+                if lo < g_el[j] + c_el[j]:
+                    fail(op, f"reads weight bytes [{op.lo}, {op.hi}) from disk, but layer {j}'s disk part starts at "
+                             f"byte {(g_el[j] + c_el[j]) * e}")
+                vid = new("wstage", (j,), op, nbytes=op.nbytes)
+                wstage[j] = [vid, lo, hi]
+                args["out"] = use(vid, op)
+            else:
+                fail(op, f"the executor does not run {kind} of weights (weights are read-only)")
+        elif op.tensor == "kv":
+            g = group_of(op)
+            if kind == "h2d":
+                fn = "h2d_kv"
+                if g == "gpu":
+                    fail(op, "loads KV heads that live on the GPU")
+                vid = kv_pending.get((j, k, g))
+                if vid is None:
+                    vid = kv_pending[(j, k, g)] = new(f"kvwork_{g}", (j, k), op)
+                values[vid].covered.append((op.lo, op.hi))
+                args["dst"] = use(vid, op)
+                if g == "disk":
+                    frag = kv_read.get((j, k))
+                    if frag is None or not (frag[1] <= op.lo and op.hi <= frag[2]) or (frag[3], frag[4]) != \
+                            (op.head_lo, op.head_hi):
+                        fail(op, "loads disk-homed KV with no disk_read of the same heads and positions before it")
+                    args["src"] = use(frag[0], op)
+                    info["src_lo"] = frag[1]
+            elif kind == "d2h":
+                fn = "d2h_kv"
+                if g == "gpu":
+                    fail(op, "stores KV heads that live on the GPU (they are never copied out)")
+                vid = kv_current.get((j, k, g))
+                if vid is None:
+                    fail(op, f"stores KV of layer {j} batch {k} that no compute produced")
+                args["src"] = use(vid, op)
+                if g == "disk":
+                    out = new("kvout", (j, k), op, nbytes=op.nbytes)
+                    args["out"] = use(out, op)
+                    host_frag[(j, k)] = [out, op.lo, op.hi, op.head_lo, op.head_hi, "kv"]
+            elif kind == "disk_read":
+                fn = "disk_read_kv"
+                if g != "disk":
+                    fail(op, "reads from disk KV heads that are not homed on disk")
+                vid = new("kvread", (j, k), op, nbytes=op.nbytes)
+                kv_read[(j, k)] = [vid, op.lo, op.hi, op.head_lo, op.head_hi]
+                args["out"] = use(vid, op)
+            elif kind == "disk_write":
+                fn = "disk_write_kv"
+                if g != "disk":
+                    fail(op, "writes to disk KV heads that are not homed on disk")
+                frag = host_frag.get((j, k))
+                if frag is None or not (frag[1] <= op.lo and op.hi <= frag[2] and frag[3] <= op.head_lo and
+                                        op.head_hi <= frag[4]):
+                    fail(op, "writes KV to disk that is not in host memory (no d2h or CPU attention of those "
+                             "positions and heads before it)")
+                args["src"] = use(frag[0], op)
+                info["src_lo"], info["src_h0"], info["src_kind"] = frag[1], frag[3], frag[5]
+            else:
+                fail(op, f"unsupported KV transfer {kind}")
+        elif op.tensor == "hidden":
+            if kind == "d2h":
+                fn = "d2h_hidden"
+                if k not in hidden:
+                    fail(op, f"parks activations of batch {k} that do not exist yet")
+                args["src"] = use(hidden[k], op)
+                args["out"] = use(new("hidden_host", (k,), op), op)
+                hidden_host[k] = args["out"]
+            elif kind == "h2d":
+                fn = "h2d_hidden"
+                if k not in hidden_host:
+                    fail(op, f"loads parked activations of batch {k} but none were parked")
+                args["src"] = use(hidden_host[k], op)
+                args["out"] = use(new("hidden", (k,), op), op)
+                hidden[k] = args["out"]
+            else:
+                fail(op, f"unsupported activation transfer {kind}")
+        elif op.tensor == "qkv" and kind == "d2h":
+            fn = "d2h_qkv"
+            if (j, k) not in pre:
+                fail(op, "copies Q/K/V to the host but no pre_attn produced them")
+            args["src"] = use(pre[(j, k)], op)
+            args["out"] = use(new("qkv_host", (j, k), op), op)
+            qkv_host[(j, k)] = args["out"]
+        elif op.tensor == "attn_out" and kind == "h2d":
+            fn = "h2d_attn_out"
+            if (j, k) not in attn_host:
+                fail(op, "loads an attention output that no CPU attention produced")
+            args["src"] = use(attn_host[(j, k)], op)
+            args["out"] = use(new("attn", (j, k), op), op)
+            attn_gpu[(j, k)] = args["out"]
+        else:
+            fail(op, f"the executor does not know how to run a {kind} of {op.tensor!r}")
+        bound.append(Bound(op, fn, args, info))
+
+    # pool peaks and host staging peak in plan order (a value lives from its producer to its last user)
+    live: dict[str, int] = {k: 0 for k in POOL_KINDS}
+    peak = dict(live)
+    host_live = host_peak = 0
+    ends: dict[int, list[Value]] = {}
+    for v in values:
+        ends.setdefault(v.last, []).append(v)
+    starts: dict[int, list[Value]] = {}
+    for v in values:
+        starts.setdefault(v.producer, []).append(v)
+    for op in plan.ops:
+        for v in starts.get(op.id, ()):
+            if v.kind in live:
+                live[v.kind] += 1
+                peak[v.kind] = max(peak[v.kind], live[v.kind])
+            elif v.kind in ("wstage", "kvread", "kvout"):
+                host_live += v.nbytes
+                host_peak = max(host_peak, host_live)
+        for v in ends.get(op.id, ()):
+            if v.kind in live:
+                live[v.kind] -= 1
+            elif v.kind in ("wstage", "kvread", "kvout"):
+                host_live -= v.nbytes
+    return Program(plan, bound, values, peak, host_peak, slot_base, slot_numel, groups)
+
+
+def _prefix_end(ranges: list, start: int) -> int:
+    """End of the contiguous run of [lo, hi) ranges that starts at or before ``start``."""
+    end = start
+    for lo, hi in sorted(ranges):
+        if lo <= end:
+            end = max(end, hi)
+    return end

@@ -1,0 +1,217 @@
+"""Model weights in host memory, in the executor's layout: one flat buffer per decoder layer
+(``ModelSpec.layer_tensors`` order; a plan's weight op moves a byte range of it) plus the embeddings.
+
+Three sources, one layout:
+- ``random_weights``: seeded random values at the model's real size, generated on the GPU (or CPU) one tensor at a
+  time and copied into page-locked host memory -- OPT-30B's 55.8 GB takes seconds of GPU time and as long as the
+  host needs to fault in and lock the pages. The values depend on (seed, generating device).
+- ``from_state_dict``: a transformers model's ``state_dict`` (tests copy tiny random transformers models this way).
+- ``load_checkpoint``: a local checkpoint directory in transformers' layout (config.json + *.safetensors); names and
+  shapes are checked against the model before anything large is allocated.
+
+The host master holds every layer in full; the executor places each plan's tiers from it (GPU-resident bytes are
+copied to the GPU, host-homed bytes are views of it, disk-homed bytes are written to the disk tier).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from offsim.specs import ModelSpec
+
+from .memory import ExecError, HostBuffer
+from .model import Embeddings, dtype_of, layer_layout
+
+INIT_STD = 0.02  # transformers' init_std / initializer_range for OPT and Llama
+
+
+class ModelWeights:
+    """Host master copy: ``layers`` [L, W] (W = elements of one layer's flat buffer) and ``emb``."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, pinned: bool = False):
+        self.spec, self.dtype = spec, dtype
+        if torch.empty(0, dtype=dtype).element_size() != spec.dtype_bytes:
+            raise ExecError(f"dtype {dtype} has {torch.empty(0, dtype=dtype).element_size()} bytes per element but "
+                            f"the model spec counts {spec.dtype_bytes}")
+        self.layout = layer_layout(spec)
+        self.layer_numel = self.layout[-1].hi
+        self.host = HostBuffer(spec.num_layers * self.layer_numel, dtype, pinned and torch.cuda.is_available())
+        self.layers = self.host.tensor.view(spec.num_layers, self.layer_numel)
+        self.emb: Embeddings | None = None
+        self.source = ""
+
+    @property
+    def pinned(self) -> bool:
+        return self.host.pinned
+
+    def set_pinned(self, pinned: bool) -> None:
+        self.host.set_pinned(pinned and torch.cuda.is_available())
+
+    def nbytes(self) -> int:
+        return self.host.nbytes + (self.emb.nbytes() if self.emb else 0)
+
+    def close(self) -> None:
+        self.host.close()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# transformers names
+# ----------------------------------------------------------------------------------------------------------------
+def hf_layer_name(spec: ModelSpec, prefix: str, j: int, name: str) -> str:
+    """transformers' state-dict key of tensor ``name`` (a ``layer_tensors`` name) of decoder layer ``j``."""
+    if spec.family == "opt":
+        sub = "self_attn." if name.split(".")[0] in ("q_proj", "k_proj", "v_proj", "out_proj") else ""
+        return f"{prefix}layers.{j}.{sub}{name}"
+    mod = name.split(".")[0]
+    sub = "self_attn." if mod in ("q_proj", "k_proj", "v_proj", "o_proj") else \
+        "mlp." if mod in ("gate_proj", "up_proj", "down_proj") else ""
+    return f"{prefix}layers.{j}.{sub}{name}"
+
+
+def hf_embedding_names(spec: ModelSpec, prefix: str) -> dict[str, tuple[str, tuple[int, ...]] | None]:
+    """Embeddings field -> (key, shape), None where the model has no such tensor."""
+    V, E = spec.vocab_size, spec.d_model
+    if spec.family == "opt":
+        return {"tokens": (f"{prefix}embed_tokens.weight", (V, E)),
+                "positions": (f"{prefix}embed_positions.weight", (spec.max_positions + 2, E)),
+                "norm_w": (f"{prefix}final_layer_norm.weight", (E,)),
+                "norm_b": (f"{prefix}final_layer_norm.bias", (E,)),
+                "lm_head": None if spec.tie_word_embeddings else ("lm_head.weight", (V, E))}
+    return {"tokens": (f"{prefix}embed_tokens.weight", (V, E)), "positions": None,
+            "norm_w": (f"{prefix}norm.weight", (E,)), "norm_b": None,
+            "lm_head": None if spec.tie_word_embeddings else ("lm_head.weight", (V, E))}
+
+
+def _prefix(spec: ModelSpec, keys) -> str:
+    cands = ("model.decoder.", "decoder.", "") if spec.family == "opt" else ("model.", "")
+    for p in cands:
+        if f"{p}embed_tokens.weight" in keys:
+            return p
+    raise ExecError(f"checkpoint has no token embedding (looked for {[c + 'embed_tokens.weight' for c in cands]})")
+
+
+def _check_shapes(spec: ModelSpec, shapes: dict[str, tuple], where: str) -> str:
+    """Every tensor the model needs is present with the right shape; returns the key prefix."""
+    prefix = _prefix(spec, shapes)
+    want = {}
+    for j in range(spec.num_layers):
+        for name, shape in spec.layer_tensors():
+            want[hf_layer_name(spec, prefix, j, name)] = tuple(shape)
+    for ks in hf_embedding_names(spec, prefix).values():
+        if ks is not None:
+            want[ks[0]] = ks[1]
+    missing = [k for k in want if k not in shapes]
+    if missing:
+        raise ExecError(f"{where} lacks {len(missing)} tensors the model {spec.name} needs, e.g. {missing[:3]}")
+    bad = [(k, shapes[k], s) for k, s in want.items() if tuple(shapes[k]) != s]
+    if bad:
+        k, got, exp = bad[0]
+        raise ExecError(f"{where}: tensor {k} has shape {list(got)} but model {spec.name} needs {list(exp)} "
+                        f"({len(bad)} tensors differ): the checkpoint does not match the model")
+    return prefix
+
+
+def _fill(w: ModelWeights, get, prefix: str, progress: bool) -> None:
+    spec = w.spec
+    for j in tqdm(range(spec.num_layers), desc="weights", disable=not progress, leave=False):
+        row = w.layers[j]
+        for t in w.layout:
+            row[t.lo:t.hi].copy_(get(hf_layer_name(spec, prefix, j, t.name)).reshape(-1))
+    emb = {}
+    for field, ks in hf_embedding_names(spec, prefix).items():
+        emb[field] = None if ks is None else get(ks[0]).to(w.dtype).clone()
+    w.emb = Embeddings(**emb)
+
+
+def from_state_dict(spec: ModelSpec, sd: dict, dtype: torch.dtype | None = None, pinned: bool = False,
+                    progress: bool = False) -> ModelWeights:
+    """From a transformers ``state_dict`` (OPTForCausalLM / LlamaForCausalLM)."""
+    dtype = dtype or dtype_of(spec)
+    _check_shapes(spec, {k: tuple(v.shape) for k, v in sd.items()}, "state dict")
+    w = ModelWeights(spec, dtype, pinned)
+    _fill(w, lambda k: sd[k], _prefix(spec, sd), progress)
+    w.source = "state_dict"
+    return w
+
+
+def load_checkpoint(path: str | Path, spec: ModelSpec | None = None, dtype: torch.dtype | None = None,
+                    pinned: bool = False, progress: bool = True) -> ModelWeights:
+    """From a local transformers checkpoint directory (config.json and one or more .safetensors files)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ExecError(f"--checkpoint {path} is not a directory")
+    ck_spec = ModelSpec.from_hf_config(path)
+    if spec is not None:
+        diffs = [f for f in ("family", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "ffn_dim",
+                             "vocab_size") if getattr(spec, f) != getattr(ck_spec, f)]
+        if diffs:
+            f = diffs[0]
+            raise ExecError(f"checkpoint {path} does not match model {spec.name}: {f} is {getattr(ck_spec, f)} in its "
+                            f"config.json, {getattr(spec, f)} in the model")
+    spec = spec or ck_spec
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ExecError(f"checkpoint {path} has no .safetensors files")
+    handles, where = [], {}
+    shapes = {}
+    for f in files:
+        h = safe_open(str(f), framework="pt")
+        handles.append(h)
+        for k in h.keys():
+            where[k] = h
+            shapes[k] = tuple(h.get_slice(k).get_shape())
+    if spec.tie_word_embeddings is False and "lm_head.weight" not in shapes:
+        raise ExecError(f"checkpoint {path} lacks lm_head.weight (the model's LM head is not tied)")
+    prefix = _check_shapes(spec, shapes, f"checkpoint {path}")  # before the large allocation
+    w = ModelWeights(spec, dtype or dtype_of(spec), pinned)
+    _fill(w, lambda k: where[k].get_tensor(k), prefix, progress)
+    w.source = f"checkpoint {path}"
+    return w
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# seeded random weights at real size
+# ----------------------------------------------------------------------------------------------------------------
+def _init_tensor(name: str, shape, gen: torch.Generator, device, dtype) -> torch.Tensor:
+    """Values that keep a deep random model finite in fp16: matrices and biases N(0, 0.02²) (transformers' init),
+    norm weights 1 + N(0, 0.02²), norm biases N(0, 0.02²)."""
+    t = torch.randn(shape, generator=gen, device=device, dtype=dtype).mul_(INIT_STD)
+    if "norm" in name and name.endswith("weight"):
+        t.add_(1.0)
+    return t
+
+
+def random_weights(spec: ModelSpec, seed: int = 0, dtype: torch.dtype | None = None, device: str = "cpu",
+                   pinned: bool = False, progress: bool = True) -> ModelWeights:
+    """Seeded random weights at the model's real size, generated on ``device`` and parked in host memory."""
+    dtype = dtype or dtype_of(spec)
+    dev = torch.device(device)
+    w = ModelWeights(spec, dtype, pinned)
+    nb = dev.type == "cuda" and w.pinned
+    for j in tqdm(range(spec.num_layers), desc="random weights", disable=not progress, leave=False):
+        gen = torch.Generator(device=dev).manual_seed(seed * 1_000_003 + j)
+        row = w.layers[j]
+        for t in w.layout:
+            row[t.lo:t.hi].copy_(_init_tensor(t.name, (t.hi - t.lo,), gen, dev, dtype), non_blocking=nb)
+        if nb and j % 4 == 3:
+            torch.cuda.current_stream(dev).synchronize()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    gen = torch.Generator(device=dev).manual_seed(seed * 1_000_003 + spec.num_layers)
+    emb = {}
+    for field, ks in hf_embedding_names(spec, "").items():
+        emb[field] = None if ks is None else _init_tensor(field if field != "norm_w" else "norm.weight", ks[1], gen,
+                                                          dev, dtype).cpu()
+    w.emb = Embeddings(**emb)
+    w.source = f"random seed {seed} on {dev.type}"
+    return w
+
+
+def config_json(spec: ModelSpec) -> str:
+    """A transformers config.json for ``spec`` (to write a checkpoint next to random weights)."""
+    return json.dumps(spec.to_hf_config_dict(), indent=1)
