@@ -180,7 +180,8 @@ def cmd_search(args) -> None:
     print(f"best {args.policy} for {model.name} on {hw.name}: gpu_batch_size {res.workload.gpu_batch_size}, "
           f"num_gpu_batches {res.workload.num_gpu_batches}, settings {res.settings}")
     print(_fmt_table([res.metrics]))
-    cols = [c for c in ("gpu_batch_size", "num_gpu_batches", "settings", "lp_s_per_token", "total_tok_s")
+    cols = [c for c in ("gpu_batch_size", "num_gpu_batches", "settings", "lp_s_per_token", "screen_total_tok_s",
+                        "total_tok_s", "error")
             if c in res.candidates]
     print(f"\ncandidates evaluated ({len(res.candidates)}; best first):")
     print(res.candidates[cols].head(args.show).to_string(index=False))
@@ -232,8 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Search a policy's block shape and placement; prints the chosen settings.")
     add_target_args(q)
     q.add_argument("--policy", default="flexgen", help=f"policy: {', '.join(POLICIES)} (default: %(default)s)")
-    q.add_argument("--max-sims", type=positive_int, default=4,
-                   help="LP-ranked candidates to simulate (default: %(default)s)")
+    q.add_argument("--max-sims", type=positive_int, default=3,
+                   help="LP-ranked policies screen 2 x this many best LP candidates by simulation "
+                        "(default: %(default)s)")
     q.add_argument("--show", type=positive_int, default=8, help="candidates to list (default: %(default)s)")
     q.add_argument("--progress", action="store_true", help="show a progress bar")
     q.set_defaults(func=cmd_search)

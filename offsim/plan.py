@@ -130,6 +130,10 @@ class Plan:
     hidden_home: str = "gpu"  # where activations live between layers
     ops: list[Op] = field(default_factory=list)
 
+    def __post_init__(self):
+        # settings as JSON would store them (tuples become lists), so a plan equals its own round trip
+        self.settings = json.loads(json.dumps(self.settings, default=str))
+
     # ---- summaries ----------------------------------------------------------------------------------------
     def bytes_by_kind(self) -> dict[str, int]:
         out = {k: 0 for k in KINDS if k not in ("compute", "cpu_compute")}

@@ -36,10 +36,12 @@ class Schedule:
 
 
 def workspace_bytes(model: ModelSpec, tokens: int) -> int:
-    """GPU scratch of one layer's forward over ``tokens`` tokens: Q/K/V, attention output and the FFN
-    intermediate (two of them for SwiGLU), fp16. Attention itself is assumed fused (no score matrix)."""
+    """GPU scratch of one layer's forward over ``tokens`` tokens, fp16: the residual stream in and out, plus the
+    larger of the attention block's (Q, K, V and the attention output) and the FFN's intermediate (two of them for
+    SwiGLU) -- they are not alive at once. Attention itself is assumed fused (no score matrix)."""
+    attn = model.q_dim + 2 * model.kv_dim + model.q_dim
     ffn = model.ffn_dim * (2 if model.family == "llama" else 1)
-    return tokens * (model.q_dim + 2 * model.kv_dim + model.d_model + ffn) * model.dtype_bytes
+    return tokens * (2 * model.d_model + max(attn, ffn)) * model.dtype_bytes
 
 
 def resident_bytes(model: ModelSpec, wl: Workload, s: Schedule) -> dict[str, int]:

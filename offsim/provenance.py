@@ -1,0 +1,43 @@
+"""Provenance for results: what code, which machine, when, by which command -- written beside every number."""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+
+def git_commit(short: bool = True) -> str:
+    """The checkout's commit (with '+dirty' when the tree has uncommitted changes), or 'unknown'."""
+    here = Path(__file__).resolve().parent
+    try:
+        args = ["git", "rev-parse", "--short", "HEAD"] if short else ["git", "rev-parse", "HEAD"]
+        c = subprocess.run(args, cwd=here, capture_output=True, text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return (c or "unknown") + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def provenance(**extra) -> dict:
+    """commit, UTC date, machine, python and the command line, plus ``extra``."""
+    return {"commit": git_commit(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "machine": f"{platform.node()} {platform.machine()} {platform.processor() or ''}".strip(),
+            "python": platform.python_version(), "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+            **extra}
+
+
+def write_csv(df: pd.DataFrame, path: str | Path, prov: dict) -> None:
+    """CSV whose first line is '# ' + the provenance JSON (pandas reads it back with comment='#')."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w") as f:
+        f.write("# " + json.dumps(prov) + "\n")
+        df.to_csv(f, index=False)
+    tmp.replace(path)

@@ -1,0 +1,195 @@
+"""Plan JSON round trip and every validate rule; simulator invariants (hypothesis), determinism, a golden trace."""
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from offsim import Plan, PlanError, Workload, build_plan, simulate
+from offsim.errors import OffsimError
+from offsim.plan import Op, PlanBuilder
+
+GOLDEN = Path(__file__).parent / "golden" / "tiny_flexgen_trace.csv"
+
+
+def flexgen(model, hw, wl=Workload(8, 4, 2, 2), **st_):
+    st_.setdefault("percent", (50, 50, 0, 100, 100, 0))
+    return build_plan("flexgen", model, hw, wl, st_)
+
+
+def test_plan_json_roundtrip(tiny_opt, t4, tmp_path):
+    for settings_ in ({"percent": (50, 50, 0, 100, 100, 0)}, {"percent": (0, 50, 0, 50, 0, 100), "cpu_attention": True},
+                      {"percent": (100, 0, 100, 0, 100, 0), "overlap": False}):
+        plan = build_plan("flexgen", tiny_opt, t4, Workload(8, 4, 2, 2), settings_)
+        p = tmp_path / "plan.json"
+        plan.save(p)
+        back = Plan.load(p).validate()
+        assert back.ops == plan.ops
+        assert back.to_dict() == plan.to_dict()
+
+
+def _break(plan, i, **changes):
+    plan.ops[i] = dataclasses.replace(plan.ops[i], **changes) if False else _copy(plan.ops[i], **changes)
+    return plan
+
+
+def _copy(op, **changes):
+    kw = {f: getattr(op, f) for f in Op.__annotations__}
+    kw.update(changes)
+    base = {k: kw.pop(k) for k in ("id", "kind", "deps", "phase", "step", "layer", "batch", "stream")}
+    return Op(**base, **kw)
+
+
+def _first(plan, **match):
+    return next(i for i, o in enumerate(plan.ops) if all(getattr(o, k) == v for k, v in match.items()))
+
+
+@pytest.mark.parametrize("rule,mutate", [
+    ("ids must be", lambda p: _break(p, 3, id=7)),
+    ("must be on stream", lambda p: _break(p, _first(p, kind="h2d"), stream="d2h")),
+    ("not an earlier op", lambda p: _break(p, 2, deps=(5,))),
+    ("phase must be", lambda p: _break(p, 1, phase="warmup")),
+    ("part must be", lambda p: _break(p, _first(p, kind="compute"), part="softmax")),
+    ("q_tokens <= ctx_tokens", lambda p: _break(p, _first(p, kind="compute"), q_tokens=99, ctx_tokens=9)),
+    ("positive number", lambda p: _break(p, _first(p, kind="h2d"), nbytes=0)),
+    ("outside the layer", lambda p: _break(p, _first(p, kind="h2d", tensor="weight"), hi=10**12)),
+    ("were stored there", lambda p: _break(p, _first(p, kind="h2d", tensor="kv"), hi=11)),
+    ("over the capacity", lambda p: _break(p, 0, alloc=(10**15, 0, 0))),
+    ("unknown kind", lambda p: _break(p, 0, kind="teleport")),
+])
+def test_validate_names_op_and_rule(tiny_opt, t4, rule, mutate):
+    plan = flexgen(tiny_opt, t4)
+    plan = mutate(plan)
+    with pytest.raises(PlanError, match=rule) as e:
+        plan.validate()
+    assert "op " in str(e.value)
+
+
+def test_validate_kv_never_computed(tiny_opt, t4):
+    plan = flexgen(tiny_opt, t4)
+    i = _first(plan, kind="d2h", tensor="kv")
+    _break(plan, i, hi=plan.ops[i].hi + 5)
+    with pytest.raises(PlanError, match="were computed"):
+        plan.validate()
+
+
+def test_validate_resident_shortfall_says_tier_and_bytes(tiny_opt, small_gpu_t4):
+    big = dataclasses.replace(small_gpu_t4, gpu_mem_bytes=1000)
+    with pytest.raises(PlanError, match=r"resident gpu bytes \d+ exceed the gpu capacity 1000 by \d+ bytes"):
+        build_plan("flexgen", tiny_opt, big, Workload(8, 4, 2, 2), {"percent": (100, 0, 100, 0, 100, 0)})
+
+
+def test_malformed_plan_json(tmp_path):
+    p = tmp_path / "bad.json"
+    p.write_text('{"schema": "offsim.plan/1", "ops": []}')
+    with pytest.raises(PlanError, match="missing field"):
+        Plan.load(p)
+    p.write_text("[1, 2")
+    with pytest.raises(PlanError, match="not valid JSON"):
+        Plan.load(p)
+
+
+def test_every_policy_plan_validates(tiny_opt, tiny_llama, small_gpu_t4, t4):
+    wl = Workload(8, 4, 2, 2)
+    for m in (tiny_opt, tiny_llama):
+        for pct in [(100, 0, 100, 0, 100, 0), (0, 100, 0, 100, 100, 0), (0, 0, 0, 0, 0, 100), (30, 40, 50, 25, 100, 0)]:
+            for ca in (False, True):
+                if ca and pct[2]:
+                    continue
+                simulate(build_plan("flexgen", m, small_gpu_t4, wl, {"percent": pct, "cpu_attention": ca}),
+                         small_gpu_t4)
+        simulate(build_plan("static-accelerate", m, t4, Workload(8, 4, 2, 1)), t4)
+        simulate(build_plan("static-accelerate", m, t4, Workload(8, 4, 2, 1), {"gpu_layers": 0, "offload": "disk"}),
+                 t4)
+        simulate(build_plan("static-zero", m, t4, Workload(8, 4, 2, 1), {"kv_on_cpu": True}), t4)
+
+
+def test_cpu_attention_needs_cache_off_gpu(tiny_opt, t4):
+    with pytest.raises(OffsimError, match="CPU attention"):
+        flexgen(tiny_opt, t4, percent=(100, 0, 50, 50, 100, 0), cpu_attention=True)
+
+
+def test_percent_must_be_sane(tiny_opt, t4):
+    with pytest.raises(OffsimError, match="exceeds 100"):
+        flexgen(tiny_opt, t4, percent=(60, 60, 0, 100, 100, 0))
+    with pytest.raises(OffsimError, match="sum to 100"):
+        flexgen(tiny_opt, t4, percent=(50, 50, 0, 100, 50, 0))
+
+
+# ---- simulator -------------------------------------------------------------------------------------------------
+placements = st.sampled_from([(100, 0, 100, 0, 100, 0), (0, 100, 0, 100, 100, 0), (20, 80, 0, 100, 0, 100),
+                              (0, 50, 0, 50, 100, 0), (50, 50, 50, 50, 100, 0)])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pct=placements, gbs=st.integers(1, 4), nb=st.integers(1, 3), prompt=st.integers(1, 12),
+       gen=st.integers(1, 5), cpu_att=st.booleans(), overlap=st.booleans())
+def test_sim_invariants(tiny_opt, small_gpu_t4, pct, gbs, nb, prompt, gen, cpu_att, overlap):
+    if cpu_att and pct[2]:
+        return
+    wl = Workload(prompt, gen, gbs, nb)
+    plan = build_plan("flexgen", tiny_opt, small_gpu_t4, wl, {"percent": pct, "cpu_attention": cpu_att,
+                                                               "overlap": overlap})
+    tr = simulate(plan, small_gpu_t4)
+    m = tr.metrics()
+    for s in ("compute", "h2d", "d2h", "disk", "cpu"):
+        assert m["total_s"] >= m[f"busy_{s}_s"] - 1e-12  # a stream is never busier than the whole run
+    df = tr.df
+    ends = dict(zip(df.op_id, df.end_s))
+    starts = dict(zip(df.op_id, df.start_s))
+    for op in plan.ops:  # every op starts after its dependencies end
+        for d in op.deps:
+            assert starts[op.id] >= ends[d] - 1e-12
+    assert simulate(plan, small_gpu_t4).df.equals(df)  # deterministic
+    if not overlap:  # serialised: the run is the sum of its ops
+        assert m["total_s"] == pytest.approx((df.end_s - df.start_s).sum())
+    # more bandwidth is never slower
+    faster = simulate(plan, small_gpu_t4.scaled_link(2.0)).metrics()
+    assert faster["total_s"] <= m["total_s"] * (1 + 1e-9)
+
+
+def test_overlap_helps(tiny_opt, small_gpu_t4):
+    wl = Workload(8, 4, 2, 2)
+    on = simulate(flexgen(tiny_opt, small_gpu_t4, wl), small_gpu_t4).metrics()["total_s"]
+    off = simulate(flexgen(tiny_opt, small_gpu_t4, wl, overlap=False), small_gpu_t4).metrics()["total_s"]
+    assert on < off
+
+
+def test_flexgen_throughput_definitions(tiny_opt, t4):
+    wl = Workload(8, 4, 2, 3)
+    m = simulate(flexgen(tiny_opt, t4, wl), t4).metrics()
+    assert m["prefill_tok_s"] == pytest.approx(6 * 8 / m["prefill_s"])
+    assert m["decode_tok_s"] == pytest.approx(6 * 3 / m["decode_s"])
+    assert m["total_tok_s"] == pytest.approx(6 * 4 / (m["prefill_s"] + m["decode_s"]))
+
+
+def test_golden_trace(tiny_opt, t4, tmp_path):
+    """A tiny FlexGen plan's predicted trace, op by op. Regenerate deliberately with OFFSIM_REGEN_GOLDEN=1."""
+    import os
+
+    import pandas as pd
+
+    plan = flexgen(tiny_opt, t4, Workload(4, 2, 1, 2), percent=(0, 100, 0, 100, 100, 0))
+    tr = simulate(plan, t4)
+    out = tmp_path / "trace.csv"
+    tr.to_csv(out)
+    if os.environ.get("OFFSIM_REGEN_GOLDEN"):
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(out.read_text())
+    want = pd.read_csv(GOLDEN, comment="#")
+    got = pd.read_csv(out, comment="#")
+    pd.testing.assert_frame_equal(got, want, rtol=1e-9)
+
+
+def test_trace_exports(tiny_opt, t4, tmp_path):
+    from offsim.trace import Trace
+
+    tr = simulate(flexgen(tiny_opt, t4), t4)
+    tr.to_chrome(tmp_path / "t.json")
+    ev = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert sum(e["ph"] == "X" for e in ev) == len(tr.df)
+    tr.to_csv(tmp_path / "t.csv")
+    back = Trace.from_csv(tmp_path / "t.csv")
+    assert back.metrics()["total_tok_s"] == pytest.approx(tr.metrics()["total_tok_s"])
