@@ -1,0 +1,247 @@
+"""Select-N vs FlexGen and the static policies under latency SLOs, across batch sizes (issue 4, item 5).
+
+For each model: build Select-N's offline performance record (simulated) on the hardware and GPU budget, then for each
+batch size run every policy on one batch of requests (prompt_len, gen_len) and report TTFT, TPOT, throughput
+(FlexGen's definitions), GPU peak, host bytes of weights, and whether the requests meet both SLOs (TTFT <= SLO and
+mean TPOT <= SLO, as serving papers count it).
+
+- selectn: the runtime choice from the record, per iteration (``request_intervals``: max host memory within the
+  SLOs; the record rounds the current batch and length up to its next grid point, so the choice is conservative);
+  where the record says no interval can meet the SLO, the fastest interval that fits (``fastest_interval``).
+- selectn-fastest: Select-N with its fastest interval (least offloading that fits) -- the latency Select-N could
+  give up host memory for.
+- flexgen: FlexGen at its best for that batch: the LP (``offsim.optimize.flexgen_lp``) over every block shape with
+  gpu_batch_size x num_gpu_batches = batch, GPU or CPU attention; the 3 best LP candidates simulated, the best
+  simulated throughput kept (FlexGen's own objective: it is not SLO-aware).
+- static-accelerate (device_map: whole layers on the GPU as fit, the rest copied in synchronously, pageable) and
+  static-zero (every layer streamed with prefetch, KV on the GPU, or on the CPU when that does not fit).
+
+Writes results/selectn/slo_<hw>_<budget>.csv (+ .png), the records record_<model>_<hw>_<budget>.csv and their
+[N_min, N_max] tables ranges_<model>_<hw>_<budget>.csv; prints a table and, last, one JSON line.
+
+    python experiments/selectn_slo.py                       # h200, 24 GiB budget, OPT-13B and Llama-2-13B
+    python experiments/selectn_slo.py --hardware rtx3090 --ttft-slo-ms 4000
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from offsim import OffsimError, Workload, build_plan, get_hardware, get_model, simulate  # noqa: E402
+from offsim.selectn_record import (build_record, fastest_interval, provenance, request_intervals,  # noqa: E402
+                                   simulate_phased)
+
+ROOT = Path(__file__).resolve().parents[1]
+POLICY_ORDER = ["selectn", "selectn-fastest", "flexgen", "static-accelerate", "static-zero"]
+
+
+def trace_row(tr, plan) -> dict:
+    """TTFT, TPOT and throughput of a simulated block."""
+    m = tr.metrics()
+    sl = tr.step_latency()
+    tpot = sl.loc[sl["step"] >= 1, "latency_s"]
+    return {"ttft_s": m["prefill_s"], "tpot_mean_s": float(tpot.mean()), "tpot_max_s": float(tpot.max()),
+            "total_tok_s": m["total_tok_s"], "decode_tok_s": m["decode_tok_s"], "peak_gpu_bytes": m["peak_gpu_bytes"],
+            "host_weight_bytes": sum(c for _, c in plan.weight_split)}
+
+
+def run_selectn(model, hw, wl, record) -> dict:
+    try:
+        ch = request_intervals(record, model, hw, wl)
+        ns = [c.interval for c in ch]
+        how = "record" if all(c.meets_slo for c in ch) else "record (SLO unreachable: fastest)"
+    except OffsimError as e:  # the record has no interval for this point (terminated early / does not fit)
+        ns = [fastest_interval(model, hw, wl)] * wl.gen_len
+        how = f"fastest (record: {str(e).split(': ', 1)[-1][:60]}...)"
+    r = simulate_phased(model, hw, wl, ns)
+    return {"ttft_s": r["ttft_s"], "tpot_mean_s": sum(r["tpot_s"]) / len(r["tpot_s"]), "tpot_max_s": max(r["tpot_s"]),
+            "total_tok_s": r["total_tok_s"], "decode_tok_s": r["decode_tok_s"], "peak_gpu_bytes": r["peak_gpu_bytes"],
+            "host_weight_bytes": r["host_bytes_max"],
+            "settings": f"N prefill {ns[0]}, decode {sorted(set(ns[1:]))}; {how}"}
+
+
+def run_selectn_fastest(model, hw, wl) -> dict:
+    n = fastest_interval(model, hw, wl)
+    plan = build_plan("selectn", model, hw, wl, {"interval": n})
+    return {**trace_row(simulate(plan, hw), plan), "settings": f"N {n}"}
+
+
+def run_flexgen(model, hw, wl, top: int = 3) -> dict:
+    from offsim.optimize import flexgen_lp
+
+    b = wl.gpu_batch_size
+    cands = []
+    for nb in [d for d in range(1, b + 1) if b % d == 0]:
+        for ca in (False, True):
+            r = flexgen_lp(model, hw, wl.prompt_len, wl.gen_len, b // nb, nb, ca)
+            if r is not None:
+                cands.append(r)
+    cands.sort(key=lambda r: r.seconds_per_token)
+    best, errors = None, []
+    for r in cands[:top]:
+        st = {"percent": r.percent, "cpu_attention": r.cpu_attention}
+        try:
+            plan = build_plan("flexgen", model, hw, Workload(wl.prompt_len, wl.gen_len, r.gpu_batch_size,
+                                                             r.num_gpu_batches), st)
+            row = trace_row(simulate(plan, hw), plan)
+        except OffsimError as e:
+            errors.append(str(e))
+            continue
+        row["settings"] = (f"gbs {r.gpu_batch_size} x {r.num_gpu_batches}, percent {list(r.percent)}, "
+                           f"cpu_attention {r.cpu_attention}")
+        if best is None or row["total_tok_s"] > best["total_tok_s"]:
+            best = row
+    if best is None:
+        raise OffsimError(errors[0] if errors else "no FlexGen placement fits (LP infeasible for every block shape)")
+    return best
+
+
+def run_static(policy, model, hw, wl) -> dict:
+    variants = [{}] if policy == "static-accelerate" else [{"kv_on_cpu": False}, {"kv_on_cpu": True}]
+    err = None
+    for st in variants:
+        try:
+            plan = build_plan(policy, model, hw, wl, st)
+            row = trace_row(simulate(plan, hw), plan)
+            row["settings"] = ", ".join(f"{k} {v}" for k, v in plan.settings.items())
+            return row
+        except OffsimError as e:
+            err = e
+    raise err
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hardware", default="h200")
+    ap.add_argument("--gpu-mem-gb", type=float, default=24.0, help="GPU memory budget, GiB")
+    ap.add_argument("--models", nargs="+", default=["opt-13b", "llama-2-13b"])
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--gen-len", type=int, default=32)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument("--ttft-slo-ms", type=float, default=1000.0)
+    ap.add_argument("--tpot-slo-ms", type=float, default=100.0)
+    ap.add_argument("--out", default=str(ROOT / "results" / "selectn"))
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    hw = get_hardware(args.hardware, gpu_mem_gb=args.gpu_mem_gb)
+    tag = f"{args.hardware}_{args.gpu_mem_gb:g}gib_p{args.prompt_len}"
+    ttft_slo, tpot_slo = args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3
+    prov = {**provenance(), "command": "python " + " ".join([sys.argv[0]] + (argv or sys.argv[1:])),
+            "hardware": hw.name, "gpu_mem_bytes": hw.gpu_mem_bytes, "hardware_source": hw.source}
+    rows = []
+    for name in args.models:
+        model = get_model(name)
+        t0 = time.perf_counter()
+        rec = build_record(model, hw, ttft_slo, tpot_slo, batches=tuple(2**i for i in range(8)),
+                           seq_lens=(128, 256, 512, 1024, 2048), progress=True)
+        rec_s = time.perf_counter() - t0
+        rec.meta["build_s"] = round(rec_s, 2)
+        rec.to_csv(out / f"record_{name}_{tag}.csv")
+        rec.ranges().to_csv(out / f"ranges_{name}_{tag}.csv", index=False)
+        for b in tqdm(args.batches, desc=f"policies {name}", unit="batch"):
+            wl = Workload(args.prompt_len, args.gen_len, b, 1)
+            for pol in POLICY_ORDER:
+                base = {"model": name, "batch": b, "policy": pol}
+                try:
+                    if pol == "selectn":
+                        r = run_selectn(model, hw, wl, rec)
+                    elif pol == "selectn-fastest":
+                        r = run_selectn_fastest(model, hw, wl)
+                    elif pol == "flexgen":
+                        r = run_flexgen(model, hw, wl)
+                    else:
+                        r = run_static(pol, model, hw, wl)
+                except OffsimError as e:
+                    rows.append({**base, "feasible": False, "meets_slo": False, "settings": str(e)[:160]})
+                    continue
+                meets = r["ttft_s"] <= ttft_slo and r["tpot_mean_s"] <= tpot_slo
+                rows.append({**base, "feasible": True, "meets_slo": meets, **r})
+        print(f"{name}: record built in {rec_s:.1f} s ({len(rec.df)} rows)", file=sys.stderr)
+    df = pd.DataFrame(rows)
+    csv = out / f"slo_{tag}.csv"
+    with open(csv, "w") as f:
+        f.write("# " + json.dumps({"experiment": "selectn_slo", "prompt_len": args.prompt_len,
+                                   "gen_len": args.gen_len, "ttft_slo_s": ttft_slo, "tpot_slo_s": tpot_slo,
+                                   "provenance": prov}) + "\n")
+        df.to_csv(f, index=False)
+
+    # summary: SLO attainment over the sweep (share of batch sizes, and of requests), goodput
+    summ = []
+    for (name, pol), d in df.groupby(["model", "policy"], sort=False):
+        ok = d[d["meets_slo"]]
+        summ.append({"model": name, "policy": pol,
+                     "attain_points": len(ok) / len(d), "attain_requests": ok["batch"].sum() / d["batch"].sum(),
+                     "goodput_tok_s": float(ok["total_tok_s"].max()) if len(ok) else 0.0,
+                     "goodput_batch": int(ok.loc[ok["total_tok_s"].idxmax(), "batch"]) if len(ok) else 0,
+                     "max_tok_s": float(d["total_tok_s"].max()) if d["feasible"].any() else 0.0})
+    summ = pd.DataFrame(summ)
+    summ.to_csv(out / f"slo_{tag}_summary.csv", index=False)
+    # FlexGen at its own optimum (any block size): what a throughput-oriented FlexGen run would pick
+    fsearch = []
+    for name in args.models:
+        try:
+            from offsim.optimize import search
+
+            sr = search("flexgen", get_model(name), hw, args.prompt_len, args.gen_len)
+            tr = simulate(build_plan("flexgen", get_model(name), hw, sr.workload, sr.settings), hw)
+            r = trace_row(tr, build_plan("flexgen", get_model(name), hw, sr.workload, sr.settings))
+            fsearch.append({"model": name, "batch": sr.workload.num_prompts, "settings": str(sr.settings),
+                            "ttft_s": r["ttft_s"], "tpot_mean_s": r["tpot_mean_s"], "total_tok_s": r["total_tok_s"],
+                            "meets_slo": r["ttft_s"] <= ttft_slo and r["tpot_mean_s"] <= tpot_slo})
+        except (ImportError, OffsimError) as e:
+            fsearch.append({"model": name, "error": str(e)[:160]})
+    pd.DataFrame(fsearch).to_csv(out / f"slo_{tag}_flexgen_search.csv", index=False)
+
+    # figure: TPOT and throughput over batch size, per model
+    fig, axes = plt.subplots(2, len(args.models), figsize=(6 * len(args.models), 8), squeeze=False)
+    for c, name in enumerate(args.models):
+        d = df[(df["model"] == name) & df["feasible"]]
+        for pol in POLICY_ORDER:
+            p = d[d["policy"] == pol]
+            axes[0, c].plot(p["batch"], p["tpot_mean_s"] * 1e3, marker="o", label=pol)
+            axes[1, c].plot(p["batch"], p["total_tok_s"], marker="o", label=pol)
+            met = p[p["meets_slo"]]
+            axes[1, c].scatter(met["batch"], met["total_tok_s"], s=90, facecolors="none", edgecolors="k")
+        axes[0, c].axhline(args.tpot_slo_ms, color="k", ls="--", lw=1, label="TPOT SLO")
+        axes[0, c].set(xscale="log", yscale="log", xlabel="batch", ylabel="mean TPOT (ms)",
+                       title=f"{name}, {hw.name} {args.gpu_mem_gb:g} GiB")
+        axes[1, c].set(xscale="log", xlabel="batch", ylabel="total tok/s (circled: meets both SLOs)")
+        axes[0, c].legend(fontsize=8)
+    fig.suptitle(f"prompt {args.prompt_len}, gen {args.gen_len}; SLO TTFT {args.ttft_slo_ms:g} ms, TPOT "
+                 f"{args.tpot_slo_ms:g} ms (offsim, simulated)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out / f"slo_{tag}.png", dpi=110)
+
+    show = df.assign(ttft_ms=df.get("ttft_s") * 1e3, tpot_ms=df.get("tpot_mean_s") * 1e3,
+                     host_gb=df.get("host_weight_bytes") / 1e9, gpu_gib=df.get("peak_gpu_bytes") / 2**30)
+    cols = ["model", "batch", "policy", "ttft_ms", "tpot_ms", "total_tok_s", "host_gb", "gpu_gib", "meets_slo",
+            "settings"]
+    with pd.option_context("display.width", 250, "display.max_colwidth", 70, "display.max_rows", 500):
+        print(show[cols].round(2).to_string(index=False))
+        print()
+        print(summ.round(3).to_string(index=False))
+        print()
+        print("FlexGen at its own optimum (policy search over every block size):")
+        print(pd.DataFrame(fsearch).round(3).to_string(index=False))
+    res = {"experiment": "selectn_slo", "hardware": hw.name, "gpu_mem_gib": args.gpu_mem_gb,
+           "ttft_slo_ms": args.ttft_slo_ms, "tpot_slo_ms": args.tpot_slo_ms,
+           "prompt_len": args.prompt_len, "gen_len": args.gen_len,
+           "summary": summ.round(4).to_dict(orient="records"), "flexgen_search": fsearch, "csv": str(csv),
+           "commit": prov["commit"]}
+    print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
