@@ -215,6 +215,41 @@ def cmd_compare(args) -> None:
     _print_json(out)
 
 
+def cmd_validate(args) -> None:
+    from pathlib import Path
+
+    from . import validate as V
+
+    df = V.validate_dir(args.dir, hardware=args.hardware, progress=args.progress)
+    show = ["case", "policy", "prompt_len", "batch", "measured_total_tok_s", "predicted_total_tok_s",
+            "err_prefill_tok_s", "err_decode_tok_s", "err_total_tok_s", "step_latency_mape"]
+    show += sorted(c for c in df.columns if c.startswith("mape_"))
+    print(df[show].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    by_policy = df.groupby("policy")["err_total_tok_s"].agg(lambda e: e.abs().median())
+    print("\nmedian |total tok/s error| by policy:")
+    print(by_policy.to_string(float_format=lambda v: f"{v:.1%}"))
+    kinds = df[[c for c in df.columns if c.startswith("mape_")]].mean()
+    print("\nmean per-op-kind MAPE over cases:")
+    print(kinds.to_string(float_format=lambda v: f"{v:.1%}"))
+    bad = V.check_thresholds(df)
+    out = Path(args.out) if args.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        from .provenance import provenance, write_csv
+
+        write_csv(df, out / "validation.csv", provenance(cases=str(args.dir)))
+        V.plot(df, out / "validation.png")
+    errs = df["err_total_tok_s"].abs()
+    print(f"\n{len(df)} cases; median |total error| {errs.median():.1%} (limit {V.MAX_MEDIAN_ERROR:.0%}), max "
+          f"{errs.max():.1%} (limit {V.MAX_CASE_ERROR:.0%}): {'OK' if not bad else 'FAIL'}")
+    for b in bad:
+        print("  " + b)
+    _print_json({"cases": len(df), "median_abs_err_total": float(errs.median()), "max_abs_err_total":
+                 float(errs.max()), "ok": not bad, "violations": bad})
+    if bad and args.strict:
+        raise SystemExit(1)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="offsim", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -246,6 +281,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-sims", type=positive_int, default=3,
                    help="LP-ranked candidates to simulate per policy (default: %(default)s)")
     c.set_defaults(func=cmd_compare)
+    v = sub.add_parser("validate", help="re-simulate measured runs and report the prediction error",
+                       description="Re-simulate every measured case under DIR (*.case.json, *.trace.csv from "
+                                   "`offexec run`) with the hardware profile it names and report predicted vs "
+                                   "measured throughput, per-op-kind MAPE and per-step latency error.")
+    v.add_argument("dir", help="a directory of measured cases, or one case file")
+    v.add_argument("--hardware", default=None,
+                   help="hardware preset or profile JSON for every case (default: the one each case names)")
+    v.add_argument("--out", metavar="DIR", help="write validation.csv and validation.png there")
+    v.add_argument("--strict", action="store_true", help="exit 1 when a threshold is exceeded")
+    v.add_argument("--progress", action="store_true", help="show a progress bar")
+    v.set_defaults(func=cmd_validate)
     return p
 
 

@@ -1,0 +1,187 @@
+"""Validation: re-simulate measured runs and report how far the prediction is from the hardware (DESIGN.md §9).
+
+A measured *case* is what ``offexec run`` recorded for one plan: the run's metadata (model, hardware profile,
+policy, settings, workload, GPU budget, machine, commit, date, command), its measured metrics, per-step latency, and
+op time aggregated per (step, layer, kind) -- small enough to commit (``CASE_SCHEMA``). A full measured trace CSV
+(``Trace.to_csv``) is accepted too and aggregated on load.
+
+``validate_case`` rebuilds the plan from the case's metadata, simulates it with the profile measured on the same
+machine, and returns phase-throughput errors, per-op-kind MAPE and per-step latency error. The CI thresholds live
+here, in one place: ``MAX_CASE_ERROR`` and ``MAX_MEDIAN_ERROR``.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from .errors import OffsimError
+from .policies import build_plan
+from .sim import simulate
+from .specs import Workload, get_hardware, get_model
+from .trace import Trace
+
+CASE_SCHEMA = "offsim.case/1"
+MAX_CASE_ERROR = 0.10  # every case's total-throughput error must stay within 10 %
+MAX_MEDIAN_ERROR = 0.05  # and the median over cases within 5 %
+META_FIELDS = ("model", "hardware", "policy", "settings", "workload")
+
+
+def aggregate(trace: Trace) -> dict:
+    """A trace reduced to what validation compares: metrics, per-step latency, op time per (step, layer, kind)."""
+    df = trace.df.assign(dur_s=trace.df["end_s"] - trace.df["start_s"])
+    ops = df.groupby(["step", "layer", "kind"])["dur_s"].agg(["count", "sum"]).reset_index()
+    steps = trace.step_latency()
+    return {"metrics": trace.metrics(),
+            "steps": steps[["step", "start_s", "end_s", "latency_s"]].values.tolist(),
+            "ops_by_kind": ops.values.tolist()}
+
+
+def case_from_trace(trace: Trace, **provenance) -> dict:
+    """The committed form of a measured run."""
+    meta = dict(trace.meta)
+    meta.update(provenance)
+    return {"schema": CASE_SCHEMA, "meta": meta, "peak_bytes": trace.peak_bytes, **aggregate(trace)}
+
+
+def save_case(case: dict, path: str | Path) -> None:
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(case, default=str))
+    tmp.replace(path)
+
+
+def load_case(path: str | Path) -> dict:
+    """A case JSON, or a full trace CSV aggregated on the fly. Errors name the file and the field."""
+    path = Path(path)
+    if path.suffix == ".csv":
+        tr = Trace.from_csv(path)
+        case = {"schema": CASE_SCHEMA, "meta": tr.meta, "peak_bytes": tr.peak_bytes, **aggregate(tr)}
+    else:
+        try:
+            case = json.loads(path.read_text())
+        except OSError as e:
+            raise OffsimError(f"cannot read case {path}: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise OffsimError(f"case {path} is not valid JSON: {e}") from None
+        if not isinstance(case, dict):
+            raise OffsimError(f"case {path}: expected a JSON object")
+        if case.get("schema") != CASE_SCHEMA:
+            raise OffsimError(f"case {path}: field 'schema' is {case.get('schema')!r}; this offsim reads "
+                              f"{CASE_SCHEMA!r}")
+    for f in ("meta", "metrics", "steps", "ops_by_kind"):
+        if f not in case:
+            raise OffsimError(f"case {path}: missing field {f!r}")
+    for f in META_FIELDS:
+        if f not in case["meta"]:
+            raise OffsimError(f"case {path}: missing field 'meta.{f}'")
+    if case["metrics"].get("model") not in (None, case["meta"]["model"]):
+        raise OffsimError(f"case {path}: field 'metrics.model' is {case['metrics']['model']!r} but the case is for "
+                          f"{case['meta']['model']!r}")
+    case["path"] = str(path)
+    return case
+
+
+def _err(pred: float, meas: float) -> float:
+    """Signed relative error of a prediction."""
+    return (pred - meas) / meas if meas else float("nan")
+
+
+def validate_case(case: dict, hardware: str | None = None) -> dict:
+    """Re-simulate one measured case; ``hardware`` overrides the case's profile (a preset name or profile JSON)."""
+    meta = case["meta"]
+    where = case.get("path", "case")
+    model_ref = meta.get("model_config") or meta["model"]
+    try:
+        model = get_model(model_ref)
+    except OffsimError as e:
+        raise OffsimError(f"{where}: field 'meta.model': {e}") from None
+    if model.name != meta["model"] and not meta.get("model_config"):
+        raise OffsimError(f"{where}: field 'meta.model' names {meta['model']!r} but resolves to {model.name!r}")
+    hw_ref = hardware or meta.get("hardware_profile") or meta["hardware"]
+    hw = get_hardware(hw_ref, meta.get("gpu_mem_gb"))
+    wl = Workload.from_dict(meta["workload"])
+    plan = build_plan(meta["policy"], model, hw, wl, meta["settings"], validate=False)
+    pred_trace = simulate(plan, hw, check_memory=False)
+    pred = aggregate(pred_trace)
+    pm, mm = pred["metrics"], case["metrics"]
+    out = {"case": Path(where).name.split(".")[0], "model": meta["model"], "policy": meta["policy"],
+           "hardware": str(hw_ref), "gpu_mem_gb": meta.get("gpu_mem_gb"), "prompt_len": wl.prompt_len,
+           "batch": wl.num_prompts}
+    for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s"):
+        out[f"measured_{k}"] = mm[k]
+        out[f"predicted_{k}"] = pm[k]
+        out[f"err_{k}"] = _err(pm[k], mm[k])
+    # per op kind: MAPE over (step, layer) groups of total op time
+    cols = ["step", "layer", "kind", "count", "sum_s"]
+    mo = pd.DataFrame(case["ops_by_kind"], columns=cols)
+    po = pd.DataFrame(pred["ops_by_kind"], columns=cols)
+    j = mo.merge(po, on=["step", "layer", "kind"], suffixes=("_meas", "_pred"))
+    j = j[j["sum_s_meas"] > 0]
+    for kind, g in j.groupby("kind"):
+        out[f"mape_{kind}"] = float(np.mean(np.abs(g["sum_s_pred"] - g["sum_s_meas"]) / g["sum_s_meas"]))
+    ms = pd.DataFrame(case["steps"], columns=["step", "start_s", "end_s", "latency_s"])
+    ps = pd.DataFrame(pred["steps"], columns=["step", "start_s", "end_s", "latency_s"])
+    s = ms.merge(ps, on="step", suffixes=("_meas", "_pred"))
+    s = s[s["latency_s_meas"] > 0]
+    out["step_latency_mape"] = float(np.mean(np.abs(s["latency_s_pred"] - s["latency_s_meas"])
+                                             / s["latency_s_meas"])) if len(s) else float("nan")
+    return out
+
+
+def find_cases(root: str | Path) -> list[Path]:
+    root = Path(root)
+    if root.is_file():
+        return [root]
+    if not root.is_dir():
+        raise OffsimError(f"{root}: no such file or directory")
+    return sorted(list(root.rglob("*.case.json")) + list(root.rglob("*.trace.csv")))
+
+
+def validate_dir(root: str | Path, hardware: str | None = None, progress: bool = False) -> pd.DataFrame:
+    paths = find_cases(root)
+    if not paths:
+        raise OffsimError(f"{root}: no measured cases (*.case.json or *.trace.csv)")
+    it = paths
+    if progress:
+        from tqdm import tqdm
+        it = tqdm(paths, desc="validate", unit="case")
+    return pd.DataFrame([validate_case(load_case(p), hardware) for p in it])
+
+
+def check_thresholds(df: pd.DataFrame) -> list[str]:
+    """What breaks the CI thresholds (empty when the simulator is within them)."""
+    errs = df["err_total_tok_s"].abs()
+    bad = [f"{c}: total throughput error {e:+.1%} exceeds {MAX_CASE_ERROR:.0%}"
+           for c, e in zip(df["case"], df["err_total_tok_s"]) if abs(e) > MAX_CASE_ERROR]
+    if errs.median() > MAX_MEDIAN_ERROR:
+        bad.append(f"median total throughput error {errs.median():.1%} exceeds {MAX_MEDIAN_ERROR:.0%}")
+    return bad
+
+
+def plot(df: pd.DataFrame, path: str | Path) -> None:
+    """Predicted vs measured total tok/s (log-log, one point per case) and |error| by policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for pol, g in df.groupby("policy"):
+        a.scatter(g["measured_total_tok_s"], g["predicted_total_tok_s"], label=pol, s=18)
+    lo = min(df["measured_total_tok_s"].min(), df["predicted_total_tok_s"].min()) * 0.8
+    hi = max(df["measured_total_tok_s"].max(), df["predicted_total_tok_s"].max()) * 1.25
+    a.plot([lo, hi], [lo, hi], "k--", lw=0.8)
+    a.fill_between([lo, hi], [lo * 0.9, hi * 0.9], [lo * 1.1, hi * 1.1], color="grey", alpha=0.15, label="±10 %")
+    a.set(xscale="log", yscale="log", xlabel="measured total tok/s", ylabel="predicted total tok/s",
+          title="offsim vs hardware")
+    a.legend(fontsize=7)
+    e = df.assign(abs_err=df["err_total_tok_s"].abs() * 100)
+    e.boxplot(column="abs_err", by="policy", ax=b, rot=30)
+    b.set(ylabel="|total tok/s error| (%)", title="error by policy", xlabel="")
+    fig.suptitle("")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

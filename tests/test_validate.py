@@ -1,0 +1,80 @@
+"""offsim validate: re-simulating measured cases, error metrics, malformed inputs, and the CI guard on the committed
+H200 cases (results/validation/)."""
+import json
+from pathlib import Path
+
+import pytest
+
+from offsim import Workload, build_plan, simulate
+from offsim import validate as V
+from offsim.errors import OffsimError
+from offsim.specs import get_hardware, get_model
+
+CASES = Path(__file__).resolve().parents[1] / "results" / "validation"
+
+
+def _measured(tmp_path, link_scale=1.0, name="c1"):
+    """A stand-in for a measured run: the same plan simulated on hardware whose link is ``link_scale`` as fast."""
+    model, hw = get_model("opt-125m"), get_hardware("t4", gpu_mem_gb=0.2)
+    wl = Workload(32, 4, 4, 2)
+    settings = {"percent": [0, 100, 0, 100, 100, 0]}
+    tr = simulate(build_plan("flexgen", model, hw, wl, settings), hw.scaled_link(link_scale))
+    tr.meta.update({"gpu_mem_gb": 0.2, "hardware": "t4"})
+    case = V.case_from_trace(tr, machine="test", commit="x", date="today", command="test")
+    p = tmp_path / f"{name}.case.json"
+    V.save_case(case, p)
+    return p
+
+
+def test_same_hardware_zero_error(tmp_path):
+    r = V.validate_case(V.load_case(_measured(tmp_path)))
+    assert abs(r["err_total_tok_s"]) < 1e-9 and abs(r["err_decode_tok_s"]) < 1e-9
+    assert r["mape_h2d"] < 1e-9 and r["step_latency_mape"] < 1e-9
+
+
+def test_slower_link_shows_up_as_error(tmp_path):
+    r = V.validate_case(V.load_case(_measured(tmp_path, link_scale=0.5)))
+    assert r["err_total_tok_s"] > 0.2  # predicted (full-speed link) is faster than "measured"
+    assert r["mape_h2d"] == pytest.approx(0.5, rel=0.05)  # every copy took twice as long: |1 - 2| / 2
+
+
+def test_thresholds_and_dir(tmp_path):
+    _measured(tmp_path, 1.0, "a")
+    _measured(tmp_path, 0.5, "b")
+    df = V.validate_dir(tmp_path)
+    assert len(df) == 2
+    bad = V.check_thresholds(df)
+    assert any("b:" in x for x in bad) and not any("a:" in x for x in bad)
+
+
+def test_full_trace_csv_accepted(tmp_path):
+    model, hw = get_model("opt-125m"), get_hardware("t4", gpu_mem_gb=0.2)
+    tr = simulate(build_plan("flexgen", model, hw, Workload(16, 3, 2, 2), {"percent": [0, 100, 0, 100, 100, 0]}), hw)
+    tr.meta["gpu_mem_gb"] = 0.2
+    tr.to_csv(tmp_path / "run.trace.csv")
+    r = V.validate_dir(tmp_path).iloc[0]
+    assert abs(r["err_total_tok_s"]) < 1e-9
+
+
+@pytest.mark.parametrize("mutate,msg", [
+    (lambda c: c.update(schema="offsim.case/0"), "field 'schema'"),
+    (lambda c: c.pop("steps"), "missing field 'steps'"),
+    (lambda c: c["meta"].pop("policy"), "meta.policy"),
+    (lambda c: c["metrics"].update(model="opt-66b"), "metrics.model"),
+])
+def test_malformed_case_names_file_and_field(tmp_path, mutate, msg):
+    p = _measured(tmp_path)
+    c = json.loads(p.read_text())
+    mutate(c)
+    p.write_text(json.dumps(c))
+    with pytest.raises(OffsimError, match=msg) as e:
+        V.load_case(p)
+    assert str(p) in str(e.value)
+
+
+def test_committed_h200_cases_within_thresholds():
+    """The CI guard: every committed measured case re-simulated with the committed profile."""
+    if not CASES.is_dir() or not V.find_cases(CASES):
+        pytest.skip("no committed measured cases under results/validation/")
+    df = V.validate_dir(CASES)
+    assert not V.check_thresholds(df), V.check_thresholds(df)
