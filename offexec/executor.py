@@ -61,6 +61,63 @@ def run_plan(plan: Plan, weights: ModelWeights, device: str = "cuda", prompts: t
         ex.close()
 
 
+def kv_buffer_elems(plan: Plan, heads: int) -> int:
+    """Elements of one (layer, batch) KV buffer of ``heads`` heads at full length: [max_len, 2, B, heads, D]."""
+    wl = plan.workload
+    return wl.max_len * 2 * wl.gpu_batch_size * heads * plan.model.head_dim
+
+
+def gpu_need(prog: Program, plan: Plan) -> dict[str, int]:
+    """GPU bytes the executor will hold for ``plan``, by purpose: what the budget pre-check adds up. Buffer pools
+    count the most buffers live at once in plan order; activations count every batch's hidden state plus one layer's
+    scratch (offsim's ``workspace_bytes``) at the largest query block."""
+    s, wl, e = plan.model, plan.workload, plan.model.dtype_bytes
+    g = prog.groups
+    nb = wl.num_gpu_batches
+    kv_gpu = s.num_layers * nb * kv_buffer_elems(plan, g["gpu"][1] - g["gpu"][0]) * e
+    pools = prog.pool_peak["wslot"] * prog.slot_numel * e
+    for name in ("cpu", "disk"):
+        pools += prog.pool_peak[f"kvwork_{name}"] * kv_buffer_elems(plan, g[name][1] - g[name][0]) * e
+    q_max = max([o.q_tokens for o in plan.ops if o.kind == "compute"] + [1])
+    tokens = wl.gpu_batch_size * q_max
+    hidden = s.hidden_bytes(tokens) * (nb + 1)  # every batch's activations + the one being produced
+    return {"embeddings": s.embedding_bytes(), "resident weights": sum(gb for gb, _ in plan.weight_split),
+            "resident KV": kv_gpu, "buffer pools": pools, "activations": hidden + workspace_bytes(s, tokens)}
+
+
+def disk_need(plan: Plan, layout) -> int:
+    """Bytes of the disk tier's files: each layer's disk-homed weight bytes (at the largest layer's stride) and the
+    KV of disk-homed heads."""
+    prog_layout_numel = layout[-1].hi
+    e = plan.model.dtype_bytes
+    disk_w = max((prog_layout_numel * e - g - c for g, c in plan.weight_split), default=0)
+    kg, kc = plan.kv_split
+    kd = plan.model.num_kv_heads - kg - kc
+    L, nb = plan.model.num_layers, plan.workload.num_gpu_batches
+    return disk_w * L + kv_buffer_elems(plan, kd) * e * L * nb
+
+
+def check_plan(plan: Plan, device, budget_bytes: int, disk_dir: str | None = None) -> dict[str, int]:
+    """Everything that can refuse a plan before weights are made: binding (ops the executor cannot run), the GPU
+    budget (shortfall in bytes) and the disk tier's room. Returns the GPU bytes by purpose."""
+    import shutil
+    import tempfile
+
+    layout = M.layer_layout(plan.model)
+    prog = bind(plan, layout)
+    need = gpu_need(prog, plan)
+    if torch.device(device).type == "cuda":
+        check_gpu_budget(need, budget_bytes)
+    dn = disk_need(plan, layout)
+    if dn:
+        root = disk_dir or tempfile.gettempdir()
+        free = shutil.disk_usage(root).free
+        if dn > free:
+            raise ExecError(f"the disk tier needs {dn} bytes in {root} but only {free} are free: short by "
+                            f"{dn - free} bytes; use --disk-dir on a larger disk or a plan with less on disk")
+    return need
+
+
 class Executor:
     def __init__(self, plan: Plan, weights: ModelWeights, device: str, prompts, seed: int,
                  gpu_budget_bytes: int | None, disk_dir: str | None, record_logits: bool, keep_kv: bool,
@@ -82,6 +139,9 @@ class Executor:
         self._disk_dir = disk_dir
         self.budget = int(gpu_budget_bytes if gpu_budget_bytes is not None else plan.capacity["gpu"])
         self.prog: Program = bind(plan, weights.layout)
+        self.gpu_need = gpu_need(self.prog, plan)
+        if self.cuda:
+            check_gpu_budget(self.gpu_need, self.budget)  # before any large allocation
         self.disk: DiskTier | None = None
         self.host_kv: HostBuffer | None = None
         self.pools: dict[str, BufferPool] = {}
@@ -94,30 +154,10 @@ class Executor:
             raise ExecError(f"prompts have shape {list(prompts.shape)}, the workload needs "
                             f"[{wl.num_prompts}, {wl.prompt_len}]")
         self.prompts = prompts
-        self.gpu_need = self._gpu_need()
-        if self.cuda:
-            check_gpu_budget(self.gpu_need, self.budget)  # before any large allocation
 
     # ---- memory -----------------------------------------------------------------------------------------------
     def _kv_elems(self, heads: int) -> int:
-        """Elements of one (layer, batch) KV buffer of ``heads`` heads at full length: [cap, 2, B, heads, D]."""
-        return self.cap * 2 * self.gbs * heads * self.spec.head_dim
-
-    def _gpu_need(self) -> dict[str, int]:
-        """GPU bytes this executor will hold for the plan, by purpose (the budget pre-check)."""
-        p, s, e = self.prog, self.spec, self.e
-        wl = self.plan.workload
-        groups = p.groups
-        resident_w = sum(g for g, _ in self.plan.weight_split)
-        kv_gpu = s.num_layers * self.nb * self._kv_elems(groups["gpu"][1] - groups["gpu"][0]) * e
-        pools = p.pool_peak["wslot"] * p.slot_numel * e
-        for g in ("cpu", "disk"):
-            lo, hi = groups[g]
-            pools += p.pool_peak[f"kvwork_{g}"] * self._kv_elems(hi - lo) * e
-        tokens = self.gbs * wl.prompt_len
-        hidden = s.hidden_bytes(tokens) * (self.nb + 1)  # every batch's activations + one being produced
-        return {"embeddings": s.embedding_bytes(), "resident weights": resident_w, "resident KV": kv_gpu,
-                "buffer pools": pools, "activations": hidden + workspace_bytes(s, tokens)}
+        return kv_buffer_elems(self.plan, heads)
 
     def _setup(self) -> None:
         s, plan, dev, dt = self.spec, self.plan, self.device, self.dtype

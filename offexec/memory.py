@@ -99,10 +99,9 @@ def apply_gpu_budget(device: torch.device, budget_bytes: int) -> None:
     if device.type != "cuda":
         return
     total = torch.cuda.get_device_properties(device).total_memory
-    if budget_bytes > total:
-        raise ExecError(f"--gpu-mem-gb asks for {budget_bytes / GiB:.2f} GiB but the GPU has {total / GiB:.2f} GiB")
     torch.cuda.empty_cache()
-    torch.cuda.set_per_process_memory_fraction(budget_bytes / total, device)
+    # a budget above the card (a preset's nominal size) caps nothing: the card itself is the limit
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), device)
     torch.cuda.reset_peak_memory_stats(device)
 
 

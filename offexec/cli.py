@@ -1,0 +1,149 @@
+"""``offexec run``: run one policy's plan with real tensors on a GPU (or the CPU) and set the measurement beside
+offsim's prediction for the same plan.
+
+Takes ``offsim simulate``'s model / hardware / policy / workload options (the same argparse helpers), plus
+``--device``, ``--trace``, ``--checkpoint``, ``--dtype``, ``--disk-dir``. Prints measured and predicted prefill /
+decode / total tok/s with the error, the peak memory of each tier, the host time spent issuing ops, and, as the last
+line, one JSON object. Bad input -- an unknown name, a plan that does not fit the GPU budget, a checkpoint that does
+not match the model, ``--device cuda`` without a GPU, a disk tier without room -- exits with code 2 and one line on
+stderr, before anything large is allocated; an interrupted run removes its disk-tier files.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+
+from offsim.cli import add_policy_args, add_target_args, policy_settings
+from offsim.errors import OffsimError
+from offsim.policies import build_plan
+from offsim.provenance import provenance
+from offsim.sim import simulate
+from offsim.specs import Workload, get_hardware, get_model
+
+GiB = 1 << 30
+PHASES = ("prefill_tok_s", "decode_tok_s", "total_tok_s")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="offexec", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run a policy's plan with real tensors and compare with offsim's prediction")
+    add_target_args(r)
+    add_policy_args(r)
+    r.set_defaults(model=None)  # None: the checkpoint's config.json, else opt-30b
+    r.add_argument("--device", default="cuda", help="'cuda' (default) or 'cpu' (sequential, for tests)")
+    r.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="local transformers checkpoint (config.json + *.safetensors) instead of random weights")
+    r.add_argument("--dtype", default=None, choices=("float16", "bfloat16", "float32"),
+                   help="weights and activations dtype (default: float16; float32 counts 4 bytes per element)")
+    r.add_argument("--seed", type=int, default=0, help="seed of random weights and prompts (default: %(default)s)")
+    r.add_argument("--disk-dir", default=None, metavar="DIR",
+                   help="where the disk tier's files go (default: the system temp directory); removed at exit")
+    r.add_argument("--trace", default=None, metavar="FILE",
+                   help="write the measured trace: .csv (offsim's trace schema) or Chrome/Perfetto JSON otherwise")
+    r.add_argument("--progress", action="store_true", help="show progress bars while weights are prepared")
+    return ap
+
+
+def _jsonable(obj):
+    return json.loads(json.dumps(obj, default=lambda x: None if isinstance(x, float) and not math.isfinite(x)
+                                 else (list(x) if isinstance(x, tuple) else str(x))))
+
+
+def compare_rows(measured: dict, predicted: dict) -> list[dict]:
+    """Measured vs predicted throughput per phase, with the relative error of the prediction."""
+    rows = []
+    for k in PHASES:
+        m, p = measured[k], predicted[k]
+        err = (p - m) / m if m and math.isfinite(m) and math.isfinite(p) else float("nan")
+        rows.append({"phase": k.replace("_tok_s", ""), "measured_tok_s": m, "predicted_tok_s": p, "error": err})
+    return rows
+
+
+def cmd_run(args) -> dict:
+    import torch  # imported here so that `offexec --help` and argument errors stay fast
+
+    from .executor import check_plan, run_plan
+    from .weights import load_checkpoint, random_weights
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise OffsimError("--device cuda was asked but no CUDA device is available (use --device cpu)")
+    if device.type not in ("cuda", "cpu"):
+        raise OffsimError(f"--device must be 'cuda' or 'cpu', got {args.device!r}")
+    hw = get_hardware(args.hardware, args.gpu_mem_gb)
+    model = get_model(args.model or args.checkpoint or "opt-30b")
+    dtype_name = args.dtype or "float16"
+    if dtype_name == "float32":
+        model = dataclasses.replace(model, dtype_bytes=4)
+    wl = Workload(args.prompt_len, args.gen_len, args.gpu_batch_size, args.num_gpu_batches)
+    plan = build_plan(args.policy, model, hw, wl, policy_settings(args))
+    budget = int(hw.gpu_mem_bytes)
+    # every refusal before anything large is allocated: budget, disk room, checkpoint shapes
+    need = check_plan(plan, device, budget, args.disk_dir)
+    dt = getattr(torch, dtype_name)
+    t0 = time.perf_counter()
+    if args.checkpoint:
+        weights = load_checkpoint(args.checkpoint, model, dt, pinned=device.type == "cuda", progress=args.progress)
+    else:
+        weights = random_weights(model, args.seed, dt, device=args.device, pinned=device.type == "cuda",
+                                 progress=args.progress)
+    weights_s = time.perf_counter() - t0
+    prov = provenance(device=str(device), gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "")
+    try:
+        res = run_plan(plan, weights, args.device, seed=args.seed, gpu_budget_bytes=budget, disk_dir=args.disk_dir,
+                       meta={"hardware": hw.name, **prov})
+    finally:
+        weights.close()
+    measured = res.trace.metrics()
+    predicted = simulate(plan, hw).metrics()
+    if args.trace:
+        (res.trace.to_csv if str(args.trace).endswith(".csv") else res.trace.to_chrome)(args.trace)
+    st = res.stats
+    rows = compare_rows(measured, predicted)
+    print(f"offexec {plan.policy} on {prov['gpu'] or device.type} (budget {budget / GiB:.2f} GiB), {model.name} "
+          f"{dtype_name}, prompt {wl.prompt_len}, gen {wl.gen_len}, {wl.gpu_batch_size} x {wl.num_gpu_batches} "
+          f"prompts, {len(plan.ops)} ops; weights ready in {weights_s:.1f} s ({weights.source})")
+    print(f"{'phase':<8} {'measured tok/s':>15} {'offsim tok/s':>13} {'error':>8}")
+    for r in rows:
+        print(f"{r['phase']:<8} {r['measured_tok_s']:>15,.2f} {r['predicted_tok_s']:>13,.2f} {r['error']:>+8.1%}")
+    print(f"time: prefill {measured['prefill_s']:.3f} s, decode {measured['decode_s']:.3f} s, total "
+          f"{measured['total_s']:.3f} s (offsim {predicted['total_s']:.3f} s)")
+    print(f"peak memory: GPU {measured['peak_gpu_bytes'] / GiB:.3f} GiB of {budget / GiB:.3f} GiB budget "
+          f"(pre-check {sum(need.values()) / GiB:.3f} GiB; offsim {predicted['peak_gpu_bytes'] / GiB:.3f}); "
+          f"host {measured['peak_cpu_bytes'] / GiB:.3f} GiB (+ {st['host_weights_master_bytes'] / GiB:.3f} GiB "
+          f"host master of all weights); disk {measured['peak_disk_bytes'] / GiB:.3f} GiB")
+    print(f"host time issuing ops: {st['issue_s']:.3f} s = {st['issue_frac']:.1%} of the run")
+    out = {"measured": {k: measured[k] for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s", "prefill_s",
+                                                  "decode_s", "total_s", "peak_gpu_bytes", "peak_cpu_bytes",
+                                                  "peak_disk_bytes")},
+           "predicted": {k: predicted[k] for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s", "total_s",
+                                                   "peak_gpu_bytes")},
+           "error": {r["phase"]: r["error"] for r in rows}, "issue_s": st["issue_s"], "issue_frac": st["issue_frac"],
+           "budget_bytes": budget, "within_budget": measured["peak_gpu_bytes"] <= budget,
+           "policy": plan.policy, "settings": plan.settings, "model": model.name, "workload": wl.to_dict(),
+           "provenance": prov}
+    print(json.dumps(_jsonable(out)))
+    return out
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.cmd == "run":
+            cmd_run(args)
+        return 0
+    except OffsimError as e:
+        print(f"offexec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # disk-tier files are removed by the executor's finally and at exit
+        print("offexec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

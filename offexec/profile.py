@@ -1,0 +1,301 @@
+"""``offexec profile``: microbenchmarks that fill the hardware-profile JSON offsim loads (schema
+``offsim.hardware/1``, ``offsim.specs.HardwareSpec``).
+
+Measured: pinned and pageable H2D and D2H by transfer size; both directions at once (duplex fraction); HBM copy
+bandwidth; GEMM efficiency by token count for the model's own FFN shape; causal prefill attention by context and
+decode attention by batch x context (SDPA, the executor's kernel); CPU attention throughput (the executor's CPU
+path); disk write and cold read (page cache dropped with posix_fadvise). Every figure is the median of repeated
+timed runs after warm-up, timed with CUDA events on the GPU. GPU peak FLOP/s comes from a datasheet table by device
+name (efficiencies are relative to it, so only the product matters), or ``--peak-tflops``.
+
+    offexec profile --model opt-30b --out results/profiles/h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+GiB = 1 << 30
+DATASHEET_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
+                        "RTX 3090": 71e12, "RTX 4090": 165e12, "T4": 65e12}
+DATASHEET_HBM = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.04e12, "A800": 2.04e12, "RTX 3090": 936e9, "T4": 320e9}
+
+
+def _median_time(fn, device, reps: int, warmup: int = 2) -> float:
+    """Median seconds of ``fn()`` (CUDA events on a GPU, perf_counter on the CPU)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def profile_link(device, sizes: list[int], reps: int) -> dict:
+    """Bytes/s of one copy by size: pinned and pageable, H2D and D2H; duplex fraction at the largest size."""
+    import torch
+
+    out = {"h2d_pinned": [], "d2h_pinned": [], "h2d_pageable": [], "d2h_pageable": []}
+    big = max(sizes)
+    gpu = torch.empty(big, dtype=torch.uint8, device=device)
+    pinned = torch.empty(big, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    pageable = torch.empty(big, dtype=torch.uint8)
+    pageable.fill_(1)  # touch the pages
+    for n in sizes:
+        for host, kind in ((pinned, "pinned"), (pageable, "pageable")):
+            t = _median_time(lambda: gpu[:n].copy_(host[:n], non_blocking=True), device, reps)
+            out[f"h2d_{kind}"].append([float(n), n / t])
+            t = _median_time(lambda: host[:n].copy_(gpu[:n], non_blocking=True), device, reps)
+            out[f"d2h_{kind}"].append([float(n), n / t])
+    duplex = 1.0
+    if device.type == "cuda":
+        n = big // 2
+        gpu2 = torch.empty(n, dtype=torch.uint8, device=device)
+        host2 = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+        def both():
+            with torch.cuda.stream(s1):
+                gpu[:n].copy_(pinned[:n], non_blocking=True)
+            with torch.cuda.stream(s2):
+                host2.copy_(gpu2, non_blocking=True)
+            torch.cuda.synchronize()
+
+        both()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            both()
+        t_both = (time.perf_counter() - t0) / reps
+        alone = min(out["h2d_pinned"][-1][1], out["d2h_pinned"][-1][1])
+        duplex = min(1.0, (n / t_both) / alone)
+    return {**out, "duplex_fraction": duplex}
+
+
+def profile_gpu(device, spec, reps: int, peak_flops: float) -> dict:
+    """GEMM efficiency by tokens for [t x d_model] @ [d_model x ffn]; prefill and decode attention; HBM; overhead."""
+    import torch
+    import torch.nn.functional as F
+
+    dt = torch.float16 if device.type == "cuda" else torch.float32
+    h, f = spec.d_model, spec.ffn_dim
+    w = torch.randn(f, h, dtype=dt, device=device) * 0.02
+    gemm = []
+    for t in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384):
+        x = torch.randn(t, h, dtype=dt, device=device)
+        s = _median_time(lambda: F.linear(x, w), device, reps)
+        gemm.append([float(t), 2 * t * h * f / s / peak_flops])
+        del x
+    del w
+    H, D, Hk = spec.num_heads, spec.head_dim, spec.num_kv_heads
+    prefill = []
+    for ctx in (128, 512, 2048, 8192):
+        b = max(1, 8192 // ctx)
+        q = torch.randn(b, H, ctx, D, dtype=dt, device=device)
+        k = torch.randn(b, Hk, ctx, D, dtype=dt, device=device)
+        s = _median_time(lambda: F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=H != Hk),
+                         device, reps)
+        flops = 4 * b * H * D * ctx * (ctx + 1) / 2
+        prefill.append([float(ctx), flops / s / peak_flops])
+        del q, k
+    n = 1 << 30 if device.type == "cuda" else 1 << 26
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    c = torch.empty_like(a)
+    hbm = 2 * n / _median_time(lambda: c.copy_(a), device, reps)  # read + write
+    del a, c
+    decode = []
+    for ctx in (256, 512, 1024, 2048, 4096, 8192):
+        b = 32
+        q = torch.randn(b, H, 1, D, dtype=dt, device=device)
+        k = torch.randn(b, Hk, ctx, D, dtype=dt, device=device)
+        s = _median_time(lambda: F.scaled_dot_product_attention(q, k, k, enable_gqa=H != Hk), device, reps)
+        decode.append([float(ctx), 2 * k.numel() * k.element_size() / s / hbm])
+        del q, k
+    # per-op fixed cost: a decoder layer launches ~10 kernels; time ten tiny ones
+    x = torch.randn(1, 64, dtype=dt, device=device)
+    overhead = _median_time(lambda: [x.add_(0) for _ in range(10)], device, reps)
+    return {"gemm_efficiency": gemm, "attn_prefill_efficiency": prefill, "attn_decode_efficiency": decode,
+            "gpu_hbm_bytes_per_s": hbm, "kernel_overhead_s": overhead}
+
+
+def profile_cpu_attention(spec, reps: int) -> float:
+    """FLOP/s of decode attention on the host, fp16 KV as the executor keeps it (torch SDPA on the CPU)."""
+    import torch
+    import torch.nn.functional as F
+
+    H, D, Hk = spec.num_heads, spec.head_dim, spec.num_kv_heads
+    b, ctx = 16, 1024
+    q = torch.randn(b, H, 1, D, dtype=torch.float16)
+    k = torch.randn(b, Hk, ctx, D, dtype=torch.float16)
+    s = _median_time(lambda: F.scaled_dot_product_attention(q, k, k, enable_gqa=H != Hk), torch.device("cpu"),
+                     max(3, reps // 2), warmup=1)
+    return 4 * b * H * D * ctx / s
+
+
+def profile_disk(directory: str, nbytes: int) -> tuple[float, float]:
+    """Sequential write (fsync'd) and cold read bytes/s of a ``nbytes`` file in ``directory``."""
+    chunk = 64 << 20
+    buf = os.urandom(chunk)
+    fd, path = tempfile.mkstemp(dir=directory, prefix="offexec-profile-")
+    try:
+        t = time.perf_counter()
+        for _ in range(nbytes // chunk):
+            os.write(fd, buf)
+        os.fsync(fd)
+        write_bps = nbytes / (time.perf_counter() - t)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # cold read: drop the page cache
+        os.lseek(fd, 0, 0)
+        t = time.perf_counter()
+        while os.read(fd, chunk):
+            pass
+        read_bps = nbytes / (time.perf_counter() - t)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return write_bps, read_bps
+
+
+def host_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def run_profile(model: str = "opt-30b", device: str = "cuda", quick: bool = False, peak_tflops: float | None = None,
+                disk_dir: str | None = None, name: str | None = None) -> dict:
+    """Measure this machine; return the profile dict (``HardwareSpec.from_dict`` accepts it)."""
+    import torch
+
+    from offsim.errors import OffsimError
+    from offsim.provenance import provenance
+    from offsim.specs import HARDWARE_SCHEMA, HardwareSpec, get_model
+
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise OffsimError("--device cuda was asked but no CUDA device is available (use --device cpu)")
+    spec = get_model(model)
+    if quick:  # CI: tiny shapes, few repetitions, small disk file
+        import dataclasses
+
+        spec = dataclasses.replace(spec, d_model=min(spec.d_model, 256), ffn_dim=min(spec.ffn_dim, 1024),
+                                   num_heads=4, num_kv_heads=4, head_dim=32)
+    reps = 3 if quick else 10
+    gpu_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    key = next((k for k in DATASHEET_PEAK_FLOPS if k in gpu_name), None)
+    peak = peak_tflops * 1e12 if peak_tflops else DATASHEET_PEAK_FLOPS.get(key, 0.0)
+    steps = ["link", "gpu", "cpu attention", "disk"]
+    try:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(steps), desc="profile", unit="step", file=sys.stderr)
+    except ImportError:  # pragma: no cover
+        bar = None
+    sizes = [1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26] + ([] if quick else [1 << 28, 1 << 30])
+    link = profile_link(dev, sizes, reps)
+    bar and bar.update()
+    if not peak:  # unknown GPU: efficiencies relative to the best GEMM measured, a lower bound on the peak
+        peak = 1.0
+        g = profile_gpu(dev, spec, reps, peak)
+        peak = max(e for _, e in g["gemm_efficiency"])
+        g = profile_gpu(dev, spec, reps, peak)
+    else:
+        g = profile_gpu(dev, spec, reps, peak)
+    bar and bar.update()
+    cpu_flops = profile_cpu_attention(spec, reps)
+    bar and bar.update()
+    disk_dir = disk_dir or tempfile.gettempdir()
+    w_bps, r_bps = profile_disk(disk_dir, (64 << 20) if quick else (1 << 30))
+    bar and bar.update()
+    bar and bar.close()
+    gpu_mem = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else host_memory_bytes()
+    d = {"schema": HARDWARE_SCHEMA, "name": name or (gpu_name.replace("NVIDIA ", "").lower().replace(" ", "-")),
+         "gpu_mem_bytes": int(gpu_mem), "gpu_peak_flops": float(peak), **g,
+         "h2d_pinned": link["h2d_pinned"], "d2h_pinned": link["d2h_pinned"],
+         "h2d_pageable": link["h2d_pageable"], "d2h_pageable": link["d2h_pageable"],
+         "duplex_fraction": float(link["duplex_fraction"]), "cpu_mem_bytes": host_memory_bytes(),
+         "cpu_attention_flops": float(cpu_flops), "disk_bytes": int(shutil.disk_usage(disk_dir).free),
+         "disk_read_bytes_per_s": float(r_bps), "disk_write_bytes_per_s": float(w_bps), "link_latency_s": 0.0,
+         "source": f"offexec profile on {gpu_name} ({'quick' if quick else 'full'}), model shapes of {model}"}
+    HardwareSpec.from_dict(d)  # the profile must load
+    d["provenance"] = provenance(gpu=gpu_name, model_shapes=model, quick=quick,
+                                 peak_flops_source="datasheet" if key or peak_tflops else "best measured GEMM")
+    return d
+
+
+def add_profile_parser(sub) -> None:
+    p = sub.add_parser("profile", help="measure this machine and write a hardware-profile JSON for offsim",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="opt-30b", help="model whose GEMM and attention shapes to time "
+                                                      "(default: %(default)s)")
+    p.add_argument("--device", default="cuda", help="'cuda' (default) or 'cpu' (for tests)")
+    p.add_argument("--out", required=True, metavar="FILE", help="where to write the profile JSON")
+    p.add_argument("--name", default=None, help="the profile's name (default: from the GPU's name)")
+    p.add_argument("--peak-tflops", type=float, default=None, metavar="TFLOP/s",
+                   help="dense fp16 peak of the GPU, when it is not in the datasheet table")
+    p.add_argument("--disk-dir", default=None, metavar="DIR", help="directory whose disk to time (default: temp)")
+    p.add_argument("--quick", action="store_true", help="tiny shapes and few repetitions (tests)")
+    p.set_defaults(func=cmd_profile)
+
+
+def cmd_profile(args) -> dict:
+    d = run_profile(args.model, args.device, args.quick, args.peak_tflops, args.disk_dir, args.name)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(json.dumps(d, indent=1))
+    tmp.replace(out)
+    h2d = d["h2d_pinned"][-1][1] / 1e9
+    print(f"profile of {d['name']} written to {out}")
+    print(f"  pinned H2D {h2d:.1f} GB/s, D2H {d['d2h_pinned'][-1][1] / 1e9:.1f} GB/s, duplex "
+          f"{d['duplex_fraction']:.2f}; HBM {d['gpu_hbm_bytes_per_s'] / 1e12:.2f} TB/s; best GEMM "
+          f"{max(e for _, e in d['gemm_efficiency']) * d['gpu_peak_flops'] / 1e12:.0f} TFLOP/s; CPU attention "
+          f"{d['cpu_attention_flops'] / 1e9:.1f} GFLOP/s; disk read {d['disk_read_bytes_per_s'] / 1e9:.2f} GB/s, "
+          f"write {d['disk_write_bytes_per_s'] / 1e9:.2f} GB/s")
+    summary = {"out": str(out), "name": d["name"], "h2d_pinned_GBps": h2d,
+               "duplex_fraction": d["duplex_fraction"], "provenance": d["provenance"]}
+    print(json.dumps(summary))
+    return summary
+
+
+def main(argv=None) -> int:
+    from offsim.errors import OffsimError
+
+    ap = argparse.ArgumentParser(prog="offexec")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    add_profile_parser(sub)
+    args = ap.parse_args(argv)
+    try:
+        args.func(args)
+    except OffsimError as e:
+        print(f"offexec: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(["profile", *sys.argv[1:]]))

@@ -1,0 +1,77 @@
+"""Helpers for offexec's tests: tiny transformers models with random weights, their greedy generation, logits and
+KV cache (the reference the executor must reproduce), and which KV positions a plan stores on each home tier."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from offsim.plan import Plan
+from offsim.specs import ModelSpec, _hf_config
+
+TINY = {"opt": dict(layers=2, h=64, heads=4, kv=4, ffn=128), "llama": dict(layers=2, h=64, heads=4, kv=2, ffn=128)}
+
+
+def tiny_hf(family: str, seed: int = 0, vocab: int = 128, max_pos: int = 64, std: float = 0.15):
+    """A tiny transformers OPTForCausalLM / LlamaForCausalLM (2 layers, d_model 64; Llama with GQA) with random
+    weights large enough for logits of order one (so greedy tokens vary), fp32, EOS disabled (transformers' generate
+    would otherwise pad after OPT's EOS id 2). Returns (model, ModelSpec with 4-byte elements)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
+
+    t = TINY[family]
+    d = _hf_config(family, t["layers"], t["h"], t["heads"], t["kv"], t["ffn"], vocab, max_pos)
+    d.pop("model_type")
+    torch.manual_seed(seed)
+    m = (OPTForCausalLM(OPTConfig(**d)) if family == "opt" else LlamaForCausalLM(LlamaConfig(**d))).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            noise = torch.randn(p.shape, generator=g) * std
+            p.copy_(1.0 + noise if "norm" in name and name.endswith("weight") else noise)
+    for cfg in (m.config, m.generation_config):
+        cfg.eos_token_id = None
+    spec = dataclasses.replace(ModelSpec.from_hf_config(m.config, name=f"tiny-{family}"), dtype_bytes=4)
+    return m, spec
+
+
+def hf_generate(model, prompts: torch.Tensor, gen_len: int):
+    """Greedy tokens [N, gen_len] and raw logits [gen_len, N, V] of transformers' ``generate``."""
+    with torch.no_grad():
+        out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=gen_len,
+                             min_new_tokens=0, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                             pad_token_id=0)
+    return out.sequences[:, prompts.shape[1]:], torch.stack(out.logits)
+
+
+def hf_kv(model, seqs: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """K and V of every layer after a full forward over ``seqs`` [N, S]: per layer ([N, Hk, S, D], [N, Hk, S, D])."""
+    with torch.no_grad():
+        out = model(seqs, use_cache=True)
+    cache = getattr(out, "past_key_values", None) or getattr(out, "cache", None)
+    if hasattr(cache, "layers"):
+        return [(lay.keys, lay.values) for lay in cache.layers]
+    return [(k, v) for k, v in cache]
+
+
+def stored_positions(plan: Plan) -> dict[tuple[str, int, int], set]:
+    """(home tier, layer, batch) -> KV positions the plan writes to that home: every computed position for
+    GPU-homed heads, d2h stores for host-homed heads (and CPU attention's new tokens), disk writes for disk-homed."""
+    out: dict = {}
+    kg, kc = plan.kv_split
+    for op in plan.ops:
+        key = None
+        if op.kind == "compute" and op.part in ("layer", "pre_attn") and kg:
+            key, lo, hi = ("gpu", op.layer, op.batch), op.ctx_tokens - op.q_tokens, op.ctx_tokens
+        elif op.kind == "cpu_compute" and kc:
+            key, lo, hi = ("cpu", op.layer, op.batch), op.ctx_tokens - op.q_tokens, op.ctx_tokens
+        elif op.tensor == "kv" and op.kind == "d2h" and op.head_hi <= kg + kc:
+            key, lo, hi = ("cpu", op.layer, op.batch), op.lo, op.hi
+        elif op.tensor == "kv" and op.kind == "disk_write":
+            key, lo, hi = ("disk", op.layer, op.batch), op.lo, op.hi
+        if key is not None:
+            out.setdefault(key, set()).update(range(lo, hi))
+    return out
+
+
+def spec_fp32(spec: ModelSpec) -> ModelSpec:
+    return dataclasses.replace(spec, dtype_bytes=4)

@@ -1,0 +1,242 @@
+"""The executor runs every policy's plan on the CPU and reproduces transformers: same greedy tokens, logits within
+1e-4 (fp32), and every KV position a plan stores on a home tier equals transformers' KV cache (so recomputed KV
+equals what prefill stored). Also: the threaded stream scheduler, the trace it returns, and its refusals."""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from offexec.executor import check_plan, run_plan
+from offexec.memory import DiskTier, ExecError, check_gpu_budget
+from offexec.testing import hf_generate, hf_kv, stored_positions, tiny_hf
+from offexec.weights import from_state_dict
+from offsim import POLICIES, Workload, build_plan, get_hardware
+from offsim.plan import Plan
+from offsim.trace import COLUMNS
+
+HW = get_hardware("h200")
+PROMPT, GEN = 8, 6
+
+# (policy, settings, gpu_batch_size, num_gpu_batches)
+CASES = [
+    ("static-accelerate", {"gpu_layers": 1}, 3, 1),
+    ("static-accelerate", {"gpu_layers": 0, "offload": "disk"}, 3, 1),
+    ("static-zero", {}, 3, 1),
+    ("static-zero", {"kv_on_cpu": True, "offload": "disk"}, 3, 1),
+    ("flexgen", {"percent": (100, 0, 100, 0, 100, 0)}, 2, 2),  # KV on the GPU
+    ("flexgen", {"percent": (20, 80, 0, 100, 100, 0)}, 2, 3),  # KV on the CPU, GPU attention (the H200 target)
+    ("flexgen", {"percent": (0, 0, 0, 0, 100, 0)}, 2, 2),  # weights and KV on disk
+    ("flexgen", {"percent": (50, 25, 25, 25, 0, 100)}, 2, 2),  # every tier, activations on the CPU
+    ("flexgen", {"percent": (20, 80, 0, 100, 100, 0), "cpu_attention": True}, 2, 2),
+    ("flexgen", {"percent": (0, 50, 0, 50, 100, 0), "cpu_attention": True}, 2, 2),  # CPU attention, disk heads
+    ("flexgen", {"percent": (30, 70, 0, 100, 100, 0), "overlap": False}, 2, 2),
+]
+if "selectn" in POLICIES:
+    CASES.append(("selectn", {"interval": 2}, 3, 1))
+if "tightllm" in POLICIES:
+    CASES += [("tightllm", {"percent": (30, 40, 25, 50, 100, 0), "weight_slices": 2, "kv_solver": "exact"}, 2, 2),
+              ("tightllm", {"percent": (0, 50, 0, 50, 0, 100), "kv_solver": "exact"}, 2, 2),  # recompute all
+              # N_r = 4 of 8..12: a loaded prefix + a recompute block; recomputed prompt positions stored later
+              ("tightllm", {"percent": (0, 50, 0, 50, 0, 100), "kv_solver": "exact", "max_recompute_tokens": 4},
+               2, 2)]
+
+
+MAX_PROMPTS = 6
+_MODELS: dict = {}
+
+
+def _model(family):
+    """Tiny model, its weights, a pool of prompts and transformers' reference for them (computed once: greedy
+    sequences are independent, so a workload of N prompts compares with the first N rows)."""
+    if family not in _MODELS:
+        hf, spec = tiny_hf(family, seed=11)
+        pool = torch.randint(0, spec.vocab_size, (MAX_PROMPTS, PROMPT), generator=torch.Generator().manual_seed(7))
+        tok, logits = hf_generate(hf, pool, GEN)
+        kv = hf_kv(hf, torch.cat((pool, tok[:, :-1]), 1))  # the last token's KV is never computed
+        _MODELS[family] = (hf, spec, from_state_dict(spec, hf.state_dict()), pool, (tok, logits, kv))
+    return _MODELS[family][:3]
+
+
+def _case_id(c):
+    return f"{c[0]}-" + "-".join(f"{k}={v}" for k, v in c[1].items()).replace(" ", "")
+
+
+def _run(family, policy, settings, gbs, nb, threaded=False, **kw):
+    hf, spec, w = _model(family)
+    wl = Workload(PROMPT, GEN, gbs, nb)
+    plan = build_plan(policy, spec, HW, wl, settings)
+    prompts = _MODELS[family][3][:wl.num_prompts]
+    res = run_plan(plan, w, "cpu", prompts, record_logits=True, keep_kv=True, threaded=threaded, **kw)
+    return hf, spec, plan, prompts, res
+
+
+def _check_against_transformers(hf, spec, plan, prompts, res):
+    ref_tok, ref_logits, ref = _MODELS[f"{spec.family}"][4]
+    n = plan.workload.num_prompts
+    np.testing.assert_array_equal(res.tokens, ref_tok[:n].numpy())
+    gbs = plan.workload.gpu_batch_size
+    assert len(res.logits) == GEN * plan.workload.num_gpu_batches
+    for step, b, lg in res.logits:
+        assert (lg - ref_logits[step, b * gbs:(b + 1) * gbs]).abs().max().item() <= 1e-4
+    # every KV position stored on a home tier equals transformers' cache of the same sequences
+    kg, kc = plan.kv_split
+    homes = {"gpu": (0, kg), "cpu": (kg, kg + kc), "disk": (kg + kc, spec.num_kv_heads)}
+    checked = 0
+    for (tier, j, k), pos in stored_positions(plan).items():
+        lo, hi = homes[tier]
+        cache = res.kv[tier][j, k]  # [cap, 2, B, n, D]
+        idx = torch.tensor(sorted(pos))
+        for kv in (0, 1):
+            got = cache[idx, kv]  # [P, B, n, D]
+            want = ref[j][kv][k * gbs:(k + 1) * gbs, lo:hi][:, :, idx].permute(2, 0, 1, 3)
+            assert (got - want).abs().max().item() <= 1e-4, (tier, j, k)
+        checked += len(pos)
+    return checked
+
+
+@pytest.mark.parametrize("family", ["opt", "llama"])
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_plan_reproduces_transformers(family, case):
+    hf, spec, plan, prompts, res = _run(family, *case)
+    checked = _check_against_transformers(hf, spec, plan, prompts, res)
+    if any(o.kind in ("d2h", "disk_write") and o.tensor == "kv" for o in plan.ops):
+        assert checked > 0  # stored KV was compared
+
+
+@pytest.mark.parametrize("case", [CASES[5], CASES[7], CASES[9], CASES[-1]], ids=_case_id)
+def test_threaded_scheduler_reproduces_transformers(case):
+    hf, spec, plan, prompts, res = _run("llama", *case, threaded=True)
+    _check_against_transformers(hf, spec, plan, prompts, res)
+
+
+@pytest.mark.skipif("tightllm" not in POLICIES, reason="offsim.policies.tightllm not present")
+def test_tightllm_case_recomputes():
+    """The tightllm cases above really recompute (N_r > 0: decode layer ops with more than one query token), and
+    store KV positions that decode produced by recompute, which the test compares with transformers' cache."""
+    hf, spec, w = _model("opt")
+    plan = build_plan("tightllm", spec, HW, Workload(PROMPT, GEN, 2, 2), CASES[-1][1])
+    q = [o.q_tokens for o in plan.ops if o.kind == "compute" and o.part == "layer" and o.step > 0]
+    assert max(q) > 1
+    stores = [o for o in plan.ops if o.kind == "d2h" and o.tensor == "kv" and o.step > 0]
+    recomputed_then_stored = [o for o in stores if o.lo < PROMPT]  # prompt positions stored only after recompute
+    assert recomputed_then_stored
+
+
+def test_trace_schema_and_dependencies():
+    hf, spec, plan, prompts, res = _run("opt", *CASES[7])
+    df = res.trace.df
+    assert list(df.columns) == COLUMNS and len(df) == len(plan.ops)
+    assert res.trace.meta["source"] == "offexec"
+    assert (df["end_s"] >= df["start_s"]).all() and (df["start_s"] >= 0).all()
+    end = df["end_s"].to_numpy()
+    start = df["start_s"].to_numpy()
+    for op in plan.ops:  # sequential on the CPU: every op starts after the ops it depends on ended
+        for d in op.deps:
+            assert end[d] <= start[op.id] + 1e-9
+    m = res.trace.metrics()
+    assert m["decode_tok_s"] > 0 and m["peak_disk_bytes"] > 0
+    assert res.stats["pool_buffers"]["wslot"] == res.stats["pool_buffers_plan_order"]["wslot"]
+
+
+def test_threaded_trace_respects_host_dependencies():
+    hf, spec, plan, prompts, res = _run("opt", *CASES[9], threaded=True)
+    df = res.trace.df
+    start, end = df["start_s"].to_numpy(), df["end_s"].to_numpy()
+    for op in plan.ops:
+        if op.stream in ("cpu", "disk"):
+            for d in op.deps:
+                assert end[d] <= start[op.id] + 1e-6
+
+
+def test_inconsistent_plan_is_refused_naming_the_op():
+    hf, spec, w = _model("opt")
+    plan = build_plan("flexgen", spec, HW, Workload(PROMPT, GEN, 2, 2), {"percent": (20, 80, 0, 100, 100, 0)})
+    d = plan.to_dict()
+    # drop the first decode KV load: the compute that needs it has nothing to attend over
+    ti = d["op_fields"].index("tensor")
+    drop = next(i for i, r in enumerate(d["ops"]) if r[1] == "h2d" and r[ti] == "kv")
+    rows = [r for i, r in enumerate(d["ops"]) if i != drop]
+    remap = {old: new for new, old in enumerate(i for i in range(len(d["ops"])) if i != drop)}
+    for r in rows:
+        r[0] = remap[r[0]]
+        r[2] = [remap[x] for x in r[2] if x in remap]
+    d["ops"] = rows
+    bad = Plan.from_dict(d)
+    with pytest.raises(ExecError, match="no KV load"):
+        check_plan(bad, "cpu", 1 << 40)
+
+
+def test_gpu_budget_precheck_names_the_shortfall():
+    with pytest.raises(ExecError, match="short by 100 bytes"):
+        check_gpu_budget({"resident weights": 1000, "buffer pools": 100}, 1000)
+    check_gpu_budget({"resident weights": 1000}, 1000)
+
+
+def test_disk_tier_without_room_is_refused(monkeypatch, tmp_path):
+    import shutil
+    from collections import namedtuple
+
+    hf, spec, w = _model("opt")
+    plan = build_plan("flexgen", spec, HW, Workload(PROMPT, GEN, 2, 2), {"percent": (0, 0, 0, 0, 100, 0)})
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(10, 10, 10))
+    with pytest.raises(ExecError, match="short by"):
+        check_plan(plan, "cpu", 1 << 40, str(tmp_path))
+
+
+def test_interrupted_run_leaves_no_disk_files(tmp_path, monkeypatch):
+    from offexec.executor import Executor
+
+    hf, spec, w = _model("opt")
+    plan = build_plan("flexgen", spec, HW, Workload(PROMPT, GEN, 2, 2), {"percent": (0, 0, 0, 0, 100, 0)})
+    calls = {"n": 0}
+    orig = Executor._op_layer
+
+    def interrupt(self, op, args, info):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        return orig(self, op, args, info)
+
+    monkeypatch.setattr(Executor, "_op_layer", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        run_plan(plan, w, "cpu", disk_dir=str(tmp_path))
+    assert calls["n"] == 5 and os.listdir(tmp_path) == []
+
+
+@pytest.mark.slow  # a subprocess that imports torch
+def test_disk_tier_removed_on_sigterm(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    code = textwrap.dedent(f"""
+        import sys, time
+        from offexec.memory import DiskTier
+        t = DiskTier({str(tmp_path)!r}, 1 << 20)
+        t.create("kv.bin", 1 << 20)
+        print("ready", flush=True)
+        time.sleep(30)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    assert len(os.listdir(tmp_path)) == 1
+    p.terminate()
+    p.wait(timeout=10)
+    time.sleep(0.1)
+    assert os.listdir(tmp_path) == []
+
+
+def test_disk_tier_roundtrip(tmp_path):
+    t = DiskTier(tmp_path, 1 << 20, threads=3)
+    t.CHUNK_BYTES = 1000  # several chunks per request
+    t.create("x.bin", 1 << 16)
+    a = torch.arange(10000, dtype=torch.float32)
+    t.write("x.bin", a, 512)
+    b = torch.empty_like(a)
+    t.read("x.bin", b, 512)
+    assert torch.equal(a, b)
+    t.close()
+    assert os.listdir(tmp_path) == []
