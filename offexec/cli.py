@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--trace", default=None, metavar="FILE",
                    help="write the measured trace: .csv (offsim's trace schema) or Chrome/Perfetto JSON otherwise")
     r.add_argument("--progress", action="store_true", help="show progress bars while weights are prepared")
+    from .profile import add_profile_parser
+
+    add_profile_parser(sub)  # `offexec profile`: the hardware-profile JSON offsim loads
     return ap
 
 
@@ -136,6 +139,8 @@ def main(argv=None) -> int:
     try:
         if args.cmd == "run":
             cmd_run(args)
+        elif args.cmd == "profile":
+            args.func(args)
         return 0
     except OffsimError as e:
         print(f"offexec: error: {e}", file=sys.stderr)
