@@ -1,0 +1,488 @@
+"""TightLLM (IEEE TC 2025; seed 000, DESIGN.md §6): adaptive offloading that trades GPU compute for PCIe transfer.
+
+Algorithm 1, as a plan generator: for every decode step and GPU batch, estimate the sequence length, price the KV
+load (T_cache), the weight slice (T_weight) and the compute (T_compute) with ``offsim.costmodel``, and let the KV
+distributor (``offsim.kv_distributor``, an ILP) choose N_r, the number of most recent tokens to *recompute* instead
+of load; then emit the ops layer by layer and batch by batch, on the zig-zag block order FlexGen uses (for step i,
+layer j, batch k: prefetch the next position's KV, load a slice of the next layer's weights, compute, store).
+
+What the ops mean (only the op semantics of ``offsim.plan``'s docstring; the executor runs them unchanged):
+
+- Decode step i, batch k, N_ctx = prompt_len + i - 1 tokens have KV, N_r recomputed, b = N_ctx - N_r loaded:
+  * ``h2d kv [0, b)`` (host-homed heads; disk-homed heads ``disk_read kv [0, b)`` then ``h2d kv [0, b)``): only the
+    prefix is loaded;
+  * ``compute embed`` with ``q_tokens = N_r + 1``, ``ctx_tokens = N_ctx + 1``: the recomputed tokens start from
+    their token ids (nothing else about them is kept on the GPU between steps), plus the new token;
+  * ``compute layer`` with ``q_tokens = N_r + 1``, ``ctx_tokens = N_ctx + 1`` in every decoder layer: a small
+    prefill of the last N_r + 1 positions -- QKV, causal attention over the loaded KV [0, b) and the K/V these
+    positions just produced [b, N_ctx + 1), output projection, FFN. Its K/V are a by-product used in place; nothing
+    of them survives the op except what a store below copies out. (TightLLM's "scheme 2": full forward, not a K/V
+    projection from kept hidden states.);
+  * ``compute head`` with ``q_tokens = N_r + 1``: the LM head on the last position only (as at prefill);
+  * ``d2h kv [S, t)`` (and ``disk_write`` for disk-homed heads) after the layer: t = the next step's boundary
+    b' = N_ctx + 1 - N_r'. Only what some later step will *load* is ever stored, and each token once: S is what is
+    already stored, and tokens [S, t) are inside what this compute produced ([b, N_ctx + 1)), because S >= b.
+- Prefill: ``compute layer`` over the prompt as usual, but only ``[0, t)`` of its KV is stored, t = prompt_len -
+  N_r of step 1 (TightLLM: "the KV of tokens decode will recompute is never offloaded"). The D2H bytes drop by exactly
+  the KV of those N_r tokens.
+- Invariant (``Plan.validate`` checks it; ``check_kv_flow`` below checks the rest): every KV token loaded was stored
+  on its tier (S >= b at every load), and every decode layer attends over exactly [0, b) loaded + [b, N_ctx + 1)
+  recomputed.
+
+Weight loader (§方法二): the offloaded bytes of a layer are cut into b_n slices (host part and disk part each split
+in b_n), and slice s rides on batch s of the previous layer (issued with that batch's compute), so each batch's
+compute hides 1/b_n of the next layer instead of batch 0 hiding all of it. The distributor sees, for batch k, the
+slice that batch carries: with b_n < num_gpu_batches the front batches carry the weights and recompute more, the
+later ones less (``weight_slices``). ``weight_loader=False`` (the ablation) loads the whole next layer with batch 0,
+as FlexGen does; ``kv_distributor=False`` sets N_r = 0 everywhere. Each flag changes only its own ops.
+
+Memory: streamed weights are double-buffered (a layer's slices wait for the layer two back to be done); loaded KV is
+double-buffered across positions; a recompute's scratch is ``workspace_bytes`` of (N_r + 1) · batch tokens, and N_r is
+capped so that scratch plus two KV buffers fits beside what is resident. Token ids of the block are resident on the
+GPU (8 bytes each).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+from ..errors import OffsimError
+from ..kv_distributor import SOLVERS, TRANSFER_MODELS, Decision, distributor, kv_load_bytes
+from ..plan import Plan, PlanBuilder
+from ..specs import HardwareSpec, ModelSpec, Workload
+from . import FlexGenSettings, capacity_of, kv_split_from_percent, weight_split_from_percent
+from .schedule import Schedule, resident_bytes, workspace_bytes
+
+TOKEN_ID_BYTES = 8  # int64 token ids, the only per-token state kept on the GPU for recompute
+
+
+@dataclass(frozen=True)
+class TightLLMSettings:
+    """TightLLM's knobs. ``percent``: placement as FlexGen's six numbers (weights GPU/CPU, KV cache GPU/CPU,
+    activations GPU/CPU; the rest of each pair on disk). ``kv_distributor`` / ``weight_loader``: the two components
+    (CLI ``--no-kv-distributor`` / ``--no-weight-loader`` for the ablations). ``weight_slices``: b_n, slices per
+    layer (0: one per GPU batch). ``kv_solver``: 'ilp' (cvxpy + HiGHS MILP) or 'exact' (the certified fast path;
+    same answers). ``transfer_model``: 'streams' (disk and PCIe overlap) or 'serial' (the paper's sum).
+    ``max_recompute_tokens``: cap on N_r (None: GPU memory is the only cap). ``pin_weights``: pinned host buffers."""
+
+    percent: tuple[int, int, int, int, int, int] = (100, 0, 100, 0, 100, 0)
+    kv_distributor: bool = True
+    weight_loader: bool = True
+    weight_slices: int = 0
+    kv_solver: str = "ilp"
+    transfer_model: str = "streams"
+    max_recompute_tokens: int | None = None
+    pin_weights: bool = True
+
+    def __post_init__(self):
+        FlexGenSettings(percent=tuple(self.percent))  # same placement rules and messages as FlexGen
+        object.__setattr__(self, "percent", tuple(self.percent))
+        if self.kv_solver not in SOLVERS:
+            raise OffsimError(f"tightllm kv_solver must be one of {SOLVERS}, got {self.kv_solver!r}")
+        if self.transfer_model not in TRANSFER_MODELS:
+            raise OffsimError(f"tightllm transfer_model must be one of {TRANSFER_MODELS}, got "
+                              f"{self.transfer_model!r}")
+        if isinstance(self.weight_slices, bool) or not isinstance(self.weight_slices, int) or self.weight_slices < 0:
+            raise OffsimError(f"tightllm weight_slices must be an integer >= 0 (0: one per GPU batch), got "
+                              f"{self.weight_slices!r}")
+        if self.max_recompute_tokens is not None and (not isinstance(self.max_recompute_tokens, int)
+                                                      or self.max_recompute_tokens < 0):
+            raise OffsimError(f"tightllm max_recompute_tokens must be None or an integer >= 0, got "
+                              f"{self.max_recompute_tokens!r}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the decisions (Algorithm 1, lines "estimate the mean sequence length ... solve for N_r")
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Layout:
+    """Placement and slicing of one plan, in bytes and heads."""
+
+    weight_gpu: int  # bytes of each layer's flat weights on the GPU ([0, weight_gpu))
+    weight_cpu: int  # then in host memory
+    weight_disk: int  # then on disk
+    kv_gpu_heads: int
+    kv_cpu_heads: int
+    kv_disk_heads: int
+    hidden_home: str
+    num_slices: int  # b_n
+    # slice s: ((cpu_lo, cpu_hi), (disk_lo, disk_hi)) byte ranges of the layer's flat buffer
+    slices: tuple[tuple[tuple[int, int], tuple[int, int]], ...]
+
+    @property
+    def weight_offloaded(self) -> int:
+        return self.weight_cpu + self.weight_disk
+
+
+def layout_of(model: ModelSpec, wl: Workload, st: TightLLMSettings) -> Layout:
+    """Where everything lives, and the weight loader's slices (element-aligned, host and disk parts split alike)."""
+    wg, wc, cg, cc, ag, ac = st.percent
+    g, c = weight_split_from_percent(model, wg, wc)
+    W, e = model.layer_weight_bytes(), model.dtype_bytes
+    d = W - g - c
+    kg, kc = kv_split_from_percent(model, cg, cc)
+    nb = wl.num_gpu_batches
+    b_n = (st.weight_slices or nb) if st.weight_loader else 1
+    if b_n > nb:
+        raise OffsimError(f"tightllm weight_slices = {b_n} exceeds the {nb} GPU batches that share a layer: each "
+                          f"slice rides on one batch (valid: 0..{nb}, 0 = {nb})")
+
+    def cut(lo: int, nbytes: int, s: int) -> tuple[int, int]:
+        el = nbytes // e
+        return lo + e * (el * s // b_n), lo + e * (el * (s + 1) // b_n)
+
+    slices = tuple((cut(g, c, s), cut(g + c, d, s)) for s in range(b_n))
+    return Layout(g, c, d, kg, kc, model.num_kv_heads - kg - kc, "gpu" if ag >= ac else "cpu", b_n, slices)
+
+
+def recompute_memory_cap(model: ModelSpec, wl: Workload, lay: Layout, free_gpu_bytes: int, ctx_tokens: int) -> int:
+    """The largest N_r whose decode step fits: scratch of (N_r + 1)·batch tokens, this position's KV prefix
+    (N_ctx - N_r tokens) and the next position's (counted at full length: its N_r may be 0), and this position's new
+    KV waiting to be stored. -1 if not even N_r = 0 fits (the plan will then fail validation with the shortfall)."""
+    gbs = wl.gpu_batch_size
+    off_heads = lay.kv_cpu_heads + lay.kv_disk_heads
+
+    def need(n: int) -> int:
+        return (workspace_bytes(model, gbs * (n + 1)) + kv_load_bytes(model, gbs, off_heads, ctx_tokens - n)
+                + kv_load_bytes(model, gbs, off_heads, ctx_tokens) + kv_load_bytes(model, gbs, off_heads, n + 1))
+
+    # need(n) grows with n: the scratch of a token (Q, K, V, output, FFN) outweighs one token of one layer's KV
+    if need(0) > free_gpu_bytes:
+        return -1
+    lo, hi = 0, ctx_tokens + 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if need(mid) <= free_gpu_bytes:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def recompute_tokens(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLMSettings,
+                     lay: Layout | None = None, free_gpu_bytes: int | None = None) -> list[list[int]]:
+    """N_r[i][k] for decode steps i = 1 .. gen_len - 1 (index 0: prefill, all 0) and GPU batches k."""
+    lay = lay or layout_of(model, wl, st)
+    nb = wl.num_gpu_batches
+    table = [[0] * nb for _ in range(wl.gen_len)]
+    if not st.kv_distributor or lay.kv_cpu_heads + lay.kv_disk_heads == 0:
+        return table  # nothing is loaded, so nothing to trade
+    if free_gpu_bytes is None:
+        free_gpu_bytes = _free_gpu_bytes(model, hw, wl, lay)
+    kvd = distributor(model, hw, st.transfer_model)
+    for i in range(1, wl.gen_len):
+        n_ctx = wl.prompt_len + i - 1  # Algorithm 1: the batch's sequence length (uniform prompts: the mean)
+        mem_hi = recompute_memory_cap(model, wl, lay, free_gpu_bytes, n_ctx)
+        if lay.hidden_home == "gpu":
+            # the block's activations between layers live in the buffer reserved for the prompt (``resident``):
+            # N_r + 1 recomputed-plus-new tokens per sequence must fit in it
+            mem_hi = min(mem_hi, wl.prompt_len - 1)
+        hi = None if st.max_recompute_tokens is None else min(st.max_recompute_tokens, n_ctx)
+        for k in range(nb):
+            if k < lay.num_slices:
+                (c_lo, c_hi), (d_lo, d_hi) = lay.slices[k]
+                w_cpu, w_disk = c_hi - c_lo, d_hi - d_lo
+            else:
+                w_cpu = w_disk = 0
+            d = Decision(num_seqs=wl.gpu_batch_size, ctx_tokens=n_ctx, kv_cpu_heads=lay.kv_cpu_heads,
+                         kv_disk_heads=lay.kv_disk_heads, weight_cpu_bytes=w_cpu, weight_disk_bytes=w_disk,
+                         lo=0, hi=hi, mem_hi=mem_hi, pinned=st.pin_weights,
+                         hidden_offloaded=lay.hidden_home == "cpu")
+            table[i][k] = kvd.decide(d, st.kv_solver)
+    return table
+
+
+def _schedule_of(model: ModelSpec, lay: Layout, st: TightLLMSettings) -> Schedule:
+    return Schedule(policy="tightllm", weight_split=((lay.weight_gpu, lay.weight_cpu),) * model.num_layers,
+                    kv_split=(lay.kv_gpu_heads, lay.kv_cpu_heads), hidden_home=lay.hidden_home,
+                    pinned=st.pin_weights)
+
+
+def _resident(model: ModelSpec, wl: Workload, lay: Layout, st: TightLLMSettings) -> dict[str, int]:
+    res = resident_bytes(model, wl, _schedule_of(model, lay, st))
+    res["gpu"] += wl.num_prompts * wl.max_len * TOKEN_ID_BYTES
+    return res
+
+
+def _free_gpu_bytes(model: ModelSpec, hw: HardwareSpec, wl: Workload, lay: Layout) -> int:
+    """GPU bytes left for one position's scratch and KV buffers: capacity minus what is resident and the two
+    streamed-weight buffers."""
+    res = _resident(model, wl, lay, TightLLMSettings())["gpu"]  # (placement comes from lay; settings unused)
+    return int(hw.gpu_mem_bytes) - res - 2 * lay.weight_offloaded
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the plan
+# ----------------------------------------------------------------------------------------------------------------
+def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLMSettings) -> Plan:
+    """Algorithm 1: the whole block's plan (all steps, layers, batches)."""
+    if wl.max_len > model.max_positions:
+        raise OffsimError(f"prompt-len + gen-len - 1 = {wl.max_len} exceeds {model.name}'s {model.max_positions} "
+                          "positions")
+    lay = layout_of(model, wl, st)
+    nr = recompute_tokens(model, hw, wl, st, lay)
+    L, nb, gbs, P = model.num_layers, wl.num_gpu_batches, wl.gpu_batch_size, wl.prompt_len
+    W = model.layer_weight_bytes()
+    kg, kc, kd = lay.kv_gpu_heads, lay.kv_cpu_heads, lay.kv_disk_heads
+    n_kv = model.num_kv_heads
+    off = lay.weight_offloaded
+    pinned = st.pin_weights
+    b = PlanBuilder()
+    add = b.add
+
+    def kvb(heads: int, tokens: int) -> int:
+        return kv_load_bytes(model, gbs, heads, tokens)
+
+    def boundary(i: int, k: int) -> int:
+        """b(i, k): tokens [0, b) of decode step i are loaded, the rest recomputed."""
+        return P + i - 1 - nr[i][k]
+
+    def store_target(i: int, k: int) -> int:
+        """After step i (0 = prefill), KV must be stored up to the next step's boundary; after the last, nothing."""
+        return boundary(i + 1, k) if i + 1 < wl.gen_len else 0
+
+    # --- streamed weights: instances (step, layer), each loaded in slices during the previous instance ----------
+    instances = [(i, j) for i in range(wl.gen_len) for j in range(L)] if off else []
+    inst_index = {ij: u for u, ij in enumerate(instances)}
+    loaded: dict[int, list[int]] = {}  # instance -> its h2d ops (all slices)
+    free_op: dict[int, int] = {}  # instance -> last compute that used it (frees the buffer)
+
+    def issue_slice(u: int, s: int) -> None:
+        if u >= len(instances):
+            return
+        i, j = instances[u]
+        phase = "prefill" if i == 0 else "decode"
+        dep = free_op.get(u - 2)  # double buffering: the buffer of the instance two back
+        (c_lo, c_hi), (d_lo, d_hi) = lay.slices[s]
+        ids = loaded.setdefault(u, [])
+        if c_hi > c_lo:
+            ids.append(add("h2d", [dep], phase, i, j, s, tensor="weight", lo=c_lo, hi=c_hi, nbytes=c_hi - c_lo,
+                           pinned=pinned, alloc=(c_hi - c_lo, 0, 0)))
+        if d_hi > d_lo:
+            nbytes = d_hi - d_lo
+            rd = add("disk_read", [dep], phase, i, j, s, tensor="weight", lo=d_lo, hi=d_hi, nbytes=nbytes,
+                     alloc=(0, nbytes, 0))
+            ids.append(add("h2d", [rd], phase, i, j, s, tensor="weight", lo=d_lo, hi=d_hi, nbytes=nbytes,
+                           pinned=pinned, alloc=(nbytes, 0, 0), free=(0, nbytes, 0)))
+
+    # --- KV ----------------------------------------------------------------------------------------------------
+    positions = [(i, j, k) for i in range(wl.gen_len) for j in range(-1, L + 1) for k in range(nb)]
+    computes: list[int] = []
+    pending_loads: dict[int, tuple[list[int], int]] = {}  # position -> (h2d ops, GPU bytes they hold)
+    stored_upto: dict[tuple[int, int], int] = {}  # (layer, batch) -> S: KV tokens [0, S) stored off the GPU
+    store_ops: dict[tuple[int, int], list[int]] = {}  # (layer, batch) -> the latest ops that extended S
+
+    def emit_kv_loads(p: int) -> None:
+        if p >= len(positions):
+            return
+        i, j, k = positions[p]
+        if i == 0 or not 0 <= j < L or not (kc or kd):
+            return
+        hi = boundary(i, k)
+        if hi <= 0:
+            pending_loads[p] = ([], 0)
+            return
+        deps = [computes[p - 2] if p >= 2 else None] + store_ops.get((j, k), [])
+        ids, held = [], 0
+        if kc:
+            nbytes = kvb(kc, hi)
+            ids.append(add("h2d", deps, "decode", i, j, k, tensor="kv", lo=0, hi=hi, head_lo=kg, head_hi=kg + kc,
+                           nbytes=nbytes, pinned=pinned, alloc=(nbytes, 0, 0)))
+            held += nbytes
+        if kd:
+            nbytes = kvb(kd, hi)
+            rd = add("disk_read", deps, "decode", i, j, k, tensor="kv", lo=0, hi=hi, head_lo=kg + kc, head_hi=n_kv,
+                     nbytes=nbytes, alloc=(0, nbytes, 0))
+            ids.append(add("h2d", [rd], "decode", i, j, k, tensor="kv", lo=0, hi=hi, head_lo=kg + kc, head_hi=n_kv,
+                           nbytes=nbytes, pinned=pinned, alloc=(nbytes, 0, 0), free=(0, nbytes, 0)))
+            held += nbytes
+        pending_loads[p] = (ids, held)
+
+    last_out: dict[int, int] = {}
+    hidden_store: dict[int, int] = {}
+    if instances:  # the first layer's weights, all slices, before anything runs
+        for s in range(lay.num_slices):
+            issue_slice(0, s)
+    emit_kv_loads(0)
+    for p, (i, j, k) in enumerate(positions):
+        phase = "prefill" if i == 0 else "decode"
+        q = P if i == 0 else nr[i][k] + 1
+        ctx = P + i
+        decoder = 0 <= j < L
+        # (1) hidden from the CPU, if parked there: first on the h2d stream, because this compute needs it now
+        #     (behind the next layer's weights it would serialise compute and transfer)
+        u = inst_index.get((i, j)) if decoder else None
+        deps = [last_out.get(k)]
+        if lay.hidden_home == "cpu" and k in hidden_store and j >= 0:
+            hl = add("h2d", [hidden_store.pop(k)], phase, i, j, k, tensor="hidden", lo=ctx - q, hi=ctx,
+                     nbytes=model.hidden_bytes(gbs * q), pinned=pinned)
+            deps = [hl]
+        # (2) prefetch the next position's KV prefix (FlexGen: load_cache(k+1)), ahead of the weight slice on the
+        #     h2d stream because the next compute needs it first
+        emit_kv_loads(p + 1)
+        # (3) weight loader: batch k carries slice k of the next streamed instance
+        if u is not None and k < lay.num_slices:
+            issue_slice(u + 1, k)
+        if u is not None:
+            deps += loaded[u]
+        load_ids, load_held = pending_loads.pop(p, ([], 0))
+        deps += load_ids
+        # (4) compute
+        if decoder:
+            S = stored_upto.get((j, k), 0)
+            t = store_target(i, k)
+            new_store = max(0, t - S) if (kc or kd) else 0
+            ws = workspace_bytes(model, gbs * q)
+            last_k = k == nb - 1
+            w_free = off if (last_k and u is not None) else 0
+            comp = add("compute", deps, phase, i, j, k, part="layer", num_seqs=gbs, q_tokens=q, ctx_tokens=ctx,
+                       frees_weights=last_k and u is not None,
+                       alloc=(ws + kvb(kc + kd, new_store), 0, 0), free=(ws + w_free + load_held, 0, 0))
+            if last_k and u is not None:
+                free_op[u] = comp
+            # (5) store what a later step will load: tokens [S, t), all inside [ctx - q, ctx) computed just now
+            if new_store:
+                ops = []
+                if kc:
+                    nbytes = kvb(kc, new_store)
+                    ops.append(add("d2h", [comp], phase, i, j, k, tensor="kv", lo=S, hi=t, head_lo=kg,
+                                   head_hi=kg + kc, nbytes=nbytes, pinned=pinned, free=(nbytes, 0, 0)))
+                if kd:
+                    nbytes = kvb(kd, new_store)
+                    st_ = add("d2h", [comp], phase, i, j, k, tensor="kv", lo=S, hi=t, head_lo=kg + kc, head_hi=n_kv,
+                              nbytes=nbytes, pinned=pinned, alloc=(0, nbytes, 0), free=(nbytes, 0, 0))
+                    ops.append(add("disk_write", [st_], phase, i, j, k, tensor="kv", lo=S, hi=t, head_lo=kg + kc,
+                                   head_hi=n_kv, nbytes=nbytes, free=(0, nbytes, 0)))
+                stored_upto[(j, k)] = t
+                store_ops[(j, k)] = ops
+        else:
+            part = "embed" if j < 0 else "head"
+            hb = model.hidden_bytes(gbs * q)
+            comp = add("compute", deps, phase, i, j, k, part=part, num_seqs=gbs, q_tokens=q, ctx_tokens=ctx,
+                       alloc=(hb, 0, 0), free=(hb, 0, 0))
+        computes.append(comp)
+        last_out[k] = comp
+        # (6) park the hidden on the CPU between layers
+        if lay.hidden_home == "cpu" and j < L:
+            hidden_store[k] = add("d2h", [comp], phase, i, j, k, tensor="hidden", lo=ctx - q, hi=ctx,
+                                  nbytes=model.hidden_bytes(gbs * q), pinned=pinned)
+    settings = dataclasses.asdict(st)
+    settings["percent"] = list(st.percent)
+    settings["weight_slices_used"] = lay.num_slices
+    settings["recompute_tokens"] = nr[1:]  # N_r per decode step (1..gen_len-1), per GPU batch
+    return Plan(model=model, workload=wl, policy="tightllm", settings=settings, capacity=capacity_of(hw),
+                resident=_resident(model, wl, lay, st), weight_split=[(lay.weight_gpu, lay.weight_cpu)] * L,
+                kv_split=(kg, kc), hidden_home=lay.hidden_home, ops=b.ops)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# checks beyond Plan.validate
+# ----------------------------------------------------------------------------------------------------------------
+def check_kv_flow(plan: Plan) -> None:
+    """Raise OffsimError unless every GPU 'layer' compute of a decode step attends over exactly what it has:
+    the KV h2d ops it depends on cover [0, ctx - q) for each off-GPU head range, and nothing else is loaded for it.
+    (``Plan.validate`` checks that what is loaded was stored; this checks that what is attended was loaded.)"""
+    kg, kc = plan.kv_split
+    n_kv = plan.model.num_kv_heads
+    ranges = [r for r in ((kg, kg + kc), (kg + kc, n_kv)) if r[1] > r[0]]
+    ops = plan.ops
+    for op in ops:
+        if op.kind != "compute" or op.part != "layer" or op.step == 0 or not ranges:
+            continue
+        need = op.ctx_tokens - op.q_tokens
+        got = {}
+        for dep in op.deps:
+            o = ops[dep]
+            if o.kind == "h2d" and o.tensor == "kv":
+                if (o.layer, o.batch, o.step) != (op.layer, op.batch, op.step):
+                    raise OffsimError(f"{op.describe()}: depends on a KV load of another position ({o.describe()})")
+                got[(o.head_lo, o.head_hi)] = (o.lo, o.hi)
+        for r in ranges:
+            have = got.get(r, (0, 0))
+            if need and have != (0, need):
+                raise OffsimError(f"{op.describe()}: attends over KV [0, {need}) of heads {r} but loads "
+                                  f"[{have[0]}, {have[1]}) (recomputes the last {op.q_tokens - 1})")
+            if not need and r in got:
+                raise OffsimError(f"{op.describe()}: loads KV it recomputes")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# candidates for offsim.optimize.search
+# ----------------------------------------------------------------------------------------------------------------
+def estimate_seconds_per_token(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLMSettings) -> float:
+    """A quick ranking score for the search: per layer and step, each batch costs max(compute, transfer) with
+    the distributor's N_r at the middle decode step; prefill costs max(compute, weight + KV store) per batch."""
+    from .. import costmodel as cm
+
+    lay = layout_of(model, wl, st)
+    free = _free_gpu_bytes(model, hw, wl, lay)
+    nb, gbs, P = wl.num_gpu_batches, wl.gpu_batch_size, wl.prompt_len
+    off_heads = lay.kv_cpu_heads + lay.kv_disk_heads
+    ws_pre = workspace_bytes(model, gbs * P) + kvb_all(model, gbs, off_heads, P)
+    if free < ws_pre or free < 0:
+        return math.inf
+    kvd = distributor(model, hw, st.transfer_model)
+    mid = max(1, P + wl.gen_len // 2 - 1)
+    mem_hi = recompute_memory_cap(model, wl, lay, free, mid)
+    if mem_hi < 0:
+        return math.inf
+    dec = 0.0
+    pre = 0.0
+    for k in range(nb):
+        if k < lay.num_slices:
+            (c_lo, c_hi), (d_lo, d_hi) = lay.slices[k]
+            w_cpu, w_disk = c_hi - c_lo, d_hi - d_lo
+        else:
+            w_cpu = w_disk = 0
+        if lay.hidden_home == "gpu":
+            mem_hi = min(mem_hi, P - 1)
+        d = Decision(gbs, mid, lay.kv_cpu_heads, lay.kv_disk_heads, w_cpu, w_disk, 0,
+                     None if st.max_recompute_tokens is None else min(st.max_recompute_tokens, mid),
+                     mem_hi if st.kv_distributor and off_heads else 0, st.pin_weights,
+                     hidden_offloaded=lay.hidden_home == "cpu")
+        n = kvd.decide(d, "exact")
+        dec += kvd.objective(d, n)
+        t_w = sum(cm.transfer_seconds(hw, x, "h2d") for x in (w_cpu, w_disk) if x)
+        t_st = cm.transfer_seconds(hw, kvb_all(model, gbs, off_heads, P - n), "d2h") if off_heads else 0.0
+        pre += max(cm.compute_seconds(model, hw, "layer", gbs, P, P), t_w + cm.disk_seconds(hw, w_disk, "read"),
+                   t_st)
+    total = model.num_layers * (pre + (wl.gen_len - 1) * dec)
+    return total / (wl.num_prompts * wl.gen_len)
+
+
+def kvb_all(model: ModelSpec, gbs: int, heads: int, tokens: int) -> int:
+    return kv_load_bytes(model, gbs, heads, max(tokens, 0))
+
+
+def tightllm_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
+                        max_shapes: int = 12) -> Iterable[tuple[dict, Workload, float]]:
+    """Placements and block shapes for the search: FlexGen's LP optimum (GPU attention) for each block shape (same
+    memory constraints), re-ranked by TightLLM's own estimate, plus larger GPU batches on the same placement (with
+    recompute the KV loads shrink, so a bigger batch can pay). Yields (settings, workload, score)."""
+    from ..optimize import flexgen_candidates
+
+    seen = set()
+    lps = flexgen_candidates(model, hw, prompt_len, gen_len, cpu_attention=(False,))[:max_shapes]
+    out = []
+    for r in lps:
+        for gbs in (r.gpu_batch_size, 2 * r.gpu_batch_size):
+            key = (r.percent, gbs, r.num_gpu_batches)
+            if key in seen:
+                continue
+            seen.add(key)
+            st = TightLLMSettings(percent=r.percent)
+            wl = Workload(prompt_len, gen_len, gbs, r.num_gpu_batches)
+            try:
+                score = estimate_seconds_per_token(model, hw, wl, st)
+            except OffsimError:
+                continue
+            if math.isfinite(score):
+                out.append(({"percent": r.percent}, wl, score))
+    out.sort(key=lambda c: c[2])
+    return out
+
+
+POLICY = {"tightllm": (tightllm_plan, TightLLMSettings)}
+CANDIDATES = {"tightllm": tightllm_candidates}
