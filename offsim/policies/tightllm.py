@@ -161,6 +161,31 @@ def recompute_memory_cap(model: ModelSpec, wl: Workload, lay: Layout, free_gpu_b
     return lo
 
 
+def decision_for(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLMSettings, ctx_tokens: int,
+                 batch_index: int, lay: Layout | None = None, free_gpu_bytes: int | None = None) -> Decision:
+    """The KV distributor's problem for GPU batch ``batch_index`` at a decode step where ``ctx_tokens`` tokens have
+    KV (Algorithm 1: the batch's sequence length -- prompts are uniform here, so the mean is the length): its KV
+    placement, the weight slice it carries, and the caps on N_r (the user's, GPU memory, and with activations on
+    the GPU the prompt-sized activation buffer)."""
+    lay = lay or layout_of(model, wl, st)
+    if free_gpu_bytes is None:
+        free_gpu_bytes = free_gpu_bytes_of(model, hw, wl, lay)
+    mem_hi = recompute_memory_cap(model, wl, lay, free_gpu_bytes, ctx_tokens)
+    if lay.hidden_home == "gpu":
+        # the block's activations between layers live in the buffer reserved for the prompt (``resident``): the
+        # N_r + 1 recomputed-plus-new tokens of every sequence must fit in it
+        mem_hi = min(mem_hi, wl.prompt_len - 1)
+    if batch_index < lay.num_slices:
+        (c_lo, c_hi), (d_lo, d_hi) = lay.slices[batch_index]
+        w_cpu, w_disk = c_hi - c_lo, d_hi - d_lo
+    else:
+        w_cpu = w_disk = 0
+    hi = None if st.max_recompute_tokens is None else min(st.max_recompute_tokens, ctx_tokens)
+    return Decision(num_seqs=wl.gpu_batch_size, ctx_tokens=ctx_tokens, kv_cpu_heads=lay.kv_cpu_heads,
+                    kv_disk_heads=lay.kv_disk_heads, weight_cpu_bytes=w_cpu, weight_disk_bytes=w_disk, lo=0, hi=hi,
+                    mem_hi=mem_hi, pinned=st.pin_weights, hidden_offloaded=lay.hidden_home == "cpu")
+
+
 def recompute_tokens(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLMSettings,
                      lay: Layout | None = None, free_gpu_bytes: int | None = None) -> list[list[int]]:
     """N_r[i][k] for decode steps i = 1 .. gen_len - 1 (index 0: prefill, all 0) and GPU batches k."""
@@ -170,26 +195,11 @@ def recompute_tokens(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: Tight
     if not st.kv_distributor or lay.kv_cpu_heads + lay.kv_disk_heads == 0:
         return table  # nothing is loaded, so nothing to trade
     if free_gpu_bytes is None:
-        free_gpu_bytes = _free_gpu_bytes(model, hw, wl, lay)
+        free_gpu_bytes = free_gpu_bytes_of(model, hw, wl, lay)
     kvd = distributor(model, hw, st.transfer_model)
     for i in range(1, wl.gen_len):
-        n_ctx = wl.prompt_len + i - 1  # Algorithm 1: the batch's sequence length (uniform prompts: the mean)
-        mem_hi = recompute_memory_cap(model, wl, lay, free_gpu_bytes, n_ctx)
-        if lay.hidden_home == "gpu":
-            # the block's activations between layers live in the buffer reserved for the prompt (``resident``):
-            # N_r + 1 recomputed-plus-new tokens per sequence must fit in it
-            mem_hi = min(mem_hi, wl.prompt_len - 1)
-        hi = None if st.max_recompute_tokens is None else min(st.max_recompute_tokens, n_ctx)
         for k in range(nb):
-            if k < lay.num_slices:
-                (c_lo, c_hi), (d_lo, d_hi) = lay.slices[k]
-                w_cpu, w_disk = c_hi - c_lo, d_hi - d_lo
-            else:
-                w_cpu = w_disk = 0
-            d = Decision(num_seqs=wl.gpu_batch_size, ctx_tokens=n_ctx, kv_cpu_heads=lay.kv_cpu_heads,
-                         kv_disk_heads=lay.kv_disk_heads, weight_cpu_bytes=w_cpu, weight_disk_bytes=w_disk,
-                         lo=0, hi=hi, mem_hi=mem_hi, pinned=st.pin_weights,
-                         hidden_offloaded=lay.hidden_home == "cpu")
+            d = decision_for(model, hw, wl, st, wl.prompt_len + i - 1, k, lay, free_gpu_bytes)
             table[i][k] = kvd.decide(d, st.kv_solver)
     return table
 
@@ -206,11 +216,14 @@ def _resident(model: ModelSpec, wl: Workload, lay: Layout, st: TightLLMSettings)
     return res
 
 
-def _free_gpu_bytes(model: ModelSpec, hw: HardwareSpec, wl: Workload, lay: Layout) -> int:
+def free_gpu_bytes_of(model: ModelSpec, hw: HardwareSpec, wl: Workload, lay: Layout) -> int:
     """GPU bytes left for one position's scratch and KV buffers: capacity minus what is resident and the two
     streamed-weight buffers."""
     res = _resident(model, wl, lay, TightLLMSettings())["gpu"]  # (placement comes from lay; settings unused)
     return int(hw.gpu_mem_bytes) - res - 2 * lay.weight_offloaded
+
+
+_free_gpu_bytes = free_gpu_bytes_of  # (older name, used by offsim.plots)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -412,44 +425,31 @@ def check_kv_flow(plan: Plan) -> None:
 # candidates for offsim.optimize.search
 # ----------------------------------------------------------------------------------------------------------------
 def estimate_seconds_per_token(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLMSettings) -> float:
-    """A quick ranking score for the search: per layer and step, each batch costs max(compute, transfer) with
-    the distributor's N_r at the middle decode step; prefill costs max(compute, weight + KV store) per batch."""
+    """A quick ranking score for the search (seconds per generated token, inf if it cannot fit): per layer and
+    step, each batch costs the distributor's objective at the middle decode step; prefill costs, per batch, the
+    larger of the prompt's compute, the weight slice and the KV store."""
     from .. import costmodel as cm
 
     lay = layout_of(model, wl, st)
-    free = _free_gpu_bytes(model, hw, wl, lay)
-    nb, gbs, P = wl.num_gpu_batches, wl.gpu_batch_size, wl.prompt_len
+    free = free_gpu_bytes_of(model, hw, wl, lay)
+    gbs, P = wl.gpu_batch_size, wl.prompt_len
     off_heads = lay.kv_cpu_heads + lay.kv_disk_heads
-    ws_pre = workspace_bytes(model, gbs * P) + kvb_all(model, gbs, off_heads, P)
-    if free < ws_pre or free < 0:
+    if free < workspace_bytes(model, gbs * P) + kvb_all(model, gbs, off_heads, P):
         return math.inf
     kvd = distributor(model, hw, st.transfer_model)
-    mid = max(1, P + wl.gen_len // 2 - 1)
-    mem_hi = recompute_memory_cap(model, wl, lay, free, mid)
-    if mem_hi < 0:
-        return math.inf
-    dec = 0.0
-    pre = 0.0
-    for k in range(nb):
-        if k < lay.num_slices:
-            (c_lo, c_hi), (d_lo, d_hi) = lay.slices[k]
-            w_cpu, w_disk = c_hi - c_lo, d_hi - d_lo
-        else:
-            w_cpu = w_disk = 0
-        if lay.hidden_home == "gpu":
-            mem_hi = min(mem_hi, P - 1)
-        d = Decision(gbs, mid, lay.kv_cpu_heads, lay.kv_disk_heads, w_cpu, w_disk, 0,
-                     None if st.max_recompute_tokens is None else min(st.max_recompute_tokens, mid),
-                     mem_hi if st.kv_distributor and off_heads else 0, st.pin_weights,
-                     hidden_offloaded=lay.hidden_home == "cpu")
-        n = kvd.decide(d, "exact")
+    mid = P + wl.gen_len // 2 - 1
+    pre = dec = 0.0
+    for k in range(wl.num_gpu_batches):
+        d = decision_for(model, hw, wl, st, mid, k, lay, free)
+        if d.mem_hi is not None and d.mem_hi < 0:
+            return math.inf
+        n = kvd.decide(d, "exact") if (st.kv_distributor and off_heads) else 0
         dec += kvd.objective(d, n)
-        t_w = sum(cm.transfer_seconds(hw, x, "h2d") for x in (w_cpu, w_disk) if x)
+        t_w = sum(cm.transfer_seconds(hw, x, "h2d") for x in (d.weight_cpu_bytes, d.weight_disk_bytes) if x)
         t_st = cm.transfer_seconds(hw, kvb_all(model, gbs, off_heads, P - n), "d2h") if off_heads else 0.0
-        pre += max(cm.compute_seconds(model, hw, "layer", gbs, P, P), t_w + cm.disk_seconds(hw, w_disk, "read"),
-                   t_st)
-    total = model.num_layers * (pre + (wl.gen_len - 1) * dec)
-    return total / (wl.num_prompts * wl.gen_len)
+        pre += max(cm.compute_seconds(model, hw, "layer", gbs, P, P),
+                   t_w + cm.disk_seconds(hw, d.weight_disk_bytes, "read"), t_st)
+    return model.num_layers * (pre + (wl.gen_len - 1) * dec) / (wl.num_prompts * wl.gen_len)
 
 
 def kvb_all(model: ModelSpec, gbs: int, heads: int, tokens: int) -> int:
