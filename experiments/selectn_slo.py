@@ -7,9 +7,11 @@ mean TPOT <= SLO, as serving papers count it).
 
 - selectn: the runtime choice from the record, per iteration (``request_intervals``: max host memory within the
   SLOs; the record rounds the current batch and length up to its next grid point, so the choice is conservative);
-  where the record says no interval can meet the SLO, the fastest interval that fits (``fastest_interval``).
-- selectn-fastest: Select-N with its fastest interval (least offloading that fits) -- the latency Select-N could
-  give up host memory for.
+  where the record says no interval can meet the SLO, the record's fastest interval, or, where the build never
+  measured the point (early termination), the least offloading that fits (``fastest_interval``).
+- selectn-nmax: Select-N with N_max of the actual workload (the least offloading that fits, simulated; normally
+  the fastest interval) -- the latency Select-N gives up for host memory, and what it could do without the record's
+  rounding to grid points.
 - flexgen: FlexGen at its best for that batch: the LP (``offsim.optimize.flexgen_lp``) over every block shape with
   gpu_batch_size x num_gpu_batches = batch, GPU or CPU attention; the 3 best LP candidates simulated, the best
   simulated throughput kept (FlexGen's own objective: it is not SLO-aware).
@@ -42,7 +44,7 @@ from offsim.selectn_record import (build_record, fastest_interval, provenance, r
                                    simulate_phased)
 
 ROOT = Path(__file__).resolve().parents[1]
-POLICY_ORDER = ["selectn", "selectn-fastest", "flexgen", "static-accelerate", "static-zero"]
+POLICY_ORDER = ["selectn", "selectn-nmax", "flexgen", "static-accelerate", "static-zero"]
 
 
 def trace_row(tr, plan) -> dict:
@@ -62,7 +64,7 @@ def run_selectn(model, hw, wl, record) -> dict:
         how = "record" if all(c.meets_slo for c in ch) else "record (SLO unreachable: fastest)"
     except OffsimError as e:  # the record has no interval for this point (terminated early / does not fit)
         ns = [fastest_interval(model, hw, wl)] * wl.gen_len
-        how = f"fastest (record: {str(e).split(': ', 1)[-1][:60]}...)"
+        how = f"workload N_max (record: {str(e).split(': ', 1)[-1][:60]}...)"
     r = simulate_phased(model, hw, wl, ns)
     return {"ttft_s": r["ttft_s"], "tpot_mean_s": sum(r["tpot_s"]) / len(r["tpot_s"]), "tpot_max_s": max(r["tpot_s"]),
             "total_tok_s": r["total_tok_s"], "decode_tok_s": r["decode_tok_s"], "peak_gpu_bytes": r["peak_gpu_bytes"],
@@ -70,7 +72,7 @@ def run_selectn(model, hw, wl, record) -> dict:
             "settings": f"N prefill {ns[0]}, decode {sorted(set(ns[1:]))}; {how}"}
 
 
-def run_selectn_fastest(model, hw, wl) -> dict:
+def run_selectn_nmax(model, hw, wl) -> dict:
     n = fastest_interval(model, hw, wl)
     plan = build_plan("selectn", model, hw, wl, {"interval": n})
     return {**trace_row(simulate(plan, hw), plan), "settings": f"N {n}"}
@@ -156,8 +158,8 @@ def main(argv=None) -> int:
                 try:
                     if pol == "selectn":
                         r = run_selectn(model, hw, wl, rec)
-                    elif pol == "selectn-fastest":
-                        r = run_selectn_fastest(model, hw, wl)
+                    elif pol == "selectn-nmax":
+                        r = run_selectn_nmax(model, hw, wl)
                     elif pol == "flexgen":
                         r = run_flexgen(model, hw, wl)
                     else:

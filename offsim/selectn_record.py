@@ -556,8 +556,9 @@ def simulate_phased(model: ModelSpec, hw: HardwareSpec, wl: Workload, intervals:
 
 
 def fastest_interval(model: ModelSpec, hw: HardwareSpec, wl: Workload) -> int:
-    """The least offloading whose plan for the whole workload fits GPU memory (simulated): the fastest Select-N can
-    be when no interval meets an SLO. OffsimError if even N = 1 does not fit."""
+    """N_max of a whole workload: the least offloading whose plan fits GPU memory under simulation -- normally the
+    fastest interval (latency is not strictly monotone in N: where the offloaded layers sit matters a little).
+    The fallback when the record has no answer. OffsimError if even N = 1 does not fit."""
     for n in intervals_of(model):
         try:
             simulate(build_plan("selectn", model, hw, wl, {"interval": n}), hw)
