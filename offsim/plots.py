@@ -204,7 +204,8 @@ def plot_placement(df: pd.DataFrame, ax=None):
         _, ax = plt.subplots(1, 3, figsize=(11, 3.2), sharey=True)
     ok = df[df["feasible"]].reset_index(drop=True)
     ca = ok["cpu_attention"] if "cpu_attention" in ok else [False] * len(ok)
-    labels = [f"{g}x{n}" + (" cpu-attn" if c else "") for g, n, c in zip(ok["gpu_batch_size"], ok["num_gpu_batches"], ca)]
+    labels = [f"{g}x{n}" + (" cpu-attn" if c else "")
+              for g, n, c in zip(ok["gpu_batch_size"], ok["num_gpu_batches"], ca)]
     tiers = {"GPU": "#1f77b4", "CPU": "#ff7f0e", "disk": "#8c564b"}
     for a, (name, cols) in zip(ax, (("weights", ("wg", "wc", "wd")), ("KV cache", ("cg", "cc", "cd")),
                                     ("activations", ("hg", "hc", None)))):
@@ -251,8 +252,8 @@ def tightllm_nr_vs_context(model: ModelSpec, hw: HardwareSpec, settings: dict, g
 def tightllm_balance(model: ModelSpec, hw: HardwareSpec, settings: dict, wl: Workload, ctx_tokens: int,
                      batch_index: int = 0, points: int = 64) -> tuple[pd.DataFrame, int]:
     """The compute and transfer seconds of one decoder layer of GPU batch ``batch_index`` as functions of N_r (the
-    distributor's own ``stream_seconds``, i.e. offsim's cost model), on ``points`` values from 0 to the memory cap;
-    and the N_r the distributor picks. TightLLM minimises max(T_compute, T_transfer) (DESIGN.md §5)."""
+    distributor's own ``stream_seconds``, i.e. offsim's cost model), on ``points`` values from 0 to the memory cap
+    plus the N_r the distributor picks; and that N_r. TightLLM minimises max(T_compute, T_transfer) (DESIGN.md §5)."""
     t = _tightllm()
     from .kv_distributor import Decision, distributor
 
@@ -269,14 +270,15 @@ def tightllm_balance(model: ModelSpec, hw: HardwareSpec, settings: dict, wl: Wor
                  kv_disk_heads=lay.kv_disk_heads, weight_cpu_bytes=w_cpu, weight_disk_bytes=w_disk, lo=0,
                  hi=st.max_recompute_tokens, mem_hi=mem_hi if mem_hi >= 0 else None, pinned=st.pin_weights)
     kvd = distributor(model, hw, st.transfer_model)
+    chosen = kvd.decide(d, st.kv_solver)
     top = ctx_tokens if mem_hi < 0 else min(mem_hi, ctx_tokens)
-    ns = sorted(set(np.linspace(0, top, points).round().astype(int).tolist()))
+    ns = sorted(set(np.linspace(0, top, points).round().astype(int).tolist()) | {chosen})
     rows = []
     for n in ns:
         c, h, dk, dd = kvd.stream_seconds(d, n)
         rows.append({"n_r": n, "compute_s": c, "h2d_s": h, "disk_s": dk, "d2h_s": dd,
                      "layer_s": kvd.combine((c, h, dk, dd))})
-    return pd.DataFrame(rows), kvd.decide(d, st.kv_solver)
+    return pd.DataFrame(rows), chosen
 
 
 def plot_balance(df: pd.DataFrame, chosen_n_r: int, ax=None, title: str | None = None):
