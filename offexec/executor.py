@@ -47,14 +47,16 @@ class RunResult:
 def run_plan(plan: Plan, weights: ModelWeights, device: str = "cuda", prompts: torch.Tensor | None = None,
              seed: int = 0, gpu_budget_bytes: int | None = None, disk_dir: str | None = None,
              record_logits: bool = False, keep_kv: bool = False, meta: dict | None = None,
-             threaded: bool = False) -> RunResult:
+             threaded: bool = False, host_kv_pool: HostBuffer | None = None) -> RunResult:
     """Run ``plan`` with ``weights`` on ``device``; return the measured trace and the generated tokens.
 
     ``prompts``: [num_prompts, prompt_len] token ids (default: seeded random ids). ``gpu_budget_bytes``: the GPU
     memory cap (default: the plan's GPU capacity). ``threaded``: on the CPU, run the stream scheduler with host
-    stand-ins for streams instead of plain plan order (tests)."""
+    stand-ins for streams instead of plain plan order (tests). ``host_kv_pool``: a (pinned) host buffer to hold the
+    host-homed KV cache, reused across runs in one process (page-locking tens of GB takes seconds)."""
     ex = Executor(plan, weights, device, prompts, seed, gpu_budget_bytes, disk_dir, record_logits, keep_kv,
                   threaded)
+    ex.host_kv_pool = host_kv_pool
     try:
         return ex.run(meta or {})
     finally:
@@ -119,6 +121,7 @@ def check_plan(plan: Plan, device, budget_bytes: int, disk_dir: str | None = Non
 
 
 class Executor:
+    RUN_AHEAD = 16  # compute ops the issuing thread may run ahead of the GPU
     def __init__(self, plan: Plan, weights: ModelWeights, device: str, prompts, seed: int,
                  gpu_budget_bytes: int | None, disk_dir: str | None, record_logits: bool, keep_kv: bool,
                  threaded: bool = False):
@@ -144,6 +147,7 @@ class Executor:
             check_gpu_budget(self.gpu_need, self.budget)  # before any large allocation
         self.disk: DiskTier | None = None
         self.host_kv: HostBuffer | None = None
+        self.host_kv_pool: HostBuffer | None = None
         self.pools: dict[str, BufferPool] = {}
         wl = plan.workload
         self.nb, self.gbs, self.cap = wl.num_gpu_batches, wl.gpu_batch_size, wl.max_len
@@ -183,9 +187,18 @@ class Executor:
         if self.kv_heads["gpu"]:
             self.kv_gpu = torch.zeros((L, self.nb) + shape(self.kv_heads["gpu"]), dtype=dt, device=dev)
         self.kv_host = None
+        self.host_kv_bytes = 0
         if self.kv_heads["cpu"]:
-            self.host_kv = HostBuffer(L * self.nb * self._kv_elems(self.kv_heads["cpu"]), dt, pinned and self.cuda)
-            self.kv_host = self.host_kv.tensor.view((L, self.nb) + shape(self.kv_heads["cpu"]))
+            n = L * self.nb * self._kv_elems(self.kv_heads["cpu"])
+            pool = self.host_kv_pool
+            if pool is not None and pool.tensor.numel() >= n and pool.tensor.dtype == dt and \
+                    pool.pinned == (pinned and self.cuda):
+                self.kv_host = pool.tensor[:n].view((L, self.nb) + shape(self.kv_heads["cpu"]))
+                self.host_kv_bytes = n * e
+            else:
+                self.host_kv = HostBuffer(n, dt, pinned and self.cuda)
+                self.kv_host = self.host_kv.tensor.view((L, self.nb) + shape(self.kv_heads["cpu"]))
+                self.host_kv_bytes = self.host_kv.nbytes
         # disk tier: weight bytes [gpu + cpu, W) of each layer, KV of disk-homed heads
         disk_w = [Wn - self.g_el[j] - self.c_el[j] for j in range(L)]
         self.disk_w_stride = max(disk_w) * e
@@ -214,6 +227,10 @@ class Executor:
         self.logits: list = []
 
     def close(self) -> None:
+        """Drop every buffer (GPU memory goes back to the allocator; the disk tier's files are removed)."""
+        for attr in ("vals", "view_cache", "w_res", "kv_gpu", "kv_host", "emb", "tokens", "rope", "val_events"):
+            if hasattr(self, attr):
+                setattr(self, attr, None)
         for pool in self.pools.values():
             pool.close()
         if self.disk is not None:
@@ -235,7 +252,7 @@ class Executor:
         self.val_lock = threading.Lock()
         self.start = np.zeros(n)
         self.end = np.zeros(n)
-        self.issue_s = 0.0
+        self.issue_s = self.issue_cpu_s = self.wait_s = 0.0
         t_wall = time.perf_counter()
         if self.cuda or self.threaded:
             self._run_streams()
@@ -245,13 +262,14 @@ class Executor:
         wl = self.plan.workload
         toks = self.tokens[:, :, wl.prompt_len:wl.prompt_len + wl.gen_len].reshape(wl.num_prompts, wl.gen_len)
         peaks = {"gpu": 0, "cpu": 0, "disk": self.disk.size_bytes if self.disk else 0}
-        stats = {"wall_s": wall_s, "issue_s": self.issue_s, "gpu_need_bytes": self.gpu_need,
+        stats = {"wall_s": wall_s, "issue_s": self.issue_s, "issue_cpu_s": self.issue_cpu_s,
+                 "run_ahead_wait_s": self.wait_s, "gpu_need_bytes": self.gpu_need,
                  "pool_buffers": {k: p.count for k, p in self.pools.items()},
                  "pool_buffers_plan_order": dict(self.prog.pool_peak),
                  "host_staging_peak_bytes_plan_order": self.prog.host_peak_bytes,
                  "host_weights_master_bytes": self.wts.host.nbytes,
                  "host_weights_tier_bytes": sum(c for _, c in self.plan.weight_split),
-                 "host_kv_bytes": self.host_kv.nbytes if self.host_kv else 0,
+                 "host_kv_bytes": self.host_kv_bytes,
                  "budget_bytes": self.budget}
         if self.cuda:
             peaks["gpu"] = torch.cuda.max_memory_reserved(self.device)
@@ -355,7 +373,9 @@ class Executor:
         for t in threads:
             t.start()
         remaining = n
-        issue = 0.0
+        issue = issue_cpu = 0.0
+        self.wait_s = 0.0
+        window: deque = deque()
         cur = None
         try:
             while remaining:
@@ -390,7 +410,15 @@ class Executor:
                         host_q[op.stream].append(best)
                         cond.notify_all()
                     continue
+                if op.stream == "compute":
+                    # bounded run-ahead: wait (not counted as issuing) until the compute op RUN_AHEAD back has
+                    # ended, so kernel launches never block on a full launch queue inside the timed issue
+                    if len(window) >= self.RUN_AHEAD:
+                        wa = time.perf_counter()
+                        window.popleft().synchronize()
+                        self.wait_s += time.perf_counter() - wa
                 a = time.perf_counter()
+                ca = time.thread_time()
                 s = streams[op.stream]
                 if s is not cur and cuda:
                     torch.cuda.set_stream(s)
@@ -406,7 +434,10 @@ class Executor:
                 ev1.record(s)
                 self.ev_start[best], self.ev_end[best] = ev0, ev1
                 self._done(b, (ev1,))
+                if op.stream == "compute":
+                    window.append(ev1)
                 issue += time.perf_counter() - a
+                issue_cpu += time.thread_time() - ca
             for sname in HOST_STREAMS:
                 with cond:
                     host_q[sname].append(-1)
@@ -424,7 +455,7 @@ class Executor:
                 cond.notify_all()
             if cuda:
                 torch.cuda.set_stream(torch.cuda.default_stream(dev))
-        self.issue_s = issue
+        self.issue_s, self.issue_cpu_s = issue, issue_cpu
         for oid in range(n):
             if not is_host[oid]:
                 self.start[oid] = ref.elapsed_time(self.ev_start[oid]) / 1e3

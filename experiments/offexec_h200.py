@@ -1,0 +1,237 @@
+"""offexec on the H200: OPT-30B, prompt 512, gen 32, 48 prompts (16 x 3), a 16 GiB GPU budget (ANCHORS.md's FlexGen
+run), measured with the executor and set beside offsim's prediction of the same plan.
+
+One process: measure the pinned PCIe bandwidth, make the seeded random weights once (pinned host memory), page-lock
+one host KV pool, then run each configuration (FlexGen's placement with GPU attention, TightLLM, FlexGen with CPU
+attention) with a fresh GPU budget. For each: measured and predicted prefill / decode / total tok/s, the plan's link
+bound (its decode H2D bytes over the measured H2D bandwidth), host issue time, peak memory per tier; a trace CSV
+(gzip) and an offsim validation case per run.
+
+    python experiments/offexec_h200.py [--out results/offexec] [--configs flexgen_gpu_attn tightllm ...]
+
+Writes OUT/offexec_h200.json (+ traces, cases), prints a table, and ends with one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import gzip
+import json
+import math
+import shutil
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from offexec.executor import check_plan, run_plan
+from offexec.memory import HostBuffer
+from offexec.weights import random_weights
+from offsim import POLICIES, Workload, build_plan, get_hardware, get_model, simulate
+from offsim.provenance import provenance
+from offsim.validate import case_from_trace, save_case
+
+GiB = 1 << 30
+TARGET_PERCENT = (20, 80, 0, 100, 100, 0)  # FlexGen's placement of ANCHORS.md's run
+CONFIGS = {
+    "flexgen_gpu_attn": ("flexgen", {"percent": TARGET_PERCENT}),
+    "tightllm": ("tightllm", {"percent": TARGET_PERCENT, "kv_solver": "exact"}),
+    "flexgen_cpu_attn": ("flexgen", {"percent": TARGET_PERCENT, "cpu_attention": True}),
+}
+TARGETS = {"flexgen_gpu_attn": {"decode_tok_s": 19.5, "link_bound_frac": 0.90}, "tightllm": {"decode_tok_s": 39.0},
+           "all": {"issue_frac": 0.05}}
+
+
+def link_bandwidth(host: torch.Tensor, nbytes: int = GiB, reps: int = 5) -> dict:
+    """Pinned copies of ``nbytes``, each direction alone and both at once (bytes/s; median of ``reps``)."""
+    dev = torch.device("cuda")
+    flat = host.view(-1).view(torch.uint8)
+    src, src2 = flat[:nbytes], flat[nbytes:2 * nbytes]
+    # the GPU buffers start as copies of the host bytes, so the D2H copies write back what is there (the weights)
+    gpu = src.to(dev)
+    back = src2.to(dev)
+    out = {}
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    for name in ("h2d", "d2h", "duplex_h2d"):
+        times = []
+        for _ in range(reps + 1):
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(s1):
+                a.record()
+                if name == "d2h":
+                    src.copy_(gpu, non_blocking=True)
+                else:
+                    gpu.copy_(src, non_blocking=True)
+                b.record()
+            if name == "duplex_h2d":
+                with torch.cuda.stream(s2):
+                    src2.copy_(back, non_blocking=True)
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        times = sorted(times[1:])
+        out[f"{name}_bytes_per_s"] = nbytes / times[len(times) // 2]
+    del gpu, back
+    torch.cuda.empty_cache()
+    return out
+
+
+def summarize(name: str, plan, res, pred: dict, bw: dict, budget: int) -> dict:
+    m = res.trace.metrics()
+    wl = plan.workload
+    df = res.trace.df
+    dec = df[df["step"] > 0]
+    h2d_dec = dec[dec["kind"] == "h2d"]
+    decode_h2d_bytes = int(h2d_dec["nbytes"].sum())
+    bound_s = decode_h2d_bytes / bw["h2d_bytes_per_s"]
+    bound_tok_s = wl.num_prompts * (wl.gen_len - 1) / bound_s
+    busy = (h2d_dec["end_s"] - h2d_dec["start_s"]).sum()
+    kinds = res.trace.busy_by(("kind",)).set_index("kind")["sum"].to_dict()
+    st = res.stats
+    out = {
+        "config": name, "policy": plan.policy, "settings": plan.settings, "workload": wl.to_dict(), "ops": len(plan.ops),
+        "measured": {k: m[k] for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s", "prefill_s", "decode_s",
+                                       "total_s", "gpu_idle_frac")},
+        "predicted": {k: pred[k] for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s", "prefill_s", "decode_s",
+                                           "total_s", "gpu_idle_frac", "peak_gpu_bytes")},
+        "error": {k: (pred[k] - m[k]) / m[k] for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s")},
+        "busy_s_measured": kinds,
+        "busy_s_predicted": {s: pred[f"busy_{s}_s"] for s in ("compute", "h2d", "d2h", "cpu", "disk")},
+        "decode_h2d_bytes": decode_h2d_bytes, "decode_link_bound_s": bound_s, "decode_link_bound_tok_s": bound_tok_s,
+        "decode_link_bound_frac": m["decode_tok_s"] / bound_tok_s,
+        "decode_h2d_achieved_bytes_per_s": decode_h2d_bytes / busy if busy > 0 else None,
+        "decode_h2d_stream_busy_frac": busy / m["decode_s"] if m["decode_s"] > 0 else None,
+        "issue_s": st["issue_s"], "issue_cpu_s": st["issue_cpu_s"], "issue_frac": st["issue_frac"],
+        "run_ahead_wait_s": st["run_ahead_wait_s"], "wall_s": st["wall_s"],
+        "budget_bytes": budget, "peak_gpu_reserved_bytes": st.get("gpu_max_reserved_bytes", 0),
+        "peak_gpu_allocated_bytes": st.get("gpu_max_allocated_bytes", 0),
+        "within_budget": st.get("gpu_max_reserved_bytes", 0) <= budget, "gpu_need_bytes": st["gpu_need_bytes"],
+        "peak_host_tier_bytes": m["peak_cpu_bytes"], "host_weights_master_bytes": st["host_weights_master_bytes"],
+        "peak_disk_bytes": m["peak_disk_bytes"], "pool_buffers": st["pool_buffers"],
+        "pool_buffers_plan_order": st["pool_buffers_plan_order"],
+    }
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="results/offexec")
+    ap.add_argument("--model", default="opt-30b")
+    ap.add_argument("--budget-gb", type=float, default=16.0)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--gen-len", type=int, default=32)
+    ap.add_argument("--gpu-batch-size", type=int, default=16)
+    ap.add_argument("--num-gpu-batches", type=int, default=3)
+    ap.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--time-limit-s", type=float, default=1e9, help="skip configurations that would start after this")
+    ap.add_argument("--no-cases", action="store_true", help="skip the offsim validation cases (make them later from "
+                    "the trace CSVs)")
+    ap.add_argument("--device", default="cuda", help="'cuda'; 'cpu' only to smoke-test this script on a tiny model")
+    args = ap.parse_args(argv)
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        print("offexec_h200: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    t_start = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prov = provenance(gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
+                      cpu_count=__import__("os").cpu_count())
+    model = get_model(args.model)
+    hw = get_hardware("h200", gpu_mem_gb=args.budget_gb)
+    budget = int(hw.gpu_mem_bytes)
+    wl = Workload(args.prompt_len, args.gen_len, args.gpu_batch_size, args.num_gpu_batches)
+    plans = {}
+    for name in args.configs:
+        pol, st = CONFIGS[name]
+        if pol not in POLICIES:
+            print(f"skip {name}: policy {pol} not in offsim", flush=True)
+            continue
+        plans[name] = build_plan(pol, model, hw, wl, st)
+        check_plan(plans[name], args.device, budget)  # refuse before the weights are made
+    t0 = time.perf_counter()
+    weights = random_weights(model, seed=0, device=args.device, pinned=cuda, progress=False)
+    weights_s = time.perf_counter() - t0
+    print(f"weights: {model.name} {weights.host.nbytes / 1e9:.1f} GB pinned in {weights_s:.1f} s", flush=True)
+    if cuda:
+        bw = link_bandwidth(weights.layers)
+    else:  # smoke test: the preset's large-copy rates
+        bw = {"h2d_bytes_per_s": hw.h2d_pinned[-1][1], "d2h_bytes_per_s": hw.d2h_pinned[-1][1]}
+    print("link: " + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bw.items()), flush=True)
+    kv_n = max((p.model.kv_bytes(p.workload.num_prompts, p.workload.max_len) // p.model.dtype_bytes
+                for p in plans.values()), default=0)
+    t0 = time.perf_counter()
+    kv_pool = HostBuffer(kv_n, weights.dtype, pinned=cuda)
+    kv_pool_s = time.perf_counter() - t0
+    print(f"host KV pool: {kv_pool.nbytes / 1e9:.1f} GB pinned in {kv_pool_s:.1f} s", flush=True)
+    runs = []
+    for name, plan in plans.items():
+        if time.perf_counter() - t_start > args.time_limit_s:
+            print(f"skip {name}: time limit", flush=True)
+            continue
+        try:
+            t0 = time.perf_counter()
+            meta = {"hardware": "h200", "gpu_mem_gb": args.budget_gb, **prov}
+            res = run_plan(plan, weights, args.device, seed=1, gpu_budget_bytes=budget, meta=meta, host_kv_pool=kv_pool)
+            pred = simulate(plan, hw).metrics()
+            row = summarize(name, plan, res, pred, bw, budget)
+            row["run_wall_s"] = time.perf_counter() - t0
+            row["tokens_head"] = res.tokens[:2, :8].tolist()
+            runs.append(row)
+            tr = out / f"trace_{name}.csv"
+            res.trace.to_csv(tr)
+            with open(tr, "rb") as f, gzip.open(str(tr) + ".gz", "wb") as g:
+                shutil.copyfileobj(f, g)
+            tr.unlink()
+            if not args.no_cases:
+                save_case(case_from_trace(res.trace), out / f"case_{name}.json")
+            m = row["measured"]
+            print(f"{name}: prefill {m['prefill_tok_s']:.0f} decode {m['decode_tok_s']:.2f} total "
+                  f"{m['total_tok_s']:.2f} tok/s; link bound {row['decode_link_bound_tok_s']:.2f} "
+                  f"({row['decode_link_bound_frac']:.1%}); issue {row['issue_frac']:.2%}; GPU peak "
+                  f"{row['peak_gpu_reserved_bytes'] / GiB:.2f} GiB", flush=True)
+        except Exception as e:  # keep the other configurations' evidence
+            traceback.print_exc()
+            runs.append({"config": name, "failed": f"{type(e).__name__}: {e}"})
+        res = None
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    kv_pool.close()
+    weights.close()
+    checks = {}
+    for r in runs:
+        if "failed" in r:
+            continue
+        t = TARGETS.get(r["config"], {})
+        c = {"within_budget": r["within_budget"], "issue_frac<=0.05": r["issue_frac"] <= TARGETS["all"]["issue_frac"]}
+        if "decode_tok_s" in t:
+            c[f"decode>={t['decode_tok_s']}"] = r["measured"]["decode_tok_s"] >= t["decode_tok_s"]
+        if "link_bound_frac" in t:
+            c[f"link_bound_frac>={t['link_bound_frac']}"] = r["decode_link_bound_frac"] >= t["link_bound_frac"]
+        checks[r["config"]] = c
+    doc = {"experiment": "offexec_h200", "provenance": prov, "model": model.name, "workload": wl.to_dict(),
+           "budget_gib": args.budget_gb, "weights_s": weights_s, "kv_pool_s": kv_pool_s, "link": bw, "runs": runs,
+           "checks": checks, "elapsed_s": time.perf_counter() - t_start}
+    (out / "offexec_h200.json").write_text(json.dumps(doc, indent=1, default=str))
+    print()
+    print(f"{'config':<18} {'prefill':>9} {'(offsim)':>9} {'decode':>8} {'(offsim)':>9} {'total':>8} {'(offsim)':>9} "
+          f"{'link%':>6} {'issue%':>7} {'GPU GiB':>8}")
+    for r in runs:
+        if "failed" in r:
+            print(f"{r['config']:<18} FAILED {r['failed']}")
+            continue
+        m, p = r["measured"], r["predicted"]
+        print(f"{r['config']:<18} {m['prefill_tok_s']:>9.0f} {p['prefill_tok_s']:>9.0f} {m['decode_tok_s']:>8.2f} "
+              f"{p['decode_tok_s']:>9.2f} {m['total_tok_s']:>8.2f} {p['total_tok_s']:>9.2f} "
+              f"{r['decode_link_bound_frac']:>6.1%} {r['issue_frac']:>7.2%} {r['peak_gpu_reserved_bytes'] / GiB:>8.2f}")
+    print(json.dumps({"experiment": "offexec_h200", "checks": checks,
+                      "decode_tok_s": {r["config"]: r.get("measured", {}).get("decode_tok_s") for r in runs}},
+                     default=lambda x: None if isinstance(x, float) and not math.isfinite(x) else str(x)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
