@@ -135,6 +135,8 @@ class Executor:
         if self.device.type not in ("cuda", "cpu"):
             raise ExecError(f"--device must be 'cuda' or 'cpu', got {device!r}")
         self.cuda = self.device.type == "cuda"
+        if self.cuda and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.threaded = threaded
         self.dtype = weights.dtype
         self.e = self.spec.dtype_bytes
