@@ -20,22 +20,25 @@ The problem (TightLLM Eq. "min T_batch", extended by the weight loader's T_weigh
   far too much when they are not).
 
 Because MFU varies with the token count, T_compute is not linear in N_r (the paper: "the optimal N_r is an integer
-program, not a closed form"). The ILP here is therefore a *per-candidate* MILP: one binary per candidate N_r, each
-candidate's three times evaluated exactly with the cost model, ``t >= T_stream · x`` for every stream, one candidate
-chosen, t minimised (cvxpy, HiGHS named explicitly, a parameterised problem compiled once per size bucket). The
-candidate set is every integer of [lo, hi] that bound tightening cannot exclude (a presolve, exact):
+program, not a closed form"; its measured FFN FLOP/s rises steeply with tokens and its attention FLOP/s falls at long
+context, and offsim's curves interpolate in log(tokens), so T_compute even wiggles between curve points). The ILP
+here is therefore a *per-candidate* MILP: one binary per candidate N_r, each candidate's stream times evaluated
+exactly with the cost model, ``t >= T_stream · x`` for every stream, exactly one candidate chosen, t minimised (cvxpy,
+HiGHS named explicitly, a parameterised problem compiled once per size bucket and reused). Its candidates are the
+integers of [lo, hi] that an exact bound-tightening presolve cannot exclude:
 
-- an attained value U = f(n) for some n (a coarse grid, then a local bisection on the compute/transfer crossing);
-- the transfer without the hidden state is non-increasing in N_r (fewer KV bytes), so every n below the first where it
-  is <= U has f > U;
-- T_compute(n) >= LB(n) = compute_seconds on the same hardware with its GEMM efficiency curve replaced by its suffix
-  maximum (never below the real curve, non-increasing), which makes LB non-decreasing in n; so is the D2H time of the
-  hidden state; every n past the first where the larger of the two is > U has f > U.
+- an attained value U = f(n) (a coarse grid, then a bisection on the compute/transfer crossing that stops at a
+  bracket of ``PRESOLVE_BRACKET`` integers: the rest of the choice is left to the MILP);
+- branch and bound over intervals [a, b] of N_r with ``interval_bound``: every part of a stream's time is monotone in
+  N_r -- KV and disk bytes fall, the hidden state's copies rise, and T_compute(n) >= compute_seconds on the same
+  hardware with its GEMM efficiency curve replaced by its suffix maximum (never below the real curve, and
+  non-increasing, so that bound rises with n) -- so on [a, b] each stream is at least its falling parts at b plus its
+  rising parts at a. An interval whose bound exceeds U (or equals U and starts after the incumbent: ties go to the
+  smaller N_r) holds no answer.
 
-What remains (usually a few to a few dozen integers) goes into the MILP. ``solve_exact`` takes the minimum over the
-same certified candidates directly (the fast path, ~1 ms); ``brute_force`` enumerates every integer (tests). All
-three break ties towards the smaller N_r (less compute for the same time). If a hardware profile's transfer curve
-is not monotone in bytes, the presolve is skipped and every integer is a candidate.
+What remains (typically 1-40 integers) goes into the MILP. ``solve_exact`` takes the minimum over the same candidates
+directly (the fast path); ``brute_force`` evaluates every integer (tests check all three agree). If a hardware
+profile's transfer curve is not monotone in bytes, the presolve is skipped and every integer is a candidate.
 
 Bad input: a context under 1 token or bounds that cannot hold (lo > hi, lo > N_ctx) raise ``OffsimError``; a MILP
 that is infeasible (e.g. GPU memory leaves no room even for N_r = lo) or that the solver fails on gives N_r = 0 with a

@@ -431,6 +431,9 @@ def estimate_seconds_per_token(model: ModelSpec, hw: HardwareSpec, wl: Workload,
     from .. import costmodel as cm
 
     lay = layout_of(model, wl, st)
+    res = _resident(model, wl, lay, st)
+    if res["cpu"] > hw.cpu_mem_bytes or res["disk"] > hw.disk_bytes:
+        return math.inf
     free = free_gpu_bytes_of(model, hw, wl, lay)
     gbs, P = wl.gpu_batch_size, wl.prompt_len
     off_heads = lay.kv_cpu_heads + lay.kv_disk_heads
