@@ -20,7 +20,7 @@ import pandas as pd
 from .errors import OffsimError
 from .policies import build_plan
 from .sim import simulate
-from .specs import Workload, get_hardware, get_model
+from .specs import ModelSpec, Workload, get_hardware, get_model
 from .trace import Trace
 
 CASE_SCHEMA = "offsim.case/1"
@@ -93,13 +93,12 @@ def validate_case(case: dict, hardware: str | None = None) -> dict:
     """Re-simulate one measured case; ``hardware`` overrides the case's profile (a preset name or profile JSON)."""
     meta = case["meta"]
     where = case.get("path", "case")
-    model_ref = meta.get("model_config") or meta["model"]
-    try:
-        model = get_model(model_ref)
+    try:  # a run may use a modified spec (fp32, extended positions): then the case carries it whole
+        model = ModelSpec.from_dict(meta["model_config"]) if meta.get("model_config") else get_model(meta["model"])
     except OffsimError as e:
         raise OffsimError(f"{where}: field 'meta.model': {e}") from None
-    if model.name != meta["model"] and not meta.get("model_config"):
-        raise OffsimError(f"{where}: field 'meta.model' names {meta['model']!r} but resolves to {model.name!r}")
+    if model.name != meta["model"]:
+        raise OffsimError(f"{where}: field 'meta.model' names {meta['model']!r} but the model is {model.name!r}")
     hw_ref = hardware or meta.get("hardware_profile") or meta["hardware"]
     hw = get_hardware(hw_ref, meta.get("gpu_mem_gb"))
     wl = Workload.from_dict(meta["workload"])
@@ -107,7 +106,8 @@ def validate_case(case: dict, hardware: str | None = None) -> dict:
     pred_trace = simulate(plan, hw, check_memory=False)
     pred = aggregate(pred_trace)
     pm, mm = pred["metrics"], case["metrics"]
-    out = {"case": Path(where).name.split(".")[0], "model": meta["model"], "policy": meta["policy"],
+    name = Path(where).name.removesuffix(".case.json").removesuffix(".trace.csv")
+    out = {"case": name, "model": meta["model"], "policy": meta["policy"],
            "hardware": str(hw_ref), "gpu_mem_gb": meta.get("gpu_mem_gb"), "prompt_len": wl.prompt_len,
            "batch": wl.num_prompts}
     for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s"):

@@ -1,0 +1,152 @@
+"""Validation matrix (issue 6): run many plans on the GPU with offexec, save each measured run as a committed case
+(``offsim.validate`` schema: metrics, per-step latency, op time per (step, layer, kind)), then re-simulate them.
+
+One process per model generates the random weights once and runs every configuration of that model. Each
+configuration's settings come from offsim's own search on the machine's profile under the GPU budget (so every
+policy runs at its best), with the host-memory capacity reduced by the executor's master copy of the weights.
+
+    python experiments/validation_matrix.py --profile results/profiles/h200.json --out results/validation \
+        --models opt-6.7b llama-3-8b            # on the H200
+    python experiments/validation_matrix.py --device cpu --quick --out /tmp/v   # CPU smoke test (tiny model)
+
+OPT has 2048 learned positions: for prompt 2048 its position table is extended (random weights), as ANCHORS.md
+says FlexGen's code needs too.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from offsim import POLICIES, Workload, build_plan, get_hardware, get_model, simulate  # noqa: E402
+from offsim.errors import OffsimError  # noqa: E402
+from offsim.optimize import search  # noqa: E402
+from offsim.provenance import provenance  # noqa: E402
+from offsim.validate import case_from_trace, save_case  # noqa: E402
+
+GiB = 1 << 30
+# (model, GPU budget GiB, prompt lengths) -> every policy at each prompt length
+MATRIX = {
+    "opt-6.7b": [(8, (512, 2048))],
+    "llama-3-8b": [(8, (512, 2048))],
+    "opt-13b": [(16, (512,)), (24, (2048,))],
+    "opt-30b": [(16, (512,)), (24, (512,))],
+}
+VARIANTS = [("static-accelerate", {}), ("static-zero", {}), ("flexgen", {"cpu_attention": False}),
+            ("flexgen", {"cpu_attention": True}), ("tightllm", {}), ("selectn", {})]
+
+
+def settings_for(policy, fixed, model, hw, prompt_len, gen_len, quick=False):
+    """The policy's best settings by offsim's search, with ``fixed`` settings forced (e.g. CPU attention);
+    ``quick`` (CPU smoke test): default settings on a small block."""
+    if quick:
+        wl = Workload(prompt_len, gen_len, 2, 1 if policy.startswith("static") else 2)
+        st = {"percent": (0, 100, 0, 100, 100, 0), **fixed} if policy == "flexgen" else {}
+        return st, wl
+    if policy == "flexgen":
+        from offsim.optimize import flexgen_candidates
+
+        cands = flexgen_candidates(model, hw, prompt_len, gen_len, cpu_attention=(fixed["cpu_attention"],))
+        for r in cands[:6]:
+            st = {"percent": r.percent, "cpu_attention": r.cpu_attention}
+            wl = Workload(prompt_len, gen_len, r.gpu_batch_size, r.num_gpu_batches)
+            try:
+                simulate(build_plan(policy, model, hw, wl, st), hw)
+                return st, wl
+            except OffsimError:
+                continue
+        raise OffsimError(f"no feasible flexgen setting with cpu_attention={fixed['cpu_attention']}")
+    res = search(policy, model, hw, prompt_len, gen_len, max_sims=2)
+    return res.settings, res.workload
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", default="h200", help="hardware profile JSON (or preset) of this machine")
+    ap.add_argument("--out", required=True, help="directory for the *.case.json files")
+    ap.add_argument("--models", nargs="+", default=list(MATRIX))
+    ap.add_argument("--gen-len", type=int, default=8, help="tokens per prompt (default: %(default)s)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--host-mem-gb", type=float, default=110.0, help="host memory the runs may use (GiB)")
+    ap.add_argument("--quick", action="store_true", help="CPU smoke test: opt-125m, tiny budget")
+    args = ap.parse_args()
+
+    import torch
+
+    from offexec.executor import check_plan, run_plan
+    from offexec.weights import random_weights
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    matrix = {"opt-125m": [(0.4, (32,))]} if args.quick else {m: MATRIX[m] for m in args.models}
+    gen_len = 3 if args.quick else args.gen_len
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    summary = []
+    for mname, configs in matrix.items():
+        model = get_model(mname)
+        if model.family == "opt" and max(p for _, ps in configs for p in ps) + gen_len > model.max_positions:
+            model = dataclasses.replace(model, max_positions=4096)  # random weights: extend OPT's positions
+        t0 = time.time()
+        dtype = torch.float16 if args.device == "cuda" else torch.float32
+        if dtype == torch.float32:
+            model = dataclasses.replace(model, dtype_bytes=4)
+        weights = random_weights(model, 0, dtype, device=args.device, pinned=args.device == "cuda", progress=False)
+        print(f"{mname}: weights ready in {time.time() - t0:.1f} s", flush=True)
+        try:
+            for budget_gb, prompts in configs:
+                base = get_hardware(args.profile, budget_gb)
+                host = int(args.host_mem_gb * GiB) - model.weight_bytes()  # the executor keeps a host master copy
+                hw = base.with_(cpu_mem_bytes=max(host, 1 << 30))
+                for prompt_len in prompts:
+                    for policy, fixed in VARIANTS:
+                        if policy not in POLICIES:
+                            continue
+                        tag = f"{mname}_{policy}{'-cpuattn' if fixed.get('cpu_attention') else ''}_p{prompt_len}" \
+                              f"_g{budget_gb:g}"
+                        try:
+                            st, wl = settings_for(policy, fixed, model, hw, prompt_len, gen_len, args.quick)
+                            plan = build_plan(policy, model, hw, wl, st)
+                            check_plan(plan, torch.device(args.device), int(hw.gpu_mem_bytes))
+                            t1 = time.time()
+                            res = run_plan(plan, weights, args.device, gpu_budget_bytes=int(hw.gpu_mem_bytes),
+                                           meta={"hardware": base.name})
+                            wall = time.time() - t1
+                        except Exception as e:  # one failed configuration must not lose the others
+                            print(f"  {tag}: FAILED {type(e).__name__}: {e}", flush=True)
+                            traceback.print_exc(limit=3)
+                            summary.append({"case": tag, "error": str(e)})
+                            continue
+                        tr = res.trace
+                        tr.meta.update({"model": mname, "policy": policy, "settings": plan.settings,
+                                        "workload": wl.to_dict(), "gpu_mem_gb": budget_gb,
+                                        "hardware": base.name, "hardware_profile": args.profile,
+                                        "model_config": None if model == get_model(mname) else model.to_dict()})
+                        case = case_from_trace(tr, **provenance(gpu=gpu, wall_s=round(wall, 2),
+                                                                issue_frac=res.stats.get("issue_frac"),
+                                                                host_mem_gb=args.host_mem_gb))
+                        save_case(case, out / f"{tag}.case.json")
+                        pred = simulate(plan, hw, check_memory=False).metrics()
+                        m = tr.metrics()
+                        row = {"case": tag, "batch": wl.num_prompts, "measured_total_tok_s": m["total_tok_s"],
+                               "predicted_total_tok_s": pred["total_tok_s"],
+                               "err": (pred["total_tok_s"] - m["total_tok_s"]) / m["total_tok_s"],
+                               "measured_decode_tok_s": m["decode_tok_s"], "peak_gpu_GiB": m["peak_gpu_bytes"] / GiB,
+                               "wall_s": wall}
+                        summary.append(row)
+                        print(f"  {tag}: batch {wl.num_prompts} measured {m['total_tok_s']:.1f} tok/s, offsim "
+                              f"{pred['total_tok_s']:.1f} ({row['err']:+.1%}), decode {m['decode_tok_s']:.1f}, "
+                              f"{wall:.1f} s", flush=True)
+        finally:
+            weights.close()
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    print(json.dumps({"cases": sum("err" in r for r in summary), "failed": sum("error" in r for r in summary),
+                      "out": str(out)}))
+
+
+if __name__ == "__main__":
+    main()
