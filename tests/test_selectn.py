@@ -222,3 +222,16 @@ def test_coordinator_reports_what_cannot_be_served():
         coordinate([hungry, hungry])
     with pytest.raises(OffsimError, match="method"):
         coordinate([Instance("x", 0.1, (Option(2, 1, 1, 0.05),))], "greedy")
+
+
+def test_candidates_cover_every_offload_count_once(opt13b):
+    from offsim.policies.selectn import CANDIDATES
+
+    cands = list(CANDIDATES["selectn"](opt13b, get_hardware(**H200_24), 480, 32))
+    by_batch: dict[int, list[int]] = {}
+    for st, wl in cands:
+        assert wl.num_gpu_batches == 1 and SelectNSettings(**st).interval >= 1
+        by_batch.setdefault(wl.gpu_batch_size, []).append(st["interval"])
+    counts = [len(offloaded_layers(opt13b.num_layers, n)) for n in by_batch[1]]
+    assert sorted(counts) == sorted(set(counts)) and set(counts) == {opt13b.num_layers // n for n in range(1, 42)}
+    assert max(by_batch) < 256  # stops where the KV cache alone outgrows the 24 GiB GPU

@@ -70,14 +70,15 @@ def selectn_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: SelectNSe
 
 
 def selectn_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int):
-    """For ``offsim.optimize.search``: every distinct interval (1..num_layers, and num_layers + 1 = no offloading)
-    times GPU batch sizes 1, 2, 4, ... whose KV cache alone still fits the GPU (one GPU batch: Select-N serves one
-    batch per iteration). Plans that do not fit are the search's to reject."""
+    """For ``offsim.optimize.search``: one interval per distinct number of offloaded layers (the largest N with that
+    count, num_layers + 1 = none) times GPU batch sizes 1, 2, 4, ... while the KV cache alone still fits the GPU (one
+    GPU batch: Select-N serves one batch per iteration). Plans that do not fit are the search's to reject."""
     L = model.num_layers
+    intervals = sorted({L // c for c in range(1, L + 1)} | {L + 1}, reverse=True)
     max_len = prompt_len + gen_len - 1
     bs = 1
     while model.kv_bytes(bs, max_len) < hw.gpu_mem_bytes and bs <= 4096:
-        for n in range(1, L + 2):
+        for n in intervals:
             yield {"interval": n}, Workload(prompt_len, gen_len, bs, 1)
         bs *= 2
 
