@@ -255,23 +255,16 @@ def tightllm_balance(model: ModelSpec, hw: HardwareSpec, settings: dict, wl: Wor
     distributor's own ``stream_seconds``, i.e. offsim's cost model), on ``points`` values from 0 to the memory cap
     plus the N_r the distributor picks; and that N_r. TightLLM minimises max(T_compute, T_transfer) (DESIGN.md §5)."""
     t = _tightllm()
-    from .kv_distributor import Decision, distributor
+    from .kv_distributor import distributor
 
     st = t.TightLLMSettings(**settings)
-    lay = t.layout_of(model, wl, st)
-    free = t._free_gpu_bytes(model, hw, wl, lay)
-    mem_hi = t.recompute_memory_cap(model, wl, lay, free, ctx_tokens)
-    if batch_index < lay.num_slices:
-        (c_lo, c_hi), (d_lo, d_hi) = lay.slices[batch_index]
-        w_cpu, w_disk = c_hi - c_lo, d_hi - d_lo
-    else:
-        w_cpu = w_disk = 0
-    d = Decision(num_seqs=wl.gpu_batch_size, ctx_tokens=ctx_tokens, kv_cpu_heads=lay.kv_cpu_heads,
-                 kv_disk_heads=lay.kv_disk_heads, weight_cpu_bytes=w_cpu, weight_disk_bytes=w_disk, lo=0,
-                 hi=st.max_recompute_tokens, mem_hi=mem_hi if mem_hi >= 0 else None, pinned=st.pin_weights)
+    # the very problem the plan generator solves for this batch and context (placement, weight slice, memory caps)
+    d = t.decision_for(model, hw, wl, st, ctx_tokens, batch_index)
+    mem_hi = -1 if d.mem_hi is None else d.mem_hi
     kvd = distributor(model, hw, st.transfer_model)
     chosen = kvd.decide(d, st.kv_solver)
     top = ctx_tokens if mem_hi < 0 else min(mem_hi, ctx_tokens)
+    top = top if d.hi is None else min(top, d.hi)
     ns = sorted(set(np.linspace(0, top, points).round().astype(int).tolist()) | {chosen})
     rows = []
     for n in ns:
@@ -285,9 +278,11 @@ def plot_balance(df: pd.DataFrame, chosen_n_r: int, ax=None, title: str | None =
     """T_compute and T_transfer against N_r, their max (what TightLLM minimises) and the chosen N_r."""
     ax = _ax(ax)
     ax.plot(df["n_r"], df["compute_s"] * 1e3, label="compute (recompute N_r + 1 tokens)", color=KIND_COLORS["compute"])
-    ax.plot(df["n_r"], df["h2d_s"] * 1e3, label="H2D (KV prefix + weight slice)", color=KIND_COLORS["h2d"])
+    ax.plot(df["n_r"], df["h2d_s"] * 1e3, label="H2D (KV prefix + weight slice [+ hidden])", color=KIND_COLORS["h2d"])
     if df["disk_s"].max() > 0:
         ax.plot(df["n_r"], df["disk_s"] * 1e3, label="disk read", color=KIND_COLORS["disk_read"])
+    if df["d2h_s"].max() > 0:
+        ax.plot(df["n_r"], df["d2h_s"] * 1e3, label="D2H (hidden back to host)", color=KIND_COLORS["d2h"])
     ax.plot(df["n_r"], df["layer_s"] * 1e3, "k--", lw=1, label="max: layer time")
     ax.axvline(chosen_n_r, color="r", lw=1, ls=":", label=f"chosen N_r = {chosen_n_r}")
     ax.set_xlabel("N_r (tokens recomputed instead of loaded)")
