@@ -279,7 +279,11 @@ class PerformanceRecord:
             out.append({"phase": ph, "batch": b, "seq_len": s, "slo_s": p.slo_s, "status": p.status,
                         "n_min": p.n_min, "n_max": p.n_max, "best_interval": p.best_interval,
                         "best_latency_s": p.best_latency_s})
-        return pd.DataFrame(out)
+        df = pd.DataFrame(out)
+        for c in ("n_min", "n_max", "best_interval"):
+            if c in df:
+                df[c] = df[c].astype("Int64")  # intervals are integers; missing ones stay empty
+        return df
 
     # ---- files ------------------------------------------------------------------------------------------------
     def to_csv(self, path: str | Path) -> None:
