@@ -121,7 +121,9 @@ def check_plan(plan: Plan, device, budget_bytes: int, disk_dir: str | None = Non
 
 
 class Executor:
-    RUN_AHEAD = 16  # compute ops the issuing thread may run ahead of the GPU
+    # flow control: ops the issuing thread may have outstanding on each stream. Waiting here is not issue time; it
+    # keeps every CUDA call from blocking on a full launch or copy queue, so issue time measures only host work
+    RUN_AHEAD = {"compute": 16, "h2d": 6, "d2h": 16}
     def __init__(self, plan: Plan, weights: ModelWeights, device: str, prompts, seed: int,
                  gpu_budget_bytes: int | None, disk_dir: str | None, record_logits: bool, keep_kv: bool,
                  threaded: bool = False):
@@ -255,6 +257,7 @@ class Executor:
         self.start = np.zeros(n)
         self.end = np.zeros(n)
         self.issue_s = self.issue_cpu_s = self.wait_s = 0.0
+        self.issue_by_fn: dict = {}
         t_wall = time.perf_counter()
         if self.cuda or self.threaded:
             self._run_streams()
@@ -265,7 +268,7 @@ class Executor:
         toks = self.tokens[:, :, wl.prompt_len:wl.prompt_len + wl.gen_len].reshape(wl.num_prompts, wl.gen_len)
         peaks = {"gpu": 0, "cpu": 0, "disk": self.disk.size_bytes if self.disk else 0}
         stats = {"wall_s": wall_s, "issue_s": self.issue_s, "issue_cpu_s": self.issue_cpu_s,
-                 "run_ahead_wait_s": self.wait_s, "gpu_need_bytes": self.gpu_need,
+                 "run_ahead_wait_s": self.wait_s, "issue_s_by_handler": dict(self.issue_by_fn), "gpu_need_bytes": self.gpu_need,
                  "pool_buffers": {k: p.count for k, p in self.pools.items()},
                  "pool_buffers_plan_order": dict(self.prog.pool_peak),
                  "host_staging_peak_bytes_plan_order": self.prog.host_peak_bytes,
@@ -274,6 +277,9 @@ class Executor:
                  "host_kv_bytes": self.host_kv_bytes,
                  "budget_bytes": self.budget}
         if self.cuda:
+            ms = torch.cuda.memory_stats(self.device)
+            stats["allocator"] = {k: ms.get(k, 0) for k in ("num_alloc_retries", "num_ooms", "num_sync_all_streams",
+                                                            "num_device_alloc", "num_device_free")}
             peaks["gpu"] = torch.cuda.max_memory_reserved(self.device)
             stats["gpu_max_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
             stats["gpu_max_reserved_bytes"] = peaks["gpu"]
@@ -377,7 +383,9 @@ class Executor:
         remaining = n
         issue = issue_cpu = 0.0
         self.wait_s = 0.0
-        window: deque = deque()
+        windows = {st: deque() for st in GPU_STREAMS}
+        by_fn: dict[str, float] = {}
+        self.issue_by_fn = by_fn
         cur = None
         try:
             while remaining:
@@ -412,13 +420,11 @@ class Executor:
                         host_q[op.stream].append(best)
                         cond.notify_all()
                     continue
-                if op.stream == "compute":
-                    # bounded run-ahead: wait (not counted as issuing) until the compute op RUN_AHEAD back has
-                    # ended, so kernel launches never block on a full launch queue inside the timed issue
-                    if len(window) >= self.RUN_AHEAD:
-                        wa = time.perf_counter()
-                        window.popleft().synchronize()
-                        self.wait_s += time.perf_counter() - wa
+                win = windows[op.stream]
+                if len(win) >= self.RUN_AHEAD[op.stream]:
+                    wa = time.perf_counter()
+                    win.popleft().synchronize()
+                    self.wait_s += time.perf_counter() - wa
                 a = time.perf_counter()
                 ca = time.thread_time()
                 s = streams[op.stream]
@@ -436,10 +442,11 @@ class Executor:
                 ev1.record(s)
                 self.ev_start[best], self.ev_end[best] = ev0, ev1
                 self._done(b, (ev1,))
-                if op.stream == "compute":
-                    window.append(ev1)
-                issue += time.perf_counter() - a
+                win.append(ev1)
+                dt = time.perf_counter() - a
+                issue += dt
                 issue_cpu += time.thread_time() - ca
+                by_fn[b.fn] = by_fn.get(b.fn, 0.0) + dt
             for sname in HOST_STREAMS:
                 with cond:
                     host_q[sname].append(-1)

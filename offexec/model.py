@@ -173,21 +173,29 @@ def attention(spec: ModelSpec, q: torch.Tensor, groups: list[tuple[int, int, tor
     """
     B, T, H, D = q.shape
     G = H // spec.num_kv_heads
+    if out is None and len(groups) == 1 and groups[0][:2] == (0, spec.num_kv_heads):
+        _, _, K, V = groups[0]
+        o = _sdpa(q.transpose(1, 2), K, V, T, G)  # [B, H, T, D], a transposed view of [B, T, H, D] memory
+        return o.transpose(1, 2).reshape(B, T, H * D)  # no copy when the kernel laid it out [B, T, H, D]
     if out is None:
         out = q.new_empty(B, T, H * D)
     o4 = out.view(B, T, H, D)
     for h0, h1, K, V in groups:
-        C = K.shape[2]
-        qg = q[:, :, h0 * G:h1 * G].transpose(1, 2)  # [B, n·G, T, D]
-        if T == 1:
-            mask, causal = None, False
-        elif T == C:
-            mask, causal = None, True
-        else:
-            mask, causal = causal_lower_right(T, C), False
-        og = F.scaled_dot_product_attention(qg, K, V, attn_mask=mask, is_causal=causal, enable_gqa=G > 1)
+        og = _sdpa(q[:, :, h0 * G:h1 * G].transpose(1, 2), K, V, T, G)  # [B, n·G, T, D]
         o4[:, :, h0 * G:h1 * G] = og.transpose(1, 2)  # [B, T, n·G, D]
     return out
+
+
+def _sdpa(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, T: int, G: int) -> torch.Tensor:
+    """q: [B, n·G, T, D] against K, V: [B, n, C, D], causal aligned to the bottom right."""
+    C = K.shape[2]
+    if T == 1:
+        mask, causal = None, False
+    elif T == C:
+        mask, causal = None, True
+    else:
+        mask, causal = causal_lower_right(T, C), False
+    return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, is_causal=causal, enable_gqa=G > 1)
 
 
 def post_attn(spec: ModelSpec, w: dict, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
