@@ -382,7 +382,9 @@ def gantt_overlay(measured: Trace, predicted: Trace, step: int, ax=None, streams
     p0, p1 = step_window(predicted, step)
     ax.set_xlim(0, max(m1 - m0, p1 - p0) * 1e3)
     h, lab = ax.get_legend_handles_labels()
-    uniq = dict(zip(lab, h))
+    uniq = {}
+    for lb, hd in zip(lab, h):
+        uniq.setdefault(lb, hd)  # the measured (solid) patch
     ax.legend(uniq.values(), uniq.keys(), fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     ax.set_title(title or f"step {step}: measured {1e3 * (m1 - m0):.1f} ms, offsim {1e3 * (p1 - p0):.1f} ms",
                  fontsize=10)
@@ -488,7 +490,8 @@ def error_table(df: pd.DataFrame, by: Sequence[str] = ("policy", "phase")) -> pd
     """Cases, median and worst absolute relative error of predicted vs measured throughput, grouped by ``by``."""
     if df.empty:
         return pd.DataFrame(columns=[*by, "cases", "median_abs_error", "max_abs_error", "mean_error"])
-    d = df.assign(abs_error=df["error"].abs())
+    d = df.assign(error=pd.to_numeric(df["error"], errors="coerce"))
+    d["abs_error"] = d["error"].abs()
     return d.groupby(list(by)).agg(cases=("error", "size"), median_abs_error=("abs_error", "median"),
                                    max_abs_error=("abs_error", "max"), mean_error=("error", "mean")).reset_index()
 
