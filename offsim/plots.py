@@ -148,7 +148,9 @@ def throughput_sweep(model: ModelSpec, hw: HardwareSpec, policies: Sequence[str]
                      "settings": json.dumps(st), **{k: m[k] for k in (
                          "prefill_tok_s", "decode_tok_s", "total_tok_s", "gpu_idle_frac", "peak_gpu_bytes",
                          "peak_cpu_bytes")}, "error": ""})
-    return pd.DataFrame(rows)
+    cols = ["policy", "prompt_len", "gen_len", "batch", "gpu_batch_size", "num_gpu_batches", "settings",
+            "prefill_tok_s", "decode_tok_s", "total_tok_s", "gpu_idle_frac", "peak_gpu_bytes", "peak_cpu_bytes", "error"]
+    return pd.DataFrame(rows).reindex(columns=cols)  # the same columns even when no cell fits
 
 
 def plot_sweep(df: pd.DataFrame, x: str = "prompt_len", y: str = "total_tok_s", ax=None, logx: bool = True,
