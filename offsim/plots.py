@@ -149,7 +149,8 @@ def throughput_sweep(model: ModelSpec, hw: HardwareSpec, policies: Sequence[str]
                          "prefill_tok_s", "decode_tok_s", "total_tok_s", "gpu_idle_frac", "peak_gpu_bytes",
                          "peak_cpu_bytes")}, "error": ""})
     cols = ["policy", "prompt_len", "gen_len", "batch", "gpu_batch_size", "num_gpu_batches", "settings",
-            "prefill_tok_s", "decode_tok_s", "total_tok_s", "gpu_idle_frac", "peak_gpu_bytes", "peak_cpu_bytes", "error"]
+            "prefill_tok_s", "decode_tok_s", "total_tok_s", "gpu_idle_frac", "peak_gpu_bytes", "peak_cpu_bytes",
+            "error"]
     return pd.DataFrame(rows).reindex(columns=cols)  # the same columns even when no cell fits
 
 
