@@ -19,7 +19,6 @@ import dataclasses
 import json
 import sys
 import time
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -37,6 +36,8 @@ MATRIX = {
     "opt-13b": [(16, (512,)), (24, (2048,))],
     "opt-30b": [(16, (512,)), (24, (512,))],
 }
+MAX_BATCH = 64  # prompts per run: keeps each measured run to seconds (device time is scarce)
+HEADROOM = 0.85  # settings are chosen for 85 % of the budget: PyTorch's allocator needs slack the plan does not count
 VARIANTS = [("static-accelerate", {}), ("static-zero", {}), ("flexgen", {"cpu_attention": False}),
             ("flexgen", {"cpu_attention": True}), ("tightllm", {}), ("selectn", {})]
 
@@ -52,6 +53,7 @@ def settings_for(policy, fixed, model, hw, prompt_len, gen_len, quick=False):
         from offsim.optimize import flexgen_candidates
 
         cands = flexgen_candidates(model, hw, prompt_len, gen_len, cpu_attention=(fixed["cpu_attention"],))
+        cands = [r for r in cands if r.gpu_batch_size * r.num_gpu_batches <= MAX_BATCH]
         for r in cands[:6]:
             st = {"percent": r.percent, "cpu_attention": r.cpu_attention}
             wl = Workload(prompt_len, gen_len, r.gpu_batch_size, r.num_gpu_batches)
@@ -61,91 +63,133 @@ def settings_for(policy, fixed, model, hw, prompt_len, gen_len, quick=False):
             except OffsimError:
                 continue
         raise OffsimError(f"no feasible flexgen setting with cpu_attention={fixed['cpu_attention']}")
-    res = search(policy, model, hw, prompt_len, gen_len, max_sims=2)
+    res = search(policy, model, hw, prompt_len, gen_len, max_sims=2, max_batch=MAX_BATCH)
     return res.settings, res.workload
+
+
+def plan_cases(args) -> list[dict]:
+    """Choose every case's settings with offsim's search (no GPU needed): the config the GPU run executes."""
+    matrix = {"opt-125m": [(0.4, (32,))]} if args.quick else {m: MATRIX[m] for m in args.models}
+    gen_len = 3 if args.quick else args.gen_len
+    cases = []
+    for mname, configs in matrix.items():
+        model = get_model(mname)
+        if model.family == "opt" and max(p for _, ps in configs for p in ps) + gen_len > model.max_positions:
+            model = dataclasses.replace(model, max_positions=4096)  # random weights: extend OPT's positions
+        if args.device != "cuda":
+            model = dataclasses.replace(model, dtype_bytes=4)  # fp32 on the CPU
+        for budget_gb, prompts in configs:
+            host = int(args.host_mem_gb * GiB) - model.weight_bytes()  # the executor keeps a host master copy
+            hw = get_hardware(args.profile, budget_gb * (1.0 if args.quick else HEADROOM))
+            hw = hw.with_(cpu_mem_bytes=max(host, 1 << 30))
+            for prompt_len in prompts:
+                for policy, fixed in VARIANTS:
+                    if policy not in POLICIES:
+                        continue
+                    tag = f"{mname}_{policy}{'-cpuattn' if fixed.get('cpu_attention') else ''}_p{prompt_len}" \
+                          f"_g{budget_gb:g}"
+                    try:
+                        st, wl = settings_for(policy, fixed, model, hw, prompt_len, gen_len, args.quick)
+                        build_plan(policy, model, hw, wl, st)
+                    except OffsimError as e:
+                        print(f"  {tag}: no setting ({e})", flush=True)
+                        continue
+                    cases.append({"tag": tag, "model": mname, "model_config": model.to_dict(), "policy": policy,
+                                  "settings": st, "workload": wl.to_dict(), "gpu_mem_gb": budget_gb})
+                    print(f"  {tag}: {wl.gpu_batch_size} x {wl.num_gpu_batches} {st}", flush=True)
+    return cases
+
+
+def run_cases(cases: list[dict], args) -> list[dict]:
+    """Run each case on the device with offexec (weights generated once per model); save each as a case JSON."""
+    import torch
+
+    from offexec.executor import check_plan, run_plan
+    from offexec.weights import random_weights
+    from offsim.specs import ModelSpec
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    summary = []
+    by_model: dict[str, list[dict]] = {}
+    for c in cases:
+        by_model.setdefault(json.dumps(c["model_config"], sort_keys=True), []).append(c)
+    for key, group in by_model.items():
+        model = ModelSpec.from_dict(json.loads(key))
+        dtype = torch.float16 if model.dtype_bytes == 2 else torch.float32
+        t0 = time.time()
+        weights = random_weights(model, 0, dtype, device=args.device, pinned=args.device == "cuda", progress=False)
+        print(f"{model.name}: weights ready in {time.time() - t0:.1f} s", flush=True)
+        try:
+            for c in group:
+                tag, policy = c["tag"], c["policy"]
+                base = get_hardware(args.profile, c["gpu_mem_gb"])
+                wl = Workload.from_dict(c["workload"])
+                try:
+                    plan = build_plan(policy, model, base, wl, c["settings"])
+                    check_plan(plan, torch.device(args.device), int(base.gpu_mem_bytes))
+                    t1 = time.time()
+                    res = run_plan(plan, weights, args.device, gpu_budget_bytes=int(base.gpu_mem_bytes),
+                                   meta={"hardware": base.name})
+                    wall = time.time() - t1
+                except Exception as e:  # one failed configuration must not lose the others
+                    msg = str(e).split("\n")[0][:300]
+                    print(f"  {tag}: FAILED {type(e).__name__}: {msg}", flush=True)
+                    summary.append({"case": tag, "error": f"{type(e).__name__}: {msg}"})
+                    if args.device == "cuda":
+                        torch.cuda.empty_cache()
+                    continue
+                tr = res.trace
+                tr.meta.update({"model": c["model"], "policy": policy, "settings": plan.settings,
+                                "workload": wl.to_dict(), "gpu_mem_gb": c["gpu_mem_gb"], "hardware": base.name,
+                                "hardware_profile": args.profile_ref or args.profile,
+                                "model_config": c["model_config"]})
+                case = case_from_trace(tr, **provenance(gpu=gpu, wall_s=round(wall, 2),
+                                                        issue_frac=res.stats.get("issue_frac"),
+                                                        host_mem_gb=args.host_mem_gb))
+                save_case(case, out / f"{tag}.case.json")
+                pred = simulate(plan, base, check_memory=False).metrics()
+                m = tr.metrics()
+                row = {"case": tag, "batch": wl.num_prompts, "measured_total_tok_s": m["total_tok_s"],
+                       "predicted_total_tok_s": pred["total_tok_s"],
+                       "err": (pred["total_tok_s"] - m["total_tok_s"]) / m["total_tok_s"],
+                       "peak_gpu_GiB": m["peak_gpu_bytes"] / GiB, "wall_s": wall}
+                summary.append(row)
+                print(f"  {tag}: batch {wl.num_prompts} measured {m['total_tok_s']:.1f} tok/s, offsim "
+                      f"{pred['total_tok_s']:.1f} ({row['err']:+.1%}), decode {m['decode_tok_s']:.1f}, "
+                      f"{wall:.1f} s", flush=True)
+        finally:
+            weights.close()
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    return summary
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", default="h200", help="hardware profile JSON (or preset) of this machine")
-    ap.add_argument("--out", required=True, help="directory for the *.case.json files")
+    ap.add_argument("--profile-ref", default=None,
+                    help="the profile path to record in each case (default: --profile), e.g. the committed copy")
+    ap.add_argument("--out", help="directory for the *.case.json files (run mode)")
     ap.add_argument("--models", nargs="+", default=list(MATRIX))
-    ap.add_argument("--gen-len", type=int, default=8, help="tokens per prompt (default: %(default)s)")
+    ap.add_argument("--gen-len", type=int, default=4, help="tokens per prompt (default: %(default)s)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--host-mem-gb", type=float, default=110.0, help="host memory the runs may use (GiB)")
     ap.add_argument("--quick", action="store_true", help="CPU smoke test: opt-125m, tiny budget")
+    ap.add_argument("--plan-only", metavar="CONFIG", help="choose the cases' settings and write them to CONFIG")
+    ap.add_argument("--config", metavar="CONFIG", help="run the cases of CONFIG (written by --plan-only)")
     args = ap.parse_args()
-
-    import torch
-
-    from offexec.executor import check_plan, run_plan
-    from offexec.weights import random_weights
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    matrix = {"opt-125m": [(0.4, (32,))]} if args.quick else {m: MATRIX[m] for m in args.models}
-    gen_len = 3 if args.quick else args.gen_len
-    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    summary = []
-    for mname, configs in matrix.items():
-        model = get_model(mname)
-        if model.family == "opt" and max(p for _, ps in configs for p in ps) + gen_len > model.max_positions:
-            model = dataclasses.replace(model, max_positions=4096)  # random weights: extend OPT's positions
-        t0 = time.time()
-        dtype = torch.float16 if args.device == "cuda" else torch.float32
-        if dtype == torch.float32:
-            model = dataclasses.replace(model, dtype_bytes=4)
-        weights = random_weights(model, 0, dtype, device=args.device, pinned=args.device == "cuda", progress=False)
-        print(f"{mname}: weights ready in {time.time() - t0:.1f} s", flush=True)
-        try:
-            for budget_gb, prompts in configs:
-                base = get_hardware(args.profile, budget_gb)
-                host = int(args.host_mem_gb * GiB) - model.weight_bytes()  # the executor keeps a host master copy
-                hw = base.with_(cpu_mem_bytes=max(host, 1 << 30))
-                for prompt_len in prompts:
-                    for policy, fixed in VARIANTS:
-                        if policy not in POLICIES:
-                            continue
-                        tag = f"{mname}_{policy}{'-cpuattn' if fixed.get('cpu_attention') else ''}_p{prompt_len}" \
-                              f"_g{budget_gb:g}"
-                        try:
-                            st, wl = settings_for(policy, fixed, model, hw, prompt_len, gen_len, args.quick)
-                            plan = build_plan(policy, model, hw, wl, st)
-                            check_plan(plan, torch.device(args.device), int(hw.gpu_mem_bytes))
-                            t1 = time.time()
-                            res = run_plan(plan, weights, args.device, gpu_budget_bytes=int(hw.gpu_mem_bytes),
-                                           meta={"hardware": base.name})
-                            wall = time.time() - t1
-                        except Exception as e:  # one failed configuration must not lose the others
-                            print(f"  {tag}: FAILED {type(e).__name__}: {e}", flush=True)
-                            traceback.print_exc(limit=3)
-                            summary.append({"case": tag, "error": str(e)})
-                            continue
-                        tr = res.trace
-                        tr.meta.update({"model": mname, "policy": policy, "settings": plan.settings,
-                                        "workload": wl.to_dict(), "gpu_mem_gb": budget_gb,
-                                        "hardware": base.name, "hardware_profile": args.profile,
-                                        "model_config": None if model == get_model(mname) else model.to_dict()})
-                        case = case_from_trace(tr, **provenance(gpu=gpu, wall_s=round(wall, 2),
-                                                                issue_frac=res.stats.get("issue_frac"),
-                                                                host_mem_gb=args.host_mem_gb))
-                        save_case(case, out / f"{tag}.case.json")
-                        pred = simulate(plan, hw, check_memory=False).metrics()
-                        m = tr.metrics()
-                        row = {"case": tag, "batch": wl.num_prompts, "measured_total_tok_s": m["total_tok_s"],
-                               "predicted_total_tok_s": pred["total_tok_s"],
-                               "err": (pred["total_tok_s"] - m["total_tok_s"]) / m["total_tok_s"],
-                               "measured_decode_tok_s": m["decode_tok_s"], "peak_gpu_GiB": m["peak_gpu_bytes"] / GiB,
-                               "wall_s": wall}
-                        summary.append(row)
-                        print(f"  {tag}: batch {wl.num_prompts} measured {m['total_tok_s']:.1f} tok/s, offsim "
-                              f"{pred['total_tok_s']:.1f} ({row['err']:+.1%}), decode {m['decode_tok_s']:.1f}, "
-                              f"{wall:.1f} s", flush=True)
-        finally:
-            weights.close()
-    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    if args.config:
+        cases = json.loads(Path(args.config).read_text())
+    else:
+        cases = plan_cases(args)
+    if args.plan_only:
+        Path(args.plan_only).write_text(json.dumps(cases, indent=1, default=list))
+        print(json.dumps({"cases": len(cases), "config": args.plan_only}))
+        return
+    summary = run_cases(cases, args)
     print(json.dumps({"cases": sum("err" in r for r in summary), "failed": sum("error" in r for r in summary),
-                      "out": str(out)}))
+                      "out": args.out}))
 
 
 if __name__ == "__main__":

@@ -113,11 +113,12 @@ def profile_gpu(device, spec, reps: int, peak_flops: float) -> dict:
         b = max(1, 8192 // ctx)
         q = torch.randn(b, H, ctx, D, dtype=dt, device=device)
         k = torch.randn(b, Hk, ctx, D, dtype=dt, device=device)
-        s = _median_time(lambda: F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=H != Hk),
+        v = torch.randn_like(k)
+        s = _median_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != Hk),
                          device, reps)
         flops = 4 * b * H * D * ctx * (ctx + 1) / 2
         prefill.append([float(ctx), flops / s / peak_flops])
-        del q, k
+        del q, k, v
     n = 1 << 30 if device.type == "cuda" else 1 << 26
     a = torch.empty(n, dtype=torch.uint8, device=device)
     c = torch.empty_like(a)
@@ -128,9 +129,10 @@ def profile_gpu(device, spec, reps: int, peak_flops: float) -> dict:
         b = 32
         q = torch.randn(b, H, 1, D, dtype=dt, device=device)
         k = torch.randn(b, Hk, ctx, D, dtype=dt, device=device)
-        s = _median_time(lambda: F.scaled_dot_product_attention(q, k, k, enable_gqa=H != Hk), device, reps)
+        v = torch.randn_like(k)  # a distinct V: with V = K the kernel re-reads K's tiles from L2
+        s = _median_time(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=H != Hk), device, reps)
         decode.append([float(ctx), 2 * k.numel() * k.element_size() / s / hbm])
-        del q, k
+        del q, k, v
     # per-op fixed cost: a decoder layer launches ~10 kernels; time ten tiny ones
     x = torch.randn(1, 64, dtype=dt, device=device)
     overhead = _median_time(lambda: [x.add_(0) for _ in range(10)], device, reps)
@@ -147,7 +149,8 @@ def profile_cpu_attention(spec, reps: int) -> float:
     b, ctx = 16, 1024
     q = torch.randn(b, H, 1, D, dtype=torch.float16)
     k = torch.randn(b, Hk, ctx, D, dtype=torch.float16)
-    s = _median_time(lambda: F.scaled_dot_product_attention(q, k, k, enable_gqa=H != Hk), torch.device("cpu"),
+    v = torch.randn_like(k)
+    s = _median_time(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=H != Hk), torch.device("cpu"),
                      max(3, reps // 2), warmup=1)
     return 4 * b * H * D * ctx / s
 

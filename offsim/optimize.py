@@ -323,19 +323,22 @@ def _try(fn, row: dict, reasons: list):
 
 
 def search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
-           max_sims: int = 3, progress: bool = False) -> SearchResult:
+           max_sims: int = 3, progress: bool = False, max_batch: int | None = None) -> SearchResult:
     """The best settings and block shape of ``policy`` for this model, hardware and lengths, by simulated total
     throughput.
 
     Two stages keep OPT-175B searches in seconds: (1) screen candidates on a short plan (prefill and
     ``SCREEN_DECODE_STEPS`` decode steps, decode time extrapolated to ``gen_len``); LP-ranked policies (FlexGen)
     screen only their ``2 · max_sims`` best LP candidates; (2) build and simulate the full plan of the best
-    screened candidate, falling back to the next when the full-length plan does not fit memory."""
+    screened candidate, falling back to the next when the full-length plan does not fit memory. ``max_batch``
+    caps the prompts per block (gpu_batch_size × num_gpu_batches)."""
     if policy not in POLICIES:
         raise OffsimError(f"unknown policy {policy!r}; valid: {', '.join(POLICIES)}")
     Workload(prompt_len, gen_len)  # validates the lengths
     rows, reasons = [], []
     cands = list(_policy_candidates(policy)(model, hw, prompt_len, gen_len))
+    if max_batch is not None:  # a cap on prompts per block (latency, host memory, or run time)
+        cands = [c for c in cands if c[1].num_prompts <= max_batch]
     ranked = any(c[2] is not None for c in cands)
     if ranked:
         cands = cands[:2 * max_sims]
