@@ -300,7 +300,9 @@ class HardwareSpec:
         return HardwareSpec.from_dict(d)
 
     def scaled_link(self, factor: float) -> "HardwareSpec":
-        """A copy whose PCIe bandwidths (all four curves) are multiplied by ``factor``."""
+        """A copy whose PCIe bandwidths (all four curves) are multiplied by ``factor`` (> 0)."""
+        if not factor > 0:
+            raise OffsimError(f"a link bandwidth factor must be positive, got {factor}")
         sc = lambda c: tuple((x, y * factor) for x, y in c)  # noqa: E731
         return self.with_(h2d_pinned=sc(self.h2d_pinned), d2h_pinned=sc(self.d2h_pinned),
                           h2d_pageable=sc(self.h2d_pageable), d2h_pageable=sc(self.d2h_pageable))
