@@ -1,0 +1,198 @@
+"""Per-token latency, compute against transfer: OPT-175B on the A800 (C2), 8 sequences, prompts 0.5K-8K, Accelerate,
+FlexGen and TightLLM -- the paper's "OPT-175B per-token latency -59.7 to -95.7 %: compute grows x3.1-5.4, transfer
+falls 68.9-97.5 %" and "FlexGen and Accelerate are 35.9-95.4 % (prefill) and 60.4-95.6 % (decode) below TightLLM".
+
+    python experiments/tightllm_breakdown.py      # writes results/tightllm/breakdown/{breakdown.csv,summary.csv,breakdown.png}
+
+Batch 8 = 8 sequences per block. FlexGen and TightLLM take the best of the block shapes 8x1, 4x2, 2x4, 1x8 with
+FlexGen's LP placement for each (FlexGen also with CPU attention); Accelerate runs one batch of 8 with as many
+layers on the GPU as fit beside the KV cache. Per decode step (every sequence gains one token): latency = decode
+time / (gen - 1); compute = GPU busy time; transfer = the busiest transfer stream's busy time (H2D, D2H or disk);
+exposed transfer = latency - compute (the time the GPU waits). Prefill: the same over the prefill, per prompt token.
+OPT's 2048 positions are extended for prompts past 2K (dataclasses.replace; see tightllm_common.py).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tightllm_common import GEN_LEN, OUT, PAPER, POLICY_LABEL, PROMPTS, model_for  # noqa: E402
+
+from offsim import OffsimError, PlanError, Workload, build_plan, get_hardware, simulate  # noqa: E402
+from offsim.optimize import flexgen_lp  # noqa: E402
+from offsim.provenance import provenance, write_csv  # noqa: E402
+
+DIR = OUT / "breakdown"
+SHAPES = [(8, 1), (4, 2), (2, 4), (1, 8)]
+MARGINS = (0, 2, 5, 10)  # host-memory percentage points moved to disk when the LP's placement does not fit
+
+
+def phase_breakdown(trace, phase: str, units: float) -> dict:
+    """Latency, compute, busiest-transfer and exposed-transfer seconds of ``phase``, divided by ``units``."""
+    df = trace.df
+    d = df[df["step"] > 0] if phase == "decode" else df[df["step"] == 0]
+    m = trace.metrics()
+    wall = m["decode_s"] if phase == "decode" else m["prefill_s"]
+    dur = d["end_s"] - d["start_s"]
+    busy = {s: float(dur[d["stream"] == s].sum()) for s in ("compute", "h2d", "d2h", "disk")}
+    transfer_stream = max(("h2d", "d2h", "disk"), key=lambda s: busy[s])
+    return {f"{phase}_latency_s": wall / units, f"{phase}_compute_s": busy["compute"] / units,
+            f"{phase}_transfer_s": busy[transfer_stream] / units, f"{phase}_transfer_stream": transfer_stream,
+            f"{phase}_exposed_transfer_s": max(0.0, wall - busy["compute"]) / units,
+            f"{phase}_tok_s": m[f"{phase}_tok_s"]}
+
+
+def candidates(policy: str, model, hw, P: int):
+    """(settings, workload) groups: one group per block shape, its variants in order of preference (the first that
+    fits is used)."""
+    if policy == "static-accelerate":
+        yield [({"offload": off}, Workload(P, GEN_LEN, 8, 1)) for off in ("cpu", "disk")]
+        return
+    for gbs, nb in SHAPES:
+        for ca in ((False, True) if policy == "flexgen" else (False,)):
+            r = flexgen_lp(model, hw, P, GEN_LEN, gbs, nb, ca)
+            if r is None:
+                continue
+            wg, wc, cg, cc, ag, ac = r.percent
+            group = []
+            for dm in MARGINS:
+                st = {"percent": (wg, max(0, wc - dm), cg, max(0, cc - dm), ag, ac)}
+                if policy == "flexgen":
+                    st["cpu_attention"] = ca
+                group.append((st, Workload(P, GEN_LEN, gbs, nb)))
+            yield group
+
+
+def best_run(policy: str, model, hw, P: int):
+    """The best (by total throughput) of the first variant that fits in each group."""
+    best, why = None, ""
+    for group in candidates(policy, model, hw, P):
+        for st, wl in group:
+            try:
+                tr = simulate(build_plan(policy, model, hw, wl, st), hw)
+            except (PlanError, OffsimError) as e:
+                why = str(e)
+                continue
+            if best is None or tr.metrics()["total_tok_s"] > best[2].metrics()["total_tok_s"]:
+                best = (st, wl, tr)
+            break
+    return best, why
+
+
+def main() -> None:
+    hw = get_hardware("a800")
+    rows = []
+    for P in tqdm(PROMPTS, desc="prompt lengths"):
+        model = model_for("opt-175b", P)
+        for pol in ("static-accelerate", "flexgen", "tightllm"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                res, why = best_run(pol, model, hw, P)
+            if res is None:
+                rows.append({"prompt_len": P, "policy": pol, "status": "infeasible", "reason": why[:300]})
+                continue
+            st, wl, tr = res
+            row = {"prompt_len": P, "policy": pol, "status": "ok", "settings": json.dumps(st, default=list),
+                   "gpu_batch_size": wl.gpu_batch_size, "num_gpu_batches": wl.num_gpu_batches}
+            row.update(phase_breakdown(tr, "decode", GEN_LEN - 1))
+            row.update(phase_breakdown(tr, "prefill", P))
+            rows.append(row)
+    df = pd.DataFrame(rows)
+    prov = provenance(model="opt-175b (positions extended past 2048)", hardware="a800", sequences=8,
+                      gen_len=GEN_LEN)
+    DIR.mkdir(parents=True, exist_ok=True)
+    write_csv(df, DIR / "breakdown.csv", prov)
+
+    # TightLLM against each baseline, per prompt length
+    ok = df[df["status"] == "ok"].set_index(["prompt_len", "policy"])
+    comp = []
+    for P in PROMPTS:
+        if (P, "tightllm") not in ok.index:
+            continue
+        t = ok.loc[(P, "tightllm")]
+        for base in ("flexgen", "static-accelerate"):
+            if (P, base) not in ok.index:
+                comp.append({"prompt_len": P, "baseline": base, "note": "baseline infeasible (out of memory)"})
+                continue
+            b = ok.loc[(P, base)]
+            comp.append({"prompt_len": P, "baseline": base,
+                         "decode_latency_change_pct": 100 * (t["decode_latency_s"] / b["decode_latency_s"] - 1),
+                         "decode_compute_ratio": t["decode_compute_s"] / b["decode_compute_s"],
+                         "decode_transfer_change_pct": 100 * (t["decode_transfer_s"] / b["decode_transfer_s"] - 1),
+                         "prefill_latency_change_pct": 100 * (t["prefill_latency_s"] / b["prefill_latency_s"] - 1),
+                         "prefill_transfer_change_pct":
+                             100 * (t["prefill_transfer_s"] / b["prefill_transfer_s"] - 1),
+                         "baseline_below_tightllm_decode_pct": 100 * (1 - b["decode_tok_s"] / t["decode_tok_s"]),
+                         "baseline_below_tightllm_prefill_pct": 100 * (1 - b["prefill_tok_s"] / t["prefill_tok_s"]),
+                         "note": ""})
+    cdf = pd.DataFrame(comp)
+    write_csv(cdf, DIR / "summary.csv", prov)
+    _plot(df, DIR / "breakdown.png")
+
+    pd.set_option("display.width", 220)
+    show = ["prompt_len", "policy", "gpu_batch_size", "num_gpu_batches", "decode_latency_s", "decode_compute_s",
+            "decode_transfer_s", "decode_transfer_stream", "decode_exposed_transfer_s", "prefill_latency_s",
+            "prefill_compute_s", "prefill_transfer_s"]
+    print(df.reindex(columns=show).to_string(index=False, float_format=lambda v: f"{v:,.4g}"))
+    print()
+    print(cdf.to_string(index=False, float_format=lambda v: f"{v:,.1f}"))
+    fg = cdf[cdf["baseline"] == "flexgen"].dropna(subset=["decode_compute_ratio"])
+    print(json.dumps({
+        "vs_flexgen_decode_latency_change_pct": [round(fg["decode_latency_change_pct"].min(), 1),
+                                                 round(fg["decode_latency_change_pct"].max(), 1)],
+        "vs_flexgen_decode_compute_ratio": [round(fg["decode_compute_ratio"].min(), 2),
+                                            round(fg["decode_compute_ratio"].max(), 2)],
+        "vs_flexgen_decode_transfer_change_pct": [round(fg["decode_transfer_change_pct"].min(), 1),
+                                                  round(fg["decode_transfer_change_pct"].max(), 1)],
+        "paper_latency_drop_pct": PAPER["opt175b_latency_drop_pct"],
+        "paper_compute_growth": PAPER["opt175b_compute_growth"],
+        "paper_transfer_drop_pct": PAPER["opt175b_transfer_drop_pct"], **prov}))
+
+
+def _plot(df: pd.DataFrame, path: Path) -> None:
+    ok = df[df["status"] == "ok"]
+    pols = ["static-accelerate", "flexgen", "tightllm"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    w = 0.27
+    x = np.arange(len(PROMPTS))
+    for ax, ph, unit in ((axes[0], "decode", "s per decode step"), (axes[1], "prefill", "ms per prompt token")):
+        scale = 1.0 if ph == "decode" else 1e3
+        for n, pol in enumerate(pols):
+            g = ok[ok["policy"] == pol].set_index("prompt_len")
+            comp = np.array([g.loc[p, f"{ph}_compute_s"] * scale if p in g.index else np.nan for p in PROMPTS])
+            exp = np.array([g.loc[p, f"{ph}_exposed_transfer_s"] * scale if p in g.index else np.nan
+                            for p in PROMPTS])
+            xs = x + (n - 1) * w
+            ax.bar(xs, comp, w, color="#2ca02c", edgecolor="k", lw=0.3, label="compute" if n == 0 else None)
+            ax.bar(xs, exp, w, bottom=comp, color="#ff7f0e", edgecolor="k", lw=0.3,
+                   label="transfer not hidden" if n == 0 else None)
+            for xi, c, e in zip(xs, comp, exp):
+                if np.isnan(c):
+                    ax.text(xi, 0, "OOM", rotation=90, fontsize=6, ha="center", va="bottom")
+                else:
+                    ax.text(xi, c + e, POLICY_LABEL[pol][0], fontsize=6, ha="center", va="bottom")
+        ax.set_xticks(x, [f"{p // 1024}K" if p >= 1024 else "0.5K" for p in PROMPTS])
+        ax.set_yscale("log")
+        ax.set_ylabel(unit)
+        ax.set_title(f"OPT-175B, A800, 8 sequences: {ph} latency (A=Accelerate, F=FlexGen, T=TightLLM)", fontsize=9)
+        ax.legend(fontsize=8)
+        ax.grid(True, axis="y", alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
