@@ -162,33 +162,41 @@ def main() -> None:
 
 
 def _plot(df: pd.DataFrame, path: Path) -> None:
+    """Stacked compute + not-hidden transfer, each relative to FlexGen's latency at that prompt length (linear; bars
+    above the axis are clipped and labelled with their value)."""
     ok = df[df["status"] == "ok"]
     pols = ["static-accelerate", "flexgen", "tightllm"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     w = 0.27
     x = np.arange(len(PROMPTS))
-    for ax, ph, unit in ((axes[0], "decode", "s per decode step"), (axes[1], "prefill", "ms per prompt token")):
-        scale = 1.0 if ph == "decode" else 1e3
+    top = 1.6
+    for ax, ph in ((axes[0], "decode"), (axes[1], "prefill")):
+        fg = ok[ok["policy"] == "flexgen"].set_index("prompt_len")[f"{ph}_latency_s"]
         for n, pol in enumerate(pols):
             g = ok[ok["policy"] == pol].set_index("prompt_len")
-            comp = np.array([g.loc[p, f"{ph}_compute_s"] * scale if p in g.index else np.nan for p in PROMPTS])
-            exp = np.array([g.loc[p, f"{ph}_exposed_transfer_s"] * scale if p in g.index else np.nan
-                            for p in PROMPTS])
+            ref = np.array([fg.get(p, np.nan) for p in PROMPTS])
+            comp = np.array([g.loc[p, f"{ph}_compute_s"] if p in g.index else np.nan for p in PROMPTS]) / ref
+            exp = np.array([g.loc[p, f"{ph}_exposed_transfer_s"] if p in g.index else np.nan for p in PROMPTS]) / ref
             xs = x + (n - 1) * w
-            ax.bar(xs, comp, w, color="#2ca02c", edgecolor="k", lw=0.3, label="compute" if n == 0 else None)
-            ax.bar(xs, exp, w, bottom=comp, color="#ff7f0e", edgecolor="k", lw=0.3,
-                   label="transfer not hidden" if n == 0 else None)
+            ax.bar(xs, np.minimum(comp, top), w, color="#2ca02c", edgecolor="k", lw=0.3,
+                   label="compute" if n == 0 else None)
+            ax.bar(xs, np.clip(exp, 0, top - np.minimum(comp, top)), w, bottom=np.minimum(comp, top),
+                   color="#ff7f0e", edgecolor="k", lw=0.3, label="transfer not hidden" if n == 0 else None)
             for xi, c, e in zip(xs, comp, exp):
                 if np.isnan(c):
-                    ax.text(xi, 0, "OOM", rotation=90, fontsize=6, ha="center", va="bottom")
+                    ax.text(xi, 0.02, "OOM", rotation=90, fontsize=7, ha="center", va="bottom")
                 else:
-                    ax.text(xi, c + e, POLICY_LABEL[pol][0], fontsize=6, ha="center", va="bottom")
+                    tot = c + e
+                    lab = POLICY_LABEL[pol][0] + (f" x{tot:.1f}" if tot > top else "")
+                    ax.text(xi, min(tot, top) + 0.01, lab, fontsize=6, ha="center", va="bottom",
+                            rotation=90 if tot > top else 0)
         ax.set_xticks(x, [f"{p // 1024}K" if p >= 1024 else "0.5K" for p in PROMPTS])
-        ax.set_yscale("log")
-        ax.set_ylabel(unit)
-        ax.set_title(f"OPT-175B, A800, 8 sequences: {ph} latency (A=Accelerate, F=FlexGen, T=TightLLM)", fontsize=9)
-        ax.legend(fontsize=8)
-        ax.grid(True, axis="y", alpha=0.3, which="both")
+        ax.set_ylim(0, top + 0.35)
+        ax.axhline(1, color="k", lw=0.5, ls=":")
+        ax.set_ylabel(f"{ph} latency / FlexGen's")
+        ax.set_title(f"OPT-175B, A800, 8 sequences: {ph} (A=Accelerate, F=FlexGen, T=TightLLM)", fontsize=9)
+        ax.legend(fontsize=8, loc="upper right")
+        ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
