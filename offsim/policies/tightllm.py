@@ -237,7 +237,6 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
     lay = layout_of(model, wl, st)
     nr = recompute_tokens(model, hw, wl, st, lay)
     L, nb, gbs, P = model.num_layers, wl.num_gpu_batches, wl.gpu_batch_size, wl.prompt_len
-    W = model.layer_weight_bytes()
     kg, kc, kd = lay.kv_gpu_heads, lay.kv_cpu_heads, lay.kv_disk_heads
     n_kv = model.num_kv_heads
     off = lay.weight_offloaded
