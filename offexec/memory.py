@@ -172,11 +172,15 @@ def _cleanup_all(*_args) -> None:
 atexit.register(_cleanup_all)
 
 
+_SIGNAL_INSTALLED = [False]
+
+
 def _install_signal_cleanup() -> None:
     """On SIGTERM remove disk-tier files before dying (SIGINT raises KeyboardInterrupt, which unwinds through
-    ``close`` in the executor's finally)."""
-    if threading.current_thread() is not threading.main_thread():
+    ``close`` in the executor's finally). Installed once per process, chaining to any earlier handler."""
+    if _SIGNAL_INSTALLED[0] or threading.current_thread() is not threading.main_thread():
         return
+    _SIGNAL_INSTALLED[0] = True
     prev = signal.getsignal(signal.SIGTERM)
 
     def handler(signum, frame):
