@@ -5,7 +5,8 @@ components: op order, the last step's unneeded KV store); decode and prefill thr
 system -- the paper's "decode:
 without KV distributor -12.6 to -43.1 %, without weight loader -4.4 to -74.8 %; prefill: up to -46.6 % and -38.2 %".
 
-    python experiments/tightllm_ablation.py [--models ...] [--hardware ...]   # after tightllm_throughput.py
+    python experiments/tightllm_ablation.py [--models ...] [--hardware ...] [--sequences N]
+    # after tightllm_throughput.py (with the same --sequences)
 
 Writes results/tightllm/ablation/{ablation.csv,summary.csv,ablation.png}; prints the tables, then one JSON line.
 Same placement and block shape for all four variants (only the named component changes).
@@ -42,9 +43,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--hardware", default=",".join(HARDWARE))
+    ap.add_argument("--sequences", type=int, default=None,
+                    help="use the configurations of tightllm_throughput.py --sequences N (writes ablation_{N}seq/)")
     a = ap.parse_args()
     models, hws = a.models.split(","), a.hardware.split(",")
-    src = Cache(OUT / "throughput" / "cases.jsonl")
+    global DIR
+    tag = "" if a.sequences is None else f"_{a.sequences}seq"
+    DIR = OUT / f"ablation{tag}"
+    src = Cache(OUT / f"throughput{tag}" / "cases.jsonl")
     cases = [r for r in src.rows.values() if r["policy"] == "tightllm" and r["status"] == "ok"
              and r["model"] in models and r["hardware"] in hws]
     if not cases:
@@ -83,7 +89,8 @@ def main() -> None:
             100 * (row[f"{ph}_tok_s"] / ref.loc[(row["hardware"], row["model"], row["prompt_len"])] - 1)
             if row["status"] == "ok" and (row["hardware"], row["model"], row["prompt_len"]) in ref.index else None
             for _, row in df.iterrows()]
-    prov = provenance(gen_len=GEN_LEN, note="configurations from results/tightllm/throughput/cases.jsonl")
+    prov = provenance(gen_len=GEN_LEN, sequences=a.sequences,
+                      note=f"configurations from results/tightllm/throughput{tag}/cases.jsonl")
     DIR.mkdir(parents=True, exist_ok=True)
     write_csv(df, DIR / "ablation.csv", prov)
     summ = []

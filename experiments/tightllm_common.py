@@ -99,6 +99,53 @@ def best(policy: str, model, hw, prompt_len: int, gen_len: int = GEN_LEN) -> dic
         return bestrow or {"status": "infeasible", "reason": reason}
 
 
+def shapes_for(sequences: int) -> list[tuple[int, int]]:
+    """Block shapes (gpu_batch_size, num_gpu_batches) holding exactly ``sequences`` sequences, at most 16 batches."""
+    return [(sequences // nb, nb) for nb in range(1, min(16, sequences) + 1) if sequences % nb == 0]
+
+
+def best_fixed(policy: str, model, hw, prompt_len: int, sequences: int, gen_len: int = GEN_LEN) -> dict:
+    """The policy at its best for a fixed number of sequences (the paper's fixed batch): Accelerate runs them as one
+    GPU batch; FlexGen and TightLLM try every block shape of that size with FlexGen's LP placement for it (FlexGen
+    with and without CPU attention), moving 2-10 points of host memory to disk when the LP's placement does not
+    fit, and keep the best simulated total throughput."""
+    from offsim.optimize import flexgen_lp
+
+    tries = []
+    if policy == "static-accelerate":
+        tries = [[({"offload": off}, Workload(prompt_len, gen_len, sequences, 1))] for off in ("cpu", "disk")]
+    else:
+        for gbs, nb in shapes_for(sequences):
+            for ca in ((False, True) if policy == "flexgen" else (False,)):
+                r = flexgen_lp(model, hw, prompt_len, gen_len, gbs, nb, ca)
+                if r is None:
+                    continue
+                wg, wc, cg, cc, ag, ac = r.percent
+                group = []
+                for dm in (0, 2, 5, 10):
+                    st = {"percent": (wg, max(0, wc - dm), cg, max(0, cc - dm), ag, ac)}
+                    if policy == "flexgen":
+                        st["cpu_attention"] = ca
+                    group.append((st, Workload(prompt_len, gen_len, gbs, nb)))
+                tries.append(group)
+    bestrow, reason = None, "no block shape fits"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for group in tries:
+            for st, wl in group:
+                try:
+                    m = simulate(build_plan(policy, model, hw, wl, st), hw).metrics()
+                except (PlanError, OffsimError) as e:
+                    reason = str(e)
+                    continue
+                if bestrow is None or m["total_tok_s"] > bestrow["total_tok_s"]:
+                    bestrow = {"status": "ok", "found_by": f"fixed {sequences} sequences: shapes x LP placement",
+                               "settings": _jsonable(st), "gpu_batch_size": wl.gpu_batch_size,
+                               "num_gpu_batches": wl.num_gpu_batches, **metrics_row(m)}
+                break
+    return bestrow or {"status": "infeasible", "reason": reason[:300]}
+
+
 def _jsonable(x):
     return json.loads(json.dumps(x, default=list))
 

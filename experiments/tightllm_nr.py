@@ -12,6 +12,7 @@ Outputs:
   first-order estimate 6·d_model·(link bytes/s)/(GPU FLOP/s): recomputing a token's KV through a full layer costs
   ~24·h^2 FLOP to save 4·h bytes (fp16 K and V) -- 6·h FLOP per byte. With all the step's GPU time idle, the best
   the distributor can do is cut the step to rho / (1 + rho) of the transfer-bound time;
+- bounds.csv: that ceiling, 1 + 1/rho, for every model on C1 and C2, KV over PCIe or from disk;
 - idle.csv / .png: GPU idle fraction (1 - compute busy / makespan) per policy and prompt length, from the
   throughput experiment.
 """
@@ -34,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tightllm_common import GEN_LEN, HARDWARE, MODELS, OUT, POLICIES, POLICY_LABEL, Cache, model_for  # noqa: E402
 
 from offsim import Workload, get_hardware  # noqa: E402
+from offsim.costmodel import gemm_flops_per_token  # noqa: E402
 from offsim.kv_distributor import distributor  # noqa: E402
 from offsim.policies import tightllm as T  # noqa: E402
 from offsim.provenance import provenance, write_csv  # noqa: E402
@@ -80,6 +82,29 @@ def balance_and_exchange():
     return pd.DataFrame(rows), pd.DataFrame(ex)
 
 
+def bounds() -> pd.DataFrame:
+    """First-order ceiling of the KV distributor's decode speedup, per model and machine: when a step is bound by
+    loading KV over a link of B bytes/s with the GPU idle, recomputing costs rho = (FLOP per KV byte) · B / F seconds
+    of GPU per second of transfer saved (F: peak FLOP/s times the best GEMM efficiency; attention FLOPs left out),
+    so the step shrinks at best to rho / (1 + rho) of its time: speedup <= 1 + 1/rho (less when weights also stream
+    or the GPU is not idle)."""
+    rows = []
+    for h in HARDWARE:
+        hw = get_hardware(h)
+        F = hw.gpu_peak_flops * max(y for _, y in hw.gemm_efficiency)
+        for m in MODELS:
+            model = model_for(m, 512)
+            # GEMM FLOPs of one token through a whole layer per byte of that token's KV in that layer (6·h for OPT;
+            # more for GQA models, whose KV is smaller)
+            fpb = gemm_flops_per_token(model, "layer") / model.kv_bytes_per_token()
+            for link, B in (("PCIe H2D", hw.h2d_pinned[-1][1]), ("disk read", hw.disk_read_bytes_per_s)):
+                rho = fpb * B / F
+                rows.append({"hardware": h, "config": HARDWARE[h], "model": m, "kv_source": link,
+                             "flop_per_kv_byte_recompute": fpb, "gpu_flop_per_link_byte": F / B,
+                             "rho": rho, "max_decode_speedup": 1 + 1 / rho})
+    return pd.DataFrame(rows)
+
+
 def nr_from_cache():
     cache = Cache(OUT / "throughput" / "cases.jsonl")
     tl = [r for r in cache.rows.values() if r["policy"] == "tightllm" and r["status"] == "ok"]
@@ -117,6 +142,8 @@ def main() -> None:
     write_csv(ctx, DIR / "nr_vs_context.csv", prov)
     write_csv(steps, DIR / "nr_by_step.csv", prov)
     write_csv(idle, DIR / "idle.csv", prov)
+    bd = bounds()
+    write_csv(bd, DIR / "bounds.csv", prov)
 
     fig, axes = plt.subplots(1, len(EXAMPLES), figsize=(5 * len(EXAMPLES), 3.6))
     for ax, (label, *_rest) in zip(axes, EXAMPLES):
@@ -184,6 +211,9 @@ def main() -> None:
 
     pd.set_option("display.width", 220)
     print(ex.to_string(index=False, float_format=lambda v: f"{v:,.3g}"))
+    print()
+    print(bd.pivot_table(index=["config", "model"], columns="kv_source", values="max_decode_speedup")
+          .to_string(float_format=lambda v: f"{v:.2f}"))
     print()
     if len(ctx):
         print(ctx.pivot_table(index=["config", "model"], columns="prompt_len",

@@ -4,6 +4,9 @@ TightLLM's Fig. "throughput", with speedup tables beside the paper's ranges (ANC
 
     python experiments/tightllm_throughput.py [--models opt-30b,...] [--hardware a800] [--prompts 512,2048]
 
+``--sequences N`` fixes the number of sequences per block (the paper's fixed batch size; models that fit the GPU then
+still have to offload their KV cache): results/tightllm/throughput_{N}seq/.
+
 Writes results/tightllm/throughput/: cases.jsonl (resumable cache, one search per policy and case), throughput.csv,
 speedup.csv, speedup_summary.csv, decode.png, prefill.png. Prints the tables, then one JSON line. Long: about an hour
 on a 2-core machine for the full grid (progress bar); rerunning skips cases already in cases.jsonl.
@@ -26,13 +29,14 @@ from tqdm import tqdm  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tightllm_common import (GEN_LEN, HARDWARE, MODELS, OUT, PAPER, POLICIES, POLICY_LABEL, PROMPTS,  # noqa: E402
-                             Cache, best, model_for)
+                             Cache, best, best_fixed, model_for)
 
 from offsim import Workload, get_hardware  # noqa: E402
 from offsim.policies import tightllm as T  # noqa: E402
 from offsim.provenance import provenance, write_csv  # noqa: E402
 
-DIR = OUT / "throughput"
+DIR = OUT / "throughput"  # --sequences N: OUT / f"throughput_{N}seq"
+SEQUENCES = None
 
 
 def nr_summary(model, hw, row: dict, prompt_len: int) -> dict:
@@ -46,7 +50,7 @@ def nr_summary(model, hw, row: dict, prompt_len: int) -> dict:
             "n_r_batches_first": json.dumps(first)}
 
 
-def run(models, hws, prompts) -> pd.DataFrame:
+def run(models, hws, prompts, sequences: int | None = None) -> pd.DataFrame:
     cache = Cache(DIR / "cases.jsonl")
     todo = [(h, m, p, pol) for h in hws for m in models for p in prompts for pol in POLICIES]
     for h, m, p, pol in tqdm(todo, desc="cases", unit="search"):
@@ -55,7 +59,7 @@ def run(models, hws, prompts) -> pd.DataFrame:
             continue
         model, hw = model_for(m, p), get_hardware(h)
         t0 = time.perf_counter()
-        row = best(pol, model, hw, p)
+        row = best(pol, model, hw, p) if sequences is None else best_fixed(pol, model, hw, p, sequences)
         row["search_s"] = time.perf_counter() - t0
         if pol == "tightllm" and row["status"] == "ok":
             row.update(nr_summary(model, hw, row, p))
@@ -131,7 +135,8 @@ def plot(df: pd.DataFrame, phase: str, path: Path) -> None:
             if b == 0:
                 ax.set_ylabel(f"{phase} tok/s", fontsize=8)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"{phase} throughput, each policy at its best settings (offsim, gen {GEN_LEN})", fontsize=10)
+    what = "best settings" if SEQUENCES is None else f"best settings for {SEQUENCES} sequences"
+    fig.suptitle(f"{phase} throughput, each policy at its {what} (offsim, gen {GEN_LEN})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
@@ -142,12 +147,20 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--hardware", default=",".join(HARDWARE))
     ap.add_argument("--prompts", default=",".join(map(str, PROMPTS)))
+    ap.add_argument("--sequences", type=int, default=None,
+                    help="fix the number of sequences (the paper's batch size) instead of letting the search pick it")
     a = ap.parse_args()
+    global DIR, SEQUENCES
+    SEQUENCES = a.sequences
+    if a.sequences is not None:
+        DIR = OUT / f"throughput_{a.sequences}seq"
     models, hws = a.models.split(","), a.hardware.split(",")
     prompts = [int(x) for x in a.prompts.split(",")]
-    df = run(models, hws, prompts)
-    prov = provenance(gen_len=GEN_LEN, note="each policy at its best settings by offsim.optimize.search (see "
-                      "experiments/tightllm_common.py); OPT/Llama-2 positions extended where prompt+gen exceeds them")
+    df = run(models, hws, prompts, a.sequences)
+    how = ("each policy at its best settings by offsim.optimize.search" if a.sequences is None else
+           f"{a.sequences} sequences per block, each policy at its best shape and LP placement for them")
+    prov = provenance(gen_len=GEN_LEN, sequences=a.sequences, note=how + " (see experiments/tightllm_common.py); "
+                      "OPT/Llama-2 positions extended where prompt+gen exceeds them")
     cols = ["hardware", "config", "model", "prompt_len", "policy", "status", "found_by", "settings", "gpu_batch_size",
             "num_gpu_batches", "prefill_tok_s", "decode_tok_s", "total_tok_s", "gpu_idle_frac", "busy_compute_s",
             "busy_h2d_s", "busy_disk_s", "n_r_first", "n_r_last", "recompute_frac_first", "recompute_frac_last",
