@@ -438,22 +438,65 @@ def inventory(root: str | Path, names: Sequence[str]) -> pd.DataFrame:
 
 
 def _is_trace_csv(path: Path) -> bool:
+    import gzip
+
     try:
-        with open(path) as f:
+        with (gzip.open(path, "rt") if path.suffix == ".gz" else open(path)) as f:
             head = f.readline()
         return head.startswith("# ") and json.loads(head[2:]).get("schema") == TRACE_SCHEMA
-    except (OSError, json.JSONDecodeError, AttributeError):
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
         return False
 
 
 def find_traces(*dirs: str | Path) -> list[Path]:
-    """Trace CSVs (offsim's trace schema) under ``dirs``, recursively, sorted."""
+    """Trace CSVs (offsim's trace schema; plain or gzipped) under ``dirs``, recursively, sorted."""
     out = []
     for d in dirs:
         d = Path(d)
         if d.is_dir():
-            out += [p for p in sorted(d.rglob("*.csv")) if _is_trace_csv(p)]
+            out += [p for p in sorted([*d.rglob("*.csv"), *d.rglob("*.csv.gz")]) if _is_trace_csv(p)]
     return out
+
+
+def load_trace(path: str | Path) -> Trace:
+    """``Trace.from_csv`` for a plain or a gzipped (``.csv.gz``) trace CSV."""
+    path = Path(path)
+    if path.suffix != ".gz":
+        return Trace.from_csv(path)
+    import gzip
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        plain = Path(tmp) / path.stem  # x.csv.gz -> x.csv
+        try:
+            with gzip.open(path, "rb") as src, open(plain, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        except (OSError, EOFError) as e:
+            raise OffsimError(f"cannot decompress trace {path}: {e}") from None
+        return Trace.from_csv(plain)
+
+
+def find_cases(*dirs: str | Path) -> list[Path]:
+    """Measured cases under ``dirs`` that ``offsim.validate.load_case`` reads: ``*.case.json`` and ``*.trace.csv``
+    (its naming convention) and any other ``*.json`` whose ``schema`` is the case schema, recursively, sorted."""
+    from .validate import CASE_SCHEMA
+
+    out = set()
+    for d in dirs:
+        d = Path(d)
+        if not d.is_dir():
+            continue
+        out |= set(d.rglob("*.case.json")) | set(d.rglob("*.trace.csv"))
+        for p in d.rglob("*.json"):
+            try:
+                with open(p) as f:
+                    head = f.read(4096)
+            except OSError:
+                continue
+            if f'"schema": "{CASE_SCHEMA}"' in head or f'"schema":"{CASE_SCHEMA}"' in head:
+                out.add(p)
+    return sorted(out)
 
 
 def load_offexec_runs(*dirs: str | Path) -> pd.DataFrame:
@@ -469,24 +512,32 @@ def load_offexec_runs(*dirs: str | Path) -> pd.DataFrame:
                 doc = json.loads(p.read_text())
             except (OSError, json.JSONDecodeError):
                 continue
-            for r in doc if isinstance(doc, list) else [doc]:
+            # one run per document, a list of them, or an experiment's {"runs": [...]} (model etc. at the top)
+            top = doc if isinstance(doc, dict) else {}
+            docs = doc if isinstance(doc, list) else top.get("runs", [top]) if isinstance(top.get("runs"), list) \
+                else [top]
+            for r in docs:
                 if not (isinstance(r, dict) and "measured" in r and "predicted" in r):
                     continue
+                r = {**{k: top[k] for k in ("model", "provenance", "workload") if k in top}, **r}
+                if "budget_bytes" not in r and "budget_gib" in top:
+                    r["budget_bytes"] = top["budget_gib"] * GiB
                 wl = r.get("workload", {})
                 for phase in ("prefill", "decode", "total"):
                     k = f"{phase}_tok_s"
                     m, pr = r["measured"].get(k), r["predicted"].get(k)
                     if m is None or pr is None:
                         continue
-                    rows.append({"file": str(p), "model": r.get("model"), "policy": r.get("policy"),
+                    rows.append({"file": str(p), "config": r.get("config", p.stem), "model": r.get("model"),
+                                 "policy": r.get("policy"),
                                  "prompt_len": wl.get("prompt_len"), "gen_len": wl.get("gen_len"),
                                  "batch": (wl.get("gpu_batch_size") or 0) * (wl.get("num_gpu_batches") or 0),
                                  "budget_GiB": (r.get("budget_bytes") or 0) / GiB, "phase": phase,
                                  "measured_tok_s": m, "predicted_tok_s": pr,
                                  "error": (pr - m) / m if m else math.nan,
                                  "gpu": (r.get("provenance") or {}).get("gpu", "")})
-    return pd.DataFrame(rows, columns=["file", "model", "policy", "prompt_len", "gen_len", "batch", "budget_GiB",
-                                       "phase", "measured_tok_s", "predicted_tok_s", "error", "gpu"])
+    return pd.DataFrame(rows, columns=["file", "config", "model", "policy", "prompt_len", "gen_len", "batch",
+                                       "budget_GiB", "phase", "measured_tok_s", "predicted_tok_s", "error", "gpu"])
 
 
 def error_table(df: pd.DataFrame, by: Sequence[str] = ("policy", "phase")) -> pd.DataFrame:

@@ -222,3 +222,38 @@ def test_plot_published_vs_simulated_annotates_ratios():
     ax = plots.plot_published_vs_simulated(df, "cell")
     assert [t.get_text() for t in ax.texts] == ["x2.00", "x0.75"]
     plt.close("all")
+
+
+def test_gzipped_traces_cases_and_experiment_summaries(opt13, t4_2g, tmp_path):
+    import gzip
+
+    from offsim.validate import case_from_trace, save_case
+
+    plan = build_plan("static-zero", opt13, t4_2g, Workload(128, 3, 4, 1), {})
+    tr = simulate(plan, t4_2g)
+    tr.meta.update({"settings": dict(plan.settings), "hardware": "t4", "gpu_mem_gb": 2})
+    tr.to_csv(tmp_path / "t.csv")
+    (tmp_path / "sub").mkdir()
+    with open(tmp_path / "t.csv", "rb") as f, gzip.open(tmp_path / "sub" / "trace_x.csv.gz", "wb") as g:
+        g.write(f.read())
+    (tmp_path / "t.csv").unlink()
+    (tmp_path / "broken.csv.gz").write_bytes(b"\x1f\x8b not gzip")  # skipped, not fatal
+    assert plots.find_traces(tmp_path) == [tmp_path / "sub" / "trace_x.csv.gz"]
+    back = plots.load_trace(tmp_path / "sub" / "trace_x.csv.gz")
+    pd.testing.assert_frame_equal(back.df, tr.df, check_dtype=False)
+    with pytest.raises(OffsimError, match="cannot decompress"):
+        plots.load_trace(tmp_path / "broken.csv.gz")
+    # a case under any .json name is found by its schema; other JSON is not
+    save_case(case_from_trace(tr), tmp_path / "sub" / "case_x.json")
+    (tmp_path / "profile.json").write_text(json.dumps({"schema": "offsim.hardware/1"}))
+    assert plots.find_cases(tmp_path) == [tmp_path / "sub" / "case_x.json"]
+    # an experiment's summary: {"model", "budget_gib", "runs": [{config, policy, workload, measured, predicted}]}
+    wl = {"prompt_len": 128, "gen_len": 3, "gpu_batch_size": 4, "num_gpu_batches": 3}
+    run = {"config": "a", "policy": "flexgen", "workload": wl,
+           "measured": {"prefill_tok_s": 10.0, "decode_tok_s": 2.0, "total_tok_s": 1.0},
+           "predicted": {"prefill_tok_s": 10.0, "decode_tok_s": 3.0, "total_tok_s": 1.5}}
+    (tmp_path / "exp.json").write_text(json.dumps({"model": "opt-30b", "budget_gib": 16.0, "runs": [run, run]}))
+    runs = plots.load_offexec_runs(tmp_path)
+    assert len(runs) == 6 and set(runs.model) == {"opt-30b"} and set(runs.config) == {"a"}
+    assert set(runs.batch) == {12} and set(runs.budget_GiB) == {16.0}
+    assert runs[runs.phase == "decode"].error.tolist() == pytest.approx([0.5, 0.5])
