@@ -129,6 +129,9 @@ def run_cases(cases: list[dict], args) -> list[dict]:
                 try:
                     plan = build_plan(policy, model, base, wl, c["settings"])
                     check_plan(plan, torch.device(args.device), int(base.gpu_mem_bytes))
+                    if args.warmup:  # same shapes, two steps, unmeasured: cuBLAS heuristics, allocator growth
+                        warm = build_plan(policy, model, base, wl.with_(gen_len=2), c["settings"])
+                        run_plan(warm, weights, args.device, gpu_budget_bytes=int(base.gpu_mem_bytes))
                     t1 = time.time()
                     res = run_plan(plan, weights, args.device, gpu_budget_bytes=int(base.gpu_mem_bytes),
                                    meta={"hardware": base.name})
@@ -147,6 +150,7 @@ def run_cases(cases: list[dict], args) -> list[dict]:
                                 "model_config": c["model_config"]})
                 case = case_from_trace(tr, **provenance(gpu=gpu, wall_s=round(wall, 2),
                                                         issue_frac=res.stats.get("issue_frac"),
+                                                        warmup=bool(args.warmup),
                                                         host_mem_gb=args.host_mem_gb))
                 save_case(case, out / f"{tag}.case.json")
                 pred = simulate(plan, base, check_memory=False).metrics()
@@ -178,6 +182,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="CPU smoke test: opt-125m, tiny budget")
     ap.add_argument("--plan-only", metavar="CONFIG", help="choose the cases' settings and write them to CONFIG")
     ap.add_argument("--config", metavar="CONFIG", help="run the cases of CONFIG (written by --plan-only)")
+    ap.add_argument("--warmup", action="store_true",
+                    help="before each measured run, run the same plan for two steps unmeasured")
     args = ap.parse_args()
     if args.config:
         cases = json.loads(Path(args.config).read_text())

@@ -147,6 +147,11 @@ def cpu_attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_tokens
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def issue_seconds(op, hw: HardwareSpec) -> float:
+    """Host time the runtime spends issuing ``op`` (see ``HardwareSpec.issue_compute_s``)."""
+    return hw.issue_compute_s if op.kind == "compute" else hw.issue_copy_s
+
+
 def op_seconds(op, model: ModelSpec, hw: HardwareSpec, other_busy_s: float = 0.0) -> float:
     """Duration of one plan op (see ``offsim.plan.Op``). ``other_busy_s``: for PCIe copies, how long the opposite
     direction stays busy from this op's start (duplex)."""

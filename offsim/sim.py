@@ -5,6 +5,9 @@ one depends on, then hold the stream for as long as the cost model says. Memory 
 starts and freed when it ends; the peaks are reported. Same inputs, same trace: nothing here is random, and SimPy
 orders simultaneous events by insertion.
 
+Host issue: when the hardware profile gives the runtime's per-op issue cost, an op also waits until the host has
+issued it (ops are issued in plan order by one thread).
+
 Duplex: a PCIe copy that starts while the opposite direction is busy runs at ``duplex_fraction`` of its bandwidth
 for the overlap (see ``costmodel.transfer_seconds``); the copy already in flight keeps its duration. That is a
 first-order model of the shared link, not a fluid one.
@@ -54,8 +57,17 @@ def simulate(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> Trace:
             d = duration_cache[key] = costmodel.op_seconds(op, model, hw)
         return d
 
+    # the host issues ops one after another in plan order (a single issuing thread); an op cannot start before
+    # it is issued. With an ideal runtime (zero issue cost) this is a no-op.
+    if hw.issue_compute_s or hw.issue_copy_s:
+        issued_at = np.cumsum([costmodel.issue_seconds(o, hw) for o in ops])
+    else:
+        issued_at = None
+
     def stream(stream_ops):
         for op in stream_ops:
+            if issued_at is not None and issued_at[op.id] > env.now:
+                yield env.timeout(issued_at[op.id] - env.now)
             for d in op.deps:  # wait for each unfinished dependency in turn (cheaper than an AllOf condition)
                 if not finished[d]:
                     ev = waiters.get(d)

@@ -274,6 +274,11 @@ class HardwareSpec:
     disk_write_bytes_per_s: float
     link_latency_s: float = 0.0  # fixed cost of one copy, on top of bytes / bandwidth
     kernel_overhead_s: float = 0.0  # fixed cost of one compute op (launches, norms, residual adds)
+    # host time the runtime spends issuing one op, in plan order on one thread (0: an ideal runtime). A Python
+    # executor spends ~1 ms per decoder-layer op (~30 kernel launches): with small batches that, not the GPU, sets
+    # the pace. `experiments/calibrate_issue.py` measures it for offexec.
+    issue_compute_s: float = 0.0
+    issue_copy_s: float = 0.0
     source: str = ""  # provenance: where the numbers come from
 
     def __post_init__(self):

@@ -11,6 +11,7 @@ here, in one place: ``MAX_CASE_ERROR`` and ``MAX_MEDIAN_ERROR``.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from .errors import OffsimError
-from .policies import build_plan
+from .policies import POLICIES, build_plan
 from .sim import simulate
 from .specs import ModelSpec, Workload, get_hardware, get_model
 from .trace import Trace
@@ -102,7 +103,12 @@ def validate_case(case: dict, hardware: str | None = None) -> dict:
     hw_ref = hardware or meta.get("hardware_profile") or meta["hardware"]
     hw = get_hardware(hw_ref, meta.get("gpu_mem_gb"))
     wl = Workload.from_dict(meta["workload"])
-    plan = build_plan(meta["policy"], model, hw, wl, meta["settings"], validate=False)
+    # a plan records derived values beside its settings (e.g. TightLLM's chosen N_r): rebuild from the settings
+    if meta["policy"] not in POLICIES:
+        raise OffsimError(f"{where}: field 'meta.policy' is {meta['policy']!r}; valid: {', '.join(POLICIES)}")
+    names = {f.name for f in dataclasses.fields(POLICIES[meta["policy"]][1])}
+    settings = {k: v for k, v in meta["settings"].items() if k in names}
+    plan = build_plan(meta["policy"], model, hw, wl, settings, validate=False)
     pred_trace = simulate(plan, hw, check_memory=False)
     pred = aggregate(pred_trace)
     pm, mm = pred["metrics"], case["metrics"]

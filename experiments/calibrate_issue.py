@@ -1,0 +1,63 @@
+"""Derive offexec's host issue cost per op from a measured calibration run and write a profile that carries it.
+
+offexec times the host work of issuing each op (``issue_s_by_handler`` in its run stats). Divided by the number of
+ops of each kind, that is the runtime's issue cost: a property of the executor on this host, measured on a
+calibration run (results/offexec/offexec_h200.json, OPT-30B), not fitted to the validation cases.
+
+    python experiments/calibrate_issue.py      # writes results/profiles/h200_offexec.json
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from offsim import build_plan, get_hardware, get_model  # noqa: E402
+from offsim.provenance import provenance  # noqa: E402
+from offsim.specs import HardwareSpec, Workload  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = ROOT / "results" / "offexec" / "offexec_h200.json"
+PROFILE = ROOT / "results" / "profiles" / "h200.json"
+OUT = ROOT / "results" / "profiles" / "h200_offexec.json"
+COMPUTE_HANDLERS = ("layer", "embed", "head", "pre_attn", "post_attn")
+
+
+def main() -> None:
+    data = json.loads(RUNS.read_text())
+    comp_s = copy_s = 0.0
+    n_comp = n_copy = 0
+    used = []
+    for run in data["runs"]:
+        if run["policy"] not in ("flexgen",):  # plain schedules only: one handler per op kind
+            continue
+        model = get_model(data["model"]) if isinstance(data["model"], str) else get_model(data["model"]["name"])
+        hw = get_hardware("h200", data["budget_gib"])
+        plan = build_plan(run["policy"], model, hw, Workload.from_dict(run["workload"]), run["settings"],
+                          validate=False)
+        counts = plan.count_by_kind()
+        by = run["issue_s_by_handler"]
+        comp_s += sum(v for k, v in by.items() if k in COMPUTE_HANDLERS)
+        copy_s += sum(v for k, v in by.items() if k not in COMPUTE_HANDLERS)
+        n_comp += counts["compute"]
+        n_copy += sum(v for k, v in counts.items() if k != "compute")
+        used.append(run["config"])
+    prof = json.loads(PROFILE.read_text())
+    prof["issue_compute_s"] = comp_s / n_comp
+    prof["issue_copy_s"] = copy_s / n_copy
+    prof["name"] = prof["name"] + "-offexec"
+    prof["source"] += f"; issue costs from {RUNS.relative_to(ROOT)} runs {used}"
+    prov = prof.get("provenance", {})
+    prof["provenance"] = {"measured": prov, "derived": provenance(from_files=[str(PROFILE.relative_to(ROOT)),
+                                                                              str(RUNS.relative_to(ROOT))])}
+    HardwareSpec.from_dict(prof)
+    OUT.write_text(json.dumps(prof, indent=1))
+    print(f"issue cost: compute op {prof['issue_compute_s'] * 1e3:.3f} ms, copy op {prof['issue_copy_s'] * 1e3:.3f} ms"
+          f" (from {n_comp} compute and {n_copy} copy ops of {used})")
+    print(json.dumps({"out": str(OUT), "issue_compute_s": prof["issue_compute_s"],
+                      "issue_copy_s": prof["issue_copy_s"]}))
+
+
+if __name__ == "__main__":
+    main()
