@@ -56,6 +56,8 @@ def main() -> None:
     if not cases:
         raise SystemExit("no TightLLM results in results/tightllm/throughput/cases.jsonl: run "
                          "experiments/tightllm_throughput.py first")
+    prov = provenance(gen_len=GEN_LEN, sequences=a.sequences,
+                      note=f"configurations from results/tightllm/throughput{tag}/cases.jsonl")
     rows = []
     for r in tqdm(sorted(cases, key=lambda r: (r["hardware"], MODELS.index(r["model"]), r["prompt_len"])),
                   desc="ablations", unit="case"):
@@ -89,8 +91,6 @@ def main() -> None:
             100 * (row[f"{ph}_tok_s"] / ref.loc[(row["hardware"], row["model"], row["prompt_len"])] - 1)
             if row["status"] == "ok" and (row["hardware"], row["model"], row["prompt_len"]) in ref.index else None
             for _, row in df.iterrows()]
-    prov = provenance(gen_len=GEN_LEN, sequences=a.sequences,
-                      note=f"configurations from results/tightllm/throughput{tag}/cases.jsonl")
     DIR.mkdir(parents=True, exist_ok=True)
     write_csv(df, DIR / "ablation.csv", prov)
     summ = []

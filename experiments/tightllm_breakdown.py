@@ -93,6 +93,8 @@ def best_run(policy: str, model, hw, P: int):
 
 def main() -> None:
     hw = get_hardware("a800")
+    prov = provenance(model="opt-175b (positions extended past 2048)", hardware="a800", sequences=8,
+                      gen_len=GEN_LEN)
     rows = []
     for P in tqdm(PROMPTS, desc="prompt lengths"):
         model = model_for("opt-175b", P)
@@ -110,8 +112,6 @@ def main() -> None:
             row.update(phase_breakdown(tr, "prefill", P))
             rows.append(row)
     df = pd.DataFrame(rows)
-    prov = provenance(model="opt-175b (positions extended past 2048)", hardware="a800", sequences=8,
-                      gen_len=GEN_LEN)
     DIR.mkdir(parents=True, exist_ok=True)
     write_csv(df, DIR / "breakdown.csv", prov)
 

@@ -50,7 +50,7 @@ def nr_summary(model, hw, row: dict, prompt_len: int) -> dict:
             "n_r_batches_first": json.dumps(first)}
 
 
-def run(models, hws, prompts, sequences: int | None = None) -> pd.DataFrame:
+def run(models, hws, prompts, sequences: int | None = None, commit: str = "") -> pd.DataFrame:
     cache = Cache(DIR / "cases.jsonl")
     todo = [(h, m, p, pol) for h in hws for m in models for p in prompts for pol in POLICIES]
     for h, m, p, pol in tqdm(todo, desc="cases", unit="search"):
@@ -63,7 +63,8 @@ def run(models, hws, prompts, sequences: int | None = None) -> pd.DataFrame:
         row["search_s"] = time.perf_counter() - t0
         if pol == "tightllm" and row["status"] == "ok":
             row.update(nr_summary(model, hw, row, p))
-        cache.put(key, {"hardware": h, "config": HARDWARE[h], "model": m, "prompt_len": p, "policy": pol,
+        cache.put(key, {"commit": commit, "hardware": h, "config": HARDWARE[h], "model": m, "prompt_len": p,
+                        "policy": pol,
                         "max_positions_extended": model.max_positions > model_for(m, 1).max_positions, **row})
     rows = [r for r in cache.rows.values() if r["hardware"] in hws and r["model"] in models
             and r["prompt_len"] in prompts]
@@ -156,15 +157,17 @@ def main() -> None:
         DIR = OUT / f"throughput_{a.sequences}seq"
     models, hws = a.models.split(","), a.hardware.split(",")
     prompts = [int(x) for x in a.prompts.split(",")]
-    df = run(models, hws, prompts, a.sequences)
     how = ("each policy at its best settings by offsim.optimize.search" if a.sequences is None else
            f"{a.sequences} sequences per block, each policy at its best shape and LP placement for them")
+    # provenance of the code this process loaded (taken before the long run: others may commit meanwhile); cases
+    # cached in cases.jsonl by an earlier run carry their own commit
     prov = provenance(gen_len=GEN_LEN, sequences=a.sequences, note=how + " (see experiments/tightllm_common.py); "
                       "OPT/Llama-2 positions extended where prompt+gen exceeds them")
+    df = run(models, hws, prompts, a.sequences, prov["commit"])
     cols = ["hardware", "config", "model", "prompt_len", "policy", "status", "found_by", "settings", "gpu_batch_size",
             "num_gpu_batches", "prefill_tok_s", "decode_tok_s", "total_tok_s", "gpu_idle_frac", "busy_compute_s",
             "busy_h2d_s", "busy_disk_s", "n_r_first", "n_r_last", "recompute_frac_first", "recompute_frac_last",
-            "max_positions_extended", "search_s", "reason"]
+            "max_positions_extended", "search_s", "commit", "reason"]
     df = df.reindex(columns=cols).sort_values(["hardware", "model", "prompt_len", "policy"])
     DIR.mkdir(parents=True, exist_ok=True)
     write_csv(df, DIR / "throughput.csv", prov)
