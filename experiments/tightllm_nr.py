@@ -32,7 +32,8 @@ import pandas as pd  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tightllm_common import GEN_LEN, HARDWARE, MODELS, OUT, POLICIES, POLICY_LABEL, Cache, model_for  # noqa: E402
+from tightllm_common import (GEN_LEN, HARDWARE, MODELS, OUT, POLICIES, POLICY_LABEL, PROMPTS, Cache,  # noqa: E402
+                             model_for)
 
 from offsim import Workload, get_hardware  # noqa: E402
 from offsim.costmodel import gemm_flops_per_token  # noqa: E402
@@ -169,6 +170,7 @@ def main() -> None:
         axes[0].plot(g["prompt_len"], g["recompute_frac_first"], "o-" if cfg == "C2" else "s--", ms=3,
                      label=f"{m} {cfg}")
     axes[0].set_xscale("log", base=2)
+    axes[0].set_xticks(PROMPTS, [f"{p / 1024:g}K" for p in PROMPTS])
     axes[0].set_xlabel("prompt tokens (N_ctx at the first decode step)")
     axes[0].set_ylabel("N_r / N_ctx (batch 0)")
     axes[0].set_title("share of the context recomputed, best TightLLM config per case", fontsize=9)
@@ -198,6 +200,7 @@ def main() -> None:
                 g = g.sort_values("prompt_len")
                 ax.plot(g["prompt_len"], g["gpu_idle_frac"], "o-", ms=3, color=colors[pol], label=POLICY_LABEL[pol])
             ax.set_xscale("log", base=2)
+            ax.set_xticks(PROMPTS, [f"{p / 1024:g}K" for p in PROMPTS])
             ax.set_ylim(0, 1)
             ax.set_title(f"{m} {HARDWARE[h]}", fontsize=8)
             ax.tick_params(labelsize=7)

@@ -127,6 +127,7 @@ def plot(df: pd.DataFrame, phase: str, path: Path) -> None:
                 for p in bad["prompt_len"]:
                     ax.annotate("OOM", (p, ax.get_ylim()[0]), color=colors[pol], fontsize=6, ha="center")
             ax.set_xscale("log", base=2)
+            ax.set_xticks(PROMPTS, [f"{p / 1024:g}K" for p in PROMPTS])
             ax.set_yscale("log")
             ax.set_title(f"{m} on {h} ({HARDWARE[h]})", fontsize=8)
             ax.grid(True, alpha=0.3, which="both")
