@@ -25,8 +25,9 @@ from .specs import ModelSpec, Workload, get_hardware, get_model
 from .trace import Trace
 
 CASE_SCHEMA = "offsim.case/1"
-MAX_CASE_ERROR = 0.10  # every case's total-throughput error must stay within 10 %
-MAX_MEDIAN_ERROR = 0.05  # and the median over cases within 5 %
+MAX_CASE_ERROR = 0.10  # target: every case's total-throughput error within 10 %
+MAX_MEDIAN_ERROR = 0.05  # target: the median over cases within 5 %
+REGRESSION_SLACK = 0.02  # CI: no case's |error| may grow by more than 2 points over the committed baseline
 META_FIELDS = ("model", "hardware", "policy", "settings", "workload")
 
 
@@ -164,6 +165,22 @@ def check_thresholds(df: pd.DataFrame) -> list[str]:
            for c, e in zip(df["case"], df["err_total_tok_s"]) if abs(e) > MAX_CASE_ERROR]
     if errs.median() > MAX_MEDIAN_ERROR:
         bad.append(f"median total throughput error {errs.median():.1%} exceeds {MAX_MEDIAN_ERROR:.0%}")
+    return bad
+
+
+def check_regression(df: pd.DataFrame, baseline: pd.DataFrame) -> list[str]:
+    """What got worse than the committed baseline (``validation.csv`` of an earlier ``offsim validate --out``):
+    a case missing, a case's |total error| grown by more than ``REGRESSION_SLACK``, or the median grown."""
+    bad = []
+    cur = dict(zip(df["case"], df["err_total_tok_s"].abs()))
+    for case, e0 in zip(baseline["case"], baseline["err_total_tok_s"].abs()):
+        if case not in cur:
+            bad.append(f"{case}: in the baseline but no longer validated")
+        elif cur[case] > e0 + REGRESSION_SLACK:
+            bad.append(f"{case}: |total error| {cur[case]:.1%} grew from the baseline's {e0:.1%}")
+    m, m0 = df["err_total_tok_s"].abs().median(), baseline["err_total_tok_s"].abs().median()
+    if m > m0 + REGRESSION_SLACK:
+        bad.append(f"median |total error| {m:.1%} grew from the baseline's {m0:.1%}")
     return bad
 
 
