@@ -26,7 +26,6 @@ import pandas as pd
 
 from . import costmodel as cm
 from .errors import OffsimError
-from .plan import PlanError
 from .policies import POLICIES, build_plan
 from .policies.schedule import workspace_bytes
 from .sim import simulate

@@ -32,6 +32,7 @@ from typing import Any, Iterable
 
 from .costmodel import COMPUTE_PARTS
 from .errors import OffsimError
+from .io import read_json_object, write_text_atomic
 from .specs import ModelSpec, Workload
 
 PLAN_SCHEMA = "offsim.plan/1"
@@ -189,20 +190,11 @@ class Plan:
             raise PlanError(f"{where}: malformed value ({e})") from None
 
     def save(self, path: str | Path) -> None:
-        path = Path(path)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), separators=(",", ":")))
-        tmp.replace(path)  # never a half-written plan
+        write_text_atomic(path, json.dumps(self.to_dict(), separators=(",", ":")))
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        try:
-            d = json.loads(Path(path).read_text())
-        except OSError as e:
-            raise PlanError(f"cannot read plan {path}: {e.strerror}") from None
-        except json.JSONDecodeError as e:
-            raise PlanError(f"plan {path} is not valid JSON: {e}") from None
-        return cls.from_dict(d, where=f"plan {path}")
+        return cls.from_dict(read_json_object(path, "plan", PlanError), where=f"plan {path}")
 
     # ---- validation ---------------------------------------------------------------------------------------
     def validate(self) -> "Plan":

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import platform
 import subprocess
 import sys
@@ -34,10 +33,6 @@ def provenance(**extra) -> dict:
 
 def write_csv(df: pd.DataFrame, path: str | Path, prov: dict) -> None:
     """CSV whose first line is '# ' + the provenance JSON (pandas reads it back with comment='#')."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w") as f:
-        f.write("# " + json.dumps(prov) + "\n")
-        df.to_csv(f, index=False)
-    tmp.replace(path)
+    from .io import write_commented_csv
+
+    write_commented_csv(path, prov, df)

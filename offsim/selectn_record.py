@@ -40,11 +40,7 @@ link_share, ttft_slo_s, tpot_slo_s, batches, seq_lens, converge_tol, provenance)
 """
 from __future__ import annotations
 
-import datetime
-import json
 import math
-import platform
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -53,7 +49,7 @@ import pandas as pd
 
 from . import costmodel
 from .errors import OffsimError
-from .plan import PlanError
+from .io import read_commented_csv, write_commented_csv
 from .policies import build_plan
 from .policies.selectn import SelectNSettings, host_weight_bytes, offloaded_layers
 from .sim import simulate
@@ -67,15 +63,7 @@ DEFAULT_BATCHES = tuple(2**i for i in range(9))  # 1 .. 256
 DECODE_STEP = 2  # the decode step whose latency is the TPOT (steady state, see the module docstring)
 
 
-def provenance() -> dict:
-    """Where a number comes from: commit, machine, date."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
-    return {"commit": commit, "machine": f"{platform.node()} ({platform.machine()}, {platform.system()})",
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+from .provenance import provenance  # noqa: E402  (re-exported: experiments import it from here)
 
 
 def intervals_of(model: ModelSpec) -> list[int]:
@@ -287,27 +275,11 @@ class PerformanceRecord:
 
     # ---- files ------------------------------------------------------------------------------------------------
     def to_csv(self, path: str | Path) -> None:
-        path = Path(path)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        with open(tmp, "w") as f:
-            f.write("# " + json.dumps({"schema": RECORD_SCHEMA, **self.meta}, default=str) + "\n")
-            self.df[RECORD_COLUMNS].to_csv(f, index=False)
-        tmp.replace(path)
+        write_commented_csv(path, {"schema": RECORD_SCHEMA, **self.meta}, self.df[RECORD_COLUMNS])
 
     @classmethod
     def from_csv(cls, path: str | Path) -> "PerformanceRecord":
-        path = Path(path)
-        try:
-            with open(path) as f:
-                head = f.readline()
-                if not head.startswith("# "):
-                    raise OffsimError(f"Select-N record {path}: first line must be '# ' + JSON metadata")
-                meta = json.loads(head[2:])
-                df = pd.read_csv(f)
-        except OSError as e:
-            raise OffsimError(f"cannot read Select-N record {path}: {e.strerror}") from None
-        except json.JSONDecodeError as e:
-            raise OffsimError(f"Select-N record {path}: metadata line is not JSON ({e})") from None
+        meta, df = read_commented_csv(path, "Select-N record")
         if meta.pop("schema", None) != RECORD_SCHEMA:
             raise OffsimError(f"Select-N record {path}: schema is not {RECORD_SCHEMA!r}")
         missing = [c for c in RECORD_COLUMNS if c not in df.columns]

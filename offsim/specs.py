@@ -342,15 +342,9 @@ class HardwareSpec:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "HardwareSpec":
-        try:
-            d = json.loads(Path(path).read_text())
-        except OSError as e:
-            raise OffsimError(f"cannot read hardware profile {path}: {e.strerror}") from None
-        except json.JSONDecodeError as e:
-            raise OffsimError(f"hardware profile {path} is not valid JSON: {e}") from None
-        if not isinstance(d, dict):
-            raise OffsimError(f"hardware profile {path}: expected a JSON object")
-        return cls.from_dict(d, where=f"hardware profile {path}")
+        from .io import read_json_object
+
+        return cls.from_dict(read_json_object(path, "hardware profile"), where=f"hardware profile {path}")
 
 
 def roofline_gemm_curve(peak_flops: float, hbm_bytes_per_s: float, compute_eff: float, mem_eff: float) -> Curve:

@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from .errors import OffsimError
+from .io import read_commented_csv, write_commented_csv, write_text_atomic
 from .plan import STREAMS, TIERS
 
 TRACE_SCHEMA = "offsim.trace/1"
@@ -86,32 +87,16 @@ class Trace:
             events.append({"name": f"{r.kind} L{r.layer} b{r.batch}", "cat": r.kind, "ph": "X", "pid": 0,
                            "tid": tid[r.stream], "ts": r.start_s * 1e6, "dur": (r.end_s - r.start_s) * 1e6,
                            "args": {"op": int(r.op_id), "step": int(r.step), "bytes": int(r.nbytes)}})
-        _atomic_write(path, json.dumps({"traceEvents": events, "otherData": _jsonable(self.meta)}))
+        write_text_atomic(path, json.dumps({"traceEvents": events, "otherData": _jsonable(self.meta)}))
 
     def to_csv(self, path: str | Path) -> None:
         """CSV of the rows, with the metadata as a JSON comment on the first line."""
-        path = Path(path)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        with open(tmp, "w") as f:
-            f.write("# " + json.dumps({"schema": TRACE_SCHEMA, "meta": _jsonable(self.meta),
-                                       "peak_bytes": self.peak_bytes}) + "\n")
-            self.df.to_csv(f, index=False)
-        tmp.replace(path)
+        write_commented_csv(path, {"schema": TRACE_SCHEMA, "meta": _jsonable(self.meta),
+                                   "peak_bytes": self.peak_bytes}, self.df)
 
     @classmethod
     def from_csv(cls, path: str | Path) -> "Trace":
-        path = Path(path)
-        try:
-            with open(path) as f:
-                head = f.readline()
-                if not head.startswith("# "):
-                    raise OffsimError(f"trace {path}: first line must be '# ' + JSON metadata")
-                info = json.loads(head[2:])
-                df = pd.read_csv(f)
-        except OSError as e:
-            raise OffsimError(f"cannot read trace {path}: {e.strerror}") from None
-        except json.JSONDecodeError as e:
-            raise OffsimError(f"trace {path}: metadata line is not JSON ({e})") from None
+        info, df = read_commented_csv(path, "trace")
         if info.get("schema") != TRACE_SCHEMA:
             raise OffsimError(f"trace {path}: field 'schema' is {info.get('schema')!r}; expected {TRACE_SCHEMA!r}")
         missing = [c for c in COLUMNS if c not in df.columns]
@@ -136,9 +121,3 @@ class Trace:
 def _jsonable(x):
     return json.loads(json.dumps(x, default=str))
 
-
-def _atomic_write(path, text: str) -> None:
-    path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)

@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 
 from .errors import OffsimError
+from .io import read_json_object, write_text_atomic
 from .policies import POLICIES, build_plan
 from .sim import simulate
 from .specs import ModelSpec, Workload, get_hardware, get_model
@@ -49,10 +50,7 @@ def case_from_trace(trace: Trace, **provenance) -> dict:
 
 
 def save_case(case: dict, path: str | Path) -> None:
-    path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(case, default=str))
-    tmp.replace(path)
+    write_text_atomic(path, json.dumps(case, default=str))
 
 
 def load_case(path: str | Path) -> dict:
@@ -62,14 +60,7 @@ def load_case(path: str | Path) -> dict:
         tr = Trace.from_csv(path)
         case = {"schema": CASE_SCHEMA, "meta": tr.meta, "peak_bytes": tr.peak_bytes, **aggregate(tr)}
     else:
-        try:
-            case = json.loads(path.read_text())
-        except OSError as e:
-            raise OffsimError(f"cannot read case {path}: {e.strerror}") from None
-        except json.JSONDecodeError as e:
-            raise OffsimError(f"case {path} is not valid JSON: {e}") from None
-        if not isinstance(case, dict):
-            raise OffsimError(f"case {path}: expected a JSON object")
+        case = read_json_object(path, "case")
         if case.get("schema") != CASE_SCHEMA:
             raise OffsimError(f"case {path}: field 'schema' is {case.get('schema')!r}; this offsim reads "
                               f"{CASE_SCHEMA!r}")

@@ -1,0 +1,65 @@
+"""File helpers shared by plans, profiles, traces, cases and records: atomic writes (nothing is ever left
+half-written) and reads whose errors name the file and say what is wrong.
+
+A "commented CSV" is a CSV whose first line is '# ' + a JSON object (schema, provenance, metadata); pandas reads
+the rest with ``comment='#'`` too.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from .errors import OffsimError
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename."""
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def read_json_object(path: str | Path, what: str, error: type[OffsimError] = OffsimError) -> dict:
+    """The JSON object in ``path``; ``what`` names it in errors ('plan', 'hardware profile', ...)."""
+    try:
+        d = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise error(f"cannot read {what} {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise error(f"{what} {path} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise error(f"{what} {path}: expected a JSON object")
+    return d
+
+
+def write_commented_csv(path: str | Path, header: dict, df: pd.DataFrame) -> None:
+    """CSV with '# ' + ``header`` as JSON on its first line, written atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w") as f:
+        f.write("# " + json.dumps(header, default=str) + "\n")
+        df.to_csv(f, index=False)
+    tmp.replace(path)
+
+
+def read_commented_csv(path: str | Path, what: str) -> tuple[dict, pd.DataFrame]:
+    """(header, rows) of a commented CSV; errors name the file."""
+    path = Path(path)
+    try:
+        with open(path) as f:
+            head = f.readline()
+            if not head.startswith("# "):
+                raise OffsimError(f"{what} {path}: first line must be '# ' + JSON metadata")
+            header = json.loads(head[2:])
+            df = pd.read_csv(f)
+    except OSError as e:
+        raise OffsimError(f"cannot read {what} {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise OffsimError(f"{what} {path}: metadata line is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise OffsimError(f"{what} {path}: metadata line must be a JSON object")
+    return header, df
