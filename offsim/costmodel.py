@@ -98,6 +98,24 @@ def gemm_flops_per_token(model: ModelSpec, part: str) -> float:
             "head": 2 * h * model.vocab_size}[part]
 
 
+def elementwise_bytes_per_token(model: ModelSpec, part: str) -> float:
+    """HBM bytes that one token's elementwise passes (norms, activations, rotary, residual adds) read and write in
+    ``part`` of a decoder layer. Counted as passes over a vector, each pass reading and writing it once (2 ×
+    dtype bytes an element), as PyTorch's unfused eager kernels do:
+    - OPT: LayerNorm before attention and before the FFN (2 passes over h each, as read + write: 2h), residual
+      adds (3h each: two reads, one write), ReLU over the FFN intermediate (2f); biases are fused into the GEMMs.
+    - Llama: RMSNorm ×2 (≈6h each: square, mean, rsqrt scale, weight; in fp32), rotary on Q and K (≈6 passes:
+      two multiplies, rotate-half, add), residual adds (3h each), SwiGLU (silu: 2f, gate·up: 3f).
+    At prefill sizes this is a few percent (OPT) to ~15 % (Llama) of a layer; in decode it is negligible."""
+    h, q, kv, f = model.d_model, model.q_dim, model.kv_dim, model.ffn_dim
+    if model.family == "opt":
+        pre, post = 2 * h, 3 * h + 2 * h + 2 * f + 3 * h
+    else:
+        pre, post = 6 * h + 6 * (q + kv), 3 * h + 6 * h + 5 * f + 3 * h
+    elems = {"layer": pre + post, "pre_attn": pre, "post_attn": post}.get(part, 0)
+    return elems * model.dtype_bytes
+
+
 def gemm_seconds(hw: HardwareSpec, tokens: float, flops):
     """Seconds for ``flops`` of GEMM work over ``tokens`` rows: FLOPs / (peak · efficiency(tokens))."""
     if _is_number(flops) and flops <= 0:
@@ -132,6 +150,7 @@ def compute_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_t
     if part == "head":  # final norm + LM head on the last position of each sequence only
         return hw.kernel_overhead_s + gemm_seconds(hw, num_seqs, num_seqs * gemm_flops_per_token(model, "head"))
     t = hw.kernel_overhead_s + gemm_seconds(hw, tokens, tokens * gemm_flops_per_token(model, part))
+    t = t + tokens * elementwise_bytes_per_token(model, part) / hw.gpu_hbm_bytes_per_s
     if part in ("attn", "layer"):
         t = t + attention_seconds(model, hw, num_seqs, q_tokens, ctx_tokens)
     return t
