@@ -6,6 +6,7 @@ the rest with ``comment='#'`` too.
 """
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -50,7 +51,7 @@ def read_commented_csv(path: str | Path, what: str) -> tuple[dict, pd.DataFrame]
     """(header, rows) of a commented CSV; errors name the file."""
     path = Path(path)
     try:
-        with open(path) as f:
+        with (gzip.open(path, "rt") if path.suffix == ".gz" else open(path)) as f:
             head = f.readline()
             if not head.startswith("# "):
                 raise OffsimError(f"{what} {path}: first line must be '# ' + JSON metadata")

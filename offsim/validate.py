@@ -56,7 +56,7 @@ def save_case(case: dict, path: str | Path) -> None:
 def load_case(path: str | Path) -> dict:
     """A case JSON, or a full trace CSV aggregated on the fly. Errors name the file and the field."""
     path = Path(path)
-    if path.suffix == ".csv":
+    if path.name.endswith((".csv", ".csv.gz")):
         tr = Trace.from_csv(path)
         case = {"schema": CASE_SCHEMA, "meta": tr.meta, "peak_bytes": tr.peak_bytes, **aggregate(tr)}
     else:
@@ -92,7 +92,7 @@ def validate_case(case: dict, hardware: str | None = None) -> dict:
         raise OffsimError(f"{where}: field 'meta.model': {e}") from None
     if model.name != meta["model"]:
         raise OffsimError(f"{where}: field 'meta.model' names {meta['model']!r} but the model is {model.name!r}")
-    hw_ref = hardware or meta.get("hardware_profile") or meta["hardware"]
+    hw_ref = hardware or _resolve(meta.get("hardware_profile") or meta["hardware"], where)
     hw = get_hardware(hw_ref, meta.get("gpu_mem_gb"))
     wl = Workload.from_dict(meta["workload"])
     # a plan records derived values beside its settings (e.g. TightLLM's chosen N_r): rebuild from the settings
@@ -104,7 +104,7 @@ def validate_case(case: dict, hardware: str | None = None) -> dict:
     pred_trace = simulate(plan, hw, check_memory=False)
     pred = aggregate(pred_trace)
     pm, mm = pred["metrics"], case["metrics"]
-    name = Path(where).name.removesuffix(".case.json").removesuffix(".trace.csv")
+    name = Path(where).name.removesuffix(".gz").removesuffix(".case.json").removesuffix(".trace.csv")
     out = {"case": name, "model": meta["model"], "policy": meta["policy"],
            "hardware": str(hw_ref), "gpu_mem_gb": meta.get("gpu_mem_gb"), "prompt_len": wl.prompt_len,
            "batch": wl.num_prompts}
@@ -129,13 +129,36 @@ def validate_case(case: dict, hardware: str | None = None) -> dict:
     return out
 
 
+def _is_case_json(path: Path) -> bool:
+    """A JSON file whose 'schema' is a case's (read from its first bytes, not the whole file)."""
+    try:
+        with open(path) as f:
+            return f'"schema": "{CASE_SCHEMA}"' in f.read(200)
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 def find_cases(root: str | Path) -> list[Path]:
+    """Measured cases under ``root``: case JSONs (found by their schema, whatever their name) and full trace CSVs
+    (``*.trace.csv``, gzipped or not)."""
     root = Path(root)
     if root.is_file():
         return [root]
     if not root.is_dir():
         raise OffsimError(f"{root}: no such file or directory")
-    return sorted(list(root.rglob("*.case.json")) + list(root.rglob("*.trace.csv")))
+    cases = [p for p in root.rglob("*.json") if _is_case_json(p)]
+    return sorted(cases + list(root.rglob("*.trace.csv")) + list(root.rglob("*.trace.csv.gz")))
+
+
+def _resolve(ref: str, case_path: str) -> str:
+    """A profile path recorded relative to the repository root: found from the case file's folders upward."""
+    p = Path(ref)
+    if p.is_absolute() or p.exists() or p.suffix != ".json":
+        return ref
+    for parent in Path(case_path).resolve().parents:
+        if (parent / p).exists():
+            return str(parent / p)
+    return ref
 
 
 def validate_dir(root: str | Path, hardware: str | None = None, progress: bool = False) -> pd.DataFrame:
