@@ -17,7 +17,8 @@ The problem (TightLLM Eq. "min T_batch", extended by the weight loader's T_weigh
 - When activations are parked in host memory between layers (FlexGen's activation placement), the N_r + 1 tokens'
   hidden state crosses PCIe both ways in every layer: it is added to the H2D time and is the D2H stream's time (a
   term the paper does not have, because TightLLM keeps activations on the GPU; leaving it out makes the ILP recompute
-  far too much when they are not).
+  far too much when they are not). With a single GPU batch nothing else runs during that round trip, so it is also
+  added to the compute stream's critical path (``hidden_serial``).
 
 Because MFU varies with the token count, T_compute is not linear in N_r (the paper: "the optimal N_r is an integer
 program, not a closed form"; its measured FFN FLOP/s rises steeply with tokens and its attention FLOP/s falls at long
@@ -91,7 +92,8 @@ class Decision:
     that rides on this batch's compute (from host memory, and from disk through host memory). ``lo``/``hi``: bounds on
     N_r set by the user (``hi`` None: N_ctx); ``mem_hi``: the largest N_r whose recompute fits in GPU memory (None: no
     limit). ``pinned``: host buffers pinned. ``hidden_offloaded``: the hidden state of the computed tokens goes to
-    host memory after each layer and comes back before the next."""
+    host memory after each layer and comes back before the next; ``hidden_serial``: that round trip cannot overlap
+    another batch's compute (a block of one GPU batch), so it lengthens the compute stream's critical path."""
 
     num_seqs: int
     ctx_tokens: int
@@ -104,6 +106,7 @@ class Decision:
     mem_hi: int | None = None
     pinned: bool = True
     hidden_offloaded: bool = False  # activations parked in host memory between layers (h2d and d2h per layer)
+    hidden_serial: bool = False  # ... and no other batch runs while they travel (one GPU batch): on the critical path
 
     def bounds(self) -> tuple[int, int]:
         """[lo, hi] of N_r after the user's bounds; raises OffsimError when they cannot hold."""
@@ -156,7 +159,8 @@ class KVDistributor:
         self._hw_lb = hw.with_(gemm_efficiency=_suffix_max_curve(hw.gemm_efficiency))
         self._presolve_ok = all(_transfer_monotone(c) for c in (hw.h2d_pinned, hw.h2d_pageable, hw.d2h_pinned,
                                                                 hw.d2h_pageable))
-        self._memo: dict[tuple, int] = {}
+        self._memo: dict[tuple, tuple[int, str | None]] = {}  # (decision, solver) -> (N_r, fallback warning)
+        self._last_fallback: str | None = None
         self._evals: dict[tuple, tuple[float, float, float]] = {}  # (decision, n) -> stream seconds, one decision
         self._evals_of: Decision | None = None
         self.stats = {"decisions": 0, "candidates": 0, "evaluations": 0}
@@ -195,6 +199,8 @@ class KVDistributor:
             hb = m.hidden_bytes(d.num_seqs * (n + 1))
             t_hid = cm.transfer_seconds(hw, hb, "h2d", pinned=d.pinned)
             t_dd = cm.transfer_seconds(hw, hb, "d2h", pinned=d.pinned)
+            if d.hidden_serial:  # layer j+1 waits for layer j's output to go to the host and back
+                t_c += t_hid + t_dd
         t_d = cm.disk_seconds(hw, kv_d, "read") + cm.disk_seconds(hw, d.weight_disk_bytes, "read")
         out = self._evals[n] = (t_c, t_kvw, t_hid, t_d, t_dd)
         return out
@@ -216,6 +222,8 @@ class KVDistributor:
         _, kvw_b, _, disk_b, _ = self._parts(d, b)
         _, _, hid_a, _, dd_a = self._parts(d, a)
         lb_c = cm.compute_seconds(self.model, self._hw_lb, "layer", d.num_seqs, a + 1, d.ctx_tokens + 1)
+        if d.hidden_serial:
+            lb_c += hid_a + dd_a
         return self.combine((lb_c, kvw_b + hid_a, disk_b, dd_a))
 
     # ---- solvers ---------------------------------------------------------------------------------------------
@@ -321,12 +329,16 @@ class KVDistributor:
         if solver not in SOLVERS:
             raise OffsimError(f"KV distributor solver must be one of {SOLVERS}, got {solver!r}")
         key = (d, solver)
-        n = self._memo.get(key)
-        if n is None:
+        hit = self._memo.get(key)
+        if hit is None:
             d.bounds()  # raise on bad input before anything else
             self.stats["decisions"] += 1
-            n = self._memo[key] = self.solve_ilp(d) if solver == "ilp" else self.solve_exact(d)
-        return n
+            self._last_fallback = None
+            n = self.solve_ilp(d) if solver == "ilp" else self.solve_exact(d)
+            hit = self._memo[key] = (n, self._last_fallback)
+        elif hit[1]:  # a remembered fallback warns again, so every plan that relies on it hears about it
+            warnings.warn(hit[1], KVDistributorWarning, stacklevel=2)
+        return hit[0]
 
     # ---- helpers ---------------------------------------------------------------------------------------------
     def _feasible_bounds(self, d: Decision, warn: bool = True) -> tuple[int | None, int | None]:
@@ -338,8 +350,9 @@ class KVDistributor:
         return lo, hi
 
     def _fallback(self, d: Decision, why: str) -> int:
-        warnings.warn(f"KV distributor (N_ctx={d.ctx_tokens}, batch of {d.num_seqs}): {why}; recomputing no "
-                      "tokens (N_r = 0)", KVDistributorWarning, stacklevel=3)
+        msg = f"KV distributor (N_ctx={d.ctx_tokens}, batch of {d.num_seqs}): {why}; recomputing no tokens (N_r = 0)"
+        self._last_fallback = msg
+        warnings.warn(msg, KVDistributorWarning, stacklevel=3)
         return 0
 
 

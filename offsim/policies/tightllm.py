@@ -45,11 +45,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Iterable
 
 from ..errors import OffsimError
-from ..kv_distributor import SOLVERS, TRANSFER_MODELS, Decision, distributor, kv_load_bytes
+from ..kv_distributor import SOLVERS, TRANSFER_MODELS, Decision, KVDistributorWarning, distributor, kv_load_bytes
 from ..plan import Plan, PlanBuilder
 from ..specs import HardwareSpec, ModelSpec, Workload
 from . import FlexGenSettings, capacity_of, kv_split_from_percent, weight_split_from_percent
@@ -183,7 +184,8 @@ def decision_for(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLMS
     hi = None if st.max_recompute_tokens is None else min(st.max_recompute_tokens, ctx_tokens)
     return Decision(num_seqs=wl.gpu_batch_size, ctx_tokens=ctx_tokens, kv_cpu_heads=lay.kv_cpu_heads,
                     kv_disk_heads=lay.kv_disk_heads, weight_cpu_bytes=w_cpu, weight_disk_bytes=w_disk, lo=0, hi=hi,
-                    mem_hi=mem_hi, pinned=st.pin_weights, hidden_offloaded=lay.hidden_home == "cpu")
+                    mem_hi=mem_hi, pinned=st.pin_weights, hidden_offloaded=lay.hidden_home == "cpu",
+                    hidden_serial=lay.hidden_home == "cpu" and wl.num_gpu_batches == 1)
 
 
 def recompute_tokens(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLMSettings,
@@ -197,10 +199,19 @@ def recompute_tokens(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: Tight
     if free_gpu_bytes is None:
         free_gpu_bytes = free_gpu_bytes_of(model, hw, wl, lay)
     kvd = distributor(model, hw, st.transfer_model)
-    for i in range(1, wl.gen_len):
-        for k in range(nb):
-            d = decision_for(model, hw, wl, st, wl.prompt_len + i - 1, k, lay, free_gpu_bytes)
-            table[i][k] = kvd.decide(d, st.kv_solver)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", KVDistributorWarning)
+        for i in range(1, wl.gen_len):
+            for k in range(nb):
+                d = decision_for(model, hw, wl, st, wl.prompt_len + i - 1, k, lay, free_gpu_bytes)
+                table[i][k] = kvd.decide(d, st.kv_solver)
+    fell = [w for w in caught if issubclass(w.category, KVDistributorWarning)]
+    for w in caught:
+        if not issubclass(w.category, KVDistributorWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if fell:  # one warning per plan, not one per decision
+        warnings.warn(f"tightllm: {len(fell)} KV-distributor decision(s) of this plan fell back to N_r = 0; the first: "
+                      f"{fell[0].message}", KVDistributorWarning, stacklevel=2)
     return table
 
 
@@ -261,63 +272,68 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
     loaded: dict[int, list[int]] = {}  # instance -> its h2d ops (all slices)
     free_op: dict[int, int] = {}  # instance -> last compute that used it (frees the buffer)
 
-    def issue_slice(u: int, s: int) -> None:
+    def issue_slice(u: int, s: int, part: str) -> None:
+        """Slice s of instance u: its host-memory bytes (``part='cpu'``: one h2d) or its disk bytes (``'disk'``: a
+        disk read into host staging, then an h2d). The h2d waits for the GPU buffer (double buffering: the instance
+        two back must be done); the disk read only for its host staging, so it can run ahead."""
         if u >= len(instances):
             return
         i, j = instances[u]
         phase = "prefill" if i == 0 else "decode"
-        dep = free_op.get(u - 2)  # double buffering: the buffer of the instance two back
+        dep = free_op.get(u - 2)
         (c_lo, c_hi), (d_lo, d_hi) = lay.slices[s]
         ids = loaded.setdefault(u, [])
-        if c_hi > c_lo:
+        if part == "cpu" and c_hi > c_lo:
             ids.append(add("h2d", [dep], phase, i, j, s, tensor="weight", lo=c_lo, hi=c_hi, nbytes=c_hi - c_lo,
                            pinned=pinned, alloc=(c_hi - c_lo, 0, 0)))
-        if d_hi > d_lo:
+        if part == "disk" and d_hi > d_lo:
             nbytes = d_hi - d_lo
-            rd = add("disk_read", [dep], phase, i, j, s, tensor="weight", lo=d_lo, hi=d_hi, nbytes=nbytes,
+            rd = add("disk_read", [], phase, i, j, s, tensor="weight", lo=d_lo, hi=d_hi, nbytes=nbytes,
                      alloc=(0, nbytes, 0))
-            ids.append(add("h2d", [rd], phase, i, j, s, tensor="weight", lo=d_lo, hi=d_hi, nbytes=nbytes,
+            ids.append(add("h2d", [rd, dep], phase, i, j, s, tensor="weight", lo=d_lo, hi=d_hi, nbytes=nbytes,
                            pinned=pinned, alloc=(nbytes, 0, 0), free=(0, nbytes, 0)))
 
     # --- KV ----------------------------------------------------------------------------------------------------
     positions = [(i, j, k) for i in range(wl.gen_len) for j in range(-1, L + 1) for k in range(nb)]
     computes: list[int] = []
-    pending_loads: dict[int, tuple[list[int], int]] = {}  # position -> (h2d ops, GPU bytes they hold)
+    pending_loads: dict[int, tuple[list[int], list[int]]] = {}  # position -> (h2d ops, [GPU bytes they hold])
     stored_upto: dict[tuple[int, int], int] = {}  # (layer, batch) -> S: KV tokens [0, S) stored off the GPU
     store_ops: dict[tuple[int, int], list[int]] = {}  # (layer, batch) -> the latest ops that extended S
 
-    def emit_kv_loads(p: int) -> None:
+    def emit_kv_loads(p: int, part: str) -> None:
+        """The KV prefix [0, b) of position p: the host-homed heads (``part='cpu'``: one h2d) or the disk-homed
+        heads (``'disk'``: a disk read into host staging, then an h2d). The h2d waits for its GPU buffer (the compute
+        two positions back: double buffering); every op waits for the stores that made the prefix durable."""
         if p >= len(positions):
             return
         i, j, k = positions[p]
-        if i == 0 or not 0 <= j < L or not (kc or kd):
+        if i == 0 or not 0 <= j < L:
             return
         hi = boundary(i, k)
+        ids, held = pending_loads.setdefault(p, ([], [0]))
         if hi <= 0:
-            pending_loads[p] = ([], 0)
             return
-        deps = [computes[p - 2] if p >= 2 else None] + store_ops.get((j, k), [])
-        ids, held = [], 0
-        if kc:
+        buf = computes[p - 2] if p >= 2 else None
+        durable = store_ops.get((j, k), [])
+        if part == "cpu" and kc:
             nbytes = kvb(kc, hi)
-            ids.append(add("h2d", deps, "decode", i, j, k, tensor="kv", lo=0, hi=hi, head_lo=kg, head_hi=kg + kc,
-                           nbytes=nbytes, pinned=pinned, alloc=(nbytes, 0, 0)))
-            held += nbytes
-        if kd:
+            ids.append(add("h2d", [buf] + durable, "decode", i, j, k, tensor="kv", lo=0, hi=hi, head_lo=kg,
+                           head_hi=kg + kc, nbytes=nbytes, pinned=pinned, alloc=(nbytes, 0, 0)))
+            held[0] += nbytes
+        if part == "disk" and kd:
             nbytes = kvb(kd, hi)
-            rd = add("disk_read", deps, "decode", i, j, k, tensor="kv", lo=0, hi=hi, head_lo=kg + kc, head_hi=n_kv,
-                     nbytes=nbytes, alloc=(0, nbytes, 0))
-            ids.append(add("h2d", [rd], "decode", i, j, k, tensor="kv", lo=0, hi=hi, head_lo=kg + kc, head_hi=n_kv,
-                           nbytes=nbytes, pinned=pinned, alloc=(nbytes, 0, 0), free=(0, nbytes, 0)))
-            held += nbytes
-        pending_loads[p] = (ids, held)
+            rd = add("disk_read", durable, "decode", i, j, k, tensor="kv", lo=0, hi=hi, head_lo=kg + kc,
+                     head_hi=n_kv, nbytes=nbytes, alloc=(0, nbytes, 0))
+            ids.append(add("h2d", [rd, buf], "decode", i, j, k, tensor="kv", lo=0, hi=hi, head_lo=kg + kc,
+                           head_hi=n_kv, nbytes=nbytes, pinned=pinned, alloc=(nbytes, 0, 0), free=(0, nbytes, 0)))
+            held[0] += nbytes
 
     last_out: dict[int, int] = {}
     hidden_store: dict[int, int] = {}
     if instances:  # the first layer's weights, all slices, before anything runs
         for s in range(lay.num_slices):
-            issue_slice(0, s)
-    emit_kv_loads(0)
+            issue_slice(0, s, "cpu")
+            issue_slice(0, s, "disk")
     for p, (i, j, k) in enumerate(positions):
         phase = "prefill" if i == 0 else "decode"
         q = P if i == 0 else nr[i][k] + 1
@@ -331,15 +347,21 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
             hl = add("h2d", [hidden_store.pop(k)], phase, i, j, k, tensor="hidden", lo=ctx - q, hi=ctx,
                      nbytes=model.hidden_bytes(gbs * q), pinned=pinned)
             deps = [hl]
-        # (2) prefetch the next position's KV prefix (FlexGen: load_cache(k+1)), ahead of the weight slice on the
-        #     h2d stream because the next compute needs it first
-        emit_kv_loads(p + 1)
-        # (3) weight loader: batch k carries slice k of the next streamed instance
-        if u is not None and k < lay.num_slices:
-            issue_slice(u + 1, k)
+        # (2) prefetch the next position's KV prefix (FlexGen: load_cache(k+1)) and (3) the weight loader's slice k
+        #     of the next streamed instance. On the h2d stream (in order, like a CUDA stream) what is already in host
+        #     memory goes first -- KV, then weights -- and what must first come from disk last, so a copy waiting
+        #     for the disk never holds up one that could run (head-of-line blocking)
+        carries = u is not None and k < lay.num_slices
+        emit_kv_loads(p + 1, "cpu")
+        if carries:
+            issue_slice(u + 1, k, "cpu")
+        emit_kv_loads(p + 1, "disk")
+        if carries:
+            issue_slice(u + 1, k, "disk")
         if u is not None:
             deps += loaded[u]
-        load_ids, load_held = pending_loads.pop(p, ([], 0))
+        load_ids, load_held = pending_loads.pop(p, ([], [0]))
+        load_held = load_held[0]
         deps += load_ids
         # (4) compute
         if decoder:
