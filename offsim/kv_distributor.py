@@ -63,8 +63,8 @@ ILP_SOLVER = "HIGHS"  # cvxpy's name for HiGHS; named explicitly, never "whateve
 TRANSFER_MODELS = ("streams", "serial")
 SOLVERS = ("ilp", "exact")
 NUM_ROWS = 4  # streams bounding t in the MILP: compute, h2d, disk, d2h
-PRESOLVE_BRACKET = 16
-_LEAF = 4  # the branch and bound stops splitting intervals of this many integers  # the presolve's crossing search stops when the bracket is this many integers wide
+PRESOLVE_BRACKET = 16  # the presolve's crossing search stops when the bracket is this many integers wide
+_LEAF = 4  # the branch and bound stops splitting intervals of this many integers
 _TIE_EPS = 1e-9  # weight of the candidate's rank (smaller N_r first) against t, which is scaled to ~1
 # mip_rel_gap 0: the exact optimum, not one within HiGHS' default 0.01 %. The feasibility-jump heuristic costs
 # ~5 ms of fixed overhead per solve on these tiny problems and never helps (the LP relaxation finds the optimum at the
@@ -161,7 +161,7 @@ class KVDistributor:
                                                                 hw.d2h_pageable))
         self._memo: dict[tuple, tuple[int, str | None]] = {}  # (decision, solver) -> (N_r, fallback warning)
         self._last_fallback: str | None = None
-        self._evals: dict[tuple, tuple[float, float, float]] = {}  # (decision, n) -> stream seconds, one decision
+        self._evals: dict[int, tuple[float, ...]] = {}  # n -> ``_parts`` of the decision being solved
         self._evals_of: Decision | None = None
         self.stats = {"decisions": 0, "candidates": 0, "evaluations": 0}
 
@@ -229,7 +229,7 @@ class KVDistributor:
     # ---- solvers ---------------------------------------------------------------------------------------------
     def brute_force(self, d: Decision) -> int:
         """The smallest N_r minimising the objective, by evaluating every integer in the bounds (for tests)."""
-        lo, hi = self._feasible_bounds(d, warn=False)
+        lo, hi = self._feasible_bounds(d)
         if lo is None:
             return 0
         vals = [self.objective(d, n) for n in range(lo, hi + 1)]
@@ -238,7 +238,7 @@ class KVDistributor:
     def candidates(self, d: Decision) -> tuple[list[int], float]:
         """Every N_r the presolve cannot exclude (ascending), and a global lower bound on the objective. All
         minimisers of the objective over the bounds are in the list."""
-        lo, hi = self._feasible_bounds(d, warn=False)
+        lo, hi = self._feasible_bounds(d)
         if lo is None:
             return [], 0.0
         if not self._presolve_ok or hi - lo <= 16:
@@ -341,7 +341,8 @@ class KVDistributor:
         return hit[0]
 
     # ---- helpers ---------------------------------------------------------------------------------------------
-    def _feasible_bounds(self, d: Decision, warn: bool = True) -> tuple[int | None, int | None]:
+    def _feasible_bounds(self, d: Decision) -> tuple[int | None, int | None]:
+        """The user's bounds cut by the GPU-memory cap; (None, None) when nothing is left (infeasible)."""
         lo, hi = d.bounds()
         if d.mem_hi is not None:
             hi = min(hi, d.mem_hi)
