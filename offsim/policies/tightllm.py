@@ -274,13 +274,16 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
 
     def issue_slice(u: int, s: int, part: str) -> None:
         """Slice s of instance u: its host-memory bytes (``part='cpu'``: one h2d) or its disk bytes (``'disk'``: a
-        disk read into host staging, then an h2d). The h2d waits for the GPU buffer (double buffering: the instance
-        two back must be done); the disk read only for its host staging, so it can run ahead."""
+        disk read into host staging, then an h2d). The h2d waits for its GPU buffer (double buffering: the instance
+        two back must be done); the disk read for its host staging buffer, one instance earlier, so the read runs
+        ahead of the copy by one layer but no further (a plan is static: without that dependency the disk stream
+        would read every layer of every step into host memory as fast as it can)."""
         if u >= len(instances):
             return
         i, j = instances[u]
         phase = "prefill" if i == 0 else "decode"
         dep = free_op.get(u - 2)
+        stage_dep = free_op.get(u - 3)
         (c_lo, c_hi), (d_lo, d_hi) = lay.slices[s]
         ids = loaded.setdefault(u, [])
         if part == "cpu" and c_hi > c_lo:
@@ -288,7 +291,7 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
                            pinned=pinned, alloc=(c_hi - c_lo, 0, 0)))
         if part == "disk" and d_hi > d_lo:
             nbytes = d_hi - d_lo
-            rd = add("disk_read", [], phase, i, j, s, tensor="weight", lo=d_lo, hi=d_hi, nbytes=nbytes,
+            rd = add("disk_read", [stage_dep], phase, i, j, s, tensor="weight", lo=d_lo, hi=d_hi, nbytes=nbytes,
                      alloc=(0, nbytes, 0))
             ids.append(add("h2d", [rd, dep], phase, i, j, s, tensor="weight", lo=d_lo, hi=d_hi, nbytes=nbytes,
                            pinned=pinned, alloc=(nbytes, 0, 0), free=(0, nbytes, 0)))
@@ -303,7 +306,9 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
     def emit_kv_loads(p: int, part: str) -> None:
         """The KV prefix [0, b) of position p: the host-homed heads (``part='cpu'``: one h2d) or the disk-homed
         heads (``'disk'``: a disk read into host staging, then an h2d). The h2d waits for its GPU buffer (the compute
-        two positions back: double buffering); every op waits for the stores that made the prefix durable."""
+        two positions back: double buffering), the disk read for its host staging (the compute three positions
+        back: it runs one position ahead of the copy, no further); every op waits for the stores that made the
+        prefix durable."""
         if p >= len(positions):
             return
         i, j, k = positions[p]
@@ -314,6 +319,7 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
         if hi <= 0:
             return
         buf = computes[p - 2] if p >= 2 else None
+        stage = computes[p - 3] if p >= 3 else None
         durable = store_ops.get((j, k), [])
         if part == "cpu" and kc:
             nbytes = kvb(kc, hi)
@@ -322,7 +328,7 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
             held[0] += nbytes
         if part == "disk" and kd:
             nbytes = kvb(kd, hi)
-            rd = add("disk_read", durable, "decode", i, j, k, tensor="kv", lo=0, hi=hi, head_lo=kg + kc,
+            rd = add("disk_read", [stage] + durable, "decode", i, j, k, tensor="kv", lo=0, hi=hi, head_lo=kg + kc,
                      head_hi=n_kv, nbytes=nbytes, alloc=(0, nbytes, 0))
             ids.append(add("h2d", [rd, buf], "decode", i, j, k, tensor="kv", lo=0, hi=hi, head_lo=kg + kc,
                            head_hi=n_kv, nbytes=nbytes, pinned=pinned, alloc=(nbytes, 0, 0), free=(0, nbytes, 0)))
