@@ -37,9 +37,14 @@ later ones less (``weight_slices``). ``weight_loader=False`` (the ablation) load
 as FlexGen does; ``kv_distributor=False`` sets N_r = 0 everywhere. Each flag changes only its own ops.
 
 Memory: streamed weights are double-buffered (a layer's slices wait for the layer two back to be done); loaded KV is
-double-buffered across positions; a recompute's scratch is ``workspace_bytes`` of (N_r + 1) · batch tokens, and N_r is
-capped so that scratch plus two KV buffers fits beside what is resident. Token ids of the block are resident on the
-GPU (8 bytes each).
+double-buffered across positions; disk reads stage into host memory one layer (weights) or one position (KV) ahead of
+their copy, no further; a recompute's scratch is ``workspace_bytes`` of (N_r + 1) · batch tokens, and N_r is capped so
+that scratch plus two KV buffers fits beside what is resident (and, with activations on the GPU, N_r + 1 <= prompt
+length, the activation buffer reserved for the block). Token ids of the block are resident on the GPU (8 bytes each).
+
+Stream order (ops on one stream run in plan order): at each position the hidden state's load (activations on the CPU)
+goes first, then what is already in host memory (the next position's KV, this batch's weight slice), then what must
+come from disk, so a copy waiting for the disk never holds up one that could run.
 """
 from __future__ import annotations
 
