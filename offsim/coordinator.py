@@ -214,7 +214,9 @@ def _milp(instances: list[Instance], grid: int) -> tuple[Option, ...]:
     for i in range(len(instances)):
         cons.append(cp.sum(y[[k for k, (ii, _) in enumerate(flat) if ii == i]]) == 1)
     prob = cp.Problem(cp.Maximize(host_gb @ y - TIE_EPS * (units @ y)), cons)
-    prob.solve(solver=cp.HIGHS)
+    from .solvers import solve_quietly
+
+    solve_quietly(prob, solver=cp.HIGHS)
     if prob.status not in (cp.OPTIMAL, cp.OPTIMAL_INACCURATE) or y.value is None:
         raise OffsimError(f"the coordinator's MILP did not solve (status {prob.status})")
     picked = [flat[k][1] for k in range(len(flat)) if y.value[k] > 0.5]

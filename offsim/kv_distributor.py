@@ -57,6 +57,7 @@ import numpy as np
 
 from . import costmodel as cm
 from .errors import OffsimError
+from .solvers import solve_quietly
 from .specs import HardwareSpec, ModelSpec
 
 ILP_SOLVER = "HIGHS"  # cvxpy's name for HiGHS; named explicitly, never "whatever cvxpy finds first"
@@ -393,14 +394,14 @@ class _ChoiceMilp:
         try:
             if _threads_ok:
                 try:
-                    self.prob.solve(solver=ILP_SOLVER, threads=1, **HIGHS_OPTIONS)
+                    solve_quietly(self.prob, solver=ILP_SOLVER, threads=1, **HIGHS_OPTIONS)
                 except cp.error.SolverError:
                     # HiGHS refuses threads=1 when another caller already started its global scheduler with more
                     # threads; solve as that caller set it up from now on
                     _threads_ok = False
-                    self.prob.solve(solver=ILP_SOLVER, **HIGHS_OPTIONS)
+                    solve_quietly(self.prob, solver=ILP_SOLVER, **HIGHS_OPTIONS)
             else:
-                self.prob.solve(solver=ILP_SOLVER, **HIGHS_OPTIONS)
+                solve_quietly(self.prob, solver=ILP_SOLVER, **HIGHS_OPTIONS)
         except (cp.error.SolverError, ValueError) as e:
             raise _MilpFailure(f"HiGHS failed on the MILP ({e})") from None
         if self.prob.status != cp.OPTIMAL or self.x.value is None:

@@ -29,6 +29,7 @@ from .errors import OffsimError
 from .policies import POLICIES, build_plan
 from .policies.schedule import workspace_bytes
 from .sim import simulate
+from .solvers import solve_quietly
 from .specs import HardwareSpec, ModelSpec, Workload
 
 LP_SOLVER = cp.HIGHS  # named explicitly: the LP must not depend on whichever solver cvxpy finds first
@@ -98,30 +99,6 @@ def flexgen_block_seconds(terms: dict, model: ModelSpec, gen_len: int) -> float:
     """T = T_pre · L + T_gen · L · (n − 1) for float terms (the LP's objective times the block size)."""
     L = model.num_layers
     return max(terms["pre"]) * L + max(terms["gen"]) * L * (gen_len - 1)
-
-
-_BANNER_SHOWN = [False]
-
-
-def solve_quietly(prob: cp.Problem, **kw):
-    """``prob.solve(**kw)`` without HiGHS's licence banner on stdout (it prints from C on the first solve, which
-    would break the CLIs' 'JSON on the last line' contract)."""
-    import os
-    import sys
-
-    kw.setdefault("output_flag", False) if kw.get("solver") == cp.HIGHS else None
-    if _BANNER_SHOWN[0]:
-        return prob.solve(**kw)
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 1)
-            return prob.solve(**kw)
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-        _BANNER_SHOWN[0] = True
 
 
 class Affine:

@@ -1,6 +1,7 @@
 """TightLLM: the KV distributor's ILP against brute force, the KV store/load invariant of its plans, the prefill D2H
 saving, the ablation flags, and "never slower than FlexGen on the same placement" in the simulator."""
 import dataclasses
+import json
 import warnings
 
 import pytest
@@ -365,3 +366,19 @@ def test_a_plan_warns_once_when_decisions_fall_back(monkeypatch):
     fell = [w for w in caught if issubclass(w.category, KVDistributorWarning)]
     assert len(fell) == 1 and "10 KV-distributor decision(s)" in str(fell[0].message)
     assert all(n == 0 for row in plan.settings["recompute_tokens"] for n in row)
+
+
+def test_cli_tightllm_stdout_has_no_solver_banner():
+    """The distributor's MILP runs in a fresh process; HiGHS must not print its banner into the CLI's stdout, whose
+    last line is the JSON result and whose other lines are the table."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "offsim.cli", "simulate", "--model", "opt-1.3b", "--hardware", "t4",
+                        "--gpu-mem-gb", "2", "--prompt-len", "256", "--gen-len", "3", "--policy", "tightllm",
+                        "--gpu-batch-size", "8", "--num-gpu-batches", "2", "--percent", "0", "100", "0", "100",
+                        "100", "0"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "HiGHS" not in r.stdout
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["policy"] == "tightllm" and any(n > 0 for row in out["settings"]["recompute_tokens"] for n in row)
