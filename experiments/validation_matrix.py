@@ -144,11 +144,14 @@ def run_cases(cases: list[dict], args) -> list[dict]:
                         torch.cuda.empty_cache()
                     continue
                 tr = res.trace
-                tr.meta.update({"model": c["model"], "policy": policy, "settings": plan.settings,
+                plan.save(out / f"{tag}.plan.json.gz")  # what ran, op for op: `offsim validate` re-simulates it
+                tr.meta.update({"plan_file": f"{tag}.plan.json.gz", "plan_sha256": plan.fingerprint(),
+                                "model": c["model"], "policy": policy, "settings": plan.settings,
                                 "workload": wl.to_dict(), "gpu_mem_gb": c["gpu_mem_gb"], "hardware": base.name,
                                 "hardware_profile": args.profile_ref or args.profile,
                                 "model_config": c["model_config"]})
-                case = case_from_trace(tr, **provenance(gpu=gpu, wall_s=round(wall, 2),
+                commit = {"commit": args.commit} if args.commit else {}
+                case = case_from_trace(tr, **provenance(gpu=gpu, wall_s=round(wall, 2), **commit,
                                                         issue_frac=res.stats.get("issue_frac"),
                                                         warmup=bool(args.warmup),
                                                         host_mem_gb=args.host_mem_gb))
@@ -182,6 +185,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="CPU smoke test: opt-125m, tiny budget")
     ap.add_argument("--plan-only", metavar="CONFIG", help="choose the cases' settings and write them to CONFIG")
     ap.add_argument("--config", metavar="CONFIG", help="run the cases of CONFIG (written by --plan-only)")
+    ap.add_argument("--commit", default=None,
+                    help="commit to record (the device machine's copy has no .git, so provenance cannot read it)")
     ap.add_argument("--warmup", action="store_true",
                     help="before each measured run, run the same plan for two steps unmeasured")
     args = ap.parse_args()

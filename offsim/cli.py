@@ -221,7 +221,7 @@ def cmd_validate(args) -> None:
     from . import validate as V
 
     df = V.validate_dir(args.dir, hardware=args.hardware, progress=args.progress)
-    show = ["case", "policy", "prompt_len", "batch", "measured_total_tok_s", "predicted_total_tok_s",
+    show = ["case", "policy", "plan", "prompt_len", "batch", "measured_total_tok_s", "predicted_total_tok_s",
             "err_prefill_tok_s", "err_decode_tok_s", "err_total_tok_s", "step_latency_mape"]
     show += sorted(c for c in df.columns if c.startswith("mape_"))
     print(df[show].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
@@ -231,6 +231,10 @@ def cmd_validate(args) -> None:
     kinds = df[[c for c in df.columns if c.startswith("mape_")]].mean()
     print("\nmean per-op-kind MAPE over cases:")
     print(kinds.to_string(float_format=lambda v: f"{v:.1%}"))
+    stale = df.loc[df["plan"] == "rebuilt, differs", "case"].tolist()
+    if stale:
+        print(f"\nwarning: {len(stale)} case(s) ran a plan that today's code no longer builds from their settings "
+              f"(re-measure them): {', '.join(stale)}")
     bad = V.check_thresholds(df)
     out = Path(args.out) if args.out else None
     if out:

@@ -16,19 +16,24 @@ from .errors import OffsimError
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename."""
+    """Write ``text`` to ``path`` through a temporary file and a rename (gzipped when the name ends in .gz)."""
     path = Path(path)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
+    if path.suffix == ".gz":
+        with gzip.open(tmp, "wt") as f:
+            f.write(text)
+    else:
+        tmp.write_text(text)
     tmp.replace(path)
 
 
 def read_json_object(path: str | Path, what: str, error: type[OffsimError] = OffsimError) -> dict:
     """The JSON object in ``path``; ``what`` names it in errors ('plan', 'hardware profile', ...)."""
     try:
-        d = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise error(f"cannot read {what} {path}: {e.strerror}") from None
+        path = Path(path)
+        d = json.loads(gzip.open(path, "rt").read() if path.suffix == ".gz" else path.read_text())
+    except (OSError, EOFError) as e:
+        raise error(f"cannot read {what} {path}: {getattr(e, 'strerror', None) or e}") from None
     except json.JSONDecodeError as e:
         raise error(f"{what} {path} is not valid JSON: {e}") from None
     if not isinstance(d, dict):

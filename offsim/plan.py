@@ -25,6 +25,7 @@ simulator reports the true peak under its timing.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -189,7 +190,16 @@ class Plan:
                 raise
             raise PlanError(f"{where}: malformed value ({e})") from None
 
+    def fingerprint(self) -> str:
+        """SHA-256 of what the plan does: model, workload, placement and every op (not settings, capacity or
+        resident bytes, which record how it was chosen). Two plans with one fingerprint run identically; a measured
+        case records the fingerprint of the plan it ran, so a rebuilt plan that differs is caught."""
+        d = self.to_dict()
+        body = {k: d[k] for k in ("model", "workload", "weight_split", "kv_split", "hidden_home", "op_fields", "ops")}
+        return hashlib.sha256(json.dumps(body, separators=(",", ":")).encode()).hexdigest()
+
     def save(self, path: str | Path) -> None:
+        """JSON, gzipped when ``path`` ends in .gz; written atomically."""
         write_text_atomic(path, json.dumps(self.to_dict(), separators=(",", ":")))
 
     @classmethod

@@ -5,8 +5,9 @@ policy, settings, workload, GPU budget, machine, commit, date, command), its mea
 op time aggregated per (step, layer, kind) -- small enough to commit (``CASE_SCHEMA``). A full measured trace CSV
 (``Trace.to_csv``) is accepted too and aggregated on load.
 
-``validate_case`` rebuilds the plan from the case's metadata, simulates it with the profile measured on the same
-machine, and returns phase-throughput errors, per-op-kind MAPE and per-step latency error. The CI thresholds live
+``validate_case`` takes the plan the run saved beside the case (``meta.plan_file``), or else rebuilds it from the
+case's metadata and checks it against the run's ``meta.plan_sha256``; it simulates that plan with the profile
+measured on the same machine, and returns phase-throughput errors, per-op-kind MAPE and per-step latency error. The CI thresholds live
 here, in one place: ``MAX_CASE_ERROR`` and ``MAX_MEDIAN_ERROR``.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ import pandas as pd
 
 from .errors import OffsimError
 from .io import read_json_object, write_text_atomic
+from .plan import Plan
 from .policies import POLICIES, build_plan
 from .sim import simulate
 from .specs import ModelSpec, Workload, get_hardware, get_model
@@ -95,19 +97,14 @@ def validate_case(case: dict, hardware: str | None = None) -> dict:
     hw_ref = hardware or _resolve(meta.get("hardware_profile") or meta["hardware"], where)
     hw = get_hardware(hw_ref, meta.get("gpu_mem_gb"))
     wl = Workload.from_dict(meta["workload"])
-    # a plan records derived values beside its settings (e.g. TightLLM's chosen N_r): rebuild from the settings
-    if meta["policy"] not in POLICIES:
-        raise OffsimError(f"{where}: field 'meta.policy' is {meta['policy']!r}; valid: {', '.join(POLICIES)}")
-    names = {f.name for f in dataclasses.fields(POLICIES[meta["policy"]][1])}
-    settings = {k: v for k, v in meta["settings"].items() if k in names}
-    plan = build_plan(meta["policy"], model, hw, wl, settings, validate=False)
+    plan, plan_source = _plan_of(case, model, hw, wl)
     pred_trace = simulate(plan, hw, check_memory=False)
     pred = aggregate(pred_trace)
     pm, mm = pred["metrics"], case["metrics"]
     name = Path(where).name.removesuffix(".gz").removesuffix(".case.json").removesuffix(".trace.csv")
     out = {"case": name, "model": meta["model"], "policy": meta["policy"],
            "hardware": str(hw_ref), "gpu_mem_gb": meta.get("gpu_mem_gb"), "prompt_len": wl.prompt_len,
-           "batch": wl.num_prompts}
+           "batch": wl.num_prompts, "plan": plan_source}
     for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s"):
         out[f"measured_{k}"] = mm[k]
         out[f"predicted_{k}"] = pm[k]
@@ -127,6 +124,29 @@ def validate_case(case: dict, hardware: str | None = None) -> dict:
     out["step_latency_mape"] = float(np.mean(np.abs(s["latency_s_pred"] - s["latency_s_meas"])
                                              / s["latency_s_meas"])) if len(s) else float("nan")
     return out
+
+
+def _plan_of(case: dict, model: ModelSpec, hw, wl: Workload) -> tuple[Plan, str]:
+    """The plan to re-simulate, and where it came from: 'stored' (the plan file the run saved beside the case:
+    exactly what ran), 'rebuilt' (from the policy and settings, for cases without one), or 'rebuilt, differs' when
+    the case's ``meta.plan_sha256`` shows that today's policy code builds a different plan from those settings --
+    then the prediction is for a plan that was never measured."""
+    meta, where = case["meta"], case.get("path", "case")
+    if meta.get("plan_file"):
+        path = Path(where).parent / meta["plan_file"]
+        plan = Plan.load(path)
+        if meta.get("plan_sha256") not in (None, plan.fingerprint()):
+            raise OffsimError(f"{where}: the stored plan {path} does not match field 'meta.plan_sha256'")
+        return plan, "stored"
+    # a plan records derived values beside its settings (e.g. TightLLM's chosen N_r): rebuild from the settings
+    if meta["policy"] not in POLICIES:
+        raise OffsimError(f"{where}: field 'meta.policy' is {meta['policy']!r}; valid: {', '.join(POLICIES)}")
+    names = {f.name for f in dataclasses.fields(POLICIES[meta["policy"]][1])}
+    settings = {k: v for k, v in meta["settings"].items() if k in names}
+    plan = build_plan(meta["policy"], model, hw, wl, settings, validate=False)
+    if meta.get("plan_sha256") not in (None, plan.fingerprint()):
+        return plan, "rebuilt, differs"
+    return plan, "rebuilt"
 
 
 def _is_case_json(path: Path) -> bool:
@@ -185,7 +205,9 @@ def check_thresholds(df: pd.DataFrame) -> list[str]:
 def check_regression(df: pd.DataFrame, baseline: pd.DataFrame) -> list[str]:
     """What got worse than the committed baseline (``validation.csv`` of an earlier ``offsim validate --out``):
     a case missing, a case's |total error| grown by more than ``REGRESSION_SLACK``, or the median grown."""
-    bad = []
+    stale = df.loc[df["plan"] == "rebuilt, differs", "case"] if "plan" in df else []
+    bad = [f"{c}: today's code builds a different plan from its settings than the one measured; re-measure it"
+           for c in stale]
     cur = dict(zip(df["case"], df["err_total_tok_s"].abs()))
     for case, e0 in zip(baseline["case"], baseline["err_total_tok_s"].abs()):
         if case not in cur:

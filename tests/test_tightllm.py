@@ -133,8 +133,10 @@ def _check_stores_come_from_their_compute(plan):
     for o in _stores(plan):
         if o.kind != "d2h":
             continue
-        (c,) = [plan.ops[d] for d in o.deps]
-        assert c.kind == "compute" and (c.layer, c.batch, c.step) == (o.layer, o.batch, o.step)
+        (c,) = [plan.ops[d] for d in o.deps if plan.ops[d].kind == "compute"]
+        assert (c.layer, c.batch, c.step) == (o.layer, o.batch, o.step)
+        # anything else it waits for is a staging buffer: the disk write of an earlier store (DiskStoreBuffers)
+        assert all(plan.ops[d].kind == "disk_write" and d < o.id for d in o.deps if d != c.id), o.describe()
         assert c.ctx_tokens - c.q_tokens <= o.lo < o.hi <= c.ctx_tokens, o.describe()
 
 

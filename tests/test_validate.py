@@ -95,3 +95,58 @@ def test_regression_check_catches_growth(tmp_path):
     assert not V.check_regression(base.assign(err_total_tok_s=[0.06, -0.21]), base)
     assert V.check_regression(base.assign(err_total_tok_s=[0.09, -0.20]), base)
     assert V.check_regression(base.iloc[:1], base)  # a case vanished
+
+
+def _with_plan_meta(p, plan, store: bool):
+    case = json.loads(p.read_text())
+    case["meta"]["plan_sha256"] = plan.fingerprint()
+    if store:
+        plan.save(p.parent / "c1.plan.json.gz")
+        case["meta"]["plan_file"] = "c1.plan.json.gz"
+    p.write_text(json.dumps(case))
+
+
+def _case_plan():
+    model, hw = get_model("opt-125m"), get_hardware("t4", gpu_mem_gb=0.2)
+    return build_plan("flexgen", model, hw, Workload(32, 4, 4, 2), {"percent": [0, 100, 0, 100, 100, 0]})
+
+
+def test_stored_plan_is_what_gets_resimulated(tmp_path):
+    """A case that carries its plan is re-simulated from that file, not rebuilt: editing the stored plan (here:
+    dropping the prefetch overlap by serialising its ops) changes the prediction; a fingerprint mismatch is an
+    error that names the file."""
+    from offsim.plan import Plan
+
+    p = _measured(tmp_path)
+    plan = _case_plan()
+    _with_plan_meta(p, plan, store=True)
+    r = V.validate_case(V.load_case(p))
+    assert r["plan"] == "stored" and abs(r["err_total_tok_s"]) < 1e-9
+    slow = Plan.from_dict(plan.to_dict())
+    for o in slow.ops[1:]:
+        o.deps = tuple(sorted(set(o.deps) | {o.id - 1}))
+    slow.save(tmp_path / "c1.plan.json.gz")
+    with pytest.raises(OffsimError, match="c1.plan.json.gz does not match field 'meta.plan_sha256'"):
+        V.validate_case(V.load_case(p))
+    case = json.loads(p.read_text())
+    case["meta"]["plan_sha256"] = slow.fingerprint()
+    p.write_text(json.dumps(case))
+    r = V.validate_case(V.load_case(p))
+    assert r["plan"] == "stored" and r["err_total_tok_s"] < -0.05  # the serial plan is predicted slower
+
+
+def test_rebuilt_plan_that_differs_from_the_run_is_flagged(tmp_path):
+    """Without a stored plan the case is rebuilt from its settings; when its fingerprint says the run executed a
+    different plan (the policy code changed since), the report says so and the regression check fails on it."""
+    import pandas as pd
+
+    p = _measured(tmp_path)
+    _with_plan_meta(p, _case_plan(), store=False)
+    assert V.validate_case(V.load_case(p))["plan"] == "rebuilt"
+    case = json.loads(p.read_text())
+    case["meta"]["plan_sha256"] = "0" * 64
+    p.write_text(json.dumps(case))
+    df = V.validate_dir(tmp_path)
+    assert df["plan"].tolist() == ["rebuilt, differs"]
+    bad = V.check_regression(df, pd.DataFrame({"case": ["c1"], "err_total_tok_s": [0.0]}))
+    assert any("re-measure" in b for b in bad)

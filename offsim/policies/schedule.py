@@ -9,7 +9,8 @@ layer-by-layer streaming; without prefetching and with pageable memory it is Acc
 
 Buffers (what bounds GPU memory): streamed weights are double-buffered when prefetching (the load of a layer waits
 until the layer loaded two loads earlier has run its last batch), single-buffered otherwise; loaded KV is
-double-buffered across batches (the load for position p waits for the compute at position p-2).
+double-buffered across batches (the load for position p waits for the compute at position p-2); KV stored to disk
+is double-buffered on the GPU and in host staging (``DiskStoreBuffers``).
 """
 from __future__ import annotations
 
@@ -58,6 +59,29 @@ def resident_bytes(model: ModelSpec, wl: Workload, s: Schedule) -> dict[str, int
     cpu = cpu_w + kv_total * kc // n_kv + (hidden if s.hidden_home == "cpu" else 0)
     disk = disk_w + kv_total * (n_kv - kg - kc) // n_kv
     return {"gpu": int(gpu), "cpu": int(cpu), "disk": int(disk)}
+
+
+class DiskStoreBuffers:
+    """Two GPU buffers and two host staging buffers for the KV that goes to disk. A new token's KV waits on the GPU
+    until its d2h and in host memory until its disk write; a static plan has no back-pressure of its own, so
+    without these dependencies compute runs ahead of a slow disk and the buffers grow without bound (a prefill that
+    writes its KV to disk fills host memory). With them: the compute of a position waits for the d2h of the store
+    ``depth`` stores back (its GPU buffer), that d2h for the disk write ``depth`` stores back (its staging)."""
+
+    def __init__(self, depth: int = 2):
+        self.depth = depth
+        self.d2h: list[int] = []
+        self.writes: list[int] = []
+
+    def compute_deps(self) -> list[int]:
+        return [self.d2h[-self.depth]] if len(self.d2h) >= self.depth else []
+
+    def d2h_deps(self) -> list[int]:
+        return [self.writes[-self.depth]] if len(self.writes) >= self.depth else []
+
+    def record(self, d2h: int, write: int) -> None:
+        self.d2h.append(d2h)
+        self.writes.append(write)
 
 
 def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict[str, int]) -> Plan:
@@ -115,6 +139,7 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
     hidden_store: dict[int, int] = {}  # batch -> d2h op that parked its hidden on the CPU
     kv_stored: dict[tuple[int, int], list[int]] = {}  # (layer, batch) -> ops that made the last KV durable
     computes: list[int] = []  # compute ops in position order (for KV double buffering)
+    disk_stores = DiskStoreBuffers()
 
     positions = [(i, j, k) for i in range(wl.gen_len) for j in range(-1, L + 1) for k in range(nb)]
     pending_kv_loads: dict[int, list[int]] = {}  # position -> its KV h2d ops
@@ -148,6 +173,17 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         q = wl.prompt_len if i == 0 else 1
         ctx = wl.prompt_len + i
         decoder = 0 <= j < L
+        # hidden input: from the CPU if parked there. Issued before this position's prefetches: the H2D stream is
+        # in order, and this batch's compute needs its few-KB hidden state now, the next layer's weights and the
+        # next batch's KV only later (FlexGen's load_hidden(k+1) likewise runs ahead of compute(k+1), not behind
+        # a whole layer's weights)
+        deps = [last_out.get(k)]
+        if s.hidden_home == "cpu" and k in hidden_store and j >= 0:
+            hb = model.hidden_bytes(gbs * q)
+            # (the block's activations are reserved on their home tier in `resident`; the GPU copy is scratch)
+            hl = add("h2d", [hidden_store.pop(k)], phase, i, j, k, tensor="hidden", lo=ctx - q, hi=ctx, nbytes=hb,
+                     pinned=pinned)
+            deps = [hl]
         # weights: the current layer's (first batch only), then, when prefetching, the next streamed layer's
         if decoder and k == 0 and (i, j) in inst_index:
             u = inst_index[(i, j)]
@@ -163,14 +199,6 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
             emit_kv_loads(0)
         if p + 1 < len(positions):
             emit_kv_loads(p + 1)  # prefetch the next batch's cache (FlexGen: load_cache(k+1))
-        # hidden input: from the CPU if parked there
-        deps = [last_out.get(k)]
-        if s.hidden_home == "cpu" and k in hidden_store and j >= 0:
-            hb = model.hidden_bytes(gbs * q)
-            # (the block's activations are reserved on their home tier in `resident`; the GPU copy is scratch)
-            hl = add("h2d", [hidden_store.pop(k)], phase, i, j, k, tensor="hidden", lo=ctx - q, hi=ctx, nbytes=hb,
-                     pinned=pinned)
-            deps = [hl]
         if decoder and (i, j) in inst_index:
             deps += loaded[inst_index[(i, j)]]
         deps += pending_kv_loads.pop(p, [])
@@ -207,6 +235,8 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         else:
             part = "layer" if decoder else ("embed" if j < 0 else "head")
             # (the embedding of step i waits for the LM head of step i-1 through last_out: the next token)
+            if decoder and kd:
+                deps += disk_stores.compute_deps()
             comp = add("compute", deps, phase, i, j, k, part=part, num_seqs=gbs, q_tokens=q, ctx_tokens=ctx,
                        frees_weights=decoder and last_k, alloc=(ws + new_kv_off_gpu, 0, 0),
                        free=(ws + w_free + kv_loaded, 0, 0))
@@ -219,10 +249,12 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
                                       head_hi=kg + kc, nbytes=nbytes, pinned=pinned, free=(nbytes, 0, 0)))
                 if kd:
                     nbytes = kv_bytes(kd, q)
-                    st = add("d2h", [comp], phase, i, j, k, tensor="kv", lo=ctx - q, hi=ctx, head_lo=kg + kc,
-                             head_hi=n_kv, nbytes=nbytes, pinned=pinned, alloc=(0, nbytes, 0), free=(nbytes, 0, 0))
+                    st = add("d2h", [comp] + disk_stores.d2h_deps(), phase, i, j, k, tensor="kv", lo=ctx - q,
+                             hi=ctx, head_lo=kg + kc, head_hi=n_kv, nbytes=nbytes, pinned=pinned,
+                             alloc=(0, nbytes, 0), free=(nbytes, 0, 0))
                     stores.append(add("disk_write", [st], phase, i, j, k, tensor="kv", lo=ctx - q, hi=ctx,
                                       head_lo=kg + kc, head_hi=n_kv, nbytes=nbytes, free=(0, nbytes, 0)))
+                    disk_stores.record(st, stores[-1])
                 kv_stored[(j, k)] = stores
         computes.append(comp)
         last_out[k] = comp

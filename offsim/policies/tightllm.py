@@ -59,7 +59,7 @@ from ..kv_distributor import SOLVERS, TRANSFER_MODELS, Decision, KVDistributorWa
 from ..plan import Plan, PlanBuilder
 from ..specs import HardwareSpec, ModelSpec, Workload
 from . import FlexGenSettings, capacity_of, kv_split_from_percent, weight_split_from_percent
-from .schedule import Schedule, resident_bytes, workspace_bytes
+from .schedule import DiskStoreBuffers, Schedule, resident_bytes, workspace_bytes
 
 TOKEN_ID_BYTES = 8  # int64 token ids, the only per-token state kept on the GPU for recompute
 
@@ -307,6 +307,7 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
     pending_loads: dict[int, tuple[list[int], list[int]]] = {}  # position -> (h2d ops, [GPU bytes they hold])
     stored_upto: dict[tuple[int, int], int] = {}  # (layer, batch) -> S: KV tokens [0, S) stored off the GPU
     store_ops: dict[tuple[int, int], list[int]] = {}  # (layer, batch) -> the latest ops that extended S
+    disk_stores = DiskStoreBuffers()  # KV stored to disk: bounded GPU and host staging buffers
 
     def emit_kv_loads(p: int, part: str) -> None:
         """The KV prefix [0, b) of position p: the host-homed heads (``part='cpu'``: one h2d) or the disk-homed
@@ -382,6 +383,8 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
             ws = workspace_bytes(model, gbs * q)
             last_k = k == nb - 1
             w_free = off if (last_k and u is not None) else 0
+            if new_store and kd:
+                deps += disk_stores.compute_deps()
             comp = add("compute", deps, phase, i, j, k, part="layer", num_seqs=gbs, q_tokens=q, ctx_tokens=ctx,
                        frees_weights=last_k and u is not None,
                        alloc=(ws + kvb(kc + kd, new_store), 0, 0), free=(ws + w_free + load_held, 0, 0))
@@ -396,10 +399,12 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
                                    head_hi=kg + kc, nbytes=nbytes, pinned=pinned, free=(nbytes, 0, 0)))
                 if kd:
                     nbytes = kvb(kd, new_store)
-                    st_ = add("d2h", [comp], phase, i, j, k, tensor="kv", lo=S, hi=t, head_lo=kg + kc, head_hi=n_kv,
-                              nbytes=nbytes, pinned=pinned, alloc=(0, nbytes, 0), free=(nbytes, 0, 0))
+                    st_ = add("d2h", [comp] + disk_stores.d2h_deps(), phase, i, j, k, tensor="kv", lo=S, hi=t,
+                              head_lo=kg + kc, head_hi=n_kv, nbytes=nbytes, pinned=pinned, alloc=(0, nbytes, 0),
+                              free=(nbytes, 0, 0))
                     ops.append(add("disk_write", [st_], phase, i, j, k, tensor="kv", lo=S, hi=t, head_lo=kg + kc,
                                    head_hi=n_kv, nbytes=nbytes, free=(0, nbytes, 0)))
+                    disk_stores.record(st_, ops[-1])
                 stored_upto[(j, k)] = t
                 store_ops[(j, k)] = ops
         else:
