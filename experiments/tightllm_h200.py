@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from offsim.provenance import provenance, write_csv  # noqa: E402
 
-SCENARIOS = ("opt-13b_tightllm_p2048_g24", "opt-6.7b_tightllm_p2048_g8")  # tags in validation_matrix_config.json
+SCENARIOS = ("opt-13b_tightllm_p2048_g24", "opt-6.7b_tightllm_p2048_g8", "opt-30b_tightllm_p512_g16")  # tags in validation_matrix_config.json
 VARIANTS = {  # name -> (policy, settings overrides)
     "tightllm": ("tightllm", {}),
     "no-kv-distributor": ("tightllm", {"kv_distributor": False}),
