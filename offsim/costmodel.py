@@ -11,6 +11,7 @@ q = 1, ctx = current length, TightLLM's recompute of N_r tokens is q = N_r + 1.
 """
 from __future__ import annotations
 
+import bisect
 import math
 from numbers import Real
 
@@ -21,18 +22,29 @@ from .specs import Curve, HardwareSpec, ModelSpec
 # ----------------------------------------------------------------------------------------------------------------
 
 
+_PREPARED: dict[int, tuple] = {}  # id(curve) -> (curve, xs, log xs, ys): interp is the planners' innermost call
+
+
+def _prepared(curve: Curve) -> tuple:
+    e = _PREPARED.get(id(curve))
+    if e is None or e[0] is not curve:  # (the entry holds the curve, so its id cannot be reused while cached)
+        if len(_PREPARED) > 4096:
+            _PREPARED.clear()
+        xs = [float(p[0]) for p in curve]
+        e = _PREPARED[id(curve)] = (curve, xs, [math.log(x) for x in xs], [float(p[1]) for p in curve])
+    return e
+
+
 def interp(curve: Curve, x: float) -> float:
     """y at x on a curve, linear in log(x) between points, clamped to the end points."""
-    if x <= curve[0][0]:
-        return curve[0][1]
-    if x >= curve[-1][0]:
-        return curve[-1][1]
-    lx = math.log(x)
-    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
-        if x <= x1:
-            w = (lx - math.log(x0)) / (math.log(x1) - math.log(x0))
-            return y0 + w * (y1 - y0)
-    return curve[-1][1]  # pragma: no cover
+    _, xs, lxs, ys = _prepared(curve)
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1]
+    i = bisect.bisect_left(xs, x)  # xs[i - 1] < x <= xs[i]
+    w = (math.log(x) - lxs[i - 1]) / (lxs[i] - lxs[i - 1])
+    return ys[i - 1] + w * (ys[i] - ys[i - 1])
 
 
 def _is_number(x) -> bool:
