@@ -39,10 +39,24 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--commit", default=None)
     ap.add_argument("--quick", action="store_true", help="CPU smoke test: opt-125m, small shapes")
+    ap.add_argument("--sustain", type=float, default=0.0, metavar="SECONDS",
+                    help="also run each recompute shape's layer back to back for SECONDS and record its time per "
+                         "chunk of 50 (does the rate hold under sustained load?) -> sustain.csv")
     a = ap.parse_args()
     dev = torch.device("cpu" if a.quick else "cuda")
     shapes_of = [("opt-125m", 1, [(1, 34), (8, 34), (32, 32)])] if a.quick else SHAPES
     rows = []
+
+    sustain: list[dict] = []
+
+    def timed_n(fn, n: int) -> float:
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(n):
+            fn()
+        e.record()
+        torch.cuda.synchronize()
+        return s.elapsed_time(e) / 1e3 / n
 
     def timed(fn) -> float:
         for _ in range(3):
@@ -105,6 +119,17 @@ def main() -> None:
                          "predicted_layer_s": pred_layer, "predicted_attn_s": pred_attn,
                          "predicted_rest_s": pred_layer - pred_attn, "tokens": tok})
             print(rows[-1], flush=True)
+            if a.sustain and rows[-1]["kind"] == "recompute" and dev.type == "cuda":
+                import time
+
+                t_end, k = time.perf_counter() + a.sustain, 0
+                while time.perf_counter() < t_end:
+                    sustain.append({"model": name, "B": B, "T": T, "C": C, "chunk": k,
+                                    "elapsed_s": a.sustain - (t_end - time.perf_counter()),
+                                    "layer_s": timed_n(layer, 50)})
+                    k += 1
+                print(f"  sustained {a.sustain:.0f} s: first chunk {sustain[-k]['layer_s'] * 1e3:.3f} ms, last "
+                      f"{sustain[-1]['layer_s'] * 1e3:.3f} ms", flush=True)
         del flat, w
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -117,6 +142,9 @@ def main() -> None:
     write_csv(df, out / "recompute_shapes.csv", provenance(gpu=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", profile=a.profile,
                                                             **({"commit": a.commit} if a.commit else {})))
     print(df.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    if sustain:
+        write_csv(pd.DataFrame(sustain), out / "sustain.csv", provenance(gpu=torch.cuda.get_device_name(),
+                                                                      **({"commit": a.commit} if a.commit else {})))
 
 
 if __name__ == "__main__":
