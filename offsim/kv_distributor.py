@@ -366,10 +366,11 @@ class _MilpFailure(Exception):
 
 
 class _ChoiceMilp:
-    """min t + eps·(rank · x)  s.t.  t >= T[s, :] · x for each stream s,  sum(x) = 1,  x binary  (K candidates):
+    """min t + eps·(rank · x)  s.t.  t >= T[s, :] · x for each stream s,  t >= f · x,  sum(x) = 1,  x binary
+    (K candidates, f_k = max_s T[s, k]):
     TightLLM's min max(T_compute, T_transfer) with one binary per candidate N_r, whose stream times are evaluated
     exactly by the cost model (the MFU curves make them non-linear in N_r).
-    Compiled once per K (cvxpy DPP); a decision only sets the parameter T."""
+    Compiled once per K (cvxpy DPP); a decision only sets the parameters T and f."""
 
     def __init__(self, K: int):
         import cvxpy as cp
@@ -377,11 +378,15 @@ class _ChoiceMilp:
         self.cp = cp
         self.K = K
         self.T = cp.Parameter((NUM_ROWS, K), nonneg=True)
+        self.f = cp.Parameter(K, nonneg=True)  # each candidate's objective, max over its streams
         self.x = cp.Variable(K, boolean=True)
         self.t = cp.Variable()
         rank = np.arange(K) / K  # ties go to the earliest candidate: the smallest N_r
+        # f @ x <= t is a valid cut (for a one-hot x it says t >= max_s T[s, k]) that makes the LP relaxation
+        # tight: without it a fractional x mixes candidates whose bottleneck streams differ and HiGHS branches for
+        # seconds when thousands of candidates survive the presolve (e.g. one batch carrying a whole layer's weights)
         self.prob = cp.Problem(cp.Minimize(self.t + _TIE_EPS * rank @ self.x),
-                               [self.T @ self.x <= self.t, cp.sum(self.x) == 1])
+                               [self.T @ self.x <= self.t, self.f @ self.x <= self.t, cp.sum(self.x) == 1])
 
     def solve(self, T: np.ndarray) -> int:
         cp = self.cp
@@ -390,6 +395,7 @@ class _ChoiceMilp:
         full[:, :n] = T.T
         full[:, n:] = 2.0  # padding: a candidate slower than any real one (T is scaled to at most 1)
         self.T.value = full
+        self.f.value = full.max(0)
         global _threads_ok
         try:
             if _threads_ok:

@@ -384,3 +384,19 @@ def test_cli_tightllm_stdout_has_no_solver_banner():
     assert "HiGHS" not in r.stdout
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["policy"] == "tightllm" and any(n > 0 for row in out["settings"]["recompute_tokens"] for n in row)
+
+
+def test_ilp_with_thousands_of_candidates_equals_brute_force():
+    """A batch that carries a whole layer's weights (no weight loader) on the measured H200 profile: the presolve
+    cannot prune (measured link curves are not monotone in time), so all 2049 values of N_r reach the MILP. The
+    valid cut t >= f·x keeps its relaxation tight (without it HiGHS branched for seconds); the answer must still be
+    brute force's."""
+    from pathlib import Path
+
+    prof = Path(__file__).resolve().parents[1] / "results" / "profiles" / "h200.json"
+    m, hw = get_model("opt-13b"), get_hardware(str(prof), 24)
+    d = Decision(2, 2048, 40, 0, weight_cpu_bytes=int(0.18 * m.layer_weight_bytes()), hidden_offloaded=True)
+    D = KVDistributor(m, hw)
+    cands, _ = D.certified(d)
+    assert len(cands) > 1000
+    assert D.solve_ilp(d) == D.brute_force(d)
