@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -50,7 +51,14 @@ def main() -> None:
     sustain: list[dict] = []
 
     def timed_n(fn, n: int) -> float:
+        """Mean seconds of ``fn()`` over ``n`` back-to-back calls (CUDA events on the GPU)."""
+        if dev.type == "cpu":
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            return (time.perf_counter() - t0) / n
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
         s.record()
         for _ in range(n):
             fn()
@@ -59,23 +67,9 @@ def main() -> None:
         return s.elapsed_time(e) / 1e3 / n
 
     def timed(fn) -> float:
-        for _ in range(3):
+        for _ in range(3):  # warm-up: cuBLAS heuristics, allocator
             fn()
-        if dev.type == "cpu":
-            import time
-
-            t0 = time.perf_counter()
-            for _ in range(a.reps):
-                fn()
-            return (time.perf_counter() - t0) / a.reps
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        s.record()
-        for _ in range(a.reps):
-            fn()
-        e.record()
-        torch.cuda.synchronize()
-        return s.elapsed_time(e) / 1e3 / a.reps
+        return timed_n(fn, a.reps)
 
     for name, B, shapes in shapes_of:
         spec = dataclasses.replace(get_model(name), max_positions=4096)  # random weights: extend OPT's positions
@@ -120,8 +114,6 @@ def main() -> None:
                          "predicted_rest_s": pred_layer - pred_attn, "tokens": tok})
             print(rows[-1], flush=True)
             if a.sustain and rows[-1]["kind"] == "recompute" and dev.type == "cuda":
-                import time
-
                 t_end, k = time.perf_counter() + a.sustain, 0
                 while time.perf_counter() < t_end:
                     sustain.append({"model": name, "B": B, "T": T, "C": C, "chunk": k,

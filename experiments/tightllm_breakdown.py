@@ -28,15 +28,13 @@ from tqdm import tqdm  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tightllm_common import GEN_LEN, OUT, PAPER, POLICY_LABEL, PROMPTS, model_for  # noqa: E402
+from tightllm_common import GEN_LEN, OUT, PAPER, POLICY_LABEL, PROMPTS, fixed_lp_groups, model_for  # noqa: E402
 
 from offsim import OffsimError, PlanError, Workload, build_plan, get_hardware, simulate  # noqa: E402
-from offsim.optimize import flexgen_lp  # noqa: E402
 from offsim.provenance import provenance, write_csv  # noqa: E402
 
 DIR = OUT / "breakdown"
-SHAPES = [(8, 1), (4, 2), (2, 4), (1, 8)]
-MARGINS = (0, 2, 5, 10)  # host-memory percentage points moved to disk when the LP's placement does not fit
+SEQUENCES = 8  # the paper's batch for this figure; block shapes 8x1, 4x2, 2x4, 1x8
 
 
 def phase_breakdown(trace, phase: str, units: float) -> dict:
@@ -55,24 +53,12 @@ def phase_breakdown(trace, phase: str, units: float) -> dict:
 
 
 def candidates(policy: str, model, hw, P: int):
-    """(settings, workload) groups: one group per block shape, its variants in order of preference (the first that
-    fits is used)."""
+    """(settings, workload) groups of 8 sequences, each in order of preference (the first that fits is used):
+    Accelerate as one batch of 8, on CPU or else disk; FlexGen and TightLLM as in ``fixed_lp_groups``."""
     if policy == "static-accelerate":
-        yield [({"offload": off}, Workload(P, GEN_LEN, 8, 1)) for off in ("cpu", "disk")]
+        yield [({"offload": off}, Workload(P, GEN_LEN, SEQUENCES, 1)) for off in ("cpu", "disk")]
         return
-    for gbs, nb in SHAPES:
-        for ca in ((False, True) if policy == "flexgen" else (False,)):
-            r = flexgen_lp(model, hw, P, GEN_LEN, gbs, nb, ca)
-            if r is None:
-                continue
-            wg, wc, cg, cc, ag, ac = r.percent
-            group = []
-            for dm in MARGINS:
-                st = {"percent": (wg, max(0, wc - dm), cg, max(0, cc - dm), ag, ac)}
-                if policy == "flexgen":
-                    st["cpu_attention"] = ca
-                group.append((st, Workload(P, GEN_LEN, gbs, nb)))
-            yield group
+    yield from fixed_lp_groups(policy, model, hw, P, SEQUENCES)
 
 
 def best_run(policy: str, model, hw, P: int):
@@ -93,7 +79,7 @@ def best_run(policy: str, model, hw, P: int):
 
 def main() -> None:
     hw = get_hardware("a800")
-    prov = provenance(model="opt-175b (positions extended past 2048)", hardware="a800", sequences=8,
+    prov = provenance(model="opt-175b (positions extended past 2048)", hardware="a800", sequences=SEQUENCES,
                       gen_len=GEN_LEN)
     rows = []
     for P in tqdm(PROMPTS, desc="prompt lengths"):

@@ -32,6 +32,8 @@ PROMPTS = [512, 1024, 2048, 4096, 8192]
 GEN_LEN = 32
 POLICIES = ["static-accelerate", "flexgen", "tightllm"]
 POLICY_LABEL = {"static-accelerate": "Accelerate", "flexgen": "FlexGen", "tightllm": "TightLLM"}
+POLICY_COLOR = {"static-accelerate": "#7f7f7f", "flexgen": "#1f77b4", "tightllm": "#d62728"}
+MARGINS = (0, 2, 5, 10)  # host-memory percentage points moved to disk when the LP's placement does not fit
 
 # TightLLM's published claims (ANCHORS.md), for the tables beside ours
 PAPER = {
@@ -104,30 +106,36 @@ def shapes_for(sequences: int) -> list[tuple[int, int]]:
     return [(sequences // nb, nb) for nb in range(1, min(16, sequences) + 1) if sequences % nb == 0]
 
 
+def fixed_lp_groups(policy: str, model, hw, prompt_len: int, sequences: int, gen_len: int = GEN_LEN):
+    """(settings, workload) groups for FlexGen or TightLLM with exactly ``sequences`` sequences: one group per block
+    shape (and, for FlexGen, with and without CPU attention) with FlexGen's LP placement for it, then that placement
+    with ``MARGINS`` points of host memory moved to disk -- in order of preference (the first that fits is used)."""
+    from offsim.optimize import flexgen_lp
+
+    for gbs, nb in shapes_for(sequences):
+        for ca in ((False, True) if policy == "flexgen" else (False,)):
+            r = flexgen_lp(model, hw, prompt_len, gen_len, gbs, nb, ca)
+            if r is None:
+                continue
+            wg, wc, cg, cc, ag, ac = r.percent
+            group = []
+            for dm in MARGINS:
+                st = {"percent": (wg, max(0, wc - dm), cg, max(0, cc - dm), ag, ac)}
+                if policy == "flexgen":
+                    st["cpu_attention"] = ca
+                group.append((st, Workload(prompt_len, gen_len, gbs, nb)))
+            yield group
+
+
 def best_fixed(policy: str, model, hw, prompt_len: int, sequences: int, gen_len: int = GEN_LEN) -> dict:
     """The policy at its best for a fixed number of sequences (the paper's fixed batch): Accelerate runs them as one
     GPU batch; FlexGen and TightLLM try every block shape of that size with FlexGen's LP placement for it (FlexGen
     with and without CPU attention), moving 2-10 points of host memory to disk when the LP's placement does not
     fit, and keep the best simulated total throughput."""
-    from offsim.optimize import flexgen_lp
-
-    tries = []
     if policy == "static-accelerate":
         tries = [[({"offload": off}, Workload(prompt_len, gen_len, sequences, 1))] for off in ("cpu", "disk")]
     else:
-        for gbs, nb in shapes_for(sequences):
-            for ca in ((False, True) if policy == "flexgen" else (False,)):
-                r = flexgen_lp(model, hw, prompt_len, gen_len, gbs, nb, ca)
-                if r is None:
-                    continue
-                wg, wc, cg, cc, ag, ac = r.percent
-                group = []
-                for dm in (0, 2, 5, 10):
-                    st = {"percent": (wg, max(0, wc - dm), cg, max(0, cc - dm), ag, ac)}
-                    if policy == "flexgen":
-                        st["cpu_attention"] = ca
-                    group.append((st, Workload(prompt_len, gen_len, gbs, nb)))
-                tries.append(group)
+        tries = fixed_lp_groups(policy, model, hw, prompt_len, sequences, gen_len)
     bestrow, reason = None, "no block shape fits"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -32,8 +32,8 @@ import pandas as pd  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tightllm_common import (GEN_LEN, HARDWARE, MODELS, OUT, POLICIES, POLICY_LABEL, PROMPTS, Cache,  # noqa: E402
-                             model_for)
+from tightllm_common import (GEN_LEN, HARDWARE, MODELS, OUT, POLICIES, POLICY_COLOR,  # noqa: E402
+                             POLICY_LABEL, PROMPTS, Cache, model_for)
 
 from offsim import Workload, get_hardware  # noqa: E402
 from offsim.costmodel import gemm_flops_per_token  # noqa: E402
@@ -191,14 +191,14 @@ def main() -> None:
     hws = [h for h in HARDWARE if h in set(idle["hardware"])]
     fig, axes = plt.subplots(len(hws), len(MODELS), figsize=(2.6 * len(MODELS), 2.6 * len(hws)), squeeze=False,
                              sharey=True)
-    colors = {"static-accelerate": "#7f7f7f", "flexgen": "#1f77b4", "tightllm": "#d62728"}
     for a, h in enumerate(hws):
         for b, m in enumerate(MODELS):
             ax = axes[a][b]
             for pol in POLICIES:
                 g = idle[(idle["hardware"] == h) & (idle["model"] == m) & (idle["policy"] == pol)]
                 g = g.sort_values("prompt_len")
-                ax.plot(g["prompt_len"], g["gpu_idle_frac"], "o-", ms=3, color=colors[pol], label=POLICY_LABEL[pol])
+                ax.plot(g["prompt_len"], g["gpu_idle_frac"], "o-", ms=3, color=POLICY_COLOR[pol],
+                        label=POLICY_LABEL[pol])
             ax.set_xscale("log", base=2)
             ax.set_xticks(PROMPTS, [f"{p / 1024:g}K" for p in PROMPTS])
             ax.set_ylim(0, 1)

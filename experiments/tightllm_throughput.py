@@ -28,8 +28,8 @@ from tqdm import tqdm  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tightllm_common import (GEN_LEN, HARDWARE, MODELS, OUT, PAPER, POLICIES, POLICY_LABEL, PROMPTS,  # noqa: E402
-                             Cache, best, best_fixed, model_for)
+from tightllm_common import (GEN_LEN, HARDWARE, MODELS, OUT, PAPER, POLICIES, POLICY_COLOR,  # noqa: E402
+                             POLICY_LABEL, PROMPTS, Cache, best, best_fixed, model_for)
 
 from offsim import Workload, get_hardware  # noqa: E402
 from offsim.policies import tightllm as T  # noqa: E402
@@ -114,18 +114,17 @@ def plot(df: pd.DataFrame, phase: str, path: Path) -> None:
     models = [m for m in MODELS if m in set(df["model"])]
     fig, axes = plt.subplots(len(hws), len(models), figsize=(3.0 * len(models), 2.8 * len(hws)), squeeze=False,
                              sharex=True)
-    colors = {"static-accelerate": "#7f7f7f", "flexgen": "#1f77b4", "tightllm": "#d62728"}
     for a, h in enumerate(hws):
         for b, m in enumerate(models):
             ax = axes[a][b]
             for pol in POLICIES:
                 g = df[(df["hardware"] == h) & (df["model"] == m) & (df["policy"] == pol)].sort_values("prompt_len")
                 okg = g[g["status"] == "ok"]
-                ax.plot(okg["prompt_len"], okg[f"{phase}_tok_s"], "o-", color=colors[pol], label=POLICY_LABEL[pol],
-                        ms=3)
+                ax.plot(okg["prompt_len"], okg[f"{phase}_tok_s"], "o-", color=POLICY_COLOR[pol],
+                        label=POLICY_LABEL[pol], ms=3)
                 bad = g[g["status"] != "ok"]
                 for p in bad["prompt_len"]:
-                    ax.annotate("OOM", (p, ax.get_ylim()[0]), color=colors[pol], fontsize=6, ha="center")
+                    ax.annotate("OOM", (p, ax.get_ylim()[0]), color=POLICY_COLOR[pol], fontsize=6, ha="center")
             ax.set_xscale("log", base=2)
             ax.set_xticks(PROMPTS, [f"{p / 1024:g}K" for p in PROMPTS])
             ax.set_yscale("log")

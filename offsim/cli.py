@@ -231,7 +231,7 @@ def cmd_validate(args) -> None:
     kinds = df[[c for c in df.columns if c.startswith("mape_")]].mean()
     print("\nmean per-op-kind MAPE over cases:")
     print(kinds.to_string(float_format=lambda v: f"{v:.1%}"))
-    stale = df.loc[df["plan"] == "rebuilt, differs", "case"].tolist()
+    stale = V.stale_cases(df)
     if stale:
         print(f"\nwarning: {len(stale)} case(s) ran a plan that today's code no longer builds from their settings "
               f"(re-measure them): {', '.join(stale)}")

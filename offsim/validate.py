@@ -202,12 +202,16 @@ def check_thresholds(df: pd.DataFrame) -> list[str]:
     return bad
 
 
+def stale_cases(df: pd.DataFrame) -> list[str]:
+    """Cases whose plan today's code rebuilds differently from the one that ran (``plan`` = 'rebuilt, differs')."""
+    return df.loc[df["plan"] == "rebuilt, differs", "case"].tolist() if "plan" in df else []
+
+
 def check_regression(df: pd.DataFrame, baseline: pd.DataFrame) -> list[str]:
     """What got worse than the committed baseline (``validation.csv`` of an earlier ``offsim validate --out``):
     a case missing, a case's |total error| grown by more than ``REGRESSION_SLACK``, or the median grown."""
-    stale = df.loc[df["plan"] == "rebuilt, differs", "case"] if "plan" in df else []
     bad = [f"{c}: today's code builds a different plan from its settings than the one measured; re-measure it"
-           for c in stale]
+           for c in stale_cases(df)]
     cur = dict(zip(df["case"], df["err_total_tok_s"].abs()))
     for case, e0 in zip(baseline["case"], baseline["err_total_tok_s"].abs()):
         if case not in cur:
