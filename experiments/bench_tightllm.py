@@ -22,9 +22,9 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from offsim import Workload, build_plan, get_hardware, get_model, simulate  # noqa: E402
-from offsim.kv_distributor import KVDistributor  # noqa: E402
-from offsim.policies import tightllm as T  # noqa: E402
-from offsim.provenance import provenance, write_csv  # noqa: E402
+from offsim.policies.tightllm.kv_distributor import KVDistributor  # noqa: E402
+from offsim.policies.tightllm import policy as T  # noqa: E402
+from offsim.core.provenance import provenance, write_csv  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "results" / "tightllm" / "bench"
 DECISION_TARGET_S = 5e-3
@@ -102,7 +102,7 @@ def main() -> None:
     plan_row = time_plan()  # first: a cold process
     # warm the MILP buckets once so the per-decision times are steady-state (a plan pays the compile once)
     m, hw = get_model("opt-30b"), get_hardware("h200")
-    from offsim.kv_distributor import Decision
+    from offsim.policies.tightllm.kv_distributor import Decision
 
     for ctx in (100, 2000, 8000):
         KVDistributor(m, hw).solve_ilp(Decision(8, ctx, 56, 0, 1 << 28))

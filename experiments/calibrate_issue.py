@@ -14,8 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from offsim import build_plan, get_hardware, get_model  # noqa: E402
-from offsim.provenance import provenance  # noqa: E402
-from offsim.specs import HardwareSpec, Workload  # noqa: E402
+from offsim.core.provenance import provenance  # noqa: E402
+from offsim.core.specs import HardwareSpec, Workload  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "results" / "offexec" / "offexec_h200.json"

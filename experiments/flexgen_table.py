@@ -22,8 +22,8 @@ import pandas as pd  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from offsim import PlanError, Workload, build_plan, get_hardware, get_model, simulate  # noqa: E402
-from offsim.optimize import search  # noqa: E402
-from offsim.provenance import provenance, write_csv  # noqa: E402
+from offsim.search import search  # noqa: E402
+from offsim.core.provenance import provenance, write_csv  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "results" / "flexgen_table"
 PROMPT, GEN = 512, 32

@@ -30,8 +30,8 @@ from offexec.executor import check_plan, run_plan
 from offexec.memory import HostBuffer
 from offexec.weights import random_weights
 from offsim import POLICIES, Workload, build_plan, get_hardware, get_model, simulate
-from offsim.provenance import provenance
-from offsim.validate import case_from_trace, save_case
+from offsim.core.provenance import provenance
+from offsim.analysis.validate import case_from_trace, save_case
 
 GiB = 1 << 30
 TARGET_PERCENT = (20, 80, 0, 100, 100, 0)  # FlexGen's placement of ANCHORS.md's run
@@ -51,7 +51,7 @@ TARGETS = {"flexgen_gpu_attn": {"decode_tok_s": 19.5, "link_bound_frac": 0.90}, 
 def compute_scale(plan, trace, hw) -> float:
     """Measured / predicted time of the decode compute ops of a run (how much slower this GPU computes them than
     the hardware spec says)."""
-    from offsim import costmodel
+    from offsim.core import costmodel
 
     df = trace.df
     meas = pred = 0.0

@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from offsim import costmodel as cm  # noqa: E402
-from offsim.provenance import provenance, write_csv  # noqa: E402
-from offsim.specs import get_hardware, get_model  # noqa: E402
+from offsim.core import costmodel as cm  # noqa: E402
+from offsim.core.provenance import provenance, write_csv  # noqa: E402
+from offsim.core.specs import get_hardware, get_model  # noqa: E402
 
 # (model, batch B, [(T, C)]): the decode, recompute and prefill shapes of the three H200 TightLLM scenarios
 SHAPES = [

@@ -15,8 +15,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from offsim import validate as V  # noqa: E402
-from offsim.provenance import provenance, write_csv  # noqa: E402
+from offsim.analysis import validate as V  # noqa: E402
+from offsim.core.provenance import provenance, write_csv  # noqa: E402
 
 CASES = ("llama-3-8b_flexgen_p512_g16", "opt-13b_flexgen_p2048_g24", "opt-13b_flexgen_p512_g16",
          "opt-6.7b_flexgen_p2048_g8", "opt-6.7b_flexgen_p512_g8")

@@ -27,8 +27,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from offsim import OffsimError, Workload, get_hardware, get_model  # noqa: E402
-from offsim.policies.selectn import host_weight_bytes  # noqa: E402
-from offsim.selectn_record import build_record, provenance, request_intervals, simulate_phased  # noqa: E402
+from offsim.policies.selectn.policy import host_weight_bytes  # noqa: E402
+from offsim.policies.selectn.record import build_record, provenance, request_intervals, simulate_phased  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -36,8 +36,8 @@ import pandas as pd  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from offsim import OffsimError, Workload, get_hardware, get_model  # noqa: E402
-from offsim.coordinator import Instance, coordinate, instance_options  # noqa: E402
-from offsim.selectn_record import iteration_latency, provenance  # noqa: E402
+from offsim.policies.selectn.coordinator import Instance, coordinate, instance_options  # noqa: E402
+from offsim.policies.selectn.record import iteration_latency, provenance  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))

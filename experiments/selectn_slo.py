@@ -40,7 +40,7 @@ import pandas as pd  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from offsim import OffsimError, Workload, build_plan, get_hardware, get_model, simulate  # noqa: E402
-from offsim.selectn_record import (build_record, fastest_interval, provenance, request_intervals,  # noqa: E402
+from offsim.policies.selectn.record import (build_record, fastest_interval, provenance, request_intervals,  # noqa: E402
                                    simulate_phased)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,7 +79,7 @@ def run_selectn_nmax(model, hw, wl) -> dict:
 
 
 def run_flexgen(model, hw, wl, top: int = 3) -> dict:
-    from offsim.optimize import flexgen_lp
+    from offsim.policies.lp import flexgen_lp
 
     b = wl.gpu_batch_size
     cands = []
@@ -193,7 +193,7 @@ def main(argv=None) -> int:
     fsearch = []
     for name in args.models:
         try:
-            from offsim.optimize import search
+            from offsim.search import search
 
             sr = search("flexgen", get_model(name), hw, args.prompt_len, args.gen_len)
             tr = simulate(build_plan("flexgen", get_model(name), hw, sr.workload, sr.settings), hw)

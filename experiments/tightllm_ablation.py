@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tightllm_common import GEN_LEN, HARDWARE, MODELS, OUT, PAPER, Cache, model_for  # noqa: E402
 
 from offsim import OffsimError, Workload, build_plan, get_hardware, simulate  # noqa: E402
-from offsim.provenance import provenance, write_csv  # noqa: E402
+from offsim.core.provenance import provenance, write_csv  # noqa: E402
 
 DIR = OUT / "ablation"
 FLEXGEN_SAME = "FlexGen, same placement"

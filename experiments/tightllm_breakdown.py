@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tightllm_common import GEN_LEN, OUT, PAPER, POLICY_LABEL, PROMPTS, fixed_lp_groups, model_for  # noqa: E402
 
 from offsim import OffsimError, PlanError, Workload, build_plan, get_hardware, simulate  # noqa: E402
-from offsim.provenance import provenance, write_csv  # noqa: E402
+from offsim.core.provenance import provenance, write_csv  # noqa: E402
 
 DIR = OUT / "breakdown"
 SEQUENCES = 8  # the paper's batch for this figure; block shapes 8x1, 4x2, 2x4, 1x8

@@ -8,7 +8,7 @@ with ``dataclasses.replace`` (it only changes OPT's position-table size, which o
 the numbers say nothing about output quality at those lengths -- as in the paper, which uses the same models at 8K).
 
 "Best settings": ``offsim.optimize.search`` (FlexGen: its LP then simulation; Accelerate: batch sizes; TightLLM: the
-candidates ``offsim.policies.tightllm.CANDIDATES`` yields). When the search finds nothing feasible -- its LP's memory
+candidates ``offsim.policies.tightllm.policy.tightllm_candidates`` yields). When the search finds nothing feasible -- its LP's memory
 model can put host memory exactly at its limit while the plan's disk staging needs a little more -- ``best`` falls back
 to the same LP placements with 2-10 percentage points of host-memory weights (and KV) moved to disk, simulated in
 full; rows say which path produced them (``found_by``).
@@ -22,7 +22,8 @@ import warnings
 from pathlib import Path
 
 from offsim import OffsimError, PlanError, Workload, build_plan, get_hardware, get_model, simulate
-from offsim.optimize import flexgen_candidates, search
+from offsim.policies.lp import flexgen_candidates
+from offsim.search import search
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "results" / "tightllm"
@@ -110,7 +111,7 @@ def fixed_lp_groups(policy: str, model, hw, prompt_len: int, sequences: int, gen
     """(settings, workload) groups for FlexGen or TightLLM with exactly ``sequences`` sequences: one group per block
     shape (and, for FlexGen, with and without CPU attention) with FlexGen's LP placement for it, then that placement
     with ``MARGINS`` points of host memory moved to disk -- in order of preference (the first that fits is used)."""
-    from offsim.optimize import flexgen_lp
+    from offsim.policies.lp import flexgen_lp
 
     for gbs, nb in shapes_for(sequences):
         for ca in ((False, True) if policy == "flexgen" else (False,)):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from offsim.provenance import provenance, write_csv  # noqa: E402
+from offsim.core.provenance import provenance, write_csv  # noqa: E402
 
 SCENARIOS = ("opt-13b_tightllm_p2048_g24", "opt-6.7b_tightllm_p2048_g8", "opt-30b_tightllm_p512_g16")  # tags in validation_matrix_config.json
 VARIANTS = {  # name -> (policy, settings overrides)
@@ -54,7 +54,7 @@ def report(case_dir: Path, profile: str) -> None:
     import matplotlib.pyplot as plt
     import pandas as pd
 
-    from offsim import validate as V
+    from offsim.analysis import validate as V
 
     df = V.validate_dir(case_dir, hardware=profile)
     df["variant"] = [next(v for v in VARIANTS if f"_{v}_" in c) for c in df["case"]]

@@ -36,10 +36,10 @@ from tightllm_common import (GEN_LEN, HARDWARE, MODELS, OUT, POLICIES, POLICY_CO
                              POLICY_LABEL, PROMPTS, Cache, model_for)
 
 from offsim import Workload, get_hardware  # noqa: E402
-from offsim.costmodel import gemm_flops_per_token  # noqa: E402
-from offsim.kv_distributor import distributor  # noqa: E402
-from offsim.policies import tightllm as T  # noqa: E402
-from offsim.provenance import provenance, write_csv  # noqa: E402
+from offsim.core.costmodel import gemm_flops_per_token  # noqa: E402
+from offsim.policies.tightllm.kv_distributor import distributor  # noqa: E402
+from offsim.policies.tightllm import policy as T  # noqa: E402
+from offsim.core.provenance import provenance, write_csv  # noqa: E402
 
 DIR = OUT / "nr"
 # (label, model, hardware, GPU GiB, percent, gbs, nb, prompt, batch index)

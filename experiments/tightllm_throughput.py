@@ -32,8 +32,8 @@ from tightllm_common import (GEN_LEN, HARDWARE, MODELS, OUT, PAPER, POLICIES, PO
                              POLICY_LABEL, PROMPTS, Cache, best, best_fixed, model_for)
 
 from offsim import Workload, get_hardware  # noqa: E402
-from offsim.policies import tightllm as T  # noqa: E402
-from offsim.provenance import provenance, write_csv  # noqa: E402
+from offsim.policies.tightllm import policy as T  # noqa: E402
+from offsim.core.provenance import provenance, write_csv  # noqa: E402
 
 DIR = OUT / "throughput"  # --sequences N: OUT / f"throughput_{N}seq"
 SEQUENCES = None

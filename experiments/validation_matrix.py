@@ -23,10 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from offsim import POLICIES, Workload, build_plan, get_hardware, get_model, simulate  # noqa: E402
-from offsim.errors import OffsimError  # noqa: E402
-from offsim.optimize import search  # noqa: E402
-from offsim.provenance import provenance  # noqa: E402
-from offsim.validate import case_from_trace, save_case  # noqa: E402
+from offsim.core.errors import OffsimError  # noqa: E402
+from offsim.search import search  # noqa: E402
+from offsim.core.provenance import provenance  # noqa: E402
+from offsim.analysis.validate import case_from_trace, save_case  # noqa: E402
 
 GiB = 1 << 30
 # (model, GPU budget GiB, prompt lengths) -> every policy at each prompt length
@@ -50,7 +50,7 @@ def settings_for(policy, fixed, model, hw, prompt_len, gen_len, quick=False):
         st = {"percent": (0, 100, 0, 100, 100, 0), **fixed} if policy == "flexgen" else {}
         return st, wl
     if policy == "flexgen":
-        from offsim.optimize import flexgen_candidates
+        from offsim.policies.lp import flexgen_candidates
 
         cands = flexgen_candidates(model, hw, prompt_len, gen_len, cpu_attention=(fixed["cpu_attention"],))
         cands = [r for r in cands if r.gpu_batch_size * r.num_gpu_batches <= MAX_BATCH]
@@ -106,7 +106,7 @@ def run_cases(cases: list[dict], args) -> list[dict]:
 
     from offexec.executor import check_plan, run_plan
     from offexec.weights import random_weights
-    from offsim.specs import ModelSpec
+    from offsim.core.specs import ModelSpec
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

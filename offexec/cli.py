@@ -18,11 +18,11 @@ import sys
 import time
 
 from offsim.cli import add_policy_args, add_target_args, policy_settings
-from offsim.errors import OffsimError
+from offsim.core.errors import OffsimError
 from offsim.policies import build_plan
-from offsim.provenance import provenance
-from offsim.sim import simulate
-from offsim.specs import Workload, get_hardware, get_model
+from offsim.core.provenance import provenance
+from offsim.core.sim import simulate
+from offsim.core.specs import Workload, get_hardware, get_model
 
 GiB = 1 << 30
 PHASES = ("prefill_tok_s", "decode_tok_s", "total_tok_s")

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from offsim.plan import Plan
+from offsim.core.plan import Plan
 from offsim.policies.schedule import workspace_bytes
-from offsim.trace import Trace
+from offsim.core.trace import Trace
 
 from . import model as M
 from .memory import BufferPool, DiskTier, ExecError, HostBuffer, apply_gpu_budget, check_gpu_budget, host_tensor
@@ -287,7 +287,8 @@ class Executor:
         makespan = float(self.end.max()) if n else 0.0
         stats["issue_frac"] = self.issue_s / makespan if makespan > 0 else 0.0
         m = {"model": self.spec.name, "hardware": meta.get("hardware", self.device.type), "policy": self.plan.policy,
-             "workload": wl.to_dict(), "settings": self.plan.settings, "source": "offexec", "device": str(self.device)}
+             "workload": wl.to_dict(), "settings": self.plan.settings,
+             "derived": self.plan.derived, "source": "offexec", "device": str(self.device)}
         m.update(meta)
         trace = Trace.from_arrays(self.plan, self.start, self.end, m, peaks)
         kv = {}

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from offsim.errors import OffsimError
+from offsim.core.errors import OffsimError
 
 GiB = 1 << 30
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from offsim.specs import ModelSpec
+from offsim.core.specs import ModelSpec
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 OPT_POSITION_OFFSET = 2  # OPT's learned position table starts at index 2 (transformers OPTLearnedPositionalEmbedding)

@@ -194,9 +194,9 @@ def run_profile(model: str = "opt-30b", device: str = "cuda", quick: bool = Fals
     """Measure this machine; return the profile dict (``HardwareSpec.from_dict`` accepts it)."""
     import torch
 
-    from offsim.errors import OffsimError
-    from offsim.provenance import provenance
-    from offsim.specs import HARDWARE_SCHEMA, HardwareSpec, get_model
+    from offsim.core.errors import OffsimError
+    from offsim.core.provenance import provenance
+    from offsim.core.specs import HARDWARE_SCHEMA, HardwareSpec, get_model
 
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -286,7 +286,7 @@ def cmd_profile(args) -> dict:
 
 
 def main(argv=None) -> int:
-    from offsim.errors import OffsimError
+    from offsim.core.errors import OffsimError
 
     ap = argparse.ArgumentParser(prog="offexec")
     sub = ap.add_subparsers(dest="cmd", required=True)

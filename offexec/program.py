@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from offsim.plan import Op, Plan
+from offsim.core.plan import Op, Plan
 
 from .memory import ExecError
 

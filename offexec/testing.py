@@ -6,8 +6,8 @@ import dataclasses
 
 import torch
 
-from offsim.plan import Plan
-from offsim.specs import ModelSpec, _hf_config
+from offsim.core.plan import Plan
+from offsim.core.specs import ModelSpec, _hf_config
 
 TINY = {"opt": dict(layers=2, h=64, heads=4, kv=4, ffn=128), "llama": dict(layers=2, h=64, heads=4, kv=2, ffn=128)}
 

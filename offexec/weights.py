@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from offsim.specs import ModelSpec
+from offsim.core.specs import ModelSpec
 
 from .memory import ExecError, HostBuffer
 from .model import Embeddings, dtype_of, layer_layout

@@ -14,11 +14,11 @@ import time
 
 import pandas as pd
 
-from .errors import OffsimError
-from .plan import Plan
-from .policies import POLICIES, build_plan
-from .sim import simulate
-from .specs import HARDWARE_PRESETS, MODEL_PRESETS, Workload, get_hardware, get_model
+from offsim.core.errors import OffsimError
+from offsim.core.plan import Plan
+from offsim.policies import POLICIES, build_plan, get_policy
+from offsim.core.sim import simulate
+from offsim.core.specs import HARDWARE_PRESETS, MODEL_PRESETS, Workload, get_hardware, get_model
 
 GiB = 1 << 30
 SUMMARY_KEYS = ("model", "hardware", "policy", "batch", "gpu_batch_size", "num_gpu_batches", "prompt_len",
@@ -89,10 +89,7 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
 
 def policy_settings(args) -> dict:
     """Settings dict for ``args.policy`` from the flags; a flag that the policy does not take is an error."""
-    if args.policy not in POLICIES:
-        raise OffsimError(f"unknown policy {args.policy!r}; valid: {', '.join(POLICIES)}")
-    cls = POLICIES[args.policy][1]
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = set(get_policy(args.policy).input_names())
     given = {}
     if args.percent is not None:
         given["percent"] = tuple(args.percent)
@@ -122,10 +119,13 @@ def policy_settings(args) -> dict:
     return given
 
 
-def summary(metrics: dict, settings: dict | None = None) -> dict:
+def summary(metrics: dict, settings: dict | None = None, derived: dict | None = None) -> dict:
+    """The JSON line: metrics, the policy's inputs (``settings``) and what it derived from them (``derived``)."""
     out = {k: metrics.get(k) for k in SUMMARY_KEYS}
     if settings is not None:
         out["settings"] = {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
+    if derived:
+        out["derived"] = derived
     return out
 
 
@@ -167,11 +167,11 @@ def cmd_simulate(args) -> None:
     print(_fmt_table([m]))
     busy = ", ".join(f"{s} {m[f'busy_{s}_s']:.2f} s" for s in ("compute", "h2d", "d2h", "disk", "cpu"))
     print(f"makespan {m['total_s']:.2f} s; stream busy: {busy}")
-    _print_json(summary(m, plan.settings))
+    _print_json(summary(m, plan.settings, plan.derived))
 
 
 def cmd_search(args) -> None:
-    from .optimize import search
+    from offsim.search import search
 
     hw = get_hardware(args.hardware, args.gpu_mem_gb)
     model = get_model(args.model)
@@ -189,7 +189,7 @@ def cmd_search(args) -> None:
 
 
 def cmd_compare(args) -> None:
-    from .optimize import search
+    from offsim.search import search
 
     hw = get_hardware(args.hardware, args.gpu_mem_gb)
     model = get_model(args.model)
@@ -218,7 +218,7 @@ def cmd_compare(args) -> None:
 def cmd_validate(args) -> None:
     from pathlib import Path
 
-    from . import validate as V
+    from offsim.analysis import validate as V
 
     df = V.validate_dir(args.dir, hardware=args.hardware, progress=args.progress)
     show = ["case", "policy", "plan", "prompt_len", "batch", "measured_total_tok_s", "predicted_total_tok_s",
@@ -239,7 +239,7 @@ def cmd_validate(args) -> None:
     out = Path(args.out) if args.out else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
-        from .provenance import provenance, write_csv
+        from offsim.core.provenance import provenance, write_csv
 
         write_csv(df, out / "validation.csv", provenance(cases=str(args.dir)))
         V.plot(df, out / "validation.png")

@@ -3,7 +3,7 @@ import dataclasses
 
 import pytest
 
-from offsim.specs import ModelSpec, get_hardware
+from offsim.core.specs import ModelSpec, get_hardware
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import torch
 
 from offexec.cli import main
 from offexec.testing import tiny_hf
-from offsim.trace import Trace
+from offsim.core.trace import Trace
 
 TINY_ARGS = ["--hardware", "h200", "--prompt-len", "8", "--gen-len", "4", "--gpu-batch-size", "2",
              "--num-gpu-batches", "2", "--device", "cpu", "--dtype", "float32"]

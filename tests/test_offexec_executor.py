@@ -12,8 +12,8 @@ from offexec.memory import DiskTier, ExecError, check_gpu_budget
 from offexec.testing import hf_generate, hf_kv, stored_positions, tiny_hf
 from offexec.weights import from_state_dict
 from offsim import POLICIES, Workload, build_plan, get_hardware
-from offsim.plan import Plan
-from offsim.trace import COLUMNS
+from offsim.core.plan import Plan
+from offsim.core.trace import COLUMNS
 
 HW = get_hardware("h200")
 PROMPT, GEN = 8, 6

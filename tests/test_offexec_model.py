@@ -9,7 +9,7 @@ from offexec import model as M
 from offexec.memory import ExecError
 from offexec.testing import hf_generate, hf_kv, tiny_hf
 from offexec.weights import from_state_dict, load_checkpoint, random_weights
-from offsim.specs import get_model
+from offsim.core.specs import get_model
 
 FAMILIES = ["opt", "llama"]
 

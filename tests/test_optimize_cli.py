@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from offsim.cli import main
-from offsim.optimize import VARS, flexgen_block_seconds, flexgen_lp, flexgen_terms, search
-from offsim.specs import get_hardware
+from offsim.policies.lp import VARS, flexgen_block_seconds, flexgen_lp, flexgen_terms
+from offsim.search import search
+from offsim.core.specs import get_hardware
 
 
 def _brute_force(model, hw, s, n, gbs, nb, step=0.05):
@@ -66,7 +67,7 @@ def test_search_picks_feasible_best(tiny_opt, small_gpu_t4):
 def test_search_infeasible_names_constraint(tiny_opt, small_gpu_t4):
     import dataclasses
 
-    from offsim.errors import OffsimError
+    from offsim.core.errors import OffsimError
 
     hw = dataclasses.replace(small_gpu_t4, gpu_mem_bytes=1000)
     with pytest.raises(OffsimError, match="GPU memory: even one sequence needs .* short by"):

@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from offsim import Plan, PlanError, Workload, build_plan, simulate
-from offsim.errors import OffsimError
-from offsim.plan import Op, PlanBuilder
+from offsim.core.errors import OffsimError
+from offsim.core.plan import Op, PlanBuilder
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_flexgen_trace.csv"
 
@@ -184,7 +184,7 @@ def test_golden_trace(tiny_opt, t4, tmp_path):
 
 
 def test_trace_exports(tiny_opt, t4, tmp_path):
-    from offsim.trace import Trace
+    from offsim.core.trace import Trace
 
     tr = simulate(flexgen(tiny_opt, t4), t4)
     tr.to_chrome(tmp_path / "t.json")

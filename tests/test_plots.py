@@ -17,8 +17,13 @@ import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 
 from offsim import POLICIES, OffsimError, Trace, Workload, build_plan, get_hardware, get_model, simulate  # noqa: E402
-from offsim import plots  # noqa: E402
-from offsim.provenance import write_csv  # noqa: E402
+from offsim.analysis import validate as V  # noqa: E402
+from offsim.analysis import decisions  # noqa: E402
+from offsim.analysis import plots  # noqa: E402
+from offsim.analysis import results  # noqa: E402
+from offsim.search import sweep  # noqa: E402
+from offsim.analysis import timeline  # noqa: E402
+from offsim.core.provenance import write_csv  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -43,20 +48,20 @@ def _trace(rows, steps=None) -> Trace:
 def test_read_results_csv_round_trip(tmp_path):
     df = pd.DataFrame({"a": [1, 2], "b": ["x", "y"]})
     write_csv(df, tmp_path / "r.csv", {"commit": "abc", "date": "today"})
-    prov, back = plots.read_results_csv(tmp_path / "r.csv")
+    prov, back = results.read_results_csv(tmp_path / "r.csv")
     assert prov == {"commit": "abc", "date": "today"}
     pd.testing.assert_frame_equal(back, df)
     (tmp_path / "plain.csv").write_text("a,b\n1,x\n")  # no provenance line: read as a plain CSV
-    prov, back = plots.read_results_csv(tmp_path / "plain.csv")
+    prov, back = results.read_results_csv(tmp_path / "plain.csv")
     assert prov == {} and list(back.columns) == ["a", "b"] and len(back) == 1
 
 
 def test_read_results_csv_bad_input(tmp_path):
     (tmp_path / "bad.csv").write_text("# {not json\na\n1\n")
     with pytest.raises(OffsimError, match="provenance JSON"):
-        plots.read_results_csv(tmp_path / "bad.csv")
+        results.read_results_csv(tmp_path / "bad.csv")
     with pytest.raises(OffsimError, match="cannot read"):
-        plots.read_results_csv(tmp_path / "missing.csv")
+        results.read_results_csv(tmp_path / "missing.csv")
 
 
 def test_inventory_and_results_dir(tmp_path):
@@ -65,8 +70,8 @@ def test_inventory_and_results_dir(tmp_path):
     (tmp_path / "results" / "a" / "x.csv").write_text("a\n1\n")
     (tmp_path / "results" / "a" / "README.md").write_text("hi")
     (tmp_path / "notebooks").mkdir()
-    assert plots.results_dir(tmp_path / "notebooks") == tmp_path / "results"
-    inv = plots.inventory(tmp_path / "results", ["a", "b"]).set_index("folder")
+    assert results.results_dir(tmp_path / "notebooks") == tmp_path / "results"
+    inv = results.inventory(tmp_path / "results", ["a", "b"]).set_index("folder")
     assert inv.loc["results/a", "csv"] == 1 and inv.loc["results/a", "readme"]
     assert not inv.loc["results/b", "present"] and inv.loc["results/b", "files"] == 0
 
@@ -75,9 +80,9 @@ def test_inventory_and_results_dir(tmp_path):
 def test_idle_gaps_and_step_summary():
     tr = _trace([("compute", "compute", 1, 0.0, 1.0), ("h2d", "h2d", 1, 0.0, 4.0),
                  ("compute", "compute", 1, 2.0, 2.5), ("compute", "compute", 1, 2.25, 3.0)])  # overlaps merge
-    assert plots.idle_gaps(tr, 0.0, 4.0) == [(1.0, 2.0), (3.0, 4.0)]
-    assert plots.idle_gaps(tr, 0.5, 2.1) == [(1.0, 2.0)]
-    s = plots.step_summary(tr, 1)
+    assert timeline.idle_gaps(tr, 0.0, 4.0) == [(1.0, 2.0), (3.0, 4.0)]
+    assert timeline.idle_gaps(tr, 0.5, 2.1) == [(1.0, 2.0)]
+    s = timeline.step_summary(tr, 1)
     assert s["step_s"] == 4.0 and s["gpu_idle_s"] == pytest.approx(2.0) and s["gpu_idle_frac"] == pytest.approx(0.5)
     assert s["busy_h2d_s"] == 4.0 and s["busy_compute_s"] == pytest.approx(2.25)  # op time, overlaps counted twice
 
@@ -108,7 +113,7 @@ def test_gantt_overlay_of_a_real_plan(opt13, t4_2g):
 
 # ---- sweeps ----------------------------------------------------------------------------------------------------
 def test_throughput_sweep_matches_direct_simulation(opt13, t4_2g):
-    df = plots.throughput_sweep(opt13, t4_2g, ["static-zero", "flexgen"], prompt_lens=(128,), batches=(4, 16),
+    df = sweep.throughput_sweep(opt13, t4_2g, ["static-zero", "flexgen"], prompt_lens=(128,), batches=(4, 16),
                                 gen_len=3)
     assert len(df) == 4 and set(df.policy) == {"static-zero", "flexgen"}
     ok = df[df.error == ""]
@@ -125,17 +130,17 @@ def test_throughput_sweep_matches_direct_simulation(opt13, t4_2g):
 
 
 def test_sweep_records_why_a_cell_does_not_fit(opt13, t4_2g):
-    df = plots.throughput_sweep(opt13, t4_2g, ["static-accelerate"], prompt_lens=(1024,), batches=(512,), gen_len=2)
+    df = sweep.throughput_sweep(opt13, t4_2g, ["static-accelerate"], prompt_lens=(1024,), batches=(512,), gen_len=2)
     assert np.isnan(df.loc[0, "total_tok_s"])  # the columns exist even when no cell fits
     assert "does not fit 512 sequences" in df.loc[0, "error"]
     with pytest.raises(OffsimError, match="unknown policy"):
-        plots.policy_at_batch("nope", opt13, t4_2g, 128, 2, 1)
+        sweep.policy_at_batch("nope", opt13, t4_2g, 128, 2, 1)
 
 
 @pytest.mark.skipif("selectn" not in POLICIES, reason="selectn policy not installed")
 def test_selectn_at_batch_keeps_the_most_layers_that_fit(opt13):
     hw = get_hardware("t4", 1.5)  # OPT-1.3B is ~2.4 GiB: some layers must be offloaded
-    st, wl, tr = plots.policy_at_batch("selectn", opt13, hw, 128, 2, 4)
+    st, wl, tr = sweep.policy_at_batch("selectn", opt13, hw, 128, 2, 4)
     n = st["interval"]
     assert 1 <= n <= opt13.num_layers
     with pytest.raises(OffsimError):  # one more resident layer per run does not fit
@@ -143,7 +148,7 @@ def test_selectn_at_batch_keeps_the_most_layers_that_fit(opt13):
 
 
 def test_lp_placements_are_fractions(opt13, t4_2g):
-    df = plots.lp_placements(opt13, t4_2g, 128, 3, [(4, 1), (4, 2, True), (4096, 16)])
+    df = sweep.lp_placements(opt13, t4_2g, 128, 3, [(4, 1), (4, 2, True), (4096, 16)])
     ok = df[df.feasible]
     assert len(ok) == 2 and not df.iloc[2]["feasible"]  # 65536 sequences do not fit anywhere
     for r in ok.itertuples():
@@ -159,13 +164,13 @@ def test_lp_placements_are_fractions(opt13, t4_2g):
 def test_tightllm_balance_picks_the_minimum_of_its_curve(opt13, t4_2g):
     st = {"percent": (0, 100, 0, 100, 100, 0)}
     wl = Workload(256, 3, 4, 2)
-    bal, chosen = plots.tightllm_balance(opt13, t4_2g, st, wl, 256)
+    bal, chosen = decisions.tightllm_balance(opt13, t4_2g, st, wl, 256)
     assert chosen in set(bal.n_r)
     best = bal.layer_s.min()
     assert bal.set_index("n_r").loc[chosen, "layer_s"] == pytest.approx(best, rel=1e-12)
     # recompute grows with N_r, the KV load shrinks
     assert bal.compute_s.iloc[-1] > bal.compute_s.iloc[0] and bal.h2d_s.iloc[-1] < bal.h2d_s.iloc[0]
-    nr = plots.tightllm_nr_vs_context(opt13, t4_2g, st, 4, 2, [64, 256])
+    nr = decisions.tightllm_nr_vs_context(opt13, t4_2g, st, 4, 2, [64, 256])
     assert len(nr) == 4 and (nr.n_r <= nr.ctx_tokens).all()
     assert nr[(nr.ctx_tokens == 256) & (nr.batch_index == 0)].n_r.item() == chosen  # the plan's choice, same problem
     plots.plot_balance(bal, chosen)
@@ -179,16 +184,16 @@ def test_resimulate_and_op_kind_errors(opt13, t4_2g, tmp_path):
     tr.meta.update({"settings": dict(plan.settings), "hardware": "t4", "gpu_mem_gb": 2})
     tr.to_csv(tmp_path / "x.trace.csv")
     back = Trace.from_csv(tmp_path / "x.trace.csv")
-    assert plots.find_traces(tmp_path) == [tmp_path / "x.trace.csv"]
-    same = plots.resimulate(back, t4_2g)
-    e = plots.op_kind_errors(back, same).set_index("kind")
+    assert results.find_traces(tmp_path) == [tmp_path / "x.trace.csv"]
+    same = V.resimulate(back, t4_2g)
+    e = results.op_kind_errors(back, same).set_index("kind")
     assert (e["mape"].fillna(0) < 1e-9).all() and (e["total_error"].abs() < 1e-9).all()
     # a slower link: the prediction for the h2d ops must move, and by the right sign
     slow = dataclasses.replace(t4_2g, h2d_pinned=tuple((x, y / 2) for x, y in t4_2g.h2d_pinned))
-    e = plots.op_kind_errors(back, plots.resimulate(back, slow)).set_index("kind")
+    e = results.op_kind_errors(back, V.resimulate(back, slow)).set_index("kind")
     assert e.loc["h2d", "total_error"] > 0.5 and e.loc["compute", "mape"] < 1e-9
     with pytest.raises(OffsimError, match="lacks"):
-        plots.resimulate(_trace([("compute", "compute", 0, 0.0, 1.0)]))
+        V.resimulate(_trace([("compute", "compute", 0, 0.0, 1.0)]))
 
 
 def test_offexec_runs_validation_long_and_error_table(tmp_path):
@@ -198,19 +203,19 @@ def test_offexec_runs_validation_long_and_error_table(tmp_path):
            "workload": {"prompt_len": 128, "gen_len": 3, "gpu_batch_size": 4, "num_gpu_batches": 2}}
     (tmp_path / "run.json").write_text(json.dumps(doc))
     (tmp_path / "other.json").write_text(json.dumps({"not": "a run"}))
-    runs = plots.load_offexec_runs(tmp_path, tmp_path / "absent")
+    runs = results.load_offexec_runs(tmp_path, tmp_path / "absent")
     assert len(runs) == 3 and set(runs.batch) == {8} and runs.budget_GiB.iloc[0] == 2
     assert runs.set_index("phase").error.to_dict() == pytest.approx({"prefill": 0.1, "decode": -0.1, "total": 0.0})
     val = pd.DataFrame({"case": ["a", "b"], "policy": ["flexgen", "flexgen"], "measured_total_tok_s": [1.0, 2.0],
                         "predicted_total_tok_s": [1.1, 1.6], "measured_decode_tok_s": [1.0, 1.0],
                         "predicted_decode_tok_s": [1.0, 1.0]})
-    long = plots.validation_long(val)
+    long = results.validation_long(val)
     assert len(long) == 4 and set(long.phase) == {"total", "decode"}
-    t = plots.error_table(long).set_index("phase")
+    t = results.error_table(long).set_index("phase")
     assert t.loc["total", "max_abs_error"] == pytest.approx(0.2)
     assert t.loc["total", "median_abs_error"] == pytest.approx(0.15)
     assert t.loc["total", "mean_error"] == pytest.approx(-0.05)
-    assert plots.error_table(long.iloc[:0]).empty
+    assert results.error_table(long.iloc[:0]).empty
     ax = plots.plot_pred_vs_measured(long)
     assert len(ax.collections) >= 2
     ax = plots.plot_pred_vs_measured(long.iloc[:0])  # empty: says so, no crash
@@ -227,7 +232,7 @@ def test_plot_published_vs_simulated_annotates_ratios():
 def test_gzipped_traces_cases_and_experiment_summaries(opt13, t4_2g, tmp_path):
     import gzip
 
-    from offsim.validate import case_from_trace, save_case
+    from offsim.analysis.validate import case_from_trace, save_case
 
     plan = build_plan("static-zero", opt13, t4_2g, Workload(128, 3, 4, 1), {})
     tr = simulate(plan, t4_2g)
@@ -238,22 +243,22 @@ def test_gzipped_traces_cases_and_experiment_summaries(opt13, t4_2g, tmp_path):
         g.write(f.read())
     (tmp_path / "t.csv").unlink()
     (tmp_path / "broken.csv.gz").write_bytes(b"\x1f\x8b not gzip")  # skipped, not fatal
-    assert plots.find_traces(tmp_path) == [tmp_path / "sub" / "trace_x.csv.gz"]
-    back = plots.load_trace(tmp_path / "sub" / "trace_x.csv.gz")
+    assert results.find_traces(tmp_path) == [tmp_path / "sub" / "trace_x.csv.gz"]
+    back = results.load_trace(tmp_path / "sub" / "trace_x.csv.gz")
     pd.testing.assert_frame_equal(back.df, tr.df, check_dtype=False)
     with pytest.raises(OffsimError, match="cannot decompress"):
-        plots.load_trace(tmp_path / "broken.csv.gz")
+        results.load_trace(tmp_path / "broken.csv.gz")
     # a case under any .json name is found by its schema; other JSON is not
     save_case(case_from_trace(tr), tmp_path / "sub" / "case_x.json")
     (tmp_path / "profile.json").write_text(json.dumps({"schema": "offsim.hardware/1"}))
-    assert plots.find_cases(tmp_path) == [tmp_path / "sub" / "case_x.json"]
+    assert V.find_cases(tmp_path) == [tmp_path / "sub" / "case_x.json"]
     # an experiment's summary: {"model", "budget_gib", "runs": [{config, policy, workload, measured, predicted}]}
     wl = {"prompt_len": 128, "gen_len": 3, "gpu_batch_size": 4, "num_gpu_batches": 3}
     run = {"config": "a", "policy": "flexgen", "workload": wl,
            "measured": {"prefill_tok_s": 10.0, "decode_tok_s": 2.0, "total_tok_s": 1.0},
            "predicted": {"prefill_tok_s": 10.0, "decode_tok_s": 3.0, "total_tok_s": 1.5}}
     (tmp_path / "exp.json").write_text(json.dumps({"model": "opt-30b", "budget_gib": 16.0, "runs": [run, run]}))
-    runs = plots.load_offexec_runs(tmp_path)
+    runs = results.load_offexec_runs(tmp_path)
     assert len(runs) == 6 and set(runs.model) == {"opt-30b"} and set(runs.config) == {"a"}
     assert set(runs.batch) == {12} and set(runs.budget_GiB) == {16.0}
     assert runs[runs.phase == "decode"].error.tolist() == pytest.approx([0.5, 0.5])

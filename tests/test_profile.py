@@ -2,7 +2,7 @@
 import json
 
 from offsim import Workload, build_plan, simulate
-from offsim.specs import HardwareSpec, get_hardware, get_model
+from offsim.core.specs import HardwareSpec, get_hardware, get_model
 
 
 def test_profile_cpu_quick_roundtrip(tmp_path):

@@ -7,9 +7,9 @@ import random
 import pytest
 
 from offsim import OffsimError, Workload, build_plan, get_hardware, get_model, simulate
-from offsim.coordinator import Instance, Option, coordinate, instance_options
-from offsim.policies.selectn import SelectNSettings, host_weight_bytes, offloaded_layers
-from offsim.selectn_record import (PerformanceRecord, build_record, choose_interval, iteration_latency,
+from offsim.policies.selectn.coordinator import Instance, Option, coordinate, instance_options
+from offsim.policies.selectn.policy import SelectNSettings, host_weight_bytes, offloaded_layers
+from offsim.policies.selectn.record import (PerformanceRecord, build_record, choose_interval, iteration_latency,
                                    iteration_workload, request_intervals, simulate_phased, switch_seconds)
 
 H200_24 = dict(name_or_path="h200", gpu_mem_gb=24)  # a 24 GiB budget on the H200: OPT-13B (25.7 GB) must offload
@@ -225,13 +225,19 @@ def test_coordinator_reports_what_cannot_be_served():
 
 
 def test_candidates_cover_every_offload_count_once(opt13b):
-    from offsim.policies.selectn import CANDIDATES
+    from offsim.policies.schedule import resident_bytes
+    from offsim.policies.selectn.policy import selectn_candidates, selectn_schedule
 
-    cands = list(CANDIDATES["selectn"](opt13b, get_hardware(**H200_24), 480, 32))
+    cands = list(selectn_candidates(opt13b, get_hardware(**H200_24), 480, 32))
     by_batch: dict[int, list[int]] = {}
-    for st, wl in cands:
+    for st, wl, _ in cands:
         assert wl.num_gpu_batches == 1 and SelectNSettings(**st).interval >= 1
         by_batch.setdefault(wl.gpu_batch_size, []).append(st["interval"])
     counts = [len(offloaded_layers(opt13b.num_layers, n)) for n in by_batch[1]]
-    assert sorted(counts) == sorted(set(counts)) and set(counts) == {opt13b.num_layers // n for n in range(1, 42)}
+    # every offload count once, except those whose resident layers alone overflow the GPU (26 GB of weights in 24 GiB)
+    hw = get_hardware(**H200_24)
+    wl1 = Workload(480, 32, 1, 1)
+    fits = {len(offloaded_layers(opt13b.num_layers, n)) for n in range(1, 42)
+            if resident_bytes(opt13b, wl1, selectn_schedule(opt13b, n))["gpu"] <= hw.gpu_mem_bytes}
+    assert sorted(counts) == sorted(set(counts)) and set(counts) == fits and 0 not in fits
     assert max(by_batch) < 256  # stops where the KV cache alone outgrows the 24 GiB GPU

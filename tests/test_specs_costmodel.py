@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from offsim import costmodel as cm
-from offsim.errors import OffsimError
-from offsim.specs import (HARDWARE_PRESETS, MODEL_PRESETS, HardwareSpec, ModelSpec, Workload, get_hardware,
+from offsim.core import costmodel as cm
+from offsim.core.errors import OffsimError
+from offsim.core.specs import (HARDWARE_PRESETS, MODEL_PRESETS, HardwareSpec, ModelSpec, Workload, get_hardware,
                           get_model)
 
 GiB = 1 << 30

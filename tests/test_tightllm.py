@@ -7,11 +7,11 @@ import warnings
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import offsim.kv_distributor as kvd_mod
+import offsim.policies.tightllm.kv_distributor as kvd_mod
 from offsim import OffsimError, PlanError, Workload, build_plan, get_hardware, get_model, simulate
-from offsim.kv_distributor import Decision, KVDistributor, KVDistributorWarning, kv_load_bytes
+from offsim.policies.tightllm.kv_distributor import Decision, KVDistributor, KVDistributorWarning, kv_load_bytes
 from offsim.policies import POLICIES
-from offsim.policies import tightllm as T
+from offsim.policies.tightllm import policy as T
 
 TINY = dataclasses.replace(get_model("opt-125m"), name="opt-125m-4l", num_layers=4)
 
@@ -201,7 +201,7 @@ def test_recompute_ops_carry_the_full_forward():
     P, G, nb = 20, 5, 2
     plan = build_plan("tightllm", TINY, _tiny_hw("t4"), Workload(P, G, 2, nb),
                       {"percent": (0, 100, 0, 100, 100, 0), "kv_solver": "exact"})
-    nr = plan.settings["recompute_tokens"]
+    nr = plan.derived["recompute_tokens"]
     assert any(n > 0 for row in nr for n in row)
     for o in plan.ops:
         if o.step == 0:
@@ -226,7 +226,7 @@ def test_prefill_d2h_drops_by_exactly_the_recomputed_kv(pct):
     wl = Workload(32, 4, 2, 3)
     fg = build_plan("flexgen", TINY, hw, wl, {"percent": pct})
     tl = build_plan("tightllm", TINY, hw, wl, {"percent": pct, "kv_solver": "exact"})
-    nr1 = tl.settings["recompute_tokens"][0]  # decode step 1: what prefill need not store
+    nr1 = tl.derived["recompute_tokens"][0]  # decode step 1: what prefill need not store
     assert sum(nr1) > 0
     kg, kc = tl.kv_split
     kd = TINY.num_kv_heads - kg - kc
@@ -256,7 +256,7 @@ def test_ablation_flags_change_only_what_they_name():
         on, off = plans[(True, wld)], plans[(False, wld)]
         assert _family(on, "weight") == _family(off, "weight")
         assert _family(on, "kv") != _family(off, "kv")
-        assert all(n == 0 for row in off.settings["recompute_tokens"] for n in row)
+        assert all(n == 0 for row in off.derived["recompute_tokens"] for n in row)
         assert all(o.q_tokens == 1 for o in off.ops if o.kind == "compute" and o.step > 0)
     # --no-weight-loader with the distributor off: only the weight ops change (one piece, with batch 0)
     on, off = plans[(False, True)], plans[(False, False)]
@@ -297,7 +297,7 @@ def test_settings_are_checked():
     with pytest.raises(OffsimError, match="weight_slices = 4 exceeds the 2 GPU batches"):
         build_plan("tightllm", TINY, _tiny_hw("t4"), Workload(8, 2, 1, 2), {"percent": (0, 100, 0, 100, 100, 0),
                                                                               "weight_slices": 4})
-    assert POLICIES["tightllm"][1] is T.TightLLMSettings
+    assert POLICIES["tightllm"].settings is T.TightLLMSettings
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -325,7 +325,7 @@ def test_never_slower_than_flexgen_on_the_same_placement(case):
 
 def test_candidates_for_the_search():
     m, hw = get_model("opt-1.3b"), get_hardware("t4", gpu_mem_gb=2)
-    cands = list(T.CANDIDATES["tightllm"](m, hw, 256, 8))
+    cands = list(T.tightllm_candidates(m, hw, 256, 8))
     assert cands and all(len(c) == 3 for c in cands)
     scores = [c[2] for c in cands]
     assert scores == sorted(scores)
@@ -339,7 +339,7 @@ def test_plan_is_deterministic_and_serialises():
     a = build_plan("tightllm", TINY, hw, Workload(16, 4, 2, 2), {"percent": (0, 100, 0, 100, 100, 0)})
     b = build_plan("tightllm", TINY, hw, Workload(16, 4, 2, 2), {"percent": (0, 100, 0, 100, 100, 0)})
     assert a.to_dict() == b.to_dict()
-    from offsim.plan import Plan
+    from offsim.core.plan import Plan
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -367,7 +367,7 @@ def test_a_plan_warns_once_when_decisions_fall_back(monkeypatch):
                           {"percent": (0, 100, 0, 100, 100, 0)}, validate=False)
     fell = [w for w in caught if issubclass(w.category, KVDistributorWarning)]
     assert len(fell) == 1 and "10 KV-distributor decision(s)" in str(fell[0].message)
-    assert all(n == 0 for row in plan.settings["recompute_tokens"] for n in row)
+    assert all(n == 0 for row in plan.derived["recompute_tokens"] for n in row)
 
 
 def test_cli_tightllm_stdout_has_no_solver_banner():
@@ -383,7 +383,7 @@ def test_cli_tightllm_stdout_has_no_solver_banner():
     assert r.returncode == 0, r.stderr
     assert "HiGHS" not in r.stdout
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["policy"] == "tightllm" and any(n > 0 for row in out["settings"]["recompute_tokens"] for n in row)
+    assert out["policy"] == "tightllm" and any(n > 0 for row in out["derived"]["recompute_tokens"] for n in row)
 
 
 def test_ilp_with_thousands_of_candidates_equals_brute_force():

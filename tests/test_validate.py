@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from offsim import Workload, build_plan, simulate
-from offsim import validate as V
-from offsim.errors import OffsimError
-from offsim.specs import get_hardware, get_model
+from offsim.analysis import validate as V
+from offsim.core.errors import OffsimError
+from offsim.core.specs import get_hardware, get_model
 
 CASES = Path(__file__).resolve().parents[1] / "results" / "validation"
 PROFILE = Path(__file__).resolve().parents[1] / "results" / "profiles" / "h200_offexec.json"
@@ -115,7 +115,7 @@ def test_stored_plan_is_what_gets_resimulated(tmp_path):
     """A case that carries its plan is re-simulated from that file, not rebuilt: editing the stored plan (here:
     dropping the prefetch overlap by serialising its ops) changes the prediction; a fingerprint mismatch is an
     error that names the file."""
-    from offsim.plan import Plan
+    from offsim.core.plan import Plan
 
     p = _measured(tmp_path)
     plan = _case_plan()

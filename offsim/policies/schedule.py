@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import OffsimError
-from ..plan import Plan, PlanBuilder
-from ..specs import ModelSpec, Workload
+from offsim.core.errors import OffsimError
+from offsim.core.plan import Plan, PlanBuilder
+from offsim.core.specs import ModelSpec, Workload
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,8 @@ class Schedule:
     overlap: bool = True  # False: every op waits for the one issued before it
     cpu_attention: bool = False  # decode attention on the CPU over the host KV cache
     pinned: bool = True  # host buffers pinned (False: pageable copies)
-    settings: tuple = ()  # (key, value) pairs recorded in the plan for provenance
+    settings: tuple = ()  # (key, value) pairs: the policy's inputs, recorded in the plan
+    derived: tuple = ()  # (key, value) pairs: what the policy chose from them (e.g. Accelerate's GPU layers)
 
 
 def workspace_bytes(model: ModelSpec, tokens: int) -> int:
@@ -268,5 +269,5 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
     settings = dict(s.settings)
     return Plan(model=model, workload=wl, policy=s.policy, settings=settings, capacity=cap,
                 resident=resident_bytes(model, wl, s), weight_split=[tuple(x) for x in s.weight_split],
-                kv_split=tuple(s.kv_split), hidden_home=s.hidden_home, ops=b.ops)
+                kv_split=tuple(s.kv_split), hidden_home=s.hidden_home, ops=b.ops, derived=dict(s.derived))
 

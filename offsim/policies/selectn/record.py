@@ -47,13 +47,13 @@ from typing import Iterable, Sequence
 
 import pandas as pd
 
-from . import costmodel
-from .errors import OffsimError
-from .io import read_commented_csv, write_commented_csv
-from .policies import build_plan
-from .policies.selectn import SelectNSettings, host_weight_bytes, offloaded_layers
-from .sim import simulate
-from .specs import HardwareSpec, ModelSpec, Workload
+from offsim.core import costmodel
+from offsim.core.errors import OffsimError
+from offsim.core.io import read_commented_csv, write_commented_csv
+from offsim.policies import build_plan
+from offsim.policies.selectn.policy import SelectNSettings, host_weight_bytes, offloaded_layers
+from offsim.core.sim import simulate
+from offsim.core.specs import HardwareSpec, ModelSpec, Workload
 
 RECORD_SCHEMA = "offsim.selectn_record/1"
 RECORD_COLUMNS = ["phase", "batch", "seq_len", "interval", "offloaded_layers", "host_bytes", "gpu_peak_bytes",
@@ -63,7 +63,7 @@ DEFAULT_BATCHES = tuple(2**i for i in range(9))  # 1 .. 256
 DECODE_STEP = 2  # the decode step whose latency is the TPOT (steady state, see the module docstring)
 
 
-from .provenance import provenance  # noqa: E402  (re-exported: experiments import it from here)
+from offsim.core.provenance import provenance  # noqa: E402  (re-exported: experiments import it from here)
 
 
 def intervals_of(model: ModelSpec) -> list[int]:

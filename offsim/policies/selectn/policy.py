@@ -14,16 +14,18 @@ issued when the previous offloaded layer runs, double-buffered. So a selectn pla
 already use, which the executor runs unchanged.
 
 One N per plan: a plan's weight placement is static (``Plan.weight_split``), so prefill and decode with different
-N are two iterations with two plans; ``offsim.selectn_record`` chooses N per iteration and prices the switch.
+N are two iterations with two plans; ``offsim.policies.selectn.record`` chooses N per iteration and prices the switch.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
-from ..errors import OffsimError
-from ..plan import Plan
-from ..specs import HardwareSpec, ModelSpec, Workload
-from .schedule import Schedule, build_block_plan
+from offsim.core.errors import OffsimError
+from offsim.core.plan import Plan
+from offsim.core.specs import HardwareSpec, ModelSpec, Workload
+from offsim.policies.base import Candidate, Policy, capacity_of
+from offsim.policies.schedule import Schedule, build_block_plan, resident_bytes
 
 
 @dataclass(frozen=True)
@@ -64,24 +66,30 @@ def selectn_schedule(model: ModelSpec, interval: int, prefetch: bool = True) -> 
 
 
 def selectn_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: SelectNSettings) -> Plan:
-    from . import capacity_of  # the package imports this module while it is being built
-
     return build_block_plan(model, wl, selectn_schedule(model, st.interval, st.prefetch), capacity_of(hw))
 
 
-def selectn_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int):
-    """For ``offsim.optimize.search``: one interval per distinct number of offloaded layers (the largest N with that
-    count, num_layers + 1 = none) times GPU batch sizes 1, 2, 4, ... while the KV cache alone still fits the GPU (one
-    GPU batch: Select-N serves one batch per iteration). Plans that do not fit are the search's to reject."""
+def selectn_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
+                       batch: int | None = None) -> Iterable[Candidate]:
+    """One interval per distinct number of offloaded layers (the largest N with that count; num_layers + 1 = none),
+    fewest offloaded first, times one GPU batch (Select-N serves one batch per iteration) of 1, 2, 4, ... sequences
+    while the KV cache alone still fits the GPU -- or of ``batch`` sequences. Plans that do not fit are the search's
+    to reject; at a fixed batch the first that fits is the fastest (fewer offloaded layers, less traffic)."""
     L = model.num_layers
     intervals = sorted({L // c for c in range(1, L + 1)} | {L + 1}, reverse=True)
     max_len = prompt_len + gen_len - 1
+    sizes = [batch] if batch is not None else []
     bs = 1
-    while model.kv_bytes(bs, max_len) < hw.gpu_mem_bytes and bs <= 4096:
-        for n in intervals:
-            yield {"interval": n}, Workload(prompt_len, gen_len, bs, 1)
+    while batch is None and model.kv_bytes(bs, max_len) < hw.gpu_mem_bytes and bs <= 4096:
+        sizes.append(bs)
         bs *= 2
+    for bs in sizes:
+        wl = Workload(prompt_len, gen_len, bs, 1)
+        for n in intervals:
+            # what stays on the GPU for the whole run must fit: arithmetic, no plan built
+            if resident_bytes(model, wl, selectn_schedule(model, n))["gpu"] <= hw.gpu_mem_bytes:
+                yield Candidate({"interval": n}, wl)
 
 
-POLICY = {"selectn": (selectn_plan, SelectNSettings)}
-CANDIDATES = {"selectn": selectn_candidates}
+SELECTN = Policy("selectn", SelectNSettings, selectn_plan, selectn_candidates,
+                 "Select-N: one layer in every N offloaded and prefetched; N chosen to meet a latency SLO")

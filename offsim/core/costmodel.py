@@ -15,7 +15,7 @@ import bisect
 import math
 from numbers import Real
 
-from .specs import Curve, HardwareSpec, ModelSpec
+from offsim.core.specs import Curve, HardwareSpec, ModelSpec
 
 # ----------------------------------------------------------------------------------------------------------------
 # curves

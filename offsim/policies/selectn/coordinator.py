@@ -29,10 +29,10 @@ import time
 from dataclasses import dataclass
 from typing import Iterable
 
-from .errors import OffsimError
-from .policies.selectn import host_weight_bytes, offloaded_layers
-from .selectn_record import iteration_latency
-from .specs import HardwareSpec, ModelSpec
+from offsim.core.errors import OffsimError
+from offsim.policies.selectn.policy import host_weight_bytes, offloaded_layers
+from offsim.policies.selectn.record import iteration_latency
+from offsim.core.specs import HardwareSpec, ModelSpec
 
 SHARE_GRID = 40  # link shares are multiples of 1/40 (2.5 %)
 TIE_EPS = 1e-6  # weight of the link share used against host memory (in GB) in the MILP objective
@@ -214,7 +214,7 @@ def _milp(instances: list[Instance], grid: int) -> tuple[Option, ...]:
     for i in range(len(instances)):
         cons.append(cp.sum(y[[k for k, (ii, _) in enumerate(flat) if ii == i]]) == 1)
     prob = cp.Problem(cp.Maximize(host_gb @ y - TIE_EPS * (units @ y)), cons)
-    from .solvers import solve_quietly
+    from offsim.core.solvers import solve_quietly
 
     solve_quietly(prob, solver=cp.HIGHS)
     if prob.status not in (cp.OPTIMAL, cp.OPTIMAL_INACCURATE) or y.value is None:

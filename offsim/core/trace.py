@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .errors import OffsimError
-from .io import read_commented_csv, write_commented_csv, write_text_atomic
-from .plan import STREAMS, TIERS
+from offsim.core.errors import OffsimError
+from offsim.core.io import read_commented_csv, write_commented_csv, write_text_atomic
+from offsim.core.plan import STREAMS, TIERS
 
 TRACE_SCHEMA = "offsim.trace/1"
 COLUMNS = ["op_id", "kind", "stream", "phase", "step", "layer", "batch", "start_s", "end_s", "nbytes"]

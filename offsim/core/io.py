@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .errors import OffsimError
+from offsim.core.errors import OffsimError
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:

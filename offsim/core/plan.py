@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from .costmodel import COMPUTE_PARTS
-from .errors import OffsimError
-from .io import read_json_object, write_text_atomic
-from .specs import ModelSpec, Workload
+from offsim.core.costmodel import COMPUTE_PARTS
+from offsim.core.errors import OffsimError
+from offsim.core.io import read_json_object, write_text_atomic
+from offsim.core.specs import ModelSpec, Workload
 
 PLAN_SCHEMA = "offsim.plan/1"
 KINDS = ("compute", "cpu_compute", "h2d", "d2h", "disk_read", "disk_write")
@@ -124,17 +124,19 @@ class Plan:
     model: ModelSpec
     workload: Workload
     policy: str
-    settings: dict[str, Any]
+    settings: dict[str, Any]  # the policy's inputs (its settings dataclass): enough to rebuild this plan
     capacity: dict[str, int]  # bytes per tier the plan may use (GPU budget, host memory, disk)
     resident: dict[str, int]  # bytes per tier held for the whole run
     weight_split: list[tuple[int, int]]  # per layer: bytes of its flat weights on (gpu, cpu); the rest on disk
     kv_split: tuple[int, int]  # KV heads of each layer on (gpu, cpu); the rest on disk
     hidden_home: str = "gpu"  # where activations live between layers
     ops: list[Op] = field(default_factory=list)
+    derived: dict[str, Any] = field(default_factory=dict)  # what the policy chose from its inputs (e.g. N_r)
 
     def __post_init__(self):
-        # settings as JSON would store them (tuples become lists), so a plan equals its own round trip
+        # as JSON would store them (tuples become lists), so a plan equals its own round trip
         self.settings = json.loads(json.dumps(self.settings, default=str))
+        self.derived = json.loads(json.dumps(self.derived, default=str))
 
     # ---- summaries ----------------------------------------------------------------------------------------
     def bytes_by_kind(self) -> dict[str, int]:
@@ -159,7 +161,7 @@ class Plan:
         return {"schema": PLAN_SCHEMA, "model": self.model.to_dict(), "workload": self.workload.to_dict(),
                 "policy": self.policy, "settings": self.settings, "capacity": self.capacity,
                 "resident": self.resident, "weight_split": [list(x) for x in self.weight_split], "kv_split": list(self.kv_split),
-                "hidden_home": self.hidden_home, "op_fields": OP_FIELDS, "ops": rows}
+                "hidden_home": self.hidden_home, "derived": self.derived, "op_fields": OP_FIELDS, "ops": rows}
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "plan") -> "Plan":
@@ -182,7 +184,7 @@ class Plan:
             return cls(model=ModelSpec.from_dict(d["model"]), workload=Workload.from_dict(d["workload"]),
                        policy=d["policy"], settings=d["settings"], capacity=d["capacity"], resident=d["resident"],
                        weight_split=[tuple(x) for x in d["weight_split"]], kv_split=tuple(d["kv_split"]),
-                       hidden_home=d["hidden_home"], ops=ops)
+                       hidden_home=d["hidden_home"], ops=ops, derived=d.get("derived", {}))
         except KeyError as e:
             raise PlanError(f"{where}: missing field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
@@ -191,8 +193,8 @@ class Plan:
             raise PlanError(f"{where}: malformed value ({e})") from None
 
     def fingerprint(self) -> str:
-        """SHA-256 of what the plan does: model, workload, placement and every op (not settings, capacity or
-        resident bytes, which record how it was chosen). Two plans with one fingerprint run identically; a measured
+        """SHA-256 of what the plan does: model, workload, placement and every op (not settings, derived values,
+        capacity or resident bytes, which record how it was chosen). Two plans with one fingerprint run identically; a measured
         case records the fingerprint of the plan it ran, so a rebuilt plan that differs is caught."""
         d = self.to_dict()
         body = {k: d[k] for k in ("model", "workload", "weight_split", "kv_split", "hidden_home", "op_fields", "ops")}

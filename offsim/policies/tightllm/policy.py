@@ -54,12 +54,14 @@ import warnings
 from dataclasses import dataclass
 from typing import Iterable
 
-from ..errors import OffsimError
-from ..kv_distributor import SOLVERS, TRANSFER_MODELS, Decision, KVDistributorWarning, distributor, kv_load_bytes
-from ..plan import Plan, PlanBuilder
-from ..specs import HardwareSpec, ModelSpec, Workload
-from . import FlexGenSettings, capacity_of, kv_split_from_percent, weight_split_from_percent
-from .schedule import DiskStoreBuffers, Schedule, resident_bytes, workspace_bytes
+from offsim.core.errors import OffsimError
+from offsim.policies.tightllm.kv_distributor import SOLVERS, TRANSFER_MODELS, Decision, KVDistributorWarning, distributor, kv_load_bytes
+from offsim.core.plan import Plan, PlanBuilder
+from offsim.core.specs import HardwareSpec, ModelSpec, Workload
+from offsim.policies.base import Candidate, Policy, capacity_of, kv_split_from_percent, weight_split_from_percent
+from offsim.policies.flexgen import FlexGenSettings
+from offsim.policies.lp import flexgen_candidates
+from offsim.policies.schedule import DiskStoreBuffers, Schedule, resident_bytes, workspace_bytes
 
 TOKEN_ID_BYTES = 8  # int64 token ids, the only per-token state kept on the GPU for recompute
 
@@ -420,11 +422,11 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
                                   nbytes=model.hidden_bytes(gbs * q), pinned=pinned)
     settings = dataclasses.asdict(st)
     settings["percent"] = list(st.percent)
-    settings["weight_slices_used"] = lay.num_slices
-    settings["recompute_tokens"] = nr[1:]  # N_r per decode step (1..gen_len-1), per GPU batch
+    derived = {"weight_slices_used": lay.num_slices,
+               "recompute_tokens": nr[1:]}  # N_r per decode step (1..gen_len-1), per GPU batch
     return Plan(model=model, workload=wl, policy="tightllm", settings=settings, capacity=capacity_of(hw),
                 resident=_resident(model, wl, lay, st), weight_split=[(lay.weight_gpu, lay.weight_cpu)] * L,
-                kv_split=(kg, kc), hidden_home=lay.hidden_home, ops=b.ops)
+                kv_split=(kg, kc), hidden_home=lay.hidden_home, ops=b.ops, derived=derived)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -465,7 +467,7 @@ def estimate_seconds_per_token(model: ModelSpec, hw: HardwareSpec, wl: Workload,
     """A quick ranking score for the search (seconds per generated token, inf if it cannot fit): per layer and
     step, each batch costs the distributor's objective at the middle decode step; prefill costs, per batch, the
     larger of the prompt's compute, the weight slice and the KV store."""
-    from .. import costmodel as cm
+    from offsim.core import costmodel as cm
 
     lay = layout_of(model, wl, st)
     res = _resident(model, wl, lay, st)
@@ -497,17 +499,16 @@ def kvb_all(model: ModelSpec, gbs: int, heads: int, tokens: int) -> int:
 
 
 def tightllm_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
-                        max_shapes: int = 12) -> Iterable[tuple[dict, Workload, float]]:
+                        batch: int | None = None, max_shapes: int = 12) -> Iterable[Candidate]:
     """Placements and block shapes for the search: FlexGen's LP optimum (GPU attention) for each block shape (same
-    memory constraints), re-ranked by TightLLM's own estimate, plus larger GPU batches on the same placement (with
-    recompute the KV loads shrink, so a bigger batch can pay). Yields (settings, workload, score)."""
-    from ..optimize import flexgen_candidates
-
+    memory constraints; with ``batch`` sequences when given), re-ranked by TightLLM's own estimate, plus -- when
+    the batch is free -- twice the GPU batch on the same placement (with recompute the KV loads shrink, so a bigger
+    batch can pay)."""
     seen = set()
-    lps = flexgen_candidates(model, hw, prompt_len, gen_len, cpu_attention=(False,))[:max_shapes]
+    lps = flexgen_candidates(model, hw, prompt_len, gen_len, cpu_attention=(False,), batch=batch)[:max_shapes]
     out = []
     for r in lps:
-        for gbs in (r.gpu_batch_size, 2 * r.gpu_batch_size):
+        for gbs in (r.gpu_batch_size,) if batch is not None else (r.gpu_batch_size, 2 * r.gpu_batch_size):
             key = (r.percent, gbs, r.num_gpu_batches)
             if key in seen:
                 continue
@@ -519,10 +520,10 @@ def tightllm_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen
             except OffsimError:
                 continue
             if math.isfinite(score):
-                out.append(({"percent": r.percent}, wl, score))
-    out.sort(key=lambda c: c[2])
+                out.append(Candidate({"percent": r.percent}, wl, score))
+    out.sort(key=lambda c: c.score_s_per_token)
     return out
 
 
-POLICY = {"tightllm": (tightllm_plan, TightLLMSettings)}
-CANDIDATES = {"tightllm": tightllm_candidates}
+TIGHTLLM = Policy("tightllm", TightLLMSettings, tightllm_plan, tightllm_candidates,
+                  "TightLLM: recompute part of the KV cache on the idle GPU (ILP per batch), weight slices per batch")

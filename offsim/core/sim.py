@@ -19,11 +19,11 @@ import math
 import numpy as np
 import simpy
 
-from . import costmodel
-from .errors import OffsimError
-from .plan import STREAMS, TIERS, Plan
-from .specs import HardwareSpec
-from .trace import Trace
+from offsim.core import costmodel
+from offsim.core.errors import OffsimError
+from offsim.core.plan import STREAMS, TIERS, Plan
+from offsim.core.specs import HardwareSpec
+from offsim.core.trace import Trace
 
 _OPPOSITE = {"h2d": "d2h", "d2h": "h2d"}
 _NONE = (0, 0, 0)
@@ -116,5 +116,6 @@ def simulate(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> Trace:
         raise OffsimError(f"{stuck.describe()} never ran: it waits on an op that is behind it on its own stream "
                           "(deadlock in the plan)")
     meta = {"model": model.name, "hardware": hw.name, "policy": plan.policy, "workload": plan.workload.to_dict(),
-            "settings": plan.settings, "source": "offsim"}
+            "settings": plan.settings, "derived": plan.derived,
+            "source": "offsim"}
     return Trace.from_arrays(plan, start, end, meta, {t: int(peak[i]) for i, t in enumerate(TIERS)})

@@ -1,4 +1,4 @@
-"""Policy search: FlexGen's linear program over placement fractions, and a search that keeps each policy at its best.
+"""FlexGen's linear program over placement fractions: the LP that ranks FlexGen's (and TightLLM's) candidates.
 
 FlexGen's LP (FlexGen §4.3, seed 001): for a fixed block shape (gpu_batch_size, num_gpu_batches), nine placement
 fractions (weights, KV cache, activations over GPU/CPU/disk) are continuous; the latency of one block is
@@ -7,14 +7,10 @@ with T_pre and T_gen the per-layer maxima of the H2D, D2H, disk and compute time
 decode step (context s + n/2), subject to peak memory per tier. Minimise T / block size. The terms here are built
 from ``offsim.costmodel`` (the functions the simulator prices ops with), so the LP and the simulator agree up to what
 an average step and a max-of-streams bound leave out; the search therefore simulates the best LP candidates and
-keeps the best *simulated* one.
-
-``search(policy, ...)`` is the one entry point: FlexGen via the LP; the static policies by enumerating batch sizes;
-policies in their own modules (TightLLM, Select-N) through the ``CANDIDATES`` generators they export.
+keeps the best *simulated* one (``offsim.search``).
 """
 from __future__ import annotations
 
-import importlib
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -22,15 +18,11 @@ from typing import Any, Iterable
 
 import cvxpy as cp
 import numpy as np
-import pandas as pd
 
-from . import costmodel as cm
-from .errors import OffsimError
-from .policies import POLICIES, build_plan
-from .policies.schedule import workspace_bytes
-from .sim import simulate
-from .solvers import solve_quietly
-from .specs import HardwareSpec, ModelSpec, Workload
+from offsim.core import costmodel as cm
+from offsim.policies.schedule import workspace_bytes
+from offsim.core.solvers import solve_quietly
+from offsim.core.specs import HardwareSpec, ModelSpec
 
 LP_SOLVER = cp.HIGHS  # named explicitly: the LP must not depend on whichever solver cvxpy finds first
 GPU_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -215,163 +207,33 @@ def round_percent(fr: dict[str, float]) -> tuple[int, int, int, int, int, int]:
     return (wg, wc, cg, cc, ag, 100 - ag)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# search
-# ----------------------------------------------------------------------------------------------------------------
-@dataclass
-class SearchResult:
-    policy: str
-    settings: dict[str, Any]
-    workload: Workload
-    metrics: dict[str, Any]
-    candidates: pd.DataFrame  # every candidate evaluated (simulated or not), best first
-
-    def summary(self) -> dict:
-        return {"policy": self.policy, "settings": self.settings, "gpu_batch_size": self.workload.gpu_batch_size,
-                "num_gpu_batches": self.workload.num_gpu_batches, **{k: self.metrics[k] for k in (
-                    "prefill_tok_s", "decode_tok_s", "total_tok_s")}}
+def block_shapes(batch: int | None = None, gpu_batch_sizes: Iterable[int] = GPU_BATCH_SIZES,
+                 num_gpu_batches: Iterable[int] = NUM_GPU_BATCHES) -> list[tuple[int, int]]:
+    """(gpu_batch_size, num_gpu_batches) pairs the search tries, by number of GPU batches then batch size; with
+    ``batch``, the pairs whose product is exactly ``batch`` (any GPU batch size that divides it)."""
+    if batch is not None:
+        return [(batch // nb, nb) for nb in num_gpu_batches if batch % nb == 0]
+    return [(gbs, nb) for nb in num_gpu_batches for gbs in gpu_batch_sizes]
 
 
 def flexgen_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
                        gpu_batch_sizes: Iterable[int] = GPU_BATCH_SIZES,
                        num_gpu_batches: Iterable[int] = NUM_GPU_BATCHES,
-                       cpu_attention: Iterable[bool] = (False, True)) -> list[LPResult]:
-    """LP optimum for every block shape that fits, best (lowest seconds per token) first."""
+                       cpu_attention: Iterable[bool] = (False, True), batch: int | None = None) -> list[LPResult]:
+    """LP optimum for every block shape that fits (with ``batch`` sequences when given), best (lowest seconds per
+    token) first."""
     out = []
     for ca in cpu_attention:
-        for nb in num_gpu_batches:
-            for gbs in gpu_batch_sizes:
-                r = flexgen_lp(model, hw, prompt_len, gen_len, gbs, nb, ca)
-                if r is None:
-                    break  # a larger GPU batch needs more memory still
-                out.append(r)
+        too_big: set[int] = set()  # num_gpu_batches whose smaller GPU batch already did not fit
+        for gbs, nb in block_shapes(batch, gpu_batch_sizes, num_gpu_batches):
+            if nb in too_big:
+                continue  # a larger GPU batch needs more memory still
+            r = flexgen_lp(model, hw, prompt_len, gen_len, gbs, nb, ca)
+            if r is None:
+                too_big.add(nb)
+                continue
+            out.append(r)
     return sorted(out, key=lambda r: r.seconds_per_token)
-
-
-def _flexgen_candidates(model, hw, prompt_len, gen_len):
-    for r in flexgen_candidates(model, hw, prompt_len, gen_len):
-        wl = Workload(prompt_len, gen_len, r.gpu_batch_size, r.num_gpu_batches)
-        yield {"percent": r.percent, "cpu_attention": r.cpu_attention}, wl, r.seconds_per_token
-        # the activations' home is a near-tie in the LP (their traffic is small) but not in a real schedule:
-        # screen the other home too
-        p = r.percent
-        yield {"percent": p[:4] + (p[5], p[4]), "cpu_attention": r.cpu_attention}, wl, r.seconds_per_token
-
-
-def _static_candidates(policy: str):
-    def gen(model, hw, prompt_len, gen_len):
-        W = model.layer_weight_bytes() * model.num_layers
-        offloads = ["cpu"] if W <= 0.95 * hw.cpu_mem_bytes else []
-        offloads += ["disk"]
-        for off in offloads:
-            variants = [{"offload": off}] if policy == "static-accelerate" else \
-                [{"offload": off, "kv_on_cpu": False}, {"offload": off, "kv_on_cpu": True}]
-            for st in variants:
-                for gbs in GPU_BATCH_SIZES:
-                    yield st, Workload(prompt_len, gen_len, gbs, 1), None
-            if off == "cpu":
-                return  # disk only when the weights do not fit in host memory
-    return gen
-
-
-def _policy_candidates(policy: str):
-    if policy == "flexgen":
-        return _flexgen_candidates
-    if policy in ("static-accelerate", "static-zero"):
-        return _static_candidates(policy)
-    for mod in ("tightllm", "selectn"):
-        try:
-            m = importlib.import_module(f"offsim.policies.{mod}")
-        except ModuleNotFoundError:
-            continue
-        gen = getattr(m, "CANDIDATES", {}).get(policy)
-        if gen is not None:
-            return lambda *a: ((c[0], c[1], None) if len(c) == 2 else c for c in gen(*a))
-    raise OffsimError(f"policy {policy!r} has no search; valid: {', '.join(POLICIES)}")
-
-
-SCREEN_DECODE_STEPS = 2  # decode steps simulated when screening candidates (then extrapolated)
-
-
-def _try(fn, row: dict, reasons: list):
-    try:
-        return fn()
-    except OffsimError as e:  # infeasible placement, memory overflow under the simulated timing, ...
-        reasons.append(str(e))
-        row["error"] = str(e)
-        return None
-
-
-def search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
-           max_sims: int = 3, progress: bool = False, max_batch: int | None = None) -> SearchResult:
-    """The best settings and block shape of ``policy`` for this model, hardware and lengths, by simulated total
-    throughput.
-
-    Two stages keep OPT-175B searches in seconds: (1) screen candidates on a short plan (prefill and
-    ``SCREEN_DECODE_STEPS`` decode steps, decode time extrapolated to ``gen_len``); LP-ranked policies (FlexGen)
-    screen only their ``2 · max_sims`` best LP candidates; (2) build and simulate the full plan of the best
-    screened candidate, falling back to the next when the full-length plan does not fit memory. ``max_batch``
-    caps the prompts per block (gpu_batch_size × num_gpu_batches)."""
-    if policy not in POLICIES:
-        raise OffsimError(f"unknown policy {policy!r}; valid: {', '.join(POLICIES)}")
-    Workload(prompt_len, gen_len)  # validates the lengths
-    rows, reasons = [], []
-    cands = list(_policy_candidates(policy)(model, hw, prompt_len, gen_len))
-    if max_batch is not None:  # a cap on prompts per block (latency, host memory, or run time)
-        cands = [c for c in cands if c[1].num_prompts <= max_batch]
-    ranked = any(c[2] is not None for c in cands)
-    if ranked:
-        cands = cands[:2 * max_sims]
-    short_gen = min(gen_len, SCREEN_DECODE_STEPS + 1)
-    it = cands
-    if progress:
-        from tqdm import tqdm
-        it = tqdm(cands, desc=f"search {policy}", unit="cand")
-    for settings, wl, lp_s in it:
-        row = {"gpu_batch_size": wl.gpu_batch_size, "num_gpu_batches": wl.num_gpu_batches,
-               "settings": dict(settings), "lp_s_per_token": lp_s, "_wl": wl}
-        rows.append(row)
-        short = wl.with_(gen_len=short_gen)
-        plan = _try(lambda: build_plan(policy, model, hw, short, settings), row, reasons)
-        m = plan and _try(lambda: simulate(plan, hw).metrics(), row, reasons)
-        if not m:
-            continue
-        decode_per_step = m["decode_s"] / (short_gen - 1) if short_gen > 1 else 0.0
-        est_s = m["prefill_s"] + decode_per_step * (gen_len - 1)
-        row["screen_total_tok_s"] = wl.num_prompts * gen_len / est_s
-    screened = sorted((r for r in rows if "screen_total_tok_s" in r), key=lambda r: -r["screen_total_tok_s"])
-    best = None
-    for row in screened:
-        wl = row["_wl"]
-        plan = _try(lambda: build_plan(policy, model, hw, wl, row["settings"]), row, reasons)
-        m = plan and _try(lambda: simulate(plan, hw).metrics(), row, reasons)
-        if m:
-            row.update({k: m[k] for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s", "peak_gpu_bytes")})
-            best = (row["settings"], wl, m)
-            break
-    if best is None:
-        raise OffsimError(infeasibility_reason(policy, model, hw, prompt_len, gen_len, reasons))
-    df = pd.DataFrame([{k: v for k, v in r.items() if k != "_wl"} for r in rows])
-    df = df.sort_values("screen_total_tok_s", ascending=False, na_position="last").reset_index(drop=True)
-    return SearchResult(policy, best[0], best[1], best[2], df)
-
-
-def infeasibility_reason(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
-                         reasons: list[str]) -> str:
-    """Which constraint binds when nothing fits: the smallest block (one sequence) against each tier."""
-    wl = Workload(prompt_len, gen_len)
-    W = model.layer_weight_bytes()
-    need_gpu = model.embedding_bytes() + 2 * W + workspace_bytes(model, prompt_len)
-    total = model.weight_bytes() + model.kv_bytes(1, wl.max_len)
-    have = hw.gpu_mem_bytes + hw.cpu_mem_bytes + hw.disk_bytes
-    if need_gpu > hw.gpu_mem_bytes:
-        why = (f"GPU memory: even one sequence needs {need_gpu} bytes on the GPU (embedding, two streamed layers, "
-               f"scratch), short by {need_gpu - hw.gpu_mem_bytes} bytes")
-    elif total > have:
-        why = f"total memory: weights + KV need {total} bytes, GPU + CPU + disk hold {have}, short by {total - have}"
-    else:
-        why = reasons[0] if reasons else "no candidate"
-    return f"no feasible {policy} setting for {model.name} on {hw.name}: {why}"
 
 
 def _silence_cvxpy():

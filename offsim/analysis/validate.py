@@ -12,20 +12,19 @@ here, in one place: ``MAX_CASE_ERROR`` and ``MAX_MEDIAN_ERROR``.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from .errors import OffsimError
-from .io import read_json_object, write_text_atomic
-from .plan import Plan
-from .policies import POLICIES, build_plan
-from .sim import simulate
-from .specs import ModelSpec, Workload, get_hardware, get_model
-from .trace import Trace
+from offsim.core.errors import OffsimError
+from offsim.core.io import read_json_object, write_text_atomic
+from offsim.core.plan import Plan
+from offsim.policies import build_plan, get_policy
+from offsim.core.sim import simulate
+from offsim.core.specs import HardwareSpec, ModelSpec, Workload, get_hardware, get_model
+from offsim.core.trace import Trace
 
 CASE_SCHEMA = "offsim.case/1"
 MAX_CASE_ERROR = 0.10  # target: every case's total-throughput error within 10 %
@@ -84,19 +83,40 @@ def _err(pred: float, meas: float) -> float:
     return (pred - meas) / meas if meas else float("nan")
 
 
-def validate_case(case: dict, hardware: str | None = None) -> dict:
-    """Re-simulate one measured case; ``hardware`` overrides the case's profile (a preset name or profile JSON)."""
-    meta = case["meta"]
-    where = case.get("path", "case")
+def run_setup(meta: dict, where: str = "case", hardware=None) -> tuple[ModelSpec, HardwareSpec, str, Workload]:
+    """(model, hardware, hardware reference, workload) of a measured run from its metadata; ``hardware`` (a preset,
+    a profile JSON or a HardwareSpec) overrides the run's own profile."""
     try:  # a run may use a modified spec (fp32, extended positions): then the case carries it whole
         model = ModelSpec.from_dict(meta["model_config"]) if meta.get("model_config") else get_model(meta["model"])
     except OffsimError as e:
         raise OffsimError(f"{where}: field 'meta.model': {e}") from None
     if model.name != meta["model"]:
         raise OffsimError(f"{where}: field 'meta.model' names {meta['model']!r} but the model is {model.name!r}")
-    hw_ref = hardware or _resolve(meta.get("hardware_profile") or meta["hardware"], where)
+    if isinstance(hardware, HardwareSpec):
+        return model, hardware, hardware.name, Workload.from_dict(meta["workload"])
+    hw_ref = hardware or _resolve(meta.get("hardware_profile") or meta.get("hardware") or "h200", where)
     hw = get_hardware(hw_ref, meta.get("gpu_mem_gb"))
-    wl = Workload.from_dict(meta["workload"])
+    return model, hw, hw_ref, Workload.from_dict(meta["workload"])
+
+
+def resimulate(measured: Trace | dict, hw: HardwareSpec | str | None = None) -> Trace:
+    """The prediction for a measured run (a Trace, or a case dict): the plan that ran (stored beside the case) or
+    one rebuilt from its policy and settings, simulated on ``hw`` (default: the profile the run names). Memory is
+    not re-checked: the run already happened within its budget."""
+    case = {"meta": measured.meta} if isinstance(measured, Trace) else measured
+    meta, where = case["meta"], case.get("path", "measured run")
+    missing = [k for k in ("model", "policy", "workload") if k not in meta]
+    if missing:
+        raise OffsimError(f"measured run metadata lacks {missing}: cannot rebuild its plan")
+    model, hw, _, wl = run_setup(meta, where, hw)
+    plan, _ = _plan_of(case, model, hw, wl)
+    return simulate(plan, hw, check_memory=False)
+
+
+def validate_case(case: dict, hardware: str | None = None) -> dict:
+    """Re-simulate one measured case; ``hardware`` overrides the case's profile (a preset name or profile JSON)."""
+    meta, where = case["meta"], case.get("path", "case")
+    model, hw, hw_ref, wl = run_setup(meta, where, hardware)
     plan, plan_source = _plan_of(case, model, hw, wl)
     pred_trace = simulate(plan, hw, check_memory=False)
     pred = aggregate(pred_trace)
@@ -132,17 +152,15 @@ def _plan_of(case: dict, model: ModelSpec, hw, wl: Workload) -> tuple[Plan, str]
     the case's ``meta.plan_sha256`` shows that today's policy code builds a different plan from those settings --
     then the prediction is for a plan that was never measured."""
     meta, where = case["meta"], case.get("path", "case")
-    if meta.get("plan_file"):
+    if meta.get("plan_file") and "path" in case:
         path = Path(where).parent / meta["plan_file"]
         plan = Plan.load(path)
         if meta.get("plan_sha256") not in (None, plan.fingerprint()):
             raise OffsimError(f"{where}: the stored plan {path} does not match field 'meta.plan_sha256'")
         return plan, "stored"
-    # a plan records derived values beside its settings (e.g. TightLLM's chosen N_r): rebuild from the settings
-    if meta["policy"] not in POLICIES:
-        raise OffsimError(f"{where}: field 'meta.policy' is {meta['policy']!r}; valid: {', '.join(POLICIES)}")
-    names = {f.name for f in dataclasses.fields(POLICIES[meta["policy"]][1])}
-    settings = {k: v for k, v in meta["settings"].items() if k in names}
+    # a plan records its inputs (settings) apart from what the policy derived from them: rebuild from the inputs
+    pol = get_policy(meta["policy"])
+    settings = pol.settings_from(pol.inputs_of(meta["settings"]))
     plan = build_plan(meta["policy"], model, hw, wl, settings, validate=False)
     if meta.get("plan_sha256") not in (None, plan.fingerprint()):
         return plan, "rebuilt, differs"
@@ -158,16 +176,20 @@ def _is_case_json(path: Path) -> bool:
         return False
 
 
-def find_cases(root: str | Path) -> list[Path]:
-    """Measured cases under ``root``: case JSONs (found by their schema, whatever their name) and full trace CSVs
-    (``*.trace.csv``, gzipped or not)."""
-    root = Path(root)
-    if root.is_file():
-        return [root]
-    if not root.is_dir():
-        raise OffsimError(f"{root}: no such file or directory")
-    cases = [p for p in root.rglob("*.json") if _is_case_json(p)]
-    return sorted(cases + list(root.rglob("*.trace.csv")) + list(root.rglob("*.trace.csv.gz")))
+def find_cases(*roots: str | Path, missing_ok: bool = False) -> list[Path]:
+    """Measured cases under ``roots`` (files are taken as they are): case JSONs (found by their schema, whatever
+    their name) and full trace CSVs (``*.trace.csv``, gzipped or not), sorted. A root that does not exist is an
+    error unless ``missing_ok`` (a notebook listing folders that may not be committed yet)."""
+    out: set[Path] = set()
+    for root in map(Path, roots):
+        if root.is_file():
+            out.add(root)
+        elif root.is_dir():
+            out |= {p for p in root.rglob("*.json") if _is_case_json(p)}
+            out |= set(root.rglob("*.trace.csv")) | set(root.rglob("*.trace.csv.gz"))
+        elif not missing_ok:
+            raise OffsimError(f"{root}: no such file or directory")
+    return sorted(out)
 
 
 def _resolve(ref: str, case_path: str) -> str:

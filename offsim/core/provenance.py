@@ -33,6 +33,6 @@ def provenance(**extra) -> dict:
 
 def write_csv(df: pd.DataFrame, path: str | Path, prov: dict) -> None:
     """CSV whose first line is '# ' + the provenance JSON (pandas reads it back with comment='#')."""
-    from .io import write_commented_csv
+    from offsim.core.io import write_commented_csv
 
     write_commented_csv(path, prov, df)

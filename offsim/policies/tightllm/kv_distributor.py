@@ -55,10 +55,10 @@ from functools import lru_cache
 
 import numpy as np
 
-from . import costmodel as cm
-from .errors import OffsimError
-from .solvers import solve_quietly
-from .specs import HardwareSpec, ModelSpec
+from offsim.core import costmodel as cm
+from offsim.core.errors import OffsimError
+from offsim.core.solvers import solve_quietly
+from offsim.core.specs import HardwareSpec, ModelSpec
 
 ILP_SOLVER = "HIGHS"  # cvxpy's name for HiGHS; named explicitly, never "whatever cvxpy finds first"
 TRANSFER_MODELS = ("streams", "serial")

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-from .errors import OffsimError
+from offsim.core.errors import OffsimError
 
 GiB = 1 << 30
 GB = 10**9
@@ -342,7 +342,7 @@ class HardwareSpec:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "HardwareSpec":
-        from .io import read_json_object
+        from offsim.core.io import read_json_object
 
         return cls.from_dict(read_json_object(path, "hardware profile"), where=f"hardware profile {path}")
 

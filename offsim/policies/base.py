@@ -1,0 +1,92 @@
+"""What every policy shares: the ``Policy`` record the registry holds, a search ``Candidate``, and the placement
+helpers (percentages to bytes and heads) that FlexGen-style policies use.
+
+A policy is four things (``Policy``): a name, a frozen settings dataclass (its *inputs*: what a user sets), a plan
+builder ``(model, hardware, workload, settings) -> Plan`` and a candidate generator that proposes settings and
+block shapes for the search, best first. Nothing else about a policy is known outside its module.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, NamedTuple
+
+from offsim.core.errors import OffsimError
+from offsim.core.plan import Plan
+from offsim.core.specs import HardwareSpec, ModelSpec, Workload
+
+
+class Candidate(NamedTuple):
+    """One point for the search to try: settings (a dict of the policy's settings fields), the block shape (a
+    Workload) and, when the policy ranks its candidates by a model of its own (FlexGen's LP, TightLLM's estimate),
+    that model's seconds per token (None otherwise)."""
+
+    settings: dict
+    workload: Workload
+    score_s_per_token: float | None = None
+
+
+# (model, hardware, prompt_len, gen_len, batch) -> candidates, best first. ``batch`` None: any block shape;
+# an int: only block shapes with exactly that many sequences (gpu_batch_size x num_gpu_batches).
+CandidateFn = Callable[[ModelSpec, HardwareSpec, int, int, "int | None"], Iterable[Candidate]]
+
+
+@dataclass(frozen=True)
+class Policy:
+    """One offloading policy, as the registry (``offsim.policies.POLICIES``) holds it."""
+
+    name: str
+    settings: type  # a frozen dataclass: the policy's inputs, with defaults
+    build: Callable[[ModelSpec, HardwareSpec, Workload, Any], Plan]  # builds the plan; raises OffsimError
+    candidates: CandidateFn
+    summary: str  # one line for --help and docs
+
+    def settings_from(self, d: Mapping[str, Any] | Any | None):
+        """The settings object from a dict (unknown keys are an error naming the valid ones) or as given."""
+        if isinstance(d, self.settings):
+            return d
+        d = dict(d or {})
+        names = [f.name for f in dataclasses.fields(self.settings)]
+        unknown = set(d) - set(names)
+        if unknown:
+            raise OffsimError(f"unknown settings {sorted(unknown)} for policy {self.name}; valid: {names}")
+        d = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items()}  # JSON lists back to tuples
+        return self.settings(**d)
+
+    def input_names(self) -> list[str]:
+        return [f.name for f in dataclasses.fields(self.settings)]
+
+    def inputs_of(self, recorded: Mapping[str, Any]) -> dict:
+        """The inputs among settings recorded by a run. Plans written before ``Plan.derived`` existed stored derived
+        values (TightLLM's N_r table, Accelerate's GPU layers) among their settings; this drops them."""
+        names = set(self.input_names())
+        return {k: v for k, v in recorded.items() if k in names}
+
+
+def capacity_of(hw: HardwareSpec) -> dict[str, int]:
+    """Bytes per tier a plan may use on ``hw``: the GPU budget, host memory and disk."""
+    return {"gpu": int(hw.gpu_mem_bytes), "cpu": int(hw.cpu_mem_bytes), "disk": int(hw.disk_bytes)}
+
+
+def weight_split_from_percent(model: ModelSpec, gpu_pct: float, cpu_pct: float) -> tuple[int, int]:
+    """Bytes (gpu, cpu) of one layer's flat weights for placement percentages, on element boundaries."""
+    W, e = model.layer_weight_bytes(), model.dtype_bytes
+    g = int(W * gpu_pct / 100 / e) * e  # rounded down: never more on a fast tier than asked
+    c = min(int(W * cpu_pct / 100 / e) * e, W - g)
+    if gpu_pct + cpu_pct >= 100:
+        c = W - g  # nothing on disk when nothing was asked there
+    return g, c
+
+
+def kv_split_from_percent(model: ModelSpec, gpu_pct: float, cpu_pct: float) -> tuple[int, int]:
+    """KV heads (gpu, cpu) for cache placement percentages (FlexGen splits the cache along heads)."""
+    n = model.num_kv_heads
+    g = int(n * gpu_pct / 100 + 1e-9)  # rounded down, as for weights
+    c = n - g if gpu_pct + cpu_pct >= 100 else min(int(n * cpu_pct / 100 + 1e-9), n - g)
+    return g, c
+
+
+def host_offload_tier(model: ModelSpec, hw: HardwareSpec) -> str:
+    """Where a static policy keeps the layers it offloads: host memory when all weights fit in 95 % of it (the
+    rest is the KV cache's and the process's), else disk."""
+    return "cpu" if model.weight_bytes() <= 0.95 * hw.cpu_mem_bytes else "disk"

@@ -1,0 +1,67 @@
+"""FlexGen (ICML'23): the zig-zag block schedule with placement percentages for weights, KV cache and activations
+over GPU/CPU/disk (FlexGen's six ``--percent`` numbers), overlap on or off and optional CPU attention. Its search
+candidates come from FlexGen's LP (``offsim.policies.lp``), one optimum per block shape.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Iterable
+
+from offsim.core.errors import OffsimError
+from offsim.core.plan import Plan
+from offsim.core.specs import HardwareSpec, ModelSpec, Workload
+from offsim.policies.base import Candidate, Policy, capacity_of, kv_split_from_percent, weight_split_from_percent
+from offsim.policies.lp import flexgen_candidates
+from offsim.policies.schedule import Schedule, build_block_plan
+
+
+@dataclass(frozen=True)
+class FlexGenSettings:
+    """FlexGen's policy knobs. ``percent``: weights GPU, weights CPU, cache GPU, cache CPU, activations GPU,
+    activations CPU (FlexGen's ``--percent``; the rest of each pair is on disk)."""
+
+    percent: tuple[int, int, int, int, int, int] = (100, 0, 100, 0, 100, 0)
+    overlap: bool = True  # overlap I/O with compute (FlexGen's default)
+    cpu_attention: bool = False  # FlexGen's --cpu-cache-compute
+    pin_weights: bool = True  # FlexGen's --pin-weight
+
+    def __post_init__(self):
+        p = tuple(self.percent)
+        if len(p) != 6 or any(not 0 <= x <= 100 for x in p):
+            raise OffsimError(f"--percent needs six numbers in [0, 100], got {list(p)}")
+        for name, (a, b_) in (("weights", p[0:2]), ("cache", p[2:4]), ("activations", p[4:6])):
+            if a + b_ > 100:
+                raise OffsimError(f"--percent: {name} GPU + CPU = {a + b_} % exceeds 100 (the rest goes to disk)")
+        if p[4] + p[5] != 100:
+            raise OffsimError(f"--percent: activations GPU + CPU must sum to 100 (activations never go to disk), "
+                              f"got {p[4]} + {p[5]}")
+        object.__setattr__(self, "percent", p)
+
+
+def flexgen_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: FlexGenSettings) -> Plan:
+    wg, wc, cg, cc, ag, ac = st.percent
+    split = weight_split_from_percent(model, wg, wc)
+    kv = kv_split_from_percent(model, cg, cc)
+    s = Schedule(policy="flexgen", weight_split=(split,) * model.num_layers, kv_split=kv,
+                 hidden_home="gpu" if ag >= ac else "cpu", prefetch=True, overlap=st.overlap,
+                 cpu_attention=st.cpu_attention, pinned=st.pin_weights,
+                 settings=tuple(dataclasses.asdict(st).items()))
+    return build_block_plan(model, wl, s, capacity_of(hw))
+
+
+def candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
+               batch: int | None = None) -> Iterable[Candidate]:
+    """FlexGen's LP optimum for every block shape (with ``batch`` sequences when given), with and without CPU
+    attention, best LP time first; each also with the activations on the other tier (a near-tie in the LP, whose
+    activation traffic is small, but not in a real schedule)."""
+    for r in flexgen_candidates(model, hw, prompt_len, gen_len, batch=batch):
+        wl = Workload(prompt_len, gen_len, r.gpu_batch_size, r.num_gpu_batches)
+        p = r.percent
+        yield Candidate({"percent": p, "cpu_attention": r.cpu_attention}, wl, r.seconds_per_token)
+        yield Candidate({"percent": p[:4] + (p[5], p[4]), "cpu_attention": r.cpu_attention}, wl,
+                        r.seconds_per_token)
+
+
+FLEXGEN = Policy("flexgen", FlexGenSettings, flexgen_plan, candidates,
+                 "FlexGen: zig-zag block schedule, LP placement of weights/KV/activations, optional CPU attention")

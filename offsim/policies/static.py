@@ -1,0 +1,110 @@
+"""The static policies: HF Accelerate's and DeepSpeed ZeRO-Inference's layer-by-layer offloading, on the shared
+block schedule (``offsim.policies.schedule``) with one GPU batch.
+
+- ``static-accelerate``: HF Accelerate's ``device_map``: whole layers on the GPU (as many as fit beside the KV
+  cache), the rest in pageable host memory (or on disk), each copied in synchronously when the layer runs, no
+  prefetch; KV on the GPU.
+- ``static-zero``: DeepSpeed ZeRO-Inference: all layer weights in pinned host memory (or on disk), streamed layer by
+  layer with the next layer prefetched; KV on the GPU (or the CPU).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from offsim.core.errors import OffsimError
+from offsim.core.plan import Plan
+from offsim.core.specs import HardwareSpec, ModelSpec, Workload
+from offsim.policies.base import Candidate, Policy, capacity_of, host_offload_tier
+from offsim.policies.lp import GPU_BATCH_SIZES
+from offsim.policies.schedule import Schedule, build_block_plan, resident_bytes, workspace_bytes
+
+
+@dataclass(frozen=True)
+class AccelerateSettings:
+    """``gpu_layers``: decoder layers kept whole on the GPU (None: as many as fit beside KV cache and buffers);
+    ``offload``: where the other layers live, 'cpu' (pageable, as Accelerate keeps them) or 'disk'."""
+
+    gpu_layers: int | None = None
+    offload: str = "cpu"
+
+    def __post_init__(self):
+        if self.offload not in ("cpu", "disk"):
+            raise OffsimError(f"offload must be 'cpu' or 'disk', got {self.offload!r}")
+
+
+def accelerate_gpu_layers(model: ModelSpec, hw: HardwareSpec, wl: Workload) -> int:
+    """How many whole decoder layers fit on the GPU beside the embedding, the KV cache at full length, the
+    activations, one layer's scratch and one streamed layer's buffer (what device_map='auto' with max_memory does,
+    leaving room for generation)."""
+    W = model.layer_weight_bytes()
+    fixed = resident_bytes(model, wl, Schedule("x", ((0, W),) * model.num_layers, (model.num_kv_heads, 0)))["gpu"]
+    free = hw.gpu_mem_bytes - fixed - workspace_bytes(model, wl.num_prompts * wl.prompt_len) - W
+    return max(0, min(model.num_layers, free // W))
+
+
+def static_accelerate_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: AccelerateSettings) -> Plan:
+    if wl.num_gpu_batches != 1:
+        raise OffsimError("static-accelerate runs one GPU batch at a time: use --num-gpu-batches 1")
+    W = model.layer_weight_bytes()
+    n = accelerate_gpu_layers(model, hw, wl) if st.gpu_layers is None else st.gpu_layers
+    if not 0 <= n <= model.num_layers:
+        raise OffsimError(f"gpu_layers must be in [0, {model.num_layers}], got {n}")
+    off = (0, W) if st.offload == "cpu" else (0, 0)
+    split = tuple((W, 0) if j < n else off for j in range(model.num_layers))
+    s = Schedule(policy="static-accelerate", weight_split=split, kv_split=(model.num_kv_heads, 0), prefetch=False,
+                 overlap=True, pinned=False, settings=(("gpu_layers", st.gpu_layers), ("offload", st.offload)),
+                 derived=(("gpu_layers", n),))
+    return build_block_plan(model, wl, s, capacity_of(hw))
+
+
+@dataclass(frozen=True)
+class ZeroSettings:
+    """``offload``: where the layer weights live, 'cpu' (pinned) or 'disk'; ``kv_on_cpu``: KV cache in host memory
+    (loaded every step) instead of on the GPU."""
+
+    offload: str = "cpu"
+    kv_on_cpu: bool = False
+
+    def __post_init__(self):
+        if self.offload not in ("cpu", "disk"):
+            raise OffsimError(f"offload must be 'cpu' or 'disk', got {self.offload!r}")
+
+
+def static_zero_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: ZeroSettings) -> Plan:
+    if wl.num_gpu_batches != 1:
+        raise OffsimError("static-zero runs one GPU batch at a time: use --num-gpu-batches 1")
+    W = model.layer_weight_bytes()
+    split = ((0, W) if st.offload == "cpu" else (0, 0),) * model.num_layers
+    kv = (0, model.num_kv_heads) if st.kv_on_cpu else (model.num_kv_heads, 0)
+    s = Schedule(policy="static-zero", weight_split=split, kv_split=kv, prefetch=True, overlap=True, pinned=True,
+                 settings=(("offload", st.offload), ("kv_on_cpu", st.kv_on_cpu)))
+    return build_block_plan(model, wl, s, capacity_of(hw))
+
+
+def _batches(batch: int | None) -> Iterable[int]:
+    return GPU_BATCH_SIZES if batch is None else (batch,)
+
+
+def accelerate_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
+                          batch: int | None = None) -> Iterable[Candidate]:
+    """One GPU batch of each size (or of ``batch``), layers offloaded to host memory when they fit there, else to
+    disk. Unranked: the search simulates them."""
+    off = host_offload_tier(model, hw)
+    for gbs in _batches(batch):
+        yield Candidate({"offload": off}, Workload(prompt_len, gen_len, gbs, 1))
+
+
+def zero_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
+                    batch: int | None = None) -> Iterable[Candidate]:
+    """As Accelerate's, each with the KV cache on the GPU (no KV traffic) and in host memory."""
+    off = host_offload_tier(model, hw)
+    for kv_on_cpu in (False, True):
+        for gbs in _batches(batch):
+            yield Candidate({"offload": off, "kv_on_cpu": kv_on_cpu}, Workload(prompt_len, gen_len, gbs, 1))
+
+
+ACCELERATE = Policy("static-accelerate", AccelerateSettings, static_accelerate_plan, accelerate_candidates,
+                    "HF Accelerate: whole layers on the GPU, the rest copied in synchronously, KV on the GPU")
+ZERO = Policy("static-zero", ZeroSettings, static_zero_plan, zero_candidates,
+              "ZeRO-Inference: every layer streamed from pinned host memory with the next one prefetched")

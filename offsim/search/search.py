@@ -1,0 +1,114 @@
+"""The search that keeps every policy at its best: each policy proposes candidates (``Policy.candidates``: settings
+and a block shape, ranked by the policy's own model where it has one -- FlexGen's LP, TightLLM's estimate), the
+search screens them by simulating a short plan and then simulates the full plan of the best, so what it returns is
+the best *simulated* setting, not the best modelled one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from offsim.core.errors import OffsimError
+from offsim.core.sim import simulate
+from offsim.core.specs import HardwareSpec, ModelSpec, Workload
+from offsim.policies import build_plan, get_policy
+from offsim.policies.schedule import workspace_bytes
+
+
+@dataclass
+class SearchResult:
+    policy: str
+    settings: dict[str, Any]
+    workload: Workload
+    metrics: dict[str, Any]
+    candidates: pd.DataFrame  # every candidate evaluated (simulated or not), best first
+
+    def summary(self) -> dict:
+        return {"policy": self.policy, "settings": self.settings, "gpu_batch_size": self.workload.gpu_batch_size,
+                "num_gpu_batches": self.workload.num_gpu_batches, **{k: self.metrics[k] for k in (
+                    "prefill_tok_s", "decode_tok_s", "total_tok_s")}}
+
+
+SCREEN_DECODE_STEPS = 2  # decode steps simulated when screening candidates (then extrapolated)
+
+
+def _try(fn, row: dict, reasons: list):
+    try:
+        return fn()
+    except OffsimError as e:  # infeasible placement, memory overflow under the simulated timing, ...
+        reasons.append(str(e))
+        row["error"] = str(e)
+        return None
+
+
+def search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
+           max_sims: int = 3, progress: bool = False, max_batch: int | None = None) -> SearchResult:
+    """The best settings and block shape of ``policy`` for this model, hardware and lengths, by simulated total
+    throughput.
+
+    Two stages keep OPT-175B searches in seconds: (1) screen candidates on a short plan (prefill and
+    ``SCREEN_DECODE_STEPS`` decode steps, decode time extrapolated to ``gen_len``); LP-ranked policies (FlexGen)
+    screen only their ``2 · max_sims`` best LP candidates; (2) build and simulate the full plan of the best
+    screened candidate, falling back to the next when the full-length plan does not fit memory. ``max_batch``
+    caps the prompts per block (gpu_batch_size × num_gpu_batches)."""
+    pol = get_policy(policy)
+    Workload(prompt_len, gen_len)  # validates the lengths
+    rows, reasons = [], []
+    cands = list(pol.candidates(model, hw, prompt_len, gen_len, None))
+    if max_batch is not None:  # a cap on prompts per block (latency, host memory, or run time)
+        cands = [c for c in cands if c[1].num_prompts <= max_batch]
+    ranked = any(c[2] is not None for c in cands)
+    if ranked:
+        cands = cands[:2 * max_sims]
+    short_gen = min(gen_len, SCREEN_DECODE_STEPS + 1)
+    it = cands
+    if progress:
+        from tqdm import tqdm
+        it = tqdm(cands, desc=f"search {policy}", unit="cand")
+    for settings, wl, lp_s in it:
+        row = {"gpu_batch_size": wl.gpu_batch_size, "num_gpu_batches": wl.num_gpu_batches,
+               "settings": dict(settings), "lp_s_per_token": lp_s, "_wl": wl}
+        rows.append(row)
+        short = wl.with_(gen_len=short_gen)
+        plan = _try(lambda: build_plan(policy, model, hw, short, settings), row, reasons)
+        m = plan and _try(lambda: simulate(plan, hw).metrics(), row, reasons)
+        if not m:
+            continue
+        decode_per_step = m["decode_s"] / (short_gen - 1) if short_gen > 1 else 0.0
+        est_s = m["prefill_s"] + decode_per_step * (gen_len - 1)
+        row["screen_total_tok_s"] = wl.num_prompts * gen_len / est_s
+    screened = sorted((r for r in rows if "screen_total_tok_s" in r), key=lambda r: -r["screen_total_tok_s"])
+    best = None
+    for row in screened:
+        wl = row["_wl"]
+        plan = _try(lambda: build_plan(policy, model, hw, wl, row["settings"]), row, reasons)
+        m = plan and _try(lambda: simulate(plan, hw).metrics(), row, reasons)
+        if m:
+            row.update({k: m[k] for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s", "peak_gpu_bytes")})
+            best = (row["settings"], wl, m)
+            break
+    if best is None:
+        raise OffsimError(infeasibility_reason(policy, model, hw, prompt_len, gen_len, reasons))
+    df = pd.DataFrame([{k: v for k, v in r.items() if k != "_wl"} for r in rows])
+    df = df.sort_values("screen_total_tok_s", ascending=False, na_position="last").reset_index(drop=True)
+    return SearchResult(policy, best[0], best[1], best[2], df)
+
+
+def infeasibility_reason(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
+                         reasons: list[str]) -> str:
+    """Which constraint binds when nothing fits: the smallest block (one sequence) against each tier."""
+    wl = Workload(prompt_len, gen_len)
+    W = model.layer_weight_bytes()
+    need_gpu = model.embedding_bytes() + 2 * W + workspace_bytes(model, prompt_len)
+    total = model.weight_bytes() + model.kv_bytes(1, wl.max_len)
+    have = hw.gpu_mem_bytes + hw.cpu_mem_bytes + hw.disk_bytes
+    if need_gpu > hw.gpu_mem_bytes:
+        why = (f"GPU memory: even one sequence needs {need_gpu} bytes on the GPU (embedding, two streamed layers, "
+               f"scratch), short by {need_gpu - hw.gpu_mem_bytes} bytes")
+    elif total > have:
+        why = f"total memory: weights + KV need {total} bytes, GPU + CPU + disk hold {have}, short by {total - have}"
+    else:
+        why = reasons[0] if reasons else "no candidate"
+    return f"no feasible {policy} setting for {model.name} on {hw.name}: {why}"
