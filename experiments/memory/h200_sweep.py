@@ -1,0 +1,263 @@
+"""The memory contract on real hardware: settings chosen by ``offsim search`` at 100 % of a GPU budget (no headroom
+factor), run by offexec under that budget. Does any run out of memory, and how does the measured peak compare with
+offsim's predicted peak?
+
+Three steps, the first and last on any machine, the second on the GPU machine:
+
+    python -m experiments.memory.h200_sweep plan --out results/memory/h200_sweep_config.json
+    python -m experiments.memory.h200_sweep run --config results/memory/h200_sweep_config.json --out OUT --commit C
+    python -m experiments.memory.h200_sweep report --runs OUT/runs.jsonl --config results/memory/h200_sweep_config.json \
+        --out results/memory
+
+``plan`` draws the grid with a seed written into the config (models x budgets x prompt/gen lengths x policies, some
+with the host memory cut so that the search must use the disk), runs each policy's search on the H200 profile at
+the full budget, and keeps the cases whose predicted run time is short (device time is scarce). ``run`` generates
+each model's random weights once and runs every case of that model: a two-token warm-up, then the measured run;
+an out-of-memory error is recorded, not fatal. ``report`` writes ``h200_sweep.csv`` (provenance on its first line)
+and a plot of measured against predicted peaks.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+from offsim import Workload, build_plan, get_hardware, get_model, simulate
+from offsim.core.errors import OffsimError
+from offsim.core.provenance import provenance, write_csv
+from offsim.search import search
+
+GiB = 1 << 30
+PROFILE = "results/profiles/h200_offexec.json"
+MODELS = ("opt-6.7b", "llama-2-7b", "opt-13b", "llama-2-13b")  # llama-2-* are absent from the validation matrix
+BUDGETS_GIB = (8, 12, 16, 24, 32, 40)
+PROMPTS = (256, 512, 1024, 1984)  # OPT has 2048 positions: prompt + gen - 1 <= 2048 is checked per draw
+GENS = (16, 32, 64, 128)
+VARIANTS = (("static-accelerate", {}), ("static-zero", {}), ("flexgen", {}), ("flexgen", {"cpu_attention": True}),
+            ("tightllm", {}), ("selectn", {}))
+HOST_MEM_GIB = 110.0  # host memory the runs may use on the 125 GiB machine (the rest: OS, CUDA, Python)
+DISK_HOST_GIB = 12.0  # host memory left to a "disk" case beyond the executor's master copy: forces the disk tier
+MAX_BATCH = 32  # sequences per run: keeps each run to seconds
+MAX_PREDICTED_S = 25.0  # a case whose predicted run is longer is skipped (device time)
+
+
+def _hardware(budget_gib: float, host_bytes: int):
+    return get_hardware(PROFILE, budget_gib).with_(cpu_mem_bytes=max(int(host_bytes), GiB))
+
+
+def plan_cases(seed: int, per_model: int) -> list[dict]:
+    """Draw (budget, prompt, gen, disk?) per model and policy variant; search each at 100 % of the budget."""
+    rng = random.Random(seed)
+    cases = []
+    for mname in MODELS:
+        model = get_model(mname)
+        master = model.weight_bytes()  # offexec keeps a host master copy of every weight
+        draws = 0
+        while draws < per_model:
+            policy, fixed = VARIANTS[draws % len(VARIANTS)]
+            budget, prompt, gen = rng.choice(BUDGETS_GIB), rng.choice(PROMPTS), rng.choice(GENS)
+            if prompt + gen - 1 > model.max_positions:
+                continue
+            draws += 1
+            disk = policy != "selectn" and rng.random() < 0.2
+            host = (DISK_HOST_GIB * GiB) if disk else (HOST_MEM_GIB * GiB - master)
+            hw = _hardware(budget, host)
+            tag = f"{mname}_{policy}{'-cpuattn' if fixed else ''}_b{budget}_p{prompt}_g{gen}{'_disk' if disk else ''}"
+            try:
+                st, wl = _best(policy, fixed, model, hw, prompt, gen)
+                plan = build_plan(policy, model, hw, wl, st)
+                m = simulate(plan, hw).metrics()
+            except OffsimError as e:
+                print(f"  {tag}: no setting ({str(e)[:160]})", flush=True)
+                continue
+            if m["total_s"] > MAX_PREDICTED_S:
+                print(f"  {tag}: skipped, predicted {m['total_s']:.0f} s", flush=True)
+                continue
+            cases.append({"case": tag, "model": mname, "policy": policy, "settings": st, "workload": wl.to_dict(),
+                          "budget_gib": budget, "host_bytes": int(host), "disk": disk,
+                          "predicted_peak_gpu_bytes": int(m["peak_gpu_bytes"]),
+                          "predicted_peak_cpu_bytes": int(m["peak_cpu_bytes"]),
+                          "predicted_peak_disk_bytes": int(m["peak_disk_bytes"]),
+                          "predicted_total_s": m["total_s"], "plan_sha256": plan.fingerprint()})
+            print(f"  {tag}: {wl.gpu_batch_size} x {wl.num_gpu_batches} {st}, predicted peak "
+                  f"{m['peak_gpu_bytes'] / GiB:.2f} GiB, {m['total_s']:.1f} s", flush=True)
+    return cases
+
+
+def _best(policy, fixed, model, hw, prompt, gen):
+    """The policy's best setting by offsim's search (FlexGen with CPU attention forced when ``fixed`` says so)."""
+    if not fixed:
+        r = search(policy, model, hw, prompt, gen, max_sims=2, max_batch=MAX_BATCH)
+        return r.settings, r.workload
+    from offsim.policies import get_policy
+
+    why = "no candidate"
+    for st, wl, _ in get_policy(policy).candidates(model, hw, prompt, gen, None):
+        if wl.num_prompts > MAX_BATCH or any(st.get(k) != v for k, v in fixed.items()):
+            continue
+        try:
+            simulate(build_plan(policy, model, hw, wl, st), hw)
+            return st, wl
+        except OffsimError as e:
+            why = str(e)
+    raise OffsimError(why)
+
+
+def run_cases(cases: list[dict], out: Path, commit: str | None) -> None:
+    """Each model's weights once; per case a warm-up and the measured run; one JSON line per case in runs.jsonl."""
+    import torch
+
+    from offexec.executor import check_plan, run_plan
+    from offexec.weights import random_weights
+
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(out / "runs.jsonl", "a")
+    done = {json.loads(x)["case"] for x in open(out / "runs.jsonl")} if (out / "runs.jsonl").stat().st_size else set()
+    by_model: dict[str, list[dict]] = {}
+    for c in cases:
+        if c["case"] not in done:
+            by_model.setdefault(c["model"], []).append(c)
+    dev = torch.device("cuda")
+    for mname, group in by_model.items():
+        model = get_model(mname)
+        t0 = time.time()
+        weights = random_weights(model, 0, torch.float16, device="cuda", pinned=True, progress=False)
+        print(f"{mname}: weights in {time.time() - t0:.1f} s", flush=True)
+        try:
+            for c in group:
+                hw = _hardware(c["budget_gib"], c["host_bytes"])
+                wl = Workload.from_dict(c["workload"])
+                row = {"case": c["case"], "commit": commit, "gpu": torch.cuda.get_device_name()}
+                budget = int(hw.gpu_mem_bytes)
+                t1 = time.time()
+                try:
+                    plan = build_plan(c["policy"], model, hw, wl, c["settings"])
+                    row["plan_matches_config"] = plan.fingerprint() == c["plan_sha256"]
+                    need = check_plan(plan, dev, budget)
+                    row["offexec_need_bytes"] = int(sum(need.values()))
+                    warm = build_plan(c["policy"], model, hw, wl.with_(gen_len=2), c["settings"])
+                    run_plan(warm, weights, "cuda", gpu_budget_bytes=budget)
+                    res = run_plan(plan, weights, "cuda", gpu_budget_bytes=budget)
+                    m = res.trace.metrics()
+                    row.update(oom=False, measured_peak_gpu_bytes=int(res.stats["gpu_max_reserved_bytes"]),
+                               measured_max_allocated_bytes=int(res.stats["gpu_max_allocated_bytes"]),
+                               measured_total_tok_s=m["total_tok_s"], allocator=res.stats.get("allocator"))
+                except torch.cuda.OutOfMemoryError as e:
+                    row.update(oom=True, error=str(e).split("\n")[0][:300],
+                               measured_peak_gpu_bytes=int(torch.cuda.max_memory_reserved(dev)))
+                except Exception as e:  # a refusal (offsim/offexec error) or a bug: recorded, the sweep goes on
+                    row.update(oom="out of memory" in str(e).lower(), error=f"{type(e).__name__}: {str(e)[:300]}")
+                row["wall_s"] = round(time.time() - t1, 2)
+                torch.cuda.empty_cache()
+                log.write(json.dumps(row, default=str) + "\n")
+                log.flush()
+                print(f"  {c['case']}: {'OOM' if row.get('oom') else row.get('error', 'ok')[:80]} peak "
+                      f"{row.get('measured_peak_gpu_bytes', 0) / GiB:.2f} GiB (predicted "
+                      f"{c['predicted_peak_gpu_bytes'] / GiB:.2f}, budget {c['budget_gib']}) {row['wall_s']} s",
+                      flush=True)
+        finally:
+            weights.close()
+    log.close()
+
+
+def report(config: Path, runs: Path, out: Path) -> dict:
+    """h200_sweep.csv (the issue's columns first) and a plot; returns the summary."""
+    import pandas as pd
+
+    cfg = json.loads(config.read_text())
+    cases = pd.DataFrame(cfg["cases"])
+    rows = pd.DataFrame([json.loads(x) for x in open(runs) if x.strip()])
+    df = cases.merge(rows, on="case", how="inner")
+    wl = pd.json_normalize(df["workload"])
+    df["prompt_len"], df["gen_len"] = wl["prompt_len"], wl["gen_len"]
+    df["batch"] = wl["gpu_batch_size"] * wl["num_gpu_batches"]
+    df["settings"] = df["settings"].map(json.dumps)
+    df["measured_over_predicted"] = df["measured_peak_gpu_bytes"] / df["predicted_peak_gpu_bytes"]
+    df["within_budget"] = df["measured_peak_gpu_bytes"] <= df["budget_gib"] * GiB
+    first = ["case", "model", "policy", "budget_gib", "prompt_len", "gen_len", "batch", "predicted_peak_gpu_bytes",
+             "measured_peak_gpu_bytes", "oom"]
+    rest = ["measured_over_predicted", "within_budget", "measured_max_allocated_bytes", "offexec_need_bytes", "disk",
+            "settings", "error", "measured_total_tok_s", "plan_matches_config", "wall_s", "commit", "gpu"]
+    df = df.reindex(columns=first + [c for c in rest if c in df])
+    out.mkdir(parents=True, exist_ok=True)
+    commits = sorted({str(c) for c in df["commit"].dropna()})
+    write_csv(df, out / "h200_sweep.csv", provenance(config=str(config), runs_commit=commits, seed=cfg["seed"]))
+    ran = df[df["error"].isna()] if "error" in df else df
+    summ = {"cases": len(df), "ooms": int(df["oom"].astype(bool).sum()),
+            "refused_or_failed": int(df["error"].notna().sum()) if "error" in df else 0,
+            "over_budget": int((~df["within_budget"].astype(bool)).sum()),
+            "ratio_min": float(ran["measured_over_predicted"].min()) if len(ran) else None,
+            "ratio_max": float(ran["measured_over_predicted"].max()) if len(ran) else None,
+            "in_0.90_1.00": int(ran["measured_over_predicted"].between(0.90, 1.00).sum())}
+    _plot(df, out / "h200_sweep.png")
+    return summ
+
+
+def _plot(df, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from offsim.analysis.plots import POLICY_COLORS
+
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    for pol, g in df.groupby("policy"):
+        ax.scatter(g["predicted_peak_gpu_bytes"] / GiB, g["measured_peak_gpu_bytes"] / GiB, label=pol, s=20,
+                   color=POLICY_COLORS.get(pol), marker="o")
+        oom = g[g["oom"].astype(bool)]
+        ax.scatter(oom["predicted_peak_gpu_bytes"] / GiB, oom["measured_peak_gpu_bytes"] / GiB, s=60,
+                   facecolors="none", edgecolors="r")
+    hi = float(max(df["predicted_peak_gpu_bytes"].max(), df["measured_peak_gpu_bytes"].max()) / GiB) * 1.05
+    ax.plot([0, hi], [0, hi], "k-", lw=0.8, label="measured = predicted")
+    ax.plot([0, hi], [0, 0.9 * hi], "k:", lw=0.8, label="0.90 x predicted")
+    ax.set_xlabel("offsim predicted GPU peak (GiB)")
+    ax.set_ylabel("offexec measured peak reserved (GiB)")
+    ax.set_title("memory contract on the H200 (red ring: out of memory)", fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("plan", help="choose the cases with offsim's search (no GPU)")
+    p.add_argument("--out", required=True, help="config JSON to write")
+    p.add_argument("--seed", type=int, default=12)
+    p.add_argument("--per-model", type=int, default=12, help="draws per model (default: %(default)s)")
+    r = sub.add_parser("run", help="run the cases of a config on the GPU")
+    r.add_argument("--config", required=True)
+    r.add_argument("--out", required=True, help="folder for runs.jsonl (appended: a rerun skips finished cases)")
+    r.add_argument("--commit", default=None, help="commit to record (the device copy has no .git)")
+    r.add_argument("--models", nargs="*", help="only these models")
+    q = sub.add_parser("report", help="write h200_sweep.csv and the plot")
+    q.add_argument("--config", required=True)
+    q.add_argument("--runs", required=True)
+    q.add_argument("--out", default="results/memory")
+    a = ap.parse_args(argv)
+    if a.cmd == "plan":
+        cases = plan_cases(a.seed, a.per_model)
+        doc = {"seed": a.seed, "profile": PROFILE, "max_batch": MAX_BATCH, "provenance": provenance(), "cases": cases}
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(doc, indent=1, default=list))
+        print(json.dumps({"cases": len(cases), "config": a.out}))
+    elif a.cmd == "run":
+        cases = json.loads(Path(a.config).read_text())["cases"]
+        if a.models:
+            cases = [c for c in cases if c["model"] in a.models]
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "runs.jsonl").touch()
+        run_cases(cases, out, a.commit)
+        print(json.dumps({"runs": str(out / "runs.jsonl")}))
+    else:
+        print(json.dumps(report(Path(a.config), Path(a.runs), Path(a.out))))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
