@@ -188,12 +188,46 @@ def report(config: Path, runs: Path, out: Path) -> dict:
     ran = df[df["error"].isna()] if "error" in df else df
     summ = {"cases": len(df), "ooms": int(df["oom"].astype(bool).sum()),
             "refused_or_failed": int(df["error"].notna().sum()) if "error" in df else 0,
-            "over_budget": int((~df["within_budget"].astype(bool)).sum()),
+            "over_budget": int((~ran["within_budget"].astype(bool)).sum()),  # among completed runs
             "ratio_min": float(ran["measured_over_predicted"].min()) if len(ran) else None,
             "ratio_max": float(ran["measured_over_predicted"].max()) if len(ran) else None,
             "in_0.90_1.00": int(ran["measured_over_predicted"].between(0.90, 1.00).sum())}
     _plot(df, out / "h200_sweep.png")
+    _readme(df, summ, out / "README.md", commits)
     return summ
+
+
+def _readme(df, summ: dict, path: Path, commits: list[str]) -> None:
+    """README.md of the results folder: every number in it is computed here from the CSV beside it."""
+    G = lambda b: f"{b / GiB:.2f}" if b == b else ""  # noqa: E731  (NaN: no measurement)
+    by = df.assign(oom=df["oom"].astype(bool), failed=df["error"].notna() & ~df["oom"].astype(bool)) \
+        .groupby("policy").agg(cases=("case", "size"), ooms=("oom", "sum"), refused_or_failed=("failed", "sum"),
+                               ratio_min=("measured_over_predicted", "min"),
+                               ratio_max=("measured_over_predicted", "max"))
+    lines = ["# The memory contract, measured on the H200", "",
+             "Settings chosen by `offsim search` at 100 % of the GPU budget (no headroom factor), run by offexec under",
+             "that budget (`torch.cuda.set_per_process_memory_fraction`). Written by",
+             "`python -m experiments.memory.h200_sweep report` from `h200_sweep.csv` (first line: provenance); runs at "
+             f"commit(s) {', '.join(commits) or 'unknown'}.", "",
+             f"**{summ['cases']} cases: {summ['ooms']} out of GPU memory, {summ['refused_or_failed']} refused or failed "
+             f"otherwise, {summ['over_budget']} completed with a measured peak over the budget; measured / predicted GPU peak "
+             f"{summ['ratio_min']:.2f} to {summ['ratio_max']:.2f} where the run completed, {summ['in_0.90_1.00']} "
+             "within the target band 0.90-1.00.**", "",
+             "| policy | cases | OOM | refused/failed | measured/predicted min | max |", "| --- | --- | --- | --- | --- | --- |"]
+    for pol, r in by.iterrows():
+        lines.append(f"| {pol} | {int(r.cases)} | {int(r.ooms)} | {int(r.refused_or_failed)} | {r.ratio_min:.2f} | "
+                     f"{r.ratio_max:.2f} |")
+    lines += ["", "| case | budget GiB | batch | predicted GiB | measured GiB | OOM | note |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for _, r in df.iterrows():
+        note = "" if r.get("error") != r.get("error") or r.get("error") is None else str(r["error"])[:90]
+        lines.append(f"| {r.case} | {r.budget_gib} | {r.batch} | {G(r.predicted_peak_gpu_bytes)} | "
+                     f"{G(r.measured_peak_gpu_bytes)} | {'yes' if r.oom else ''} | {note} |")
+    lines += ["", "![measured against predicted peak](h200_sweep.png)", "",
+              "Measured peak: `torch.cuda.max_memory_reserved` over the measured run (after a two-token warm-up); for "
+              "a run that ran out of memory, the peak reached before the failing allocation. `baseline_1011948.log`: "
+              "the same sweep before the footprint module (its printed log)."]
+    path.write_text("\n".join(lines) + "\n")
 
 
 def _plot(df, path: Path) -> None:
