@@ -1,12 +1,15 @@
 """``offexec run``: run one policy's plan with real tensors on a GPU (or the CPU) and set the measurement beside
 offsim's prediction for the same plan.
 
-Takes ``offsim simulate``'s model / hardware / policy / workload options (the same argparse helpers), plus
-``--device``, ``--trace``, ``--checkpoint``, ``--dtype``, ``--disk-dir``. Prints measured and predicted prefill /
-decode / total tok/s with the error, the peak memory of each tier, the host time spent issuing ops, and, as the last
-line, one JSON object. Bad input -- an unknown name, a plan that does not fit the GPU budget, a checkpoint that does
-not match the model, ``--device cuda`` without a GPU, a disk tier without room -- exits with code 2 and one line on
-stderr, before anything large is allocated; an interrupted run removes its disk-tier files.
+Takes ``offsim simulate``'s model / hardware / policy / workload options (the same argparse helpers), or
+``--plan FILE`` (a plan saved by ``offsim simulate --save-plan``), plus ``--device``, ``--trace``, ``--checkpoint``,
+``--dtype``, ``--disk-dir``. Before the measured run, the same plan for two tokens runs unmeasured (a warm-up:
+kernel loading, GEMM algorithm choice, allocator growth; ``--no-warmup`` skips it). Prints measured and predicted
+prefill / decode / total tok/s with the error, the peak memory of each tier, the host time spent issuing ops, and,
+as the last line, one JSON object. Bad input -- an unknown name, a plan that does not fit the GPU budget, a
+checkpoint that does not match the model, ``--device cuda`` without a GPU, a disk tier without room, options that
+contradict ``--plan`` -- exits with code 2 and one line on stderr, before anything large is allocated; an interrupted
+run removes its disk-tier files.
 """
 from __future__ import annotations
 
@@ -17,15 +20,21 @@ import math
 import sys
 import time
 
-from offsim.cli import add_policy_args, add_target_args, policy_settings
+
+from offsim.cli import (add_policy_args, add_target_args, build_fitting_plan, check_output_path, check_plan_conflicts,
+                        given_options, quiet_broken_pipe)
 from offsim.core.errors import OffsimError
-from offsim.policies import build_plan
+from offsim.core.plan import Plan
 from offsim.core.provenance import provenance
 from offsim.core.sim import simulate
-from offsim.core.specs import Workload, get_hardware, get_model
+from offsim.core.specs import HARDWARE_PRESETS, Workload, get_hardware, get_model
+from offsim.policies import build_plan
 
 GiB = 1 << 30
 PHASES = ("prefill_tok_s", "decode_tok_s", "total_tok_s")
+DEFAULT_MODEL = "opt-30b"  # when neither --model nor --checkpoint names one
+WARMUP_GEN_LEN = 2  # prefill and one decode step: every kernel shape of the run, in a fraction of its time
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +43,19 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run a policy's plan with real tensors and compare with offsim's prediction")
     add_target_args(r)
     add_policy_args(r)
-    r.set_defaults(model=None)  # None: the checkpoint's config.json, else opt-30b
+    r.set_defaults(model=None)  # None: the checkpoint's config.json, else DEFAULT_MODEL
+    for a in r._actions:  # the shared help says opt-30b, the default of `offsim`; here it depends on --checkpoint
+        if a.dest == "model":
+            a.help = (f"model preset or a transformers config.json path (default: the --checkpoint's config.json, "
+                      f"else {DEFAULT_MODEL})")
+        if a.dest == "hardware":
+            a.help += ("; with --device cpu give a profile JSON written by `offexec profile --device cpu`, else the "
+                       "comparison is skipped (a GPU preset says nothing about a CPU run)")
+    r.add_argument("--plan", metavar="FILE",
+                   help="run a plan JSON written by `offsim simulate --save-plan` (it carries model, policy, "
+                        "settings and workload: options that set those are then an error)")
+    r.add_argument("--no-warmup", action="store_true",
+                   help="skip the unmeasured warm-up (the same plan for 2 tokens) before the measured run")
     r.add_argument("--device", default="cuda", help="'cuda' (default) or 'cpu' (sequential, for tests)")
     r.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="local transformers checkpoint (config.json + *.safetensors) instead of random weights")
@@ -49,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .profile import add_profile_parser
 
     add_profile_parser(sub)  # `offexec profile`: the hardware-profile JSON offsim loads
+    ap.subcommands = {"run": r}  # for given_options (only `run` takes --plan)
     return ap
 
 
@@ -67,27 +89,61 @@ def compare_rows(measured: dict, predicted: dict) -> list[dict]:
     return rows
 
 
+def _dtype_of(args, plan_dtype_bytes: int | None) -> str:
+    """The torch dtype name: --dtype, else the plan's element size (4: float32, 2: float16)."""
+    if plan_dtype_bytes is None:
+        return args.dtype or "float16"
+    if args.dtype and DTYPE_BYTES[args.dtype] != plan_dtype_bytes:
+        raise OffsimError(f"--dtype {args.dtype} ({DTYPE_BYTES[args.dtype]} bytes) contradicts the plan's "
+                          f"{plan_dtype_bytes}-byte elements; drop --dtype")
+    return args.dtype or {2: "float16", 4: "float32"}[plan_dtype_bytes]
+
+
+def _build(args, hw):
+    """(plan, model, dtype name, warm-up plan or None), from --plan or from the flags; the warm-up plan is the same
+    policy and settings at gen_len 2, built the same way (``experiments/offexec/h200.py`` does the same)."""
+    if args.plan:
+        check_plan_conflicts(args.given)
+        plan = Plan.load(args.plan).validate()
+        model, dtype_name = plan.model, _dtype_of(args, plan.model.dtype_bytes)
+        settings, policy = plan.settings, plan.policy
+    else:
+        model = get_model(args.model or args.checkpoint or DEFAULT_MODEL)
+        dtype_name = _dtype_of(args, None)
+        if dtype_name == "float32":
+            model = dataclasses.replace(model, dtype_bytes=4)
+        wl = Workload(args.prompt_len, args.gen_len, args.gpu_batch_size, args.num_gpu_batches)
+        plan = build_fitting_plan(args, model, hw, wl, model_arg=args.model or args.checkpoint or DEFAULT_MODEL)
+        settings, policy = plan.settings, plan.policy
+    warm = None
+    if not args.no_warmup:
+        warm = build_plan(policy, model, hw, plan.workload.with_(gen_len=min(WARMUP_GEN_LEN, plan.workload.gen_len)),
+                          settings)
+    return plan, model, dtype_name, warm
+
+
 def cmd_run(args) -> dict:
     import torch  # imported here so that `offexec --help` and argument errors stay fast
 
     from .executor import check_plan, run_plan
     from .weights import load_checkpoint, random_weights
 
+    check_output_path(args.trace, "--trace")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise OffsimError("--device cuda was asked but no CUDA device is available (use --device cpu)")
     if device.type not in ("cuda", "cpu"):
         raise OffsimError(f"--device must be 'cuda' or 'cpu', got {args.device!r}")
     hw = get_hardware(args.hardware, args.gpu_mem_gb)
-    model = get_model(args.model or args.checkpoint or "opt-30b")
-    dtype_name = args.dtype or "float16"
-    if dtype_name == "float32":
-        model = dataclasses.replace(model, dtype_bytes=4)
-    wl = Workload(args.prompt_len, args.gen_len, args.gpu_batch_size, args.num_gpu_batches)
-    plan = build_plan(args.policy, model, hw, wl, policy_settings(args))
+    # a CPU run compares only with a measured CPU profile: a preset describes a GPU
+    comparable = device.type == "cuda" or str(args.hardware).lower() not in HARDWARE_PRESETS
+    plan, model, dtype_name, warm = _build(args, hw)
+    wl = plan.workload
     budget = int(hw.gpu_mem_bytes)
     # every refusal before anything large is allocated: budget, disk room, checkpoint shapes
     need = check_plan(plan, device, budget, args.disk_dir)
+    if warm is not None:
+        check_plan(warm, device, budget, args.disk_dir)
     dt = getattr(torch, dtype_name)
     t0 = time.perf_counter()
     if args.checkpoint:
@@ -97,9 +153,14 @@ def cmd_run(args) -> dict:
                                  progress=args.progress)
     weights_s = time.perf_counter() - t0
     prov = provenance(device=str(device), gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "")
+    warmup_s = None
     try:
+        if warm is not None:  # unmeasured: its trace is dropped
+            t0 = time.perf_counter()
+            run_plan(warm, weights, args.device, seed=args.seed, gpu_budget_bytes=budget, disk_dir=args.disk_dir)
+            warmup_s = time.perf_counter() - t0
         res = run_plan(plan, weights, args.device, seed=args.seed, gpu_budget_bytes=budget, disk_dir=args.disk_dir,
-                       meta={"hardware": hw.name, **prov})
+                       meta={"hardware": hw.name, "warmup": warm is not None, **prov})
     finally:
         weights.close()
     measured = res.trace.metrics()
@@ -111,11 +172,22 @@ def cmd_run(args) -> dict:
     print(f"offexec {plan.policy} on {prov['gpu'] or device.type} (budget {budget / GiB:.2f} GiB), {model.name} "
           f"{dtype_name}, prompt {wl.prompt_len}, gen {wl.gen_len}, {wl.gpu_batch_size} x {wl.num_gpu_batches} "
           f"prompts, {len(plan.ops)} ops; weights ready in {weights_s:.1f} s ({weights.source})")
-    print(f"{'phase':<8} {'measured tok/s':>15} {'offsim tok/s':>13} {'error':>8}")
-    for r in rows:
-        print(f"{r['phase']:<8} {r['measured_tok_s']:>15,.2f} {r['predicted_tok_s']:>13,.2f} {r['error']:>+8.1%}")
+    print(f"warm-up: the same plan for {warm.workload.gen_len} tokens ran unmeasured in {warmup_s:.2f} s"
+          if warm is not None else "warm-up: skipped (--no-warmup): the measured run includes first-call costs")
+    if comparable:
+        print(f"{'phase':<8} {'measured tok/s':>15} {'offsim tok/s':>13} {'error':>8}")
+        for r in rows:
+            print(f"{r['phase']:<8} {r['measured_tok_s']:>15,.2f} {r['predicted_tok_s']:>13,.2f} "
+                  f"{r['error']:>+8.1%}")
+    else:
+        print(f"{'phase':<8} {'measured tok/s':>15}")
+        for r in rows:
+            print(f"{r['phase']:<8} {r['measured_tok_s']:>15,.2f}")
+        print(f"no comparison with offsim: this ran on the CPU and --hardware {args.hardware} is a GPU preset, so its "
+              f"prediction says nothing about this run (give --hardware a profile JSON from `offexec profile "
+              f"--device cpu`)")
     print(f"time: prefill {measured['prefill_s']:.3f} s, decode {measured['decode_s']:.3f} s, total "
-          f"{measured['total_s']:.3f} s (offsim {predicted['total_s']:.3f} s)")
+          f"{measured['total_s']:.3f} s" + (f" (offsim {predicted['total_s']:.3f} s)" if comparable else ""))
     print(f"peak memory: GPU {measured['peak_gpu_bytes'] / GiB:.3f} GiB of {budget / GiB:.3f} GiB budget "
           f"(pre-check {sum(need.values()) / GiB:.3f} GiB; offsim {predicted['peak_gpu_bytes'] / GiB:.3f}); "
           f"host {measured['peak_cpu_bytes'] / GiB:.3f} GiB (+ {st['host_weights_master_bytes'] / GiB:.3f} GiB "
@@ -126,25 +198,32 @@ def cmd_run(args) -> dict:
                                                   "peak_disk_bytes")},
            "predicted": {k: predicted[k] for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s", "total_s",
                                                    "peak_gpu_bytes")},
-           "error": {r["phase"]: r["error"] for r in rows}, "issue_s": st["issue_s"], "issue_frac": st["issue_frac"],
+           "error": {r["phase"]: r["error"] if comparable else None for r in rows}, "comparable": comparable,
+           "warmup": None if warm is None else {"gen_len": warm.workload.gen_len, "wall_s": warmup_s},
+           "issue_s": st["issue_s"], "issue_frac": st["issue_frac"],
            "budget_bytes": budget, "within_budget": measured["peak_gpu_bytes"] <= budget,
            "policy": plan.policy, "settings": plan.settings, "model": model.name, "workload": wl.to_dict(),
-           "provenance": prov}
+           "plan_file": args.plan, "provenance": prov}
     print(json.dumps(_jsonable(out)))
     return out
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     try:
         if args.cmd == "run":
+            args.given = given_options(build_parser, argv)
             cmd_run(args)
         elif args.cmd == "profile":
             args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at interpreter exit
         return 0
     except OffsimError as e:
         print(f"offexec: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        return quiet_broken_pipe()
     except KeyboardInterrupt:  # disk-tier files are removed by the executor's finally and at exit
         print("offexec: interrupted", file=sys.stderr)
         return 130

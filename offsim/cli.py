@@ -6,24 +6,34 @@ list) that scripts can parse. Bad input exits with code 2 and a one-line reason 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
+import os
 import sys
 import time
+from pathlib import Path
 
 import pandas as pd
 
 from offsim.core.errors import OffsimError
-from offsim.core.plan import Plan
+from offsim.core.plan import STREAMS, Plan
 from offsim.policies import POLICIES, build_plan, get_policy
 from offsim.core.sim import simulate
 from offsim.core.specs import HARDWARE_PRESETS, MODEL_PRESETS, Workload, get_hardware, get_model
 
 GiB = 1 << 30
+TIER_NAMES = {"gpu": "GPU memory", "cpu": "host memory", "disk": "disk"}
+# Options that define a plan: with --plan FILE the plan is the file's, so any of these is a conflict.
+PLAN_DEFINING = ("model", "policy", "gpu_batch_size", "num_gpu_batches", "percent", "prompt_len", "gen_len",
+                 "cpu_attention", "no_overlap", "no_kv_distributor", "no_weight_loader", "set")
 SUMMARY_KEYS = ("model", "hardware", "policy", "batch", "gpu_batch_size", "num_gpu_batches", "prompt_len",
                 "gen_len", "prefill_s", "decode_s", "total_s", "prefill_tok_s", "decode_tok_s", "total_tok_s",
                 "gpu_idle_frac", "peak_gpu_bytes", "peak_cpu_bytes", "peak_disk_bytes")
+
+
+def gib(nbytes: float) -> str:
+    """A byte count for a message: GiB with two decimals."""
+    return f"{nbytes / GiB:.2f} GiB"
 
 
 def positive_int(s: str) -> int:
@@ -119,9 +129,25 @@ def policy_settings(args) -> dict:
     return given
 
 
+def latency_and_bottleneck(m: dict) -> dict:
+    """Latency a user sees and the stream that limits throughput, from a trace's metrics.
+
+    ``ttft_s``: time to first token = the prefill time (prefill emits each prompt's first token; the block's
+    prompts go through the last layer together). ``decode_ms_per_token``: one decode step, i.e. the time between
+    two tokens of a sequence (every sequence of the block gains one token per step). ``bottleneck_stream``: the
+    stream busiest over the makespan (busy_<stream>_s / total_s, ``Trace.metrics``), with that fraction."""
+    steps = m["gen_len"] - 1
+    busy = {s: m.get(f"busy_{s}_s", 0.0) / m["total_s"] if m["total_s"] > 0 else 0.0 for s in STREAMS}
+    worst = max(busy, key=busy.get)
+    return {"ttft_s": m["prefill_s"], "decode_ms_per_token": 1e3 * m["decode_s"] / steps if steps else None,
+            "bottleneck_stream": worst, "bottleneck_busy_frac": busy[worst]}
+
+
 def summary(metrics: dict, settings: dict | None = None, derived: dict | None = None) -> dict:
-    """The JSON line: metrics, the policy's inputs (``settings``) and what it derived from them (``derived``)."""
+    """The JSON line: metrics, latency and bottleneck, the policy's inputs (``settings``) and what it derived from
+    them (``derived``)."""
     out = {k: metrics.get(k) for k in SUMMARY_KEYS}
+    out.update(latency_and_bottleneck(metrics))
     if settings is not None:
         out["settings"] = {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
     if derived:
@@ -145,14 +171,90 @@ def _print_json(obj) -> None:
     print(json.dumps(obj, default=lambda x: None if isinstance(x, float) and not math.isfinite(x) else str(x)))
 
 
+# ---- checks made before anything is simulated --------------------------------------------------------------------
+def check_output_path(path: str | None, option: str) -> None:
+    """Refuse an output file whose directory does not exist, before minutes of simulation or measurement."""
+    if path is None:
+        return
+    parent = Path(path).expanduser().resolve().parent
+    if not parent.is_dir():
+        raise OffsimError(f"{option} {path}: directory {parent} does not exist (create it first)")
+    if Path(path).is_dir():
+        raise OffsimError(f"{option} {path} is a directory; give a file name")
+
+
+def given_options(build: callable, argv: list[str]) -> set[str]:
+    """The option dests given on the command line ``argv`` (not left at their defaults): ``argv`` parsed again by a
+    fresh parser from ``build`` whose subcommand defaults are all suppressed, so that only given options appear
+    (argparse sets no attribute for an absent option whose default is SUPPRESS)."""
+    p = build()
+    for sp in p.subcommands.values():
+        for a in sp._actions:
+            a.default = argparse.SUPPRESS
+        sp._defaults.clear()  # set_defaults(func=...)
+    return set(vars(p.parse_args(argv))) - {"cmd"}
+
+
+def check_plan_conflicts(given: set[str], extra: tuple[str, ...] = ()) -> None:
+    """--plan FILE is the whole plan: an option that would define another plan is an error naming it."""
+    clash = [d for d in PLAN_DEFINING + extra if d in given]
+    if clash:
+        names = ", ".join("--" + d.replace("_", "-") for d in clash)
+        raise OffsimError(f"--plan takes the model, policy, settings and workload from the plan file; drop {names} "
+                          f"(or drop --plan to build a plan from them)")
+
+
+def shortfalls(plan: Plan) -> list[str]:
+    """Each tier whose resident bytes (held for the whole run) exceed its capacity, by name, in GiB."""
+    out = []
+    for t, name in TIER_NAMES.items():
+        need, have = plan.resident.get(t, 0), plan.capacity.get(t, 0)
+        if need > have:
+            out.append(f"{name} short by {gib(need - have)} ({gib(need)} resident, {gib(have)} available)")
+    return out
+
+
+def search_command(args, policy: str, model_arg: str) -> str:
+    """The ``offsim search`` command line for the same model, hardware and lengths."""
+    cmd = (f"offsim search --policy {policy} --model {model_arg} --hardware {args.hardware} "
+           f"--prompt-len {args.prompt_len} --gen-len {args.gen_len}")
+    return cmd + (f" --gpu-mem-gb {args.gpu_mem_gb:g}" if args.gpu_mem_gb is not None else "")
+
+
+def build_fitting_plan(args, model, hw, wl: Workload, model_arg: str | None = None) -> Plan:
+    """``args.policy``'s plan from the flags. When it does not fit, the error names every short tier (in GiB) and
+    points to ``offsim search``: FlexGen's default settings put everything on the GPU, which no large model fits."""
+    settings = policy_settings(args)
+    fix = "a smaller --gpu-batch-size" + (", another --percent" if "percent" in get_policy(args.policy).input_names()
+                                          else "")
+    hint = (f"Try {fix}, or let `{search_command(args, args.policy, model_arg or args.model)}` find settings that "
+            f"fit")
+    try:
+        plan = build_plan(args.policy, model, hw, wl, settings, validate=False)
+        short = shortfalls(plan)
+        if short:
+            what = "these settings" if settings else "its default settings"
+            raise OffsimError(f"{args.policy} with {what} and {wl.gpu_batch_size} x {wl.num_gpu_batches} sequences "
+                              f"does not fit {model.name} on {hw.name}: {'; '.join(short)}")
+        return plan.validate()
+    except OffsimError as e:
+        if "fit" in str(e) or "capacity" in str(e):  # a memory refusal, from the builder or the plan's check
+            raise OffsimError(f"{e}. {hint}") from None
+        raise
+
+
+# ---- commands --------------------------------------------------------------------------------------------------
 def cmd_simulate(args) -> None:
+    check_output_path(args.trace, "--trace")
+    check_output_path(args.save_plan, "--save-plan")
     hw = get_hardware(args.hardware, args.gpu_mem_gb)
     if args.plan:
+        check_plan_conflicts(args.given)
         plan = Plan.load(args.plan).validate()
     else:
         model = get_model(args.model)
         wl = Workload(args.prompt_len, args.gen_len, args.gpu_batch_size, args.num_gpu_batches)
-        plan = build_plan(args.policy, model, hw, wl, policy_settings(args))
+        plan = build_fitting_plan(args, model, hw, wl)
     if args.save_plan:
         plan.save(args.save_plan)
     t0 = time.perf_counter()
@@ -167,7 +269,14 @@ def cmd_simulate(args) -> None:
     print(_fmt_table([m]))
     busy = ", ".join(f"{s} {m[f'busy_{s}_s']:.2f} s" for s in ("compute", "h2d", "d2h", "disk", "cpu"))
     print(f"makespan {m['total_s']:.2f} s; stream busy: {busy}")
+    lat = latency_and_bottleneck(m)
+    print(f"time to first token {lat['ttft_s']:.2f} s; decode {_ms(lat['decode_ms_per_token'])} per token; "
+          f"bottleneck: {lat['bottleneck_stream']} busy {lat['bottleneck_busy_frac']:.0%} of the makespan")
     _print_json(summary(m, plan.settings, plan.derived))
+
+
+def _ms(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:,.1f} ms"
 
 
 def cmd_search(args) -> None:
@@ -188,43 +297,94 @@ def cmd_search(args) -> None:
     _print_json(summary(res.metrics, res.settings))
 
 
+def _compare_table(out: list[dict]) -> str:
+    """Feasible policies, best total tok/s first, the winner marked; then why each loses or wins: latency and the
+    busiest stream."""
+    rows = []
+    for i, o in enumerate(o for o in out if "error" not in o):
+        rows.append({" ": "*" if i == 0 else "", "policy": o["policy"],
+                     "batch": f"{o['gpu_batch_size']}x{o['num_gpu_batches']}", "total_tok_s": o["total_tok_s"],
+                     "decode_tok_s": o["decode_tok_s"], "ttft_s": o["ttft_s"],
+                     "decode_ms/tok": o["decode_ms_per_token"],
+                     "bottleneck": f"{o['bottleneck_stream']} {o['bottleneck_busy_frac']:.0%}",
+                     "peak_gpu_GiB": o["peak_gpu_bytes"] / GiB, "peak_cpu_GiB": o["peak_cpu_bytes"] / GiB,
+                     "peak_disk_GiB": o["peak_disk_bytes"] / GiB})
+    return pd.DataFrame(rows).to_string(index=False, float_format=lambda x: f"{x:,.2f}")
+
+
+def _short_reason(policy: str, msg: str) -> str:
+    """The search's reason without its 'no feasible <policy> setting for <model> on <hw>:' preamble."""
+    return msg.split(": ", 1)[1] if msg.startswith(f"no feasible {policy} setting") else msg
+
+
 def cmd_compare(args) -> None:
     from offsim.search import search
 
     hw = get_hardware(args.hardware, args.gpu_mem_gb)
     model = get_model(args.model)
     policies = args.policies or list(POLICIES)
-    rows, out = [], []
     for pol in policies:
         if pol not in POLICIES:
             raise OffsimError(f"unknown policy {pol!r}; valid: {', '.join(POLICIES)}")
+    out = []
+    for pol in policies:
         try:
-            res = search(pol, model, hw, args.prompt_len, args.gen_len, max_sims=args.max_sims)
+            res = search(pol, model, hw, args.prompt_len, args.gen_len, max_sims=args.max_sims,
+                         progress=args.progress)
         except OffsimError as e:
-            print(f"{pol}: {e}", file=sys.stderr)
+            print(f"{pol}: infeasible: {_short_reason(pol, str(e))}", flush=True)
             out.append({"policy": pol, "error": str(e)})
             continue
-        rows.append(res.metrics)
         out.append(summary(res.metrics, res.settings))
         print(f"{pol}: gpu_batch_size {res.workload.gpu_batch_size} x {res.workload.num_gpu_batches}, "
               f"settings {res.settings}", flush=True)
+    # the objective (total tok/s, FlexGen's) decides: best first, infeasible policies last
+    out.sort(key=lambda o: -o["total_tok_s"] if "error" not in o else math.inf)
+    feasible = [o for o in out if "error" not in o]
+    for o in out:
+        o["best"] = bool(feasible) and o is feasible[0]
     print(f"\n{model.name} on {hw.name} ({hw.gpu_mem_bytes / GiB:.1f} GiB GPU), prompt {args.prompt_len}, "
-          f"gen {args.gen_len}, each policy at its best simulated settings:")
-    if rows:
-        print(_fmt_table(rows))
+          f"gen {args.gen_len}, each policy at its best simulated settings, best total tok/s first (*):")
+    if feasible:
+        print(_compare_table(out))
+        w = feasible[0]
+        why = f"{w['policy']} wins with {w['total_tok_s']:,.2f} tok/s"
+        if len(feasible) > 1:
+            r = feasible[1]
+            why += (f", {w['total_tok_s'] / r['total_tok_s']:.2f}x {r['policy']}'s; its busiest stream is "
+                    f"{w['bottleneck_stream']} ({w['bottleneck_busy_frac']:.0%} busy), {r['policy']}'s "
+                    f"{r['bottleneck_stream']} ({r['bottleneck_busy_frac']:.0%})")
+        print(why)
     _print_json(out)
+    if not feasible:
+        raise OffsimError(f"no policy fits {model.name} on {hw.name} (prompt {args.prompt_len}, gen "
+                          f"{args.gen_len}): " + "; ".join(f"{o['policy']}: {_short_reason(o['policy'], o['error'])}"
+                                                          for o in out))
+
+
+VALIDATE_COLUMNS = {"case": "case", "policy": "policy", "batch": "batch", "measured_total_tok_s": "measured tok/s",
+                    "predicted_total_tok_s": "offsim tok/s", "err_total_tok_s": "err total",
+                    "err_decode_tok_s": "err decode", "step_latency_mape": "step MAPE"}
+CASE_WIDTH = 40  # characters of a case name in the terminal table (the CSV has it whole)
+
+
+def _validate_table(df: pd.DataFrame) -> str:
+    """The cases, one short line each (under 120 columns): throughput measured vs predicted and the errors."""
+    t = df[list(VALIDATE_COLUMNS)].rename(columns=VALIDATE_COLUMNS)
+    t["case"] = [c if len(c) <= CASE_WIDTH else c[:CASE_WIDTH - 1] + "~" for c in t["case"].astype(str)]
+    signed = lambda v: "n/a" if pd.isna(v) else f"{v:+.1%}"  # noqa: E731
+    fmt = {"measured tok/s": "{:,.1f}".format, "offsim tok/s": "{:,.1f}".format, "err total": signed,
+           "err decode": signed, "step MAPE": lambda v: "n/a" if pd.isna(v) else f"{v:.1%}"}
+    return t.to_string(index=False, formatters=fmt, justify="right")
 
 
 def cmd_validate(args) -> None:
-    from pathlib import Path
-
     from offsim.analysis import validate as V
 
     df = V.validate_dir(args.dir, hardware=args.hardware, progress=args.progress)
-    show = ["case", "policy", "plan", "prompt_len", "batch", "measured_total_tok_s", "predicted_total_tok_s",
-            "err_prefill_tok_s", "err_decode_tok_s", "err_total_tok_s", "step_latency_mape"]
-    show += sorted(c for c in df.columns if c.startswith("mape_"))
-    print(df[show].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    print(_validate_table(df))
+    if not args.out:
+        print("(per-phase errors, per-op-kind MAPE and the rest per case: --out DIR writes them to validation.csv)")
     by_policy = df.groupby("policy")["err_total_tok_s"].agg(lambda e: e.abs().median())
     print("\nmedian |total tok/s error| by policy:")
     print(by_policy.to_string(float_format=lambda v: f"{v:.1%}"))
@@ -263,8 +423,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "FlexGen's definitions.")
     add_target_args(s)
     add_policy_args(s)
-    s.add_argument("--plan", metavar="FILE", help="simulate a saved plan JSON instead of building one")
-    s.add_argument("--save-plan", metavar="FILE", help="write the plan as JSON (what `offexec run --plan` runs)")
+    s.add_argument("--plan", metavar="FILE",
+                   help="simulate a saved plan JSON instead of building one (it carries model, policy, settings "
+                        "and workload: options that set those are then an error)")
+    s.add_argument("--save-plan", metavar="FILE", help="write the plan as JSON (what `offexec run --plan FILE` runs)")
     s.add_argument("--trace", metavar="FILE",
                    help="write the predicted trace: FILE.csv as CSV, anything else as Chrome/Perfetto JSON")
     s.set_defaults(func=cmd_simulate)
@@ -279,11 +441,14 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--progress", action="store_true", help="show a progress bar")
     q.set_defaults(func=cmd_search)
     c = sub.add_parser("compare", help="every policy at its best settings, side by side",
-                       description="Search every policy (or --policies) and print them side by side.")
+                       description="Search every policy (or --policies) and print them side by side, best total "
+                                   "tok/s first, with time to first token, decode latency per token and each "
+                                   "policy's busiest stream. Exit 2 when no policy fits.")
     add_target_args(c)
     c.add_argument("--policies", nargs="+", metavar="POLICY", help=f"subset of: {', '.join(POLICIES)}")
     c.add_argument("--max-sims", type=positive_int, default=3,
                    help="LP-ranked candidates to simulate per policy (default: %(default)s)")
+    c.add_argument("--progress", action="store_true", help="show a progress bar per policy")
     c.set_defaults(func=cmd_compare)
     v = sub.add_parser("validate", help="re-simulate measured runs and report the prediction error",
                        description="Re-simulate every measured case under DIR (*.case.json, *.trace.csv from "
@@ -292,21 +457,37 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("dir", help="a directory of measured cases, or one case file")
     v.add_argument("--hardware", default=None,
                    help="hardware preset or profile JSON for every case (default: the one each case names)")
-    v.add_argument("--out", metavar="DIR", help="write validation.csv and validation.png there")
+    v.add_argument("--out", metavar="DIR",
+                   help="write validation.csv (every column per case) and validation.png there")
     v.add_argument("--strict", action="store_true", help="exit 1 when a threshold is exceeded")
     v.add_argument("--progress", action="store_true", help="show a progress bar")
     v.set_defaults(func=cmd_validate)
+    p.subcommands = {"simulate": s, "search": q, "compare": c, "validate": v}  # for given_options
     return p
 
 
+def quiet_broken_pipe() -> int:
+    """The reader of stdout went away (``offsim compare | head -3``): stop without a traceback. stdout is pointed
+    at /dev/null so that the interpreter's final flush does not raise again (Python docs, signal module, "Note on
+    SIGPIPE"). Exit 0: the output that was wanted was delivered."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        args.given = given_options(build_parser, argv)
         args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at interpreter exit
     except OffsimError as e:
         print(f"offsim: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        return quiet_broken_pipe()
     except KeyboardInterrupt:
         print("offsim: interrupted", file=sys.stderr)
         return 130

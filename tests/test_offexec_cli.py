@@ -1,13 +1,17 @@
-"""``offexec run`` end to end on the CPU with a tiny model: the report, the JSON last line, the trace file, and
-exit code 2 with one line for bad input."""
+"""``offexec run`` end to end on the CPU with a tiny model: the report, the JSON last line, the trace file, the
+warm-up, ``--plan``, the CPU-vs-preset comparison, and exit code 2 with one line for bad input."""
+import dataclasses
 import json
 
 import pytest
 import torch
 
-from offexec.cli import main
+from offexec.cli import build_parser, main
 from offexec.testing import tiny_hf
+from offsim.core.plan import Plan
+from offsim.core.specs import Workload, get_hardware, get_model
 from offsim.core.trace import Trace
+from offsim.policies import build_plan
 
 TINY_ARGS = ["--hardware", "h200", "--prompt-len", "8", "--gen-len", "4", "--gpu-batch-size", "2",
              "--num-gpu-batches", "2", "--device", "cpu", "--dtype", "float32"]
@@ -33,9 +37,63 @@ def test_run_prints_comparison_and_json(checkpoint, tmp_path, capsys):
     assert js["policy"] == "flexgen" and js["measured"]["decode_tok_s"] > 0 and js["predicted"]["decode_tok_s"] > 0
     assert set(js["error"]) == {"prefill", "decode", "total"}
     assert js["provenance"]["commit"]
+    # a preset (h200) describes a GPU: a CPU run is not compared with it, and says so
+    assert js["comparable"] is False and all(v is None for v in js["error"].values())
+    assert "no comparison with offsim" in "\n".join(out) and "%" not in "\n".join(out[2:6])
+    # the warm-up ran (2 tokens, unmeasured): the trace holds the measured run only, at its own gen_len
+    assert js["warmup"]["gen_len"] == 2 and any(line.startswith("warm-up: the same plan for 2 tokens") for line in out)
     t = Trace.from_csv(trace)
-    assert t.meta["source"] == "offexec" and len(t.df) > 0
+    assert t.meta["source"] == "offexec" and len(t.df) > 0 and t.meta["warmup"] is True
+    assert t.df["step"].max() == 3  # gen_len 4: prefill and three decode steps
     assert [p.name for p in tmp_path.iterdir()] == ["t.csv"]  # the disk tier's files are gone
+
+
+def test_run_no_warmup_and_cpu_profile_comparison(checkpoint, tmp_path, capsys):
+    profile = tmp_path / "cpu.json"  # stands in for `offexec profile --device cpu`'s JSON
+    profile.write_text(json.dumps(get_hardware("h200").to_dict()))
+    rc = main(["run", "--model", str(checkpoint / "config.json"), "--policy", "flexgen", "--no-warmup"]
+              + TINY_ARGS[2:] + ["--hardware", str(profile)])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert rc == 0
+    js = json.loads(out[-1])
+    assert js["warmup"] is None and any("warm-up: skipped" in line for line in out)
+    assert js["comparable"] is True and all(isinstance(v, float) for v in js["error"].values())
+    assert any(line.startswith("decode") and line.rstrip().endswith("%") for line in out)
+
+
+def test_run_plan_file(checkpoint, tmp_path, capsys):
+    model = dataclasses.replace(get_model(checkpoint / "config.json"), dtype_bytes=4)
+    plan = build_plan("flexgen", model, get_hardware("h200"), Workload(8, 3, 2, 2),
+                      {"percent": (0, 100, 0, 100, 100, 0)})
+    path = tmp_path / "p.json"
+    plan.save(path)
+    rc = main(["run", "--plan", str(path), "--hardware", "h200", "--device", "cpu", "--no-warmup"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert rc == 0
+    js = json.loads(out[-1])
+    assert js["workload"] == plan.workload.to_dict() and js["settings"]["percent"] == [0, 100, 0, 100, 100, 0]
+    assert js["plan_file"] == str(path)
+    assert Plan.load(path).policy == js["policy"] == "flexgen"
+
+
+@pytest.mark.parametrize("extra, names", [
+    (["--policy", "static-zero"], "--policy"),
+    (["--gen-len", "8", "--gpu-batch-size", "4"], "--gpu-batch-size, --gen-len"),
+    (["--model", "opt-125m"], "--model"),
+    (["--dtype", "float16"], "--dtype float16"),  # the plan's elements are 4 bytes
+])
+def test_run_plan_with_conflicting_options_exits_2(checkpoint, tmp_path, capsys, extra, names):
+    model = dataclasses.replace(get_model(checkpoint / "config.json"), dtype_bytes=4)
+    path = tmp_path / "p.json"
+    build_plan("static-zero", model, get_hardware("h200"), Workload(8, 3, 2, 1)).save(path)
+    rc = main(["run", "--plan", str(path), "--device", "cpu"] + extra)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and names in err and len(err.splitlines()) == 1
+
+
+def test_help_shows_the_real_default_model():
+    help_text = " ".join(build_parser().subcommands["run"].format_help().split())
+    assert "default: the --checkpoint's config.json, else opt-30b" in help_text and "default: None" not in help_text
 
 
 def test_run_with_checkpoint_generates_its_tokens(checkpoint, capsys):
@@ -49,7 +107,8 @@ def test_run_with_checkpoint_generates_its_tokens(checkpoint, capsys):
     (["--policy", "nope"], "unknown policy"),
     (["--policy", "static-zero", "--percent", "0", "100", "0", "100", "100", "0"], "--percent does not apply"),
     (["--policy", "flexgen", "--set", "bogus=1"], "no such setting"),
-    (["--policy", "flexgen", "--gpu-mem-gb", "0.00001"], "capacity"),  # the plan does not fit the budget
+    (["--policy", "flexgen", "--gpu-mem-gb", "0.00001"], "GPU memory short by"),  # the plan does not fit the budget
+    (["--trace", "/nonexistent/t.csv"], "does not exist"),
 ])
 def test_bad_input_exits_2_with_one_line(checkpoint, capsys, extra, msg):
     rc = main(["run", "--model", str(checkpoint / "config.json")] + TINY_ARGS + extra)

@@ -98,13 +98,14 @@ def test_cli_simulate_json_last_line(tmp_path):
     (["--percent", "50", "50", "0", "100", "50", "0"], "must sum to 100"),
     (["--policy", "magic"], "unknown policy 'magic'"),
     (["--policy", "static-zero", "--cpu-attention"], "--cpu-attention does not apply"),
-    (["--model", "opt-175b", "--hardware", "t4", "--percent", "100", "0", "100", "0", "100", "0"],
-     "resident gpu bytes"),
+    (["--model", "opt-175b", "--hardware", "t4", "--percent", "100", "0", "100", "0", "100", "0", "--gen-len", "2"],
+     "GPU memory short by"),
     (["--plan", "/nonexistent.json"], "cannot read plan"),
+    (["--plan", "/nonexistent.json", "--gen-len", "2"], "drop --gen-len"),
     (["--hardware", "/nonexistent.json"], "cannot read hardware profile"),
 ])
 def test_cli_bad_input_exit_2_one_line(args, msg):
-    r = run_cli("simulate", "--gen-len", "2", *args)
+    r = run_cli("simulate", *args)
     assert r.returncode == 2
     assert msg in r.stderr
     assert "Traceback" not in r.stderr
@@ -122,5 +123,5 @@ def test_cli_compare_lists_every_policy(capsys):
                "--gen-len", "3", "--policies", "static-accelerate", "static-zero", "flexgen", "--max-sims", "2"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert [o["policy"] for o in out] == ["static-accelerate", "static-zero", "flexgen"]
-    assert all(o["total_tok_s"] > 0 for o in out)
+    assert sorted(o["policy"] for o in out) == ["flexgen", "static-accelerate", "static-zero"]
+    assert all(o["total_tok_s"] > 0 or o["error"] for o in out)
