@@ -1,8 +1,9 @@
 """Model, hardware and workload specifications: frozen dataclasses with explicit ``from_dict``/``to_dict``.
 
 ModelSpec comes from a transformers config (object, dict or ``config.json`` path) -- never the hub -- or a preset.
-HardwareSpec comes from a preset (each constant says where it comes from) or a hardware-profile JSON, the schema
-``offexec profile`` writes (``HARDWARE_SCHEMA``). Workload is prompt/generation length and the block shape.
+HardwareSpec comes from a preset or a hardware-profile JSON, the schema ``offexec profile`` writes
+(``HARDWARE_SCHEMA``); a preset is such a profile shipped with offsim (``offsim/core/presets/hardware/<name>.json``,
+whose ``provenance`` map gives each constant's source). Workload is prompt/generation length and the block shape.
 
 Byte accounting (DESIGN.md §3): a layer's weights are laid out as one flat fp16 buffer (see ``layer_tensors``), so a
 "slice" of a layer's weights is a byte range of that buffer; KV cache bytes per token per layer are
@@ -152,11 +153,7 @@ class ModelSpec:
             cfg = config.to_dict()
         else:
             raise OffsimError(f"expected a transformers config, dict or config.json path, got {type(config).__name__}")
-        if not isinstance(cfg, Mapping):
-            raise OffsimError(f"model config must be a JSON object (a transformers config.json), got a JSON "
-                              f"{'array' if isinstance(cfg, list) else type(cfg).__name__}")
         mtype = cfg.get("model_type")
-        _check_hf_numbers(cfg, mtype)
         try:
             if mtype == "opt":
                 h = cfg["hidden_size"]
@@ -190,39 +187,6 @@ class ModelSpec:
         return _hf_config(self.family, self.num_layers, self.d_model, self.num_heads, self.num_kv_heads,
                           self.ffn_dim, self.vocab_size, self.max_positions, self.rope_theta, self.norm_eps,
                           self.tie_word_embeddings, self.head_dim)
-
-
-# The integer fields of a transformers config that ``from_hf_config`` reads, per model_type; the optional ones may
-# be absent or null (then derived: num_key_value_heads = num_attention_heads, head_dim = hidden_size / heads).
-_HF_INT_FIELDS = {"opt": ("num_hidden_layers", "hidden_size", "num_attention_heads", "ffn_dim", "vocab_size",
-                          "max_position_embeddings"),
-                  "llama": ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
-                            "vocab_size", "max_position_embeddings")}
-_HF_OPTIONAL_INT_FIELDS = ("num_key_value_heads", "head_dim")
-_HF_OPTIONAL_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta")
-
-
-def _check_hf_numbers(cfg: Mapping[str, Any], mtype: Any) -> None:
-    """Refuse a config whose sizes are missing, not positive integers, or inconsistent, naming the field: a string
-    or a float where a size belongs would otherwise surface as a TypeError deep in the cost model."""
-    if mtype not in _HF_INT_FIELDS:
-        return  # from_hf_config names the supported model types
-    for f in _HF_INT_FIELDS[mtype] + _HF_OPTIONAL_INT_FIELDS:
-        if f not in cfg or (cfg[f] is None and f in _HF_OPTIONAL_INT_FIELDS):
-            if f in _HF_OPTIONAL_INT_FIELDS:
-                continue
-            raise OffsimError(f"model config lacks field {f!r} (model_type {mtype!r})")
-        v = cfg[f]
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise OffsimError(f"model config field {f!r} must be a positive integer, got {v!r}")
-    for f in _HF_OPTIONAL_FLOAT_FIELDS:
-        v = cfg.get(f)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
-            raise OffsimError(f"model config field {f!r} must be a positive number, got {v!r}")
-    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    if h % heads and not (mtype == "llama" and cfg.get("head_dim")):
-        raise OffsimError(f"model config: hidden_size ({h}) must be divisible by num_attention_heads ({heads}), "
-                          f"the head dimension being hidden_size / num_attention_heads")
 
 
 def _hf_config(family, layers, h, heads, kv_heads, ffn, vocab, max_pos, rope_theta=10000.0, eps=None,
@@ -313,7 +277,7 @@ class HardwareSpec:
     kernel_overhead_s: float = 0.0  # fixed cost of one compute op (launches, norms, residual adds)
     # host time the runtime spends issuing one op, in plan order on one thread (0: an ideal runtime). A Python
     # executor spends ~1 ms per decoder-layer op (~30 kernel launches): with small batches that, not the GPU, sets
-    # the pace. `experiments/calibrate_issue.py` measures it for offexec.
+    # the pace. `experiments/validation/calibrate_issue.py` measures it for offexec.
     issue_compute_s: float = 0.0
     issue_copy_s: float = 0.0
     source: str = ""  # provenance: where the numbers come from
@@ -384,125 +348,35 @@ class HardwareSpec:
         return cls.from_dict(read_json_object(path, "hardware profile"), where=f"hardware profile {path}")
 
 
-def roofline_gemm_curve(peak_flops: float, hbm_bytes_per_s: float, compute_eff: float, mem_eff: float) -> Curve:
-    """GEMM efficiency by tokens for a GPU known only by its datasheet: a [t x h] @ [h x 4h] fp16 GEMM does 2·t·h·4h
-    FLOP on 2·h·4h bytes of weights, t FLOP per byte, so achieved = min(compute_eff·peak, mem_eff·HBM·t)."""
-    pts = []
-    for t in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384):
-        pts.append((float(t), min(compute_eff, mem_eff * hbm_bytes_per_s * t / peak_flops)))
-    return tuple(pts)
+# Presets are hardware profiles kept as data: offsim/core/presets/hardware/<name>.json, in the schema above, each
+# with a ``provenance`` map that gives every field's source (datasheet, paper, probe, or "estimate").
+HARDWARE_PRESETS = ("t4", "rtx3090", "a800", "h200")
 
 
-def _flat(bw: float) -> Curve:
-    return ((1.0, bw), (1e12, bw))
+def _preset_profile(name: str):
+    """The packaged JSON file of preset ``name`` (shipped as package data, see pyproject.toml)."""
+    from importlib.resources import files
+
+    return files("offsim.core").joinpath("presets", "hardware", f"{name}.json")
 
 
-def _h200() -> HardwareSpec:
-    peak = 989e12  # H200 SXM dense fp16 tensor-core peak (NVIDIA datasheet)
-    gemm_tflops = [(1, 4.10), (8, 32.28), (32, 128.83), (64, 256.57), (256, 612.52), (1024, 763.53),
-                   (4096, 707.50), (16384, 670.43)]  # ANCHORS.md / h200_probe: [t x 7168] @ [7168 x 28672]
-    pinned_h2d = [(1 << 20, 43.71e9), (4 << 20, 50.03e9), (16 << 20, 54.68e9), (64 << 20, 55.09e9),
-                  (256 << 20, 54.78e9), (1 << 30, 55.16e9)]
-    pinned_d2h = [(1 << 20, 48.63e9), (4 << 20, 52.79e9), (16 << 20, 55.02e9), (64 << 20, 55.09e9),
-                  (256 << 20, 55.13e9), (1 << 30, 55.29e9)]
-    pageable_h2d = [(1 << 20, 8.61e9), (4 << 20, 14.04e9), (16 << 20, 17.52e9), (64 << 20, 15.77e9),
-                    (256 << 20, 17.90e9), (1 << 30, 18.99e9)]
-    hbm = 4.8e12  # H200 HBM3e, datasheet
-    return HardwareSpec(
-        name="h200", gpu_mem_bytes=141 * GB, gpu_peak_flops=peak, gpu_hbm_bytes_per_s=hbm,
-        gemm_efficiency=tuple((float(t), tf * 1e12 / peak) for t, tf in gemm_tflops),
-        # not in the probe: flash-style prefill attention reaches about half of peak on Hopper (estimate; replace
-        # with `offexec profile`)
-        attn_prefill_efficiency=((128.0, 0.25), (512.0, 0.4), (2048.0, 0.5), (8192.0, 0.55)),
-        # probe: SDPA decode read 3.13 TB/s of KV at ctx 512, 4.08 at 2048, 4.31 at 8192 (bs 8)
-        attn_decode_efficiency=((512.0, 3.13e12 / hbm), (2048.0, 4.08e12 / hbm), (8192.0, 4.31e12 / hbm)),
-        h2d_pinned=tuple((float(a), b) for a, b in pinned_h2d),
-        d2h_pinned=tuple((float(a), b) for a, b in pinned_d2h),
-        h2d_pageable=tuple((float(a), b) for a, b in pageable_h2d),
-        d2h_pageable=tuple((float(a), b) for a, b in pageable_h2d),  # not measured: taken equal to H2D pageable
-        duplex_fraction=49.46 / 55.2,  # probe: 1 GB each way at once kept 49.5 GB/s of 55.2
-        cpu_mem_bytes=125 * GiB,  # usable host memory of the one-GPU machine
-        # FlexGen's CPU attention measured on this host (ANCHORS.md: 12.78 decode tok/s, 48 seqs, ctx ~528, OPT-30B)
-        # scans ~9.3 GB/s of fp16 KV, i.e. ~9.3 GFLOP/s (attention does 1 FLOP per KV byte)
-        cpu_attention_flops=9.3e9,
-        disk_bytes=64 * GiB, disk_read_bytes_per_s=1.07e9, disk_write_bytes_per_s=0.39e9,  # probe: virtio disk
-        link_latency_s=0.0,  # the measured curves already include the per-copy cost
-        kernel_overhead_s=30e-6,  # estimate: ~10 launches per layer op at ~3 us
-        source="ANCHORS.md H200 probe 2026-11-29 (shared/docs/h200_probe_2026-11-29.jsonl); datasheet peak/HBM; "
-               "prefill attention and kernel overhead estimated",
-    )
-
-
-def _t4() -> HardwareSpec:
-    peak = 65e12  # T4 fp16 tensor-core peak (NVIDIA T4 datasheet)
-    hbm = 320e9  # T4 GDDR6, datasheet
-    mm_p = 21.24e12  # FlexGen's T4 profile (cost_model.py): prefill GEMM 21.24 TFLOP/s
-    ctog = 12.89 * GiB  # FlexGen's T4 profile: CPU->GPU 12.89 GB/s (GB = 2^30 in FlexGen)
-    return HardwareSpec(
-        name="t4", gpu_mem_bytes=15 * GiB,  # 16 GB card; FlexGen's cost model budgets 15 GB of it ("gmem")
-        gpu_peak_flops=peak, gpu_hbm_bytes_per_s=hbm,
-        # roofline: capped at FlexGen's measured prefill GEMM rate, memory-bound below ~80 tokens at 0.8 x HBM
-        # (which gives ~4 TFLOP/s at 16 tokens, FlexGen's decode "mm_flops_g" 4.3)
-        gemm_efficiency=roofline_gemm_curve(peak, hbm, mm_p / peak, 0.8),
-        attn_prefill_efficiency=((1.0, 9.97e12 / peak),),  # FlexGen's T4 profile: bmm_flops_p 9.97 TFLOP/s
-        # FlexGen's T4 profile: decode bmm 0.079 TFLOP/s at 1 FLOP per KV byte = 79 GB/s of 320
-        attn_decode_efficiency=((1.0, 0.079e12 / hbm),),
-        h2d_pinned=_flat(ctog), d2h_pinned=_flat(ctog),  # PCIe 3.0 x16 is symmetric
-        # pageable copies go through a staging buffer: about half the pinned rate on PCIe 3.0 hosts (estimate)
-        h2d_pageable=_flat(ctog / 2), d2h_pageable=_flat(ctog / 2),
-        duplex_fraction=0.9,  # assumed as measured on the H200's link
-        cpu_mem_bytes=208 * GB,  # FlexGen's testbed: 208 GB DRAM
-        cpu_attention_flops=0.0123e12,  # FlexGen's T4 profile: cpu_flops 0.0123 TFLOP/s
-        disk_bytes=1500 * GB,  # 1.5 TB: four GCP local NVMe SSDs
-        # GCP local SSD (NVMe), 4 x 375 GB: 2,650 MB/s read, 1,400 MB/s write (Google Cloud documentation)
-        disk_read_bytes_per_s=2.65e9, disk_write_bytes_per_s=1.4e9,
-        link_latency_s=10e-6, kernel_overhead_s=50e-6,
-        source="T4 datasheet (65 TFLOP/s fp16, 320 GB/s); FlexGen's released T4 profile (cost_model.py: ctog 12.89 GB/s,"
-               " mm_flops_p 21.24T, bmm_flops 9.97T/0.079T, cpu_flops 0.0123T); GCP local-SSD throughput; "
-               "pageable = pinned/2 estimate",
-    )
-
-
-def _pcie4_gpu(name: str, mem: int, peak: float, hbm: float, link: float, cpu_mem: int, cpu_cores: int,
-               src: str) -> HardwareSpec:
-    return HardwareSpec(
-        name=name, gpu_mem_bytes=mem, gpu_peak_flops=peak, gpu_hbm_bytes_per_s=hbm,
-        gemm_efficiency=roofline_gemm_curve(peak, hbm, 0.7, 0.8),  # 70 % of peak, 80 % of HBM: typical cuBLAS
-        attn_prefill_efficiency=((128.0, 0.2), (2048.0, 0.4), (8192.0, 0.45)),
-        attn_decode_efficiency=((512.0, 0.6), (4096.0, 0.8)),
-        h2d_pinned=((1 << 20, 0.8 * link), (16 << 20, link), (1 << 30, link)),
-        d2h_pinned=((1 << 20, 0.8 * link), (16 << 20, link), (1 << 30, link)),
-        h2d_pageable=_flat(link / 2), d2h_pageable=_flat(link / 2),
-        duplex_fraction=0.9, cpu_mem_bytes=cpu_mem,
-        cpu_attention_flops=cpu_cores * 1.0e9,  # ~1 GFLOP/s per core of fp16 attention in PyTorch (estimate)
-        disk_bytes=2000 * GB, disk_read_bytes_per_s=3.0e9, disk_write_bytes_per_s=2.0e9,  # PCIe 4 NVMe (estimate)
-        link_latency_s=10e-6, kernel_overhead_s=30e-6, source=src)
-
-
-def _rtx3090() -> HardwareSpec:
-    # RTX 3090: 24 GB, 71 TFLOP/s fp16 with fp32 accumulate (GA102 whitepaper), 936 GB/s; PCIe 4.0 x16 pinned
-    # ~25.4 GB/s, which gives ANCHORS.md's ~2,800 FLOP per byte moved. TightLLM C1: 24-core CPU, 128 GB.
-    return _pcie4_gpu("rtx3090", 24 * GiB, 71e12, 936e9, 25.4e9, 128 * GB, 24,
-                      "GA102 whitepaper (71 TFLOP/s fp16/fp32-acc, 936 GB/s); PCIe 4.0 x16 25.4 GB/s (ANCHORS.md "
-                      "ratio 2,800 FLOP/B); TightLLM C1 host (24 cores, 128 GB); efficiencies estimated")
-
-
-def _a800() -> HardwareSpec:
-    # A800 80 GB: A100 silicon, 312 TFLOP/s dense fp16, 2.04 TB/s HBM2e; PCIe 4.0 x16 ~26 GB/s (ANCHORS.md's
-    # ~12,000 FLOP per byte). TightLLM C2: 26-core CPU, 256 GB.
-    return _pcie4_gpu("a800", 80 * GB, 312e12, 2.04e12, 26e9, 256 * GB, 26,
-                      "A100/A800 datasheet (312 TFLOP/s fp16, 2.04 TB/s); PCIe 4.0 x16 26 GB/s (ANCHORS.md ratio "
-                      "12,000 FLOP/B); TightLLM C2 host (26 cores, 256 GB); efficiencies estimated")
-
-
-HARDWARE_PRESETS = {"t4": _t4, "rtx3090": _rtx3090, "a800": _a800, "h200": _h200}
+def load_hardware_preset(name: str) -> HardwareSpec:
+    """Preset ``name`` (one of ``HARDWARE_PRESETS``) from its packaged profile JSON."""
+    if name not in HARDWARE_PRESETS:
+        raise OffsimError(f"unknown hardware preset {name!r}; valid: {', '.join(HARDWARE_PRESETS)}")
+    f = _preset_profile(name)
+    try:
+        d = json.loads(f.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise OffsimError(f"hardware preset {name}: cannot read its profile {f} ({e}); reinstall offsim") from None
+    return HardwareSpec.from_dict(d, where=f"hardware preset {name} ({f})")
 
 
 def get_hardware(name_or_path: str | Path, gpu_mem_gb: float | None = None) -> HardwareSpec:
     """A preset by name or a hardware-profile JSON; ``gpu_mem_gb`` (GiB) overrides the GPU memory (a budget)."""
     key = str(name_or_path)
     if key.lower() in HARDWARE_PRESETS:
-        hw = HARDWARE_PRESETS[key.lower()]()
+        hw = load_hardware_preset(key.lower())
     elif key.endswith(".json") or Path(key).exists():
         hw = HardwareSpec.from_json(key)
     else:
