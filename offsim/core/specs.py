@@ -153,7 +153,11 @@ class ModelSpec:
             cfg = config.to_dict()
         else:
             raise OffsimError(f"expected a transformers config, dict or config.json path, got {type(config).__name__}")
+        if not isinstance(cfg, Mapping):
+            raise OffsimError(f"model config must be a JSON object (a transformers config.json), got a JSON "
+                              f"{'array' if isinstance(cfg, list) else type(cfg).__name__}")
         mtype = cfg.get("model_type")
+        _check_hf_numbers(cfg, mtype)
         try:
             if mtype == "opt":
                 h = cfg["hidden_size"]
@@ -187,6 +191,39 @@ class ModelSpec:
         return _hf_config(self.family, self.num_layers, self.d_model, self.num_heads, self.num_kv_heads,
                           self.ffn_dim, self.vocab_size, self.max_positions, self.rope_theta, self.norm_eps,
                           self.tie_word_embeddings, self.head_dim)
+
+
+# The integer fields of a transformers config that ``from_hf_config`` reads, per model_type; the optional ones may
+# be absent or null (then derived: num_key_value_heads = num_attention_heads, head_dim = hidden_size / heads).
+_HF_INT_FIELDS = {"opt": ("num_hidden_layers", "hidden_size", "num_attention_heads", "ffn_dim", "vocab_size",
+                          "max_position_embeddings"),
+                  "llama": ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
+                            "vocab_size", "max_position_embeddings")}
+_HF_OPTIONAL_INT_FIELDS = ("num_key_value_heads", "head_dim")
+_HF_OPTIONAL_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta")
+
+
+def _check_hf_numbers(cfg: Mapping[str, Any], mtype: Any) -> None:
+    """Refuse a config whose sizes are missing, not positive integers, or inconsistent, naming the field: a string
+    or a float where a size belongs would otherwise surface as a TypeError deep in the cost model."""
+    if mtype not in _HF_INT_FIELDS:
+        return  # from_hf_config names the supported model types
+    for f in _HF_INT_FIELDS[mtype] + _HF_OPTIONAL_INT_FIELDS:
+        if f not in cfg or (cfg[f] is None and f in _HF_OPTIONAL_INT_FIELDS):
+            if f in _HF_OPTIONAL_INT_FIELDS:
+                continue
+            raise OffsimError(f"model config lacks field {f!r} (model_type {mtype!r})")
+        v = cfg[f]
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise OffsimError(f"model config field {f!r} must be a positive integer, got {v!r}")
+    for f in _HF_OPTIONAL_FLOAT_FIELDS:
+        v = cfg.get(f)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+            raise OffsimError(f"model config field {f!r} must be a positive number, got {v!r}")
+    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    if h % heads and not (mtype == "llama" and cfg.get("head_dim")):
+        raise OffsimError(f"model config: hidden_size ({h}) must be divisible by num_attention_heads ({heads}), "
+                          f"the head dimension being hidden_size / num_attention_heads")
 
 
 def _hf_config(family, layers, h, heads, kv_heads, ffn, vocab, max_pos, rope_theta=10000.0, eps=None,
