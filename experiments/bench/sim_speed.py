@@ -1,24 +1,20 @@
 """How fast offsim plans and simulates at realistic sizes (issue targets: OPT-175B, FlexGen's 32 x 8 policy, plan
 build + simulation under 2 s; ``offsim search`` for OPT-175B on t4 under 10 s). Prints a table, then one JSON line.
 
-    python experiments/bench_sim_speed.py           # writes results/bench_sim_speed/bench.csv
+    python -m experiments.bench.sim_speed           # writes results/bench_sim_speed/bench.csv
 """
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
-from pathlib import Path
 
 import pandas as pd
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from offsim import PlanError, Workload, build_plan, get_hardware, get_model, simulate  # noqa: E402
-from offsim.search import search  # noqa: E402
-from offsim.core.provenance import provenance, write_csv  # noqa: E402
+from experiments.common import ROOT, argparser, finish, provenance, write_csv
+from offsim import PlanError, Workload, build_plan, get_hardware, get_model, simulate
+from offsim.search import search
 
-OUT = Path(__file__).resolve().parents[1] / "results" / "bench_sim_speed"
+OUT = ROOT / "results" / "bench_sim_speed"
 
 CASES = [  # (label, model, hardware, policy, settings, gbs, nb)
     ("FlexGen OPT-175B 32x8 (published policy)", "opt-175b", "t4", "flexgen",
@@ -70,11 +66,12 @@ def main() -> None:
     write_csv(df, OUT / "bench.csv", prov)
     print(df.to_string(index=False, float_format=lambda v: f"{v:,.3f}"))
     headline = rows[0]
-    print(json.dumps({"opt175b_flexgen_build_plus_sim_s": round(headline["build_plus_sim_s"], 3),
+    finish({"opt175b_flexgen_build_plus_sim_s": round(headline["build_plus_sim_s"], 3),
                       "opt175b_flexgen_ops": headline["ops"], "ops_per_s": round(headline["ops_per_s"]),
                       "events_per_s": round(headline["events_per_s"]), "search_opt175b_t4_s": round(t_search, 2),
-                      **prov}))
+                      **prov})
 
 
 if __name__ == "__main__":
+    argparser(__doc__).parse_args()
     main()

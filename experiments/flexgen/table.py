@@ -5,27 +5,22 @@ Each cell runs the *published* policy of that system (effective batch and tier f
 released T4 profile, GCP's local-SSD figures) -- never fitted to this table. Also FlexGen's OPT-30B ablations and
 offsim's own policy search per model.
 
-    python experiments/flexgen_table.py            # writes results/flexgen_table/{table.csv,table.png}
+    python -m experiments.flexgen.table            # writes results/flexgen_table/{table.csv,table.png}
 """
 from __future__ import annotations
 
 import json
-import sys
 import time
-from pathlib import Path
 
-import matplotlib
+import pandas as pd
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
+from experiments.common import ROOT, argparser, finish, provenance, pyplot, write_csv
+from offsim import PlanError, Workload, build_plan, get_hardware, get_model, simulate
+from offsim.search import search
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from offsim import PlanError, Workload, build_plan, get_hardware, get_model, simulate  # noqa: E402
-from offsim.search import search  # noqa: E402
-from offsim.core.provenance import provenance, write_csv  # noqa: E402
+plt = pyplot()
 
-OUT = Path(__file__).resolve().parents[1] / "results" / "flexgen_table"
+OUT = ROOT / "results" / "flexgen_table"
 PROMPT, GEN = 512, 32
 
 # (system, model, published total tok/s, policy, settings, gpu_batch_size, num_gpu_batches)
@@ -111,10 +106,11 @@ def main() -> None:
     print(show.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     within = ((pub["ratio"] >= 1 / 1.5) & (pub["ratio"] <= 1.5)).sum()
     print(f"\ncells within x1.5 of the published value: {within} of {len(pub)}")
-    print(json.dumps({"cells": len(pub), "within_1.5x": int(within),
+    finish({"cells": len(pub), "within_1.5x": int(within),
                       "ratios": {f"{s} | {m}": round(r, 3) for s, m, r in zip(pub.system, pub.model, pub.ratio)},
-                      "out": str(OUT), **prov}))
+                      "out": str(OUT), **prov})
 
 
 if __name__ == "__main__":
+    argparser(__doc__).parse_args()
     main()

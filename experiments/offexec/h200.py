@@ -7,7 +7,7 @@ attention) with a fresh GPU budget. For each: measured and predicted prefill / d
 bound (its decode H2D bytes over the measured H2D bandwidth), host issue time, peak memory per tier; a trace CSV
 (gzip) and an offsim validation case per run.
 
-    python experiments/offexec_h200.py [--out results/offexec] [--configs flexgen_gpu_attn tightllm ...]
+    python -m experiments.offexec.h200 [--out results/offexec] [--configs flexgen_gpu_attn tightllm ...]
 
 Writes OUT/offexec_h200.json (+ traces, cases), prints a table, and ends with one JSON line.
 """
@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
+from experiments.common import finish, provenance
 from offexec.executor import check_plan, run_plan
 from offexec.memory import HostBuffer
 from offexec.weights import random_weights
 from offsim import POLICIES, Workload, build_plan, get_hardware, get_model, simulate
-from offsim.core.provenance import provenance
 from offsim.analysis.validate import case_from_trace, save_case
 
 GiB = 1 << 30
@@ -279,9 +279,9 @@ def main(argv=None) -> int:
         print(f"{r['config']:<18} {m['prefill_tok_s']:>9.0f} {p['prefill_tok_s']:>9.0f} {m['decode_tok_s']:>8.2f} "
               f"{p['decode_tok_s']:>9.2f} {m['total_tok_s']:>8.2f} {p['total_tok_s']:>9.2f} "
               f"{r['decode_link_bound_frac']:>6.1%} {r['issue_frac']:>7.2%} {r['peak_gpu_reserved_bytes'] / GiB:>8.2f}")
-    print(json.dumps({"experiment": "offexec_h200", "checks": checks,
+    finish({"experiment": "offexec_h200", "checks": checks,
                       "decode_tok_s": {r["config"]: r.get("measured", {}).get("decode_tok_s") for r in runs}},
-                     default=lambda x: None if isinstance(x, float) and not math.isfinite(x) else str(x)))
+                     default=lambda x: None if isinstance(x, float) and not math.isfinite(x) else str(x))
     return 0
 
 

@@ -11,7 +11,7 @@ reload fits in the first decode step's slack.
 
 Writes results/selectn/phases_<hw>_<budget>.csv (+ .png), prints a table, then one JSON line.
 
-    python experiments/selectn_phases.py          # rtx3090 (24 GiB, PCIe 4.0 x16), OPT-13B, batch 1, prompt 480
+    python -m experiments.selectn.phases          # rtx3090 (24 GiB, PCIe 4.0 x16), OPT-13B, batch 1, prompt 480
 """
 from __future__ import annotations
 
@@ -20,17 +20,15 @@ import json
 import sys
 from pathlib import Path
 
-import matplotlib
+import pandas as pd
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
+from experiments.common import ROOT, finish, provenance, pyplot
+from offsim import OffsimError, Workload, get_hardware, get_model
+from offsim.policies.selectn.policy import host_weight_bytes
+from offsim.policies.selectn.record import build_record, request_intervals, simulate_phased
 
-from offsim import OffsimError, Workload, get_hardware, get_model  # noqa: E402
-from offsim.policies.selectn.policy import host_weight_bytes  # noqa: E402
-from offsim.policies.selectn.record import build_record, provenance, request_intervals, simulate_phased  # noqa: E402
+plt = pyplot()
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def main(argv=None) -> int:
@@ -51,7 +49,7 @@ def main(argv=None) -> int:
     model = get_model(args.model)
     wl = Workload(args.prompt_len, args.gen_len, args.batch, 1)
     tag = f"{args.hardware}_{hw.gpu_mem_bytes / 2**30:g}gib"
-    prov = {**provenance(), "command": "python " + " ".join([sys.argv[0]] + (argv or sys.argv[1:])),
+    prov = {**provenance(argv),
             "hardware": hw.name, "gpu_mem_bytes": hw.gpu_mem_bytes, "hardware_source": hw.source}
     rows = []
     for tpot_ms in args.tpot_slo_ms:
@@ -95,8 +93,8 @@ def main(argv=None) -> int:
     fig.savefig(out / f"phases_{tag}.png", dpi=110)
     with pd.option_context("display.width", 200, "display.max_colwidth", 60):
         print(df.round(2).to_string(index=False))
-    print(json.dumps({"experiment": "selectn_phases", "model": model.name, "hardware": hw.name,
-                      "rows": df.round(4).to_dict(orient="records"), "csv": str(csv), "commit": prov["commit"]}))
+    finish({"experiment": "selectn_phases", "model": model.name, "hardware": hw.name,
+                      "rows": df.round(4).to_dict(orient="records"), "csv": str(csv), "commit": prov["commit"]})
     return 0
 
 

@@ -17,7 +17,7 @@ x of it is simulated on ``HardwareSpec.scaled_link(x)`` (``offsim.coordinator``)
 Also times the coordinator's decision (MILP and exact DP) on the real demand tables, and on 8 instances.
 Writes results/selectn/shared_link_<hw>_<budget>.csv (+ .png), prints a table, then one JSON line.
 
-    python experiments/selectn_shared_link.py                  # a800 with a 32 GiB budget per GPU
+    python -m experiments.selectn.shared_link                  # a800 with a 32 GiB budget per GPU
 """
 from __future__ import annotations
 
@@ -28,20 +28,17 @@ import sys
 import time
 from pathlib import Path
 
-import matplotlib
+import pandas as pd
+from tqdm import tqdm
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+from experiments.common import ROOT, finish, provenance, pyplot
+from offsim import OffsimError, Workload, get_hardware, get_model
+from offsim.policies.selectn.coordinator import Instance, coordinate, instance_options
+from offsim.policies.selectn.record import iteration_latency
 
-from offsim import OffsimError, Workload, get_hardware, get_model  # noqa: E402
-from offsim.policies.selectn.coordinator import Instance, coordinate, instance_options  # noqa: E402
-from offsim.policies.selectn.record import iteration_latency, provenance  # noqa: E402
+from experiments.selectn.common import run_flexgen
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from selectn_slo import run_flexgen  # noqa: E402
+plt = pyplot()
 
 
 def even_share_latency(model, hw, b, s, n, k) -> float:
@@ -84,7 +81,7 @@ def main(argv=None) -> int:
     models = [get_model(m) for m in args.models]
     names = [f"{m.name}#{i}" if args.models.count(m.name) > 1 else m.name for i, m in enumerate(models)]
     tag = f"{args.hardware}_{args.gpu_mem_gb:g}gib"
-    prov = {**provenance(), "command": "python " + " ".join([sys.argv[0]] + (argv or sys.argv[1:])),
+    prov = {**provenance(argv),
             "hardware": hw.name, "gpu_mem_bytes": hw.gpu_mem_bytes, "hardware_source": hw.source,
             "link_h2d_bytes_per_s": hw.h2d_pinned[-1][1]}
     rows, timing = [], []
@@ -193,11 +190,11 @@ def main(argv=None) -> int:
         print("eight instances:", big)
     summ = {sch: {"slo_met_points": int(d.groupby("batch")["meets_slo"].all().sum()),
                   "points": int(d["batch"].nunique())} for sch, d in df.fillna({"meets_slo": False}).groupby("scheme")}
-    print(json.dumps({"experiment": "selectn_shared_link", "hardware": hw.name, "gpu_mem_gib": args.gpu_mem_gb,
+    finish({"experiment": "selectn_shared_link", "hardware": hw.name, "gpu_mem_gib": args.gpu_mem_gb,
                       "tpot_slo_ms": args.tpot_slo_ms, "seq_len": s, "summary": summ,
                       "decision_ms_max": {"milp": float(tdf["milp_ms"].max()) if len(tdf) else None,
                                           "dp": float(tdf["dp_ms"].max()) if len(tdf) else None},
-                      "decision_8_instances": big, "csv": str(csv), "commit": prov["commit"]}))
+                      "decision_8_instances": big, "csv": str(csv), "commit": prov["commit"]})
     return 0
 
 

@@ -21,8 +21,8 @@ mean TPOT <= SLO, as serving papers count it).
 Writes results/selectn/slo_<hw>_<budget>.csv (+ .png), the records record_<model>_<hw>_<budget>.csv and their
 [N_min, N_max] tables ranges_<model>_<hw>_<budget>.csv; prints a table and, last, one JSON line.
 
-    python experiments/selectn_slo.py                       # h200, 24 GiB budget, OPT-13B and Llama-2-13B
-    python experiments/selectn_slo.py --hardware rtx3090 --ttft-slo-ms 4000
+    python -m experiments.selectn.slo                       # h200, 24 GiB budget, OPT-13B and Llama-2-13B
+    python -m experiments.selectn.slo --hardware rtx3090 --ttft-slo-ms 4000
 """
 from __future__ import annotations
 
@@ -32,29 +32,18 @@ import sys
 import time
 from pathlib import Path
 
-import matplotlib
+import pandas as pd
+from tqdm import tqdm
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+from experiments.common import ROOT, finish, provenance, pyplot
+from experiments.selectn.common import run_flexgen, trace_row
+from offsim import OffsimError, Workload, build_plan, get_hardware, get_model, simulate
+from offsim.policies.selectn.record import (build_record, fastest_interval, request_intervals,
+                                            simulate_phased)
 
-from offsim import OffsimError, Workload, build_plan, get_hardware, get_model, simulate  # noqa: E402
-from offsim.policies.selectn.record import (build_record, fastest_interval, provenance, request_intervals,  # noqa: E402
-                                   simulate_phased)
+plt = pyplot()
 
-ROOT = Path(__file__).resolve().parents[1]
 POLICY_ORDER = ["selectn", "selectn-nmax", "flexgen", "static-accelerate", "static-zero"]
-
-
-def trace_row(tr, plan) -> dict:
-    """TTFT, TPOT and throughput of a simulated block."""
-    m = tr.metrics()
-    sl = tr.step_latency()
-    tpot = sl.loc[sl["step"] >= 1, "latency_s"]
-    return {"ttft_s": m["prefill_s"], "tpot_mean_s": float(tpot.mean()), "tpot_max_s": float(tpot.max()),
-            "total_tok_s": m["total_tok_s"], "decode_tok_s": m["decode_tok_s"], "peak_gpu_bytes": m["peak_gpu_bytes"],
-            "host_weight_bytes": sum(c for _, c in plan.weight_split)}
 
 
 def run_selectn(model, hw, wl, record) -> dict:
@@ -76,36 +65,6 @@ def run_selectn_nmax(model, hw, wl) -> dict:
     n = fastest_interval(model, hw, wl)
     plan = build_plan("selectn", model, hw, wl, {"interval": n})
     return {**trace_row(simulate(plan, hw), plan), "settings": f"N {n}"}
-
-
-def run_flexgen(model, hw, wl, top: int = 3) -> dict:
-    from offsim.policies.lp import flexgen_lp
-
-    b = wl.gpu_batch_size
-    cands = []
-    for nb in [d for d in range(1, b + 1) if b % d == 0]:
-        for ca in (False, True):
-            r = flexgen_lp(model, hw, wl.prompt_len, wl.gen_len, b // nb, nb, ca)
-            if r is not None:
-                cands.append(r)
-    cands.sort(key=lambda r: r.seconds_per_token)
-    best, errors = None, []
-    for r in cands[:top]:
-        st = {"percent": r.percent, "cpu_attention": r.cpu_attention}
-        try:
-            plan = build_plan("flexgen", model, hw, Workload(wl.prompt_len, wl.gen_len, r.gpu_batch_size,
-                                                             r.num_gpu_batches), st)
-            row = trace_row(simulate(plan, hw), plan)
-        except OffsimError as e:
-            errors.append(str(e))
-            continue
-        row["settings"] = (f"gbs {r.gpu_batch_size} x {r.num_gpu_batches}, percent {list(r.percent)}, "
-                           f"cpu_attention {r.cpu_attention}")
-        if best is None or row["total_tok_s"] > best["total_tok_s"]:
-            best = row
-    if best is None:
-        raise OffsimError(errors[0] if errors else "no FlexGen placement fits (LP infeasible for every block shape)")
-    return best
 
 
 def run_static(policy, model, hw, wl) -> dict:
@@ -139,7 +98,7 @@ def main(argv=None) -> int:
     hw = get_hardware(args.hardware, gpu_mem_gb=args.gpu_mem_gb)
     tag = f"{args.hardware}_{args.gpu_mem_gb:g}gib_p{args.prompt_len}"
     ttft_slo, tpot_slo = args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3
-    prov = {**provenance(), "command": "python " + " ".join([sys.argv[0]] + (argv or sys.argv[1:])),
+    prov = {**provenance(argv),
             "hardware": hw.name, "gpu_mem_bytes": hw.gpu_mem_bytes, "hardware_source": hw.source}
     rows = []
     for name in args.models:
@@ -241,7 +200,7 @@ def main(argv=None) -> int:
            "prompt_len": args.prompt_len, "gen_len": args.gen_len,
            "summary": summ.round(4).to_dict(orient="records"), "flexgen_search": fsearch, "csv": str(csv),
            "commit": prov["commit"]}
-    print(json.dumps(res))
+    finish(res)
     return 0
 
 

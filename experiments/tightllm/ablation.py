@@ -5,7 +5,7 @@ components: op order, the last step's unneeded KV store); decode and prefill thr
 system -- the paper's "decode:
 without KV distributor -12.6 to -43.1 %, without weight loader -4.4 to -74.8 %; prefill: up to -46.6 % and -38.2 %".
 
-    python experiments/tightllm_ablation.py [--models ...] [--hardware ...] [--sequences N]
+    python -m experiments.tightllm.ablation [--models ...] [--hardware ...] [--sequences N]
     # after tightllm_throughput.py (with the same --sequences)
 
 Writes results/tightllm/ablation/{ablation.csv,summary.csv,ablation.png}; prints the tables, then one JSON line.
@@ -15,23 +15,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import warnings
 from pathlib import Path
 
-import matplotlib
+import pandas as pd
+from tqdm import tqdm
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tightllm_common import GEN_LEN, HARDWARE, MODELS, OUT, PAPER, Cache, model_for  # noqa: E402
+from experiments.common import finish, provenance, pyplot, write_csv
+from experiments.tightllm.common import GEN_LEN, HARDWARE, MODELS, OUT, PAPER, Cache, model_for
 
-from offsim import OffsimError, Workload, build_plan, get_hardware, simulate  # noqa: E402
-from offsim.core.provenance import provenance, write_csv  # noqa: E402
+from offsim import OffsimError, Workload, build_plan, get_hardware, simulate
+
+plt = pyplot()
 
 DIR = OUT / "ablation"
 FLEXGEN_SAME = "FlexGen, same placement"
@@ -55,7 +51,7 @@ def main() -> None:
              and r["model"] in models and r["hardware"] in hws]
     if not cases:
         raise SystemExit("no TightLLM results in results/tightllm/throughput/cases.jsonl: run "
-                         "experiments/tightllm_throughput.py first")
+                         "experiments/tightllm/throughput.py first")
     prov = provenance(gen_len=GEN_LEN, sequences=a.sequences,
                       note=f"configurations from results/tightllm/throughput{tag}/cases.jsonl")
     rows = []
@@ -114,8 +110,8 @@ def main() -> None:
     print(wide.to_string(float_format=lambda v: f"{v:,.1f}"))
     print()
     print(s.to_string(index=False, float_format=lambda v: f"{v:,.1f}"))
-    print(json.dumps({"cases": len(cases), **{f"{r.variant}|{r.phase}": [round(r.min_pct, 1), round(r.max_pct, 1)]
-                                              for r in s.itertuples()}, **prov}))
+    finish({"cases": len(cases), **{f"{r.variant}|{r.phase}": [round(r.min_pct, 1), round(r.max_pct, 1)]
+                                              for r in s.itertuples()}, **prov})
 
 
 def _plot(df: pd.DataFrame, path: Path) -> None:

@@ -2,7 +2,7 @@
 OPT-175B tightllm plan (prompt 2048, gen 32) built and simulated under 10 s. Also checks, on every decision timed,
 that the MILP, the exact fast path and brute-force enumeration agree. Prints a table, then one JSON line.
 
-    python experiments/bench_tightllm.py        # writes results/tightllm/bench/{plan,decisions}.csv
+    python -m experiments.tightllm.bench        # writes results/tightllm/bench/{plan,decisions}.csv
 
 The OPT-175B plan is timed first, in a fresh process: its time includes importing cvxpy and compiling the MILP.
 OPT has 2048 learned positions; prompt 2048 + gen 32 needs 2079, so the model's position table is extended
@@ -11,22 +11,18 @@ OPT has 2048 learned positions; prompt 2048 + gen 32 needs 2079, so the model's 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from offsim import Workload, build_plan, get_hardware, get_model, simulate  # noqa: E402
-from offsim.policies.tightllm.kv_distributor import KVDistributor  # noqa: E402
-from offsim.policies.tightllm import policy as T  # noqa: E402
-from offsim.core.provenance import provenance, write_csv  # noqa: E402
+from experiments.common import ROOT, argparser, finish, provenance, write_csv
+from offsim import Workload, build_plan, get_hardware, get_model, simulate
+from offsim.policies.tightllm.kv_distributor import KVDistributor
+from offsim.policies.tightllm import policy as T
 
-OUT = Path(__file__).resolve().parents[1] / "results" / "tightllm" / "bench"
+OUT = ROOT / "results" / "tightllm" / "bench"
 DECISION_TARGET_S = 5e-3
 PLAN_TARGET_S = 10.0
 
@@ -132,8 +128,9 @@ def main() -> None:
            "opt175b_plan_build_sim_s": round(plan_row["total_s"], 3),
            "opt175b_plan_build_sim_cpu_s": round(plan_row["total_cpu_s"], 3),
            "plan_target_met": plan_row["total_s"] < PLAN_TARGET_S, **prov}
-    print(json.dumps(out))
+    finish(out)
 
 
 if __name__ == "__main__":
+    argparser(__doc__).parse_args()
     main()

@@ -2,7 +2,7 @@
 FlexGen and TightLLM -- the paper's "OPT-175B per-token latency -59.7 to -95.7 %: compute grows x3.1-5.4, transfer
 falls 68.9-97.5 %" and "FlexGen and Accelerate are 35.9-95.4 % (prefill) and 60.4-95.6 % (decode) below TightLLM".
 
-    python experiments/tightllm_breakdown.py      # writes results/tightllm/breakdown/{breakdown.csv,summary.csv,breakdown.png}
+    python -m experiments.tightllm.breakdown      # writes results/tightllm/breakdown/{breakdown.csv,summary.csv,breakdown.png}
 
 Batch 8 = 8 sequences per block. FlexGen and TightLLM take the best of the block shapes 8x1, 4x2, 2x4, 1x8 with
 FlexGen's LP placement for each (FlexGen also with CPU attention); Accelerate runs one batch of 8 with as many
@@ -14,24 +14,20 @@ OPT's 2048 positions are extended for prompts past 2K (dataclasses.replace; see 
 from __future__ import annotations
 
 import json
-import sys
 import warnings
 from pathlib import Path
 
-import matplotlib
+import numpy as np
+import pandas as pd
+from tqdm import tqdm
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tightllm_common import GEN_LEN, OUT, PAPER, POLICY_LABEL, PROMPTS, fixed_lp_groups, model_for  # noqa: E402
+from experiments.common import argparser, finish, provenance, pyplot, write_csv
+from experiments.tightllm.common import GEN_LEN, OUT, PAPER, POLICY_LABEL, PROMPTS, fixed_lp_groups, model_for
 
-from offsim import OffsimError, PlanError, Workload, build_plan, get_hardware, simulate  # noqa: E402
-from offsim.core.provenance import provenance, write_csv  # noqa: E402
+from offsim import OffsimError, PlanError, Workload, build_plan, get_hardware, simulate
+
+plt = pyplot()
 
 DIR = OUT / "breakdown"
 SEQUENCES = 8  # the paper's batch for this figure; block shapes 8x1, 4x2, 2x4, 1x8
@@ -135,7 +131,7 @@ def main() -> None:
     print()
     print(cdf.to_string(index=False, float_format=lambda v: f"{v:,.1f}"))
     fg = cdf[cdf["baseline"] == "flexgen"].dropna(subset=["decode_compute_ratio"])
-    print(json.dumps({
+    finish({
         "vs_flexgen_decode_latency_change_pct": [round(fg["decode_latency_change_pct"].min(), 1),
                                                  round(fg["decode_latency_change_pct"].max(), 1)],
         "vs_flexgen_decode_compute_ratio": [round(fg["decode_compute_ratio"].min(), 2),
@@ -144,7 +140,7 @@ def main() -> None:
                                                   round(fg["decode_transfer_change_pct"].max(), 1)],
         "paper_latency_drop_pct": PAPER["opt175b_latency_drop_pct"],
         "paper_compute_growth": PAPER["opt175b_compute_growth"],
-        "paper_transfer_drop_pct": PAPER["opt175b_transfer_drop_pct"], **prov}))
+        "paper_transfer_drop_pct": PAPER["opt175b_transfer_drop_pct"], **prov})
 
 
 def _plot(df: pd.DataFrame, path: Path) -> None:
@@ -189,4 +185,5 @@ def _plot(df: pd.DataFrame, path: Path) -> None:
 
 
 if __name__ == "__main__":
+    argparser(__doc__).parse_args()
     main()

@@ -21,7 +21,7 @@ import math
 import warnings
 from pathlib import Path
 
-from offsim import OffsimError, PlanError, Workload, build_plan, get_hardware, get_model, simulate
+from offsim import OffsimError, PlanError, Workload, build_plan, get_model, simulate
 from offsim.policies.lp import flexgen_candidates
 from offsim.search import search
 

@@ -5,10 +5,10 @@ the GPU: TightLLM, TightLLM without the KV distributor (N_r = 0), without the we
 FlexGen's schedule on the same placement and block. The question is whether the simulated ablation deltas -- the
 basis of results/tightllm/README.md §4 -- hold on hardware.
 
-    python experiments/tightllm_h200.py config                      # -> experiments/tightllm_h200_config.json
-    python experiments/validation_matrix.py --config experiments/tightllm_h200_config.json --warmup \\
+    python -m experiments.tightllm.h200 config                      # -> experiments/tightllm/h200_config.json
+    python -m experiments.validation.matrix --config experiments/tightllm/h200_config.json --warmup \\
         --profile results/profiles/h200.json --out results/tightllm/h200      # on the H200
-    python experiments/tightllm_h200.py report results/tightllm/h200  # -> ablation.csv, ablation.png there
+    python -m experiments.tightllm.h200 report results/tightllm/h200  # -> ablation.csv, ablation.png there
 
 The report re-simulates each case's stored plan (the exact plan that ran) with the calibrated profile
 ``results/profiles/h200_offexec.json``, like ``offsim validate``.
@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from offsim.core.provenance import provenance, write_csv  # noqa: E402
+from experiments.common import ROOT, finish, provenance, write_csv
 
-SCENARIOS = ("opt-13b_tightllm_p2048_g24", "opt-6.7b_tightllm_p2048_g8", "opt-30b_tightllm_p512_g16")  # tags in validation_matrix_config.json
+SCENARIOS = ("opt-13b_tightllm_p2048_g24", "opt-6.7b_tightllm_p2048_g8", "opt-30b_tightllm_p512_g16")  # tags in experiments/validation/matrix_config.json
 VARIANTS = {  # name -> (policy, settings overrides)
     "tightllm": ("tightllm", {}),
     "no-kv-distributor": ("tightllm", {"kv_distributor": False}),
@@ -35,7 +32,7 @@ VARIANTS = {  # name -> (policy, settings overrides)
 
 
 def make_config(out: Path) -> None:
-    base = {c["tag"]: c for c in json.loads((ROOT / "experiments" / "validation_matrix_config.json").read_text())}
+    base = {c["tag"]: c for c in json.loads((ROOT / "experiments" / "validation" / "matrix_config.json").read_text())}
     cases = []
     for tag in SCENARIOS:
         c = base[tag]
@@ -44,7 +41,7 @@ def make_config(out: Path) -> None:
             cases.append({**c, "tag": tag.replace("_tightllm_", f"_{name}_"), "policy": policy, "settings": settings,
                           "scenario": tag, "variant": name})
     out.write_text(json.dumps(cases, indent=1))
-    print(json.dumps({"cases": len(cases), "config": str(out)}))
+    finish({"cases": len(cases), "config": str(out)})
 
 
 def report(case_dir: Path, profile: str) -> None:
@@ -93,7 +90,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("config", help="write the GPU run's config")
-    c.add_argument("--out", default=str(ROOT / "experiments" / "tightllm_h200_config.json"))
+    c.add_argument("--out", default=str(ROOT / "experiments" / "tightllm" / "h200_config.json"))
     r = sub.add_parser("report", help="measured vs predicted ablation deltas from the measured cases")
     r.add_argument("dir")
     r.add_argument("--profile", default=str(ROOT / "results" / "profiles" / "h200_offexec.json"))

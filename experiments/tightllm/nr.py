@@ -1,7 +1,7 @@
 """What the KV distributor chooses, and why it pays only so much: N_r against context length, the compute/transfer
 curves it balances, the exchange rate of recompute for transfer, and the GPU idle fraction of each policy.
 
-    python experiments/tightllm_nr.py      # after tightllm_throughput.py; writes results/tightllm/nr/
+    python -m experiments.tightllm.nr      # after tightllm_throughput.py; writes results/tightllm/nr/
 
 Outputs:
 - nr_vs_context.csv / .png: N_r / N_ctx at the first decode step of each case's best TightLLM configuration, and N_r
@@ -18,28 +18,22 @@ Outputs:
 """
 from __future__ import annotations
 
-import json
-import sys
 import warnings
-from pathlib import Path
 
-import matplotlib
+import numpy as np
+import pandas as pd
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tightllm_common import (GEN_LEN, HARDWARE, MODELS, OUT, POLICIES, POLICY_COLOR,  # noqa: E402
+from experiments.common import argparser, finish, provenance, pyplot, write_csv
+from experiments.tightllm.common import (GEN_LEN, HARDWARE, MODELS, OUT, POLICIES, POLICY_COLOR,
                              POLICY_LABEL, PROMPTS, Cache, model_for)
 
-from offsim import Workload, get_hardware  # noqa: E402
-from offsim.core.costmodel import gemm_flops_per_token  # noqa: E402
-from offsim.policies.tightllm.kv_distributor import distributor  # noqa: E402
-from offsim.policies.tightllm import policy as T  # noqa: E402
-from offsim.core.provenance import provenance, write_csv  # noqa: E402
+from offsim import Workload, get_hardware
+from offsim.core.costmodel import gemm_flops_per_token
+from offsim.policies.tightllm.kv_distributor import distributor
+from offsim.policies.tightllm import policy as T
+
+plt = pyplot()
 
 DIR = OUT / "nr"
 # (label, model, hardware, GPU GiB, percent, gbs, nb, prompt, batch index)
@@ -224,11 +218,12 @@ def main() -> None:
         print()
         print(idle.pivot_table(index=["config", "policy"], columns="prompt_len", values="gpu_idle_frac",
                                aggfunc="median").to_string(float_format=lambda v: f"{v:.2f}"))
-    print(json.dumps({"examples": ex[["example", "n_r", "gain_pct", "rho_measured", "rho_first_order"]]
+    finish({"examples": ex[["example", "n_r", "gain_pct", "rho_measured", "rho_first_order"]]
                       .round(3).to_dict("records"),
                       "median_gpu_idle": idle.groupby("policy")["gpu_idle_frac"].median().round(3).to_dict()
-                      if len(idle) else {}, **prov}))
+                      if len(idle) else {}, **prov})
 
 
 if __name__ == "__main__":
+    argparser(__doc__).parse_args()
     main()

@@ -3,7 +3,7 @@ layer at the shapes the plans run -- decode (T = 1), TightLLM recompute (1 < T <
 into its GEMM part and its attention part, with the K/V layout offexec uses (a token-major cache buffer viewed as
 [B, n, C, D]) and with contiguous K/V, beside offsim's price of the same work from the measured profile.
 
-    python experiments/recompute_shapes_h200.py --profile results/profiles/h200.json --out DIR   # on the GPU
+    python -m experiments.tightllm.recompute_shapes_h200 --profile results/profiles/h200.json --out DIR   # on the GPU
 
 Writes DIR/recompute_shapes.csv (one row per model and shape) and prints it.
 """
@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from offsim.core import costmodel as cm  # noqa: E402
-from offsim.core.provenance import provenance, write_csv  # noqa: E402
-from offsim.core.specs import get_hardware, get_model  # noqa: E402
+from experiments.common import provenance, write_csv
+from offsim.core import costmodel as cm
+from offsim.core.specs import get_hardware, get_model
 
 # (model, batch B, [(T, C)]): the decode, recompute and prefill shapes of the three H200 TightLLM scenarios
 SHAPES = [

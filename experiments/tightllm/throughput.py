@@ -2,7 +2,7 @@
 (0.5K-8K, 32 generated tokens) for OPT-13B/30B/66B/175B and Llama-2-13B/70B on C1 (rtx3090) and C2 (a800) --
 TightLLM's Fig. "throughput", with speedup tables beside the paper's ranges (ANCHORS.md).
 
-    python experiments/tightllm_throughput.py [--models opt-30b,...] [--hardware a800] [--prompts 512,2048]
+    python -m experiments.tightllm.throughput [--models opt-30b,...] [--hardware a800] [--prompts 512,2048]
 
 ``--sequences N`` fixes the number of sequences per block (the paper's fixed batch size; models that fit the GPU then
 still have to offload their KV cache): results/tightllm/throughput_{N}seq/.
@@ -15,25 +15,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-import matplotlib
+import pandas as pd
+from tqdm import tqdm
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tightllm_common import (GEN_LEN, HARDWARE, MODELS, OUT, PAPER, POLICIES, POLICY_COLOR,  # noqa: E402
+from experiments.common import finish, provenance, pyplot, write_csv
+from experiments.tightllm.common import (GEN_LEN, HARDWARE, MODELS, OUT, PAPER, POLICIES, POLICY_COLOR,
                              POLICY_LABEL, PROMPTS, Cache, best, best_fixed, model_for)
 
-from offsim import Workload, get_hardware  # noqa: E402
-from offsim.policies.tightllm import policy as T  # noqa: E402
-from offsim.core.provenance import provenance, write_csv  # noqa: E402
+from offsim import Workload, get_hardware
+from offsim.policies.tightllm import policy as T
+
+plt = pyplot()
 
 DIR = OUT / "throughput"  # --sequences N: OUT / f"throughput_{N}seq"
 SEQUENCES = None
@@ -161,7 +157,7 @@ def main() -> None:
            f"{a.sequences} sequences per block, each policy at its best shape and LP placement for them")
     # provenance of the code this process loaded (taken before the long run: others may commit meanwhile); cases
     # cached in cases.jsonl by an earlier run carry their own commit
-    prov = provenance(gen_len=GEN_LEN, sequences=a.sequences, note=how + " (see experiments/tightllm_common.py); "
+    prov = provenance(gen_len=GEN_LEN, sequences=a.sequences, note=how + " (see experiments/tightllm/common.py); "
                       "OPT/Llama-2 positions extended where prompt+gen exceeds them")
     df = run(models, hws, prompts, a.sequences, prov["commit"])
     cols = ["hardware", "config", "model", "prompt_len", "policy", "status", "found_by", "settings", "gpu_batch_size",
@@ -188,12 +184,12 @@ def main() -> None:
     print(sm.to_string(index=False, float_format=lambda v: f"{v:,.2f}"))
     dec = sp[sp["phase"] == "decode"]["speedup"].dropna()
     pre = sp[sp["phase"] == "prefill"]["speedup"].dropna()
-    print(json.dumps({"cases": int(df[["hardware", "model", "prompt_len"]].drop_duplicates().shape[0]),
+    finish({"cases": int(df[["hardware", "model", "prompt_len"]].drop_duplicates().shape[0]),
                       "decode_speedup_min": round(float(dec.min()), 3), "decode_speedup_max": round(float(dec.max()), 3),
                       "prefill_speedup_min": round(float(pre.min()), 3),
                       "prefill_speedup_max": round(float(pre.max()), 3),
                       "paper_decode_speedup": PAPER["decode_speedup"], "paper_prefill_speedup": PAPER["prefill_speedup"],
-                      **prov}))
+                      **prov})
 
 
 if __name__ == "__main__":

@@ -4,20 +4,16 @@ offexec times the host work of issuing each op (``issue_s_by_handler`` in its ru
 ops of each kind, that is the runtime's issue cost: a property of the executor on this host, measured on a
 calibration run (results/offexec/offexec_h200.json, OPT-30B), not fitted to the validation cases.
 
-    python experiments/calibrate_issue.py      # writes results/profiles/h200_offexec.json
+    python -m experiments.validation.calibrate_issue      # writes results/profiles/h200_offexec.json
 """
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from offsim import build_plan, get_hardware, get_model  # noqa: E402
-from offsim.core.provenance import provenance  # noqa: E402
-from offsim.core.specs import HardwareSpec, Workload  # noqa: E402
+from experiments.common import ROOT, argparser, finish, provenance
+from offsim import build_plan, get_hardware, get_model
+from offsim.core.specs import HardwareSpec, Workload
 
-ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "results" / "offexec" / "offexec_h200.json"
 PROFILE = ROOT / "results" / "profiles" / "h200.json"
 OUT = ROOT / "results" / "profiles" / "h200_offexec.json"
@@ -55,9 +51,10 @@ def main() -> None:
     OUT.write_text(json.dumps(prof, indent=1))
     print(f"issue cost: compute op {prof['issue_compute_s'] * 1e3:.3f} ms, copy op {prof['issue_copy_s'] * 1e3:.3f} ms"
           f" (from {n_comp} compute and {n_copy} copy ops of {used})")
-    print(json.dumps({"out": str(OUT), "issue_compute_s": prof["issue_compute_s"],
-                      "issue_copy_s": prof["issue_copy_s"]}))
+    finish({"out": str(OUT), "issue_compute_s": prof["issue_compute_s"],
+                      "issue_copy_s": prof["issue_copy_s"]})
 
 
 if __name__ == "__main__":
+    argparser(__doc__).parse_args()
     main()

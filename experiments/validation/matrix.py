@@ -5,9 +5,9 @@ One process per model generates the random weights once and runs every configura
 configuration's settings come from offsim's own search on the machine's profile under the GPU budget (so every
 policy runs at its best), with the host-memory capacity reduced by the executor's master copy of the weights.
 
-    python experiments/validation_matrix.py --profile results/profiles/h200.json --out results/validation \
+    python -m experiments.validation.matrix --profile results/profiles/h200.json --out results/validation \
         --models opt-6.7b llama-3-8b            # on the H200
-    python experiments/validation_matrix.py --device cpu --quick --out /tmp/v   # CPU smoke test (tiny model)
+    python -m experiments.validation.matrix --device cpu --quick --out /tmp/v   # CPU smoke test (tiny model)
 
 OPT has 2048 learned positions: for prompt 2048 its position table is extended (random weights), as ANCHORS.md
 says FlexGen's code needs too.
@@ -17,16 +17,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from offsim import POLICIES, Workload, build_plan, get_hardware, get_model, simulate  # noqa: E402
-from offsim.core.errors import OffsimError  # noqa: E402
-from offsim.search import search  # noqa: E402
-from offsim.core.provenance import provenance  # noqa: E402
-from offsim.analysis.validate import case_from_trace, save_case  # noqa: E402
+from experiments.common import finish, provenance
+from offsim import POLICIES, Workload, build_plan, get_hardware, get_model, simulate
+from offsim.core.errors import OffsimError
+from offsim.search import search
+from offsim.analysis.validate import case_from_trace, save_case
 
 GiB = 1 << 30
 # (model, GPU budget GiB, prompt lengths) -> every policy at each prompt length
@@ -196,11 +194,11 @@ def main() -> None:
         cases = plan_cases(args)
     if args.plan_only:
         Path(args.plan_only).write_text(json.dumps(cases, indent=1, default=list))
-        print(json.dumps({"cases": len(cases), "config": args.plan_only}))
+        finish({"cases": len(cases), "config": args.plan_only})
         return
     summary = run_cases(cases, args)
-    print(json.dumps({"cases": sum("err" in r for r in summary), "failed": sum("error" in r for r in summary),
-                      "out": args.out}))
+    finish({"cases": sum("err" in r for r in summary), "failed": sum("error" in r for r in summary),
+                      "out": args.out})
 
 
 if __name__ == "__main__":

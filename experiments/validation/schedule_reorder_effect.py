@@ -2,7 +2,7 @@
 H200, per re-measured validation case -- the case as measured before (read from git at ``--before``) and after
 (the working tree), with offsim's predictions of both plans.
 
-    python experiments/schedule_reorder_effect.py --before b916834 --out results/validation/schedule_reorder.csv
+    python -m experiments.validation.schedule_reorder_effect --before b916834 --out results/validation/schedule_reorder.csv
 """
 from __future__ import annotations
 
@@ -10,13 +10,9 @@ import argparse
 import json
 import io
 import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from offsim.analysis import validate as V  # noqa: E402
-from offsim.core.provenance import provenance, write_csv  # noqa: E402
+from experiments.common import ROOT, provenance, write_csv
+from offsim.analysis import validate as V
 
 CASES = ("llama-3-8b_flexgen_p512_g16", "opt-13b_flexgen_p2048_g24", "opt-13b_flexgen_p512_g16",
          "opt-6.7b_flexgen_p2048_g8", "opt-6.7b_flexgen_p512_g8")

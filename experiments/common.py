@@ -1,0 +1,65 @@
+"""What every experiment shares: where its results go, the provenance written beside them, plotting defaults, and
+the one JSON line it ends with.
+
+An experiment is a module run from the repository root, ``python -m experiments.<topic>.<name> [--help]``; it
+writes ``results/<name>/`` (CSV or JSON whose provenance says which commit, machine, date and command made it, and a
+PNG where a person would rather look than read), prints a readable table, and ends with one JSON document on the
+last stdout line so that scripts can parse it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from offsim.core import provenance as _provenance
+from offsim.core.provenance import write_csv  # noqa: F401  (re-exported: CSV with the provenance on its first line)
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository root
+RESULTS = ROOT / "results"
+
+
+def results_dir(*parts: str, create: bool = True) -> Path:
+    """``results/<parts...>`` in the repository (created unless ``create`` is False)."""
+    d = RESULTS.joinpath(*parts)
+    if create:
+        d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def command(argv: list[str] | None = None) -> str:
+    """The command line that repeats this run: ``python -m experiments.<topic>.<name> ARGS`` when run as a module
+    (``argv``: the arguments, default ``sys.argv[1:]``)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    prog = f"python -m {spec.name}" if spec is not None else f"python {Path(sys.argv[0]).name}"
+    return " ".join([prog] + list(sys.argv[1:] if argv is None else argv))
+
+
+def argparser(doc: str) -> argparse.ArgumentParser:
+    """An argument parser whose ``--help`` prints the experiment's docstring (what it does, its command, its output).
+    Experiments without options call ``argparser(__doc__).parse_args()`` so that ``--help`` never starts a run."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return argparse.ArgumentParser(prog=f"python -m {spec.name}" if spec is not None else None, description=doc,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def provenance(argv: list[str] | None = None, **extra) -> dict:
+    """Commit, UTC date, machine, python and the command that repeats this run, plus ``extra``."""
+    return _provenance.provenance(**{"command": command(argv), **extra})
+
+
+def pyplot():
+    """``matplotlib.pyplot`` drawing to files only (the Agg backend: experiments run headless), house defaults."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update({"savefig.dpi": 120, "figure.dpi": 100})
+    return plt
+
+
+def finish(summary: dict | list) -> None:
+    """Print ``summary`` as the run's last stdout line: one JSON document."""
+    print(json.dumps(summary, default=str), flush=True)
