@@ -1,4 +1,4 @@
-"""The executor: runs an offsim plan with real tensors and measures it (DESIGN.md §8).
+"""The executor: runs an offsim plan with real tensors and measures it (docs/architecture.md §7).
 
 It does what the ops say and nothing else -- placement, order, prefetching and buffering are the plan's; the
 executor only binds ops to buffers (``program.bind``) and issues them:

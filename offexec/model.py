@@ -1,4 +1,4 @@
-"""Layer math of OPT and Llama decoders as small torch functions (DESIGN.md §8), written so that an offloading
+"""Layer math of OPT and Llama decoders as small torch functions (docs/architecture.md §7), written so that an offloading
 executor can call them piece by piece.
 
 A decoder layer's weights are one flat buffer in ``ModelSpec.layer_tensors`` order; ``layer_views`` turns (a piece

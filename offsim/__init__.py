@@ -1,4 +1,4 @@
-"""offsim: predict what an LLM offloading policy does on given hardware (DESIGN.md).
+"""offsim: predict what an LLM offloading policy does on given hardware (docs/architecture.md).
 
 The public surface: specs (``get_model``, ``get_hardware``, ``Workload``), ``build_plan`` (policies), ``simulate``
 (SimPy), ``Trace`` and its metrics, and ``optimize.search`` (policy search).

@@ -1,4 +1,4 @@
-"""Reproduce FlexGen's T4 throughput table (FlexGen Table 2; ANCHORS.md) with offsim.
+"""Reproduce FlexGen's T4 throughput table (FlexGen, ICML'23, Table 2; docs/anchors.md §3) with offsim.
 
 Each cell runs the *published* policy of that system (effective batch and tier from the table, FlexGen's own
 ``--percent`` for FlexGen) on the ``t4`` preset, which is calibrated from public facts only (T4 datasheet, FlexGen's

@@ -1,4 +1,4 @@
-"""offexec on the H200: OPT-30B, prompt 512, gen 32, 48 prompts (16 x 3), a 16 GiB GPU budget (ANCHORS.md's FlexGen
+"""offexec on the H200: OPT-30B, prompt 512, gen 32, 48 prompts (16 x 3), a 16 GiB GPU budget (docs/anchors.md §2: FlexGen's
 run), measured with the executor and set beside offsim's prediction of the same plan.
 
 One process: measure the pinned PCIe bandwidth, make the seeded random weights once (pinned host memory), page-lock
@@ -34,7 +34,7 @@ from offsim import POLICIES, Workload, build_plan, get_hardware, get_model, simu
 from offsim.analysis.validate import case_from_trace, save_case
 
 GiB = 1 << 30
-TARGET_PERCENT = (20, 80, 0, 100, 100, 0)  # FlexGen's placement of ANCHORS.md's run
+TARGET_PERCENT = (20, 80, 0, 100, 100, 0)  # FlexGen's placement of the run in docs/anchors.md §2
 CONFIGS = {
     "flexgen_gpu_attn": ("flexgen", {"percent": TARGET_PERCENT}),
     "tightllm": ("tightllm", {"percent": TARGET_PERCENT, "kv_solver": "exact"}),

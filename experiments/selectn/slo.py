@@ -12,7 +12,7 @@ mean TPOT <= SLO, as serving papers count it).
 - selectn-nmax: Select-N with N_max of the actual workload (the least offloading that fits, simulated; normally
   the fastest interval) -- the latency Select-N gives up for host memory, and what it could do without the record's
   rounding to grid points.
-- flexgen: FlexGen at its best for that batch: the LP (``offsim.optimize.flexgen_lp``) over every block shape with
+- flexgen: FlexGen at its best for that batch: the LP (``offsim.policies.lp.flexgen_lp``) over every block shape with
   gpu_batch_size x num_gpu_batches = batch, GPU or CPU attention; the 3 best LP candidates simulated, the best
   simulated throughput kept (FlexGen's own objective: it is not SLO-aware).
 - static-accelerate (device_map: whole layers on the GPU as fit, the rest copied in synchronously, pageable) and

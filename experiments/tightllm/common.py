@@ -1,13 +1,13 @@
 """Shared by the TightLLM experiments (experiments/tightllm_*.py): the paper's setup, each policy at its best, and a
 resumable cache of results.
 
-Setup (TightLLM §6, seed 000): OPT-13B/30B/66B/175B and Llama-2-13B/70B; prompts 0.5K-8K; 32 generated tokens; C1 =
+Setup (TightLLM, IEEE TC'25, §6): OPT-13B/30B/66B/175B and Llama-2-13B/70B; prompts 0.5K-8K; 32 generated tokens; C1 =
 ``rtx3090`` (24 GB, PCIe 4.0, 128 GB host), C2 = ``a800`` (80 GB, PCIe 4.0, 256 GB host); baselines Accelerate and
 FlexGen. OPT has 2048 learned positions and Llama-2 4096: for longer prompts the model's ``max_positions`` is raised
 with ``dataclasses.replace`` (it only changes OPT's position-table size, which offsim counts in the embedding bytes;
 the numbers say nothing about output quality at those lengths -- as in the paper, which uses the same models at 8K).
 
-"Best settings": ``offsim.optimize.search`` (FlexGen: its LP then simulation; Accelerate: batch sizes; TightLLM: the
+"Best settings": ``offsim.search.search`` (FlexGen: its LP then simulation; Accelerate: batch sizes; TightLLM: the
 candidates ``offsim.policies.tightllm.policy.tightllm_candidates`` yields). When the search finds nothing feasible -- its LP's memory
 model can put host memory exactly at its limit while the plan's disk staging needs a little more -- ``best`` falls back
 to the same LP placements with 2-10 percentage points of host-memory weights (and KV) moved to disk, simulated in
@@ -36,7 +36,7 @@ POLICY_LABEL = {"static-accelerate": "Accelerate", "flexgen": "FlexGen", "tightl
 POLICY_COLOR = {"static-accelerate": "#7f7f7f", "flexgen": "#1f77b4", "tightllm": "#d62728"}
 MARGINS = (0, 2, 5, 10)  # host-memory percentage points moved to disk when the LP's placement does not fit
 
-# TightLLM's published claims (ANCHORS.md), for the tables beside ours
+# TightLLM's published claims (docs/anchors.md §3), for the tables beside ours
 PAPER = {
     "decode_speedup": (1.3, 23.0), "prefill_speedup": (1.2, 22.0),
     "decode_speedup_C1_avg_max": 10.4, "decode_speedup_C2_max": 19.9,

@@ -1,6 +1,6 @@
 """TightLLM vs Accelerate and FlexGen, each at its best settings: decode and prefill throughput against prompt length
 (0.5K-8K, 32 generated tokens) for OPT-13B/30B/66B/175B and Llama-2-13B/70B on C1 (rtx3090) and C2 (a800) --
-TightLLM's Fig. "throughput", with speedup tables beside the paper's ranges (ANCHORS.md).
+TightLLM's Fig. "throughput", with speedup tables beside the paper's ranges (docs/anchors.md §3).
 
     python -m experiments.tightllm.throughput [--models opt-30b,...] [--hardware a800] [--prompts 512,2048]
 
@@ -153,7 +153,7 @@ def main() -> None:
         DIR = OUT / f"throughput_{a.sequences}seq"
     models, hws = a.models.split(","), a.hardware.split(",")
     prompts = [int(x) for x in a.prompts.split(",")]
-    how = ("each policy at its best settings by offsim.optimize.search" if a.sequences is None else
+    how = ("each policy at its best settings by offsim.search.search" if a.sequences is None else
            f"{a.sequences} sequences per block, each policy at its best shape and LP placement for them")
     # provenance of the code this process loaded (taken before the long run: others may commit meanwhile); cases
     # cached in cases.jsonl by an earlier run carry their own commit

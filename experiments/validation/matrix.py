@@ -1,5 +1,5 @@
 """Validation matrix (issue 6): run many plans on the GPU with offexec, save each measured run as a committed case
-(``offsim.validate`` schema: metrics, per-step latency, op time per (step, layer, kind)), then re-simulate them.
+(``offsim.analysis.validate`` schema: metrics, per-step latency, op time per (step, layer, kind)), then re-simulate them.
 
 One process per model generates the random weights once and runs every configuration of that model. Each
 configuration's settings come from offsim's own search on the machine's profile under the GPU budget (so every
@@ -9,7 +9,7 @@ policy runs at its best), with the host-memory capacity reduced by the executor'
         --models opt-6.7b llama-3-8b            # on the H200
     python -m experiments.validation.matrix --device cpu --quick --out /tmp/v   # CPU smoke test (tiny model)
 
-OPT has 2048 learned positions: for prompt 2048 its position table is extended (random weights), as ANCHORS.md
+OPT has 2048 learned positions: for prompt 2048 its position table is extended (random weights), as docs/anchors.md §2
 says FlexGen's code needs too.
 """
 from __future__ import annotations

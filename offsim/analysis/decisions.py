@@ -31,7 +31,7 @@ def tightllm_balance(model: ModelSpec, hw: HardwareSpec, settings: dict, wl: Wor
                      batch_index: int = 0, points: int = 64) -> tuple[pd.DataFrame, int]:
     """The compute and transfer seconds of one decoder layer of GPU batch ``batch_index`` as functions of N_r (the
     distributor's own ``stream_seconds``, i.e. offsim's cost model), on ``points`` values from 0 to the memory cap
-    plus the N_r the distributor picks; and that N_r. TightLLM minimises max(T_compute, T_transfer) (DESIGN.md §5)."""
+    plus the N_r the distributor picks; and that N_r. TightLLM minimises max(T_compute, T_transfer) (docs/cost-model.md §8)."""
     st = t.TightLLMSettings(**settings)
     # the very problem the plan generator solves for this batch and context (placement, weight slice, memory caps)
     d = t.decision_for(model, hw, wl, st, ctx_tokens, batch_index)

@@ -1,4 +1,4 @@
-"""Validation: re-simulate measured runs and report how far the prediction is from the hardware (DESIGN.md §9).
+"""Validation: re-simulate measured runs and report how far the prediction is from the hardware (docs/architecture.md §8).
 
 A measured *case* is what ``offexec run`` recorded for one plan: the run's metadata (model, hardware profile,
 policy, settings, workload, GPU budget, machine, commit, date, command), its measured metrics, per-step latency, and

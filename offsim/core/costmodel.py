@@ -1,4 +1,4 @@
-"""The cost model: the single place where bytes and FLOPs become seconds (DESIGN.md §5).
+"""The cost model: the single place where bytes and FLOPs become seconds (docs/cost-model.md).
 
 The simulator prices every op of a plan here, and the optimisers (FlexGen's LP, TightLLM's ILP, Select-N's record)
 build their terms from the same functions. Terms are plain arithmetic, so a byte count may be a float or a cvxpy

@@ -1,4 +1,4 @@
-"""The plan: the op DAG that a policy emits and the simulator and the executor both run (DESIGN.md §4).
+"""The plan: the op DAG that a policy emits and the simulator and the executor both run (docs/architecture.md §2).
 
 An op is one thing done on one stream: a GPU compute, a CPU attention, a PCIe copy (h2d, d2h) or a disk read or
 write. Ops on one stream run in plan order, as on a CUDA stream; an op also waits for the ops it depends on. Plan

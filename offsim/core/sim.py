@@ -1,4 +1,4 @@
-"""The discrete-event simulator (SimPy, DESIGN.md §7): a plan's ops on the compute, cpu, h2d, d2h and disk streams.
+"""The discrete-event simulator (SimPy; docs/architecture.md §6): a plan's ops on the compute, cpu, h2d, d2h and disk streams.
 
 Each stream is a SimPy process that walks its ops in plan order -- the story of a CUDA stream: wait for the ops this
 one depends on, then hold the stream for as long as the cost model says. Memory on each tier is allocated when an op

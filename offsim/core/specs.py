@@ -5,7 +5,7 @@ HardwareSpec comes from a preset or a hardware-profile JSON, the schema ``offexe
 (``HARDWARE_SCHEMA``); a preset is such a profile shipped with offsim (``offsim/core/presets/hardware/<name>.json``,
 whose ``provenance`` map gives each constant's source). Workload is prompt/generation length and the block shape.
 
-Byte accounting (DESIGN.md §3): a layer's weights are laid out as one flat fp16 buffer (see ``layer_tensors``), so a
+Byte accounting (docs/architecture.md §3): a layer's weights are laid out as one flat fp16 buffer (see ``layer_tensors``), so a
 "slice" of a layer's weights is a byte range of that buffer; KV cache bytes per token per layer are
 ``2 (K and V) * n_kv_heads * head_dim * dtype_bytes`` (= 4·h bytes for OPT in fp16, as FlexGen counts).
 """

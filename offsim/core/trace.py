@@ -1,7 +1,7 @@
 """Trace: when each op of a plan ran (predicted by offsim.sim or measured by offexec), in one schema, and the
 metrics both halves report.
 
-Throughput follows FlexGen's definitions (DESIGN.md §3), so numbers compare with the papers:
+Throughput follows FlexGen's definitions (docs/architecture.md §9), so numbers compare with the papers:
 prefill tok/s = prompts · prompt_len / prefill_s; decode tok/s = prompts · (gen_len − 1) / decode_s;
 total tok/s = prompts · gen_len / (prefill_s + decode_s). prefill_s ends when the last step-0 op ends; decode_s is the
 rest of the makespan.

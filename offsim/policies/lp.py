@@ -1,6 +1,6 @@
 """FlexGen's linear program over placement fractions: the LP that ranks FlexGen's (and TightLLM's) candidates.
 
-FlexGen's LP (FlexGen §4.3, seed 001): for a fixed block shape (gpu_batch_size, num_gpu_batches), nine placement
+FlexGen's LP (FlexGen, ICML'23, §4.3; docs/cost-model.md §7): for a fixed block shape (gpu_batch_size, num_gpu_batches), nine placement
 fractions (weights, KV cache, activations over GPU/CPU/disk) are continuous; the latency of one block is
   T = T_pre · L + T_gen · L · (n − 1),
 with T_pre and T_gen the per-layer maxima of the H2D, D2H, disk and compute times of the prefill and an average

@@ -1,7 +1,7 @@
 """The block schedule that the static and FlexGen policies share: a description of placement and pipelining
 (``Schedule``) turned into a Plan (``build_block_plan``).
 
-FlexGen's zig-zag block schedule (seed 001; FlexGen §4.1, Alg. 1): for step i, layer j, batch k -- load the
+FlexGen's zig-zag block schedule (FlexGen, ICML'23, §4.1, Alg. 1): for step i, layer j, batch k -- load the
 weights of the next layer, load the cache of batch k+1, store the cache of batch k-1, compute batch k. Here the
 "layers" of a step are [embedding (-1), decoder layers 0..L-1, LM head (L)], as in FlexGen's own layer list; the
 embedding and the head keep their weights on the GPU. With one GPU batch and prefetching this is ZeRO-Inference's

@@ -1,9 +1,9 @@
-"""Select-N's PCIe bandwidth coordinator (arXiv 2502.08182; seed 003 §2.2 "PCIe带宽协调器"; DESIGN.md §6).
+"""Select-N's PCIe bandwidth coordinator (arXiv 2502.08182, its PCIe bandwidth coordinator; docs/cost-model.md §9).
 
 Several GPUs, each serving one model instance, share one host link (e.g. two GPUs behind one PCIe switch). Each
 instance keeps a range [N_min, N_max] of offloading intervals; a smaller N frees more GPU memory (more weights served
 from the host) but moves more bytes over the shared link. The coordinator chooses one interval per instance so that
-every instance meets its latency SLO and the total host memory used is maximised -- seed 003's
+every instance meets its latency SLO and the total host memory used is maximised -- the paper's
 "ΣBW_i ≤ BW_total, maximise ΣHostMemory_i".
 
 Model of the shared link: instance i with interval N needs a share ``x_i(N)`` of the link's bandwidth -- the

@@ -1,4 +1,4 @@
-"""Select-N (arXiv 2502.08182; seed 003, DESIGN.md §6): one decoder layer in every N has its weights offloaded to
+"""Select-N (arXiv 2502.08182; docs/cost-model.md §9): one decoder layer in every N has its weights offloaded to
 pinned host memory and fetched ahead of use, so its PCIe copy overlaps the compute of the N - 1 resident layers in
 front of it. N is the *offloading interval*: a smaller N offloads more (more host memory used, more PCIe traffic, less
 GPU memory for weights), a larger N less; N > num_layers offloads nothing.

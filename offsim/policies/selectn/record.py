@@ -1,5 +1,5 @@
 """Select-N's offline performance record and its runtime choice of the offloading interval N (arXiv 2502.08182;
-seed 003 §2; DESIGN.md §6).
+docs/cost-model.md §9).
 
 Offline: for one (model, hardware) the record holds the per-iteration latency of every interval N at each point of
 a grid of batch sizes × sequence lengths (powers of two) -- TTFT of a prefill iteration, TPOT of a decode iteration

@@ -1,4 +1,4 @@
-"""TightLLM's KV distributor (seed 000 §方法一 and §方法二; DESIGN.md §5): for one GPU batch at one decode step, how
+"""TightLLM's KV distributor (TightLLM, IEEE TC'25: KV distributor and weight loader; docs/cost-model.md §8): for one GPU batch at one decode step, how
 many of its most recent tokens, N_r, to *recompute* on the GPU instead of loading their KV cache over PCIe.
 
 The problem (TightLLM Eq. "min T_batch", extended by the weight loader's T_weight), per decoder layer:

@@ -1,4 +1,4 @@
-"""TightLLM (IEEE TC 2025; seed 000, DESIGN.md §6): adaptive offloading that trades GPU compute for PCIe transfer.
+"""TightLLM (IEEE TC 2025; docs/cost-model.md §8): adaptive offloading that trades GPU compute for PCIe transfer.
 
 Algorithm 1, as a plan generator: for every decode step and GPU batch, estimate the sequence length, price the KV
 load (T_cache), the weight slice (T_weight) and the compute (T_compute) with ``offsim.costmodel``, and let the KV
@@ -29,7 +29,7 @@ What the ops mean (only the op semantics of ``offsim.plan``'s docstring; the exe
   on its tier (S >= b at every load), and every decode layer attends over exactly [0, b) loaded + [b, N_ctx + 1)
   recomputed.
 
-Weight loader (§方法二): the offloaded bytes of a layer are cut into b_n slices (host part and disk part each split
+Weight loader (TightLLM's second method; docs/cost-model.md §8): the offloaded bytes of a layer are cut into b_n slices (host part and disk part each split
 in b_n), and slice s rides on batch s of the previous layer (issued with that batch's compute), so each batch's
 compute hides 1/b_n of the next layer instead of batch 0 hiding all of it. The distributor sees, for batch k, the
 slice that batch carries: with b_n < num_gpu_batches the front batches carry the weights and recompute more, the
