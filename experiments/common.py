@@ -60,6 +60,7 @@ def pyplot():
     return plt
 
 
-def finish(summary: dict | list) -> None:
-    """Print ``summary`` as the run's last stdout line: one JSON document."""
-    print(json.dumps(summary, default=str), flush=True)
+def finish(summary: dict | list, default=str) -> None:
+    """Print ``summary`` as the run's last stdout line: one JSON document (``default`` converts what JSON cannot
+    hold, as in ``json.dumps``)."""
+    print(json.dumps(summary, default=default), flush=True)

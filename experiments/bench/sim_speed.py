@@ -67,9 +67,9 @@ def main() -> None:
     print(df.to_string(index=False, float_format=lambda v: f"{v:,.3f}"))
     headline = rows[0]
     finish({"opt175b_flexgen_build_plus_sim_s": round(headline["build_plus_sim_s"], 3),
-                      "opt175b_flexgen_ops": headline["ops"], "ops_per_s": round(headline["ops_per_s"]),
-                      "events_per_s": round(headline["events_per_s"]), "search_opt175b_t4_s": round(t_search, 2),
-                      **prov})
+            "opt175b_flexgen_ops": headline["ops"], "ops_per_s": round(headline["ops_per_s"]),
+            "events_per_s": round(headline["events_per_s"]), "search_opt175b_t4_s": round(t_search, 2),
+            **prov})
 
 
 if __name__ == "__main__":

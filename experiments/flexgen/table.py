@@ -107,8 +107,8 @@ def main() -> None:
     within = ((pub["ratio"] >= 1 / 1.5) & (pub["ratio"] <= 1.5)).sum()
     print(f"\ncells within x1.5 of the published value: {within} of {len(pub)}")
     finish({"cells": len(pub), "within_1.5x": int(within),
-                      "ratios": {f"{s} | {m}": round(r, 3) for s, m, r in zip(pub.system, pub.model, pub.ratio)},
-                      "out": str(OUT), **prov})
+            "ratios": {f"{s} | {m}": round(r, 3) for s, m, r in zip(pub.system, pub.model, pub.ratio)},
+            "out": str(OUT), **prov})
 
 
 if __name__ == "__main__":

@@ -280,8 +280,8 @@ def main(argv=None) -> int:
               f"{p['decode_tok_s']:>9.2f} {m['total_tok_s']:>8.2f} {p['total_tok_s']:>9.2f} "
               f"{r['decode_link_bound_frac']:>6.1%} {r['issue_frac']:>7.2%} {r['peak_gpu_reserved_bytes'] / GiB:>8.2f}")
     finish({"experiment": "offexec_h200", "checks": checks,
-                      "decode_tok_s": {r["config"]: r.get("measured", {}).get("decode_tok_s") for r in runs}},
-                     default=lambda x: None if isinstance(x, float) and not math.isfinite(x) else str(x))
+            "decode_tok_s": {r["config"]: r.get("measured", {}).get("decode_tok_s") for r in runs}},
+           default=lambda x: None if isinstance(x, float) and not math.isfinite(x) else str(x))
     return 0
 
 

@@ -30,7 +30,6 @@ from offsim.policies.selectn.record import build_record, request_intervals, simu
 plt = pyplot()
 
 
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hardware", default="rtx3090")
@@ -94,7 +93,7 @@ def main(argv=None) -> int:
     with pd.option_context("display.width", 200, "display.max_colwidth", 60):
         print(df.round(2).to_string(index=False))
     finish({"experiment": "selectn_phases", "model": model.name, "hardware": hw.name,
-                      "rows": df.round(4).to_dict(orient="records"), "csv": str(csv), "commit": prov["commit"]})
+            "rows": df.round(4).to_dict(orient="records"), "csv": str(csv), "commit": prov["commit"]})
     return 0
 
 

@@ -191,10 +191,10 @@ def main(argv=None) -> int:
     summ = {sch: {"slo_met_points": int(d.groupby("batch")["meets_slo"].all().sum()),
                   "points": int(d["batch"].nunique())} for sch, d in df.fillna({"meets_slo": False}).groupby("scheme")}
     finish({"experiment": "selectn_shared_link", "hardware": hw.name, "gpu_mem_gib": args.gpu_mem_gb,
-                      "tpot_slo_ms": args.tpot_slo_ms, "seq_len": s, "summary": summ,
-                      "decision_ms_max": {"milp": float(tdf["milp_ms"].max()) if len(tdf) else None,
-                                          "dp": float(tdf["dp_ms"].max()) if len(tdf) else None},
-                      "decision_8_instances": big, "csv": str(csv), "commit": prov["commit"]})
+            "tpot_slo_ms": args.tpot_slo_ms, "seq_len": s, "summary": summ,
+            "decision_ms_max": {"milp": float(tdf["milp_ms"].max()) if len(tdf) else None,
+                                "dp": float(tdf["dp_ms"].max()) if len(tdf) else None},
+            "decision_8_instances": big, "csv": str(csv), "commit": prov["commit"]})
     return 0
 
 

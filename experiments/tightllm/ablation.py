@@ -111,7 +111,7 @@ def main() -> None:
     print()
     print(s.to_string(index=False, float_format=lambda v: f"{v:,.1f}"))
     finish({"cases": len(cases), **{f"{r.variant}|{r.phase}": [round(r.min_pct, 1), round(r.max_pct, 1)]
-                                              for r in s.itertuples()}, **prov})
+                                    for r in s.itertuples()}, **prov})
 
 
 def _plot(df: pd.DataFrame, path: Path) -> None:

@@ -133,11 +133,11 @@ def main() -> None:
     fg = cdf[cdf["baseline"] == "flexgen"].dropna(subset=["decode_compute_ratio"])
     finish({
         "vs_flexgen_decode_latency_change_pct": [round(fg["decode_latency_change_pct"].min(), 1),
-                                                 round(fg["decode_latency_change_pct"].max(), 1)],
+                                       round(fg["decode_latency_change_pct"].max(), 1)],
         "vs_flexgen_decode_compute_ratio": [round(fg["decode_compute_ratio"].min(), 2),
-                                            round(fg["decode_compute_ratio"].max(), 2)],
+                                  round(fg["decode_compute_ratio"].max(), 2)],
         "vs_flexgen_decode_transfer_change_pct": [round(fg["decode_transfer_change_pct"].min(), 1),
-                                                  round(fg["decode_transfer_change_pct"].max(), 1)],
+                                        round(fg["decode_transfer_change_pct"].max(), 1)],
         "paper_latency_drop_pct": PAPER["opt175b_latency_drop_pct"],
         "paper_compute_growth": PAPER["opt175b_compute_growth"],
         "paper_transfer_drop_pct": PAPER["opt175b_transfer_drop_pct"], **prov})

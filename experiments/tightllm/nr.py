@@ -219,9 +219,9 @@ def main() -> None:
         print(idle.pivot_table(index=["config", "policy"], columns="prompt_len", values="gpu_idle_frac",
                                aggfunc="median").to_string(float_format=lambda v: f"{v:.2f}"))
     finish({"examples": ex[["example", "n_r", "gain_pct", "rho_measured", "rho_first_order"]]
-                      .round(3).to_dict("records"),
-                      "median_gpu_idle": idle.groupby("policy")["gpu_idle_frac"].median().round(3).to_dict()
-                      if len(idle) else {}, **prov})
+            .round(3).to_dict("records"),
+            "median_gpu_idle": idle.groupby("policy")["gpu_idle_frac"].median().round(3).to_dict()
+            if len(idle) else {}, **prov})
 
 
 if __name__ == "__main__":

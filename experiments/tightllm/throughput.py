@@ -185,11 +185,11 @@ def main() -> None:
     dec = sp[sp["phase"] == "decode"]["speedup"].dropna()
     pre = sp[sp["phase"] == "prefill"]["speedup"].dropna()
     finish({"cases": int(df[["hardware", "model", "prompt_len"]].drop_duplicates().shape[0]),
-                      "decode_speedup_min": round(float(dec.min()), 3), "decode_speedup_max": round(float(dec.max()), 3),
-                      "prefill_speedup_min": round(float(pre.min()), 3),
-                      "prefill_speedup_max": round(float(pre.max()), 3),
-                      "paper_decode_speedup": PAPER["decode_speedup"], "paper_prefill_speedup": PAPER["prefill_speedup"],
-                      **prov})
+            "decode_speedup_min": round(float(dec.min()), 3), "decode_speedup_max": round(float(dec.max()), 3),
+            "prefill_speedup_min": round(float(pre.min()), 3),
+            "prefill_speedup_max": round(float(pre.max()), 3),
+            "paper_decode_speedup": PAPER["decode_speedup"], "paper_prefill_speedup": PAPER["prefill_speedup"],
+            **prov})
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ def main() -> None:
     print(f"issue cost: compute op {prof['issue_compute_s'] * 1e3:.3f} ms, copy op {prof['issue_copy_s'] * 1e3:.3f} ms"
           f" (from {n_comp} compute and {n_copy} copy ops of {used})")
     finish({"out": str(OUT), "issue_compute_s": prof["issue_compute_s"],
-                      "issue_copy_s": prof["issue_copy_s"]})
+            "issue_copy_s": prof["issue_copy_s"]})
 
 
 if __name__ == "__main__":

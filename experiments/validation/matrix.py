@@ -198,7 +198,7 @@ def main() -> None:
         return
     summary = run_cases(cases, args)
     finish({"cases": sum("err" in r for r in summary), "failed": sum("error" in r for r in summary),
-                      "out": args.out})
+            "out": args.out})
 
 
 if __name__ == "__main__":
