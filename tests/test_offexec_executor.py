@@ -225,6 +225,7 @@ def test_disk_tier_removed_on_sigterm(tmp_path):
     assert len(os.listdir(tmp_path)) == 1
     p.terminate()
     p.wait(timeout=10)
+    p.stdout.close()
     time.sleep(0.1)
     assert os.listdir(tmp_path) == []
 
