@@ -30,7 +30,8 @@ from offsim.policies.schedule import workspace_bytes
 from offsim.core.trace import Trace
 
 from . import model as M
-from .memory import BufferPool, DiskTier, ExecError, HostBuffer, apply_gpu_budget, check_gpu_budget, host_tensor
+from .memory import (BufferPool, DiskTier, ExecError, HostBuffer, apply_gpu_budget, check_disk_dir,
+                     check_gpu_budget, host_tensor)
 from .program import GPU_STREAMS, HOST_STREAMS, Program, bind
 from .weights import ModelWeights
 
@@ -102,21 +103,14 @@ def disk_need(plan: Plan, layout) -> int:
 def check_plan(plan: Plan, device, budget_bytes: int, disk_dir: str | None = None) -> dict[str, int]:
     """Everything that can refuse a plan before weights are made: binding (ops the executor cannot run), the GPU
     budget (shortfall in bytes) and the disk tier's room. Returns the GPU bytes by purpose."""
-    import shutil
-    import tempfile
-
     layout = M.layer_layout(plan.model)
     prog = bind(plan, layout)
     need = gpu_need(prog, plan)
     if torch.device(device).type == "cuda":
         check_gpu_budget(need, budget_bytes)
     dn = disk_need(plan, layout)
-    if dn:
-        root = disk_dir or tempfile.gettempdir()
-        free = shutil.disk_usage(root).free
-        if dn > free:
-            raise ExecError(f"the disk tier needs {dn} bytes in {root} but only {free} are free: short by "
-                            f"{dn - free} bytes; use --disk-dir on a larger disk or a plan with less on disk")
+    if dn:  # room, and (unless the plan's disk tier is page-cached) a filesystem that takes O_DIRECT
+        check_disk_dir(disk_dir, dn, plan.disk_cached)
     return need
 
 
@@ -209,7 +203,7 @@ class Executor:
         self.disk_kv_stride = self._kv_elems(self.kv_heads["disk"]) * e
         need = self.disk_w_stride * L + self.disk_kv_stride * L * self.nb
         if need:
-            self.disk = DiskTier(self._disk_dir, need)
+            self.disk = DiskTier(self._disk_dir, need, cached=self.plan.disk_cached)
             if self.disk_w_stride:
                 self.disk.create("weights.bin", self.disk_w_stride * L)
                 for j in range(L):
@@ -289,6 +283,8 @@ class Executor:
         m = {"model": self.spec.name, "hardware": meta.get("hardware", self.device.type), "policy": self.plan.policy,
              "workload": wl.to_dict(), "settings": self.plan.settings,
              "derived": self.plan.derived, "source": "offexec", "device": str(self.device)}
+        if self.plan.disk_cached:
+            m["disk_cached"] = True
         m.update(meta)
         trace = Trace.from_arrays(self.plan, self.start, self.end, m, peaks)
         kv = {}

@@ -270,9 +270,9 @@ def check_disk_dir(root: str | Path | None, need_bytes: int, cached: bool = Fals
         raise ExecError(f"--disk-dir {root} is not a directory")
     free = shutil.disk_usage(root).free
     if need_bytes > free:
-        raise ExecError(f"the disk tier needs {need_bytes} bytes ({need_bytes / GiB:.3f} GiB) in {root} but only "
-                        f"{free} ({free / GiB:.3f} GiB) are free: short by {need_bytes - free} bytes; use --disk-dir "
-                        "on a larger disk or a plan with less on disk")
+        raise ExecError(f"the disk tier needs {need_bytes / GiB:.2f} GiB in {root} but only {free / GiB:.2f} GiB "
+                        f"are free: short by {(need_bytes - free) / GiB:.2f} GiB; use --disk-dir on a larger disk or a "
+                        "plan with less on disk")
     if not cached:
         why = _direct_io_refusal(root)
         if why:
@@ -361,9 +361,10 @@ class DiskTier:
             raise ExecError(f"disk tier: bytes [{offset}, {end}) are outside file {name} of "
                             f"{self.file_bytes[name]} bytes")
         job = self._job_cached if self.cached else self._job_direct
+        chunk = max(self.align, _round_down(self.CHUNK_BYTES, self.align))  # whole blocks, at least one
         jobs, a = [], offset
         while a < end:
-            b = min(end, _round_down(a, self.align) + self.CHUNK_BYTES)
+            b = min(end, _round_down(a, self.align) + chunk)
             jobs.append(self.pool.submit(job, fd, flat[a - offset:b - offset], a, write))
             a = b
         wait(jobs)

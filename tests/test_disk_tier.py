@@ -140,3 +140,44 @@ def test_memory_filesystem_is_refused(tmp_path, monkeypatch):
 def test_filesystem_type_takes_the_innermost_mount():
     assert memory.filesystem_type("/proc/self") == "proc"
     assert memory.filesystem_type("/") not in ("", "proc")
+
+
+# ---- offsim: the page-cached disk tier is a plan-level choice, priced at the profile's page-cached rates ----------
+def _disk_plan(tiny_opt, hw):
+    from offsim import Workload, build_plan
+
+    return build_plan("flexgen", tiny_opt, hw, Workload(8, 4, 2, 2), {"percent": (0, 0, 0, 0, 100, 0)})
+
+
+def test_cached_disk_rates_price_cached_plans(tiny_opt, small_gpu_t4):
+    from offsim.core import costmodel as cm
+    from offsim import simulate
+    from offsim.core.errors import OffsimError
+    from offsim.core.plan import Plan
+
+    hw = small_gpu_t4.with_(disk_cached_read_bytes_per_s=4 * small_gpu_t4.disk_read_bytes_per_s,
+                            disk_cached_write_bytes_per_s=2 * small_gpu_t4.disk_write_bytes_per_s)
+    assert cm.disk_seconds(hw, 1e9, "read", cached=True) == pytest.approx(1e9 / hw.disk_cached_read_bytes_per_s)
+    assert cm.disk_seconds(hw, 1e9, "write", cached=True) == pytest.approx(1e9 / hw.disk_cached_write_bytes_per_s)
+    assert cm.disk_seconds(hw, 1e9, "read") == pytest.approx(1e9 / hw.disk_read_bytes_per_s)
+    plan = _disk_plan(tiny_opt, hw)
+    assert not plan.disk_cached and any(o.kind == "disk_read" for o in plan.ops)
+    cached = Plan.from_dict({**plan.to_dict(), "disk_cached": True}).validate()
+    assert cached.disk_cached and Plan.from_dict(cached.to_dict()) == cached
+    assert cached.fingerprint() != plan.fingerprint()  # a different run
+    d = plan.to_dict()
+    d.pop("disk_cached")  # a plan saved before the field: the O_DIRECT tier, same fingerprint
+    assert Plan.from_dict(d).fingerprint() == plan.fingerprint()
+    df_direct, df_cached = simulate(plan, hw).df, simulate(cached, hw).df
+    for kind, rate, cold in (("disk_read", hw.disk_cached_read_bytes_per_s, hw.disk_read_bytes_per_s),
+                             ("disk_write", hw.disk_cached_write_bytes_per_s, hw.disk_write_bytes_per_s)):
+        for df, bw in ((df_direct, cold), (df_cached, rate)):
+            ops = df[df["kind"] == kind]
+            assert len(ops) and ((ops["end_s"] - ops["start_s"]) * bw / ops["nbytes"]).to_numpy() == \
+                pytest.approx(1.0, rel=1e-6)
+    assert simulate(cached, hw).meta.get("disk_cached") is True
+    # a profile without page-cached rates (every older one) cannot price a cached plan: one line saying so
+    with pytest.raises(OffsimError, match="no page-cached disk rate .*disk_cached_read_bytes_per_s"):
+        simulate(cached, small_gpu_t4)
+    with pytest.raises(OffsimError, match="disk_cached_read_bytes_per_s must be a non-negative number"):
+        small_gpu_t4.with_(disk_cached_read_bytes_per_s=-1.0)

@@ -230,9 +230,10 @@ def test_disk_tier_removed_on_sigterm(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_disk_tier_roundtrip(tmp_path):
-    t = DiskTier(tmp_path, 1 << 20, threads=3)
-    t.CHUNK_BYTES = 1000  # several chunks per request
+@pytest.mark.parametrize("cached", [False, True], ids=["odirect", "cached"])
+def test_disk_tier_roundtrip(tmp_path, cached):
+    t = DiskTier(tmp_path, 1 << 20, threads=3, cached=cached)
+    t.CHUNK_BYTES = 1000  # several chunks per request (O_DIRECT: one block each)
     t.create("x.bin", 1 << 16)
     a = torch.arange(10000, dtype=torch.float32)
     t.write("x.bin", a, 512)

@@ -1,5 +1,6 @@
 """offexec profile writes a hardware profile that offsim loads and simulates with (CPU, quick mode)."""
 import json
+import os
 
 from offsim import Workload, build_plan, simulate
 from offsim.core.specs import HardwareSpec, get_hardware, get_model
@@ -16,7 +17,30 @@ def test_profile_cpu_quick_roundtrip(tmp_path):
     hw = HardwareSpec.from_json(out)
     assert hw == get_hardware(str(out))
     assert all(bw > 0 for _, bw in hw.h2d_pinned) and 0 < hw.duplex_fraction <= 1
+    assert min(hw.disk_read_bytes_per_s, hw.disk_write_bytes_per_s, hw.disk_cached_read_bytes_per_s,
+               hw.disk_cached_write_bytes_per_s) > 0
     m = get_model("opt-125m")
     tr = simulate(build_plan("flexgen", m, hw, Workload(16, 2, 2, 1), {"percent": (0, 100, 0, 100, 100, 0)}), hw)
     assert tr.metrics()["total_tok_s"] > 0
     assert not list(tmp_path.glob("offexec-profile-*"))  # the disk probe cleaned up
+
+
+def test_profile_disk_times_the_disk_tier_itself(tmp_path, monkeypatch):
+    """The disk probe runs DiskTier's own I/O: O_DIRECT jobs for the cold rates, page-cached jobs for the cached."""
+    from offexec import memory
+    from offexec.profile import profile_disk
+
+    calls = {"direct": 0, "cached": 0}
+    for kind, name in (("direct", "_job_direct"), ("cached", "_job_cached")):
+        orig = getattr(memory.DiskTier, name)
+
+        def counted(self, *a, _orig=orig, _kind=kind):
+            calls[_kind] += 1
+            return _orig(self, *a)
+
+        monkeypatch.setattr(memory.DiskTier, name, counted)
+    rates = profile_disk(str(tmp_path), 3 << 20, reps=1)
+    assert set(rates) == {"disk_read_bytes_per_s", "disk_write_bytes_per_s", "disk_cached_read_bytes_per_s",
+                          "disk_cached_write_bytes_per_s"} and min(rates.values()) > 0
+    assert calls["direct"] > 0 and calls["cached"] > 0
+    assert os.listdir(tmp_path) == []

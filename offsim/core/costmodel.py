@@ -15,6 +15,7 @@ import bisect
 import math
 from numbers import Real
 
+from offsim.core.errors import OffsimError
 from offsim.core.specs import Curve, HardwareSpec, ModelSpec
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -83,15 +84,22 @@ def transfer_seconds(hw: HardwareSpec, nbytes, direction: str, pinned: bool = Tr
     return hw.link_latency_s + nbytes / bw
 
 
-def disk_seconds(hw: HardwareSpec, nbytes, direction: str):
-    """Seconds to read ('read': disk -> host) or write ('write': host -> disk) ``nbytes``."""
+def disk_seconds(hw: HardwareSpec, nbytes, direction: str, cached: bool = False):
+    """Seconds to read ('read': disk -> host) or write ('write': host -> disk) ``nbytes``: past the page cache
+    (offexec's default O_DIRECT disk tier) at the disk's cold rates, or, for a plan whose disk tier is page-cached
+    (``Plan.disk_cached``), at the profile's page-cached rates."""
+    if direction not in ("read", "write"):
+        raise ValueError(f"disk direction must be 'read' or 'write', got {direction!r}")
     if _is_number(nbytes) and nbytes <= 0:
         return 0.0
-    if direction == "read":
-        return nbytes / hw.disk_read_bytes_per_s
-    if direction == "write":
-        return nbytes / hw.disk_write_bytes_per_s
-    raise ValueError(f"disk direction must be 'read' or 'write', got {direction!r}")
+    if not cached:
+        return nbytes / (hw.disk_read_bytes_per_s if direction == "read" else hw.disk_write_bytes_per_s)
+    bw = hw.disk_cached_read_bytes_per_s if direction == "read" else hw.disk_cached_write_bytes_per_s
+    if not bw > 0:
+        raise OffsimError(f"hardware {hw.name} has no page-cached disk rate (disk_cached_{direction}_bytes_per_s), so "
+                          "a plan with a page-cached disk tier cannot be priced on it; measure it with offexec profile "
+                          "or use the default (O_DIRECT) disk tier")
+    return nbytes / bw
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -183,9 +191,9 @@ def issue_seconds(op, hw: HardwareSpec) -> float:
     return hw.issue_compute_s if op.kind == "compute" else hw.issue_copy_s
 
 
-def op_seconds(op, model: ModelSpec, hw: HardwareSpec, other_busy_s: float = 0.0) -> float:
+def op_seconds(op, model: ModelSpec, hw: HardwareSpec, other_busy_s: float = 0.0, disk_cached: bool = False) -> float:
     """Duration of one plan op (see ``offsim.plan.Op``). ``other_busy_s``: for PCIe copies, how long the opposite
-    direction stays busy from this op's start (duplex)."""
+    direction stays busy from this op's start (duplex). ``disk_cached``: the plan's disk tier is page-cached."""
     k = op.kind
     if k == "compute":
         return compute_seconds(model, hw, op.part, op.num_seqs, op.q_tokens, op.ctx_tokens)
@@ -194,7 +202,7 @@ def op_seconds(op, model: ModelSpec, hw: HardwareSpec, other_busy_s: float = 0.0
     if k in ("h2d", "d2h"):
         return transfer_seconds(hw, op.nbytes, k, pinned=op.pinned, other_busy_s=other_busy_s)
     if k == "disk_read":
-        return disk_seconds(hw, op.nbytes, "read")
+        return disk_seconds(hw, op.nbytes, "read", disk_cached)
     if k == "disk_write":
-        return disk_seconds(hw, op.nbytes, "write")
+        return disk_seconds(hw, op.nbytes, "write", disk_cached)
     raise ValueError(f"op {op.id}: unknown kind {k!r}")

@@ -132,6 +132,9 @@ class Plan:
     hidden_home: str = "gpu"  # where activations live between layers
     ops: list[Op] = field(default_factory=list)
     derived: dict[str, Any] = field(default_factory=dict)  # what the policy chose from its inputs (e.g. N_r)
+    # the disk tier goes through the page cache (offexec ``DiskTier(cached=True)``) instead of past it (O_DIRECT, the
+    # default); the simulator prices its disk ops at the profile's page-cached rates
+    disk_cached: bool = False
 
     def __post_init__(self):
         # as JSON would store them (tuples become lists), so a plan equals its own round trip
@@ -161,7 +164,8 @@ class Plan:
         return {"schema": PLAN_SCHEMA, "model": self.model.to_dict(), "workload": self.workload.to_dict(),
                 "policy": self.policy, "settings": self.settings, "capacity": self.capacity,
                 "resident": self.resident, "weight_split": [list(x) for x in self.weight_split], "kv_split": list(self.kv_split),
-                "hidden_home": self.hidden_home, "derived": self.derived, "op_fields": OP_FIELDS, "ops": rows}
+                "hidden_home": self.hidden_home, "derived": self.derived, "disk_cached": self.disk_cached,
+                "op_fields": OP_FIELDS, "ops": rows}
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "plan") -> "Plan":
@@ -184,7 +188,8 @@ class Plan:
             return cls(model=ModelSpec.from_dict(d["model"]), workload=Workload.from_dict(d["workload"]),
                        policy=d["policy"], settings=d["settings"], capacity=d["capacity"], resident=d["resident"],
                        weight_split=[tuple(x) for x in d["weight_split"]], kv_split=tuple(d["kv_split"]),
-                       hidden_home=d["hidden_home"], ops=ops, derived=d.get("derived", {}))
+                       hidden_home=d["hidden_home"], ops=ops, derived=d.get("derived", {}),
+                       disk_cached=d.get("disk_cached", False))
         except KeyError as e:
             raise PlanError(f"{where}: missing field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
@@ -198,6 +203,8 @@ class Plan:
         case records the fingerprint of the plan it ran, so a rebuilt plan that differs is caught."""
         d = self.to_dict()
         body = {k: d[k] for k in ("model", "workload", "weight_split", "kv_split", "hidden_home", "op_fields", "ops")}
+        if self.disk_cached:  # (only when set, so plans from before the field keep their fingerprints)
+            body["disk_cached"] = True
         return hashlib.sha256(json.dumps(body, separators=(",", ":")).encode()).hexdigest()
 
     def save(self, path: str | Path) -> None:
@@ -223,6 +230,8 @@ class Plan:
         if not (0 <= kg and 0 <= kc and kg + kc <= m.num_kv_heads):
             raise PlanError(f"plan: kv_split {self.kv_split} must be two non-negative head counts summing to at most "
                             f"{m.num_kv_heads}")
+        if not isinstance(self.disk_cached, bool):
+            raise PlanError(f"plan: disk_cached must be true or false, got {self.disk_cached!r}")
         if self.hidden_home not in ("gpu", "cpu"):
             raise PlanError(f"plan: hidden_home must be 'gpu' or 'cpu', got {self.hidden_home!r}")
         for t in TIERS:

@@ -45,16 +45,17 @@ def simulate(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> Trace:
     peak = list(mem)
     cap = [plan.capacity.get(t, 0) for t in TIERS]
     duration_cache: dict[tuple, float] = {}
+    disk_cached = plan.disk_cached  # the plan's disk tier goes through the page cache: priced at its rates
 
     def duration(op, now: float) -> float:
         other = _OPPOSITE.get(op.kind)
         other_busy = max(0.0, busy_until[other] - now) if other else 0.0
         if other_busy > 0.0:
-            return costmodel.op_seconds(op, model, hw, other_busy)
+            return costmodel.op_seconds(op, model, hw, other_busy, disk_cached)
         key = (op.kind, op.part, op.num_seqs, op.q_tokens, op.ctx_tokens, op.nbytes, op.pinned)
         d = duration_cache.get(key)
         if d is None:
-            d = duration_cache[key] = costmodel.op_seconds(op, model, hw)
+            d = duration_cache[key] = costmodel.op_seconds(op, model, hw, disk_cached=disk_cached)
         return d
 
     # the host issues ops one after another in plan order (a single issuing thread); an op cannot start before
@@ -92,7 +93,7 @@ def simulate(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> Trace:
                 key = (op.kind, op.part, op.num_seqs, op.q_tokens, op.ctx_tokens, op.nbytes, op.pinned)
                 dt = duration_cache.get(key)
                 if dt is None:
-                    dt = duration_cache[key] = costmodel.op_seconds(op, model, hw)
+                    dt = duration_cache[key] = costmodel.op_seconds(op, model, hw, disk_cached=disk_cached)
             busy_until[op.stream] = now + dt
             yield env.timeout(dt)
             end[op.id] = env.now
@@ -118,4 +119,6 @@ def simulate(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> Trace:
     meta = {"model": model.name, "hardware": hw.name, "policy": plan.policy, "workload": plan.workload.to_dict(),
             "settings": plan.settings, "derived": plan.derived,
             "source": "offsim"}
+    if plan.disk_cached:
+        meta["disk_cached"] = True
     return Trace.from_arrays(plan, start, end, meta, {t: int(peak[i]) for i, t in enumerate(TIERS)})

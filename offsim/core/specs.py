@@ -308,7 +308,7 @@ class HardwareSpec:
     cpu_mem_bytes: int
     cpu_attention_flops: float  # FLOP/s of attention on the host CPU (FlexGen's CPU delegation)
     disk_bytes: int
-    disk_read_bytes_per_s: float
+    disk_read_bytes_per_s: float  # cold, past the page cache (O_DIRECT): what the executor's default disk tier gets
     disk_write_bytes_per_s: float
     link_latency_s: float = 0.0  # fixed cost of one copy, on top of bytes / bandwidth
     kernel_overhead_s: float = 0.0  # fixed cost of one compute op (launches, norms, residual adds)
@@ -317,6 +317,11 @@ class HardwareSpec:
     # the pace. `experiments/validation/calibrate_issue.py` measures it for offexec.
     issue_compute_s: float = 0.0
     issue_copy_s: float = 0.0
+    # the page-cached disk tier (a plan with ``disk_cached``): reads of files that were just written and still sit in
+    # the page cache, writes into it (offexec profile, DiskTier(cached=True)); 0 = not measured. It prices a cached
+    # plan only while its disk files fit in free host memory: past that the kernel evicts and reads hit the disk.
+    disk_cached_read_bytes_per_s: float = 0.0
+    disk_cached_write_bytes_per_s: float = 0.0
     source: str = ""  # provenance: where the numbers come from
 
     def __post_init__(self):
@@ -325,6 +330,11 @@ class HardwareSpec:
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or not v > 0:
                 raise OffsimError(f"hardware {self.name}: {f} must be a positive number, got {v!r}")
+        for f in ("disk_cached_read_bytes_per_s", "disk_cached_write_bytes_per_s"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, float)) or not v >= 0:
+                raise OffsimError(f"hardware {self.name}: {f} must be a non-negative number (0: not measured), "
+                                  f"got {v!r}")
         if not 0 < self.duplex_fraction <= 1:
             raise OffsimError(f"hardware {self.name}: duplex_fraction must be in (0, 1], got {self.duplex_fraction}")
         for f in ("gemm_efficiency", "attn_prefill_efficiency", "attn_decode_efficiency", "h2d_pinned", "d2h_pinned",
