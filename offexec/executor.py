@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from offsim.core import footprint as fp
 from offsim.core.plan import Plan
-from offsim.policies.schedule import workspace_bytes
 from offsim.core.trace import Trace
 
 from . import model as M
@@ -34,6 +34,8 @@ from .memory import (BufferPool, DiskTier, ExecError, HostBuffer, apply_gpu_budg
                      check_gpu_budget, host_tensor)
 from .program import GPU_STREAMS, HOST_STREAMS, Program, bind
 from .weights import ModelWeights
+
+GiB = fp.GiB
 
 
 @dataclass
@@ -65,50 +67,101 @@ def run_plan(plan: Plan, weights: ModelWeights, device: str = "cuda", prompts: t
 
 
 def kv_buffer_elems(plan: Plan, heads: int) -> int:
-    """Elements of one (layer, batch) KV buffer of ``heads`` heads at full length: [max_len, 2, B, heads, D]."""
+    """Elements of one (layer, batch) KV buffer of ``heads`` heads at full length: [max_len, 2, B, heads, D]
+    (``footprint.kv_buffer_elems``)."""
     wl = plan.workload
-    return wl.max_len * 2 * wl.gpu_batch_size * heads * plan.model.head_dim
+    return fp.kv_buffer_elems(plan.model, wl.gpu_batch_size, wl.max_len, heads)
+
+
+def op_transient_bytes(plan: Plan, groups: dict) -> int:
+    """The largest compute op's peak beyond the value it leaves (``footprint.op_peak_bytes`` minus
+    ``op_output_bytes``; the values are in the activation peak), over the plan's distinct op shapes."""
+    m, kv_groups = plan.model, sum(1 for lo, hi in groups.values() if hi > lo)
+    shapes = {(o.part, o.num_seqs, o.q_tokens, o.ctx_tokens) for o in plan.ops
+              if o.kind == "compute" and o.part != "post_attn"}  # post_attn: inside pre_attn's cpu_attn_layer
+    best = 0
+    for part, B, T, C in shapes:
+        peak = fp.op_peak_bytes(m, "cpu_attn_layer" if part == "pre_attn" else part, B, T, C, kv_groups)
+        best = max(best, peak - fp.op_output_bytes(m, part, B, T))
+    return best
 
 
 def gpu_need(prog: Program, plan: Plan) -> dict[str, int]:
-    """GPU bytes the executor will hold for ``plan``, by purpose: what the budget pre-check adds up. Buffer pools
-    count the most buffers live at once in plan order; activations count every batch's hidden state plus one layer's
-    scratch (offsim's ``workspace_bytes``) at the largest query block."""
-    s, wl, e = plan.model, plan.workload, plan.model.dtype_bytes
-    g = prog.groups
-    nb = wl.num_gpu_batches
-    kv_gpu = s.num_layers * nb * kv_buffer_elems(plan, g["gpu"][1] - g["gpu"][0]) * e
-    pools = prog.pool_peak["wslot"] * prog.slot_numel * e
-    for name in ("cpu", "disk"):
-        pools += prog.pool_peak[f"kvwork_{name}"] * kv_buffer_elems(plan, g[name][1] - g[name][0]) * e
-    q_max = max([o.q_tokens for o in plan.ops if o.kind == "compute"] + [1])
-    tokens = wl.gpu_batch_size * q_max
-    hidden = s.hidden_bytes(tokens) * (nb + 1)  # every batch's activations + the one being produced
-    return {"embeddings": s.embedding_bytes(), "resident weights": sum(gb for gb, _ in plan.weight_split),
-            "resident KV": kv_gpu, "buffer pools": pools, "activations": hidden + workspace_bytes(s, tokens)}
+    """GPU bytes the executor will hold for ``plan``, by purpose (``footprint.executor_gpu_bytes``): what the budget
+    pre-check adds up. Buffer pools count the most buffers live at once in plan order, activations the most GPU
+    values (hidden states, Q/K/V, attention outputs) live at once in plan order, and op transients the largest
+    compute op's peak beyond its output."""
+    return fp.executor_gpu_bytes(plan.model, plan.workload, plan.weight_split, plan.kv_split, prog.pool_peak,
+                                 prog.gpu_value_peak_bytes, op_transient_bytes(plan, prog.groups))
 
 
-def disk_need(plan: Plan, layout) -> int:
-    """Bytes of the disk tier's files: each layer's disk-homed weight bytes (at the largest layer's stride) and the
-    KV of disk-homed heads."""
-    prog_layout_numel = layout[-1].hi
-    e = plan.model.dtype_bytes
-    disk_w = max((prog_layout_numel * e - g - c for g, c in plan.weight_split), default=0)
-    kg, kc = plan.kv_split
-    kd = plan.model.num_kv_heads - kg - kc
-    L, nb = plan.model.num_layers, plan.workload.num_gpu_batches
-    return disk_w * L + kv_buffer_elems(plan, kd) * e * L * nb
+def disk_need(plan: Plan, layout=None) -> int:
+    """Bytes of the disk tier's files (``footprint.disk_tier_bytes``): each layer's disk-homed weight bytes (at the
+    largest layer's stride) and the KV of disk-homed heads. (``layout``: unused, kept for callers.)"""
+    return fp.disk_tier_bytes(plan.model, plan.workload, plan.weight_split, plan.kv_split)
 
 
-def check_plan(plan: Plan, device, budget_bytes: int, disk_dir: str | None = None) -> dict[str, int]:
+def host_need(prog: Program, plan: Plan, weights_loaded: bool = False) -> dict[str, int]:
+    """Host bytes the executor will hold for ``plan``, by purpose (``footprint.executor_host_bytes``); the weights'
+    host master is left out when it is already loaded (``weights_loaded``)."""
+    need = fp.executor_host_bytes(plan.model, plan.workload, plan.kv_split, prog.host_peak_bytes)
+    if weights_loaded:
+        need["weights master"] = 0
+    return need
+
+
+def _meminfo_available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _memlock_limit_bytes() -> int | None:
+    """RLIMIT_MEMLOCK's soft limit in bytes (None: unlimited or unknown)."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    except (ImportError, OSError, ValueError):
+        return None
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def check_plan(plan: Plan, device, budget_bytes: int, disk_dir: str | None = None,
+               weights_loaded: bool = False) -> dict[str, int]:
     """Everything that can refuse a plan before weights are made: binding (ops the executor cannot run), the GPU
-    budget (shortfall in bytes) and the disk tier's room. Returns the GPU bytes by purpose."""
+    budget, host memory (MemAvailable of /proc/meminfo; with CUDA and pinned ops also RLIMIT_MEMLOCK, when set, for
+    what gets page-locked: the weights' master and the host KV) and the disk tier's room -- each refusal one line
+    with sizes in GiB. ``weights_loaded``: the weights' host master already exists (do not count it again). Returns
+    the GPU bytes by purpose."""
     layout = M.layer_layout(plan.model)
     prog = bind(plan, layout)
     need = gpu_need(prog, plan)
-    if torch.device(device).type == "cuda":
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
         check_gpu_budget(need, budget_bytes)
-    dn = disk_need(plan, layout)
+    host = host_need(prog, plan, weights_loaded)
+    total = sum(host.values())
+    avail = _meminfo_available_bytes()
+    if avail is not None and total > avail:
+        parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in host.items() if v)
+        raise ExecError(f"the plan needs {total / GiB:.2f} GiB of host memory ({parts}) but only {avail / GiB:.2f} "
+                        f"GiB are available (MemAvailable): short by {(total - avail) / GiB:.2f} GiB; use fewer or "
+                        "smaller GPU batches or a plan with less in host memory")
+    pinned = cuda and (all(o.pinned for o in plan.ops) if plan.ops else True)
+    lock = _memlock_limit_bytes()
+    locked = host["weights master"] + host["host KV"]
+    if pinned and lock is not None and locked > lock:
+        raise ExecError(f"the plan page-locks {locked / GiB:.2f} GiB of host memory (weights and host KV) but "
+                        f"RLIMIT_MEMLOCK allows {lock / GiB:.2f} GiB: short by {(locked - lock) / GiB:.2f} GiB; "
+                        "raise it (ulimit -l unlimited) or run with pageable memory")
+    dn = disk_need(plan)
     if dn:  # room, and (unless the plan's disk tier is page-cached) a filesystem that takes O_DIRECT
         check_disk_dir(disk_dir, dn, plan.disk_cached)
     return need

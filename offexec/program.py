@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from offsim.core import footprint as fp
 from offsim.core.plan import Op, Plan
 
 from .memory import ExecError
@@ -32,6 +33,8 @@ from .memory import ExecError
 GPU_STREAMS = ("compute", "h2d", "d2h")
 HOST_STREAMS = ("cpu", "disk")
 POOL_KINDS = ("wslot", "kvwork_cpu", "kvwork_disk")
+GPU_VALUE_KINDS = ("hidden", "pre", "attn")  # GPU activations, sized by offsim.core.footprint
+HOST_VALUE_KINDS = ("wstage", "kvread", "kvout", "qkv_host", "attn_host")  # host staging
 
 
 @dataclass(slots=True)
@@ -63,6 +66,7 @@ class Program:
     values: list[Value]
     pool_peak: dict[str, int]  # most pool buffers live at once, in plan order
     host_peak_bytes: int  # most bytes of host staging values live at once, in plan order
+    gpu_value_peak_bytes: int  # most bytes of GPU activation values (GPU_VALUE_KINDS) live at once, in plan order
     slot_base: list[int]  # per layer: first element of the streamed slot (start of the tensor that straddles gpu|cpu)
     slot_numel: int  # elements of one weight slot
     groups: dict[str, tuple[int, int]]  # home group -> KV heads [lo, hi)
@@ -95,6 +99,9 @@ def bind(plan: Plan, layout) -> Program:
     bound: list[Bound] = []
 
     def new(kind, key, op, nbytes=0) -> int:
+        if kind in GPU_VALUE_KINDS or kind in ("qkv_host", "attn_host"):
+            tokens = op.q_tokens if op.kind in ("compute", "cpu_compute") else op.hi - op.lo
+            nbytes = value_bytes(m, kind, gbs, tokens)
         v = Value(len(values), kind, key, op.id, nbytes=nbytes)
         values.append(v)
         return v.id
@@ -349,6 +356,7 @@ def bind(plan: Plan, layout) -> Program:
     live: dict[str, int] = {k: 0 for k in POOL_KINDS}
     peak = dict(live)
     host_live = host_peak = 0
+    gpu_live = gpu_peak = 0
     ends: dict[int, list[Value]] = {}
     for v in values:
         ends.setdefault(v.last, []).append(v)
@@ -360,15 +368,34 @@ def bind(plan: Plan, layout) -> Program:
             if v.kind in live:
                 live[v.kind] += 1
                 peak[v.kind] = max(peak[v.kind], live[v.kind])
-            elif v.kind in ("wstage", "kvread", "kvout"):
+            elif v.kind in HOST_VALUE_KINDS:
                 host_live += v.nbytes
                 host_peak = max(host_peak, host_live)
+            elif v.kind in GPU_VALUE_KINDS:
+                gpu_live += v.nbytes
+                gpu_peak = max(gpu_peak, gpu_live)
         for v in ends.get(op.id, ()):
             if v.kind in live:
                 live[v.kind] -= 1
-            elif v.kind in ("wstage", "kvread", "kvout"):
+            elif v.kind in HOST_VALUE_KINDS:
                 host_live -= v.nbytes
-    return Program(plan, bound, values, peak, host_peak, slot_base, slot_numel, groups)
+            elif v.kind in GPU_VALUE_KINDS:
+                gpu_live -= v.nbytes
+    return Program(plan, bound, values, peak, host_peak, gpu_peak, slot_base, slot_numel, groups)
+
+
+def value_bytes(model, kind: str, num_seqs: int, q_tokens: int) -> int:
+    """Bytes of an activation value of ``q_tokens`` new tokens of ``num_seqs`` sequences (``offsim.core.footprint``):
+    a hidden state; pre_attn's (x, Q, K, V) -- x counted again although it is the input hidden state's tensor, which
+    the tuple keeps alive until post_attn, past that value's last user; CPU attention's packed Q/K/V on the host;
+    an attention output (GPU or host)."""
+    if kind == "hidden":
+        return fp.hidden_bytes(model, num_seqs, q_tokens)
+    if kind == "pre":
+        return fp.hidden_bytes(model, num_seqs, q_tokens) + fp.qkv_bytes(model, num_seqs, q_tokens)
+    if kind == "qkv_host":
+        return fp.qkv_bytes(model, num_seqs, q_tokens)
+    return fp.attn_out_bytes(model, num_seqs, q_tokens)  # 'attn', 'attn_host'
 
 
 def _prefix_end(ranges: list, start: int) -> int:

@@ -77,8 +77,11 @@ def test_validate_kv_never_computed(tiny_opt, t4):
 
 def test_validate_resident_shortfall_says_tier_and_bytes(tiny_opt, small_gpu_t4):
     big = dataclasses.replace(small_gpu_t4, gpu_mem_bytes=1000)
+    args = ("flexgen", tiny_opt, big, Workload(8, 4, 2, 2), {"percent": (100, 0, 100, 0, 100, 0)})
+    with pytest.raises(OffsimError, match=r"does not fit: GPU memory short by .* GiB \(needs .* GiB"):
+        build_plan(*args)  # refused from arithmetic (footprint.check_fits) before any op is built
     with pytest.raises(PlanError, match=r"resident gpu bytes \d+ exceed the gpu capacity 1000 by \d+ bytes"):
-        build_plan("flexgen", tiny_opt, big, Workload(8, 4, 2, 2), {"percent": (100, 0, 100, 0, 100, 0)})
+        build_plan(*args, validate=False, check_fits=False).validate()
 
 
 def test_malformed_plan_json(tmp_path):

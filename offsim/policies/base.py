@@ -1,9 +1,12 @@
 """What every policy shares: the ``Policy`` record the registry holds, a search ``Candidate``, and the placement
 helpers (percentages to bytes and heads) that FlexGen-style policies use.
 
-A policy is four things (``Policy``): a name, a frozen settings dataclass (its *inputs*: what a user sets), a plan
-builder ``(model, hardware, workload, settings) -> Plan`` and a candidate generator that proposes settings and
-block shapes for the search, best first. Nothing else about a policy is known outside its module.
+A policy is five things (``Policy``): a name, a frozen settings dataclass (its *inputs*: what a user sets), a plan
+builder ``(model, hardware, workload, settings) -> Plan``, a candidate generator that proposes settings and
+block shapes for the search, best first, and its placement ``(model, hardware, workload, settings) ->
+footprint.Placement`` -- what it puts where, so that ``build_plan`` can refuse a plan that fits nowhere from
+arithmetic (``footprint.check_fits``) before the builder emits a single op. Nothing else about a policy is known
+outside its module.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 from offsim.core.errors import OffsimError
+from offsim.core.footprint import Placement
 from offsim.core.plan import Plan
 from offsim.core.specs import HardwareSpec, ModelSpec, Workload
 
@@ -40,6 +44,7 @@ class Policy:
     build: Callable[[ModelSpec, HardwareSpec, Workload, Any], Plan]  # builds the plan; raises OffsimError
     candidates: CandidateFn
     summary: str  # one line for --help and docs
+    placement: Callable[[ModelSpec, HardwareSpec, Workload, Any], Placement] | None = None
 
     def settings_from(self, d: Mapping[str, Any] | Any | None):
         """The settings object from a dict (unknown keys are an error naming the valid ones) or as given."""

@@ -39,15 +39,19 @@ class FlexGenSettings:
         object.__setattr__(self, "percent", p)
 
 
-def flexgen_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: FlexGenSettings) -> Plan:
+def flexgen_schedule(model: ModelSpec, st: FlexGenSettings) -> Schedule:
+    """FlexGen's placement percentages as a block schedule."""
     wg, wc, cg, cc, ag, ac = st.percent
     split = weight_split_from_percent(model, wg, wc)
     kv = kv_split_from_percent(model, cg, cc)
-    s = Schedule(policy="flexgen", weight_split=(split,) * model.num_layers, kv_split=kv,
-                 hidden_home="gpu" if ag >= ac else "cpu", prefetch=True, overlap=st.overlap,
-                 cpu_attention=st.cpu_attention, pinned=st.pin_weights,
-                 settings=tuple(dataclasses.asdict(st).items()))
-    return build_block_plan(model, wl, s, capacity_of(hw))
+    return Schedule(policy="flexgen", weight_split=(split,) * model.num_layers, kv_split=kv,
+                    hidden_home="gpu" if ag >= ac else "cpu", prefetch=True, overlap=st.overlap,
+                    cpu_attention=st.cpu_attention, pinned=st.pin_weights,
+                    settings=tuple(dataclasses.asdict(st).items()))
+
+
+def flexgen_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: FlexGenSettings) -> Plan:
+    return build_block_plan(model, wl, flexgen_schedule(model, st), capacity_of(hw))
 
 
 def candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
@@ -64,4 +68,5 @@ def candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int
 
 
 FLEXGEN = Policy("flexgen", FlexGenSettings, flexgen_plan, candidates,
-                 "FlexGen: zig-zag block schedule, LP placement of weights/KV/activations, optional CPU attention")
+                 "FlexGen: zig-zag block schedule, LP placement of weights/KV/activations, optional CPU attention",
+                 lambda m, hw, wl, st: flexgen_schedule(m, st).placement())

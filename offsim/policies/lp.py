@@ -11,6 +11,7 @@ keeps the best *simulated* one (``offsim.search``).
 """
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -20,9 +21,9 @@ import cvxpy as cp
 import numpy as np
 
 from offsim.core import costmodel as cm
-from offsim.policies.schedule import workspace_bytes
+from offsim.core import footprint as fp
 from offsim.core.solvers import solve_quietly
-from offsim.core.specs import HardwareSpec, ModelSpec
+from offsim.core.specs import HardwareSpec, ModelSpec, Workload
 
 LP_SOLVER = cp.HIGHS  # named explicitly: the LP must not depend on whichever solver cvxpy finds first
 GPU_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -37,54 +38,55 @@ TIE_BREAK = 1e-3  # weight of total traffic time against the block time in the L
 def flexgen_terms(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int, gbs: int, nb: int,
                   x: dict[str, Any], cpu_attention: bool) -> dict[str, Any]:
     """Per-layer time terms and per-tier peak memory of FlexGen's cost model for placement fractions ``x``
-    (floats or cvxpy expressions). Returns {'pre': [terms], 'gen': [terms], 'mem': {tier: bytes}}."""
+    (floats or cvxpy expressions). Returns {'pre': [terms], 'gen': [terms], 'mem': {tier: bytes}}.
+
+    Memory is ``footprint.tier_bytes`` -- the formula ``check_fits`` and the plans use -- with the fractions as
+    variables: affine in them. Its one non-affine part, the straddling tensor of a partly resident layer's weight
+    slot (at most one tensor), is left to ``check_fits`` on the rounded placement."""
     L, s, n = model.num_layers, prompt_len, gen_len
     bls = gbs * nb
-    W = model.layer_weight_bytes()
-    kvpt = model.kv_bytes_per_token()
-    hid = model.hidden_bytes(1)
+    W = fp.layer_weight_bytes(model)
+    kv_tok = fp.kv_bytes(model, bls, 1)  # the block's KV of one token, one layer
+    hid_tok = fp.hidden_bytes(model, bls, 1)  # the block's hidden state of one token
     ctx_avg = s + n / 2  # FlexGen's average decode context
-    max_len = s + n - 1
     w_off, c_off, h_off = x["wc"] + x["wd"], x["cc"] + x["cd"], x["hc"]
     T = cm.transfer_seconds
 
     # prefill of one layer for the whole block
-    h2d_pre = T(hw, w_off * W, "h2d") + T(hw, h_off * bls * s * hid, "h2d")
-    d2h_pre = T(hw, c_off * bls * s * kvpt, "d2h") + T(hw, h_off * bls * s * hid, "d2h")
-    disk_pre = cm.disk_seconds(hw, x["wd"] * W, "read") + cm.disk_seconds(hw, x["cd"] * bls * s * kvpt, "write")
+    h2d_pre = T(hw, w_off * W, "h2d") + T(hw, h_off * s * hid_tok, "h2d")
+    d2h_pre = T(hw, c_off * s * kv_tok, "d2h") + T(hw, h_off * s * hid_tok, "d2h")
+    disk_pre = cm.disk_seconds(hw, x["wd"] * W, "read") + cm.disk_seconds(hw, x["cd"] * s * kv_tok, "write")
     comp_pre = nb * cm.compute_seconds(model, hw, "layer", gbs, s, s)
     # an average decode step of one layer for the whole block
-    h2d_gen = T(hw, w_off * W, "h2d") + T(hw, h_off * bls * hid, "h2d")
-    d2h_gen = T(hw, h_off * bls * hid, "d2h")
-    disk_gen = cm.disk_seconds(hw, x["wd"] * W, "read") + cm.disk_seconds(hw, x["cd"] * bls * kvpt, "write")
+    h2d_gen = T(hw, w_off * W, "h2d") + T(hw, h_off * hid_tok, "h2d")
+    d2h_gen = T(hw, h_off * hid_tok, "d2h")
+    disk_gen = cm.disk_seconds(hw, x["wd"] * W, "read") + cm.disk_seconds(hw, x["cd"] * kv_tok, "write")
     if cpu_attention:
         # QKV of the new token goes down, the attention output comes back; the CPU attends over the host cache
-        qkv = bls * (model.q_dim + 2 * model.kv_dim) * model.dtype_bytes
-        d2h_gen = d2h_gen + T(hw, c_off * qkv, "d2h")
-        h2d_gen = h2d_gen + T(hw, c_off * bls * model.q_dim * model.dtype_bytes, "h2d")
-        disk_gen = disk_gen + cm.disk_seconds(hw, x["cd"] * bls * ctx_avg * kvpt, "read")
+        d2h_gen = d2h_gen + T(hw, c_off * fp.qkv_bytes(model, bls, 1), "d2h")
+        h2d_gen = h2d_gen + T(hw, c_off * fp.attn_out_bytes(model, bls, 1), "h2d")
+        disk_gen = disk_gen + cm.disk_seconds(hw, x["cd"] * ctx_avg * kv_tok, "read")
         comp_gen = (nb * (cm.compute_seconds(model, hw, "pre_attn", gbs, 1, ctx_avg)
                           + cm.compute_seconds(model, hw, "post_attn", gbs, 1, ctx_avg))
                     + c_off * nb * cm.cpu_attention_seconds(model, hw, gbs, 1, ctx_avg)
                     + x["cg"] * nb * cm.attention_seconds(model, hw, gbs, 1, ctx_avg))
     else:
-        h2d_gen = h2d_gen + T(hw, c_off * bls * ctx_avg * kvpt, "h2d")
-        d2h_gen = d2h_gen + T(hw, c_off * bls * kvpt, "d2h")
-        disk_gen = disk_gen + cm.disk_seconds(hw, x["cd"] * bls * ctx_avg * kvpt, "read")
+        h2d_gen = h2d_gen + T(hw, c_off * ctx_avg * kv_tok, "h2d")
+        d2h_gen = d2h_gen + T(hw, c_off * kv_tok, "d2h")
+        disk_gen = disk_gen + cm.disk_seconds(hw, x["cd"] * ctx_avg * kv_tok, "read")
         comp_gen = nb * cm.compute_seconds(model, hw, "layer", gbs, 1, ctx_avg)
 
-    kv_total = model.kv_bytes(bls, max_len)
-    hidden_block = model.hidden_bytes(bls * s)
-    loaded_kv_buf = 0 if cpu_attention else 2 * c_off * gbs * max_len * kvpt  # one layer's prefix, two batches
-    gpu = (model.embedding_bytes() + x["wg"] * W * L + 2 * w_off * W  # resident + double-buffered streamed layer
-           + x["cg"] * kv_total + loaded_kv_buf + x["hg"] * hidden_block + workspace_bytes(model, gbs * s)
-           + 2 * c_off * gbs * s * kvpt)  # a prefill batch's new KV waits on the GPU until stored, while the
-    # next layer computes its own
-    cpu = (x["wc"] * W * L + x["cc"] * kv_total + x["hc"] * hidden_block
-           + 2 * x["wd"] * W + x["cd"] * gbs * max_len * kvpt)  # disk staging (weights double-buffered)
-    disk = x["wd"] * W * L + x["cd"] * kv_total
+    tiers = fp.tier_bytes(model, Workload(s, n, gbs, nb), x, cpu_attention, weight_buffers=2,
+                          op_peak=_op_peak(model, s, n, gbs, cpu_attention))
+    mem = {t: sum(parts.values()) for t, parts in tiers.items()}
     return {"pre": [h2d_pre, d2h_pre, disk_pre, comp_pre], "gen": [h2d_gen, d2h_gen, disk_gen, comp_gen],
-            "mem": {"gpu": gpu, "cpu": cpu, "disk": disk}}
+            "mem": mem}
+
+
+@functools.lru_cache(maxsize=4096)
+def _op_peak(model: ModelSpec, prompt_len: int, gen_len: int, gbs: int, cpu_attention: bool) -> int:
+    """The block's largest op peak (``footprint.max_layer_peak_bytes``), cached: the LP asks once per shape."""
+    return fp.max_layer_peak_bytes(model, Workload(prompt_len, gen_len, gbs, 1), cpu_attention)
 
 
 def flexgen_block_seconds(terms: dict, model: ModelSpec, gen_len: int) -> float:

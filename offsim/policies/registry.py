@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from offsim.core import footprint as fp
 from offsim.core.errors import OffsimError
 from offsim.core.plan import Plan
 from offsim.core.specs import HardwareSpec, ModelSpec, Workload
-from offsim.policies.base import Policy
+from offsim.policies.base import Policy, capacity_of
 from offsim.policies.flexgen import FLEXGEN
 from offsim.policies.selectn.policy import SELECTN
 from offsim.policies.static import ACCELERATE, ZERO
@@ -29,8 +30,20 @@ def get_policy(name: str) -> Policy:
 
 
 def build_plan(policy: str, model: ModelSpec, hw: HardwareSpec, wl: Workload,
-               settings: Mapping[str, Any] | Any | None = None, validate: bool = True) -> Plan:
-    """The plan of ``policy`` for this model, hardware and workload; ``settings`` a dict or the settings object."""
+               settings: Mapping[str, Any] | Any | None = None, validate: bool = True,
+               check_fits: bool = True) -> Plan:
+    """The plan of ``policy`` for this model, hardware and workload; ``settings`` a dict or the settings object.
+
+    ``check_fits``: a placement whose resident bytes and minimum working set exceed a tier is refused first, from
+    arithmetic (``footprint.check_fits``: one line, each short tier and its shortfall in GiB), before any op is
+    built -- so a block that fits nowhere fails in microseconds, not after minutes of emitting ops. ``validate``:
+    the built plan is then checked op by op (``Plan.validate``). Turn both off only to rebuild the plan of a run
+    that already happened."""
     p = get_policy(policy)
-    plan = p.build(model, hw, wl, p.settings_from(settings))
+    st = p.settings_from(settings)
+    if check_fits and p.placement is not None:
+        what = (f"{policy} for {model.name} with {wl.num_gpu_batches} x {wl.gpu_batch_size} sequences of "
+                f"{wl.prompt_len} + {wl.gen_len} tokens on {hw.name}")
+        fp.check_fits(model, capacity_of(hw), wl, p.placement(model, hw, wl, st), what)
+    plan = p.build(model, hw, wl, st)
     return plan.validate() if validate else plan

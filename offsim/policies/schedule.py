@@ -11,11 +11,22 @@ Buffers (what bounds GPU memory): streamed weights are double-buffered when pref
 until the layer loaded two loads earlier has run its last batch), single-buffered otherwise; loaded KV is
 double-buffered across batches (the load for position p waits for the compute at position p-2); KV stored to disk
 is double-buffered on the GPU and in host staging (``DiskStoreBuffers``).
+
+Memory of the ops (sizes from ``offsim.core.footprint``, as offexec holds them): the first load of a streamed
+layer allocates its whole weight slot (the streamed bytes plus the straddling tensor's resident head), the compute
+that last uses it frees the slot; a position's KV of off-GPU heads lives in one full-length work buffer per head
+group, allocated by its load (or, with nothing to load, by its compute) and freed by its store (or its compute); a
+compute allocates and frees its op peak (``footprint.op_peak_bytes``), its output included -- the block's
+activations between layers are resident -- and with activations parked on the host the hidden copy loaded for a
+compute counts while it runs. (Not modelled: a hidden copy loaded ahead of its compute, or a parked output waiting
+on the GPU for its d2h: nothing bounds how many queue, and a static plan would need a dependency like
+``DiskStoreBuffers`` to bound them.)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from offsim.core import footprint as fp
 from offsim.core.errors import OffsimError
 from offsim.core.plan import Plan, PlanBuilder
 from offsim.core.specs import ModelSpec, Workload
@@ -36,30 +47,16 @@ class Schedule:
     settings: tuple = ()  # (key, value) pairs: the policy's inputs, recorded in the plan
     derived: tuple = ()  # (key, value) pairs: what the policy chose from them (e.g. Accelerate's GPU layers)
 
-
-def workspace_bytes(model: ModelSpec, tokens: int) -> int:
-    """GPU scratch of one layer's forward over ``tokens`` tokens, fp16: the residual stream in and out, plus the
-    larger of the attention block's (Q, K, V and the attention output) and the FFN's intermediate (two of them for
-    SwiGLU) -- they are not alive at once. Attention itself is assumed fused (no score matrix)."""
-    attn = model.q_dim + 2 * model.kv_dim + model.q_dim
-    ffn = model.ffn_dim * (2 if model.family == "llama" else 1)
-    return tokens * (2 * model.d_model + max(attn, ffn)) * model.dtype_bytes
+    def placement(self) -> fp.Placement:
+        """What this schedule puts where, for the footprint (``offsim.core.footprint``)."""
+        return fp.Placement(weight_split=tuple(self.weight_split), kv_split=tuple(self.kv_split),
+                            hidden_home=self.hidden_home, weight_buffers=2 if self.prefetch else 1,
+                            cpu_attention=self.cpu_attention)
 
 
 def resident_bytes(model: ModelSpec, wl: Workload, s: Schedule) -> dict[str, int]:
-    """Bytes held for the whole run on each tier: placed weights, the KV cache at its final length on its home
-    tiers, activations of the whole block where they live, and (GPU) the embedding and LM head."""
-    n_kv = model.num_kv_heads
-    kv_total = model.kv_bytes(wl.num_prompts, wl.max_len)
-    kg, kc = s.kv_split
-    gpu_w = sum(g for g, _ in s.weight_split)
-    cpu_w = sum(c for _, c in s.weight_split)
-    disk_w = model.num_layers * model.layer_weight_bytes() - gpu_w - cpu_w
-    hidden = model.hidden_bytes(wl.num_prompts * wl.prompt_len)  # the block's activations at prefill
-    gpu = model.embedding_bytes() + gpu_w + kv_total * kg // n_kv + (hidden if s.hidden_home == "gpu" else 0)
-    cpu = cpu_w + kv_total * kc // n_kv + (hidden if s.hidden_home == "cpu" else 0)
-    disk = disk_w + kv_total * (n_kv - kg - kc) // n_kv
-    return {"gpu": int(gpu), "cpu": int(cpu), "disk": int(disk)}
+    """Bytes held for the whole run on each tier (``footprint.resident_bytes`` of the schedule's placement)."""
+    return fp.resident_bytes(model, wl, s.placement())
 
 
 class DiskStoreBuffers:
@@ -92,7 +89,6 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
     n_kv = model.num_kv_heads
     kg, kc = s.kv_split
     kd = n_kv - kg - kc
-    kvpt = model.kv_bytes_per_token()
     if s.cpu_attention and kg:
         raise OffsimError("CPU attention needs the KV cache off the GPU: the GPU share of the cache must be 0 %")
     if wl.max_len > model.max_positions:
@@ -103,7 +99,11 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
     pinned = s.pinned
 
     def kv_bytes(heads: int, tokens: int) -> int:
-        return gbs * tokens * kvpt * heads // n_kv
+        return fp.kv_bytes(model, gbs, tokens, heads)
+
+    # a position's KV work buffer of each off-GPU head group, full length (as offexec allocates it)
+    buf_c, buf_d = fp.kv_buffer_bytes(model, gbs, wl.max_len, kc), fp.kv_buffer_bytes(model, gbs, wl.max_len, kd)
+    kv_groups = sum(1 for h in (kg, kc, kd) if h)
 
     # --- streamed weights: instances (step, layer) in execution order, loaded ahead by the cursor --------------
     streamed = [j for j in range(L) if s.weight_split[j][0] < W]
@@ -120,14 +120,15 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         dep = free_op.get(u - back)
         phase = "prefill" if i == 0 else "decode"
         ids = []
+        straddle = fp.weight_slot_straddle_bytes(model, g)  # the slot's first load takes the whole slot
         if c:
             ids.append(add("h2d", [dep], phase, i, j, 0, tensor="weight", lo=g, hi=g + c, nbytes=c, pinned=pinned,
-                           alloc=(c, 0, 0)))
+                           alloc=(c + straddle, 0, 0)))
         if W - g - c:
             rd = add("disk_read", [dep], phase, i, j, 0, tensor="weight", lo=g + c, hi=W, nbytes=W - g - c,
                      alloc=(0, W - g - c, 0))
             ids.append(add("h2d", [rd], phase, i, j, 0, tensor="weight", lo=g + c, hi=W, nbytes=W - g - c,
-                           pinned=pinned, alloc=(W - g - c, 0, 0), free=(0, W - g - c, 0)))
+                           pinned=pinned, alloc=(W - g - c + (0 if c else straddle), 0, 0), free=(0, W - g - c, 0)))
         loaded[u] = ids
 
     def ensure_loaded(upto: int) -> None:
@@ -144,7 +145,7 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
 
     positions = [(i, j, k) for i in range(wl.gen_len) for j in range(-1, L + 1) for k in range(nb)]
     pending_kv_loads: dict[int, list[int]] = {}  # position -> its KV h2d ops
-    pending_kv_bytes: dict[int, int] = {}  # position -> GPU bytes those loads hold until its compute ends
+    pending_kv_bufs: dict[int, tuple[bool, bool]] = {}  # position -> (host group loaded, disk group loaded)
 
     def emit_kv_loads(p: int) -> None:
         """Bring the KV prefix of position p to the GPU (GPU attention over a host/disk cache)."""
@@ -156,18 +157,18 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         deps = [dep_buf] + kv_stored.get((j, k), [])
         phase = "decode"
         ids = []
-        if kc:
+        if kc:  # the load allocates the position's full-length work buffer; its store frees it
             nbytes = kv_bytes(kc, ctx_prev)
             ids.append(add("h2d", deps, phase, i, j, k, tensor="kv", lo=0, hi=ctx_prev, head_lo=kg, head_hi=kg + kc,
-                           nbytes=nbytes, pinned=pinned, alloc=(nbytes, 0, 0)))
+                           nbytes=nbytes, pinned=pinned, alloc=(buf_c, 0, 0)))
         if kd:
             nbytes = kv_bytes(kd, ctx_prev)
             rd = add("disk_read", deps, phase, i, j, k, tensor="kv", lo=0, hi=ctx_prev, head_lo=kg + kc,
                      head_hi=n_kv, nbytes=nbytes, alloc=(0, nbytes, 0))
             ids.append(add("h2d", [rd], phase, i, j, k, tensor="kv", lo=0, hi=ctx_prev, head_lo=kg + kc,
-                           head_hi=n_kv, nbytes=nbytes, pinned=pinned, alloc=(nbytes, 0, 0), free=(0, nbytes, 0)))
+                           head_hi=n_kv, nbytes=nbytes, pinned=pinned, alloc=(buf_d, 0, 0), free=(0, nbytes, 0)))
         pending_kv_loads[p] = ids
-        pending_kv_bytes[p] = sum(b.ops[x].nbytes for x in ids)
+        pending_kv_bufs[p] = (bool(kc), bool(kd))
 
     for p, (i, j, k) in enumerate(positions):
         phase = "prefill" if i == 0 else "decode"
@@ -179,10 +180,11 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         # next batch's KV only later (FlexGen's load_hidden(k+1) likewise runs ahead of compute(k+1), not behind
         # a whole layer's weights)
         deps = [last_out.get(k)]
+        hin = 0  # GPU bytes of a hidden copy loaded for this compute: counted while the compute runs
         if s.hidden_home == "cpu" and k in hidden_store and j >= 0:
-            hb = model.hidden_bytes(gbs * q)
+            hin = fp.hidden_bytes(model, gbs, q)
             # (the block's activations are reserved on their home tier in `resident`; the GPU copy is scratch)
-            hl = add("h2d", [hidden_store.pop(k)], phase, i, j, k, tensor="hidden", lo=ctx - q, hi=ctx, nbytes=hb,
+            hl = add("h2d", [hidden_store.pop(k)], phase, i, j, k, tensor="hidden", lo=ctx - q, hi=ctx, nbytes=hin,
                      pinned=pinned)
             deps = [hl]
         # weights: the current layer's (first batch only), then, when prefetching, the next streamed layer's
@@ -204,16 +206,16 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
             deps += loaded[inst_index[(i, j)]]
         deps += pending_kv_loads.pop(p, [])
         last_k = k == nb - 1
-        streamed_bytes = (W - s.weight_split[j][0]) if decoder else 0
-        w_free = streamed_bytes if (decoder and last_k) else 0
-        kv_loaded = pending_kv_bytes.pop(p, 0)
-        new_kv_off_gpu = kv_bytes(kc + kd, q) if decoder else 0  # new KV that will be stored off the GPU
-        ws = workspace_bytes(model, gbs * q) if decoder else model.hidden_bytes(gbs * q)
-        if decoder and s.cpu_attention and i > 0:
+        w_free = fp.weight_slot_bytes(model, s.weight_split[j][0]) if (decoder and last_k) else 0
+        loaded_c, loaded_d = pending_kv_bufs.pop(p, (False, False))
+        part = "layer" if decoder else ("embed" if j < 0 else "head")
+        cpu_attn = decoder and s.cpu_attention and i > 0
+        ws = fp.op_peak_bytes(model, "cpu_attn_layer" if cpu_attn else part, gbs, q, ctx, kv_groups)
+        if cpu_attn:
             # FlexGen's CPU delegation: QKV on the GPU, attention on the CPU over the host cache, rest on the GPU
             pre = add("compute", deps + kv_stored.get((j, k), []), phase, i, j, k, part="pre_attn", num_seqs=gbs,
-                      q_tokens=q, ctx_tokens=ctx, alloc=(ws, 0, 0))
-            qkv_b = gbs * q * (model.q_dim + 2 * model.kv_dim) * model.dtype_bytes
+                      q_tokens=q, ctx_tokens=ctx, alloc=(ws + hin, 0, 0))
+            qkv_b = fp.qkv_bytes(model, gbs, q)
             cpu_deps = []
             if kd:  # the cache lives on disk: read the prefix into host memory for the CPU
                 nbytes = kv_bytes(kd, ctx - q)
@@ -223,10 +225,10 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
             disk_staged = kv_bytes(kd, ctx - q) if kd else 0
             att = add("cpu_compute", [d] + cpu_deps, phase, i, j, k, part="attn", num_seqs=gbs, q_tokens=q,
                       ctx_tokens=ctx, free=(0, disk_staged, 0))
-            ob = gbs * q * model.q_dim * model.dtype_bytes
+            ob = fp.attn_out_bytes(model, gbs, q)
             back = add("h2d", [att], phase, i, j, k, tensor="attn_out", lo=ctx - q, hi=ctx, nbytes=ob, pinned=pinned)
             comp = add("compute", [back, pre], phase, i, j, k, part="post_attn", num_seqs=gbs, q_tokens=q,
-                       ctx_tokens=ctx, frees_weights=last_k, free=(ws + w_free, 0, 0))
+                       ctx_tokens=ctx, frees_weights=last_k, free=(ws + hin + w_free, 0, 0))
             stores = [att]
             if kd:  # append the new token's KV to the disk copy
                 nb_new = kv_bytes(kd, q)
@@ -234,25 +236,27 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
                               head_hi=n_kv, nbytes=nb_new)]
             kv_stored[(j, k)] = stores
         else:
-            part = "layer" if decoder else ("embed" if j < 0 else "head")
             # (the embedding of step i waits for the LM head of step i-1 through last_out: the next token)
             if decoder and kd:
                 deps += disk_stores.compute_deps()
+            # work buffers of off-GPU heads that no load brought: this compute creates them (the stores free them)
+            new_bufs = (0 if loaded_c else buf_c) + (0 if loaded_d else buf_d) if decoder else 0
             comp = add("compute", deps, phase, i, j, k, part=part, num_seqs=gbs, q_tokens=q, ctx_tokens=ctx,
-                       frees_weights=decoder and last_k, alloc=(ws + new_kv_off_gpu, 0, 0),
-                       free=(ws + w_free + kv_loaded, 0, 0))
+                       frees_weights=decoder and last_k, alloc=(ws + hin + new_bufs, 0, 0),
+                       free=(ws + hin + w_free, 0, 0))
             if decoder and (kc or kd):
-                # store the new tokens' KV of the host- and disk-homed heads (FlexGen: store_cache)
+                # store the new tokens' KV of the host- and disk-homed heads (FlexGen: store_cache); each store is
+                # the last user of its group's work buffer
                 stores = []
                 if kc:
                     nbytes = kv_bytes(kc, q)
                     stores.append(add("d2h", [comp], phase, i, j, k, tensor="kv", lo=ctx - q, hi=ctx, head_lo=kg,
-                                      head_hi=kg + kc, nbytes=nbytes, pinned=pinned, free=(nbytes, 0, 0)))
+                                      head_hi=kg + kc, nbytes=nbytes, pinned=pinned, free=(buf_c, 0, 0)))
                 if kd:
                     nbytes = kv_bytes(kd, q)
                     st = add("d2h", [comp] + disk_stores.d2h_deps(), phase, i, j, k, tensor="kv", lo=ctx - q,
                              hi=ctx, head_lo=kg + kc, head_hi=n_kv, nbytes=nbytes, pinned=pinned,
-                             alloc=(0, nbytes, 0), free=(nbytes, 0, 0))
+                             alloc=(0, nbytes, 0), free=(buf_d, 0, 0))
                     stores.append(add("disk_write", [st], phase, i, j, k, tensor="kv", lo=ctx - q, hi=ctx,
                                       head_lo=kg + kc, head_hi=n_kv, nbytes=nbytes, free=(0, nbytes, 0)))
                     disk_stores.record(st, stores[-1])
@@ -262,7 +266,7 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         if decoder and last_k and (i, j) in inst_index:
             free_op[inst_index[(i, j)]] = comp
         if s.hidden_home == "cpu" and j < L:
-            hb = model.hidden_bytes(gbs * q)
+            hb = fp.hidden_bytes(model, gbs, q)
             hidden_store[k] = add("d2h", [comp], phase, i, j, k, tensor="hidden", lo=ctx - q, hi=ctx, nbytes=hb,
                                   pinned=pinned)
     cap = dict(capacity)

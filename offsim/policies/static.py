@@ -12,12 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
+from offsim.core import footprint as fp
 from offsim.core.errors import OffsimError
 from offsim.core.plan import Plan
 from offsim.core.specs import HardwareSpec, ModelSpec, Workload
 from offsim.policies.base import Candidate, Policy, capacity_of, host_offload_tier
 from offsim.policies.lp import GPU_BATCH_SIZES
-from offsim.policies.schedule import Schedule, build_block_plan, resident_bytes, workspace_bytes
+from offsim.policies.schedule import Schedule, build_block_plan
 
 
 @dataclass(frozen=True)
@@ -34,16 +35,17 @@ class AccelerateSettings:
 
 
 def accelerate_gpu_layers(model: ModelSpec, hw: HardwareSpec, wl: Workload) -> int:
-    """How many whole decoder layers fit on the GPU beside the embedding, the KV cache at full length, the
-    activations, one layer's scratch and one streamed layer's buffer (what device_map='auto' with max_memory does,
-    leaving room for generation)."""
-    W = model.layer_weight_bytes()
-    fixed = resident_bytes(model, wl, Schedule("x", ((0, W),) * model.num_layers, (model.num_kv_heads, 0)))["gpu"]
-    free = hw.gpu_mem_bytes - fixed - workspace_bytes(model, wl.num_prompts * wl.prompt_len) - W
-    return max(0, min(model.num_layers, free // W))
+    """How many whole decoder layers fit on the GPU beside everything else the GPU holds with every layer offloaded
+    (``footprint.placement_tier_bytes``: embeddings, token ids, the KV cache at full length, the activations, the
+    largest op peak and one streamed layer's slot) -- what device_map='auto' with max_memory does, leaving room
+    for generation."""
+    W, L = fp.layer_weight_bytes(model), model.num_layers
+    pl = fp.Placement(((0, W),) * L, (model.num_kv_heads, 0), weight_buffers=1)
+    fixed = sum(fp.placement_tier_bytes(model, wl, pl)["gpu"].values())
+    return max(0, min(L, (hw.gpu_mem_bytes - fixed) // W))
 
 
-def static_accelerate_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: AccelerateSettings) -> Plan:
+def _accelerate_schedule(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: AccelerateSettings) -> Schedule:
     if wl.num_gpu_batches != 1:
         raise OffsimError("static-accelerate runs one GPU batch at a time: use --num-gpu-batches 1")
     W = model.layer_weight_bytes()
@@ -52,10 +54,13 @@ def static_accelerate_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st:
         raise OffsimError(f"gpu_layers must be in [0, {model.num_layers}], got {n}")
     off = (0, W) if st.offload == "cpu" else (0, 0)
     split = tuple((W, 0) if j < n else off for j in range(model.num_layers))
-    s = Schedule(policy="static-accelerate", weight_split=split, kv_split=(model.num_kv_heads, 0), prefetch=False,
-                 overlap=True, pinned=False, settings=(("gpu_layers", st.gpu_layers), ("offload", st.offload)),
-                 derived=(("gpu_layers", n),))
-    return build_block_plan(model, wl, s, capacity_of(hw))
+    return Schedule(policy="static-accelerate", weight_split=split, kv_split=(model.num_kv_heads, 0), prefetch=False,
+                    overlap=True, pinned=False, settings=(("gpu_layers", st.gpu_layers), ("offload", st.offload)),
+                    derived=(("gpu_layers", n),))
+
+
+def static_accelerate_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: AccelerateSettings) -> Plan:
+    return build_block_plan(model, wl, _accelerate_schedule(model, hw, wl, st), capacity_of(hw))
 
 
 @dataclass(frozen=True)
@@ -71,15 +76,18 @@ class ZeroSettings:
             raise OffsimError(f"offload must be 'cpu' or 'disk', got {self.offload!r}")
 
 
-def static_zero_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: ZeroSettings) -> Plan:
+def _zero_schedule(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: ZeroSettings) -> Schedule:
     if wl.num_gpu_batches != 1:
         raise OffsimError("static-zero runs one GPU batch at a time: use --num-gpu-batches 1")
     W = model.layer_weight_bytes()
     split = ((0, W) if st.offload == "cpu" else (0, 0),) * model.num_layers
     kv = (0, model.num_kv_heads) if st.kv_on_cpu else (model.num_kv_heads, 0)
-    s = Schedule(policy="static-zero", weight_split=split, kv_split=kv, prefetch=True, overlap=True, pinned=True,
-                 settings=(("offload", st.offload), ("kv_on_cpu", st.kv_on_cpu)))
-    return build_block_plan(model, wl, s, capacity_of(hw))
+    return Schedule(policy="static-zero", weight_split=split, kv_split=kv, prefetch=True, overlap=True, pinned=True,
+                    settings=(("offload", st.offload), ("kv_on_cpu", st.kv_on_cpu)))
+
+
+def static_zero_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: ZeroSettings) -> Plan:
+    return build_block_plan(model, wl, _zero_schedule(model, hw, wl, st), capacity_of(hw))
 
 
 def _batches(batch: int | None) -> Iterable[int]:
@@ -105,6 +113,8 @@ def zero_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len
 
 
 ACCELERATE = Policy("static-accelerate", AccelerateSettings, static_accelerate_plan, accelerate_candidates,
-                    "HF Accelerate: whole layers on the GPU, the rest copied in synchronously, KV on the GPU")
+                    "HF Accelerate: whole layers on the GPU, the rest copied in synchronously, KV on the GPU",
+                    lambda m, hw, wl, st: _accelerate_schedule(m, hw, wl, st).placement())
 ZERO = Policy("static-zero", ZeroSettings, static_zero_plan, zero_candidates,
-              "ZeRO-Inference: every layer streamed from pinned host memory with the next one prefetched")
+              "ZeRO-Inference: every layer streamed from pinned host memory with the next one prefetched",
+              lambda m, hw, wl, st: _zero_schedule(m, hw, wl, st).placement())

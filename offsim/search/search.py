@@ -10,11 +10,11 @@ from typing import Any
 
 import pandas as pd
 
+from offsim.core import footprint as fp
 from offsim.core.errors import OffsimError
 from offsim.core.sim import simulate
 from offsim.core.specs import HardwareSpec, ModelSpec, Workload
 from offsim.policies import build_plan, get_policy
-from offsim.policies.schedule import workspace_bytes
 
 
 @dataclass
@@ -98,17 +98,23 @@ def search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen
 
 def infeasibility_reason(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
                          reasons: list[str]) -> str:
-    """Which constraint binds when nothing fits: the smallest block (one sequence) against each tier."""
+    """Which constraint binds when nothing fits: the smallest block (one sequence) against each tier. On the GPU the
+    least any policy needs (``footprint.tier_bytes`` with every weight and all the KV off the GPU: embeddings, two
+    weight slots, two KV work buffers, one sequence's activations and its largest op peak); across tiers, the
+    weights and one sequence's KV."""
     wl = Workload(prompt_len, gen_len)
-    W = model.layer_weight_bytes()
-    need_gpu = model.embedding_bytes() + 2 * W + workspace_bytes(model, prompt_len)
-    total = model.weight_bytes() + model.kv_bytes(1, wl.max_len)
+    GiB = fp.GiB
+    off = {"wg": 0, "wc": 1, "wd": 0, "cg": 0, "cc": 1, "cd": 0, "hg": 1, "hc": 0}
+    need_gpu = int(sum(fp.tier_bytes(model, wl, off)["gpu"].values()))
+    total = model.weight_bytes() + fp.kv_bytes(model, 1, wl.max_len, layers=model.num_layers)
     have = hw.gpu_mem_bytes + hw.cpu_mem_bytes + hw.disk_bytes
     if need_gpu > hw.gpu_mem_bytes:
-        why = (f"GPU memory: even one sequence needs {need_gpu} bytes on the GPU (embedding, two streamed layers, "
-               f"scratch), short by {need_gpu - hw.gpu_mem_bytes} bytes")
+        why = (f"GPU memory: even one sequence needs {need_gpu / GiB:.2f} GiB on the GPU (embeddings, two streamed "
+               f"layers, KV work buffers, activations), has {hw.gpu_mem_bytes / GiB:.2f} GiB, short by "
+               f"{(need_gpu - hw.gpu_mem_bytes) / GiB:.2f} GiB")
     elif total > have:
-        why = f"total memory: weights + KV need {total} bytes, GPU + CPU + disk hold {have}, short by {total - have}"
+        why = (f"total memory: weights + KV need {total / GiB:.2f} GiB, GPU + CPU + disk hold {have / GiB:.2f} GiB, "
+               f"short by {(total - have) / GiB:.2f} GiB")
     else:
         why = reasons[0] if reasons else "no candidate"
     return f"no feasible {policy} setting for {model.name} on {hw.name}: {why}"

@@ -21,11 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
+from offsim.core import footprint as fp
 from offsim.core.errors import OffsimError
 from offsim.core.plan import Plan
 from offsim.core.specs import HardwareSpec, ModelSpec, Workload
 from offsim.policies.base import Candidate, Policy, capacity_of
-from offsim.policies.schedule import Schedule, build_block_plan, resident_bytes
+from offsim.policies.schedule import Schedule, build_block_plan
 
 
 @dataclass(frozen=True)
@@ -80,16 +81,23 @@ def selectn_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_
     max_len = prompt_len + gen_len - 1
     sizes = [batch] if batch is not None else []
     bs = 1
-    while batch is None and model.kv_bytes(bs, max_len) < hw.gpu_mem_bytes and bs <= 4096:
+    while batch is None and fp.kv_bytes(model, bs, max_len, layers=model.num_layers) < hw.gpu_mem_bytes and bs <= 4096:
         sizes.append(bs)
         bs *= 2
+    # Only the GPU filters candidates: a host-memory shortfall is left to the plan builder, whose refusal the search
+    # reports (the tier that is short and by how much; filtering it here would leave the search "no candidate").
+    gpu_only = dict(capacity_of(hw), cpu=1 << 62, disk=1 << 62)
     for bs in sizes:
         wl = Workload(prompt_len, gen_len, bs, 1)
         for n in intervals:
-            # what stays on the GPU for the whole run must fit: arithmetic, no plan built
-            if resident_bytes(model, wl, selectn_schedule(model, n))["gpu"] <= hw.gpu_mem_bytes:
-                yield Candidate({"interval": n}, wl)
+            # what the GPU holds (resident and the minimum working set) must fit: arithmetic, no plan built
+            try:
+                fp.check_fits(model, gpu_only, wl, selectn_schedule(model, n).placement())
+            except OffsimError:
+                continue
+            yield Candidate({"interval": n}, wl)
 
 
 SELECTN = Policy("selectn", SelectNSettings, selectn_plan, selectn_candidates,
-                 "Select-N: one layer in every N offloaded and prefetched; N chosen to meet a latency SLO")
+                 "Select-N: one layer in every N offloaded and prefetched; N chosen to meet a latency SLO",
+                 lambda m, hw, wl, st: selectn_schedule(m, st.interval, st.prefetch).placement())

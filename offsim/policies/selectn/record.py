@@ -118,8 +118,8 @@ def iteration_latency(model: ModelSpec, hw: HardwareSpec, phase: str, batch: int
     wl = iteration_workload(phase, batch, seq_len)
     host = host_weight_bytes(model, interval)
     n_off = len(offloaded_layers(model.num_layers, interval))
-    plan = build_plan("selectn", model, hw, wl, SelectNSettings(interval=interval), validate=False)
-    try:
+    try:  # build_plan refuses a placement that does not fit from arithmetic (footprint.check_fits), before any op
+        plan = build_plan("selectn", model, hw, wl, SelectNSettings(interval=interval), validate=False)
         plan.validate()
         tr = simulate(plan, hw)
     except OffsimError as e:  # PlanError is an OffsimError

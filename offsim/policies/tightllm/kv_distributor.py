@@ -56,6 +56,7 @@ from functools import lru_cache
 import numpy as np
 
 from offsim.core import costmodel as cm
+from offsim.core import footprint as fp
 from offsim.core.errors import OffsimError
 from offsim.core.solvers import solve_quietly
 from offsim.core.specs import HardwareSpec, ModelSpec
@@ -128,7 +129,7 @@ class Decision:
 def kv_load_bytes(model: ModelSpec, num_seqs: int, heads: int, tokens: int) -> int:
     """Bytes of the KV of ``tokens`` tokens of ``num_seqs`` sequences over ``heads`` of the model's KV heads, one
     layer: what one KV copy op of a TightLLM plan moves (K and V, ``ModelSpec.kv_bytes_per_token`` per token)."""
-    return num_seqs * tokens * model.kv_bytes_per_token() * heads // model.num_kv_heads
+    return fp.kv_bytes(model, num_seqs, tokens, heads)
 
 
 def _suffix_max_curve(curve):
@@ -197,7 +198,7 @@ class KVDistributor:
                 t_kvw += cm.transfer_seconds(hw, nbytes, "h2d", pinned=d.pinned)
         t_hid = t_dd = 0.0
         if d.hidden_offloaded:
-            hb = m.hidden_bytes(d.num_seqs * (n + 1))
+            hb = fp.hidden_bytes(m, d.num_seqs, n + 1)
             t_hid = cm.transfer_seconds(hw, hb, "h2d", pinned=d.pinned)
             t_dd = cm.transfer_seconds(hw, hb, "d2h", pinned=d.pinned)
             if d.hidden_serial:  # layer j+1 waits for layer j's output to go to the host and back

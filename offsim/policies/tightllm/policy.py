@@ -36,11 +36,14 @@ slice that batch carries: with b_n < num_gpu_batches the front batches carry the
 later ones less (``weight_slices``). ``weight_loader=False`` (the ablation) loads the whole next layer with batch 0,
 as FlexGen does; ``kv_distributor=False`` sets N_r = 0 everywhere. Each flag changes only its own ops.
 
-Memory: streamed weights are double-buffered (a layer's slices wait for the layer two back to be done); loaded KV is
-double-buffered across positions; disk reads stage into host memory one layer (weights) or one position (KV) ahead of
-their copy, no further; a recompute's scratch is ``workspace_bytes`` of (N_r + 1) · batch tokens, and N_r is capped so
-that scratch plus two KV buffers fits beside what is resident (and, with activations on the GPU, N_r + 1 <= prompt
-length, the activation buffer reserved for the block). Token ids of the block are resident on the GPU (8 bytes each).
+Memory (sizes from ``offsim.core.footprint``, as offexec holds them): streamed weights are double-buffered (a layer's
+slices wait for the layer two back to be done; the first slice of a layer takes its whole weight slot); loaded KV is
+double-buffered across positions, each position's off-GPU heads in full-length work buffers that its store (or, with
+nothing to store, its compute) frees; disk reads stage into host memory one layer (weights) or one position (KV)
+ahead of their copy, no further; a recompute's scratch is the op peak (``footprint.op_peak_bytes``) of (N_r + 1) ·
+batch tokens, and N_r is capped so that it fits beside what is resident, the weight slots and two positions' KV
+buffers (and, with activations on the GPU, N_r + 1 <= prompt length, the activation buffer reserved for the block).
+Token ids of the block are resident on the GPU (``footprint.token_ids_bytes``).
 
 Stream order (ops on one stream run in plan order): at each position the hidden state's load (activations on the CPU)
 goes first, then what is already in host memory (the next position's KV, this batch's weight slice), then what must
@@ -61,9 +64,8 @@ from offsim.core.specs import HardwareSpec, ModelSpec, Workload
 from offsim.policies.base import Candidate, Policy, capacity_of, kv_split_from_percent, weight_split_from_percent
 from offsim.policies.flexgen import FlexGenSettings
 from offsim.policies.lp import flexgen_candidates
-from offsim.policies.schedule import DiskStoreBuffers, Schedule, resident_bytes, workspace_bytes
-
-TOKEN_ID_BYTES = 8  # int64 token ids, the only per-token state kept on the GPU for recompute
+from offsim.core import footprint as fp
+from offsim.policies.schedule import DiskStoreBuffers, Schedule, resident_bytes
 
 
 @dataclass(frozen=True)
@@ -145,18 +147,26 @@ def layout_of(model: ModelSpec, wl: Workload, st: TightLLMSettings) -> Layout:
     return Layout(g, c, d, kg, kc, model.num_kv_heads - kg - kc, "gpu" if ag >= ac else "cpu", b_n, slices)
 
 
+def kv_work_buffers_bytes(model: ModelSpec, wl: Workload, lay: Layout) -> int:
+    """One position's full-length KV work buffers of the off-GPU head groups (``footprint.kv_buffer_bytes``)."""
+    return sum(fp.kv_buffer_bytes(model, wl.gpu_batch_size, wl.max_len, h) for h in (lay.kv_cpu_heads,
+                                                                                        lay.kv_disk_heads))
+
+
 def recompute_memory_cap(model: ModelSpec, wl: Workload, lay: Layout, free_gpu_bytes: int, ctx_tokens: int) -> int:
-    """The largest N_r whose decode step fits: scratch of (N_r + 1)·batch tokens, this position's KV prefix
-    (N_ctx - N_r tokens) and the next position's (counted at full length: its N_r may be 0), and this position's new
-    KV waiting to be stored. -1 if not even N_r = 0 fits (the plan will then fail validation with the shortfall)."""
+    """The largest N_r whose decode step fits: the op peak of a layer over (N_r + 1)·batch tokens at a context of
+    N_ctx + 1 (``footprint.op_peak_bytes``), with activations on the host the copy of its input, and two positions'
+    KV work buffers (this one's and the next one's, loaded ahead; full length, so independent of N_r). -1 if not
+    even N_r = 0 fits (the plan will then fail validation with the shortfall)."""
     gbs = wl.gpu_batch_size
-    off_heads = lay.kv_cpu_heads + lay.kv_disk_heads
+    groups = sum(1 for h in (lay.kv_gpu_heads, lay.kv_cpu_heads, lay.kv_disk_heads) if h)
+    bufs = 2 * kv_work_buffers_bytes(model, wl, lay)
 
     def need(n: int) -> int:
-        return (workspace_bytes(model, gbs * (n + 1)) + kv_load_bytes(model, gbs, off_heads, ctx_tokens - n)
-                + kv_load_bytes(model, gbs, off_heads, ctx_tokens) + kv_load_bytes(model, gbs, off_heads, n + 1))
+        hin = fp.hidden_bytes(model, gbs, n + 1) if lay.hidden_home == "cpu" else 0
+        return fp.op_peak_bytes(model, "layer", gbs, n + 1, ctx_tokens + 1, groups) + hin + bufs
 
-    # need(n) grows with n: the scratch of a token (Q, K, V, output, FFN) outweighs one token of one layer's KV
+    # need(n) grows with n: every term of the op peak is linear in the query tokens
     if need(0) > free_gpu_bytes:
         return -1
     lo, hi = 0, ctx_tokens + 1
@@ -229,16 +239,16 @@ def _schedule_of(model: ModelSpec, lay: Layout, st: TightLLMSettings) -> Schedul
 
 
 def _resident(model: ModelSpec, wl: Workload, lay: Layout, st: TightLLMSettings) -> dict[str, int]:
-    res = resident_bytes(model, wl, _schedule_of(model, lay, st))
-    res["gpu"] += wl.num_prompts * wl.max_len * TOKEN_ID_BYTES
-    return res
+    """Resident bytes per tier (``footprint.resident_bytes``; token ids included)."""
+    return resident_bytes(model, wl, _schedule_of(model, lay, st))
 
 
 def free_gpu_bytes_of(model: ModelSpec, hw: HardwareSpec, wl: Workload, lay: Layout) -> int:
     """GPU bytes left for one position's scratch and KV buffers: capacity minus what is resident and the two
-    streamed-weight buffers."""
+    streamed-weight slots (``footprint.weight_slot_bytes``)."""
     res = _resident(model, wl, lay, TightLLMSettings())["gpu"]  # (placement comes from lay; settings unused)
-    return int(hw.gpu_mem_bytes) - res - 2 * lay.weight_offloaded
+    slot = fp.weight_slot_bytes(model, lay.weight_gpu) if lay.weight_offloaded else 0
+    return int(hw.gpu_mem_bytes) - res - 2 * slot
 
 
 _free_gpu_bytes = free_gpu_bytes_of  # (older name, used by offsim.plots)
@@ -258,6 +268,10 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
     kg, kc, kd = lay.kv_gpu_heads, lay.kv_cpu_heads, lay.kv_disk_heads
     n_kv = model.num_kv_heads
     off = lay.weight_offloaded
+    slot = fp.weight_slot_bytes(model, lay.weight_gpu) if off else 0  # GPU bytes of one streamed layer
+    straddle = slot - off if off else 0
+    buf = {"cpu": fp.kv_buffer_bytes(model, gbs, wl.max_len, kc), "disk": fp.kv_buffer_bytes(model, gbs, wl.max_len, kd)}
+    kv_groups = sum(1 for h in (kg, kc, kd) if h)
     pinned = st.pin_weights
     b = PlanBuilder()
     add = b.add
@@ -293,20 +307,22 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
         stage_dep = free_op.get(u - 3)
         (c_lo, c_hi), (d_lo, d_hi) = lay.slices[s]
         ids = loaded.setdefault(u, [])
+        first = straddle if not ids else 0  # the instance's first load takes its whole weight slot
         if part == "cpu" and c_hi > c_lo:
             ids.append(add("h2d", [dep], phase, i, j, s, tensor="weight", lo=c_lo, hi=c_hi, nbytes=c_hi - c_lo,
-                           pinned=pinned, alloc=(c_hi - c_lo, 0, 0)))
+                           pinned=pinned, alloc=(c_hi - c_lo + first, 0, 0)))
         if part == "disk" and d_hi > d_lo:
             nbytes = d_hi - d_lo
+            first = straddle if not ids else 0
             rd = add("disk_read", [stage_dep], phase, i, j, s, tensor="weight", lo=d_lo, hi=d_hi, nbytes=nbytes,
                      alloc=(0, nbytes, 0))
             ids.append(add("h2d", [rd, dep], phase, i, j, s, tensor="weight", lo=d_lo, hi=d_hi, nbytes=nbytes,
-                           pinned=pinned, alloc=(nbytes, 0, 0), free=(0, nbytes, 0)))
+                           pinned=pinned, alloc=(nbytes + first, 0, 0), free=(0, nbytes, 0)))
 
     # --- KV ----------------------------------------------------------------------------------------------------
     positions = [(i, j, k) for i in range(wl.gen_len) for j in range(-1, L + 1) for k in range(nb)]
     computes: list[int] = []
-    pending_loads: dict[int, tuple[list[int], list[int]]] = {}  # position -> (h2d ops, [GPU bytes they hold])
+    pending_loads: dict[int, tuple[list[int], set]] = {}  # position -> (h2d ops, head groups whose buffer they made)
     stored_upto: dict[tuple[int, int], int] = {}  # (layer, batch) -> S: KV tokens [0, S) stored off the GPU
     store_ops: dict[tuple[int, int], list[int]] = {}  # (layer, batch) -> the latest ops that extended S
     disk_stores = DiskStoreBuffers()  # KV stored to disk: bounded GPU and host staging buffers
@@ -323,24 +339,25 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
         if i == 0 or not 0 <= j < L:
             return
         hi = boundary(i, k)
-        ids, held = pending_loads.setdefault(p, ([], [0]))
+        ids, held = pending_loads.setdefault(p, ([], set()))
         if hi <= 0:
             return
-        buf = computes[p - 2] if p >= 2 else None
+        buf_dep = computes[p - 2] if p >= 2 else None
         stage = computes[p - 3] if p >= 3 else None
         durable = store_ops.get((j, k), [])
         if part == "cpu" and kc:
             nbytes = kvb(kc, hi)
-            ids.append(add("h2d", [buf] + durable, "decode", i, j, k, tensor="kv", lo=0, hi=hi, head_lo=kg,
-                           head_hi=kg + kc, nbytes=nbytes, pinned=pinned, alloc=(nbytes, 0, 0)))
-            held[0] += nbytes
+            ids.append(add("h2d", [buf_dep] + durable, "decode", i, j, k, tensor="kv", lo=0, hi=hi, head_lo=kg,
+                           head_hi=kg + kc, nbytes=nbytes, pinned=pinned, alloc=(buf["cpu"], 0, 0)))
+            held.add("cpu")
         if part == "disk" and kd:
             nbytes = kvb(kd, hi)
             rd = add("disk_read", [stage] + durable, "decode", i, j, k, tensor="kv", lo=0, hi=hi, head_lo=kg + kc,
                      head_hi=n_kv, nbytes=nbytes, alloc=(0, nbytes, 0))
-            ids.append(add("h2d", [rd, buf], "decode", i, j, k, tensor="kv", lo=0, hi=hi, head_lo=kg + kc,
-                           head_hi=n_kv, nbytes=nbytes, pinned=pinned, alloc=(nbytes, 0, 0), free=(0, nbytes, 0)))
-            held[0] += nbytes
+            ids.append(add("h2d", [rd, buf_dep], "decode", i, j, k, tensor="kv", lo=0, hi=hi, head_lo=kg + kc,
+                           head_hi=n_kv, nbytes=nbytes, pinned=pinned, alloc=(buf["disk"], 0, 0),
+                           free=(0, nbytes, 0)))
+            held.add("disk")
 
     last_out: dict[int, int] = {}
     hidden_store: dict[int, int] = {}
@@ -357,9 +374,11 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
         #     (behind the next layer's weights it would serialise compute and transfer)
         u = inst_index.get((i, j)) if decoder else None
         deps = [last_out.get(k)]
+        hin = 0  # GPU bytes of the hidden copy loaded for this compute: counted while the compute runs
         if lay.hidden_home == "cpu" and k in hidden_store and j >= 0:
+            hin = fp.hidden_bytes(model, gbs, q)
             hl = add("h2d", [hidden_store.pop(k)], phase, i, j, k, tensor="hidden", lo=ctx - q, hi=ctx,
-                     nbytes=model.hidden_bytes(gbs * q), pinned=pinned)
+                     nbytes=hin, pinned=pinned)
             deps = [hl]
         # (2) prefetch the next position's KV prefix (FlexGen: load_cache(k+1)) and (3) the weight loader's slice k
         #     of the next streamed instance. On the h2d stream (in order, like a CUDA stream) what is already in host
@@ -374,22 +393,27 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
             issue_slice(u + 1, k, "disk")
         if u is not None:
             deps += loaded[u]
-        load_ids, load_held = pending_loads.pop(p, ([], [0]))
-        load_held = load_held[0]
+        load_ids, loaded_groups = pending_loads.pop(p, ([], set()))
         deps += load_ids
+        part = "layer" if decoder else ("embed" if j < 0 else "head")
         # (4) compute
         if decoder:
             S = stored_upto.get((j, k), 0)
             t = store_target(i, k)
             new_store = max(0, t - S) if (kc or kd) else 0
-            ws = workspace_bytes(model, gbs * q)
+            ws = fp.op_peak_bytes(model, "layer", gbs, q, ctx, kv_groups)
             last_k = k == nb - 1
-            w_free = off if (last_k and u is not None) else 0
+            w_free = slot if (last_k and u is not None) else 0
             if new_store and kd:
                 deps += disk_stores.compute_deps()
+            # work buffers of off-GPU head groups: made by their load, else by this compute; freed by their store,
+            # else (nothing to store) by this compute
+            groups = [g for g, h in (("cpu", kc), ("disk", kd)) if h]
+            made = sum(buf[g] for g in groups if g not in loaded_groups)
+            unstored = sum(buf[g] for g in groups) if not new_store else 0
             comp = add("compute", deps, phase, i, j, k, part="layer", num_seqs=gbs, q_tokens=q, ctx_tokens=ctx,
-                       frees_weights=last_k and u is not None,
-                       alloc=(ws + kvb(kc + kd, new_store), 0, 0), free=(ws + w_free + load_held, 0, 0))
+                       frees_weights=last_k and u is not None, alloc=(ws + hin + made, 0, 0),
+                       free=(ws + hin + w_free + unstored, 0, 0))
             if last_k and u is not None:
                 free_op[u] = comp
             # (5) store what a later step will load: tokens [S, t), all inside [ctx - q, ctx) computed just now
@@ -398,28 +422,27 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
                 if kc:
                     nbytes = kvb(kc, new_store)
                     ops.append(add("d2h", [comp], phase, i, j, k, tensor="kv", lo=S, hi=t, head_lo=kg,
-                                   head_hi=kg + kc, nbytes=nbytes, pinned=pinned, free=(nbytes, 0, 0)))
+                                   head_hi=kg + kc, nbytes=nbytes, pinned=pinned, free=(buf["cpu"], 0, 0)))
                 if kd:
                     nbytes = kvb(kd, new_store)
                     st_ = add("d2h", [comp] + disk_stores.d2h_deps(), phase, i, j, k, tensor="kv", lo=S, hi=t,
                               head_lo=kg + kc, head_hi=n_kv, nbytes=nbytes, pinned=pinned, alloc=(0, nbytes, 0),
-                              free=(nbytes, 0, 0))
+                              free=(buf["disk"], 0, 0))
                     ops.append(add("disk_write", [st_], phase, i, j, k, tensor="kv", lo=S, hi=t, head_lo=kg + kc,
                                    head_hi=n_kv, nbytes=nbytes, free=(0, nbytes, 0)))
                     disk_stores.record(st_, ops[-1])
                 stored_upto[(j, k)] = t
                 store_ops[(j, k)] = ops
         else:
-            part = "embed" if j < 0 else "head"
-            hb = model.hidden_bytes(gbs * q)
+            ws = fp.op_peak_bytes(model, part, gbs, q, ctx)
             comp = add("compute", deps, phase, i, j, k, part=part, num_seqs=gbs, q_tokens=q, ctx_tokens=ctx,
-                       alloc=(hb, 0, 0), free=(hb, 0, 0))
+                       alloc=(ws + hin, 0, 0), free=(ws + hin, 0, 0))
         computes.append(comp)
         last_out[k] = comp
         # (6) park the hidden on the CPU between layers
         if lay.hidden_home == "cpu" and j < L:
             hidden_store[k] = add("d2h", [comp], phase, i, j, k, tensor="hidden", lo=ctx - q, hi=ctx,
-                                  nbytes=model.hidden_bytes(gbs * q), pinned=pinned)
+                                  nbytes=fp.hidden_bytes(model, gbs, q), pinned=pinned)
     settings = dataclasses.asdict(st)
     settings["percent"] = list(st.percent)
     derived = {"weight_slices_used": lay.num_slices,
@@ -470,14 +493,13 @@ def estimate_seconds_per_token(model: ModelSpec, hw: HardwareSpec, wl: Workload,
     from offsim.core import costmodel as cm
 
     lay = layout_of(model, wl, st)
-    res = _resident(model, wl, lay, st)
-    if res["cpu"] > hw.cpu_mem_bytes or res["disk"] > hw.disk_bytes:
+    try:  # resident bytes and the minimum working set (prefill included) on every tier
+        fp.check_fits(model, capacity_of(hw), wl, _schedule_of(model, lay, st).placement())
+    except OffsimError:
         return math.inf
     free = free_gpu_bytes_of(model, hw, wl, lay)
     gbs, P = wl.gpu_batch_size, wl.prompt_len
     off_heads = lay.kv_cpu_heads + lay.kv_disk_heads
-    if free < workspace_bytes(model, gbs * P) + kvb_all(model, gbs, off_heads, P):
-        return math.inf
     kvd = distributor(model, hw, st.transfer_model)
     mid = P + wl.gen_len // 2 - 1
     pre = dec = 0.0
@@ -495,7 +517,12 @@ def estimate_seconds_per_token(model: ModelSpec, hw: HardwareSpec, wl: Workload,
 
 
 def kvb_all(model: ModelSpec, gbs: int, heads: int, tokens: int) -> int:
-    return kv_load_bytes(model, gbs, heads, max(tokens, 0))
+    return fp.kv_bytes(model, gbs, max(tokens, 0), heads)
+
+
+def tightllm_placement(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLMSettings) -> fp.Placement:
+    """What a TightLLM plan puts where (for ``footprint.check_fits`` before the plan is built)."""
+    return _schedule_of(model, layout_of(model, wl, st), st).placement()
 
 
 def tightllm_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
@@ -526,4 +553,5 @@ def tightllm_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen
 
 
 TIGHTLLM = Policy("tightllm", TightLLMSettings, tightllm_plan, tightllm_candidates,
-                  "TightLLM: recompute part of the KV cache on the idle GPU (ILP per batch), weight slices per batch")
+                  "TightLLM: recompute part of the KV cache on the idle GPU (ILP per batch), weight slices per batch",
+                  tightllm_placement)

@@ -1,0 +1,466 @@
+"""How many bytes each thing takes: the one module that turns shapes into bytes (issue 12).
+
+Everything outside this module asks here, and this module builds on ``ModelSpec``'s primitive sizes only
+(``layer_tensors`` / ``layer_weight_bytes``, ``embedding_bytes``, ``kv_bytes_per_token``, ``hidden_bytes``, ``dtype_bytes``).
+Names carry units (``_bytes``). Shapes use offexec's names (offexec/model.py): B sequences, T new (query) tokens,
+C context tokens (the new ones included), E = d_model, H query heads, Hk KV heads, D head dim, F ffn dim,
+V vocabulary, e = ``model.dtype_bytes``; "tokens" n = B·T.
+
+Four layers of sizes:
+
+1. **Tensors**: a layer's weights, a weight *slot* (the streamed part of a layer as the executor holds it on the
+   GPU), embeddings, KV per token / sequence / layer / head range, a KV *work buffer* (the executor's per (layer,
+   batch) buffer of off-GPU heads, always at full length), the hidden state, Q/K/V, the attention output, the FFN
+   intermediate, logits, token ids, RoPE tables.
+2. **Op peaks** (``op_peak_bytes``): the most bytes a compute op has alive at once beyond its inputs, as offexec
+   computes it (offexec/model.py ``pre_attn``/``attention``/``_sdpa``/``post_attn``/``embed``/``head`` called from
+   offexec/executor.py ``_op_*``), its output included. Worked out stage by stage in ``layer_stage_bytes``.
+3. **Per-plan totals by tier** (``tier_bytes``): what a placement holds on the GPU, in host memory and on disk:
+   resident (weights, KV at full length, activations, embeddings, token ids) plus the minimum working set (weight
+   slots, KV work buffers, host staging, the largest op peak). Written over placement *fractions* so that FlexGen's
+   LP (offsim/policies/lp.py) uses the very same formula with its fractions as LP variables (it stays affine).
+   ``check_fits`` refuses, from this arithmetic alone, a placement that fits nowhere -- before any op is built.
+4. **The executor's buffers by purpose** (``executor_gpu_bytes``, ``disk_tier_bytes``, ``executor_host_bytes``): what
+   offexec's ``gpu_need``/``disk_need``/``check_plan`` add up.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from offsim.core.errors import OffsimError
+from offsim.core.plan import PlanError
+from offsim.core.specs import ModelSpec, Workload
+
+GiB = 1 << 30
+TOKEN_ID_BYTES = 8  # int64 token ids (offexec keeps every sequence's ids on the GPU: executor.Executor.tokens)
+FP32_BYTES = 4  # RMSNorm statistics are computed in fp32 (transformers' LlamaRMSNorm; offexec/model.py _norm)
+TIERS = ("gpu", "cpu", "disk")
+
+
+# ================================================================================================================
+# 1. tensors
+# ================================================================================================================
+# -- weights -----------------------------------------------------------------------------------------------------
+def layer_weight_bytes(model: ModelSpec) -> int:
+    """One decoder layer's flat weight buffer (``ModelSpec.layer_weight_bytes``: Σ prod(shape) · e)."""
+    return model.layer_weight_bytes()
+
+
+def weight_tensor_ranges_bytes(model: ModelSpec) -> list[tuple[str, int, int]]:
+    """(name, first byte, end byte) of each tensor in a layer's flat buffer, in ``layer_tensors`` order."""
+    out, off = [], 0
+    for name, shape in model.layer_tensors():
+        n = math.prod(shape) * model.dtype_bytes
+        out.append((name, off, off + n))
+        off += n
+    return out
+
+
+def largest_weight_tensor_bytes(model: ModelSpec) -> int:
+    """The largest single tensor of a layer (OPT/Llama: an FFN matrix, F·E·e)."""
+    return max(hi - lo for _, lo, hi in weight_tensor_ranges_bytes(model))
+
+
+def weight_slot_base_bytes(model: ModelSpec, gpu_bytes: int) -> int:
+    """First byte of a layer's streamed slot when bytes [0, gpu_bytes) are GPU-resident: the start of the tensor
+    that holds byte ``gpu_bytes`` -- the executor keeps every tensor whole in one buffer, so the tensor that
+    straddles the GPU|offloaded boundary is assembled in the slot (offexec/program.py ``weight_slot_base``)."""
+    for _, lo, hi in weight_tensor_ranges_bytes(model):
+        if lo <= gpu_bytes < hi:
+            return lo
+    return gpu_bytes
+
+
+def weight_slot_bytes(model: ModelSpec, gpu_bytes: int) -> int:
+    """GPU bytes of one streamed-weight slot of a layer with [0, gpu_bytes) resident: W − slot base (0 when the
+    whole layer is resident). = the streamed bytes W − gpu_bytes plus the straddling tensor's resident head."""
+    W = layer_weight_bytes(model)
+    return 0 if gpu_bytes >= W else W - weight_slot_base_bytes(model, gpu_bytes)
+
+
+def weight_slot_straddle_bytes(model: ModelSpec, gpu_bytes: int) -> int:
+    """Bytes of a slot beyond the streamed bytes: the resident head of the straddling tensor, copied GPU->GPU into
+    the slot when the slot is first filled (offexec/executor.py ``_op_h2d_weight``)."""
+    W = layer_weight_bytes(model)
+    return 0 if gpu_bytes >= W else weight_slot_bytes(model, gpu_bytes) - (W - gpu_bytes)
+
+
+def embedding_bytes(model: ModelSpec) -> int:
+    """Token (+ OPT position) embeddings, final norm and an untied LM head (``ModelSpec.embedding_bytes``); the
+    executor holds all of them on the GPU (``Executor.emb``)."""
+    return model.embedding_bytes()
+
+
+# -- KV cache ----------------------------------------------------------------------------------------------------
+def kv_bytes(model: ModelSpec, num_seqs: int, tokens: int, heads: int | None = None, layers: int = 1) -> int:
+    """KV of ``tokens`` tokens of ``num_seqs`` sequences over ``heads`` KV heads (default all) and ``layers``
+    layers: num_seqs · tokens · layers · (2 · heads · D · e) -- K and V per head (``kv_bytes_per_token`` is the
+    all-heads value 2 · Hk · D · e; a head range is its ``heads / Hk`` share, exact since it is linear in heads)."""
+    heads = model.num_kv_heads if heads is None else heads
+    return num_seqs * max(tokens, 0) * layers * model.kv_bytes_per_token() * heads // model.num_kv_heads
+
+
+def kv_buffer_bytes(model: ModelSpec, num_seqs: int, max_len: int, heads: int) -> int:
+    """One (layer, GPU batch) KV buffer of ``heads`` heads at full length, [max_len, 2, B, heads, D]: the layout of
+    the executor's GPU-resident KV, host KV, disk KV and its KV *work buffers* (offexec/executor.py; a work buffer
+    is always allocated at full length, however short the prefix loaded into it)."""
+    return kv_bytes(model, num_seqs, max_len, heads)
+
+
+def kv_buffer_elems(model: ModelSpec, num_seqs: int, max_len: int, heads: int) -> int:
+    """Elements of ``kv_buffer_bytes``: max_len · 2 · B · heads · D."""
+    return max_len * 2 * num_seqs * heads * model.head_dim
+
+
+# -- activations ---------------------------------------------------------------------------------------------------
+def hidden_bytes(model: ModelSpec, num_seqs: int, q_tokens: int) -> int:
+    """The hidden state [B, T, E] (``ModelSpec.hidden_bytes`` of B·T tokens)."""
+    return model.hidden_bytes(num_seqs * q_tokens)
+
+
+def q_bytes(model: ModelSpec, num_seqs: int, q_tokens: int) -> int:
+    """Q of the new tokens [B, T, H, D]: B·T·H·D·e (= the attention output [B, T, H·D])."""
+    return num_seqs * q_tokens * model.q_dim * model.dtype_bytes
+
+
+def k_bytes(model: ModelSpec, num_seqs: int, q_tokens: int) -> int:
+    """K (or V) of the new tokens [B, T, Hk, D]: B·T·Hk·D·e."""
+    return num_seqs * q_tokens * model.kv_dim * model.dtype_bytes
+
+
+def qkv_bytes(model: ModelSpec, num_seqs: int, q_tokens: int) -> int:
+    """Q, K and V of the new tokens: B·T·(H + 2·Hk)·D·e (also CPU attention's packed [B, T, H + 2 Hk, D] copy)."""
+    return q_bytes(model, num_seqs, q_tokens) + 2 * k_bytes(model, num_seqs, q_tokens)
+
+
+def attn_out_bytes(model: ModelSpec, num_seqs: int, q_tokens: int) -> int:
+    """The attention output [B, T, H·D]: B·T·H·D·e."""
+    return q_bytes(model, num_seqs, q_tokens)
+
+
+def ffn_bytes(model: ModelSpec, num_seqs: int, q_tokens: int) -> int:
+    """One FFN intermediate [B, T, F]: B·T·F·e (SwiGLU holds two at once: see ``layer_stage_bytes``)."""
+    return num_seqs * q_tokens * model.ffn_dim * model.dtype_bytes
+
+
+def logits_bytes(model: ModelSpec, num_seqs: int, dtype_bytes: int | None = None) -> int:
+    """Logits of the LM head [B, V] (offexec's ``head`` takes each sequence's last position only): B·V·e, or
+    B·V·4 for the fp32 copy kept when logits are recorded."""
+    return num_seqs * model.vocab_size * (model.dtype_bytes if dtype_bytes is None else dtype_bytes)
+
+
+def scores_bytes(model: ModelSpec, num_seqs: int, q_tokens: int, ctx_tokens: int) -> int:
+    """An attention score matrix [B, H, T, C]: B·H·T·C·e (materialised only when attention is not fused)."""
+    return num_seqs * model.num_heads * q_tokens * ctx_tokens * model.dtype_bytes
+
+
+def token_ids_bytes(num_seqs: int, max_len: int) -> int:
+    """Token ids of every sequence, [num_seqs, max_len + 1] int64 (the executor's ``tokens``; TightLLM's recompute
+    restarts from them)."""
+    return num_seqs * (max_len + 1) * TOKEN_ID_BYTES
+
+
+def rope_table_bytes(model: ModelSpec, max_len: int) -> int:
+    """Llama's RoPE cos and sin tables, [max_len + 1, D] each in the model dtype (offexec/model.py ``Rope``); 0 for
+    OPT (learned positions are in the embeddings)."""
+    return 2 * (max_len + 1) * model.head_dim * model.dtype_bytes if model.family == "llama" else 0
+
+
+# ================================================================================================================
+# 2. op peaks
+# ================================================================================================================
+def attention_is_fused(model: ModelSpec) -> bool:
+    """Whether offexec's ``_sdpa`` runs a fused kernel (no score matrix): PyTorch's flash attention takes fp16/bf16
+    with head_dim a multiple of 8 up to 256 (torch sdp_utils ``check_head_dim_size_flash``), which every fp16 preset
+    meets. Otherwise the math backend materialises scores (and, with GQA, K/V expanded to H heads)."""
+    return model.dtype_bytes == 2 and model.head_dim % 8 == 0 and model.head_dim <= 256
+
+
+def norm_peak_bytes(model: ModelSpec, tokens: int) -> int:
+    """Peak bytes of one norm over ``tokens`` rows, its output included. OPT LayerNorm: the output, n·E·e (mean and
+    rstd are n floats: ignored). Llama RMSNorm (offexec/model.py ``_norm``): an fp32 copy xf and x² (2 · 4·n·E),
+    then xf·rsqrt beside xf (2 · 4·n·E), then xf beside its cast and w · cast (4·n·E + 2·n·E·e): 8·n·E for e <= 4."""
+    nE = tokens * model.d_model
+    if model.family == "opt":
+        return nE * model.dtype_bytes
+    return max(2 * FP32_BYTES * nE, FP32_BYTES * nE + 2 * nE * model.dtype_bytes)
+
+
+def layer_stage_bytes(model: ModelSpec, num_seqs: int, q_tokens: int, ctx_tokens: int,
+                      kv_groups: int = 1) -> dict[str, int]:
+    """Bytes alive in each stage of one decoder layer's forward (offexec ``_op_layer``: pre_attn, attention,
+    post_attn), beyond its inputs (the hidden state x, the weights and the KV buffers), the output included.
+
+    Term by term (n = B·T; hE = n·E·e, q = B·T·H·D·e, k = v = B·T·Hk·D·e, o = q, f = n·F·e):
+    - ``pre_attn``: the norm output h (peak ``norm_peak_bytes``) beside Q, K, V: h + q + 2k, or the norm's own
+      peak if larger. Llama's RoPE (``Rope.apply``) holds rotate_half, x·cos, rot·sin and their sum beside its
+      input: 4 more of the rotated tensor, for Q (while h, q, k, v live) and then for K (while the rotated Q lives
+      too): + max(4q, q + 4k).
+    - ``attention``: Q, K, V stay alive (``_op_layer`` keeps them as locals until it returns) and the output o.
+      With more than one head group (KV homed on several tiers) ``attention`` writes each group's output into o:
+      one group's output (at most o) more. Unfused: the score matrix B·H·T·C twice (scores, softmax), K/V expanded
+      to H heads for GQA, and o copied from [B, H, T, D] to [B, T, H·D].
+    - ``post_attn``: q + 2k + o stay; then OPT: out_proj and x1 = x + it (2·hE); LayerNorm h (hE) and fc1 (f)
+      beside x1; fc1, fc2 and the output beside x1: max(2·hE, 2·hE + f, 3·hE + f) = 3·hE + f. Llama: x1 and the
+      norm peak; x1, h, gate/silu (2f) -- then silu(gate) · up: 2f; then h, g, down and the output: x1 + max(8·n·E
+      norm, hE + 2f, hE + f + 2·hE)."""
+    B, T, C = num_seqs, q_tokens, ctx_tokens
+    n = B * T
+    e = model.dtype_bytes
+    hE = n * model.d_model * e
+    q, k = q_bytes(model, B, T), k_bytes(model, B, T)
+    o, f = attn_out_bytes(model, B, T), ffn_bytes(model, B, T)
+    qkv = q + 2 * k
+    norm = norm_peak_bytes(model, n)
+    pre = max(norm, hE + qkv)
+    if model.family == "llama":
+        pre = max(pre, hE + qkv + max(4 * q, q + 4 * k))
+    attn = qkv + o
+    if kv_groups > 1:
+        attn += o
+    if not attention_is_fused(model):
+        expand = 2 * B * model.num_heads * C * model.head_dim * e if model.num_heads != model.num_kv_heads else 0
+        attn += 2 * scores_bytes(model, B, T, C) + expand + o
+    if model.family == "opt":
+        post = qkv + o + 3 * hE + f
+    else:
+        post = qkv + o + hE + max(norm, hE + 2 * f, hE + f + 2 * hE)
+    return {"pre_attn": pre, "attention": attn, "post_attn": post}
+
+
+def op_peak_bytes(model: ModelSpec, part: str, num_seqs: int, q_tokens: int, ctx_tokens: int,
+                  kv_groups: int = 1, record_logits: bool = False) -> int:
+    """Peak bytes a compute op holds beyond its inputs, its output included, as offexec computes it.
+
+    - ``layer``: the largest of ``layer_stage_bytes``;
+    - ``cpu_attn_layer`` (FlexGen's CPU delegation: ``pre_attn`` on the GPU, attention on the CPU, ``post_attn`` on
+      the GPU): the pre_attn stage; then Q, K, V (kept as the ``pre`` value) and their packed copy for the d2h
+      (``_op_d2h_qkv``: q + 2k); then the post_attn stage with the attention output copied back;
+    - ``embed``: the gathered embeddings and (OPT) their sum with the positions: 2·hE (OPT), hE (Llama);
+    - ``head``: the final norm of the last position [B, E] and the logits [B, V] (+ their fp32 copy when
+      ``record_logits``).
+    """
+    B, T = num_seqs, q_tokens
+    hE = hidden_bytes(model, B, T)
+    if part == "layer":
+        return max(layer_stage_bytes(model, B, T, ctx_tokens, kv_groups).values())
+    if part == "cpu_attn_layer":
+        st = layer_stage_bytes(model, B, T, ctx_tokens, 1)
+        packed = 2 * qkv_bytes(model, B, T)
+        return max(st["pre_attn"], packed, st["post_attn"])
+    if part == "embed":
+        return 2 * hE if model.family == "opt" else hE
+    if part == "head":
+        norm = norm_peak_bytes(model, B)
+        out = max(norm, hidden_bytes(model, B, 1) + logits_bytes(model, B))
+        return out + (logits_bytes(model, B, FP32_BYTES) if record_logits else 0)
+    raise OffsimError(f"op_peak_bytes: unknown part {part!r}; valid: layer, cpu_attn_layer, embed, head")
+
+
+def op_output_bytes(model: ModelSpec, part: str, num_seqs: int, q_tokens: int) -> int:
+    """The value an op leaves behind (included in ``op_peak_bytes``): the hidden state for embed and a layer, Q/K/V
+    for pre_attn, nothing for the head (its token ids go into the preallocated ``tokens``)."""
+    if part in ("layer", "embed", "post_attn", "cpu_attn_layer"):
+        return hidden_bytes(model, num_seqs, q_tokens)
+    if part == "pre_attn":
+        return qkv_bytes(model, num_seqs, q_tokens)
+    return 0
+
+
+def max_layer_peak_bytes(model: ModelSpec, wl: Workload, cpu_attention: bool = False, kv_groups: int = 1) -> int:
+    """The largest op peak of a block without recompute: a prefill layer over the prompt (T = C = prompt_len), a
+    decode layer at the longest context (T = 1, C = max_len), the embedding and the head. (TightLLM's recompute
+    blocks are sized against what is left: ``offsim.policies.tightllm.policy.recompute_memory_cap``.)"""
+    gbs, P, M = wl.gpu_batch_size, wl.prompt_len, wl.max_len
+    peaks = [op_peak_bytes(model, "layer", gbs, P, P, kv_groups),
+             op_peak_bytes(model, "cpu_attn_layer" if cpu_attention else "layer", gbs, 1, M, kv_groups),
+             op_peak_bytes(model, "embed", gbs, P, P), op_peak_bytes(model, "head", gbs, P, P)]
+    return max(peaks)
+
+
+# ================================================================================================================
+# 3. per-plan totals by tier
+# ================================================================================================================
+@dataclass(frozen=True)
+class Placement:
+    """What a policy puts where, as far as memory goes: per layer (gpu, cpu) bytes of its flat weights (the rest on
+    disk), KV heads (gpu, cpu) (the rest on disk), where activations wait between layers, how many streamed-weight
+    slots are live at once (2 with prefetch: double buffering; 1 without), and FlexGen's CPU attention."""
+
+    weight_split: tuple[tuple[int, int], ...]
+    kv_split: tuple[int, int]
+    hidden_home: str = "gpu"
+    weight_buffers: int = 2
+    cpu_attention: bool = False
+
+    def fractions(self, model: ModelSpec) -> dict[str, float]:
+        """Placement fractions (FlexGen's LP variables) of the weights (the mean over layers), KV heads and
+        activations."""
+        W, L, n = layer_weight_bytes(model), model.num_layers, model.num_kv_heads
+        wg = sum(g for g, _ in self.weight_split) / (W * L)
+        wc = sum(c for _, c in self.weight_split) / (W * L)
+        kg, kc = self.kv_split
+        hg = 1.0 if self.hidden_home == "gpu" else 0.0
+        return {"wg": wg, "wc": wc, "wd": 1 - wg - wc, "cg": kg / n, "cc": kc / n, "cd": (n - kg - kc) / n,
+                "hg": hg, "hc": 1 - hg}
+
+
+def tier_bytes(model: ModelSpec, wl: Workload, x: Mapping[str, Any], cpu_attention: bool = False,
+               weight_buffers: int = 2, op_peak: int | None = None) -> dict[str, dict[str, Any]]:
+    """Bytes per tier and purpose of a block on a placement given as fractions ``x`` (wg, wc, wd, cg, cc, cd, hg,
+    hc; floats or LP expressions -- every term is a constant or a constant times one fraction, so the LP stays
+    affine): what is resident for the whole run plus the minimum working set. Returns {tier: {purpose: bytes}}.
+
+    GPU: embeddings; token ids (and RoPE tables); wg · L · W resident weights; ``weight_buffers`` streamed slots of
+    (wc + wd) · W (the straddling tensor of a partial split is added by ``check_fits``: not affine); cg of the KV at
+    full length (all prompts, all layers); KV work buffers of the off-GPU heads at full length, (cc + cd) of a
+    [max_len, 2, gbs, Hk, D] buffer, two of them (the current position's and the next one's, loaded ahead) or one
+    with CPU attention (a prefill position's, until stored); hg of the block's activations at the prompt (nb
+    batches of [gbs, prompt_len, E]), or with activations parked on the host (hc) one batch's copy in and out; and
+    the largest op peak (``max_layer_peak_bytes``).
+    Host: wc · L · W weights; cc of the KV; hc of the block's activations; staging of what comes from disk -- wd of
+    ``weight_buffers`` layers, and cd of one full-length KV buffer read ahead plus two prefill stores in flight
+    (``schedule.DiskStoreBuffers``).
+    Disk: wd · L · W weights and cd of the KV."""
+    L, W = model.num_layers, layer_weight_bytes(model)
+    gbs, nb, P, M = wl.gpu_batch_size, wl.num_gpu_batches, wl.prompt_len, wl.max_len
+    n_kv = model.num_kv_heads
+    kv_all = kv_bytes(model, wl.num_prompts, M, n_kv, L)
+    kv_buf = kv_buffer_bytes(model, gbs, M, n_kv)
+    hidden_block = hidden_bytes(model, wl.num_prompts, P)
+    hidden_batch = hidden_bytes(model, gbs, P)
+    w_off, c_off = x["wc"] + x["wd"], x["cc"] + x["cd"]
+    if op_peak is None:
+        op_peak = max_layer_peak_bytes(model, wl, cpu_attention)
+    gpu = {"embeddings": embedding_bytes(model),
+           "token ids": token_ids_bytes(wl.num_prompts, M) + rope_table_bytes(model, M),
+           "resident weights": x["wg"] * (L * W),
+           "weight slots": w_off * (weight_buffers * W),
+           "resident KV": x["cg"] * kv_all,
+           "KV work buffers": c_off * ((1 if cpu_attention else 2) * kv_buf),
+           "activations": x["hg"] * hidden_block + x["hc"] * (2 * hidden_batch),
+           "op peak": op_peak}
+    cpu = {"weights": x["wc"] * (L * W), "KV": x["cc"] * kv_all, "activations": x["hc"] * hidden_block,
+           "disk staging": x["wd"] * (weight_buffers * W) + x["cd"] * (kv_buf + 2 * kv_bytes(model, gbs, P))}
+    disk = {"weights": x["wd"] * (L * W), "KV": x["cd"] * kv_all}
+    return {"gpu": gpu, "cpu": cpu, "disk": disk}
+
+
+def placement_tier_bytes(model: ModelSpec, wl: Workload, pl: Placement) -> dict[str, dict[str, int]]:
+    """``tier_bytes`` of a concrete placement, in whole bytes, with the weight slot's straddling tensor."""
+    x = pl.fractions(model)
+    kv_groups = sum(1 for h in _head_groups(model, pl.kv_split) if h)
+    peak = max_layer_peak_bytes(model, wl, pl.cpu_attention, kv_groups)
+    out = tier_bytes(model, wl, x, pl.cpu_attention, pl.weight_buffers, peak)
+    # exact integers where fractions were used: sums of the split, heads, and the slot as the executor sizes it
+    L, W = model.num_layers, layer_weight_bytes(model)
+    kg, kc = pl.kv_split
+    kd = model.num_kv_heads - kg - kc
+    M, gbs = wl.max_len, wl.gpu_batch_size
+    gpu, cpu, disk = out["gpu"], out["cpu"], out["disk"]
+    slot = max((weight_slot_bytes(model, g) for g, _ in pl.weight_split), default=0)
+    gpu["resident weights"] = sum(g for g, _ in pl.weight_split)
+    gpu["weight slots"] = pl.weight_buffers * slot
+    gpu["resident KV"] = kv_bytes(model, wl.num_prompts, M, kg, L)
+    gpu["KV work buffers"] = (1 if pl.cpu_attention else 2) * sum(kv_buffer_bytes(model, gbs, M, h) for h in (kc, kd))
+    cpu["weights"] = sum(c for _, c in pl.weight_split)
+    cpu["KV"] = kv_bytes(model, wl.num_prompts, M, kc, L)
+    disk_w = sum(W - g - c for g, c in pl.weight_split)
+    cpu["disk staging"] = pl.weight_buffers * max((W - g - c for g, c in pl.weight_split), default=0) + \
+        kv_buffer_bytes(model, gbs, M, kd) + 2 * kv_bytes(model, gbs, wl.prompt_len, kd)
+    disk["weights"] = disk_w
+    disk["KV"] = kv_bytes(model, wl.num_prompts, M, kd, L)
+    return {t: {k: int(v) for k, v in d.items()} for t, d in out.items()}
+
+
+def resident_bytes(model: ModelSpec, wl: Workload, pl: Placement) -> dict[str, int]:
+    """Bytes held for the whole run on each tier (a plan's ``resident``): weights, KV at full length, the block's
+    activations where they live, embeddings, token ids and RoPE tables (GPU). The working set (slots, work buffers,
+    staging, op peaks) is what plan ops allocate and free."""
+    t = placement_tier_bytes(model, wl, pl)
+    gpu = t["gpu"]
+    hidden_gpu = hidden_bytes(model, wl.num_prompts, wl.prompt_len) if pl.hidden_home == "gpu" else 0
+    return {"gpu": gpu["embeddings"] + gpu["token ids"] + gpu["resident weights"] + gpu["resident KV"] + hidden_gpu,
+            "cpu": t["cpu"]["weights"] + t["cpu"]["KV"] + t["cpu"]["activations"],
+            "disk": t["disk"]["weights"] + t["disk"]["KV"]}
+
+
+def gib(nbytes: float) -> str:
+    """``nbytes`` in GiB for messages: two decimals, or three significant digits below 0.1 GiB."""
+    x = nbytes / GiB
+    return f"{x:.2f} GiB" if abs(x) >= 0.1 or x == 0 else f"{x:.3g} GiB"
+
+
+def check_fits(model: ModelSpec, capacity: Mapping[str, int], wl: Workload, pl: Placement, what: str = "plan") -> None:
+    """Refuse, from arithmetic alone, a placement whose resident bytes plus minimum working set exceed a tier:
+    one line naming every short tier with its shortfall, need and capacity in GiB and its largest parts
+    (``PlanError``). Cheap (no op is built), so every plan can afford it before thousands of ops are emitted."""
+    t = placement_tier_bytes(model, wl, pl)
+    names = {"gpu": "GPU memory", "cpu": "host memory", "disk": "disk"}
+    short = []
+    for tier in TIERS:
+        need = sum(t[tier].values())
+        cap = int(capacity.get(tier, 0))
+        if need > cap:
+            parts = sorted(((v, k) for k, v in t[tier].items() if v), reverse=True)[:3]
+            detail = ", ".join(f"{k} {gib(v)}" for v, k in parts)
+            short.append(f"{names[tier]} short by {gib(need - cap)} (needs {gib(need)}: {detail}; capacity {gib(cap)})")
+    if short:
+        raise PlanError(f"{what} does not fit: {'; '.join(short)}; use fewer or smaller GPU batches or place less "
+                        "on the short tier")
+
+
+def _head_groups(model: ModelSpec, kv_split) -> tuple[int, int, int]:
+    kg, kc = kv_split
+    return kg, kc, model.num_kv_heads - kg - kc
+
+
+# ================================================================================================================
+# 4. the executor's buffers
+# ================================================================================================================
+def executor_gpu_bytes(model: ModelSpec, wl: Workload, weight_split, kv_split, pool_buffers: Mapping[str, int],
+                       activation_peak_bytes: int, op_transient_bytes: int) -> dict[str, int]:
+    """GPU bytes offexec holds for a plan, by purpose (offexec/executor.py ``Executor._setup`` and the op handlers):
+
+    - embeddings (``emb``), token ids [nb, gbs, max_len + 1] int64 and RoPE tables (``tokens``, ``rope``);
+    - resident weights: [0, g) of every layer (``w_res``);
+    - resident KV: [L, nb] buffers of the GPU-homed heads at full length (``kv_gpu``);
+    - weight slots: ``pool_buffers['wslot']`` slots of the largest ``weight_slot_bytes``;
+    - KV work buffers: ``pool_buffers['kvwork_cpu' / 'kvwork_disk']`` full-length buffers of each off-GPU group;
+    - activations: the most GPU values (hidden states, pre_attn's Q/K/V, attention outputs) alive at once in plan
+      order (``activation_peak_bytes``, from offexec/program.py);
+    - op transients: the largest op peak beyond its output (``op_transient_bytes``)."""
+    L, M, gbs, nb = model.num_layers, wl.max_len, wl.gpu_batch_size, wl.num_gpu_batches
+    kg, kc, kd = _head_groups(model, kv_split)
+    slot = max((weight_slot_bytes(model, g) for g, _ in weight_split), default=0)
+    return {"embeddings": embedding_bytes(model),
+            "token ids": token_ids_bytes(wl.num_prompts, M) + rope_table_bytes(model, M),
+            "resident weights": sum(g for g, _ in weight_split),
+            "resident KV": L * nb * kv_buffer_bytes(model, gbs, M, kg),
+            "weight slots": pool_buffers.get("wslot", 0) * slot,
+            "KV work buffers": pool_buffers.get("kvwork_cpu", 0) * kv_buffer_bytes(model, gbs, M, kc)
+            + pool_buffers.get("kvwork_disk", 0) * kv_buffer_bytes(model, gbs, M, kd),
+            "activations": activation_peak_bytes, "op transients": op_transient_bytes}
+
+
+def disk_tier_bytes(model: ModelSpec, wl: Workload, weight_split, kv_split) -> int:
+    """Bytes of offexec's disk-tier files: every layer's disk-homed weights at the largest layer's stride
+    (``weights.bin``) and the [L, nb] full-length KV buffers of the disk-homed heads (``kv.bin``)."""
+    W = layer_weight_bytes(model)
+    stride = max((W - g - c for g, c in weight_split), default=0)
+    _, _, kd = _head_groups(model, kv_split)
+    L, nb = model.num_layers, wl.num_gpu_batches
+    return stride * L + L * nb * kv_buffer_bytes(model, wl.gpu_batch_size, wl.max_len, kd)
+
+
+def executor_host_bytes(model: ModelSpec, wl: Workload, kv_split, staging_peak_bytes: int) -> dict[str, int]:
+    """Host bytes offexec holds, by purpose: the weights' host master (every layer in full, plus embeddings:
+    offexec/weights.py ``ModelWeights``; host-homed weight bytes are views of it), the [L, nb] full-length KV buffers
+    of host-homed heads (``kv_host``) and the most disk/CPU-attention staging alive at once (``staging_peak_bytes``,
+    from offexec/program.py)."""
+    _, kc, _ = _head_groups(model, kv_split)
+    return {"weights master": model.num_layers * layer_weight_bytes(model) + embedding_bytes(model),
+            "host KV": model.num_layers * wl.num_gpu_batches * kv_buffer_bytes(model, wl.gpu_batch_size, wl.max_len, kc),
+            "staging": staging_peak_bytes}
