@@ -106,8 +106,10 @@ def _best(policy, fixed, model, hw, prompt, gen):
     raise OffsimError(why)
 
 
-def run_cases(cases: list[dict], out: Path, commit: str | None) -> None:
+def run_cases(cases: list[dict], out: Path, commit: str | None, disk_dir: str | None = None) -> None:
     """Each model's weights once; per case a warm-up and the measured run; one JSON line per case in runs.jsonl."""
+    import inspect
+
     import torch
 
     from offexec.executor import check_plan, run_plan
@@ -136,11 +138,12 @@ def run_cases(cases: list[dict], out: Path, commit: str | None) -> None:
                 try:
                     plan = build_plan(c["policy"], model, hw, wl, c["settings"])
                     row["plan_matches_config"] = plan.fingerprint() == c["plan_sha256"]
-                    need = check_plan(plan, dev, budget)
+                    kw = {"weights_loaded": True} if "weights_loaded" in inspect.signature(check_plan).parameters else {}
+                    need = check_plan(plan, dev, budget, disk_dir, **kw)  # the weights' master copy is already made
                     row["offexec_need_bytes"] = int(sum(need.values()))
                     warm = build_plan(c["policy"], model, hw, wl.with_(gen_len=2), c["settings"])
-                    run_plan(warm, weights, "cuda", gpu_budget_bytes=budget)
-                    res = run_plan(plan, weights, "cuda", gpu_budget_bytes=budget)
+                    run_plan(warm, weights, "cuda", gpu_budget_bytes=budget, disk_dir=disk_dir)
+                    res = run_plan(plan, weights, "cuda", gpu_budget_bytes=budget, disk_dir=disk_dir)
                     m = res.trace.metrics()
                     row.update(oom=False, measured_peak_gpu_bytes=int(res.stats["gpu_max_reserved_bytes"]),
                                measured_max_allocated_bytes=int(res.stats["gpu_max_allocated_bytes"]),
@@ -269,6 +272,7 @@ def main(argv=None) -> None:
     r.add_argument("--out", required=True, help="folder for runs.jsonl (appended: a rerun skips finished cases)")
     r.add_argument("--commit", default=None, help="commit to record (the device copy has no .git)")
     r.add_argument("--models", nargs="*", help="only these models")
+    r.add_argument("--disk-dir", default=None, help="folder of the disk tier (a real disk: O_DIRECT)")
     q = sub.add_parser("report", help="write h200_sweep.csv and the plot")
     q.add_argument("--config", required=True)
     q.add_argument("--runs", required=True)
@@ -287,7 +291,7 @@ def main(argv=None) -> None:
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "runs.jsonl").touch()
-        run_cases(cases, out, a.commit)
+        run_cases(cases, out, a.commit, a.disk_dir)
         print(json.dumps({"runs": str(out / "runs.jsonl")}))
     else:
         print(json.dumps(report(Path(a.config), Path(a.runs), Path(a.out))))
