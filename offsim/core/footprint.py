@@ -1,7 +1,8 @@
 """How many bytes each thing takes: the one module that turns shapes into bytes (issue 12).
 
 Everything outside this module asks here, and this module builds on ``ModelSpec``'s primitive sizes only
-(``layer_tensors`` / ``layer_weight_bytes``, ``embedding_bytes``, ``kv_bytes_per_token``, ``hidden_bytes``, ``dtype_bytes``).
+(``layer_tensors`` / ``layer_weight_bytes``, ``embedding_bytes``, ``kv_bytes_per_token``, ``hidden_bytes``,
+``dtype_bytes``).
 Names carry units (``_bytes``). Shapes use offexec's names (offexec/model.py): B sequences, T new (query) tokens,
 C context tokens (the new ones included), E = d_model, H query heads, Hk KV heads, D head dim, F ffn dim,
 V vocabulary, e = ``model.dtype_bytes``; "tokens" n = B·T.
@@ -181,7 +182,8 @@ def attention_is_fused(model: ModelSpec) -> bool:
 def norm_peak_bytes(model: ModelSpec, tokens: int) -> int:
     """Peak bytes of one norm over ``tokens`` rows, its output included. OPT LayerNorm: the output, n·E·e (mean and
     rstd are n floats: ignored). Llama RMSNorm (offexec/model.py ``_norm``): an fp32 copy xf and x² (2 · 4·n·E),
-    then xf·rsqrt beside xf (2 · 4·n·E), then xf beside its cast and w · cast (4·n·E + 2·n·E·e): 8·n·E for e <= 4."""
+    then xf·rsqrt beside xf (2 · 4·n·E), then xf beside its cast and w · cast (4·n·E + 2·n·E·e): 8·n·E for
+    e <= 4."""
     nE = tokens * model.d_model
     if model.family == "opt":
         return nE * model.dtype_bytes
@@ -462,5 +464,6 @@ def executor_host_bytes(model: ModelSpec, wl: Workload, kv_split, staging_peak_b
     from offexec/program.py)."""
     _, kc, _ = _head_groups(model, kv_split)
     return {"weights master": model.num_layers * layer_weight_bytes(model) + embedding_bytes(model),
-            "host KV": model.num_layers * wl.num_gpu_batches * kv_buffer_bytes(model, wl.gpu_batch_size, wl.max_len, kc),
+            "host KV": model.num_layers * wl.num_gpu_batches
+            * kv_buffer_bytes(model, wl.gpu_batch_size, wl.max_len, kc),
             "staging": staging_peak_bytes}

@@ -17,7 +17,6 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-import cvxpy as cp
 import numpy as np
 
 from offsim.core import costmodel as cm
@@ -25,7 +24,7 @@ from offsim.core import footprint as fp
 from offsim.core.solvers import solve_quietly
 from offsim.core.specs import HardwareSpec, ModelSpec, Workload
 
-LP_SOLVER = cp.HIGHS  # named explicitly: the LP must not depend on whichever solver cvxpy finds first
+LP_SOLVER = "HIGHS"  # cp.HIGHS, named explicitly: the LP must not depend on whichever solver cvxpy finds first
 GPU_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 NUM_GPU_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16)
 VARS = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc")
@@ -143,6 +142,8 @@ class _ParamLP:
     t_pre, t_gen above every per-layer term and memory per tier (normalised by capacity) at most 1."""
 
     def __init__(self):
+        import cvxpy as cp  # imported when the first LP is solved: ~1 s that a refused or LP-free command skips
+
         n = len(VARS)
         self.x = cp.Variable(n, nonneg=True)
         self.t = cp.Variable(2, nonneg=True)  # t_pre, t_gen
@@ -170,6 +171,8 @@ def flexgen_lp(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int
                cpu_attention: bool = False) -> LPResult | None:
     """Solve FlexGen's LP for one block shape; None if no placement fits memory (or the solver gives up)."""
     global _LP
+    import cvxpy as cp
+
     if _LP is None:
         _LP = _ParamLP()
     lp = _LP
