@@ -103,7 +103,7 @@ def _build(args, hw):
     """(plan, model, dtype name, warm-up plan or None), from --plan or from the flags; the warm-up plan is the same
     policy and settings at gen_len 2, built the same way (``experiments/offexec/h200.py`` does the same)."""
     if args.plan:
-        check_plan_conflicts(args.given)
+        check_plan_conflicts(getattr(args, "given", set()))
         plan = Plan.load(args.plan).validate()
         model, dtype_name = plan.model, _dtype_of(args, plan.model.dtype_bytes)
         settings, policy = plan.settings, plan.policy

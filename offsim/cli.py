@@ -195,9 +195,9 @@ def given_options(build: callable, argv: list[str]) -> set[str]:
     return set(vars(p.parse_args(argv))) - {"cmd"}
 
 
-def check_plan_conflicts(given: set[str], extra: tuple[str, ...] = ()) -> None:
+def check_plan_conflicts(given: set[str]) -> None:
     """--plan FILE is the whole plan: an option that would define another plan is an error naming it."""
-    clash = [d for d in PLAN_DEFINING + extra if d in given]
+    clash = [d for d in PLAN_DEFINING if d in given]
     if clash:
         names = ", ".join("--" + d.replace("_", "-") for d in clash)
         raise OffsimError(f"--plan takes the model, policy, settings and workload from the plan file; drop {names} "
@@ -205,7 +205,8 @@ def check_plan_conflicts(given: set[str], extra: tuple[str, ...] = ()) -> None:
 
 
 def shortfalls(plan: Plan) -> list[str]:
-    """Each tier whose resident bytes (held for the whole run) exceed its capacity, by name, in GiB."""
+    """Each tier whose resident bytes (held for the whole run) exceed its capacity, by name, in GiB: the test
+    ``Plan.validate`` makes first, with every short tier named instead of the first in bytes."""
     out = []
     for t, name in TIER_NAMES.items():
         need, have = plan.resident.get(t, 0), plan.capacity.get(t, 0)
@@ -227,7 +228,8 @@ def build_fitting_plan(args, model, hw, wl: Workload, model_arg: str | None = No
     settings = policy_settings(args)
     fix = "a smaller --gpu-batch-size" + (", another --percent" if "percent" in get_policy(args.policy).input_names()
                                           else "")
-    hint = (f"Try {fix}, or let `{search_command(args, args.policy, model_arg or args.model)}` find settings that "
+    hint = (("" if settings else f"These are {args.policy}'s default settings. ") +
+            f"Try {fix}, or let `{search_command(args, args.policy, model_arg or args.model)}` find settings that "
             f"fit")
     try:
         plan = build_plan(args.policy, model, hw, wl, settings, validate=False)
@@ -249,7 +251,7 @@ def cmd_simulate(args) -> None:
     check_output_path(args.save_plan, "--save-plan")
     hw = get_hardware(args.hardware, args.gpu_mem_gb)
     if args.plan:
-        check_plan_conflicts(args.given)
+        check_plan_conflicts(getattr(args, "given", set()))
         plan = Plan.load(args.plan).validate()
     else:
         model = get_model(args.model)

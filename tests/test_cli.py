@@ -34,7 +34,7 @@ def _no_raw_byte_counts(msg: str) -> bool:
 # ---- compare: who wins and why -----------------------------------------------------------------------------------
 def test_compare_sorted_best_marked_with_latency_and_bottleneck(capsys):
     rc = main(["compare", *SMALL, "--gpu-mem-gb", "0.2", "--policies", "static-accelerate", "static-zero",
-               "flexgen", "--max-sims", "2", "--progress"])
+               "--progress"])
     out = capsys.readouterr().out.strip().splitlines()
     assert rc == 0
     js = [o for o in json.loads(out[-1]) if "error" not in o]
