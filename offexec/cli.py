@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0, help="seed of random weights and prompts (default: %(default)s)")
     r.add_argument("--disk-dir", default=None, metavar="DIR",
                    help="where the disk tier's files go (default: the system temp directory); removed at exit")
+    r.add_argument("--disk-cache", action="store_true",
+                   help="run the disk tier through the OS page cache instead of O_DIRECT (sets the plan's "
+                        "disk_cached; offsim then prices disk ops at the profile's disk_cached_* rates); needed when "
+                        "--disk-dir is on tmpfs or a filesystem that refuses O_DIRECT")
     r.add_argument("--trace", default=None, metavar="FILE",
                    help="write the measured trace: .csv (offsim's trace schema) or Chrome/Perfetto JSON otherwise")
     r.add_argument("--progress", action="store_true", help="show progress bars while weights are prepared")
@@ -119,6 +123,10 @@ def _build(args, hw):
     if not args.no_warmup:
         warm = build_plan(policy, model, hw, plan.workload.with_(gen_len=min(WARMUP_GEN_LEN, plan.workload.gen_len)),
                           settings)
+    if getattr(args, "disk_cache", False):  # the disk tier's mode is part of the plan: executor, check and simulator all read it there
+        for p in (plan, warm):
+            if p is not None:
+                p.disk_cached = True
     return plan, model, dtype_name, warm
 
 

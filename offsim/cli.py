@@ -257,6 +257,8 @@ def cmd_simulate(args) -> None:
         model = get_model(args.model)
         wl = Workload(args.prompt_len, args.gen_len, args.gpu_batch_size, args.num_gpu_batches)
         plan = build_fitting_plan(args, model, hw, wl)
+    if getattr(args, "disk_cache", False):
+        plan.disk_cached = True  # price disk ops at the profile's page-cached rates (offexec run --disk-cache)
     if args.save_plan:
         plan.save(args.save_plan)
     t0 = time.perf_counter()
@@ -429,6 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="simulate a saved plan JSON instead of building one (it carries model, policy, settings "
                         "and workload: options that set those are then an error)")
     s.add_argument("--save-plan", metavar="FILE", help="write the plan as JSON (what `offexec run --plan FILE` runs)")
+    s.add_argument("--disk-cache", action="store_true",
+                   help="the disk tier goes through the OS page cache (as `offexec run --disk-cache`): disk ops are "
+                        "priced at the profile's disk_cached_* rates instead of its O_DIRECT rates")
     s.add_argument("--trace", metavar="FILE",
                    help="write the predicted trace: FILE.csv as CSV, anything else as Chrome/Perfetto JSON")
     s.set_defaults(func=cmd_simulate)

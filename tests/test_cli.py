@@ -168,3 +168,22 @@ def test_validate_table_fits_120_columns(capsys):
     assert max(len(line) for line in out[:-1]) <= 120  # the last line is the JSON document
     assert case.name.split(".")[0] in "\n".join(out)
     assert any("--out DIR writes them to validation.csv" in line for line in out)  # where the details are
+
+
+def test_disk_cache_prices_the_page_cached_disk_or_refuses_without_its_rates(tmp_path, capsys):
+    """--disk-cache marks the plan's disk tier as page-cached: a profile without cached rates refuses it in one line;
+    one with them simulates it, faster than the O_DIRECT tier."""
+    base = ["simulate", "--model", "opt-1.3b", "--prompt-len", "64", "--gen-len", "3", "--gpu-batch-size", "2",
+            "--percent", "0", "0", "100", "0", "100", "0"]
+    msg = _one_line_error(capsys, base + ["--hardware", "t4", "--disk-cache"])
+    assert "cached" in msg
+    from offsim.core.specs import get_hardware
+
+    prof = tmp_path / "hw.json"
+    hw = get_hardware("t4").with_(disk_cached_read_bytes_per_s=20e9, disk_cached_write_bytes_per_s=5e9)
+    prof.write_text(json.dumps(hw.to_dict()))
+    runs = []
+    for extra in ([], ["--disk-cache"]):
+        assert main(base + ["--hardware", str(prof)] + extra) == 0
+        runs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert runs[1]["total_tok_s"] > runs[0]["total_tok_s"]
