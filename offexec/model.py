@@ -3,7 +3,7 @@ executor can call them piece by piece.
 
 A decoder layer's weights are one flat buffer in ``ModelSpec.layer_tensors`` order; ``layer_views`` turns (a piece
 of) that buffer into named [out, in] tensors without copying. A layer runs in three parts, matching the plan's
-compute parts (``offsim.costmodel.COMPUTE_PARTS``):
+compute parts (``offsim.core.costmodel.COMPUTE_PARTS``):
 
 - ``pre_attn``: norm and Q/K/V projections (and RoPE for Llama) of the T new tokens;
 - ``attention``: the T queries against K/V of positions [0, C) -- a loaded (or resident) prefix plus the freshly

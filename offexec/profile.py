@@ -1,5 +1,5 @@
 """``offexec profile``: microbenchmarks that fill the hardware-profile JSON offsim loads (schema
-``offsim.hardware/1``, ``offsim.specs.HardwareSpec``).
+``offsim.hardware/1``, ``offsim.core.specs.HardwareSpec``).
 
 Measured: pinned and pageable H2D and D2H by transfer size; both directions at once (duplex fraction); HBM copy
 bandwidth; GEMM efficiency by token count for the model's own FFN shape; causal prefill attention by context and

@@ -1,6 +1,6 @@
 """Static binding of a plan's ops to the data they read and write (the executor's first pass, no policy logic).
 
-The plan says *what* each op moves or computes (offsim/plan.py's docstring); this pass decides *which buffer*, by
+The plan says *what* each op moves or computes (offsim/core/plan.py's docstring); this pass decides *which buffer*, by
 replaying the plan in plan order -- the order in which the simulator also understands the data -- and recording, for
 every op, the values it uses (by id) and, for every value, how many ops use it, so the executor frees a buffer right
 after its last user. Binding in plan order, rather than at run time, makes the data each op sees independent of the

@@ -1,4 +1,4 @@
-"""offsim.plots: what the notebooks compute (sweeps, LP placements, TightLLM's balance, timelines, results loading).
+"""offsim.analysis and offsim.search.sweep: what the notebooks compute (sweeps, LP placements, TightLLM's balance, timelines, results loading).
 
 Real sizes where it is cheap (OPT-1.3B on a T4 with a 2 GiB budget simulates in tens of milliseconds); hand-made
 traces where the expected answer must be known exactly.

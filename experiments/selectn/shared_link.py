@@ -3,7 +3,7 @@ bandwidth coordinator, and FlexGen on the same shared link (issue 4, item 5).
 
 Each GPU runs one instance (default OPT-13B and Llama-2-13B) at the same batch size, decoding at context
 ``--seq-len``. The link is the hardware preset's (a800: PCIe 4.0 x16, 26 GB/s), shared: an instance that gets a share
-x of it is simulated on ``HardwareSpec.scaled_link(x)`` (``offsim.coordinator``).
+x of it is simulated on ``HardwareSpec.scaled_link(x)`` (``offsim.policies.selectn.coordinator``).
 
 - selectn, no coordinator: each instance picks, alone, the interval with the most host memory that meets its TPOT
   SLO with the whole link (its own record's N_min); together they split the link evenly (each instance that moves

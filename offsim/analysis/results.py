@@ -147,7 +147,7 @@ def error_table(df: pd.DataFrame, by: Sequence[str] = ("policy", "phase")) -> pd
 
 
 def validation_long(df: pd.DataFrame) -> pd.DataFrame:
-    """``offsim.validate.validate_dir``'s table (one row per case) in long form: one row per (case, phase) with
+    """``offsim.analysis.validate.validate_dir``'s table (one row per case) in long form: one row per (case, phase) with
     measured_tok_s, predicted_tok_s and the signed relative error."""
     keys = [c for c in ("case", "model", "policy", "hardware", "gpu_mem_gb", "prompt_len", "batch") if c in df]
     parts = []

@@ -192,7 +192,7 @@ def issue_seconds(op, hw: HardwareSpec) -> float:
 
 
 def op_seconds(op, model: ModelSpec, hw: HardwareSpec, other_busy_s: float = 0.0, disk_cached: bool = False) -> float:
-    """Duration of one plan op (see ``offsim.plan.Op``). ``other_busy_s``: for PCIe copies, how long the opposite
+    """Duration of one plan op (see ``offsim.core.plan.Op``). ``other_busy_s``: for PCIe copies, how long the opposite
     direction stays busy from this op's start (duplex). ``disk_cached``: the plan's disk tier is page-cached."""
     k = op.kind
     if k == "compute":

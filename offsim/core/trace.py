@@ -1,4 +1,4 @@
-"""Trace: when each op of a plan ran (predicted by offsim.sim or measured by offexec), in one schema, and the
+"""Trace: when each op of a plan ran (predicted by offsim.core.sim or measured by offexec), in one schema, and the
 metrics both halves report.
 
 Throughput follows FlexGen's definitions (docs/architecture.md §9), so numbers compare with the papers:

@@ -5,7 +5,7 @@ fractions (weights, KV cache, activations over GPU/CPU/disk) are continuous; the
   T = T_pre · L + T_gen · L · (n − 1),
 with T_pre and T_gen the per-layer maxima of the H2D, D2H, disk and compute times of the prefill and an average
 decode step (context s + n/2), subject to peak memory per tier. Minimise T / block size. The terms here are built
-from ``offsim.costmodel`` (the functions the simulator prices ops with), so the LP and the simulator agree up to what
+from ``offsim.core.costmodel`` (the functions the simulator prices ops with), so the LP and the simulator agree up to what
 an average step and a max-of-streams bound leave out; the search therefore simulates the best LP candidates and
 keeps the best *simulated* one (``offsim.search``).
 """

@@ -1,12 +1,12 @@
 """TightLLM (IEEE TC 2025; docs/cost-model.md §8): adaptive offloading that trades GPU compute for PCIe transfer.
 
 Algorithm 1, as a plan generator: for every decode step and GPU batch, estimate the sequence length, price the KV
-load (T_cache), the weight slice (T_weight) and the compute (T_compute) with ``offsim.costmodel``, and let the KV
-distributor (``offsim.kv_distributor``, an ILP) choose N_r, the number of most recent tokens to *recompute* instead
+load (T_cache), the weight slice (T_weight) and the compute (T_compute) with ``offsim.core.costmodel``, and let the KV
+distributor (``offsim.policies.tightllm.kv_distributor``, an ILP) choose N_r, the number of most recent tokens to *recompute* instead
 of load; then emit the ops layer by layer and batch by batch, on the zig-zag block order FlexGen uses (for step i,
 layer j, batch k: prefetch the next position's KV, load a slice of the next layer's weights, compute, store).
 
-What the ops mean (only the op semantics of ``offsim.plan``'s docstring; the executor runs them unchanged):
+What the ops mean (only the op semantics of ``offsim.core.plan``'s docstring; the executor runs them unchanged):
 
 - Decode step i, batch k, N_ctx = prompt_len + i - 1 tokens have KV, N_r recomputed, b = N_ctx - N_r loaded:
   * ``h2d kv [0, b)`` (host-homed heads; disk-homed heads ``disk_read kv [0, b)`` then ``h2d kv [0, b)``): only the
@@ -251,7 +251,6 @@ def free_gpu_bytes_of(model: ModelSpec, hw: HardwareSpec, wl: Workload, lay: Lay
     return int(hw.gpu_mem_bytes) - res - 2 * slot
 
 
-_free_gpu_bytes = free_gpu_bytes_of  # (older name, used by offsim.plots)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -484,7 +483,7 @@ def check_kv_flow(plan: Plan) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# candidates for offsim.optimize.search
+# candidates for offsim.search.search
 # ----------------------------------------------------------------------------------------------------------------
 def estimate_seconds_per_token(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLMSettings) -> float:
     """A quick ranking score for the search (seconds per generated token, inf if it cannot fit): per layer and
