@@ -231,7 +231,7 @@ def main(argv=None) -> int:
         print(f"offexec: error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:
-        return quiet_broken_pipe()
+        return quiet_broken_pipe("offexec")
     except KeyboardInterrupt:  # disk-tier files are removed by the executor's finally and at exit
         print("offexec: interrupted", file=sys.stderr)
         return 130

@@ -473,13 +473,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def quiet_broken_pipe() -> int:
-    """The reader of stdout went away (``offsim compare | head -3``): stop without a traceback. stdout is pointed
-    at /dev/null so that the interpreter's final flush does not raise again (Python docs, signal module, "Note on
-    SIGPIPE"). Exit 0: the output that was wanted was delivered."""
+def quiet_broken_pipe(prog: str = "offsim") -> int:
+    """The reader of stdout went away (``offsim compare | head -3``): stop with a one-line reason and exit 2, never
+    a traceback. stdout is pointed at /dev/null so that the interpreter's final flush does not raise again (Python
+    docs, signal module, "Note on SIGPIPE")."""
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
-    return 0
+    print(f"{prog}: stdout was closed before all output was written (e.g. piped into head); stopped",
+          file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -147,14 +147,15 @@ def test_simulate_plan_conflicts_name_the_options(tmp_path, capsys):
 
 
 # ---- a closed stdout pipe ----------------------------------------------------------------------------------------
-def test_output_into_closed_pipe_exits_quietly():
+def test_output_into_closed_pipe_exits_2_with_one_line():
     p = subprocess.Popen([sys.executable, "-m", "offsim.cli", "simulate", *SMALL, "--gpu-batch-size", "2"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     p.stdout.close()  # as `| head` does once it has its lines: every write of the CLI now fails with EPIPE
     err = p.stderr.read()
     p.stderr.close()
-    assert p.wait(timeout=120) == 0
-    assert "Traceback" not in err and "BrokenPipe" not in err and err.strip() == ""
+    assert p.wait(timeout=120) == 2
+    assert "Traceback" not in err and "BrokenPipe" not in err and len(err.strip().splitlines()) == 1
+    assert "stdout was closed" in err
 
 
 # ---- validate fits a terminal ------------------------------------------------------------------------------------
