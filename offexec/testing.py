@@ -75,3 +75,19 @@ def stored_positions(plan: Plan) -> dict[tuple[str, int, int], set]:
 
 def spec_fp32(spec: ModelSpec) -> ModelSpec:
     return dataclasses.replace(spec, dtype_bytes=4)
+
+
+# (policy, settings, gpu_batch_size, num_gpu_batches) on a tiny model: every static and FlexGen placement over every
+# tier, CPU attention included -- the settings the executor's token tests and the footprint's byte tests share
+TIER_CASES = [
+    ("static-accelerate", {"gpu_layers": 1}, 3, 1),
+    ("static-accelerate", {"gpu_layers": 0, "offload": "disk"}, 3, 1),
+    ("static-zero", {}, 3, 1),
+    ("static-zero", {"kv_on_cpu": True, "offload": "disk"}, 3, 1),
+    ("flexgen", {"percent": (100, 0, 100, 0, 100, 0)}, 2, 2),  # KV on the GPU
+    ("flexgen", {"percent": (20, 80, 0, 100, 100, 0)}, 2, 3),  # KV on the CPU, GPU attention (the H200 target)
+    ("flexgen", {"percent": (0, 0, 0, 0, 100, 0)}, 2, 2),  # weights and KV on disk
+    ("flexgen", {"percent": (50, 25, 25, 25, 0, 100)}, 2, 2),  # every tier, activations on the CPU
+    ("flexgen", {"percent": (20, 80, 0, 100, 100, 0), "cpu_attention": True}, 2, 2),
+    ("flexgen", {"percent": (0, 50, 0, 50, 100, 0), "cpu_attention": True}, 2, 2),  # CPU attention, disk heads
+]

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from offexec import model as M
 from offexec.executor import Executor, gpu_need
 from offexec.program import weight_slot_base
-from offexec.testing import tiny_hf
+from offexec.testing import TIER_CASES, tiny_hf
 from offexec.weights import from_state_dict
 from offsim import POLICIES, Workload, build_plan, get_hardware
 from offsim.core import footprint as fp
@@ -24,22 +24,13 @@ HW = get_hardware("h200")
 PROMPT, GEN = 8, 6
 
 # (policy, settings, gpu_batch_size, num_gpu_batches): every policy, every tier (as tests/test_offexec_executor.py)
-CASES = [
-    ("static-accelerate", {"gpu_layers": 1}, 3, 1),
-    ("static-accelerate", {"gpu_layers": 0, "offload": "disk"}, 3, 1),
-    ("static-zero", {}, 3, 1),
-    ("static-zero", {"kv_on_cpu": True, "offload": "disk"}, 3, 1),
-    ("flexgen", {"percent": (100, 0, 100, 0, 100, 0)}, 2, 2),
-    ("flexgen", {"percent": (20, 80, 0, 100, 100, 0)}, 2, 3),
-    ("flexgen", {"percent": (0, 0, 0, 0, 100, 0)}, 2, 2),
-    ("flexgen", {"percent": (50, 25, 25, 25, 0, 100)}, 2, 2),
-    ("flexgen", {"percent": (20, 80, 0, 100, 100, 0), "cpu_attention": True}, 2, 2),
-    ("flexgen", {"percent": (0, 50, 0, 50, 100, 0), "cpu_attention": True}, 2, 2),
+CASES = TIER_CASES + [
     ("selectn", {"interval": 2}, 3, 1),
     ("tightllm", {"percent": (30, 40, 25, 50, 100, 0), "weight_slices": 2, "kv_solver": "exact"}, 2, 2),
     ("tightllm", {"percent": (0, 50, 0, 50, 0, 100), "kv_solver": "exact"}, 2, 2),
     ("tightllm", {"percent": (0, 50, 0, 50, 0, 100), "kv_solver": "exact", "max_recompute_tokens": 4}, 2, 2),
 ]
+
 _MODELS: dict = {}
 
 

@@ -9,7 +9,7 @@ import torch
 
 from offexec.executor import check_plan, run_plan
 from offexec.memory import DiskTier, ExecError, check_gpu_budget
-from offexec.testing import hf_generate, hf_kv, stored_positions, tiny_hf
+from offexec.testing import TIER_CASES, hf_generate, hf_kv, stored_positions, tiny_hf
 from offexec.weights import from_state_dict
 from offsim import POLICIES, Workload, build_plan, get_hardware
 from offsim.core.plan import Plan
@@ -19,19 +19,10 @@ HW = get_hardware("h200")
 PROMPT, GEN = 8, 6
 
 # (policy, settings, gpu_batch_size, num_gpu_batches)
-CASES = [
-    ("static-accelerate", {"gpu_layers": 1}, 3, 1),
-    ("static-accelerate", {"gpu_layers": 0, "offload": "disk"}, 3, 1),
-    ("static-zero", {}, 3, 1),
-    ("static-zero", {"kv_on_cpu": True, "offload": "disk"}, 3, 1),
-    ("flexgen", {"percent": (100, 0, 100, 0, 100, 0)}, 2, 2),  # KV on the GPU
-    ("flexgen", {"percent": (20, 80, 0, 100, 100, 0)}, 2, 3),  # KV on the CPU, GPU attention (the H200 target)
-    ("flexgen", {"percent": (0, 0, 0, 0, 100, 0)}, 2, 2),  # weights and KV on disk
-    ("flexgen", {"percent": (50, 25, 25, 25, 0, 100)}, 2, 2),  # every tier, activations on the CPU
-    ("flexgen", {"percent": (20, 80, 0, 100, 100, 0), "cpu_attention": True}, 2, 2),
-    ("flexgen", {"percent": (0, 50, 0, 50, 100, 0), "cpu_attention": True}, 2, 2),  # CPU attention, disk heads
+CASES = TIER_CASES + [
     ("flexgen", {"percent": (30, 70, 0, 100, 100, 0), "overlap": False}, 2, 2),
 ]
+
 if "selectn" in POLICIES:
     CASES.append(("selectn", {"interval": 2}, 3, 1))
 if "tightllm" in POLICIES:
