@@ -84,7 +84,7 @@ def weight_slot_base(layout, g_elems: int) -> int:
 def bind(plan: Plan, layout) -> Program:
     """Resolve every op's inputs and outputs; raise ExecError naming the first op the executor cannot run."""
     m, wl = plan.model, plan.workload
-    L, e = m.num_layers, m.dtype_bytes
+    e = m.dtype_bytes
     Wn = layout[-1].hi
     n_kv = m.num_kv_heads
     kg, kc = plan.kv_split

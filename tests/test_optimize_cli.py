@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 
 from offsim.cli import main
-from offsim.policies.lp import VARS, flexgen_block_seconds, flexgen_lp, flexgen_terms
+from offsim.policies.lp import flexgen_block_seconds, flexgen_lp, flexgen_terms
 from offsim.search import search
-from offsim.core.specs import get_hardware
 
 
 def _brute_force(model, hw, s, n, gbs, nb, step=0.05):

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from offsim import Plan, PlanError, Workload, build_plan, simulate
 from offsim.core.errors import OffsimError
-from offsim.core.plan import Op, PlanBuilder
+from offsim.core.plan import Op
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_flexgen_trace.csv"
 

@@ -327,7 +327,7 @@ def tier_bytes(model: ModelSpec, wl: Workload, x: Mapping[str, Any], cpu_attenti
     (``schedule.DiskStoreBuffers``).
     Disk: wd · L · W weights and cd of the KV."""
     L, W = model.num_layers, layer_weight_bytes(model)
-    gbs, nb, P, M = wl.gpu_batch_size, wl.num_gpu_batches, wl.prompt_len, wl.max_len
+    gbs, P, M = wl.gpu_batch_size, wl.prompt_len, wl.max_len
     n_kv = model.num_kv_heads
     kv_all = kv_bytes(model, wl.num_prompts, M, n_kv, L)
     kv_buf = kv_buffer_bytes(model, gbs, M, n_kv)

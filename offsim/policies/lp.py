@@ -42,7 +42,7 @@ def flexgen_terms(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: 
     Memory is ``footprint.tier_bytes`` -- the formula ``check_fits`` and the plans use -- with the fractions as
     variables: affine in them. Its one non-affine part, the straddling tensor of a partly resident layer's weight
     slot (at most one tensor), is left to ``check_fits`` on the rounded placement."""
-    L, s, n = model.num_layers, prompt_len, gen_len
+    s, n = prompt_len, gen_len
     bls = gbs * nb
     W = fp.layer_weight_bytes(model)
     kv_tok = fp.kv_bytes(model, bls, 1)  # the block's KV of one token, one layer
