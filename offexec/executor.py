@@ -30,8 +30,8 @@ from offsim.core.plan import Plan
 from offsim.core.trace import Trace
 
 from . import model as M
-from .memory import (BufferPool, DiskTier, ExecError, HostBuffer, apply_gpu_budget, check_disk_dir,
-                     check_gpu_budget, host_tensor)
+from .memory import (BufferPool, DiskTier, ExecError, GpuArena, HostBuffer, apply_gpu_budget, check_disk_dir,
+                     check_gpu_budget, configure_allocator, executor_streams, host_tensor, warm_library_workspace)
 from .program import GPU_STREAMS, HOST_STREAMS, Program, bind
 from .weights import ModelWeights
 
@@ -214,29 +214,67 @@ class Executor:
     def _kv_elems(self, heads: int) -> int:
         return kv_buffer_elems(self.plan, heads)
 
+    def _arena_items(self) -> list:
+        """(key, shape, dtype) of every GPU buffer whose shape the plan fixes, in the order ``_setup`` takes them
+        from the arena: the executor's share of ``footprint.executor_gpu_bytes`` (all but activations, op
+        transients and the library workspace, which the caching allocator and cuBLAS hold)."""
+        s, dt = self.spec, self.dtype
+        L, D = s.num_layers, s.head_dim
+        items = [(f"emb.{k}", tuple(t.shape), t.dtype) for k, t in self.wts.emb.fields().items() if t is not None]
+        if s.family == "llama":
+            items += [("rope.cos", (self.cap + 1, D), dt), ("rope.sin", (self.cap + 1, D), dt)]
+        items.append(("tokens", (self.nb, self.gbs, self.cap + 1), torch.long))
+        items += [(f"w_res.{j}", (g // self.e,), dt) for j, (g, _) in enumerate(self.plan.weight_split) if g]
+        heads = {g: hi - lo for g, (lo, hi) in self.prog.groups.items()}
+        if heads["gpu"]:
+            items.append(("kv_gpu", (L, self.nb, self.cap, 2, self.gbs, heads["gpu"], D), dt))
+        for name, n in self.prog.pool_peak.items():
+            numel = self.prog.slot_numel if name == "wslot" else \
+                self._kv_elems(heads[name.removeprefix("kvwork_")])
+            items += [(f"{name}.{i}", (numel,), dt) for i in range(n)]
+        return items
+
     def _setup(self) -> None:
         s, plan, dev, dt = self.spec, self.plan, self.device, self.dtype
         L, e = s.num_layers, self.e
         Wn = self.wts.layer_numel
         if self.cuda:
+            self.allocator_conf = configure_allocator()
             apply_gpu_budget(dev, self.budget)
+            self.streams = executor_streams(dev, GPU_STREAMS)
+            warm_library_workspace(dev, self.streams["compute"])  # before the arena: see memory.py
         pinned = all(o.pinned for o in plan.ops) if plan.ops else True
         self.wts.set_pinned(pinned)
-        self.emb = self.wts.emb.to(dev)
-        self.rope = M.Rope(s, dev, dt, self.cap + 1) if s.family == "llama" else None
+        # every plan-sized GPU buffer is a view of one allocation (memory.py, "The GPU arena")
+        items = self._arena_items()
+        self.arena = GpuArena(dev, GpuArena.nbytes_for((shape, d) for _, shape, d in items))
+        take = {k: (shape, d) for k, shape, d in items}
+
+        def arena(key: str) -> torch.Tensor:
+            return self.arena.take(*take[key])
+
+        self.emb = M.Embeddings(**{k: None if t is None else arena(f"emb.{k}").copy_(t)
+                                   for k, t in self.wts.emb.fields().items()})
+        self.rope = None
+        if s.family == "llama":
+            rope = M.Rope(s, dev, dt, self.cap + 1)
+            rope.cos, rope.sin = arena("rope.cos").copy_(rope.cos), arena("rope.sin").copy_(rope.sin)
+            self.rope = rope
+        # token ids of every sequence: [nb, B, cap + 1]
+        self.tokens = arena("tokens").zero_()
+        self.tokens[:, :, :plan.workload.prompt_len] = self.prompts.view(self.nb, self.gbs, -1).to(dev)
         # resident weight bytes [0, gpu) of each layer
         self.g_el = [g // e for g, _ in plan.weight_split]
         self.c_el = [c // e for _, c in plan.weight_split]
-        self.w_res = [self.wts.layers[j, :self.g_el[j]].to(dev) if self.g_el[j] else None for j in range(L)]
+        self.w_res = [arena(f"w_res.{j}").copy_(self.wts.layers[j, :self.g_el[j]]) if self.g_el[j] else None
+                      for j in range(L)]
         self.view_cache: dict = {}
         # KV homes
         groups = self.prog.groups
         self.kv_heads = {g: hi - lo for g, (lo, hi) in groups.items()}
         D = s.head_dim
         shape = lambda n: (self.cap, 2, self.gbs, n, D)  # noqa: E731  token-major: a prefix is contiguous
-        self.kv_gpu = None
-        if self.kv_heads["gpu"]:
-            self.kv_gpu = torch.zeros((L, self.nb) + shape(self.kv_heads["gpu"]), dtype=dt, device=dev)
+        self.kv_gpu = arena("kv_gpu").zero_() if self.kv_heads["gpu"] else None
         self.kv_host = None
         self.host_kv_bytes = 0
         if self.kv_heads["cpu"]:
@@ -265,16 +303,15 @@ class Executor:
                                         j * self.disk_w_stride)
             if self.disk_kv_stride:
                 self.disk.create("kv.bin", self.disk_kv_stride * L * self.nb)
-        # pools, reserved up front so that an overflow shows before the run
+        # pools, from the arena, as many buffers as plan order has live at once
         p = self.prog
         self.pools["wslot"] = BufferPool("wslot", p.slot_numel, dt, dev)
         for g in ("cpu", "disk"):
             self.pools[f"kvwork_{g}"] = BufferPool(f"kvwork_{g}", self._kv_elems(self.kv_heads[g]), dt, dev)
         for name, pool in self.pools.items():
-            pool.reserve(p.pool_peak[name])
-        # token ids of every sequence: [nb, B, cap + 1]
-        self.tokens = torch.zeros(self.nb, self.gbs, self.cap + 1, dtype=torch.long, device=dev)
-        self.tokens[:, :, :plan.workload.prompt_len] = self.prompts.view(self.nb, self.gbs, -1).to(dev)
+            pool.reserve(p.pool_peak.get(name, 0), self.arena)
+        if self.arena.used != self.arena.nbytes:
+            raise ExecError(f"GPU arena: {self.arena.used} of {self.arena.nbytes} bytes taken (a bug)")
         self.logits: list = []
 
     def close(self) -> None:
@@ -284,6 +321,9 @@ class Executor:
                 setattr(self, attr, None)
         for pool in self.pools.values():
             pool.close()
+        if getattr(self, "arena", None) is not None:
+            self.arena.close()
+            self.arena = None
         if self.disk is not None:
             self.disk.close()
             self.disk = None
@@ -330,6 +370,8 @@ class Executor:
             peaks["gpu"] = torch.cuda.max_memory_reserved(self.device)
             stats["gpu_max_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
             stats["gpu_max_reserved_bytes"] = peaks["gpu"]
+            stats["allocator_conf"] = self.allocator_conf
+            stats["arena_bytes"] = self.arena.nbytes
         peaks["cpu"] = stats["host_weights_tier_bytes"] + stats["host_kv_bytes"] + self.prog.host_peak_bytes
         makespan = float(self.end.max()) if n else 0.0
         stats["issue_frac"] = self.issue_s / makespan if makespan > 0 else 0.0
@@ -372,7 +414,7 @@ class Executor:
         dev = self.device
         cuda = self.cuda
         Event = (lambda: torch.cuda.Event(enable_timing=True)) if cuda else _HostEvent  # noqa: E731
-        streams = {s: (torch.cuda.Stream(dev) if cuda else _HostStream(s)) for s in GPU_STREAMS}
+        streams = self.streams if cuda else {s: _HostStream(s) for s in GPU_STREAMS}
         queues: dict[str, deque] = {s: deque() for s in GPU_STREAMS + HOST_STREAMS}
         for op in ops:
             queues[op.stream].append(op.id)

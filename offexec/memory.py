@@ -7,6 +7,14 @@
 - **Pinned host memory**: PyTorch's pinned allocator rounds every block up to a power of two (a 45 GB pool would pin
   64 GB), so large host pools are ordinary tensors page-locked in place with ``cudaHostRegister`` (``pin_``); small,
   short-lived host buffers use PyTorch's caching host allocator, which already tracks the streams that use them.
+- **The GPU arena** (``GpuArena``): every buffer whose size the plan fixes -- embeddings, token ids, RoPE tables,
+  resident weights, resident KV, weight slots and KV work buffers -- is a view of one allocation made at the start of
+  a run, exactly the sum of their sizes (each rounded up to ``GpuArena.ALIGN_BYTES``). The caching allocator then
+  only serves the values and temporaries of compute ops, so it has nothing large to fragment around, and what a run
+  holds is the plan's footprint (offsim/core/footprint.py ``executor_gpu_bytes``), not what the allocator made of it.
+- **Streams** (``executor_streams``): one set of CUDA streams per device for the life of the process. A stream's
+  first GEMM makes cuBLAS allocate a workspace that PyTorch keeps until the process ends; fresh streams per run
+  would leak one per run (32 MiB each on Hopper) and pin the segments they were carved from.
 - **GPU buffer pools** (``BufferPool``): buffers that one stream fills and another reads (streamed weights, loaded
   KV) are reused through release events instead of the caching allocator, so the issuing thread can run ahead of the
   GPU without the allocator needing fresh memory for every buffer still in flight: the next user's stream waits on
@@ -95,6 +103,25 @@ def host_tensor(shape, dtype, device: torch.device) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------------
 # GPU budget
 # ----------------------------------------------------------------------------------------------------------------
+_ALLOCATOR_SET = [False]
+
+
+def configure_allocator() -> str:
+    """Turn on the caching allocator's expandable segments (unless the user configured the allocator through
+    PYTORCH_CUDA_ALLOC_CONF, which wins) and return the setting in force. With them, a segment is a range of virtual
+    addresses whose 2 MiB pages are mapped as blocks need them and unmapped when a retry after a failed allocation
+    releases cached memory -- free blocks between live ones cost nothing, where fixed segments keep them reserved.
+    That is what lets a run's values and op temporaries (the part of the footprint outside the arena) reserve
+    what they use, not what they once fragmented into."""
+    user = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if user:
+        return user
+    if not _ALLOCATOR_SET[0]:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        _ALLOCATOR_SET[0] = True
+    return "expandable_segments:True"
+
+
 def apply_gpu_budget(device: torch.device, budget_bytes: int) -> None:
     """Cap the caching allocator of ``device`` at ``budget_bytes`` for the rest of the process."""
     if device.type != "cuda":
@@ -117,6 +144,78 @@ def check_gpu_budget(need: dict[str, int], budget_bytes: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# the GPU arena and the executor's streams
+# ----------------------------------------------------------------------------------------------------------------
+class GpuArena:
+    """One allocation carved into typed views, for every buffer whose shape the plan fixes before the run.
+
+    ``nbytes_for(items)`` sizes it from (shape, dtype) items -- each rounded up to ``ALIGN_BYTES``, the caching
+    allocator's own rounding, which also keeps every view aligned for vectorised kernels and cuBLAS -- and ``take``
+    hands the views out in the same order. Taking more than was sized is a bug in the caller: it raises."""
+
+    ALIGN_BYTES = 512
+
+    def __init__(self, device: torch.device, nbytes: int):
+        self.device, self.nbytes, self.used = device, int(nbytes), 0
+        self.buf = torch.empty(self.nbytes, dtype=torch.uint8, device=device) if nbytes else None
+
+    @classmethod
+    def aligned(cls, nbytes: int) -> int:
+        return -(-int(nbytes) // cls.ALIGN_BYTES) * cls.ALIGN_BYTES
+
+    @classmethod
+    def nbytes_for(cls, items) -> int:
+        """Bytes of an arena holding ``items``: (shape, dtype) pairs."""
+        return sum(cls.aligned(_numel(shape) * _elem_bytes(dt)) for shape, dt in items)
+
+    def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        n = _numel(shape) * _elem_bytes(dtype)
+        end = self.used + self.aligned(n)
+        if end > self.nbytes:
+            raise ExecError(f"GPU arena of {self.nbytes} bytes exhausted: {self.used} used, {n} more asked "
+                            "(the arena is sized from the plan before the run: this is a bug)")
+        t = self.buf[self.used:self.used + n].view(dtype).view(tuple(shape))
+        self.used = end
+        return t
+
+    def close(self) -> None:
+        self.buf = None
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _elem_bytes(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+_STREAMS: dict = {}
+
+
+def executor_streams(device: torch.device, names) -> dict:
+    """The executor's CUDA streams on ``device``, one per name, made once per process (see the module docstring:
+    a stream's cuBLAS workspace lives as long as the process, so streams must too)."""
+    key = (device.index, tuple(names))
+    if key not in _STREAMS:
+        _STREAMS[key] = {n: torch.cuda.Stream(device) for n in names}
+    return _STREAMS[key]
+
+
+def warm_library_workspace(device: torch.device, stream) -> None:
+    """Run one tiny GEMM on ``stream`` so that cuBLAS's workspace for it (``footprint.LIBRARY_WORKSPACE_BYTES``) is
+    allocated now, before the arena, not carved later out of memory the run's values need."""
+    with torch.cuda.stream(stream):
+        a = torch.zeros(16, 16, dtype=torch.float16, device=device)
+        torch.nn.functional.linear(a, a, a[0])  # a GEMM with a bias epilogue (cuBLASLt), as F.linear with bias
+        torch.mm(a, a)
+    stream.synchronize()
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # GPU buffer pools
 # ----------------------------------------------------------------------------------------------------------------
 class BufferPool:
@@ -132,10 +231,13 @@ class BufferPool:
     def buffer_bytes(self) -> int:
         return self.numel * torch.empty(0, dtype=self.dtype).element_size()
 
-    def reserve(self, n: int) -> None:
-        """Allocate buffers up front (so that a budget overflow shows before the run starts)."""
+    def reserve(self, n: int, arena: GpuArena | None = None) -> None:
+        """Allocate buffers up front (so that a budget overflow shows before the run starts), from ``arena`` when
+        given."""
         while self.count < n:
-            self.free.append((torch.empty(self.numel, dtype=self.dtype, device=self.device), ()))
+            buf = arena.take((self.numel,), self.dtype) if arena is not None else \
+                torch.empty(self.numel, dtype=self.dtype, device=self.device)
+            self.free.append((buf, ()))
             self.count += 1
 
     def acquire(self, stream=None) -> torch.Tensor:

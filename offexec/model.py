@@ -87,6 +87,10 @@ class Embeddings:
     norm_b: torch.Tensor | None
     lm_head: torch.Tensor | None
 
+    def fields(self) -> dict[str, torch.Tensor | None]:
+        return {"tokens": self.tokens, "positions": self.positions, "norm_w": self.norm_w, "norm_b": self.norm_b,
+                "lm_head": self.lm_head}
+
     def to(self, device, dtype=None) -> "Embeddings":
         f = (lambda t: None if t is None else t.to(device=device, dtype=dtype or t.dtype))  # noqa: E731
         return Embeddings(f(self.tokens), f(self.positions), f(self.norm_w), f(self.norm_b), f(self.lm_head))

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from offexec import model as M
 from offexec.executor import Executor, gpu_need
+from offexec.memory import GpuArena
 from offexec.program import weight_slot_base
 from offexec.testing import TIER_CASES, tiny_hf
 from offexec.weights import from_state_dict
@@ -164,11 +165,15 @@ def test_footprint_equals_executor_allocations(family, policy, settings, gbs, nb
                     "KV work buffers": sum(ex.pools[f"kvwork_{g}"].count * ex.pools[f"kvwork_{g}"].buffer_bytes
                                            for g in ("cpu", "disk"))}
         assert all(ex.pools[k].count == ex.prog.pool_peak[k] for k in ex.pools)  # no pool grew past plan order
+        arena_bytes, arena_items = ex.arena.nbytes, len(ex._arena_items())
     finally:
         ex.close()
     need = gpu_need(ex.prog, plan)
     for k, v in measured.items():
         assert need[k] == v, (k, need[k], v)
+    # every plan-sized buffer is a view of the one arena, which is their footprint plus alignment padding only
+    static = sum(measured.values())
+    assert static <= arena_bytes < static + GpuArena.ALIGN_BYTES * arena_items, (static, arena_bytes)
     ACT_SLACK = fp.hidden_bytes(spec, gbs, 1)  # x of a decode step's pre_attn, counted twice (CPU attention only)
     assert live_peak[0] <= need["activations"] <= live_peak[0] + ACT_SLACK, (live_peak[0], need["activations"])
     # offsim's side: the policy's placement, before any plan is built

@@ -147,7 +147,8 @@ def run_cases(cases: list[dict], out: Path, commit: str | None, disk_dir: str | 
                     m = res.trace.metrics()
                     row.update(oom=False, measured_peak_gpu_bytes=int(res.stats["gpu_max_reserved_bytes"]),
                                measured_max_allocated_bytes=int(res.stats["gpu_max_allocated_bytes"]),
-                               measured_total_tok_s=m["total_tok_s"], allocator=res.stats.get("allocator"))
+                               measured_total_tok_s=m["total_tok_s"], allocator=res.stats.get("allocator"),
+                               allocator_conf=res.stats.get("allocator_conf"), arena_bytes=res.stats.get("arena_bytes"))
                 except torch.cuda.OutOfMemoryError as e:
                     row.update(oom=True, error=str(e).split("\n")[0][:300],
                                measured_peak_gpu_bytes=int(torch.cuda.max_memory_reserved(dev)))

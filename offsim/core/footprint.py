@@ -38,6 +38,12 @@ GiB = 1 << 30
 TOKEN_ID_BYTES = 8  # int64 token ids (offexec keeps every sequence's ids on the GPU: executor.Executor.tokens)
 FP32_BYTES = 4  # RMSNorm statistics are computed in fp32 (transformers' LlamaRMSNorm; offexec/model.py _norm)
 TIERS = ("gpu", "cpu", "disk")
+# cuBLAS's workspace for the compute stream: PyTorch allocates it through its caching allocator on the first GEMM of
+# a (cuBLAS handle, stream) pair and keeps it for the life of the process (4096 KiB x 8 = 32 MiB on Hopper, PyTorch's
+# default CUBLAS_WORKSPACE_CONFIG there; about 8 MiB on older GPUs, so 32 MiB bounds both). offexec issues every GEMM
+# on one compute stream that lives as long as the process (offexec/memory.py ``executor_streams``), so it is held
+# once: a resident GPU constant of every plan.
+LIBRARY_WORKSPACE_BYTES = 32 << 20
 
 
 # ================================================================================================================
@@ -315,7 +321,8 @@ def tier_bytes(model: ModelSpec, wl: Workload, x: Mapping[str, Any], cpu_attenti
     hc; floats or LP expressions -- every term is a constant or a constant times one fraction, so the LP stays
     affine): what is resident for the whole run plus the minimum working set. Returns {tier: {purpose: bytes}}.
 
-    GPU: embeddings; token ids (and RoPE tables); wg · L · W resident weights; ``weight_buffers`` streamed slots of
+    GPU: embeddings; token ids (and RoPE tables); cuBLAS's workspace (``LIBRARY_WORKSPACE_BYTES``); wg · L · W
+    resident weights; ``weight_buffers`` streamed slots of
     (wc + wd) · W (the straddling tensor of a partial split is added by ``check_fits``: not affine); cg of the KV at
     full length (all prompts, all layers); KV work buffers of the off-GPU heads at full length, (cc + cd) of a
     [max_len, 2, gbs, Hk, D] buffer, two of them (the current position's and the next one's, loaded ahead) or one
@@ -338,6 +345,7 @@ def tier_bytes(model: ModelSpec, wl: Workload, x: Mapping[str, Any], cpu_attenti
         op_peak = max_layer_peak_bytes(model, wl, cpu_attention)
     gpu = {"embeddings": embedding_bytes(model),
            "token ids": token_ids_bytes(wl.num_prompts, M) + rope_table_bytes(model, M),
+           "library workspace": LIBRARY_WORKSPACE_BYTES,
            "resident weights": x["wg"] * (L * W),
            "weight slots": w_off * (weight_buffers * W),
            "resident KV": x["cg"] * kv_all,
@@ -379,12 +387,13 @@ def placement_tier_bytes(model: ModelSpec, wl: Workload, pl: Placement) -> dict[
 
 def resident_bytes(model: ModelSpec, wl: Workload, pl: Placement) -> dict[str, int]:
     """Bytes held for the whole run on each tier (a plan's ``resident``): weights, KV at full length, the block's
-    activations where they live, embeddings, token ids and RoPE tables (GPU). The working set (slots, work buffers,
+    activations where they live, embeddings, token ids, RoPE tables and cuBLAS's workspace (GPU). The working set (slots, work buffers,
     staging, op peaks) is what plan ops allocate and free."""
     t = placement_tier_bytes(model, wl, pl)
     gpu = t["gpu"]
     hidden_gpu = hidden_bytes(model, wl.num_prompts, wl.prompt_len) if pl.hidden_home == "gpu" else 0
-    return {"gpu": gpu["embeddings"] + gpu["token ids"] + gpu["resident weights"] + gpu["resident KV"] + hidden_gpu,
+    return {"gpu": gpu["embeddings"] + gpu["token ids"] + gpu["library workspace"] + gpu["resident weights"]
+            + gpu["resident KV"] + hidden_gpu,
             "cpu": t["cpu"]["weights"] + t["cpu"]["KV"] + t["cpu"]["activations"],
             "disk": t["disk"]["weights"] + t["disk"]["KV"]}
 
@@ -427,6 +436,7 @@ def executor_gpu_bytes(model: ModelSpec, wl: Workload, weight_split, kv_split, p
     """GPU bytes offexec holds for a plan, by purpose (offexec/executor.py ``Executor._setup`` and the op handlers):
 
     - embeddings (``emb``), token ids [nb, gbs, max_len + 1] int64 and RoPE tables (``tokens``, ``rope``);
+    - cuBLAS's workspace of the compute stream (``LIBRARY_WORKSPACE_BYTES``);
     - resident weights: [0, g) of every layer (``w_res``);
     - resident KV: [L, nb] buffers of the GPU-homed heads at full length (``kv_gpu``);
     - weight slots: ``pool_buffers['wslot']`` slots of the largest ``weight_slot_bytes``;
@@ -439,6 +449,7 @@ def executor_gpu_bytes(model: ModelSpec, wl: Workload, weight_split, kv_split, p
     slot = max((weight_slot_bytes(model, g) for g, _ in weight_split), default=0)
     return {"embeddings": embedding_bytes(model),
             "token ids": token_ids_bytes(wl.num_prompts, M) + rope_table_bytes(model, M),
+            "library workspace": LIBRARY_WORKSPACE_BYTES,
             "resident weights": sum(g for g, _ in weight_split),
             "resident KV": L * nb * kv_buffer_bytes(model, gbs, M, kg),
             "weight slots": pool_buffers.get("wslot", 0) * slot,

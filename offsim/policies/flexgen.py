@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Iterable
 
+from offsim.core import footprint as fp
 from offsim.core.errors import OffsimError
 from offsim.core.plan import Plan
 from offsim.core.specs import HardwareSpec, ModelSpec, Workload
@@ -54,14 +55,32 @@ def flexgen_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: FlexGenSe
     return build_block_plan(model, wl, flexgen_schedule(model, st), capacity_of(hw))
 
 
+def fit_gpu_weights(model: ModelSpec, hw: HardwareSpec, wl: Workload, percent: tuple, cpu_attention: bool) -> tuple:
+    """``percent`` with the GPU share of the weights lowered, one point at a time, until the GPU holds the placement
+    by the footprint's exact arithmetic. The LP's memory row is affine in the fractions, so it leaves out what is
+    not: the tensor that straddles the GPU | offloaded boundary, which the executor assembles whole in each weight
+    slot (``footprint.weight_slot_straddle_bytes``). A point moved off the GPU goes to the host when no weight is on
+    disk, else to disk. Unchanged when it already fits (or when the GPU is not the short tier)."""
+    cap = capacity_of(hw)["gpu"]
+    p = tuple(percent)
+    while p[0] > 0:
+        st = FlexGenSettings(percent=p, cpu_attention=cpu_attention)
+        if sum(fp.placement_tier_bytes(model, wl, flexgen_schedule(model, st).placement())["gpu"].values()) <= cap:
+            break
+        wg, wc = p[0], p[1]
+        p = (wg - 1, wc + 1 if wg + wc == 100 else wc) + p[2:]
+    return p
+
+
 def candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
                batch: int | None = None) -> Iterable[Candidate]:
     """FlexGen's LP optimum for every block shape (with ``batch`` sequences when given), with and without CPU
-    attention, best LP time first; each also with the activations on the other tier (a near-tie in the LP, whose
-    activation traffic is small, but not in a real schedule)."""
+    attention, best LP time first, its GPU weight share trimmed to fit exactly (``fit_gpu_weights``); each also with
+    the activations on the other tier (a near-tie in the LP, whose activation traffic is small, but not in a real
+    schedule)."""
     for r in flexgen_candidates(model, hw, prompt_len, gen_len, batch=batch):
         wl = Workload(prompt_len, gen_len, r.gpu_batch_size, r.num_gpu_batches)
-        p = r.percent
+        p = fit_gpu_weights(model, hw, wl, r.percent, r.cpu_attention)
         yield Candidate({"percent": p, "cpu_attention": r.cpu_attention}, wl, r.seconds_per_token)
         yield Candidate({"percent": p[:4] + (p[5], p[4]), "cpu_attention": r.cpu_attention}, wl,
                         r.seconds_per_token)
