@@ -115,6 +115,99 @@ class Op:
 OP_FIELDS = list(Op.__annotations__)
 _REQUIRED = OP_FIELDS[:7]
 _OPTIONAL = set(OP_FIELDS[7:])
+_ROW_FIELDS = set(OP_FIELDS[8:])  # what a builder row may hold: not id (its position) or stream (its kind's)
+_DEFAULTS = {f: getattr(Op, f) for f in OP_FIELDS[8:]}  # the optional fields' class defaults (stream: set always)
+_new_op = object.__new__
+
+
+def _op_from_row(i: int, row: tuple) -> Op:
+    """The Op of a builder row (kind, deps, phase, step, layer, batch, kw) at position ``i``: exactly what
+    ``Op(i, kind, deps, phase, step, layer, batch, STREAM_OF_KIND[kind], **kw)`` makes, without the call overhead."""
+    kind, deps, phase, step, layer, batch, kw = row
+    op = _new_op(Op)
+    d = op.__dict__
+    d["id"] = i
+    d["kind"] = kind
+    d["deps"] = deps
+    d["phase"] = phase
+    d["step"] = step
+    d["layer"] = layer
+    d["batch"] = batch
+    d["stream"] = STREAM_OF_KIND[kind]
+    if kw:
+        d.update(kw)
+    return op
+
+
+class OpList:
+    """``Plan.ops`` as ``PlanBuilder`` makes it: a sequence of ``Op`` that stores one compact row per op, (kind,
+    deps, phase, step, layer, batch, {fields given}), and makes the ``Op`` objects only when one is asked for.
+
+    Why: an OPT-175B plan has ~2.3·10^5 ops; a Python object per op costs about as much to create as the whole
+    block schedule costs to compute, and the simulator, ``validate``, ``to_dict`` and the summaries read the rows
+    directly (``op_rows``). The first access to an ``Op`` (indexing, iteration, assignment, ``append``) makes the
+    list of all of them once; from then on that list is the plan's ops (changes to an ``Op`` stick) and the rows
+    are dropped. Equality, ``len`` and ``repr`` are those of the list of ``Op``."""
+
+    __slots__ = ("_rows", "_ops")
+
+    def __init__(self, rows: list[tuple] | None = None):
+        self._rows = [] if rows is None else rows
+        self._ops = None
+
+    def _list(self) -> list[Op]:
+        if self._ops is None:
+            rows, self._rows = self._rows, None
+            self._ops = [_op_from_row(i, r) for i, r in enumerate(rows)]
+        return self._ops
+
+    @property
+    def rows(self) -> list[tuple] | None:
+        """The builder rows, or None once the ``Op`` objects exist (then they are the truth)."""
+        return self._rows
+
+    def __len__(self):
+        return len(self._rows) if self._ops is None else len(self._ops)
+
+    def __getitem__(self, i):
+        return self._list()[i]
+
+    def __setitem__(self, i, op):
+        self._list()[i] = op
+
+    def __iter__(self):
+        return iter(self._list())
+
+    def append(self, op: Op) -> None:
+        self._list().append(op)
+
+    def __eq__(self, other):
+        if isinstance(other, OpList):
+            other = other._list()
+        return self._list() == other if isinstance(other, list) else NotImplemented
+
+    def __repr__(self):
+        return repr(self._list())
+
+    def __reduce__(self):  # pickles (and deep-copies) as its rows when it still has them
+        return (OpList, (self._rows,)) if self._ops is None else (list, (self._ops,))
+
+
+def op_rows(ops) -> list[tuple]:
+    """Rows (kind, deps, phase, step, layer, batch, fields) of ``ops``, position i being op i: a builder's rows as
+    they are, or one row per ``Op`` with its instance ``__dict__`` as ``fields`` (read with ``fields.get(name,
+    default)``: it also holds ``id`` and ``stream``, which a row of the builder leaves out because they follow from
+    the position and the kind)."""
+    rows = ops.rows if isinstance(ops, OpList) else None
+    if rows is not None:
+        return rows
+    return [(o.kind, o.deps, o.phase, o.step, o.layer, o.batch, o.__dict__) for o in ops]
+
+
+def _row_stream(row: tuple) -> str:
+    kw = row[6]
+    s = kw.get("stream")
+    return s if s is not None else STREAM_OF_KIND[row[0]]
 
 
 @dataclass
@@ -144,23 +237,29 @@ class Plan:
     # ---- summaries ----------------------------------------------------------------------------------------
     def bytes_by_kind(self) -> dict[str, int]:
         out = {k: 0 for k in KINDS if k not in ("compute", "cpu_compute")}
-        for op in self.ops:
-            if op.kind in out:
-                out[op.kind] += op.nbytes
+        for r in op_rows(self.ops):
+            if r[0] in out:
+                out[r[0]] += r[6].get("nbytes", 0)
         return out
 
     def count_by_kind(self) -> dict[str, int]:
         out = {k: 0 for k in KINDS}
-        for op in self.ops:
-            out[op.kind] += 1
+        for r in op_rows(self.ops):
+            out[r[0]] += 1
         return out
 
     # ---- serialisation ------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        rows = [[getattr(op, f) for f in OP_FIELDS] for op in self.ops]
-        for r in rows:
-            r[2] = list(r[2])  # deps
+        opt = list(_DEFAULTS.items())  # the fields after stream, in OP_FIELDS order (alloc and free last)
+        rows = []
+        for i, (kind, deps, phase, step, layer, batch, kw) in enumerate(op_rows(self.ops)):
+            get = kw.get
+            stream = get("stream")
+            r = [get("id", i), kind, list(deps), phase, step, layer, batch,
+                 STREAM_OF_KIND[kind] if stream is None else stream]
+            r += [get(f, v) for f, v in opt]
             r[-2], r[-1] = list(r[-2]), list(r[-1])
+            rows.append(r)
         return {"schema": PLAN_SCHEMA, "model": self.model.to_dict(), "workload": self.workload.to_dict(),
                 "policy": self.policy, "settings": self.settings, "capacity": self.capacity,
                 "resident": self.resident, "weight_split": [list(x) for x in self.weight_split], "kv_split": list(self.kv_split),
@@ -243,76 +342,90 @@ class Plan:
         use = [self.resident.get(t, 0) for t in TIERS]
         cap = [self.capacity.get(t, 0) for t in TIERS]
         max_len = self.workload.max_len
-        for i, op in enumerate(self.ops):
-            if op.id != i:
-                raise PlanError(f"op at position {i} has id {op.id}: ids must be 0..n-1 in plan order")
-            if op.kind not in KINDS:
-                raise PlanError(f"{op.describe()}: unknown kind; valid: {KINDS}")
-            if op.stream != STREAM_OF_KIND[op.kind]:
-                raise PlanError(f"{op.describe()}: a {op.kind} op must be on stream "
-                                f"{STREAM_OF_KIND[op.kind]!r}, not {op.stream!r}")
-            for d in op.deps:
+        rows = op_rows(self.ops)  # (read as rows: no Op object is made for a plan from the builder)
+        for i, row in enumerate(rows):
+            kind, deps, phase, step, layer, batch, kw = row
+            get = kw.get
+            if get("id", i) != i:
+                raise PlanError(f"op at position {i} has id {get('id')}: ids must be 0..n-1 in plan order")
+            if kind not in KINDS:
+                raise PlanError(f"{self._describe(i)}: unknown kind; valid: {KINDS}")
+            stream = get("stream")
+            if stream is not None and stream != STREAM_OF_KIND[kind]:
+                raise PlanError(f"{self._describe(i)}: a {kind} op must be on stream "
+                                f"{STREAM_OF_KIND[kind]!r}, not {stream!r}")
+            for d in deps:
                 if not 0 <= d < i:
-                    raise PlanError(f"{op.describe()}: depends on op {d}, which is not an earlier op (plans are "
+                    raise PlanError(f"{self._describe(i)}: depends on op {d}, which is not an earlier op (plans are "
                                     "acyclic and listed in a topological order)")
-            if op.phase not in PHASES:
-                raise PlanError(f"{op.describe()}: phase must be one of {PHASES}")
-            if not -1 <= op.layer <= L:
-                raise PlanError(f"{op.describe()}: layer must be in [-1, {L}]")
-            if op.kind in ("compute", "cpu_compute"):
-                if op.part not in COMPUTE_PARTS:
-                    raise PlanError(f"{op.describe()}: part must be one of {COMPUTE_PARTS}")
-                if op.kind == "cpu_compute" and op.part != "attn":
-                    raise PlanError(f"{op.describe()}: the CPU only runs 'attn'")
-                if not (op.num_seqs > 0 and 0 < op.q_tokens <= op.ctx_tokens <= max_len):
-                    raise PlanError(f"{op.describe()}: needs num_seqs > 0 and 0 < q_tokens <= ctx_tokens <= "
-                                    f"{max_len} (got {op.num_seqs}, {op.q_tokens}, {op.ctx_tokens})")
-                if op.part in ("layer", "attn"):
-                    self._check_kv_read(op, present, "gpu" if op.kind == "compute" else "cpu")
-                if op.part in ("layer", "pre_attn") and op.kind == "compute":  # new tokens' KV now exists
-                    _extend(present, ("new", op.layer, op.batch), op.ctx_tokens - op.q_tokens, op.ctx_tokens)
+            if phase not in PHASES:
+                raise PlanError(f"{self._describe(i)}: phase must be one of {PHASES}")
+            if not -1 <= layer <= L:
+                raise PlanError(f"{self._describe(i)}: layer must be in [-1, {L}]")
+            if kind == "compute" or kind == "cpu_compute":
+                part = get("part", "")
+                if part not in COMPUTE_PARTS:
+                    raise PlanError(f"{self._describe(i)}: part must be one of {COMPUTE_PARTS}")
+                if kind == "cpu_compute" and part != "attn":
+                    raise PlanError(f"{self._describe(i)}: the CPU only runs 'attn'")
+                num_seqs, q, ctx = get("num_seqs", 0), get("q_tokens", 0), get("ctx_tokens", 0)
+                if not (num_seqs > 0 and 0 < q <= ctx <= max_len):
+                    raise PlanError(f"{self._describe(i)}: needs num_seqs > 0 and 0 < q_tokens <= ctx_tokens <= "
+                                    f"{max_len} (got {num_seqs}, {q}, {ctx})")
+                if part == "layer" or part == "attn":
+                    # a compute op attends over KV [0, ctx - q): on the GPU it must have been computed (and loaded
+                    # or kept resident, which the executor tracks); for CPU attention it must be in host memory
+                    need = ctx - q
+                    gpu = kind == "compute"
+                    have = present.get(("new" if gpu else "cpu", layer, batch), 0)
+                    if have < need:
+                        src = "were ever computed" if gpu else "are in host memory"
+                        raise PlanError(f"{self._describe(i)}: attends over KV tokens [0, {need}) but only [0, {have}) "
+                                        f"{src} (rule: every KV token read exists on the tier it is read from)")
+                if kind == "compute" and (part == "layer" or part == "pre_attn"):  # new tokens' KV now exists
+                    _extend(present, ("new", layer, batch), ctx - q, ctx)
             else:
-                if op.tensor not in TENSORS:
-                    raise PlanError(f"{op.describe()}: tensor must be one of {TENSORS}")
-                if op.nbytes <= 0:
-                    raise PlanError(f"{op.describe()}: moves {op.nbytes} bytes; a transfer moves a positive number")
-                if op.hi <= op.lo:
-                    raise PlanError(f"{op.describe()}: empty range [{op.lo}, {op.hi})")
-                if op.tensor == "weight" and not (0 <= op.lo and op.hi <= W):
-                    raise PlanError(f"{op.describe()}: weight bytes [{op.lo}, {op.hi}) outside the layer's {W}")
-                if op.tensor == "kv":
-                    self._check_kv_move(op, present)
-                if op.tensor == "qkv":  # CPU attention: new tokens' K, V land in host memory
-                    _extend(present, ("cpu", op.layer, op.batch), op.lo, op.hi)
-            for t in range(3):
-                use[t] += op.alloc[t]
-                if use[t] > cap[t]:
-                    raise PlanError(f"{op.describe()}: {TIERS[t]} memory reaches {use[t]} bytes, over the capacity "
-                                    f"{cap[t]} by {use[t] - cap[t]} bytes")
-            for t in range(3):
-                use[t] -= op.free[t]
+                tensor, nbytes, lo, hi = get("tensor", ""), get("nbytes", 0), get("lo", 0), get("hi", 0)
+                if tensor not in TENSORS:
+                    raise PlanError(f"{self._describe(i)}: tensor must be one of {TENSORS}")
+                if nbytes <= 0:
+                    raise PlanError(f"{self._describe(i)}: moves {nbytes} bytes; a transfer moves a positive number")
+                if hi <= lo:
+                    raise PlanError(f"{self._describe(i)}: empty range [{lo}, {hi})")
+                if tensor == "weight" and not (0 <= lo and hi <= W):
+                    raise PlanError(f"{self._describe(i)}: weight bytes [{lo}, {hi}) outside the layer's {W}")
+                if tensor == "kv":
+                    # a KV copy reads tokens that exist on its source tier; stores extend the destination's prefix
+                    src, dst = ROUTE_OF_KIND[kind]
+                    have = present.get(("new" if kind == "d2h" else src, layer, batch), 0)
+                    if hi > have:
+                        raise PlanError(f"{self._describe(i)}: moves KV tokens [{lo}, {hi}) from {src}, but only "
+                                        f"[0, {have}) {'were computed' if kind == 'd2h' else 'were stored there'} "
+                                        "(rule: every KV token loaded was stored)")
+                    if kind != "h2d":  # KV on the GPU is tracked as 'computed'; host and disk copies extend their tier
+                        _extend(present, (dst, layer, batch), lo, hi)
+                elif tensor == "qkv":  # CPU attention: new tokens' K, V land in host memory
+                    _extend(present, ("cpu", layer, batch), lo, hi)
+            alloc = get("alloc")
+            if alloc is None and (use[0] > cap[0] or use[1] > cap[1] or use[2] > cap[2]):
+                alloc = (0, 0, 0)  # (nothing allocated, but a negative free may have raised the use: report it)
+            if alloc is not None:
+                for t in range(3):
+                    use[t] += alloc[t]
+                    if use[t] > cap[t]:
+                        raise PlanError(f"{self._describe(i)}: {TIERS[t]} memory reaches {use[t]} bytes, over the "
+                                        f"capacity {cap[t]} by {use[t] - cap[t]} bytes")
+            free = get("free")
+            if free is not None:
+                for t in range(3):
+                    use[t] -= free[t]
         return self
 
-    def _check_kv_read(self, op: Op, present: dict, where: str) -> None:
-        """A compute op attends over KV [0, ctx - q): on the GPU it must have been computed (and loaded or kept
-        resident, which the executor tracks); for CPU attention it must be in host memory."""
-        need = op.ctx_tokens - op.q_tokens
-        have = _prefix(present, ("new" if where == "gpu" else "cpu", op.layer, op.batch))
-        if have < need:
-            src = "were ever computed" if where == "gpu" else "are in host memory"
-            raise PlanError(f"{op.describe()}: attends over KV tokens [0, {need}) but only [0, {have}) {src} "
-                            "(rule: every KV token read exists on the tier it is read from)")
-
-    def _check_kv_move(self, op: Op, present: dict) -> None:
-        """A KV copy reads tokens that exist on its source tier; stores extend the destination's prefix."""
-        src = "new" if op.kind == "d2h" else op.src
-        have = _prefix(present, (src, op.layer, op.batch))
-        if op.hi > have:
-            raise PlanError(f"{op.describe()}: moves KV tokens [{op.lo}, {op.hi}) from {op.src}, but only "
-                            f"[0, {have}) {'were computed' if op.kind == 'd2h' else 'were stored there'} (rule: every "
-                            "KV token loaded was stored)")
-        if op.kind != "h2d":  # KV on the GPU is tracked as 'computed'; host and disk copies extend their tier
-            _extend(present, (op.dst, op.layer, op.batch), op.lo, op.hi)
+    def _describe(self, i: int) -> str:
+        """``Op.describe`` of op ``i`` (for a message: makes that one Op from its row)."""
+        ops = self.ops
+        rows = ops.rows if isinstance(ops, OpList) else None
+        return (_op_from_row(i, rows[i]) if rows is not None else ops[i]).describe()
 
 
 def _prefix(present: dict, key: tuple) -> int:
@@ -328,14 +441,40 @@ def _extend(present: dict, key: tuple, lo: int, hi: int) -> None:
 
 class PlanBuilder:
     """Appends ops in issue order with consecutive ids. With ``serial=True`` every op also waits for the op issued
-    before it (FlexGen's 'overlap off': nothing runs concurrently)."""
+    before it (FlexGen's 'overlap off': nothing runs concurrently). ``ops`` is an ``OpList``: one row per op, the
+    ``Op`` objects made only if someone asks for them (``add`` is the planners' innermost call)."""
 
     def __init__(self, serial: bool = False):
-        self.ops: list[Op] = []
+        self.ops = OpList()
         self.serial = serial
 
     def add(self, kind: str, deps: Iterable[int | None], phase: str, step: int, layer: int, batch: int,
             **kw) -> int:
+        rows = self.ops._rows
+        if rows is None:  # someone made the Op objects mid-build: append to them from now on
+            return self._add_op(kind, deps, phase, step, layer, batch, kw)
+        if kw and not _ROW_FIELDS.issuperset(kw):
+            if not _OPTIONAL.issuperset(kw):
+                raise TypeError(f"Op got unknown fields {sorted(set(kw) - _OPTIONAL)}")
+            self.ops._list()  # a stream other than its kind's: kept on an Op (rows derive the stream from the kind)
+            return self._add_op(kind, deps, phase, step, layer, batch, kw)
+        if kind not in STREAM_OF_KIND:
+            raise KeyError(kind)
+        i = len(rows)
+        if type(deps) is not list and type(deps) is not tuple:
+            deps = list(deps)
+        if None in deps:
+            deps = [d for d in deps if d is not None]
+        if self.serial and i:
+            deps = [*deps, i - 1]
+        if len(deps) > 1:
+            deps = tuple(sorted(set(deps)))
+        elif type(deps) is not tuple:
+            deps = tuple(deps)
+        rows.append((kind, deps, phase, step, layer, batch, kw))
+        return i
+
+    def _add_op(self, kind, deps, phase, step, layer, batch, kw) -> int:
         ops = self.ops
         i = len(ops)
         ds = [d for d in deps if d is not None]
@@ -343,10 +482,7 @@ class PlanBuilder:
             ds.append(i - 1)
         if len(ds) > 1:
             ds = sorted(set(ds))
-        op = Op(i, kind, tuple(ds), phase, step, layer, batch, STREAM_OF_KIND[kind])
-        if kw:
-            if not _OPTIONAL.issuperset(kw):
-                raise TypeError(f"Op got unknown fields {sorted(set(kw) - _OPTIONAL)}")
-            op.__dict__.update(kw)
-        ops.append(op)
+        if kw and not _OPTIONAL.issuperset(kw):
+            raise TypeError(f"Op got unknown fields {sorted(set(kw) - _OPTIONAL)}")
+        ops.append(_op_from_row(i, (kind, tuple(ds), phase, step, layer, batch, kw)))
         return i
