@@ -1,4 +1,4 @@
-"""``offsim`` command line: simulate one policy, search a policy's best settings, compare every policy.
+"""``offsim`` command line: simulate one policy, search a policy's best settings, compare every policy, sweep a grid.
 
 Each command prints a readable table and, as its last stdout line, one JSON document (an object; for ``compare`` a
 list) that scripts can parse. Bad input exits with code 2 and a one-line reason on stderr.
@@ -16,7 +16,8 @@ from pathlib import Path
 import pandas as pd
 
 from offsim.core.errors import OffsimError
-from offsim.core.plan import STREAMS, Plan
+from offsim.core.latency import latency_and_bottleneck
+from offsim.core.plan import Plan
 from offsim.policies import POLICIES, build_plan, get_policy
 from offsim.core.sim import simulate
 from offsim.core.specs import HARDWARE_PRESETS, MODEL_PRESETS, Workload, get_hardware, get_model
@@ -127,20 +128,6 @@ def policy_settings(args) -> dict:
         except json.JSONDecodeError:
             given[k] = v  # a bare string
     return given
-
-
-def latency_and_bottleneck(m: dict) -> dict:
-    """Latency a user sees and the stream that limits throughput, from a trace's metrics.
-
-    ``ttft_s``: time to first token = the prefill time (prefill emits each prompt's first token; the block's
-    prompts go through the last layer together). ``decode_ms_per_token``: one decode step, i.e. the time between
-    two tokens of a sequence (every sequence of the block gains one token per step). ``bottleneck_stream``: the
-    stream busiest over the makespan (busy_<stream>_s / total_s, ``Trace.metrics``), with that fraction."""
-    steps = m["gen_len"] - 1
-    busy = {s: m.get(f"busy_{s}_s", 0.0) / m["total_s"] if m["total_s"] > 0 else 0.0 for s in STREAMS}
-    worst = max(busy, key=busy.get)
-    return {"ttft_s": m["prefill_s"], "decode_ms_per_token": 1e3 * m["decode_s"] / steps if steps else None,
-            "bottleneck_stream": worst, "bottleneck_busy_frac": busy[worst]}
 
 
 def summary(metrics: dict, settings: dict | None = None, derived: dict | None = None) -> dict:
@@ -417,6 +404,52 @@ def cmd_validate(args) -> None:
     if bad and args.strict:
         raise SystemExit(1)
 
+# ---- sweep -------------------------------------------------------------------------------------------------------
+def _sweep_table(df: pd.DataFrame) -> str:
+    """Per policy: points answered (ok), refused (failed) and broken (error), and the best and median total tok/s."""
+    g = df.groupby("policy", sort=False)
+    t = pd.DataFrame({s: g["status"].apply(lambda x, s=s: int((x == s).sum())) for s in ("ok", "failed", "error")})
+    ok = df[df["status"] == "ok"].groupby("policy", sort=False)["total_tok_s"]
+    t["best_total_tok_s"] = ok.max()
+    t["median_total_tok_s"] = ok.median()
+    return t.reset_index().to_string(index=False, float_format=lambda x: f"{x:,.2f}")
+
+
+def cmd_sweep(args) -> None:
+    from offsim.search import grid
+
+    if args.workers is not None and args.workers < 1:
+        raise OffsimError(f"--workers must be at least 1, got {args.workers}")
+    spec = grid.load_spec(args.spec)
+    out = Path(args.out) if args.out else Path(f"sweep-{spec.name}")
+    if out.exists() and not out.is_dir():
+        raise OffsimError(f"--out {out} is a file; give a directory")
+    if not out.expanduser().resolve().parent.is_dir():
+        raise OffsimError(f"--out {out}: directory {out.expanduser().resolve().parent} does not exist (create it first)")
+    rec = grid.run_sweep(spec, out, workers=args.workers, address=args.address, progress=not args.no_progress,
+                         max_points=args.max_points)
+    _, df = grid.read_table(out)
+    if len(df):
+        print(_sweep_table(df))
+    from offsim.analysis.pareto import plot_pareto
+
+    fig = plot_pareto(df, x=args.latency, title=f"{spec.name}: latency vs throughput per policy (Pareto fronts)")
+    plot = out / "pareto.png"
+    fig.savefig(plot, dpi=120)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    print(f"{rec['points']} points: {rec['ok']} ok, {rec['failed']} failed (no answer: see 'reason'), {rec['error']} "
+          f"error; this run answered {rec['ran']} in {rec['wall_s']:.1f} s ({rec['skipped']} were already answered)"
+          f"; table {', '.join(rec['tables'])}; plot {plot}")
+    _print_json({**{k: rec[k] for k in ("points", "ran", "skipped", "ok", "failed", "error", "unanswered", "workers",
+                                        "address", "wall_s", "commit")}, "out": str(out), "tables": rec["tables"],
+                 "plot": str(plot)})
+    if rec["error"]:
+        print(f"offsim: {rec['error']} point(s) ended in error (see the 'reason' column); the same command runs "
+              "them again", file=sys.stderr)
+        raise SystemExit(1)
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="offsim", description=__doc__.split("\n")[0],
@@ -469,7 +502,31 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--strict", action="store_true", help="exit 1 when a threshold is exceeded")
     v.add_argument("--progress", action="store_true", help="show a progress bar")
     v.set_defaults(func=cmd_validate)
-    p.subcommands = {"simulate": s, "search": q, "compare": c, "validate": v}  # for given_options
+    w = sub.add_parser("sweep", help="a grid of models, hardware, budgets, lengths and policies, in parallel on Ray",
+                       description="Run every point of a sweep spec (YAML or JSON: docs/sweeps.md) on Ray -- a local "
+                                   "Ray runtime on all cores by default, a cluster with --address -- and write one "
+                                   "table (sweep.csv, and sweep.parquet when pyarrow is installed) with provenance, "
+                                   "each point's status (ok, failed with offsim's reason, error) and a Pareto plot "
+                                   "of latency vs throughput per policy (pareto.png). Resumable: points already "
+                                   "answered in --out are skipped, so rerunning the command after an interrupt "
+                                   "finishes the rest. Exit 1 when a point ended in error (a bug or a dead worker; "
+                                   "the next run tries it again).")
+    w.add_argument("spec", help="sweep spec, .yaml/.yml or .json (schema offsim.sweep/1)")
+    w.add_argument("--out", metavar="DIR", help="output directory (default: sweep-<spec name> here); a directory "
+                                                "with an earlier run of the spec is resumed")
+    w.add_argument("--workers", type=int, metavar="N",
+                   help="points evaluated at a time (default: every core of the local runtime, or every CPU of the "
+                        "cluster)")
+    w.add_argument("--address", metavar="ADDR",
+                   help="a running Ray cluster to use (e.g. ray://head:10001 or auto; default: $RAY_ADDRESS, else a "
+                        "local Ray runtime started for this run)")
+    w.add_argument("--max-points", type=positive_int, metavar="N",
+                   help="answer at most N new points in this run (the rest wait for the next run)")
+    w.add_argument("--latency", choices=("total_s", "ttft_s", "decode_ms_per_token"), default="total_s",
+                   help="latency axis of the Pareto plot (default: %(default)s, a block's time to its last token)")
+    w.add_argument("--no-progress", action="store_true", help="no progress bar")
+    w.set_defaults(func=cmd_sweep)
+    p.subcommands = {"simulate": s, "search": q, "compare": c, "validate": v, "sweep": w}  # for given_options
     return p
 
 
