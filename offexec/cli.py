@@ -30,6 +30,8 @@ from offsim.core.sim import simulate
 from offsim.core.specs import HARDWARE_PRESETS, Workload, get_hardware, get_model
 from offsim.policies import build_plan
 
+from . import ALLOCATOR_CAPS
+
 GiB = 1 << 30
 PHASES = ("prefill_tok_s", "decode_tok_s", "total_tok_s")
 DEFAULT_MODEL = "opt-30b"  # when neither --model nor --checkpoint names one
@@ -56,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "settings and workload: options that set those are then an error)")
     r.add_argument("--no-warmup", action="store_true",
                    help="skip the unmeasured warm-up (the same plan for 2 tokens) before the measured run")
+    r.add_argument("--allocator-cap", default="plan", choices=ALLOCATOR_CAPS,
+                   help="cap PyTorch's GPU allocator at the plan's own bytes, what offsim predicts (plan, default: "
+                        "the run proves the memory contract) or at the --gpu-mem-gb budget (budget)")
     r.add_argument("--device", default="cuda", help="'cuda' (default) or 'cpu' (sequential, for tests)")
     r.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="local transformers checkpoint (config.json + *.safetensors) instead of random weights")
@@ -165,10 +170,11 @@ def cmd_run(args) -> dict:
     try:
         if warm is not None:  # unmeasured: its trace is dropped
             t0 = time.perf_counter()
-            run_plan(warm, weights, args.device, seed=args.seed, gpu_budget_bytes=budget, disk_dir=args.disk_dir)
+            run_plan(warm, weights, args.device, seed=args.seed, gpu_budget_bytes=budget, disk_dir=args.disk_dir,
+                     allocator_cap=args.allocator_cap)
             warmup_s = time.perf_counter() - t0
         res = run_plan(plan, weights, args.device, seed=args.seed, gpu_budget_bytes=budget, disk_dir=args.disk_dir,
-                       meta={"hardware": hw.name, "warmup": warm is not None, **prov})
+                       allocator_cap=args.allocator_cap, meta={"hardware": hw.name, "warmup": warm is not None, **prov})
     finally:
         weights.close()
     measured = res.trace.metrics()

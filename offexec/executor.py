@@ -29,6 +29,7 @@ from offsim.core import footprint as fp
 from offsim.core.plan import Plan
 from offsim.core.trace import Trace
 
+from . import ALLOCATOR_CAPS
 from . import model as M
 from .memory import (BufferPool, DiskTier, ExecError, GpuArena, HostBuffer, apply_gpu_budget, check_disk_dir,
                      check_gpu_budget, configure_allocator, executor_streams, host_tensor, warm_library_workspace)
@@ -50,15 +51,19 @@ class RunResult:
 def run_plan(plan: Plan, weights: ModelWeights, device: str = "cuda", prompts: torch.Tensor | None = None,
              seed: int = 0, gpu_budget_bytes: int | None = None, disk_dir: str | None = None,
              record_logits: bool = False, keep_kv: bool = False, meta: dict | None = None,
-             threaded: bool = False, host_kv_pool: HostBuffer | None = None) -> RunResult:
+             threaded: bool = False, host_kv_pool: HostBuffer | None = None,
+             allocator_cap: str = "plan") -> RunResult:
     """Run ``plan`` with ``weights`` on ``device``; return the measured trace and the generated tokens.
 
     ``prompts``: [num_prompts, prompt_len] token ids (default: seeded random ids). ``gpu_budget_bytes``: the GPU
     memory cap (default: the plan's GPU capacity). ``threaded``: on the CPU, run the stream scheduler with host
     stand-ins for streams instead of plain plan order (tests). ``host_kv_pool``: a (pinned) host buffer to hold the
-    host-homed KV cache, reused across runs in one process (page-locking tens of GB takes seconds)."""
+    host-homed KV cache, reused across runs in one process (page-locking tens of GB takes seconds).
+    ``allocator_cap``: 'plan' (default) caps PyTorch's allocator at the plan's own GPU bytes (``gpu_need``, what
+    offsim predicts; never above the budget), so that a run proves the memory contract -- it holds at most what was
+    planned; 'budget' caps it at the budget, letting the allocator cache freely up to it."""
     ex = Executor(plan, weights, device, prompts, seed, gpu_budget_bytes, disk_dir, record_logits, keep_kv,
-                  threaded)
+                  threaded, allocator_cap)
     ex.host_kv_pool = host_kv_pool
     try:
         return ex.run(meta or {})
@@ -173,7 +178,7 @@ class Executor:
     RUN_AHEAD = {"compute": 16, "h2d": 6, "d2h": 16}
     def __init__(self, plan: Plan, weights: ModelWeights, device: str, prompts, seed: int,
                  gpu_budget_bytes: int | None, disk_dir: str | None, record_logits: bool, keep_kv: bool,
-                 threaded: bool = False):
+                 threaded: bool = False, allocator_cap: str = "plan"):
         self.plan, self.spec, self.wts = plan, plan.model, weights
         if weights.spec.layer_weight_bytes() != plan.model.layer_weight_bytes() or \
                 weights.spec.num_layers != plan.model.num_layers:
@@ -196,6 +201,9 @@ class Executor:
         self.gpu_need = gpu_need(self.prog, plan)
         if self.cuda:
             check_gpu_budget(self.gpu_need, self.budget)  # before any large allocation
+        if allocator_cap not in ALLOCATOR_CAPS:
+            raise ExecError(f"allocator cap must be one of {', '.join(ALLOCATOR_CAPS)}, got {allocator_cap!r}")
+        self.cap_bytes = min(self.budget, sum(self.gpu_need.values())) if allocator_cap == "plan" else self.budget
         self.disk: DiskTier | None = None
         self.host_kv: HostBuffer | None = None
         self.host_kv_pool: HostBuffer | None = None
@@ -240,7 +248,7 @@ class Executor:
         Wn = self.wts.layer_numel
         if self.cuda:
             self.allocator_conf = configure_allocator()
-            apply_gpu_budget(dev, self.budget)
+            apply_gpu_budget(dev, self.cap_bytes)
             self.streams = executor_streams(dev, GPU_STREAMS)
             warm_library_workspace(dev, self.streams["compute"])  # before the arena: see memory.py
         pinned = all(o.pinned for o in plan.ops) if plan.ops else True
@@ -371,6 +379,7 @@ class Executor:
             stats["gpu_max_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
             stats["gpu_max_reserved_bytes"] = peaks["gpu"]
             stats["allocator_conf"] = self.allocator_conf
+            stats["allocator_cap_bytes"] = self.cap_bytes
             stats["arena_bytes"] = self.arena.nbytes
         peaks["cpu"] = stats["host_weights_tier_bytes"] + stats["host_kv_bytes"] + self.prog.host_peak_bytes
         makespan = float(self.end.max()) if n else 0.0

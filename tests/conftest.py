@@ -3,7 +3,7 @@ import dataclasses
 
 import pytest
 
-from offsim.core.footprint import LIBRARY_WORKSPACE_BYTES
+from offsim.core.footprint import GPU_PROCESS_OVERHEAD_BYTES
 from offsim.core.specs import ModelSpec, get_hardware
 
 
@@ -26,7 +26,8 @@ def t4():
 
 @pytest.fixture
 def small_gpu_t4(t4):
-    """A T4 with 1 MiB of GPU memory for the plan (beyond cuBLAS's workspace, which every plan holds:
-    ``footprint.LIBRARY_WORKSPACE_BYTES``), 4 MiB host and 64 MiB disk: tiny models must offload."""
-    return dataclasses.replace(t4, gpu_mem_bytes=LIBRARY_WORKSPACE_BYTES + (1 << 20), cpu_mem_bytes=4 << 20,
+    """A T4 with 1 MiB of GPU memory for the plan (beyond cuBLAS's workspace and the allocator's rounding, which
+    every plan holds: ``footprint.GPU_PROCESS_OVERHEAD_BYTES``), 4 MiB host and 64 MiB disk: tiny models must
+    offload."""
+    return dataclasses.replace(t4, gpu_mem_bytes=GPU_PROCESS_OVERHEAD_BYTES + (1 << 20), cpu_mem_bytes=4 << 20,
                                disk_bytes=64 << 20)

@@ -33,7 +33,7 @@ def _no_raw_byte_counts(msg: str) -> bool:
 
 # ---- compare: who wins and why -----------------------------------------------------------------------------------
 def test_compare_sorted_best_marked_with_latency_and_bottleneck(capsys):
-    rc = main(["compare", *SMALL, "--gpu-mem-gb", "0.2", "--policies", "static-accelerate", "static-zero",
+    rc = main(["compare", *SMALL, "--gpu-mem-gb", "0.4", "--policies", "static-accelerate", "static-zero",
                "--progress"])
     out = capsys.readouterr().out.strip().splitlines()
     assert rc == 0

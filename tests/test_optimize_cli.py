@@ -118,7 +118,7 @@ def test_cli_argparse_rejects(args):
 
 
 def test_cli_compare_lists_every_policy(capsys):
-    rc = main(["compare", "--model", "opt-125m", "--hardware", "t4", "--gpu-mem-gb", "0.2", "--prompt-len", "32",
+    rc = main(["compare", "--model", "opt-125m", "--hardware", "t4", "--gpu-mem-gb", "0.4", "--prompt-len", "32",
                "--gen-len", "3", "--policies", "static-accelerate", "static-zero", "flexgen", "--max-sims", "2"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

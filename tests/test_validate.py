@@ -16,11 +16,11 @@ PROFILE = Path(__file__).resolve().parents[1] / "results" / "profiles" / "h200_o
 
 def _measured(tmp_path, link_scale=1.0, name="c1"):
     """A stand-in for a measured run: the same plan simulated on hardware whose link is ``link_scale`` as fast."""
-    model, hw = get_model("opt-125m"), get_hardware("t4", gpu_mem_gb=0.2)
+    model, hw = get_model("opt-125m"), get_hardware("t4", gpu_mem_gb=0.4)
     wl = Workload(32, 4, 4, 2)
     settings = {"percent": [0, 100, 0, 100, 100, 0]}
     tr = simulate(build_plan("flexgen", model, hw, wl, settings), hw.scaled_link(link_scale))
-    tr.meta.update({"gpu_mem_gb": 0.2, "hardware": "t4"})
+    tr.meta.update({"gpu_mem_gb": 0.4, "hardware": "t4"})
     case = V.case_from_trace(tr, machine="test", commit="x", date="today", command="test")
     p = tmp_path / f"{name}.case.json"
     V.save_case(case, p)
@@ -49,9 +49,9 @@ def test_thresholds_and_dir(tmp_path):
 
 
 def test_full_trace_csv_accepted(tmp_path):
-    model, hw = get_model("opt-125m"), get_hardware("t4", gpu_mem_gb=0.2)
+    model, hw = get_model("opt-125m"), get_hardware("t4", gpu_mem_gb=0.4)
     tr = simulate(build_plan("flexgen", model, hw, Workload(16, 3, 2, 2), {"percent": [0, 100, 0, 100, 100, 0]}), hw)
-    tr.meta["gpu_mem_gb"] = 0.2
+    tr.meta["gpu_mem_gb"] = 0.4
     tr.to_csv(tmp_path / "run.trace.csv")
     r = V.validate_dir(tmp_path).iloc[0]
     assert abs(r["err_total_tok_s"]) < 1e-9
@@ -107,7 +107,7 @@ def _with_plan_meta(p, plan, store: bool):
 
 
 def _case_plan():
-    model, hw = get_model("opt-125m"), get_hardware("t4", gpu_mem_gb=0.2)
+    model, hw = get_model("opt-125m"), get_hardware("t4", gpu_mem_gb=0.4)
     return build_plan("flexgen", model, hw, Workload(32, 4, 4, 2), {"percent": [0, 100, 0, 100, 100, 0]})
 
 
