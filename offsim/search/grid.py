@@ -278,6 +278,13 @@ def evaluate_point(point: dict, model: ModelSpec, hw: HardwareSpec) -> dict:
     return row
 
 
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
 def _one_line(s: str) -> str:
     return " ".join(s.split())
 
@@ -459,6 +466,7 @@ def run_sweep(spec: SweepSpec, out: str | Path, workers: int | None = None, addr
     say = log or (lambda _msg: None)
     record: dict[str, Any] = {**prov.provenance(**({"command": command} if command else {})), "points": len(points),
                               "skipped": len(finished), "ran": 0, "address": address or "local", "workers": None,
+                              "cpus": os.cpu_count(), "loadavg_start": _loadavg(),
                               "journal_lines_skipped": bad_lines, "interrupted": False}
     say(f"sweep {spec.name!r} ({spec.mode} mode): {len(points)} points, {len(finished)} already answered in {out}, "
         f"{len(todo)} to run" + (f"; {bad_lines} unreadable journal line(s) skipped" if bad_lines else ""))
@@ -479,6 +487,7 @@ def run_sweep(spec: SweepSpec, out: str | Path, workers: int | None = None, addr
             if started:
                 ray.shutdown()
     record["wall_s"] = time.perf_counter() - t0
+    record["loadavg_end"] = _loadavg()  # (with loadavg_start: how busy the machine was, others' work included)
     rows = {pid: r for pid, r in done.items() if pid in known}
     df = table(points, rows)
     counts = df["status"].value_counts().to_dict()
