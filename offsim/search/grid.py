@@ -506,7 +506,7 @@ def run_sweep(spec: SweepSpec, out: str | Path, workers: int | None = None, addr
 def _run_on_ray(ray, todo: list[dict], models: dict, hws: dict, width: int, journal: _Journal,
                 done: dict, progress: bool, record: dict) -> None:
     """Keep ``2 * width`` tasks in flight; journal each answer as it comes; on an interrupt cancel the rest."""
-    from tqdm.auto import tqdm
+    from tqdm import tqdm  # (a text bar on stderr, also in a notebook: tqdm.auto would want ipywidgets there)
 
     remote = ray.remote(num_cpus=1)(_evaluate_task)
     model_refs = {k: ray.put(v) for k, v in models.items()}
