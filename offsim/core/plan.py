@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import MutableSequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -139,7 +140,7 @@ def _op_from_row(i: int, row: tuple) -> Op:
     return op
 
 
-class OpList:
+class OpList(MutableSequence):
     """``Plan.ops`` as ``PlanBuilder`` makes it: a sequence of ``Op`` that stores one compact row per op, (kind,
     deps, phase, step, layer, batch, {fields given}), and makes the ``Op`` objects only when one is asked for.
 
@@ -147,7 +148,7 @@ class OpList:
     block schedule costs to compute, and the simulator, ``validate``, ``to_dict`` and the summaries read the rows
     directly (``op_rows``). The first access to an ``Op`` (indexing, iteration, assignment, ``append``) makes the
     list of all of them once; from then on that list is the plan's ops (changes to an ``Op`` stick) and the rows
-    are dropped. Equality, ``len`` and ``repr`` are those of the list of ``Op``."""
+    are dropped. It is a ``MutableSequence``; equality, ``len`` and ``repr`` are those of the list of ``Op``."""
 
     __slots__ = ("_rows", "_ops")
 
@@ -177,6 +178,12 @@ class OpList:
 
     def __iter__(self):
         return iter(self._list())
+
+    def __delitem__(self, i):
+        del self._list()[i]
+
+    def insert(self, i: int, op: Op) -> None:
+        self._list().insert(i, op)
 
     def append(self, op: Op) -> None:
         self._list().append(op)
