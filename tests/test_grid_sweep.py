@@ -168,3 +168,26 @@ def test_pareto_front():
     assert f["on_front"].tolist() == [True, False, True, True]
     fig = plot_pareto(pd.concat([df, df.assign(status="failed", total_tok_s=np.nan)]))
     assert len(fig.axes) == 1
+
+
+def test_table_files(tmp_path):
+    """sweep.csv always (provenance on its first line); sweep.parquet with the same header only with pyarrow, and
+    a stale one removed without it."""
+    df = pd.DataFrame([{"point_id": "a1", "model": "m", "status": "ok", "total_tok_s": 2.5},
+                       {"point_id": "b2", "model": "m", "status": "failed", "reason": "does not fit"}]
+                      ).reindex(columns=list(grid.COLUMNS))
+    header = {"schema": grid.SCHEMA, "provenance": {"commit": "abc"}}
+    paths = grid.write_table(df, tmp_path, header)
+    h, back = grid.read_table(tmp_path)
+    assert h == header and back["status"].tolist() == ["ok", "failed"] and list(back.columns) == list(grid.COLUMNS)
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        assert paths == [tmp_path / grid.TABLE_CSV]
+        (tmp_path / grid.TABLE_PARQUET).write_text("stale")
+        grid.write_table(df, tmp_path, header)
+        assert not (tmp_path / grid.TABLE_PARQUET).exists()
+        return
+    assert paths[1] == tmp_path / grid.TABLE_PARQUET
+    h, back = grid.read_table(paths[1])
+    assert h == header and back["reason"].tolist()[1] == "does not fit"
