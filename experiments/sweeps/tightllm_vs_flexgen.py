@@ -20,6 +20,7 @@ tables agree point for point (they must: the simulator is deterministic). Ends w
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -248,7 +249,11 @@ def main() -> None:
     args = ap.parse_args()
     results_dir("sweeps")
     if args.step == "run":
-        rec = run(args.out, args.workers, args.max_points)
+        try:
+            rec = run(args.out, args.workers, args.max_points)
+        except KeyboardInterrupt:  # the table of what is answered is written; the same command resumes
+            print("interrupted: rerun the same command to finish the sweep", file=sys.stderr)
+            raise SystemExit(130) from None
         finish({k: v for k, v in rec.items() if k != "tables"})
     else:
         finish(report(args.out.resolve(), args.scaling.resolve() if args.scaling else None))
