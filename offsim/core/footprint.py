@@ -45,10 +45,11 @@ TIERS = ("gpu", "cpu", "disk")
 # once: a resident GPU constant of every plan.
 LIBRARY_WORKSPACE_BYTES = 32 << 20
 # The caching allocator's granularity: free bytes inside 2 MiB pages (expandable segments) and 2 MiB small-block
-# segments that live blocks keep mapped, which no release can return. Measured on the H200 at the cap: up to 88 MiB
-# reserved beyond the live tensors (results/memory/README.md, the llama-2-7b TightLLM case); counted as a resident
-# GPU constant of every plan so that the allocator's rounding cannot push a plan that fits by arithmetic over it.
-ALLOCATOR_SLACK_BYTES = 128 << 20
+# segments that live blocks keep mapped, which no release can return. Measured on the H200 at the cap: up to 148 MiB
+# reserved beyond the live tensors (results/memory/README.md: a llama-2-7b TightLLM run with recompute); counted as a
+# resident GPU constant of every plan so that the allocator's rounding cannot push a plan that fits by arithmetic
+# over it.
+ALLOCATOR_SLACK_BYTES = 256 << 20
 # What every plan holds on the GPU beyond its tensors (tests that build toy GPUs add it to their capacity)
 GPU_PROCESS_OVERHEAD_BYTES = LIBRARY_WORKSPACE_BYTES + ALLOCATOR_SLACK_BYTES
 
