@@ -120,6 +120,18 @@ def plot_map(p: pd.DataFrame, gen_len: int, path: Path) -> None:
     plt.close(fig)
 
 
+def failure_reasons(df: pd.DataFrame) -> pd.DataFrame:
+    """Failed points per policy and kind of reason: the reason with the search's preamble, op ids, times and sizes
+    taken out, so that one cause is one row."""
+    f = df[df["status"] != "ok"].copy()
+    why = f["reason"].astype(str).str.replace(r"^no feasible \S+ setting for \S+ on \S+: ", "", regex=True)
+    why = why.str.replace(r"op \d+ \((\w+) (\w+) step \d+ layer \d+ batch \d+\) at t=[\d.]+s", r"a \1 \2 op",
+                          regex=True)
+    f["kind"] = why.str.replace(r"\d[\d.,]*", "#", regex=True).str.slice(0, 110)
+    out = f.groupby(["policy", "kind"]).size().rename("points").reset_index()
+    return out.sort_values(["points", "policy"], ascending=[False, True]).reset_index(drop=True)
+
+
 def scaling(runs_a: dict, runs_b: dict, df_a: pd.DataFrame, df_b: pd.DataFrame) -> tuple[pd.DataFrame, bool]:
     """Wall time and points/s of two sweeps of the same spec (from their sweep.json runs), and whether their
     tables agree on every result column of every point."""
@@ -154,6 +166,8 @@ def report(out: Path, scaling_dir: Path | None) -> dict:
     prov = provenance(sweep=str(out.relative_to(ROOT)) if out.is_relative_to(ROOT) else str(out),
                       sweep_commits=sorted({r["commit"] for r in runs["runs"]}))
     write_csv(s, out / "summary.csv", prov)
+    fr = failure_reasons(df)
+    write_csv(fr, out / "failures.csv", prov)
     for gl in sorted(p["gen_len"].unique()):
         plot_map(p, int(gl), out / f"map_gen{int(gl)}.png")
     both = p["ratio"].dropna()
@@ -171,11 +185,11 @@ def report(out: Path, scaling_dir: Path | None) -> dict:
                        str(out.relative_to(ROOT)) if out.is_relative_to(ROOT) else str(out)]
         write_csv(sc.assign(tables_identical=same), out.parent / "scaling.csv", prov)
         res.update({"scaling_wall_s": sc["wall_s"].round(1).tolist(), "tables_identical": same})
-    _write_readme(header, runs, df, s, res, sc, same, prov)
+    _write_readme(header, runs, df, s, fr, res, sc, same, prov)
     return res
 
 
-def _write_readme(header, runs, df, s, res, sc, same, prov) -> None:
+def _write_readme(header, runs, df, s, fr, res, sc, same, prov) -> None:
     f2 = lambda v: "" if pd.isna(v) else f"{v:.2f}"  # noqa: E731
     spec = header["spec"]
     g = spec["grid"]
@@ -207,6 +221,10 @@ FlexGen in {res['flexgen_faster_5pct']}; the median TightLLM / FlexGen ratio is 
 Per hardware and model (`summary.csv`; ratio = TightLLM / FlexGen total tok/s where both fit):
 
 {_table(s, {'median_ratio': f2, 'max_ratio': f2, 'min_ratio': f2})}
+
+Why points failed (`failures.csv`: per policy and kind of reason, numbers replaced by #):
+
+{_table(fr.head(12), {})}
 
 `map_gen32.png`, `map_gen8.png`: the ratio per budget and prompt length; `pareto.png`: latency (time to a block's
 last token) against total tok/s, each policy's Pareto front per model and hardware.
