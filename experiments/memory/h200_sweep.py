@@ -175,6 +175,8 @@ def report(config: Path, runs: Path, out: Path, note: str = "") -> dict:
     cases = pd.DataFrame(cfg["cases"])
     rows = pd.DataFrame([json.loads(x) for x in open(runs) if x.strip()])
     df = cases.merge(rows, on="case", how="inner")
+    if "error" not in df:  # no run failed
+        df["error"] = None
     wl = pd.json_normalize(df["workload"])
     df["prompt_len"], df["gen_len"] = wl["prompt_len"], wl["gen_len"]
     df["batch"] = wl["gpu_batch_size"] * wl["num_gpu_batches"]
@@ -224,12 +226,15 @@ def _readme(df, summ: dict, path: Path, commits: list[str], note: str = "") -> N
              f"otherwise, {summ['over_budget']} completed with a measured peak over the budget; measured / predicted GPU peak "
              f"{summ['ratio_min']:.2f} to {summ['ratio_max']:.2f} where the run completed, {summ['in_0.90_1.00']} "
              "within the target band 0.90-1.00.**", "", *([note, ""] if note else []),
-             "Where the reserve goes: the bytes of tensors offexec allocated (`torch.cuda.max_memory_allocated`) were "
+             "How the run holds to the plan: every buffer whose size the plan fixes (weights, KV, pools, embeddings, "
+             "token ids) is a view of one GPU arena sized from the plan; the executor's CUDA streams live as long as "
+             "the process (a fresh stream's cuBLAS workspace would leak 32 MiB a run); the caching allocator runs with "
+             "expandable segments and is capped at the plan's own GPU bytes (`offexec run --allocator-cap plan`, the "
+             "default), so a completed run held at most what offsim predicted. Tensors allocated "
+             "(`torch.cuda.max_memory_allocated`) were "
              f"{summ['allocated_over_footprint_min']:.3f} to {summ['allocated_over_footprint_max']:.3f} times what the "
-             "footprint module adds up for the plan (`offexec_need_bytes`, the same sizes offsim plans with): live "
-             "tensors the footprint still misses. The rest of the measured peak is what PyTorch's caching allocator "
-             "reserves beyond the live tensors (fragmentation at the cap), which executor arenas sized from the plan "
-             "are meant to remove.", "",
+             "footprint module adds up for the plan (`offexec_need_bytes`, the sizes offsim plans with, which include "
+             "cuBLAS's workspace and the allocator's slack: `offsim/core/footprint.py`).", "",
              "| policy | cases | OOM | refused/failed | measured/predicted min | max |", "| --- | --- | --- | --- | --- | --- |"]
     for pol, r in by.iterrows():
         lines.append(f"| {pol} | {int(r.cases)} | {int(r.ooms)} | {int(r.refused_or_failed)} | {r.ratio_min:.2f} | "
