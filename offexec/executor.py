@@ -78,15 +78,19 @@ def kv_buffer_elems(plan: Plan, heads: int) -> int:
     return fp.kv_buffer_elems(plan.model, wl.gpu_batch_size, wl.max_len, heads)
 
 
-def op_transient_bytes(plan: Plan, groups: dict) -> int:
+def op_transient_bytes(plan: Plan, prog: Program) -> int:
     """The largest compute op's peak beyond the value it leaves (``footprint.op_peak_bytes`` minus
-    ``op_output_bytes``; the values are in the activation peak), over the plan's distinct op shapes."""
-    m, kv_groups = plan.model, sum(1 for lo, hi in groups.values() if hi > lo)
+    ``op_output_bytes``; the values are in the activation peak), over the plan's distinct op shapes. A CPU
+    delegation's ``pre_attn`` stands for its whole GPU side: ``cpu_attn_layer`` (whole layers: its ``post_attn``
+    is inside) or ``cpu_attn_pre`` (sub-layers: ``attn_out`` is an op of its own)."""
+    m, kv_groups = plan.model, sum(1 for lo, hi in prog.groups.values() if hi > lo)
+    whole = None in prog.units
     shapes = {(o.part, o.num_seqs, o.q_tokens, o.ctx_tokens) for o in plan.ops
-              if o.kind == "compute" and o.part != "post_attn"}  # post_attn: inside pre_attn's cpu_attn_layer
+              if o.kind == "compute" and o.part != "post_attn"}
     best = 0
     for part, B, T, C in shapes:
-        peak = fp.op_peak_bytes(m, "cpu_attn_layer" if part == "pre_attn" else part, B, T, C, kv_groups)
+        fpart = ("cpu_attn_layer" if whole else "cpu_attn_pre") if part == "pre_attn" else part
+        peak = fp.op_peak_bytes(m, fpart, B, T, C, kv_groups)
         best = max(best, peak - fp.op_output_bytes(m, part, B, T))
     return best
 
@@ -97,7 +101,7 @@ def gpu_need(prog: Program, plan: Plan) -> dict[str, int]:
     values (hidden states, Q/K/V, attention outputs) live at once in plan order, and op transients the largest
     compute op's peak beyond its output."""
     return fp.executor_gpu_bytes(plan.model, plan.workload, plan.weight_split, plan.kv_split, prog.pool_peak,
-                                 prog.gpu_value_peak_bytes, op_transient_bytes(plan, prog.groups))
+                                 prog.gpu_value_peak_bytes, op_transient_bytes(plan, prog))
 
 
 def disk_need(plan: Plan, layout=None) -> int:
@@ -237,7 +241,7 @@ class Executor:
         if heads["gpu"]:
             items.append(("kv_gpu", (L, self.nb, self.cap, 2, self.gbs, heads["gpu"], D), dt))
         for name, n in self.prog.pool_peak.items():
-            numel = self.prog.slot_numel if name == "wslot" else \
+            numel = self.prog.slot_numel.get(name, 0) if name.startswith("wslot") else \
                 self._kv_elems(heads[name.removeprefix("kvwork_")])
             items += [(f"{name}.{i}", (numel,), dt) for i in range(n)]
         return items
@@ -313,7 +317,8 @@ class Executor:
                 self.disk.create("kv.bin", self.disk_kv_stride * L * self.nb)
         # pools, from the arena, as many buffers as plan order has live at once
         p = self.prog
-        self.pools["wslot"] = BufferPool("wslot", p.slot_numel, dt, dev)
+        for name in ("wslot", "wslot_attn", "wslot_mlp"):
+            self.pools[name] = BufferPool(name, p.slot_numel.get(name, 0), dt, dev)
         for g in ("cpu", "disk"):
             self.pools[f"kvwork_{g}"] = BufferPool(f"kvwork_{g}", self._kv_elems(self.kv_heads[g]), dt, dev)
         for name, pool in self.pools.items():
@@ -614,22 +619,29 @@ class Executor:
             t = self.vals[vid] = self.pools[self.prog.values[vid].kind].acquire(self.stream)
         return t
 
-    def _weights(self, j: int, args: dict) -> dict:
+    def _unit(self, part: str):
+        """The weight unit a compute part reads: the whole layer (None), or its sub-layer ('attn', 'mlp')."""
+        if None in self.prog.units:
+            return None
+        return "mlp" if part == "mlp" else "attn"
+
+    def _weights(self, j: int, args: dict, unit=None) -> dict:
+        ulo, uhi = self.prog.units[unit]
         if "w" not in args:
-            key = (j, None)
+            key = (j, unit, None)
             w = self.view_cache.get(key)
             if w is None:
-                w = self.view_cache[key] = M.layer_views(self.wts.layout, [(0, self.w_res[j])])
+                w = self.view_cache[key] = M.layer_views(self.wts.layout, [(0, self.w_res[j])], ulo, uhi)
             return w
         slot = self._pool_get(args["w"])
-        key = (j, slot.data_ptr())
+        key = (j, unit, slot.data_ptr())
         w = self.view_cache.get(key)
         if w is None:
-            base = self.prog.slot_base[j]
-            pieces = [(base, slot[:self.wts.layer_numel - base])]
-            if base:
+            base = self.prog.slot_base[(j, unit)]
+            pieces = [(base, slot[:uhi - base])]
+            if base > ulo:
                 pieces.insert(0, (0, self.w_res[j][:base]))
-            w = self.view_cache[key] = M.layer_views(self.wts.layout, pieces)
+            w = self.view_cache[key] = M.layer_views(self.wts.layout, pieces, ulo, uhi)
         return w
 
     def _kv_view(self, buf: torch.Tensor, heads: int) -> torch.Tensor:
@@ -675,9 +687,23 @@ class Executor:
         o = self._attend_gpu(op, args, q, k, v)
         self._put(args["out"], M.post_attn(self.spec, w, x, o))
 
+    def _op_attn_layer(self, op, args, info):
+        """The attention sub-layer: Q/K/V, attention, output projection and residual (Q/K/V freed before the
+        projection: ``footprint.layer_stage_bytes`` 'out_proj')."""
+        x = self._val(args["x"])
+        w = self._weights(op.layer, args, "attn")
+        q, k, v = M.pre_attn(self.spec, w, x, op.ctx_tokens - op.q_tokens, self.rope)
+        o = self._attend_gpu(op, args, q, k, v)
+        del q, k, v
+        self._put(args["out"], M.attn_out(self.spec, w, x, o))
+
+    def _op_mlp(self, op, args, info):
+        x = self._val(args["x"])
+        self._put(args["out"], M.mlp(self.spec, self._weights(op.layer, args, "mlp"), x))
+
     def _op_pre_attn(self, op, args, info):
         x = self._val(args["x"])
-        w = self._weights(op.layer, args)
+        w = self._weights(op.layer, args, self._unit("pre_attn"))
         q, k, v = M.pre_attn(self.spec, w, x, op.ctx_tokens - op.q_tokens, self.rope)
         self._put(args["out"], (x, q, k, v))
 
@@ -690,6 +716,11 @@ class Executor:
         o = self._val(args["attn"])
         w = self._weights(op.layer, args)
         self._put(args["out"], M.post_attn(self.spec, w, x, o))
+
+    def _op_attn_out(self, op, args, info):
+        x = self._val(args["pre"])[0]
+        o = self._val(args["attn"])
+        self._put(args["out"], M.attn_out(self.spec, self._weights(op.layer, args, "attn"), x, o))
 
     def _op_attn_cpu(self, op, args, info):
         """FlexGen's CPU delegation: attention on the host over the host-homed (and disk-read) KV."""
@@ -720,7 +751,7 @@ class Executor:
     # ---- op handlers: transfers -------------------------------------------------------------------------------
     def _op_h2d_weight(self, op, args, info):
         j = op.layer
-        base = self.prog.slot_base[j]
+        base = self.prog.slot_base[(j, info["unit"])]
         slot = self._pool_get(args["slot"])
         if info.get("init"):
             if base < self.g_el[j]:  # the straddling tensor's resident head, so that it is whole in the slot

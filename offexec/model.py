@@ -10,7 +10,9 @@ compute parts (``offsim.core.costmodel.COMPUTE_PARTS``):
   computed tokens -- given as head groups that may live in different buffers (GPU-resident heads, heads loaded from
   the host, heads loaded from disk). T may be anything from 1 (decode) through C (prefill); 1 < T < C is TightLLM's
   recompute of the last T - 1 tokens plus the new one, a causal block aligned to the bottom right;
-- ``post_attn``: output projection, residual, norm, FFN, residual.
+- ``post_attn``: output projection and residual (``attn_out``), then norm, FFN, residual (``mlp``) -- FlexGen's
+  two sub-layers split there: with sub-layer streaming the attention sub-layer (``pre_attn``, ``attention``,
+  ``attn_out``) and the MLP run as separate ops with separately streamed weights.
 
 Shapes: B sequences, T new tokens, C context tokens (the new ones included), E = d_model, H query heads, Hk KV heads,
 D head dim, V vocabulary. They reproduce transformers' ``OPTForCausalLM`` and ``LlamaForCausalLM`` (same weights,
@@ -58,12 +60,16 @@ def layer_layout(spec: ModelSpec) -> list[TensorSlot]:
     return out
 
 
-def layer_views(layout: list[TensorSlot], pieces: list[tuple[int, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def layer_views(layout: list[TensorSlot], pieces: list[tuple[int, torch.Tensor]],
+                lo: int = 0, hi: int | None = None) -> dict[str, torch.Tensor]:
     """Named tensors of one layer from pieces of its flat buffer. ``pieces``: (first element, 1-D tensor) covering
     disjoint element ranges; every tensor must lie inside one piece (the executor assembles a tensor that straddles
-    two tiers into the later piece before calling this)."""
+    two tiers into the later piece before calling this). ``lo``/``hi``: only the tensors inside elements [lo, hi)
+    (one sub-layer's)."""
     views = {}
     for t in layout:
+        if t.lo < lo or (hi is not None and t.hi > hi):
+            continue
         for base, buf in pieces:
             if base <= t.lo and t.hi <= base + buf.numel():
                 views[t.name] = buf[t.lo - base:t.hi - base].view(t.shape)
@@ -203,13 +209,24 @@ def _sdpa(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, T: int, G: int) -> 
 
 
 def post_attn(spec: ModelSpec, w: dict, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, E] residual (the layer's input); o: [B, T, H·D] attention output -> the layer's output [B, T, E]."""
+    """x: [B, T, E] residual (the layer's input); o: [B, T, H·D] attention output -> the layer's output [B, T, E]:
+    the attention sub-layer's end (``attn_out``), then the MLP sub-layer (``mlp``)."""
+    return mlp(spec, w, attn_out(spec, w, x, o))
+
+
+def attn_out(spec: ModelSpec, w: dict, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """The attention sub-layer's output: x + o · W_out (+ bias), [B, T, E]."""
     if spec.family == "opt":
-        x = x + F.linear(o, w["out_proj.weight"], w["out_proj.bias"])
+        return x + F.linear(o, w["out_proj.weight"], w["out_proj.bias"])
+    return x + F.linear(o, w["o_proj.weight"])
+
+
+def mlp(spec: ModelSpec, w: dict, x: torch.Tensor) -> torch.Tensor:
+    """The MLP sub-layer: x + FFN(norm(x)), [B, T, E] (OPT: fc1, ReLU, fc2; Llama: SwiGLU)."""
+    if spec.family == "opt":
         h = _norm(spec, x, w["final_layer_norm.weight"], w["final_layer_norm.bias"])
         h = F.relu_(F.linear(h, w["fc1.weight"], w["fc1.bias"]))  # [B, T, F]
         return x + F.linear(h, w["fc2.weight"], w["fc2.bias"])
-    x = x + F.linear(o, w["o_proj.weight"])
     h = _norm(spec, x, w["post_attention_layernorm.weight"], None)
     g = F.silu(F.linear(h, w["gate_proj.weight"])).mul_(F.linear(h, w["up_proj.weight"]))  # [B, T, F] SwiGLU
     return x + F.linear(g, w["down_proj.weight"])

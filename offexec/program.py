@@ -11,7 +11,9 @@ Values (``Value.kind``), all per GPU batch ``k`` and layer ``j``:
 - ``pre`` (GPU): a ``pre_attn`` result -- residual, Q, K, V of the new tokens -- for ``attn`` / ``post_attn``;
 - ``qkv_host``, ``attn_host`` (host), ``attn`` (GPU): CPU-attention traffic (FlexGen's delegation);
 - ``wslot`` (GPU pool): the streamed part of layer j's weights for step i, filled by one or more weight h2d ops and
-  read by that step's compute ops of layer j;
+  read by that step's compute ops of layer j; with sub-layer streaming (FlexGen's granularity: compute parts
+  ``attn_layer`` / ``attn_out`` and ``mlp``) one ``wslot_attn`` and one ``wslot_mlp`` per (step, layer) instead, each
+  holding that sub-layer's streamed tensors;
 - ``kvwork_cpu`` / ``kvwork_disk`` (GPU pool): a working KV buffer of the heads homed on the host / on disk, holding
   positions [0, ctx): the prefix delivered by KV h2d ops plus the tokens the next compute of (j, k) adds; stores
   (d2h) of those heads read it;
@@ -32,7 +34,8 @@ from .memory import ExecError
 
 GPU_STREAMS = ("compute", "h2d", "d2h")
 HOST_STREAMS = ("cpu", "disk")
-POOL_KINDS = ("wslot", "kvwork_cpu", "kvwork_disk")
+POOL_KINDS = ("wslot", "wslot_attn", "wslot_mlp", "kvwork_cpu", "kvwork_disk")
+SUBLAYER_PARTS = ("attn_layer", "attn_out", "mlp")  # compute parts of a plan that streams weights per sub-layer
 GPU_VALUE_KINDS = ("hidden", "pre", "attn")  # GPU activations, sized by offsim.core.footprint
 HOST_VALUE_KINDS = ("wstage", "kvread", "kvout", "qkv_host", "attn_host")  # host staging
 
@@ -67,9 +70,10 @@ class Program:
     pool_peak: dict[str, int]  # most pool buffers live at once, in plan order
     host_peak_bytes: int  # most bytes of host staging values live at once, in plan order
     gpu_value_peak_bytes: int  # most bytes of GPU activation values (GPU_VALUE_KINDS) live at once, in plan order
-    slot_base: list[int]  # per layer: first element of the streamed slot (start of the tensor that straddles gpu|cpu)
-    slot_numel: int  # elements of one weight slot
+    slot_base: dict[tuple, int]  # (layer, unit) -> first element of its streamed slot (the straddling tensor's start)
+    slot_numel: dict[str, int]  # weight pool kind -> elements of one slot
     groups: dict[str, tuple[int, int]]  # home group -> KV heads [lo, hi)
+    units: dict  # unit (None: whole layer; 'attn', 'mlp') -> its elements [lo, hi) of a layer's flat buffer
 
 
 def weight_slot_base(layout, g_elems: int) -> int:
@@ -92,8 +96,17 @@ def bind(plan: Plan, layout) -> Program:
     gbs = wl.gpu_batch_size
     g_el = [g // e for g, _ in plan.weight_split]
     c_el = [c // e for _, c in plan.weight_split]
-    slot_base = [weight_slot_base(layout, g) if g < Wn else Wn for g in g_el]
-    slot_numel = max([Wn - b for b in slot_base] + [0])
+    sublayer = any(o.kind == "compute" and o.part in SUBLAYER_PARTS for o in plan.ops)
+    if sublayer:
+        units = {u: (lo // e, hi // e) for u, (lo, hi) in fp.sublayer_ranges_bytes(m).items()}
+    else:
+        units = {None: (0, Wn)}
+    slot_base = {}  # (layer, unit) -> first element of the unit's slot; the unit's end when it is all resident
+    for j, g in enumerate(g_el):
+        for u, (ulo, uhi) in units.items():
+            slot_base[(j, u)] = max(ulo, weight_slot_base(layout, g)) if g < uhi else uhi
+    slot_numel = {pool_of(u): max([units[u][1] - slot_base[(j, u)] for j in range(len(g_el))] + [0])
+                  for u in units}
 
     values: list[Value] = []
     bound: list[Bound] = []
@@ -135,16 +148,18 @@ def bind(plan: Plan, layout) -> Program:
     kv_read: dict[tuple, list] = {}
     host_frag: dict[tuple, list] = {}
 
-    def weights_of(op, args):
+    def weights_of(op, args, unit=None):
         j = op.layer
-        if g_el[j] < Wn:
-            vid = wslot.get((op.step, j))
+        ulo, uhi = units[unit]
+        if g_el[j] < uhi:
+            vid = wslot.get((op.step, j, unit))
+            what = f"layer {j}" + (f"'s {unit}" if unit else "")
             if vid is None:
-                fail(op, f"computes layer {j}, whose weight bytes [{g_el[j] * e}, {Wn * e}) are not GPU-resident, "
-                         f"but no weight load of layer {j} for step {op.step} precedes it")
-            need_lo = g_el[j]
-            if _prefix_end(values[vid].covered, need_lo) < Wn:
-                fail(op, f"layer {j}'s streamed weight bytes [{need_lo * e}, {Wn * e}) are not all loaded for step "
+                fail(op, f"computes {what}, whose weight bytes [{max(g_el[j], ulo) * e}, {uhi * e}) are not "
+                         f"GPU-resident, but no weight load of them for step {op.step} precedes it")
+            need_lo = max(g_el[j], ulo)
+            if _prefix_end(values[vid].covered, need_lo) < uhi:
+                fail(op, f"{what}'s streamed weight bytes [{need_lo * e}, {uhi * e}) are not all loaded for step "
                          f"{op.step} (loaded element ranges: {values[vid].covered})")
             args["w"] = use(vid, op)
 
@@ -180,17 +195,21 @@ def bind(plan: Plan, layout) -> Program:
                 fn = "embed"
                 args["out"] = use(new("hidden", (k,), op), op)
                 hidden[k] = args["out"]
-            elif part in ("layer", "pre_attn", "head"):
+            elif part in ("layer", "pre_attn", "head", "attn_layer", "mlp"):
                 if k not in hidden:
                     fail(op, f"no activations of batch {k} precede it (no embed or earlier layer)")
                 args["x"] = use(hidden[k], op)
                 if part == "head":
                     fn = "head"
                 else:
-                    weights_of(op, args)
-                    if part == "layer":
-                        fn = "layer"
-                        kv_for_attention(op, args)
+                    unit = ("mlp" if part == "mlp" else "attn") if sublayer else None
+                    if unit is not None and part == "layer":
+                        fail(op, "a whole-layer compute in a plan that streams weights per sub-layer")
+                    weights_of(op, args, unit)
+                    if part in ("layer", "attn_layer", "mlp"):
+                        fn = part
+                        if part != "mlp":
+                            kv_for_attention(op, args)
                         args["out"] = use(new("hidden", (k,), op), op)
                         hidden[k] = args["out"]
                     else:
@@ -205,13 +224,15 @@ def bind(plan: Plan, layout) -> Program:
                 kv_for_attention(op, args)
                 args["out"] = use(new("attn", (j, k), op), op)
                 attn_gpu[(j, k)] = args["out"]
-            elif part == "post_attn":
-                fn = "post_attn"
+            elif part in ("post_attn", "attn_out"):
+                fn = part
                 if (j, k) not in pre or (j, k) not in attn_gpu:
-                    fail(op, "post_attn needs a pre_attn and an attention output of this layer and batch before it")
+                    fail(op, f"{part} needs a pre_attn and an attention output of this layer and batch before it")
+                if (part == "attn_out") != sublayer:
+                    fail(op, f"{part} in a plan that streams weights per {'sub-layer' if sublayer else 'layer'}")
                 args["pre"] = use(pre[(j, k)], op)
                 args["attn"] = use(attn_gpu[(j, k)], op)
-                weights_of(op, args)
+                weights_of(op, args, "attn" if sublayer else None)
                 args["out"] = use(new("hidden", (k,), op), op)
                 hidden[k] = args["out"]
             else:  # pragma: no cover - validate() rejects other parts
@@ -243,10 +264,15 @@ def bind(plan: Plan, layout) -> Program:
                 if lo < g_el[j] + c_el[j] < hi:
                     fail(op, f"one weight load spans the host and disk parts of layer {j} (split at byte "
                              f"{(g_el[j] + c_el[j]) * e})")
-                vid = wslot.get((i, j))
+                unit = next(u for u, (ulo, uhi) in units.items() if ulo <= lo < uhi)
+                if hi > units[unit][1]:
+                    fail(op, f"one weight load spans layer {j}'s attention and MLP (split at byte "
+                             f"{units[unit][1] * e}), which stream separately")
+                vid = wslot.get((i, j, unit))
                 if vid is None:
-                    vid = wslot[(i, j)] = new("wslot", (i, j), op)
+                    vid = wslot[(i, j, unit)] = new(pool_of(unit), (i, j, unit), op)
                     info["init"] = True  # first load of this slot: bring the straddling tensor's resident head
+                info["unit"] = unit
                 values[vid].covered.append((lo, hi))
                 args["slot"] = use(vid, op)
                 if lo >= g_el[j] + c_el[j]:
@@ -381,7 +407,12 @@ def bind(plan: Plan, layout) -> Program:
                 host_live -= v.nbytes
             elif v.kind in GPU_VALUE_KINDS:
                 gpu_live -= v.nbytes
-    return Program(plan, bound, values, peak, host_peak, gpu_peak, slot_base, slot_numel, groups)
+    return Program(plan, bound, values, peak, host_peak, gpu_peak, slot_base, slot_numel, groups, units)
+
+
+def pool_of(unit) -> str:
+    """The buffer pool of a weight unit's slots: 'wslot' (whole layers) or 'wslot_attn' / 'wslot_mlp'."""
+    return "wslot" if unit is None else f"wslot_{unit}"
 
 
 def value_bytes(model, kind: str, num_seqs: int, q_tokens: int) -> int:

@@ -161,7 +161,8 @@ def test_footprint_equals_executor_allocations(family, policy, settings, gbs, nb
                     "token ids": _nbytes(ex.tokens) + (_nbytes(ex.rope.cos, ex.rope.sin) if ex.rope else 0),
                     "resident weights": _nbytes(*ex.w_res),
                     "resident KV": _nbytes(ex.kv_gpu),
-                    "weight slots": ex.pools["wslot"].count * ex.pools["wslot"].buffer_bytes,
+                    "weight slots": sum(ex.pools[k].count * ex.pools[k].buffer_bytes
+                                        for k in ("wslot", "wslot_attn", "wslot_mlp")),
                     "KV work buffers": sum(ex.pools[f"kvwork_{g}"].count * ex.pools[f"kvwork_{g}"].buffer_bytes
                                            for g in ("cpu", "disk"))}
         assert all(ex.pools[k].count == ex.prog.pool_peak[k] for k in ex.pools)  # no pool grew past plan order

@@ -105,7 +105,9 @@ def disk_seconds(hw: HardwareSpec, nbytes, direction: str, cached: bool = False)
 # ----------------------------------------------------------------------------------------------------------------
 # GPU compute
 # ----------------------------------------------------------------------------------------------------------------
-COMPUTE_PARTS = ("layer", "pre_attn", "attn", "post_attn", "embed", "head")
+# 'layer' = 'pre_attn' + 'attn' + 'post_attn'; FlexGen's sub-layers: 'attn_layer' (= 'pre_attn' + 'attn' + 'attn_out')
+# and 'mlp' ('post_attn' = 'attn_out' + 'mlp')
+COMPUTE_PARTS = ("layer", "pre_attn", "attn", "post_attn", "attn_layer", "attn_out", "mlp", "embed", "head")
 
 
 def gemm_flops_per_token(model: ModelSpec, part: str) -> float:
@@ -115,7 +117,7 @@ def gemm_flops_per_token(model: ModelSpec, part: str) -> float:
     out = 2 * q * h  # attention output projection
     ffn = 2 * h * f * (3 if model.family == "llama" else 2)  # SwiGLU has gate, up, down; OPT fc1, fc2
     return {"layer": qkv + out + ffn, "pre_attn": qkv, "post_attn": out + ffn, "attn": 0.0, "embed": 0.0,
-            "head": 2 * h * model.vocab_size}[part]
+            "attn_layer": qkv + out, "attn_out": out, "mlp": ffn, "head": 2 * h * model.vocab_size}[part]
 
 
 def elementwise_bytes_per_token(model: ModelSpec, part: str) -> float:
@@ -128,11 +130,13 @@ def elementwise_bytes_per_token(model: ModelSpec, part: str) -> float:
       two multiplies, rotate-half, add), residual adds (3h each), SwiGLU (silu: 2f, gate·up: 3f).
     At prefill sizes this is a few percent (OPT) to ~15 % (Llama) of a layer; in decode it is negligible."""
     h, q, kv, f = model.d_model, model.q_dim, model.kv_dim, model.ffn_dim
+    out = 3 * h  # the residual add after the output projection
     if model.family == "opt":
-        pre, post = 2 * h, 3 * h + 2 * h + 2 * f + 3 * h
+        pre, mlp = 2 * h, 2 * h + 2 * f + 3 * h
     else:
-        pre, post = 6 * h + 6 * (q + kv), 3 * h + 6 * h + 5 * f + 3 * h
-    elems = {"layer": pre + post, "pre_attn": pre, "post_attn": post}.get(part, 0)
+        pre, mlp = 6 * h + 6 * (q + kv), 6 * h + 5 * f + 3 * h
+    elems = {"layer": pre + out + mlp, "pre_attn": pre, "post_attn": out + mlp, "attn_layer": pre + out,
+             "attn_out": out, "mlp": mlp}.get(part, 0)
     return elems * model.dtype_bytes
 
 
@@ -171,7 +175,7 @@ def compute_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_t
         return hw.kernel_overhead_s + gemm_seconds(hw, num_seqs, num_seqs * gemm_flops_per_token(model, "head"))
     t = hw.kernel_overhead_s + gemm_seconds(hw, tokens, tokens * gemm_flops_per_token(model, part))
     t = t + tokens * elementwise_bytes_per_token(model, part) / hw.gpu_hbm_bytes_per_s
-    if part in ("attn", "layer"):
+    if part in ("attn", "layer", "attn_layer"):
         t = t + attention_seconds(model, hw, num_seqs, q_tokens, ctx_tokens)
     return t
 

@@ -102,6 +102,63 @@ def weight_slot_straddle_bytes(model: ModelSpec, gpu_bytes: int) -> int:
     return 0 if gpu_bytes >= W else weight_slot_bytes(model, gpu_bytes) - (W - gpu_bytes)
 
 
+# -- sub-layers: FlexGen's granularity ----------------------------------------------------------------------------
+SUBLAYERS = ("attn", "mlp")
+
+
+def sublayer_ranges_bytes(model: ModelSpec) -> dict[str, tuple[int, int]]:
+    """[first, end) bytes of each sub-layer's tensors in a layer's flat buffer: the attention's (Q/K/V/output
+    projections and the norm before them) come first in ``layer_tensors``, then the MLP's (its norm and FFN). FlexGen
+    lists a decoder layer as these two layers and streams their weights separately."""
+    ends = {}
+    for name, lo, hi in weight_tensor_ranges_bytes(model):
+        sub = "attn" if name.split(".")[0] in _ATTN_TENSORS else "mlp"
+        a, b = ends.get(sub, (lo, hi))
+        ends[sub] = (min(a, lo), max(b, hi))
+    if ends["attn"][1] != ends["mlp"][0]:
+        raise OffsimError(f"{model.name}: the attention's weights are not one contiguous range before the MLP's")
+    return ends
+
+
+_ATTN_TENSORS = ("q_proj", "k_proj", "v_proj", "out_proj", "o_proj", "self_attn_layer_norm", "input_layernorm")
+
+
+def sublayer_slot_bytes(model: ModelSpec, gpu_bytes: int, sub: str) -> int:
+    """GPU bytes of sub-layer ``sub``'s streamed slot when bytes [0, gpu_bytes) of the layer are resident: from the
+    later of the sub-layer's start and the straddling tensor's start (``weight_slot_base_bytes``) to its end; 0 when
+    the whole sub-layer is resident."""
+    lo, hi = sublayer_ranges_bytes(model)[sub]
+    if gpu_bytes >= hi:
+        return 0
+    return hi - max(lo, weight_slot_base_bytes(model, gpu_bytes))
+
+
+def sublayer_slot_straddle_bytes(model: ModelSpec, gpu_bytes: int, sub: str) -> int:
+    """Bytes of a sub-layer slot beyond its streamed bytes: the straddling tensor's resident head, when it lies in
+    this sub-layer."""
+    lo, hi = sublayer_ranges_bytes(model)[sub]
+    if gpu_bytes >= hi:
+        return 0
+    return sublayer_slot_bytes(model, gpu_bytes, sub) - (hi - max(lo, gpu_bytes))
+
+
+def weight_slots_bytes(model: ModelSpec, weight_split, weight_buffers: int, sublayer: bool) -> int:
+    """GPU bytes of the streamed-weight slots a schedule holds at once: ``weight_buffers`` whole-layer slots of the
+    largest ``weight_slot_bytes``; or, streaming sub-layers (always double-buffered: the next streamed sub-layer
+    loads while this one computes), per sub-layer kind as many slots as two consecutive streamed sub-layers hold of
+    it (one attention and one MLP slot when both stream; two MLP slots when the attention is resident), each of
+    that kind's largest ``sublayer_slot_bytes`` -- the executor's pools (offexec/program.py)."""
+    if not sublayer:
+        return weight_buffers * max((weight_slot_bytes(model, g) for g, _ in weight_split), default=0)
+    seq = [sub for g, _ in weight_split for sub in SUBLAYERS if sublayer_slot_bytes(model, g, sub)]
+    seq += seq[:1]  # the last of a step, then the first of the next
+    total = 0
+    for sub in SUBLAYERS:
+        live = max((int(a == sub) + int(b == sub) for a, b in zip(seq, seq[1:])), default=0)
+        total += live * max((sublayer_slot_bytes(model, g, sub) for g, _ in weight_split), default=0)
+    return total
+
+
 def embedding_bytes(model: ModelSpec) -> int:
     """Token (+ OPT position) embeddings, final norm and an untied LM head (``ModelSpec.embedding_bytes``); the
     executor holds all of them on the GPU (``Executor.emb``)."""
@@ -221,7 +278,10 @@ def layer_stage_bytes(model: ModelSpec, num_seqs: int, q_tokens: int, ctx_tokens
     - ``post_attn``: q + 2k + o stay; then OPT: out_proj and x1 = x + it (2·hE); LayerNorm h (hE) and fc1 (f)
       beside x1; fc1, fc2 and the output beside x1: max(2·hE, 2·hE + f, 3·hE + f) = 3·hE + f. Llama: x1 and the
       norm peak; x1, h, gate/silu (2f) -- then silu(gate) · up: 2f; then h, g, down and the output: x1 + max(8·n·E
-      norm, hE + 2f, hE + f + 2·hE)."""
+      norm, hE + 2f, hE + f + 2·hE).
+    - sub-layer ops: ``out_proj`` (the attention sub-layer's end, Q/K/V freed): o, the projection and x1 (o + 2·hE);
+      ``mlp`` (the MLP sub-layer beyond its input x1): OPT 2·hE + f, Llama max(norm, hE + 2f, 3·hE + f) -- the
+      post_attn terms above without x1."""
     B, T, C = num_seqs, q_tokens, ctx_tokens
     n = B * T
     e = model.dtype_bytes
@@ -239,11 +299,11 @@ def layer_stage_bytes(model: ModelSpec, num_seqs: int, q_tokens: int, ctx_tokens
     if not attention_is_fused(model):
         expand = 2 * B * model.num_heads * C * model.head_dim * e if model.num_heads != model.num_kv_heads else 0
         attn += 2 * scores_bytes(model, B, T, C) + expand + o
-    if model.family == "opt":
-        post = qkv + o + 3 * hE + f
-    else:
-        post = qkv + o + hE + max(norm, hE + 2 * f, hE + f + 2 * hE)
-    return {"pre_attn": pre, "attention": attn, "post_attn": post}
+    mlp = 2 * hE + f if model.family == "opt" else max(norm, hE + 2 * f, 3 * hE + f)
+    post = qkv + o + hE + mlp  # + x1, the output projection's sum, which the MLP reads
+    return {"pre_attn": pre, "attention": attn, "post_attn": post,
+            # sub-layer ops (offexec ``_op_attn_layer`` frees Q, K, V before the output projection; ``_op_mlp``):
+            "out_proj": o + 2 * hE, "mlp": mlp}
 
 
 def op_peak_bytes(model: ModelSpec, part: str, num_seqs: int, q_tokens: int, ctx_tokens: int,
@@ -254,6 +314,9 @@ def op_peak_bytes(model: ModelSpec, part: str, num_seqs: int, q_tokens: int, ctx
     - ``cpu_attn_layer`` (FlexGen's CPU delegation: ``pre_attn`` on the GPU, attention on the CPU, ``post_attn`` on
       the GPU): the pre_attn stage; then Q, K, V (kept as the ``pre`` value) and their packed copy for the d2h
       (``_op_d2h_qkv``: q + 2k); then the post_attn stage with the attention output copied back;
+    - sub-layers (FlexGen's granularity): ``attn_layer`` (pre_attn, attention, then the output projection with Q/K/V
+      freed), ``cpu_attn_pre`` (its CPU-delegation half on the GPU: pre_attn and the packed Q/K/V), ``attn_out``
+      (output projection and residual after CPU attention: 2·hE) and ``mlp``;
     - ``embed``: the gathered embeddings and (OPT) their sum with the positions: 2·hE (OPT), hE (Llama);
     - ``head``: the final norm of the last position [B, E] and the logits [B, V] (+ their fp32 copy when
       ``record_logits``).
@@ -266,34 +329,50 @@ def op_peak_bytes(model: ModelSpec, part: str, num_seqs: int, q_tokens: int, ctx
         st = layer_stage_bytes(model, B, T, ctx_tokens, 1)
         packed = 2 * qkv_bytes(model, B, T)
         return max(st["pre_attn"], packed, st["post_attn"])
+    if part == "attn_layer":  # the attention sub-layer: norm, Q/K/V, attention, output projection, residual
+        st = layer_stage_bytes(model, B, T, ctx_tokens, kv_groups)
+        return max(st["pre_attn"], st["attention"], st["out_proj"])
+    if part == "cpu_attn_pre":  # sub-layer CPU delegation, GPU side: pre_attn and the packed Q/K/V for the d2h
+        return max(layer_stage_bytes(model, B, T, ctx_tokens, 1)["pre_attn"], 2 * qkv_bytes(model, B, T))
+    if part == "attn_out":  # after CPU attention: output projection and residual, beside its inputs
+        return 2 * hE
+    if part == "mlp":
+        return layer_stage_bytes(model, B, T, ctx_tokens, kv_groups)["mlp"]
     if part == "embed":
         return 2 * hE if model.family == "opt" else hE
     if part == "head":
         norm = norm_peak_bytes(model, B)
         out = max(norm, hidden_bytes(model, B, 1) + logits_bytes(model, B))
         return out + (logits_bytes(model, B, FP32_BYTES) if record_logits else 0)
-    raise OffsimError(f"op_peak_bytes: unknown part {part!r}; valid: layer, cpu_attn_layer, embed, head")
+    raise OffsimError(f"op_peak_bytes: unknown part {part!r}; valid: layer, cpu_attn_layer, attn_layer, "
+                      "cpu_attn_pre, attn_out, mlp, embed, head")
 
 
 def op_output_bytes(model: ModelSpec, part: str, num_seqs: int, q_tokens: int) -> int:
     """The value an op leaves behind (included in ``op_peak_bytes``): the hidden state for embed and a layer, Q/K/V
     for pre_attn, nothing for the head (its token ids go into the preallocated ``tokens``)."""
-    if part in ("layer", "embed", "post_attn", "cpu_attn_layer"):
+    if part in ("layer", "embed", "post_attn", "cpu_attn_layer", "attn_layer", "attn_out", "mlp"):
         return hidden_bytes(model, num_seqs, q_tokens)
     if part == "pre_attn":
         return qkv_bytes(model, num_seqs, q_tokens)
     return 0
 
 
-def max_layer_peak_bytes(model: ModelSpec, wl: Workload, cpu_attention: bool = False, kv_groups: int = 1) -> int:
+def max_layer_peak_bytes(model: ModelSpec, wl: Workload, cpu_attention: bool = False, kv_groups: int = 1,
+                         sublayer: bool = False) -> int:
     """The largest op peak of a block without recompute: a prefill layer over the prompt (T = C = prompt_len), a
-    decode layer at the longest context (T = 1, C = max_len), the embedding and the head. (TightLLM's recompute
-    blocks are sized against what is left: ``offsim.policies.tightllm.policy.recompute_memory_cap``.)"""
+    decode layer at the longest context (T = 1, C = max_len), the embedding and the head; with ``sublayer``, the
+    attention and MLP sub-layers instead of whole layers. (TightLLM's recompute blocks are sized against what is
+    left: ``offsim.policies.tightllm.policy.recompute_memory_cap``.)"""
     gbs, P, M = wl.gpu_batch_size, wl.prompt_len, wl.max_len
-    peaks = [op_peak_bytes(model, "layer", gbs, P, P, kv_groups),
-             op_peak_bytes(model, "cpu_attn_layer" if cpu_attention else "layer", gbs, 1, M, kv_groups),
-             op_peak_bytes(model, "embed", gbs, P, P), op_peak_bytes(model, "head", gbs, P, P)]
-    return max(peaks)
+    if sublayer:
+        decode = ("cpu_attn_pre", "attn_out", "mlp") if cpu_attention else ("attn_layer", "mlp")
+        layers = [op_peak_bytes(model, part, gbs, P, P, kv_groups) for part in ("attn_layer", "mlp")] + \
+            [op_peak_bytes(model, part, gbs, 1, M, kv_groups) for part in decode]
+    else:
+        layers = [op_peak_bytes(model, "layer", gbs, P, P, kv_groups),
+                  op_peak_bytes(model, "cpu_attn_layer" if cpu_attention else "layer", gbs, 1, M, kv_groups)]
+    return max(layers + [op_peak_bytes(model, "embed", gbs, P, P), op_peak_bytes(model, "head", gbs, P, P)])
 
 
 # ================================================================================================================
@@ -303,13 +382,15 @@ def max_layer_peak_bytes(model: ModelSpec, wl: Workload, cpu_attention: bool = F
 class Placement:
     """What a policy puts where, as far as memory goes: per layer (gpu, cpu) bytes of its flat weights (the rest on
     disk), KV heads (gpu, cpu) (the rest on disk), where activations wait between layers, how many streamed-weight
-    slots are live at once (2 with prefetch: double buffering; 1 without), and FlexGen's CPU attention."""
+    slots are live at once (2 with prefetch: double buffering; 1 without), FlexGen's CPU attention, and whether
+    weights stream per sub-layer."""
 
     weight_split: tuple[tuple[int, int], ...]
     kv_split: tuple[int, int]
     hidden_home: str = "gpu"
     weight_buffers: int = 2
     cpu_attention: bool = False
+    sublayer: bool = False  # weights stream per sub-layer (attention, MLP), as FlexGen's code does
 
     def fractions(self, model: ModelSpec) -> dict[str, float]:
         """Placement fractions (FlexGen's LP variables) of the weights (the mean over layers), KV heads and
@@ -324,7 +405,7 @@ class Placement:
 
 
 def tier_bytes(model: ModelSpec, wl: Workload, x: Mapping[str, Any], cpu_attention: bool = False,
-               weight_buffers: int = 2, op_peak: int | None = None) -> dict[str, dict[str, Any]]:
+               weight_buffers: int = 2, op_peak: int | None = None, sublayer: bool = False) -> dict[str, dict[str, Any]]:
     """Bytes per tier and purpose of a block on a placement given as fractions ``x`` (wg, wc, wd, cg, cc, cd, hg,
     hc; floats or LP expressions -- every term is a constant or a constant times one fraction, so the LP stays
     affine): what is resident for the whole run plus the minimum working set. Returns {tier: {purpose: bytes}}.
@@ -332,7 +413,7 @@ def tier_bytes(model: ModelSpec, wl: Workload, x: Mapping[str, Any], cpu_attenti
     GPU: embeddings; token ids (and RoPE tables); cuBLAS's workspace and the allocator's rounding
     (``GPU_PROCESS_OVERHEAD_BYTES``); wg · L · W
     resident weights; ``weight_buffers`` streamed slots of
-    (wc + wd) · W (the straddling tensor of a partial split is added by ``check_fits``: not affine); cg of the KV at
+    (wc + wd) · W, or with ``sublayer`` one attention and one MLP slot, (wc + wd) · W together (the straddling tensor of a partial split is added by ``check_fits``: not affine); cg of the KV at
     full length (all prompts, all layers); KV work buffers of the off-GPU heads at full length, (cc + cd) of a
     [max_len, 2, gbs, Hk, D] buffer, two of them (the current position's and the next one's, loaded ahead) or one
     with CPU attention (a prefill position's, until stored); hg of the block's activations at the prompt (nb
@@ -351,12 +432,13 @@ def tier_bytes(model: ModelSpec, wl: Workload, x: Mapping[str, Any], cpu_attenti
     hidden_batch = hidden_bytes(model, gbs, P)
     w_off, c_off = x["wc"] + x["wd"], x["cc"] + x["cd"]
     if op_peak is None:
-        op_peak = max_layer_peak_bytes(model, wl, cpu_attention)
+        op_peak = max_layer_peak_bytes(model, wl, cpu_attention, sublayer=sublayer)
+    slot_layers = 1 if sublayer else weight_buffers  # sub-layers: an attention and an MLP slot, one layer's worth
     gpu = {"embeddings": embedding_bytes(model),
            "token ids": token_ids_bytes(wl.num_prompts, M) + rope_table_bytes(model, M),
            "library workspace": LIBRARY_WORKSPACE_BYTES, "allocator slack": ALLOCATOR_SLACK_BYTES,
            "resident weights": x["wg"] * (L * W),
-           "weight slots": w_off * (weight_buffers * W),
+           "weight slots": w_off * (slot_layers * W),
            "resident KV": x["cg"] * kv_all,
            "KV work buffers": c_off * ((1 if cpu_attention else 2) * kv_buf),
            "activations": x["hg"] * hidden_block + x["hc"] * (2 * hidden_batch),
@@ -371,17 +453,16 @@ def placement_tier_bytes(model: ModelSpec, wl: Workload, pl: Placement) -> dict[
     """``tier_bytes`` of a concrete placement, in whole bytes, with the weight slot's straddling tensor."""
     x = pl.fractions(model)
     kv_groups = sum(1 for h in _head_groups(model, pl.kv_split) if h)
-    peak = max_layer_peak_bytes(model, wl, pl.cpu_attention, kv_groups)
-    out = tier_bytes(model, wl, x, pl.cpu_attention, pl.weight_buffers, peak)
+    peak = max_layer_peak_bytes(model, wl, pl.cpu_attention, kv_groups, pl.sublayer)
+    out = tier_bytes(model, wl, x, pl.cpu_attention, pl.weight_buffers, peak, pl.sublayer)
     # exact integers where fractions were used: sums of the split, heads, and the slot as the executor sizes it
     L, W = model.num_layers, layer_weight_bytes(model)
     kg, kc = pl.kv_split
     kd = model.num_kv_heads - kg - kc
     M, gbs = wl.max_len, wl.gpu_batch_size
     gpu, cpu, disk = out["gpu"], out["cpu"], out["disk"]
-    slot = max((weight_slot_bytes(model, g) for g, _ in pl.weight_split), default=0)
     gpu["resident weights"] = sum(g for g, _ in pl.weight_split)
-    gpu["weight slots"] = pl.weight_buffers * slot
+    gpu["weight slots"] = weight_slots_bytes(model, pl.weight_split, pl.weight_buffers, pl.sublayer)
     gpu["resident KV"] = kv_bytes(model, wl.num_prompts, M, kg, L)
     gpu["KV work buffers"] = (1 if pl.cpu_attention else 2) * sum(kv_buffer_bytes(model, gbs, M, h) for h in (kc, kd))
     cpu["weights"] = sum(c for _, c in pl.weight_split)
@@ -450,7 +531,8 @@ def executor_gpu_bytes(model: ModelSpec, wl: Workload, weight_split, kv_split, p
       (``ALLOCATOR_SLACK_BYTES``);
     - resident weights: [0, g) of every layer (``w_res``);
     - resident KV: [L, nb] buffers of the GPU-homed heads at full length (``kv_gpu``);
-    - weight slots: ``pool_buffers['wslot']`` slots of the largest ``weight_slot_bytes``;
+    - weight slots: ``pool_buffers['wslot']`` slots of the largest ``weight_slot_bytes`` (whole layers), or
+      ``pool_buffers['wslot_attn' / 'wslot_mlp']`` of the largest ``sublayer_slot_bytes`` (sub-layers);
     - KV work buffers: ``pool_buffers['kvwork_cpu' / 'kvwork_disk']`` full-length buffers of each off-GPU group;
     - activations: the most GPU values (hidden states, pre_attn's Q/K/V, attention outputs) alive at once in plan
       order (``activation_peak_bytes``, from offexec/program.py);
@@ -458,12 +540,15 @@ def executor_gpu_bytes(model: ModelSpec, wl: Workload, weight_split, kv_split, p
     L, M, gbs, nb = model.num_layers, wl.max_len, wl.gpu_batch_size, wl.num_gpu_batches
     kg, kc, kd = _head_groups(model, kv_split)
     slot = max((weight_slot_bytes(model, g) for g, _ in weight_split), default=0)
+    sub_slots = {sub: max((sublayer_slot_bytes(model, g, sub) for g, _ in weight_split), default=0)
+                 for sub in SUBLAYERS}
     return {"embeddings": embedding_bytes(model),
             "token ids": token_ids_bytes(wl.num_prompts, M) + rope_table_bytes(model, M),
             "library workspace": LIBRARY_WORKSPACE_BYTES, "allocator slack": ALLOCATOR_SLACK_BYTES,
             "resident weights": sum(g for g, _ in weight_split),
             "resident KV": L * nb * kv_buffer_bytes(model, gbs, M, kg),
-            "weight slots": pool_buffers.get("wslot", 0) * slot,
+            "weight slots": pool_buffers.get("wslot", 0) * slot
+            + sum(pool_buffers.get(f"wslot_{sub}", 0) * sub_slots[sub] for sub in SUBLAYERS),
             "KV work buffers": pool_buffers.get("kvwork_cpu", 0) * kv_buffer_bytes(model, gbs, M, kc)
             + pool_buffers.get("kvwork_disk", 0) * kv_buffer_bytes(model, gbs, M, kd),
             "activations": activation_peak_bytes, "op transients": op_transient_bytes}

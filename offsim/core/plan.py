@@ -379,7 +379,7 @@ class Plan:
                 if not (num_seqs > 0 and 0 < q <= ctx <= max_len):
                     raise PlanError(f"{self._describe(i)}: needs num_seqs > 0 and 0 < q_tokens <= ctx_tokens <= "
                                     f"{max_len} (got {num_seqs}, {q}, {ctx})")
-                if part == "layer" or part == "attn":
+                if part == "layer" or part == "attn" or part == "attn_layer":
                     # a compute op attends over KV [0, ctx - q): on the GPU it must have been computed (and loaded
                     # or kept resident, which the executor tracks); for CPU attention it must be in host memory
                     need = ctx - q
@@ -389,7 +389,7 @@ class Plan:
                         src = "were ever computed" if gpu else "are in host memory"
                         raise PlanError(f"{self._describe(i)}: attends over KV tokens [0, {need}) but only [0, {have}) "
                                         f"{src} (rule: every KV token read exists on the tier it is read from)")
-                if kind == "compute" and (part == "layer" or part == "pre_attn"):  # new tokens' KV now exists
+                if kind == "compute" and part in ("layer", "pre_attn", "attn_layer"):  # new tokens' KV now exists
                     _extend(present, ("new", layer, batch), ctx - q, ctx)
             else:
                 tensor, nbytes, lo, hi = get("tensor", ""), get("nbytes", 0), get("lo", 0), get("hi", 0)

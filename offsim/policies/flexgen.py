@@ -26,6 +26,7 @@ class FlexGenSettings:
     overlap: bool = True  # overlap I/O with compute (FlexGen's default)
     cpu_attention: bool = False  # FlexGen's --cpu-cache-compute
     pin_weights: bool = True  # FlexGen's --pin-weight
+    sublayer: bool = False  # stream the attention's and the MLP's weights separately, as FlexGen's code does
 
     def __post_init__(self):
         p = tuple(self.percent)
@@ -47,7 +48,7 @@ def flexgen_schedule(model: ModelSpec, st: FlexGenSettings) -> Schedule:
     kv = kv_split_from_percent(model, cg, cc)
     return Schedule(policy="flexgen", weight_split=(split,) * model.num_layers, kv_split=kv,
                     hidden_home="gpu" if ag >= ac else "cpu", prefetch=True, overlap=st.overlap,
-                    cpu_attention=st.cpu_attention, pinned=st.pin_weights,
+                    cpu_attention=st.cpu_attention, pinned=st.pin_weights, sublayer=st.sublayer,
                     settings=tuple(dataclasses.asdict(st).items()))
 
 

@@ -46,12 +46,13 @@ class Schedule:
     pinned: bool = True  # host buffers pinned (False: pageable copies)
     settings: tuple = ()  # (key, value) pairs: the policy's inputs, recorded in the plan
     derived: tuple = ()  # (key, value) pairs: what the policy chose from them (e.g. Accelerate's GPU layers)
+    sublayer: bool = False  # stream weights per sub-layer (attention, MLP) as FlexGen's code does; needs prefetch
 
     def placement(self) -> fp.Placement:
         """What this schedule puts where, for the footprint (``offsim.core.footprint``)."""
         return fp.Placement(weight_split=tuple(self.weight_split), kv_split=tuple(self.kv_split),
                             hidden_home=self.hidden_home, weight_buffers=2 if self.prefetch else 1,
-                            cpu_attention=self.cpu_attention)
+                            cpu_attention=self.cpu_attention, sublayer=self.sublayer)
 
 
 def resident_bytes(model: ModelSpec, wl: Workload, s: Schedule) -> dict[str, int]:
@@ -91,6 +92,8 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
     kd = n_kv - kg - kc
     if s.cpu_attention and kg:
         raise OffsimError("CPU attention needs the KV cache off the GPU: the GPU share of the cache must be 0 %")
+    if s.sublayer and not s.prefetch:
+        raise OffsimError("sub-layer weight streaming double-buffers the attention and MLP slots: it needs prefetch")
     if wl.max_len > model.max_positions:
         raise OffsimError(f"prompt-len + gen-len - 1 = {wl.max_len} exceeds {model.name}'s {model.max_positions} "
                           "positions")
@@ -105,30 +108,48 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
     buf_c, buf_d = fp.kv_buffer_bytes(model, gbs, wl.max_len, kc), fp.kv_buffer_bytes(model, gbs, wl.max_len, kd)
     kv_groups = sum(1 for h in (kg, kc, kd) if h)
 
-    # --- streamed weights: instances (step, layer) in execution order, loaded ahead by the cursor --------------
-    streamed = [j for j in range(L) if s.weight_split[j][0] < W]
-    instances = [(i, j) for i in range(wl.gen_len) for j in streamed]
+    # --- streamed weights: instances (step, layer, sub-layer) in execution order, loaded ahead by the cursor ----
+    # a unit is a whole layer (sub None) or, with FlexGen's granularity, its attention or its MLP
+    subs = fp.SUBLAYERS if s.sublayer else (None,)
+    unit_range = dict(fp.sublayer_ranges_bytes(model)) if s.sublayer else {}
+    unit_range[None] = (0, W)
+
+    def unit_slot(j: int, sub) -> int:
+        g = s.weight_split[j][0]
+        return fp.weight_slot_bytes(model, g) if sub is None else fp.sublayer_slot_bytes(model, g, sub)
+
+    def unit_straddle(j: int, sub) -> int:
+        g = s.weight_split[j][0]
+        return fp.weight_slot_straddle_bytes(model, g) if sub is None else \
+            fp.sublayer_slot_straddle_bytes(model, g, sub)
+
+    streamed = [(j, sub) for j in range(L) for sub in subs if s.weight_split[j][0] < unit_range[sub][1]]
+    instances = [(i, j, sub) for i in range(wl.gen_len) for j, sub in streamed]
     inst_index = {ij: u for u, ij in enumerate(instances)}
     loaded: dict[int, list[int]] = {}  # instance -> ids of its h2d ops
     free_op: dict[int, int] = {}  # instance -> id of the last compute that used it
     cursor = [0]
 
     def issue_weight_load(u: int) -> None:
-        i, j = instances[u]
+        i, j, sub = instances[u]
         g, c = s.weight_split[j]
-        back = 2 if s.prefetch else 1  # double or single buffering of streamed weights
+        u_lo, u_hi = unit_range[sub]
+        back = 2 if s.prefetch else 1  # double or single buffering of streamed weights (units)
         dep = free_op.get(u - back)
         phase = "prefill" if i == 0 else "decode"
         ids = []
-        straddle = fp.weight_slot_straddle_bytes(model, g)  # the slot's first load takes the whole slot
-        if c:
-            ids.append(add("h2d", [dep], phase, i, j, 0, tensor="weight", lo=g, hi=g + c, nbytes=c, pinned=pinned,
-                           alloc=(c + straddle, 0, 0)))
-        if W - g - c:
-            rd = add("disk_read", [dep], phase, i, j, 0, tensor="weight", lo=g + c, hi=W, nbytes=W - g - c,
-                     alloc=(0, W - g - c, 0))
-            ids.append(add("h2d", [rd], phase, i, j, 0, tensor="weight", lo=g + c, hi=W, nbytes=W - g - c,
-                           pinned=pinned, alloc=(W - g - c + (0 if c else straddle), 0, 0), free=(0, W - g - c, 0)))
+        straddle = unit_straddle(j, sub)  # the slot's first load takes the whole slot
+        h_lo, h_hi = max(g, u_lo), min(g + c, u_hi)  # the unit's host-homed bytes
+        d_lo = max(g + c, u_lo)  # ... and its disk-homed bytes [d_lo, u_hi)
+        if h_hi > h_lo:
+            ids.append(add("h2d", [dep], phase, i, j, 0, tensor="weight", lo=h_lo, hi=h_hi, nbytes=h_hi - h_lo,
+                           pinned=pinned, alloc=(h_hi - h_lo + straddle, 0, 0)))
+        if u_hi > d_lo:
+            n = u_hi - d_lo
+            rd = add("disk_read", [dep], phase, i, j, 0, tensor="weight", lo=d_lo, hi=u_hi, nbytes=n,
+                     alloc=(0, n, 0))
+            ids.append(add("h2d", [rd], phase, i, j, 0, tensor="weight", lo=d_lo, hi=u_hi, nbytes=n, pinned=pinned,
+                           alloc=(n + (0 if h_hi > h_lo else straddle), 0, 0), free=(0, n, 0)))
         loaded[u] = ids
 
     def ensure_loaded(upto: int) -> None:
@@ -140,20 +161,29 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
     last_out: dict[int, int] = {}  # batch -> op that produced its current hidden (on GPU)
     hidden_store: dict[int, int] = {}  # batch -> d2h op that parked its hidden on the CPU
     kv_stored: dict[tuple[int, int], list[int]] = {}  # (layer, batch) -> ops that made the last KV durable
-    computes: list[int] = []  # compute ops in position order (for KV double buffering)
+    computes: list[int] = []  # compute ops of the KV positions, in order (for KV double buffering)
     disk_stores = DiskStoreBuffers()
 
-    positions = [(i, j, k) for i in range(wl.gen_len) for j in range(-1, L + 1) for k in range(nb)]
+    # positions (step, layer, sub-layer, batch) in FlexGen's order: the zig-zag over batches for every layer of
+    # [embedding, decoder layers (or their attention and MLP), head]
+    positions = [(i, j, sub, k) for i in range(wl.gen_len) for j in range(-1, L + 1)
+                 for sub in (subs if 0 <= j < L else (None,)) for k in range(nb)]
+    # KV positions: all but the MLP's (which touch no KV); their index orders the KV work buffers' reuse
+    kv_index: dict[int, int] = {}
+    for p, (_, _, sub, _) in enumerate(positions):
+        if sub != "mlp":
+            kv_index[p] = len(kv_index)
     pending_kv_loads: dict[int, list[int]] = {}  # position -> its KV h2d ops
     pending_kv_bufs: dict[int, tuple[bool, bool]] = {}  # position -> (host group loaded, disk group loaded)
 
     def emit_kv_loads(p: int) -> None:
         """Bring the KV prefix of position p to the GPU (GPU attention over a host/disk cache)."""
-        i, j, k = positions[p]
-        if i == 0 or not 0 <= j < L or s.cpu_attention or not (kc or kd):
+        i, j, sub, k = positions[p]
+        if i == 0 or not 0 <= j < L or sub == "mlp" or s.cpu_attention or not (kc or kd):
             return
         ctx_prev = wl.prompt_len + i - 1  # tokens whose KV exists before this step
-        dep_buf = computes[p - 2] if p >= 2 and len(computes) >= p - 1 else None
+        a = kv_index[p]  # the load waits for the compute two KV positions back (double buffering)
+        dep_buf = computes[a - 2] if a >= 2 and len(computes) >= a - 1 else None
         deps = [dep_buf] + kv_stored.get((j, k), [])
         phase = "decode"
         ids = []
@@ -170,7 +200,7 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         pending_kv_loads[p] = ids
         pending_kv_bufs[p] = (bool(kc), bool(kd))
 
-    for p, (i, j, k) in enumerate(positions):
+    for p, (i, j, sub, k) in enumerate(positions):
         phase = "prefill" if i == 0 else "decode"
         q = wl.prompt_len if i == 0 else 1
         ctx = wl.prompt_len + i
@@ -187,31 +217,39 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
             hl = add("h2d", [hidden_store.pop(k)], phase, i, j, k, tensor="hidden", lo=ctx - q, hi=ctx, nbytes=hin,
                      pinned=pinned)
             deps = [hl]
-        # weights: the current layer's (first batch only), then, when prefetching, the next streamed layer's
-        if decoder and k == 0 and (i, j) in inst_index:
-            u = inst_index[(i, j)]
+        # weights: the current unit's (first batch only), then, when prefetching, the next streamed unit's
+        unit = (i, j, sub)
+        if decoder and k == 0 and unit in inst_index:
+            u = inst_index[unit]
             ensure_loaded(u + (1 if s.prefetch else 0))
         elif k == 0 and s.prefetch and not decoder:
-            # embedding / head: prefetch the next streamed decoder layer
-            nxt = next((inst_index[(ii, jj)] for ii, jj in ([(i, x) for x in range(max(j, 0), L)] +
-                                                            [(i + 1, x) for x in range(L)])
-                        if (ii, jj) in inst_index), None)
+            # embedding / head: prefetch the next streamed decoder unit
+            nxt = next((inst_index[(ii, jj, ss)] for ii, jj in ([(i, x) for x in range(max(j, 0), L)] +
+                                                                [(i + 1, x) for x in range(L)])
+                        for ss in subs if (ii, jj, ss) in inst_index), None)
             if nxt is not None:
                 ensure_loaded(nxt)
         if p == 0:
             emit_kv_loads(0)
         if p + 1 < len(positions):
             emit_kv_loads(p + 1)  # prefetch the next batch's cache (FlexGen: load_cache(k+1))
-        if decoder and (i, j) in inst_index:
-            deps += loaded[inst_index[(i, j)]]
+        if decoder and unit in inst_index:
+            deps += loaded[inst_index[unit]]
         deps += pending_kv_loads.pop(p, [])
         last_k = k == nb - 1
-        w_free = fp.weight_slot_bytes(model, s.weight_split[j][0]) if (decoder and last_k) else 0
+        w_free = unit_slot(j, sub) if (decoder and last_k) else 0
         loaded_c, loaded_d = pending_kv_bufs.pop(p, (False, False))
-        part = "layer" if decoder else ("embed" if j < 0 else "head")
-        cpu_attn = decoder and s.cpu_attention and i > 0
-        ws = fp.op_peak_bytes(model, "cpu_attn_layer" if cpu_attn else part, gbs, q, ctx, kv_groups)
-        if cpu_attn:
+        part = ({None: "layer", "attn": "attn_layer", "mlp": "mlp"}[sub] if decoder else
+                ("embed" if j < 0 else "head"))
+        cpu_attn = decoder and s.cpu_attention and i > 0 and sub != "mlp"
+        if cpu_attn and sub == "attn":  # pre_attn to attn_out: both halves' peaks, held across the CPU's work
+            ws = max(fp.op_peak_bytes(model, pt, gbs, q, ctx, kv_groups) for pt in ("cpu_attn_pre", "attn_out"))
+        else:
+            ws = fp.op_peak_bytes(model, "cpu_attn_layer" if cpu_attn else part, gbs, q, ctx, kv_groups)
+        if sub == "mlp":
+            comp = add("compute", deps, phase, i, j, k, part="mlp", num_seqs=gbs, q_tokens=q, ctx_tokens=ctx,
+                       frees_weights=last_k, alloc=(ws + hin, 0, 0), free=(ws + hin + w_free, 0, 0))
+        elif cpu_attn:
             # FlexGen's CPU delegation: QKV on the GPU, attention on the CPU over the host cache, rest on the GPU
             pre = add("compute", deps + kv_stored.get((j, k), []), phase, i, j, k, part="pre_attn", num_seqs=gbs,
                       q_tokens=q, ctx_tokens=ctx, alloc=(ws + hin, 0, 0))
@@ -227,8 +265,9 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
                       ctx_tokens=ctx, free=(0, disk_staged, 0))
             ob = fp.attn_out_bytes(model, gbs, q)
             back = add("h2d", [att], phase, i, j, k, tensor="attn_out", lo=ctx - q, hi=ctx, nbytes=ob, pinned=pinned)
-            comp = add("compute", [back, pre], phase, i, j, k, part="post_attn", num_seqs=gbs, q_tokens=q,
-                       ctx_tokens=ctx, frees_weights=last_k, free=(ws + hin + w_free, 0, 0))
+            comp = add("compute", [back, pre], phase, i, j, k, part="attn_out" if sub else "post_attn",
+                       num_seqs=gbs, q_tokens=q, ctx_tokens=ctx, frees_weights=last_k,
+                       free=(ws + hin + w_free, 0, 0))
             stores = [att]
             if kd:  # append the new token's KV to the disk copy
                 nb_new = kv_bytes(kd, q)
@@ -261,10 +300,11 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
                                       head_lo=kg + kc, head_hi=n_kv, nbytes=nbytes, free=(0, nbytes, 0)))
                     disk_stores.record(st, stores[-1])
                 kv_stored[(j, k)] = stores
-        computes.append(comp)
+        if p in kv_index:
+            computes.append(comp)
         last_out[k] = comp
-        if decoder and last_k and (i, j) in inst_index:
-            free_op[inst_index[(i, j)]] = comp
+        if decoder and last_k and unit in inst_index:
+            free_op[inst_index[unit]] = comp
         if s.hidden_home == "cpu" and j < L:
             hb = fp.hidden_bytes(model, gbs, q)
             hidden_store[k] = add("d2h", [comp], phase, i, j, k, tensor="hidden", lo=ctx - q, hi=ctx, nbytes=hb,
