@@ -90,8 +90,8 @@ TIER_CASES = [
     ("flexgen", {"percent": (50, 25, 25, 25, 0, 100)}, 2, 2),  # every tier, activations on the CPU
     ("flexgen", {"percent": (20, 80, 0, 100, 100, 0), "cpu_attention": True}, 2, 2),
     ("flexgen", {"percent": (0, 50, 0, 50, 100, 0), "cpu_attention": True}, 2, 2),  # CPU attention, disk heads
-    # FlexGen's granularity: the attention's and the MLP's weights stream separately
-    ("flexgen", {"percent": (20, 80, 0, 100, 100, 0), "sublayer": True}, 2, 3),  # the split straddles a tensor
-    ("flexgen", {"percent": (50, 25, 25, 25, 0, 100), "sublayer": True}, 2, 2),  # every tier, activations parked
-    ("flexgen", {"percent": (0, 50, 0, 50, 100, 0), "cpu_attention": True, "sublayer": True}, 2, 2),
+    # whole-layer streaming (flexgen --whole-layers; flexgen streams sub-layers by default, as FlexGen's code does)
+    ("flexgen", {"percent": (20, 80, 0, 100, 100, 0), "sublayer": False}, 2, 3),  # the split straddles a tensor
+    ("flexgen", {"percent": (50, 25, 25, 25, 0, 100), "sublayer": False}, 2, 2),  # every tier, activations parked
+    ("flexgen", {"percent": (0, 50, 0, 50, 100, 0), "cpu_attention": True, "sublayer": False}, 2, 2),
 ]

@@ -26,7 +26,7 @@ GiB = 1 << 30
 TIER_NAMES = {"gpu": "GPU memory", "cpu": "host memory", "disk": "disk"}
 # Options that define a plan: with --plan FILE the plan is the file's, so any of these is a conflict.
 PLAN_DEFINING = ("model", "policy", "gpu_batch_size", "num_gpu_batches", "percent", "prompt_len", "gen_len",
-                 "cpu_attention", "no_overlap", "sublayer", "no_kv_distributor", "no_weight_loader", "set")
+                 "cpu_attention", "no_overlap", "whole_layers", "no_kv_distributor", "no_weight_loader", "set")
 SUMMARY_KEYS = ("model", "hardware", "policy", "batch", "gpu_batch_size", "num_gpu_batches", "prompt_len",
                 "gen_len", "prefill_s", "decode_s", "total_s", "prefill_tok_s", "decode_tok_s", "total_tok_s",
                 "gpu_idle_frac", "peak_gpu_bytes", "peak_cpu_bytes", "peak_disk_bytes")
@@ -89,9 +89,9 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-attention", action="store_true",
                    help="decode attention on the CPU over the host KV cache (FlexGen's --cpu-cache-compute)")
     p.add_argument("--no-overlap", action="store_true", help="serialise all I/O and compute (FlexGen ablation)")
-    p.add_argument("--sublayer", action="store_true",
-                   help="stream weights per sub-layer (attention, then MLP) as FlexGen's code does: one layer's worth "
-                        "of weight buffers on the GPU instead of two layers' (flexgen)")
+    p.add_argument("--whole-layers", action="store_true",
+                   help="flexgen: stream each decoder layer's weights whole (two layers' weight buffers on the GPU) "
+                        "instead of per sub-layer, attention then MLP, as FlexGen's code does (the default)")
     p.add_argument("--no-kv-distributor", action="store_true",
                    help="tightllm ablation: never recompute KV (N_r = 0)")
     p.add_argument("--no-weight-loader", action="store_true",
@@ -111,14 +111,14 @@ def policy_settings(args) -> dict:
         given["cpu_attention"] = True
     if args.no_overlap:
         given["overlap"] = False
-    if args.sublayer:
-        given["sublayer"] = True
+    if args.whole_layers:
+        given["sublayer"] = False
     if args.no_kv_distributor:
         given["kv_distributor"] = False
     if args.no_weight_loader:
         given["weight_loader"] = False
     flag = {"percent": "--percent", "cpu_attention": "--cpu-attention", "overlap": "--no-overlap",
-            "sublayer": "--sublayer", "kv_distributor": "--no-kv-distributor", "weight_loader": "--no-weight-loader"}
+            "sublayer": "--whole-layers", "kv_distributor": "--no-kv-distributor", "weight_loader": "--no-weight-loader"}
     for k in given:
         if k not in names:
             raise OffsimError(f"{flag[k]} does not apply to policy {args.policy} (its settings: {sorted(names)})")

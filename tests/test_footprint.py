@@ -250,11 +250,12 @@ def test_lp_memory_is_the_footprint(tiny_opt, small_gpu_t4):
 
     wl = Workload(8, 4, 2, 2)
     W, L = tiny_opt.layer_weight_bytes(), tiny_opt.num_layers
-    pl = fp.Placement(((0, W),) * L, (0, tiny_opt.num_kv_heads))  # whole layers off: no straddle
-    mem = flexgen_terms(tiny_opt, small_gpu_t4, 8, 4, 2, 2, pl.fractions(tiny_opt), False)["mem"]
-    exact = fp.placement_tier_bytes(tiny_opt, wl, pl)
-    for tier in ("gpu", "cpu", "disk"):
-        assert mem[tier] == pytest.approx(sum(exact[tier].values()), rel=1e-12)
+    for sublayer in (False, True):  # whole-layer slots, or an attention and an MLP slot
+        pl = fp.Placement(((0, W),) * L, (0, tiny_opt.num_kv_heads), sublayer=sublayer)  # layers off: no straddle
+        mem = flexgen_terms(tiny_opt, small_gpu_t4, 8, 4, 2, 2, pl.fractions(tiny_opt), False, sublayer)["mem"]
+        exact = fp.placement_tier_bytes(tiny_opt, wl, pl)
+        for tier in ("gpu", "cpu", "disk"):
+            assert mem[tier] == pytest.approx(sum(exact[tier].values()), rel=1e-12)
 
 
 def test_executor_host_check_uses_meminfo(monkeypatch):

@@ -182,7 +182,7 @@ def test_interrupted_run_leaves_no_disk_files(tmp_path, monkeypatch):
     hf, spec, w = _model("opt")
     plan = build_plan("flexgen", spec, HW, Workload(PROMPT, GEN, 2, 2), {"percent": (0, 0, 0, 0, 100, 0)})
     calls = {"n": 0}
-    orig = Executor._op_layer
+    orig = Executor._op_attn_layer  # flexgen streams sub-layers: a decoder layer's attention half
 
     def interrupt(self, op, args, info):
         calls["n"] += 1
@@ -190,7 +190,7 @@ def test_interrupted_run_leaves_no_disk_files(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return orig(self, op, args, info)
 
-    monkeypatch.setattr(Executor, "_op_layer", interrupt)
+    monkeypatch.setattr(Executor, "_op_attn_layer", interrupt)
     with pytest.raises(KeyboardInterrupt):
         run_plan(plan, w, "cpu", disk_dir=str(tmp_path))
     assert calls["n"] == 5 and os.listdir(tmp_path) == []

@@ -65,7 +65,8 @@ def metrics_row(m: dict) -> dict:
 
 def _margin_candidates(policy: str, model, hw, prompt_len: int, gen_len: int, top: int = 8):
     cas = (False, True) if policy == "flexgen" else (False,)
-    for r in flexgen_candidates(model, hw, prompt_len, gen_len, cpu_attention=cas)[:top]:
+    for r in flexgen_candidates(model, hw, prompt_len, gen_len, cpu_attention=cas,
+                                sublayer=policy == "flexgen")[:top]:  # TightLLM streams whole layers
         wg, wc, cg, cc, ag, ac = r.percent
         for delta in (2, 5, 10):
             pct = (wg, max(0, wc - delta), cg, max(0, cc - delta), ag, ac)
@@ -115,7 +116,7 @@ def fixed_lp_groups(policy: str, model, hw, prompt_len: int, sequences: int, gen
 
     for gbs, nb in shapes_for(sequences):
         for ca in ((False, True) if policy == "flexgen" else (False,)):
-            r = flexgen_lp(model, hw, prompt_len, gen_len, gbs, nb, ca)
+            r = flexgen_lp(model, hw, prompt_len, gen_len, gbs, nb, ca, sublayer=policy == "flexgen")
             if r is None:
                 continue
             wg, wc, cg, cc, ag, ac = r.percent

@@ -26,7 +26,7 @@ class FlexGenSettings:
     overlap: bool = True  # overlap I/O with compute (FlexGen's default)
     cpu_attention: bool = False  # FlexGen's --cpu-cache-compute
     pin_weights: bool = True  # FlexGen's --pin-weight
-    sublayer: bool = False  # stream the attention's and the MLP's weights separately, as FlexGen's code does
+    sublayer: bool = True  # stream the attention's and the MLP's weights separately, as FlexGen's code does
 
     def __post_init__(self):
         p = tuple(self.percent)

@@ -35,13 +35,14 @@ TIE_BREAK = 1e-3  # weight of total traffic time against the block time in the L
 # FlexGen's LP
 # ----------------------------------------------------------------------------------------------------------------
 def flexgen_terms(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int, gbs: int, nb: int,
-                  x: dict[str, Any], cpu_attention: bool) -> dict[str, Any]:
+                  x: dict[str, Any], cpu_attention: bool, sublayer: bool = True) -> dict[str, Any]:
     """Per-layer time terms and per-tier peak memory of FlexGen's cost model for placement fractions ``x``
     (floats or cvxpy expressions). Returns {'pre': [terms], 'gen': [terms], 'mem': {tier: bytes}}.
 
     Memory is ``footprint.tier_bytes`` -- the formula ``check_fits`` and the plans use -- with the fractions as
     variables: affine in them. Its one non-affine part, the straddling tensor of a partly resident layer's weight
-    slot (at most one tensor), is left to ``check_fits`` on the rounded placement."""
+    slot (at most one tensor), is left to ``check_fits`` on the rounded placement (``flexgen.fit_gpu_weights``).
+    ``sublayer``: weights stream per sub-layer (FlexGen's code; TightLLM's loader streams whole layers)."""
     s, n = prompt_len, gen_len
     bls = gbs * nb
     W = fp.layer_weight_bytes(model)
@@ -76,16 +77,16 @@ def flexgen_terms(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: 
         comp_gen = nb * cm.compute_seconds(model, hw, "layer", gbs, 1, ctx_avg)
 
     tiers = fp.tier_bytes(model, Workload(s, n, gbs, nb), x, cpu_attention, weight_buffers=2,
-                          op_peak=_op_peak(model, s, n, gbs, cpu_attention))
+                          op_peak=_op_peak(model, s, n, gbs, cpu_attention, sublayer), sublayer=sublayer)
     mem = {t: sum(parts.values()) for t, parts in tiers.items()}
     return {"pre": [h2d_pre, d2h_pre, disk_pre, comp_pre], "gen": [h2d_gen, d2h_gen, disk_gen, comp_gen],
             "mem": mem}
 
 
 @functools.lru_cache(maxsize=4096)
-def _op_peak(model: ModelSpec, prompt_len: int, gen_len: int, gbs: int, cpu_attention: bool) -> int:
+def _op_peak(model: ModelSpec, prompt_len: int, gen_len: int, gbs: int, cpu_attention: bool, sublayer: bool) -> int:
     """The block's largest op peak (``footprint.max_layer_peak_bytes``), cached: the LP asks once per shape."""
-    return fp.max_layer_peak_bytes(model, Workload(prompt_len, gen_len, gbs, 1), cpu_attention)
+    return fp.max_layer_peak_bytes(model, Workload(prompt_len, gen_len, gbs, 1), cpu_attention, sublayer=sublayer)
 
 
 def flexgen_block_seconds(terms: dict, model: ModelSpec, gen_len: int) -> float:
@@ -168,7 +169,7 @@ _LP: _ParamLP | None = None
 
 
 def flexgen_lp(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int, gbs: int, nb: int,
-               cpu_attention: bool = False) -> LPResult | None:
+               cpu_attention: bool = False, sublayer: bool = True) -> LPResult | None:
     """Solve FlexGen's LP for one block shape; None if no placement fits memory (or the solver gives up)."""
     global _LP
     import cvxpy as cp
@@ -176,7 +177,7 @@ def flexgen_lp(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int
     if _LP is None:
         _LP = _ParamLP()
     lp = _LP
-    terms = flexgen_terms(model, hw, prompt_len, gen_len, gbs, nb, Affine.basis(), cpu_attention)
+    terms = flexgen_terms(model, hw, prompt_len, gen_len, gbs, nb, Affine.basis(), cpu_attention, sublayer)
     for k in ("pre", "gen"):
         rows = [_affine(e) for e in terms[k]]
         lp.A[k].value = np.array([r[0] for r in rows])
@@ -224,16 +225,17 @@ def block_shapes(batch: int | None = None, gpu_batch_sizes: Iterable[int] = GPU_
 def flexgen_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
                        gpu_batch_sizes: Iterable[int] = GPU_BATCH_SIZES,
                        num_gpu_batches: Iterable[int] = NUM_GPU_BATCHES,
-                       cpu_attention: Iterable[bool] = (False, True), batch: int | None = None) -> list[LPResult]:
+                       cpu_attention: Iterable[bool] = (False, True), batch: int | None = None,
+                       sublayer: bool = True) -> list[LPResult]:
     """LP optimum for every block shape that fits (with ``batch`` sequences when given), best (lowest seconds per
-    token) first."""
+    token) first. ``sublayer``: weights stream per sub-layer (FlexGen) or whole layers (TightLLM)."""
     out = []
     for ca in cpu_attention:
         too_big: set[int] = set()  # num_gpu_batches whose smaller GPU batch already did not fit
         for gbs, nb in block_shapes(batch, gpu_batch_sizes, num_gpu_batches):
             if nb in too_big:
                 continue  # a larger GPU batch needs more memory still
-            r = flexgen_lp(model, hw, prompt_len, gen_len, gbs, nb, ca)
+            r = flexgen_lp(model, hw, prompt_len, gen_len, gbs, nb, ca, sublayer)
             if r is None:
                 too_big.add(nb)
                 continue

@@ -531,7 +531,8 @@ def tightllm_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen
     the batch is free -- twice the GPU batch on the same placement (with recompute the KV loads shrink, so a bigger
     batch can pay)."""
     seen = set()
-    lps = flexgen_candidates(model, hw, prompt_len, gen_len, cpu_attention=(False,), batch=batch)[:max_shapes]
+    lps = flexgen_candidates(model, hw, prompt_len, gen_len, cpu_attention=(False,), batch=batch,
+                             sublayer=False)[:max_shapes]  # TightLLM's weight loader streams whole layers
     out = []
     for r in lps:
         for gbs in (r.gpu_batch_size,) if batch is not None else (r.gpu_batch_size, 2 * r.gpu_batch_size):
