@@ -7,8 +7,12 @@ weights of the next layer, load the cache of batch k+1, store the cache of batch
 embedding and the head keep their weights on the GPU. With one GPU batch and prefetching this is ZeRO-Inference's
 layer-by-layer streaming; without prefetching and with pageable memory it is Accelerate's synchronous offload.
 
-Buffers (what bounds GPU memory): streamed weights are double-buffered when prefetching (the load of a layer waits
-until the layer loaded two loads earlier has run its last batch), single-buffered otherwise; loaded KV is
+Units of streamed weights: whole decoder layers, or (``Schedule.sublayer``, FlexGen's granularity: its layer list
+has a layer's attention and MLP as two layers) each layer's attention and its MLP, computed as separate ops
+(``attn_layer`` / ``mlp``; with CPU attention ``pre_attn``, the CPU's ``attn``, ``attn_out``, then ``mlp``).
+
+Buffers (what bounds GPU memory): streamed weights are double-buffered when prefetching (the load of a unit waits
+until the unit loaded two loads earlier has run its last batch), single-buffered otherwise; loaded KV is
 double-buffered across batches (the load for position p waits for the compute at position p-2); KV stored to disk
 is double-buffered on the GPU and in host staging (``DiskStoreBuffers``).
 
