@@ -1,0 +1,68 @@
+"""FlexGen's sub-layer streaming against whole layers on the GPU: the same placements (OPT-6.7B, prompt 512, gen 32,
+16 x 2; GPU attention at 12 GiB, CPU attention at 10 GiB), each run with its warm-up under the allocator cap; one
+JSON line per run (predicted and measured GPU peak and throughput) and whether the two runs' tokens are equal.
+
+    python -m experiments.memory.sublayer_check     # on the GPU machine; results/memory/sublayer_h200.jsonl
+"""
+import json
+
+import torch
+
+from offsim import Workload, build_plan, get_hardware, get_model, simulate
+from offexec.executor import run_plan
+from offexec.weights import random_weights
+
+
+def run() -> None:
+    m = get_model("opt-6.7b")
+    w = random_weights(m, 0, torch.float16, device="cuda", pinned=True, progress=False)
+    for budget, pct, ca, gbs, nb in ((12, (20, 80, 0, 100, 100, 0), False, 16, 2), (10, (0, 100, 0, 100, 100, 0), True, 16, 2)):
+        hw = get_hardware("results/profiles/h200_offexec.json", budget)
+        wl = Workload(512, 32, gbs, nb)
+        toks = {}
+        for sub in (False, True):
+            st = {"percent": pct, "cpu_attention": ca, "sublayer": sub}
+            plan = build_plan("flexgen", m, hw, wl, st)
+            pred = simulate(plan, hw).metrics()
+            warm = build_plan("flexgen", m, hw, wl.with_(gen_len=2), st)
+            run_plan(warm, w, "cuda", gpu_budget_bytes=int(hw.gpu_mem_bytes))
+            r = run_plan(plan, w, "cuda", gpu_budget_bytes=int(hw.gpu_mem_bytes))
+            mm = r.trace.metrics()
+            toks[sub] = r.tokens
+            print(json.dumps({"budget": budget, "cpu_attention": ca, "sublayer": sub, "pred_peak_gib": pred["peak_gpu_bytes"] / 2**30,
+                              "meas_peak_gib": r.stats["gpu_max_reserved_bytes"] / 2**30, "pred_decode": pred["decode_tok_s"],
+                              "meas_decode": mm["decode_tok_s"], "pred_total": pred["total_tok_s"], "meas_total": mm["total_tok_s"],
+                              "issue_frac": r.stats["issue_frac"]}), flush=True)
+        print(json.dumps({"tokens_equal": bool((toks[False] == toks[True]).all()), "budget": budget}), flush=True)
+
+
+
+
+def report(path: str) -> str:
+    """A markdown table of a run's records (``python -m experiments.memory.sublayer_check --report FILE``)."""
+    rows, eq = [], {}
+    for line in open(path):
+        if line.startswith("#") or not line.strip():
+            continue
+        r = json.loads(line)
+        if "tokens_equal" in r:
+            eq[r["budget"]] = r["tokens_equal"]
+        else:
+            rows.append(r)
+    out = ["| budget GiB | CPU attention | streaming | predicted peak GiB | measured peak GiB | predicted decode tok/s "
+           "| measured decode tok/s | tokens equal to the other streaming |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        out.append(f"| {r['budget']} | {'yes' if r['cpu_attention'] else 'no'} | "
+                   f"{'sub-layers' if r['sublayer'] else 'whole layers'} | {r['pred_peak_gib']:.2f} | "
+                   f"{r['meas_peak_gib']:.2f} | {r['pred_decode']:.1f} | {r['meas_decode']:.1f} | "
+                   f"{'yes' if eq.get(r['budget']) else 'no'} |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) == 3 and sys.argv[1] == "--report":
+        print(report(sys.argv[2]))
+    else:
+        run()
