@@ -542,6 +542,7 @@ class Executor:
                     if not is_host[d] and ops[d].stream != op.stream:
                         s.wait_event(self.ev_end[d])
                 b = bound[best]
+                self._take_buffers(b)  # a reused buffer's wait on its last users goes before the start event
                 ev0, ev1 = Event(), Event()
                 ev0.record(s)
                 getattr(self, "_op_" + b.fn)(op, b.args, b.info)
@@ -611,6 +612,13 @@ class Executor:
         self.vals[vid] = t
         if self.cuda and self.prog.values[vid].kind not in self.pools:  # pool buffers are never freed
             self.val_stream[vid] = self.stream
+
+    def _take_buffers(self, b) -> None:
+        """Take op ``b``'s pool buffers now, so that the stream's wait for their previous users
+        (``BufferPool.acquire``) is enqueued before the op's start event: waiting is not the op's time."""
+        for vid in b.args.values():
+            if vid not in self.vals and self.prog.values[vid].kind in self.pools:
+                self._pool_get(vid)
 
     def _pool_get(self, vid: int) -> torch.Tensor:
         """The pool buffer of value ``vid``, taken from its pool at the value's first use."""
