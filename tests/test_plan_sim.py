@@ -275,3 +275,28 @@ def test_flexgen_opt30b_t4_policy_bytes():
     assert need[True]["weight slots"] < 0.51 * need[False]["weight slots"]
     assert need[True]["op peak"] < 0.6 * need[False]["op peak"]
     assert need[True]["resident weights"] == need[False]["resident weights"]
+
+
+@pytest.mark.parametrize("family", ["opt", "llama"])
+def test_simulated_peak_within_the_footprint(family, tiny_opt, tiny_llama, t4):
+    """On a GPU exactly as large as the footprint says a placement needs (``check_fits``' arithmetic), the built plan
+    simulates without running out of memory: the schedule's op-level allocations never exceed the footprint. (The
+    KV work buffers are what this caught: a load or a prefill compute must take the buffer the stores two attention
+    positions back gave up, as offexec's pool does, or three are live.)"""
+    from offsim.core import footprint as fp
+    from offsim.policies import POLICIES
+
+    model = tiny_opt if family == "opt" else tiny_llama
+    cases = [("flexgen", {"percent": (wg, 100 - wg, 0, 100, hg, 100 - hg), "cpu_attention": ca, "sublayer": sub})
+             for wg in (0, 40) for hg in (0, 100) for ca in (False, True) for sub in (False, True)]
+    cases += [("flexgen", {"percent": (30, 40, 25, 50, 100, 0)}), ("static-zero", {"kv_on_cpu": True}),
+              ("static-accelerate", {"gpu_layers": 1})]
+    for policy, st in cases:
+        for gbs, nb in ((2, 1), (2, 3)) if policy == "flexgen" else ((3, 1),):
+            wl = Workload(8, 4, gbs, nb)
+            pol = POLICIES[policy]
+            need = fp.placement_tier_bytes(model, wl, pol.placement(model, t4, wl, pol.settings_from(st)))["gpu"]
+            hw = dataclasses.replace(t4, gpu_mem_bytes=sum(need.values()), cpu_mem_bytes=1 << 30,
+                                     disk_bytes=1 << 30)
+            peak = simulate(build_plan(policy, model, hw, wl, st), hw).metrics()["peak_gpu_bytes"]
+            assert peak <= sum(need.values()), (policy, st, gbs, nb)

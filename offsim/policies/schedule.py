@@ -13,7 +13,8 @@ has a layer's attention and MLP as two layers) each layer's attention and its ML
 
 Buffers (what bounds GPU memory): streamed weights are double-buffered when prefetching (the load of a unit waits
 until the unit loaded two loads earlier has run its last batch), single-buffered otherwise; loaded KV is
-double-buffered across batches (the load for position p waits for the compute at position p-2); KV stored to disk
+double-buffered across attention positions (a load, or a prefill compute that makes its buffer, takes the one the
+KV stores of the attention position two back gave up, as offexec's pool hands it out); KV stored to disk
 is double-buffered on the GPU and in host staging (``DiskStoreBuffers``).
 
 Memory of the ops (sizes from ``offsim.core.footprint``, as offexec holds them): the first load of a streamed
@@ -165,20 +166,30 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
     last_out: dict[int, int] = {}  # batch -> op that produced its current hidden (on GPU)
     hidden_store: dict[int, int] = {}  # batch -> d2h op that parked its hidden on the CPU
     kv_stored: dict[tuple[int, int], list[int]] = {}  # (layer, batch) -> ops that made the last KV durable
-    computes: list[int] = []  # compute ops of the KV positions, in order (for KV double buffering)
     disk_stores = DiskStoreBuffers()
 
     # positions (step, layer, sub-layer, batch) in FlexGen's order: the zig-zag over batches for every layer of
     # [embedding, decoder layers (or their attention and MLP), head]
     positions = [(i, j, sub, k) for i in range(wl.gen_len) for j in range(-1, L + 1)
                  for sub in (subs if 0 <= j < L else (None,)) for k in range(nb)]
-    # KV positions: all but the MLP's (which touch no KV); their index orders the KV work buffers' reuse
+    # KV positions: the decoder layers' attention (not the embedding, the head or an MLP: they touch no KV); their
+    # index orders the reuse of the KV work buffers
     kv_index: dict[int, int] = {}
-    for p, (_, _, sub, _) in enumerate(positions):
-        if sub != "mlp":
+    for p, (_, j, sub, _) in enumerate(positions):
+        if 0 <= j < L and sub != "mlp":
             kv_index[p] = len(kv_index)
     pending_kv_loads: dict[int, list[int]] = {}  # position -> its KV h2d ops
     pending_kv_bufs: dict[int, tuple[bool, bool]] = {}  # position -> (host group loaded, disk group loaded)
+
+    # KV work buffers: a new position's buffer is the one that the stores ``kv_reuse`` KV positions back gave up --
+    # as offexec's pool of that many buffers hands it out (the stream waits for those stores' end). Two with GPU
+    # attention (a load runs ahead of the compute that stores the previous position); one with CPU attention, whose
+    # only work buffers are prefill's (``footprint.tier_bytes``' KV work buffers).
+    kv_reuse = 1 if s.cpu_attention else 2
+    buf_frees: dict[int, list[int]] = {}  # KV index -> the stores that free its work buffers
+
+    def buffer_deps(a: int) -> list[int]:
+        return buf_frees.get(a - kv_reuse, [])
 
     def emit_kv_loads(p: int) -> None:
         """Bring the KV prefix of position p to the GPU (GPU attention over a host/disk cache)."""
@@ -186,9 +197,8 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         if i == 0 or not 0 <= j < L or sub == "mlp" or s.cpu_attention or not (kc or kd):
             return
         ctx_prev = wl.prompt_len + i - 1  # tokens whose KV exists before this step
-        a = kv_index[p]  # the load waits for the compute two KV positions back (double buffering)
-        dep_buf = computes[a - 2] if a >= 2 and len(computes) >= a - 1 else None
-        deps = [dep_buf] + kv_stored.get((j, k), [])
+        # the load takes the work buffer that the stores two KV positions back give up (double buffering)
+        deps = buffer_deps(kv_index[p]) + kv_stored.get((j, k), [])
         phase = "decode"
         ids = []
         if kc:  # the load allocates the position's full-length work buffer; its store frees it
@@ -284,6 +294,8 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
                 deps += disk_stores.compute_deps()
             # work buffers of off-GPU heads that no load brought: this compute creates them (the stores free them)
             new_bufs = (0 if loaded_c else buf_c) + (0 if loaded_d else buf_d) if decoder else 0
+            if new_bufs:
+                deps += buffer_deps(kv_index[p])
             comp = add("compute", deps, phase, i, j, k, part=part, num_seqs=gbs, q_tokens=q, ctx_tokens=ctx,
                        frees_weights=decoder and last_k, alloc=(ws + hin + new_bufs, 0, 0),
                        free=(ws + hin + w_free, 0, 0))
@@ -295,17 +307,17 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
                     nbytes = kv_bytes(kc, q)
                     stores.append(add("d2h", [comp], phase, i, j, k, tensor="kv", lo=ctx - q, hi=ctx, head_lo=kg,
                                       head_hi=kg + kc, nbytes=nbytes, pinned=pinned, free=(buf_c, 0, 0)))
+                    buf_frees.setdefault(kv_index[p], []).append(stores[-1])
                 if kd:
                     nbytes = kv_bytes(kd, q)
                     st = add("d2h", [comp] + disk_stores.d2h_deps(), phase, i, j, k, tensor="kv", lo=ctx - q,
                              hi=ctx, head_lo=kg + kc, head_hi=n_kv, nbytes=nbytes, pinned=pinned,
                              alloc=(0, nbytes, 0), free=(buf_d, 0, 0))
+                    buf_frees.setdefault(kv_index[p], []).append(st)
                     stores.append(add("disk_write", [st], phase, i, j, k, tensor="kv", lo=ctx - q, hi=ctx,
                                       head_lo=kg + kc, head_hi=n_kv, nbytes=nbytes, free=(0, nbytes, 0)))
                     disk_stores.record(st, stores[-1])
                 kv_stored[(j, k)] = stores
-        if p in kv_index:
-            computes.append(comp)
         last_out[k] = comp
         if decoder and last_k and unit in inst_index:
             free_op[inst_index[unit]] = comp
