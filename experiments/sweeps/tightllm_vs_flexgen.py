@@ -125,9 +125,10 @@ def failure_reasons(df: pd.DataFrame) -> pd.DataFrame:
     taken out, so that one cause is one row."""
     f = df[df["status"] != "ok"].copy()
     why = f["reason"].astype(str).str.replace(r"^no feasible \S+ setting for \S+ on \S+: ", "", regex=True)
-    why = why.str.replace(r"op \d+ \((\w+) (\w+) step \d+ layer \d+ batch \d+\) at t=[\d.]+s", r"a \1 \2 op",
+    why = why.str.replace(r"op \d+ \((\w+) [^ ]+ step \d+ layer \d+ batch \d+\) at t=[\d.]+s", r"a \1 op",
                           regex=True)
-    f["kind"] = why.str.replace(r"\d[\d.,]*", "#", regex=True).str.slice(0, 110)
+    # numbers, but not those inside names (opt-30b, a800, h2d)
+    f["kind"] = why.str.replace(r"(?<![A-Za-z\-\d])\d[\d.,]*(?![A-Za-z\d])", "#", regex=True).str.slice(0, 110)
     out = f.groupby(["policy", "kind"]).size().rename("points").reset_index()
     return out.sort_values(["points", "policy"], ascending=[False, True]).reset_index(drop=True)
 

@@ -15,7 +15,7 @@ import pandas as pd
 LATENCY_COLUMNS = {"total_s": "latency: time to the block's last token (s)",
                    "ttft_s": "time to first token (s)",
                    "decode_ms_per_token": "decode latency per token (ms)"}
-MAX_PANELS = 16
+MAX_PANELS = 25
 
 
 def pareto_front(x: Sequence[float], y: Sequence[float]) -> np.ndarray:
@@ -54,7 +54,7 @@ def plot_pareto(df: pd.DataFrame, x: str = "total_s", y: str = "total_tok_s", fa
     groups = list(pts.groupby(list(facet), sort=False)) if len(pts) else []
     shown, hidden = groups[:MAX_PANELS], groups[MAX_PANELS:]
     n = max(1, len(shown))
-    cols = min(4, n)
+    cols = min(5, n)
     rows = int(np.ceil(n / cols))
     fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 3.0 * rows), squeeze=False)
     for ax in axes.flat[n:]:
@@ -69,12 +69,13 @@ def plot_pareto(df: pd.DataFrame, x: str = "total_s", y: str = "total_tok_s", fa
             ax.step(f[x], f[y], where="post", color=color, lw=1.4, marker="o", ms=3, label=pol)
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.xaxis.set_minor_formatter(NullFormatter())  # (decade labels only: minor ones overlap in small panels)
-        ax.yaxis.set_minor_formatter(NullFormatter())
         ax.grid(True, which="both", alpha=0.25)
         ax.set_title(" / ".join(str(k) for k in (key if isinstance(key, tuple) else (key,))), fontsize=9)
-        ax.tick_params(labelsize=7)
+        ax.tick_params(labelsize=7, which="both")
         ax.legend(fontsize=7)
+        for axis, (lo, hi) in ((ax.xaxis, ax.get_xlim()), (ax.yaxis, ax.get_ylim())):
+            if lo > 0 and hi / lo > 10:  # decade labels only: minor ones overlap in small panels
+                axis.set_minor_formatter(NullFormatter())
     for ax in axes[-1]:
         ax.set_xlabel(LATENCY_COLUMNS.get(x, x), fontsize=8)
     for ax in axes[:, 0]:
