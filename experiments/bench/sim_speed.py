@@ -25,7 +25,7 @@ from pathlib import Path
 import pandas as pd
 
 from experiments.common import ROOT, argparser, finish, provenance, write_csv
-from offsim import Workload, build_plan, get_hardware, get_model, simulate
+from offsim import PlanError, Workload, build_plan, get_hardware, get_model, simulate
 from offsim.core import plan as plan_module
 from offsim.core import sim as sim_module
 from offsim.core.io import read_commented_csv
@@ -61,6 +61,14 @@ def _build(policy, model, hw, wl, st):
     return build_plan(policy, model, hw, wl, st, validate=False, check_fits=False)
 
 
+def _validate(plan) -> str:
+    try:
+        plan.validate()
+    except PlanError as e:  # the published policies are over the T4 by offexec's footprint: still a plan to time
+        return str(e)
+    return "ok"
+
+
 def _no_op_add(self, kind, deps, phase, step, layer, batch, **kw):
     n = self.__dict__.setdefault("_n", 0)
     self._n = n + 1
@@ -71,7 +79,7 @@ def bench_case(label, mname, hwname, policy, st, gbs, nb, repeat: int) -> dict:
     model, hw = get_model(mname), get_hardware(hwname)
     wl = Workload(512, 32, gbs, nb)
     t_build, plan = best_of(lambda: _build(policy, model, hw, wl, st), repeat)
-    t_valid, _ = best_of(plan.validate, repeat)
+    t_valid, verdict = best_of(lambda: _validate(plan), repeat)  # timed whatever its verdict
     t_sim, trace = best_of(lambda: simulate(plan, hw, check_memory=False), repeat)
     ref = getattr(sim_module, "simulate_simpy", None)
     t_ref = best_of(lambda: ref(plan, hw, check_memory=False), 1)[0] if ref else float("nan")
@@ -91,7 +99,8 @@ def bench_case(label, mname, hwname, policy, st, gbs, nb, repeat: int) -> dict:
     n = len(plan.ops)
     return {"case": label, "ops": n, "build_s": t_build, "validate_s": t_valid, "simulate_s": t_sim,
             "build_plus_sim_s": t_build + t_sim, "simulate_simpy_s": t_ref, "build_schedule_only_s": t_floor,
-            "build_gc_off_s": t_nogc, "ops_per_s": n / t_sim, "total_tok_s": trace.metrics()["total_tok_s"]}
+            "build_gc_off_s": t_nogc, "ops_per_s": n / t_sim, "total_tok_s": trace.metrics()["total_tok_s"],
+            "validate_verdict": verdict[:160]}
 
 
 def bench_search(repeat: int) -> list[dict]:
@@ -103,7 +112,7 @@ def bench_search(repeat: int) -> list[dict]:
     nan = float("nan")
     base = {"ops": nan, "build_s": nan, "validate_s": nan, "simulate_s": nan, "simulate_simpy_s": nan,
             "build_schedule_only_s": nan, "build_gc_off_s": nan, "ops_per_s": nan,
-            "total_tok_s": res.metrics["total_tok_s"]}
+            "total_tok_s": res.metrics["total_tok_s"], "validate_verdict": ""}
     return [{"case": "search flexgen OPT-175B t4 (the call)", **base, "build_plus_sim_s": t_call},
             {"case": "offsim search --model opt-175b --hardware t4 (the command)", **base, "build_plus_sim_s": t_cli}]
 
