@@ -12,7 +12,8 @@ after an interrupt; answered points are skipped). About 25 minutes on 2 cores.
 
 ``report`` reads that table and writes, beside it: map_gen32.png and map_gen8.png (TightLLM / FlexGen total tok/s
 per hardware, model, budget and prompt length), summary.csv (per hardware and model: points both answered,
-TightLLM's wins, median and largest ratio), pareto.png, and results/sweeps/README.md (generated: every number in
+TightLLM's wins, median and largest ratio), failures.csv (failed points by kind of reason), pareto.png, and
+results/sweeps/README.md (generated: every number in
 it is read from these files). With ``--scaling DIR`` (the same sweep run with ``--workers 1``) it also writes
 scaling.csv: each sweep's wall time and points per second from their sweep.json run records, and whether the two
 tables agree point for point (they must: the simulator is deterministic). Ends with one JSON line.
@@ -171,6 +172,12 @@ def report(out: Path, scaling_dir: Path | None) -> dict:
     write_csv(fr, out / "failures.csv", prov)
     for gl in sorted(p["gen_len"].unique()):
         plot_map(p, int(gl), out / f"map_gen{int(gl)}.png")
+    from offsim.analysis.pareto import plot_pareto
+
+    plt = pyplot()
+    fig = plot_pareto(df, title=f"{header['spec']['name']}: latency vs throughput per policy (Pareto fronts)")
+    fig.savefig(out / "pareto.png")
+    plt.close(fig)
     both = p["ratio"].dropna()
     counts = df["status"].value_counts().to_dict()
     res = {"points": len(df), "ok": int(counts.get("ok", 0)), "failed": int(counts.get("failed", 0)),
