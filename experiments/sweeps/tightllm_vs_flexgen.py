@@ -16,7 +16,10 @@ TightLLM's wins, median and largest ratio), failures.csv (failed points by kind 
 results/sweeps/README.md (generated: every number in
 it is read from these files). With ``--scaling DIR`` (the same sweep run with ``--workers 1``) it also writes
 scaling.csv: each sweep's wall time and points per second from their sweep.json run records, and whether the two
-tables agree point for point (they must: the simulator is deterministic). Ends with one JSON line.
+tables agree point for point (they must: the simulator is deterministic); a sweep's wall time there is the sum of
+its runs' (an interrupted and resumed sweep: both segments). Always: resume.csv, each run of each sweep checked
+against its journal (points skipped as answered before it, points run, points answered again: 0 when resuming
+skips finished points; from the committed resume.csv where a journal is absent). Ends with one JSON line.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import numpy as np
 import pandas as pd
 
 from experiments.common import ROOT, argparser, finish, provenance, pyplot, results_dir, write_csv
+from offsim.core.io import read_commented_csv
 from offsim.search import grid
 
 SPEC = Path(__file__).with_name("tightllm_vs_flexgen.yaml")
@@ -152,6 +156,43 @@ def scaling(runs_a: dict, runs_b: dict, df_a: pd.DataFrame, df_b: pd.DataFrame) 
     return pd.DataFrame(rows), same
 
 
+def resume_check(label: str, d: Path, runs: dict) -> pd.DataFrame:
+    """Per run of the sweep in ``d``: the points it skipped as already answered (its sweep.json record) and the
+    points it ran, checked against the journal: the journal's lines, in order, split into the runs' ``ran`` counts;
+    ``answered_before`` is the points answered (ok or failed) in earlier runs' lines, ``redone`` the points a run
+    answered again although an earlier run had answered them (0 when resuming skips finished points)."""
+    lines, bad = [], 0
+    if not (d / grid.JOURNAL).exists():  # a checkout (journals are not committed): the rows resume.csv has
+        kept = d.parent / "resume.csv"
+        if kept.exists():
+            old = read_commented_csv(kept, "resume")[1]
+            if (old["sweep"] == label).any():
+                return old[old["sweep"] == label].reset_index(drop=True)
+        raise SystemExit(f"{d / grid.JOURNAL} is missing and resume.csv has no rows for {label}")
+    with open(d / grid.JOURNAL) as f:
+        for line in f:
+            if line.strip():
+                try:
+                    lines.append(json.loads(line))
+                except json.JSONDecodeError:
+                    bad += 1
+    rows, answered, at = [], set(), 0
+    for i, r in enumerate(runs["runs"]):
+        seg = lines[at:at + r["ran"]]
+        at += r["ran"]
+        ids = [x["point_id"] for x in seg]
+        rows.append({"sweep": label, "run": i + 1, "workers": r["workers"], "interrupted": r["interrupted"],
+                     "skipped": r["skipped"], "answered_before": len(answered), "ran": r["ran"],
+                     "redone": len(set(ids) & answered), "wall_s": r["wall_s"],
+                     "points_per_s": r["ran"] / r["wall_s"] if r["ran"] and r["wall_s"] else np.nan})
+        answered |= {x["point_id"] for x in seg if x["status"] in grid.FINAL}
+    out = pd.DataFrame(rows)
+    out["journal_lines"] = len(lines)
+    out["journal_bad_lines"] = bad
+    out["journal_points"] = len({x["point_id"] for x in lines})
+    return out
+
+
 def _table(df: pd.DataFrame, fmt: dict) -> str:
     cols = list(df.columns)
     lines = ["| " + " | ".join(cols) + " |", "| " + " | ".join("---" for _ in cols) + " |"]
@@ -193,19 +234,30 @@ def report(out: Path, scaling_dir: Path | None) -> dict:
                        str(out.relative_to(ROOT)) if out.is_relative_to(ROOT) else str(out)]
         write_csv(sc.assign(tables_identical=same), out.parent / "scaling.csv", prov)
         res.update({"scaling_wall_s": sc["wall_s"].round(1).tolist(), "tables_identical": same})
-    _write_readme(header, runs, df, s, fr, res, sc, same, prov)
+    rel = lambda d: str(d.relative_to(ROOT)) if d.is_relative_to(ROOT) else str(d)  # noqa: E731
+    rc = [resume_check(rel(out), out, runs)]
+    if scaling_dir is not None:
+        rc.append(resume_check(rel(scaling_dir), scaling_dir, runs1))
+    rc = pd.concat(rc, ignore_index=True)
+    write_csv(rc, out.parent / "resume.csv", prov)
+    res.update({"resumed_runs": int((rc["run"] > 1).sum()), "redone": int(rc["redone"].sum()),
+                "skipped_matches_journal": bool((rc["skipped"] == rc["answered_before"]).all())})
+    runs_by = {rel(out): runs, **({rel(scaling_dir): runs1} if scaling_dir is not None else {})}
+    _write_readme(header, runs, df, s, fr, res, sc, same, prov, rc, runs_by)
     return res
 
 
-def _write_readme(header, runs, df, s, fr, res, sc, same, prov) -> None:
+def _write_readme(header, runs, df, s, fr, res, sc, same, prov, rc, runs_by) -> None:
     f2 = lambda v: "" if pd.isna(v) else f"{v:.2f}"  # noqa: E731
     spec = header["spec"]
     g = spec["grid"]
     load = lambda r: "/".join(f"{x[0]:.1f}" if x else "?" for x in (r.get("loadavg_start"), r.get("loadavg_end")))  # noqa: E731
+    pps = lambda r: f"{r['ran'] / r['wall_s']:.3f}" if r["ran"] and r["wall_s"] else ""  # noqa: E731
     run_lines = "\n".join(
-        f"| {i + 1} | `{r['command']}` | {r['commit']} | {r['date'][:16]} | {r['machine']} | {r['workers']} | "
-        f"{r['ran']} | {r['skipped']} | {r['wall_s']:.0f} | {load(r)} | {'yes' if r['interrupted'] else 'no'} |"
-        for i, r in enumerate(runs["runs"]))
+        f"| `{d}` | {i + 1} | `{r['command']}` | {r['commit']} | {r['date'][:16]} | {r['machine']} | {r['workers']} | "
+        f"{r['ran']} | {r['skipped']} | {r['wall_s']:.0f} | {pps(r)} | {load(r)} | "
+        f"{'yes' if r['interrupted'] else 'no'} |"
+        for d, rr in runs_by.items() for i, r in enumerate(rr["runs"]))
     text = f"""# Sweeps (`offsim sweep`)
 
 Generated by `{prov['command']}` (commit {prov['commit']}, {prov['date'][:16]} UTC, {prov['machine']}) from the
@@ -237,27 +289,50 @@ Why points failed (`failures.csv`: per policy and kind of reason, numbers replac
 `map_gen32.png`, `map_gen8.png`: the ratio per budget and prompt length; `pareto.png`: latency (time to a block's
 last token) against total tok/s, each policy's Pareto front per model and hardware.
 
-Runs of this sweep (`sweep.json`; the table's first line holds the last run's provenance):
+Runs of this sweep{' and of its 1-worker twin' if sc is not None else ''} (each folder's `sweep.json`; a table's first
+line holds its last run's provenance; points/s = points run / wall s of that run):
 
-| run | command | commit | date (UTC) | machine | workers | points run | already answered | wall s | load avg start/end | interrupted |
-| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
+| sweep | run | command | commit | date (UTC) | machine | workers | points run | already answered | wall s | points/s | load avg start/end | interrupted |
+| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
 {run_lines}
+"""
+    inter = rc[rc["interrupted"]]
+    resumed = rc[rc["run"] > 1]
+    text += f"""
+## Interrupt and resume: `resume.csv`
+
+Each run's record against the journal (`points.jsonl`, not committed: `resume.csv` is read from it): the journal's
+lines in order, split by the runs' `points run`; `answered_before` is how many points earlier runs answered (ok or
+failed), `redone` how many of this run's points an earlier run had already answered.
+
+{_table(rc.drop(columns=["journal_lines", "journal_bad_lines", "journal_points"]),
+        {'wall_s': lambda v: f'{v:,.0f}', 'points_per_s': lambda v: '' if pd.isna(v) else f'{v:.3f}'})}
+
+{len(inter)} run(s) interrupted (SIGINT, as Ctrl-C), {len(resumed)} resumed run(s). Every run skipped exactly the
+points the journal holds as answered before it: {'yes' if res['skipped_matches_journal'] else '**no**'}; points
+answered again after an earlier run had answered them: {res['redone']}. Journals:
+{'; '.join(f"`{d}` {g['journal_lines'].iloc[0]:,} lines, {g['journal_points'].iloc[0]:,} distinct points, "
+           f"{g['journal_bad_lines'].iloc[0]} unreadable" for d, g in rc.groupby('sweep', sort=False))}.
 """
     if sc is not None:
         ratio = sc["wall_s"].iloc[0] / sc["wall_s"].iloc[1]
         text += f"""
 ## Wall time against workers: `scaling.csv`
 
-The same spec run twice on this machine: once with `--workers 1` (`{sc['sweep'].iloc[0]}`), once with the default,
-every core (`{sc['sweep'].iloc[1]}`, interrupted and resumed as above). Wall time includes Ray's start and stop in
-each run; `point_wall_s_sum` is the time the points themselves took inside the workers. The machine is shared: the
-1-minute load average at the start and end of each run is in its `sweep.json` (and in the runs table above for this
-sweep); other work on the machine during a run slows its points.
+The same spec run twice on this machine: with workers {sc['workers'].iloc[0]} (`{sc['sweep'].iloc[0]}`, in
+{sc['runs'].iloc[0]} run(s)) and with workers {sc['workers'].iloc[1]} (`{sc['sweep'].iloc[1]}`, in
+{sc['runs'].iloc[1]} run(s)). A sweep's `wall_s` is the sum of its runs' wall times (an interrupted sweep: the
+segment before the interrupt plus the resumed one; each run includes its own Ray start and stop, and the points in
+flight at an interrupt are cancelled and run again); `points_per_s` is points answered / that sum, and each run's
+own points/s is in the runs table above. `point_wall_s_sum` is the time the points themselves took inside the
+workers. The machine is shared: the 1-minute load average at the start and end of each run is in the runs table;
+other work on the machine during a run slows its points.
 
 {_table(sc, {'wall_s': lambda v: f'{v:,.0f}', 'points_per_s': lambda v: f'{v:.3f}',
              'point_wall_s_sum': lambda v: f'{v:,.0f}', 'point_wall_s_median': lambda v: f'{v:.2f}'})}
 
-Speed-up {sc['workers'].iloc[1]} workers over {sc['workers'].iloc[0]}: x{ratio:.2f} in wall time. The two tables
+Speed-up of workers {sc['workers'].iloc[1]} over workers {sc['workers'].iloc[0]}: x{ratio:.2f} in summed wall time
+(x{sc['points_per_s'].iloc[1] / sc['points_per_s'].iloc[0]:.2f} in points/s). The two tables
 {'agree on every point (status, settings, block shape, throughputs, makespan, peak GPU bytes)' if same else
  '**differ**: see the report step'}.
 """
