@@ -235,7 +235,8 @@ def _readme(df, summ: dict, path: Path, commits: list[str], note: str = "") -> N
              f"{summ['allocated_over_footprint_min']:.3f} to {summ['allocated_over_footprint_max']:.3f} times what the "
              "footprint module adds up for the plan (`offexec_need_bytes`, the sizes offsim plans with, which include "
              "cuBLAS's workspace and the allocator's slack: `offsim/core/footprint.py`).", "",
-             "| policy | cases | OOM | refused/failed | measured/predicted min | max |", "| --- | --- | --- | --- | --- | --- |"]
+             *_over_prediction(df), "| policy | cases | OOM | refused/failed | measured/predicted min | max |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for pol, r in by.iterrows():
         lines.append(f"| {pol} | {int(r.cases)} | {int(r.ooms)} | {int(r.refused_or_failed)} | {r.ratio_min:.2f} | "
                      f"{r.ratio_max:.2f} |")
@@ -250,6 +251,23 @@ def _readme(df, summ: dict, path: Path, commits: list[str], note: str = "") -> N
               "a run that ran out of memory, the peak reached before the failing allocation. `baseline_1011948.log`: "
               "the same sweep before the footprint module (its printed log)."]
     path.write_text("\n".join(lines) + "\n")
+
+
+def _over_prediction(df) -> list[str]:
+    """README lines on completed runs whose reserved peak passed the simulated peak: by how much, and against the
+    allocator cap (``offexec_need_bytes``, the footprint with its slack) and the tensors really allocated."""
+    over = df[(df["measured_over_predicted"] > 1) & df["error"].isna()]
+    if not len(over):
+        return []
+    M = lambda b: f"{b / 2**20:,.0f} MiB"  # noqa: E731
+    items = [f"{r.case} reserved {M(r.measured_peak_gpu_bytes - r.predicted_peak_gpu_bytes)} more than the "
+             f"simulated peak, {M(r.offexec_need_bytes - r.measured_peak_gpu_bytes)} under the allocator cap, "
+             f"its tensors {M(r.predicted_peak_gpu_bytes - r.measured_max_allocated_bytes)} under the simulated peak"
+             for _, r in over.iterrows()]
+    return [f"{len(over)} completed run(s) reserved more than the simulated peak: " + "; ".join(items) + ". The "
+            "allocator may reserve up to its cap: the footprint's bound over the whole plan (cuBLAS's workspace and "
+            "the allocator's slack included, as in the simulated peak), which can lie above the peak at the "
+            "simulated timing.", ""]
 
 
 def _plot(df, path: Path) -> None:
