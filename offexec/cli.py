@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--allocator-cap", default="plan", choices=ALLOCATOR_CAPS,
                    help="cap PyTorch's GPU allocator at the plan's own bytes, what offsim predicts (plan, default: "
                         "the run proves the memory contract) or at the --gpu-mem-gb budget (budget)")
+    r.add_argument("--no-cuda-graphs", action="store_true",
+                   help="issue decode layer ops kernel by kernel instead of replaying them as CUDA graphs")
     r.add_argument("--device", default="cuda", help="'cuda' (default) or 'cpu' (sequential, for tests)")
     r.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="local transformers checkpoint (config.json + *.safetensors) instead of random weights")
@@ -167,14 +169,16 @@ def cmd_run(args) -> dict:
     weights_s = time.perf_counter() - t0
     prov = provenance(device=str(device), gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "")
     warmup_s = None
+    graphs = "off" if args.no_cuda_graphs or device.type != "cuda" else "cuda"
     try:
         if warm is not None:  # unmeasured: its trace is dropped
             t0 = time.perf_counter()
             run_plan(warm, weights, args.device, seed=args.seed, gpu_budget_bytes=budget, disk_dir=args.disk_dir,
-                     allocator_cap=args.allocator_cap)
+                     allocator_cap=args.allocator_cap, graphs=graphs)
             warmup_s = time.perf_counter() - t0
         res = run_plan(plan, weights, args.device, seed=args.seed, gpu_budget_bytes=budget, disk_dir=args.disk_dir,
-                       allocator_cap=args.allocator_cap, meta={"hardware": hw.name, "warmup": warm is not None, **prov})
+                       allocator_cap=args.allocator_cap, graphs=graphs,
+                       meta={"hardware": hw.name, "warmup": warm is not None, **prov})
     finally:
         weights.close()
     measured = res.trace.metrics()
@@ -207,6 +211,10 @@ def cmd_run(args) -> dict:
           f"host {measured['peak_cpu_bytes'] / GiB:.3f} GiB (+ {st['host_weights_master_bytes'] / GiB:.3f} GiB "
           f"host master of all weights); disk {measured['peak_disk_bytes'] / GiB:.3f} GiB")
     print(f"host time issuing ops: {st['issue_s']:.3f} s = {st['issue_frac']:.1%} of the run")
+    g = st["graphs"]
+    if g["mode"] == "cuda":
+        print(f"CUDA graphs: {g['graphs']} decode ops captured in {g['capture_s']:.2f} s, {g['replays']} replays"
+              + (f"; capture failed, the rest ran eagerly: {g['failed']}" if g["failed"] else ""))
     out = {"measured": {k: measured[k] for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s", "prefill_s",
                                                   "decode_s", "total_s", "peak_gpu_bytes", "peak_cpu_bytes",
                                                   "peak_disk_bytes")},
@@ -214,7 +222,7 @@ def cmd_run(args) -> dict:
                                                    "peak_gpu_bytes")},
            "error": {r["phase"]: r["error"] if comparable else None for r in rows}, "comparable": comparable,
            "warmup": None if warm is None else {"gen_len": warm.workload.gen_len, "wall_s": warmup_s},
-           "issue_s": st["issue_s"], "issue_frac": st["issue_frac"],
+           "issue_s": st["issue_s"], "issue_frac": st["issue_frac"], "graphs": st["graphs"],
            "budget_bytes": budget, "within_budget": measured["peak_gpu_bytes"] <= budget,
            "policy": plan.policy, "settings": plan.settings, "model": model.name, "workload": wl.to_dict(),
            "plan_file": args.plan, "provenance": prov}

@@ -31,6 +31,7 @@ from offsim.core.trace import Trace
 
 from . import ALLOCATOR_CAPS
 from . import model as M
+from .graphs import GRAPH_MODES, DecodeGraphs
 from .memory import (BufferPool, DiskTier, ExecError, GpuArena, HostBuffer, apply_gpu_budget, check_disk_dir,
                      check_gpu_budget, configure_allocator, executor_streams, host_tensor, warm_library_workspace)
 from .program import GPU_STREAMS, HOST_STREAMS, Program, bind
@@ -52,7 +53,7 @@ def run_plan(plan: Plan, weights: ModelWeights, device: str = "cuda", prompts: t
              seed: int = 0, gpu_budget_bytes: int | None = None, disk_dir: str | None = None,
              record_logits: bool = False, keep_kv: bool = False, meta: dict | None = None,
              threaded: bool = False, host_kv_pool: HostBuffer | None = None,
-             allocator_cap: str = "plan") -> RunResult:
+             allocator_cap: str = "plan", graphs: str | None = None) -> RunResult:
     """Run ``plan`` with ``weights`` on ``device``; return the measured trace and the generated tokens.
 
     ``prompts``: [num_prompts, prompt_len] token ids (default: seeded random ids). ``gpu_budget_bytes``: the GPU
@@ -61,9 +62,12 @@ def run_plan(plan: Plan, weights: ModelWeights, device: str = "cuda", prompts: t
     host-homed KV cache, reused across runs in one process (page-locking tens of GB takes seconds).
     ``allocator_cap``: 'plan' (default) caps PyTorch's allocator at the plan's own GPU bytes (``gpu_need``, what
     offsim predicts; never above the budget), so that a run proves the memory contract -- it holds at most what was
-    planned; 'budget' caps it at the budget, letting the allocator cache freely up to it."""
+    planned; 'budget' caps it at the budget, letting the allocator cache freely up to it. ``graphs``: decode
+    layer ops as CUDA graphs ('cuda', the default on a GPU), their graph-ready kernels run eagerly ('static', for
+    CPU tests of the graph path's numerics), or the plain eager kernels ('off', the default on the CPU)
+    (offexec/graphs.py)."""
     ex = Executor(plan, weights, device, prompts, seed, gpu_budget_bytes, disk_dir, record_logits, keep_kv,
-                  threaded, allocator_cap)
+                  threaded, allocator_cap, graphs)
     ex.host_kv_pool = host_kv_pool
     try:
         return ex.run(meta or {})
@@ -182,7 +186,7 @@ class Executor:
     RUN_AHEAD = {"compute": 16, "h2d": 6, "d2h": 16}
     def __init__(self, plan: Plan, weights: ModelWeights, device: str, prompts, seed: int,
                  gpu_budget_bytes: int | None, disk_dir: str | None, record_logits: bool, keep_kv: bool,
-                 threaded: bool = False, allocator_cap: str = "plan"):
+                 threaded: bool = False, allocator_cap: str = "plan", graphs: str | None = None):
         self.plan, self.spec, self.wts = plan, plan.model, weights
         if weights.spec.layer_weight_bytes() != plan.model.layer_weight_bytes() or \
                 weights.spec.num_layers != plan.model.num_layers:
@@ -208,6 +212,12 @@ class Executor:
         if allocator_cap not in ALLOCATOR_CAPS:
             raise ExecError(f"allocator cap must be one of {', '.join(ALLOCATOR_CAPS)}, got {allocator_cap!r}")
         self.cap_bytes = min(self.budget, sum(self.gpu_need.values())) if allocator_cap == "plan" else self.budget
+        graphs = graphs if graphs is not None else ("cuda" if self.cuda else "off")
+        if graphs not in GRAPH_MODES or (graphs == "cuda" and not self.cuda):
+            raise ExecError(f"graphs must be one of {', '.join(GRAPH_MODES)} ('cuda' needs --device cuda), "
+                            f"got {graphs!r}")
+        self.graph_mode = graphs
+        self.graphs: DecodeGraphs | None = None
         self.disk: DiskTier | None = None
         self.host_kv: HostBuffer | None = None
         self.host_kv_pool: HostBuffer | None = None
@@ -325,6 +335,11 @@ class Executor:
             pool.reserve(p.pool_peak.get(name, 0), self.arena)
         if self.arena.used != self.arena.nbytes:
             raise ExecError(f"GPU arena: {self.arena.used} of {self.arena.nbytes} bytes taken (a bug)")
+        if self.graph_mode != "off":
+            self.graphs = DecodeGraphs(dev, s.d_model, self.gbs, self.cap, dt, self.graph_mode)
+            for g in ("cpu", "disk"):  # a graph attends over whole buffers: no NaN in a masked position
+                for buf, _ in self.pools[f"kvwork_{g}"].free:
+                    buf.zero_()
         self.logits: list = []
 
     def close(self) -> None:
@@ -375,7 +390,8 @@ class Executor:
                  "host_weights_master_bytes": self.wts.host.nbytes,
                  "host_weights_tier_bytes": sum(c for _, c in self.plan.weight_split),
                  "host_kv_bytes": self.host_kv_bytes,
-                 "budget_bytes": self.budget}
+                 "budget_bytes": self.budget,
+                 "graphs": self.graphs.stats() if self.graphs is not None else {"mode": "off"}}
         if self.cuda:
             ms = torch.cuda.memory_stats(self.device)
             stats["allocator"] = {k: ms.get(k, 0) for k in ("num_alloc_retries", "num_ooms", "num_sync_all_streams",
@@ -690,6 +706,9 @@ class Executor:
     def _op_layer(self, op, args, info):
         x = self._val(args["x"])
         w = self._weights(op.layer, args)
+        if self._graphed(op, args, x, w, lambda xs, bufs: M.post_attn(self.spec, w, xs, self._attend_static(
+                op, bufs, *M.pre_attn(self.spec, w, xs, self.graphs.pos, self.rope)))):
+            return
         start = op.ctx_tokens - op.q_tokens
         q, k, v = M.pre_attn(self.spec, w, x, start, self.rope)
         o = self._attend_gpu(op, args, q, k, v)
@@ -700,6 +719,9 @@ class Executor:
         projection: ``footprint.layer_stage_bytes`` 'out_proj')."""
         x = self._val(args["x"])
         w = self._weights(op.layer, args, "attn")
+        if self._graphed(op, args, x, w, lambda xs, bufs: M.attn_out(self.spec, w, xs, self._attend_static(
+                op, bufs, *M.pre_attn(self.spec, w, xs, self.graphs.pos, self.rope)))):
+            return
         q, k, v = M.pre_attn(self.spec, w, x, op.ctx_tokens - op.q_tokens, self.rope)
         o = self._attend_gpu(op, args, q, k, v)
         del q, k, v
@@ -707,7 +729,48 @@ class Executor:
 
     def _op_mlp(self, op, args, info):
         x = self._val(args["x"])
-        self._put(args["out"], M.mlp(self.spec, self._weights(op.layer, args, "mlp"), x))
+        w = self._weights(op.layer, args, "mlp")
+        if self._graphed(op, args, x, w, lambda xs, bufs: M.mlp(self.spec, w, xs)):
+            return
+        self._put(args["out"], M.mlp(self.spec, w, x))
+
+    # ---- decode ops as CUDA graphs (offexec/graphs.py) --------------------------------------------------------
+    def _kv_buffers(self, op, args) -> list:
+        """(head_lo, head_hi, [max_len, 2, B, n, D] buffer) of each head group an attention op reads."""
+        out = []
+        for g, (lo, hi) in self.prog.groups.items():
+            if hi > lo:
+                buf = self.kv_gpu[op.layer, op.batch] if g == "gpu" else \
+                    self._kv_view(self._pool_get(args[f"kv_{g}"]), hi - lo)
+                out.append((lo, hi, buf))
+        return out
+
+    def _graphed(self, op, args, x, w, body) -> bool:
+        """Run decode op ``op`` (one new token) through its graph; False: not graphable, run it eagerly.
+        ``body(x_static, kv_buffers)`` is the op's math on the graphs' static input; the graph is keyed by the
+        addresses it bakes in: the layer's weights (a slot's address, or the resident views) and its KV buffers."""
+        if self.graphs is None or op.q_tokens != 1:
+            return False
+        bufs = self._kv_buffers(op, args) if op.part != "mlp" else []
+        slot = self.vals[args["w"]].data_ptr() if "w" in args else None
+        key = (op.part, op.layer, slot, tuple(b.data_ptr() for _, _, b in bufs))
+        self.graphs.set_ctx(op.ctx_tokens)
+        y = self.graphs.run(key, lambda xs: body(xs, bufs), x)
+        if y is None:  # capture failed: eager from here on
+            self.graphs = None
+            return False
+        self._put(args["out"], y)
+        return True
+
+    def _attend_static(self, op, bufs, q, k_new, v_new) -> torch.Tensor:
+        """``_attend_gpu`` for one new token at the graphs' device-side position: the K/V written with
+        ``index_copy_`` at ``pos``, attention over each full-length buffer with the unwritten tail masked."""
+        pos, groups = self.graphs.pos, []
+        for lo, hi, buf in bufs:
+            buf[:, 0].index_copy_(0, pos, k_new[:, :, lo:hi].transpose(0, 1))  # [1, B, n, D] at row pos
+            buf[:, 1].index_copy_(0, pos, v_new[:, :, lo:hi].transpose(0, 1))
+            groups.append((lo, hi, buf[:, 0].permute(1, 2, 0, 3), buf[:, 1].permute(1, 2, 0, 3)))  # [B, n, M, D]
+        return M.attention(self.spec, q, groups, mask=self.graphs.keys)
 
     def _op_pre_attn(self, op, args, info):
         x = self._val(args["x"])

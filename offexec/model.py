@@ -145,11 +145,16 @@ class Rope:
         self.cos = e.cos().to(dtype)
         self.sin = e.sin().to(dtype)
 
-    def apply(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """x: [B, T, n, D] of positions [start, start + T) -> rotated, same shape."""
+    def apply(self, x: torch.Tensor, start) -> torch.Tensor:
+        """x: [B, T, n, D] of positions [start, start + T) -> rotated, same shape. ``start``: an int, or (one new
+        token, T = 1) an int64 [1] tensor on the device, read by the kernels (a CUDA graph replays it per step)."""
         T = x.shape[1]
-        cos = self.cos[start:start + T][None, :, None, :]  # [1, T, 1, D]
-        sin = self.sin[start:start + T][None, :, None, :]
+        if isinstance(start, torch.Tensor):
+            cos = self.cos.index_select(0, start)[None, :, None, :]  # [1, 1, 1, D]
+            sin = self.sin.index_select(0, start)[None, :, None, :]
+        else:
+            cos = self.cos[start:start + T][None, :, None, :]  # [1, T, 1, D]
+            sin = self.sin[start:start + T][None, :, None, :]
         half = x.shape[-1] // 2
         rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # rotate_half
         return x * cos + rot * sin
@@ -173,33 +178,41 @@ def pre_attn(spec: ModelSpec, w: dict, x: torch.Tensor, start: int, rope: Rope |
 
 
 def attention(spec: ModelSpec, q: torch.Tensor, groups: list[tuple[int, int, torch.Tensor, torch.Tensor]],
-              out: torch.Tensor | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of T queries at the end of a C-token context.
 
     q: [B, T, H, D]; groups: (head_lo, head_hi, K, V) with K, V: [B, head_hi - head_lo, C, D] for KV heads
     [head_lo, head_hi) (query heads [head_lo·G, head_hi·G), G = H / Hk: GQA). Query t (0-based) sees keys
     [0, C - T + t] -- causal, aligned to the bottom right -- so a prefill (T = C), a decode step (T = 1) and a
     recompute block (1 < T < C) are one function. Returns out [B, T, H·D] (written into ``out`` if given).
+    ``mask`` (one new token, T = 1): bool [1, 1, 1, C], the key positions that exist -- attention over a full-length buffer
+    whose tail is not written yet (offexec/graphs.py).
     """
     B, T, H, D = q.shape
     G = H // spec.num_kv_heads
     if out is None and len(groups) == 1 and groups[0][:2] == (0, spec.num_kv_heads):
         _, _, K, V = groups[0]
-        o = _sdpa(q.transpose(1, 2), K, V, T, G)  # [B, H, T, D], a transposed view of [B, T, H, D] memory
+        o = _sdpa(q.transpose(1, 2), K, V, T, G, mask)  # [B, H, T, D], a transposed view of [B, T, H, D] memory
         return o.transpose(1, 2).reshape(B, T, H * D)  # no copy when the kernel laid it out [B, T, H, D]
     if out is None:
         out = q.new_empty(B, T, H * D)
     o4 = out.view(B, T, H, D)
     for h0, h1, K, V in groups:
-        og = _sdpa(q[:, :, h0 * G:h1 * G].transpose(1, 2), K, V, T, G)  # [B, n·G, T, D]
+        og = _sdpa(q[:, :, h0 * G:h1 * G].transpose(1, 2), K, V, T, G, mask)  # [B, n·G, T, D]
         o4[:, :, h0 * G:h1 * G] = og.transpose(1, 2)  # [B, T, n·G, D]
     return out
 
 
-def _sdpa(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, T: int, G: int) -> torch.Tensor:
-    """q: [B, n·G, T, D] against K, V: [B, n, C, D], causal aligned to the bottom right."""
+def _sdpa(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, T: int, G: int,
+          keys: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [B, n·G, T, D] against K, V: [B, n, C, D], causal aligned to the bottom right; ``keys``: bool [1, 1, 1, C],
+    the positions that exist (T = 1 only)."""
     C = K.shape[2]
-    if T == 1:
+    if keys is not None:
+        if T != 1:
+            raise ValueError("a key mask is for one new token (T = 1)")
+        mask, causal = keys, False
+    elif T == 1:
         mask, causal = None, False
     elif T == C:
         mask, causal = None, True

@@ -95,6 +95,30 @@ def test_plan_reproduces_transformers(family, case):
         assert checked > 0  # stored KV was compared
 
 
+@pytest.mark.parametrize("family", ["opt", "llama"])
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_graph_path_reproduces_transformers(family, case):
+    """The kernels the decode CUDA graphs capture (offexec/graphs.py: the KV written at a device-side position,
+    attention over the full-length buffer with the unwritten tail masked, RoPE read at that position), run eagerly
+    on the CPU, give transformers' tokens, logits and stored KV too; every decode op of one new token goes through
+    them."""
+    hf, spec, plan, prompts, res = _run(family, *case, graphs="static")
+    _check_against_transformers(hf, spec, plan, prompts, res)
+    one_token = sum(1 for o in plan.ops if o.kind == "compute" and o.part in ("layer", "attn_layer", "mlp")
+                    and o.q_tokens == 1)
+    g = res.stats["graphs"]
+    assert g["mode"] == "static" and g["failed"] is None
+    assert g["replays"] == 0 and g["graphs"] == 0  # static: nothing captured
+    assert g["ops"] == one_token
+
+
+def test_graph_modes_are_checked():
+    hf, spec, w = _model("opt")
+    plan = build_plan("flexgen", spec, HW, Workload(PROMPT, GEN, 2, 1), {"percent": (100, 0, 0, 100, 100, 0)})
+    with pytest.raises(ExecError, match="graphs must be one of"):
+        run_plan(plan, w, "cpu", _MODELS["opt"][3][:2], graphs="cuda")
+
+
 @pytest.mark.parametrize("case", [CASES[5], CASES[7], CASES[9], CASES[-1]], ids=_case_id)
 def test_threaded_scheduler_reproduces_transformers(case):
     hf, spec, plan, prompts, res = _run("llama", *case, threaded=True)

@@ -50,8 +50,12 @@ LIBRARY_WORKSPACE_BYTES = 32 << 20
 # resident GPU constant of every plan so that the allocator's rounding cannot push a plan that fits by arithmetic
 # over it.
 ALLOCATOR_SLACK_BYTES = 256 << 20
+# The CUDA graphs' private memory pool (offexec/graphs.py) comes in allocator segments: tensors up to 1 MiB in 2 MiB
+# segments, 1-10 MiB ones in 20 MiB segments; one of each (the large one only where a decode op's intermediates pass
+# 1 MiB: ``decode_graph_bytes``) beyond the intermediates' own bytes bounds the rounding.
+GRAPH_SMALL_SEGMENT_BYTES, GRAPH_LARGE_SEGMENT_BYTES = 2 << 20, 20 << 20
 # What every plan holds on the GPU beyond its tensors (tests that build toy GPUs add it to their capacity)
-GPU_PROCESS_OVERHEAD_BYTES = LIBRARY_WORKSPACE_BYTES + ALLOCATOR_SLACK_BYTES
+GPU_PROCESS_OVERHEAD_BYTES = LIBRARY_WORKSPACE_BYTES + ALLOCATOR_SLACK_BYTES + GRAPH_SMALL_SEGMENT_BYTES
 
 
 # ================================================================================================================
@@ -375,6 +379,18 @@ def max_layer_peak_bytes(model: ModelSpec, wl: Workload, cpu_attention: bool = F
     return max(layers + [op_peak_bytes(model, "embed", gbs, P, P), op_peak_bytes(model, "head", gbs, P, P)])
 
 
+def decode_graph_bytes(model: ModelSpec, wl: Workload) -> int:
+    """GPU bytes of offexec's decode CUDA graphs (offexec/graphs.py), held from the first decode step to the end:
+    the shared static tensors (input and output hidden [gbs, 1, E], the position, the [max_len] key mask) and the
+    private pool of the graphs' intermediates -- one decode op's at a time, at the longest context (a graph attends
+    over the full-length buffer, with up to three KV head groups), twice over for what the pool cannot reuse between
+    captures, plus its segment rounding."""
+    gbs, M = wl.gpu_batch_size, wl.max_len
+    op = max(op_peak_bytes(model, part, gbs, 1, M, 3) for part in ("layer", "attn_layer", "mlp"))
+    rounding = GRAPH_SMALL_SEGMENT_BYTES + (GRAPH_LARGE_SEGMENT_BYTES if op > (1 << 20) else 0)  # see the constants
+    return 2 * hidden_bytes(model, gbs, 1) + TOKEN_ID_BYTES + M + 2 * op + rounding
+
+
 # ================================================================================================================
 # 3. per-plan totals by tier
 # ================================================================================================================
@@ -411,7 +427,7 @@ def tier_bytes(model: ModelSpec, wl: Workload, x: Mapping[str, Any], cpu_attenti
     affine): what is resident for the whole run plus the minimum working set. Returns {tier: {purpose: bytes}}.
 
     GPU: embeddings; token ids (and RoPE tables); cuBLAS's workspace and the allocator's rounding
-    (``GPU_PROCESS_OVERHEAD_BYTES``); wg · L · W
+    (``GPU_PROCESS_OVERHEAD_BYTES``); offexec's decode CUDA graphs (``decode_graph_bytes``); wg · L · W
     resident weights; ``weight_buffers`` streamed slots of
     (wc + wd) · W, or with ``sublayer`` one attention and one MLP slot, (wc + wd) · W together (the straddling tensor of a partial split is added by ``check_fits``: not affine); cg of the KV at
     full length (all prompts, all layers); KV work buffers of the off-GPU heads at full length, (cc + cd) of a
@@ -437,6 +453,7 @@ def tier_bytes(model: ModelSpec, wl: Workload, x: Mapping[str, Any], cpu_attenti
     gpu = {"embeddings": embedding_bytes(model),
            "token ids": token_ids_bytes(wl.num_prompts, M) + rope_table_bytes(model, M),
            "library workspace": LIBRARY_WORKSPACE_BYTES, "allocator slack": ALLOCATOR_SLACK_BYTES,
+           "CUDA graphs": decode_graph_bytes(model, wl),
            "resident weights": x["wg"] * (L * W),
            "weight slots": w_off * (slot_layers * W),
            "resident KV": x["cg"] * kv_all,
@@ -484,7 +501,7 @@ def resident_bytes(model: ModelSpec, wl: Workload, pl: Placement) -> dict[str, i
     gpu = t["gpu"]
     hidden_gpu = hidden_bytes(model, wl.num_prompts, wl.prompt_len) if pl.hidden_home == "gpu" else 0
     return {"gpu": gpu["embeddings"] + gpu["token ids"] + gpu["library workspace"] + gpu["allocator slack"]
-            + gpu["resident weights"] + gpu["resident KV"] + hidden_gpu,
+            + gpu["CUDA graphs"] + gpu["resident weights"] + gpu["resident KV"] + hidden_gpu,
             "cpu": t["cpu"]["weights"] + t["cpu"]["KV"] + t["cpu"]["activations"],
             "disk": t["disk"]["weights"] + t["disk"]["KV"]}
 
@@ -528,7 +545,7 @@ def executor_gpu_bytes(model: ModelSpec, wl: Workload, weight_split, kv_split, p
 
     - embeddings (``emb``), token ids [nb, gbs, max_len + 1] int64 and RoPE tables (``tokens``, ``rope``);
     - cuBLAS's workspace of the compute stream (``LIBRARY_WORKSPACE_BYTES``) and the caching allocator's rounding
-      (``ALLOCATOR_SLACK_BYTES``);
+      (``ALLOCATOR_SLACK_BYTES``); the decode CUDA graphs' static tensors and pool (``decode_graph_bytes``);
     - resident weights: [0, g) of every layer (``w_res``);
     - resident KV: [L, nb] buffers of the GPU-homed heads at full length (``kv_gpu``);
     - weight slots: ``pool_buffers['wslot']`` slots of the largest ``weight_slot_bytes`` (whole layers), or
@@ -545,6 +562,7 @@ def executor_gpu_bytes(model: ModelSpec, wl: Workload, weight_split, kv_split, p
     return {"embeddings": embedding_bytes(model),
             "token ids": token_ids_bytes(wl.num_prompts, M) + rope_table_bytes(model, M),
             "library workspace": LIBRARY_WORKSPACE_BYTES, "allocator slack": ALLOCATOR_SLACK_BYTES,
+            "CUDA graphs": decode_graph_bytes(model, wl),
             "resident weights": sum(g for g, _ in weight_split),
             "resident KV": L * nb * kv_buffer_bytes(model, gbs, M, kg),
             "weight slots": pool_buffers.get("wslot", 0) * slot
