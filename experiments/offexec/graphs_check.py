@@ -4,7 +4,7 @@
 need), then one per configuration comparing the two runs' tokens and their logits at every (step, batch) whose inputs
 were still identical (``experiments.memory.sublayer_check.compare_logits``).
 
-    python -m experiments.offexec.graphs_check [--out FILE]      # on the GPU machine
+    python -m experiments.offexec.graphs_check [--out FILE] [--only NAME]     # on the GPU machine
     python -m experiments.offexec.graphs_check --report FILE     # a markdown table of a run's records
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ CONFIGS = (  # (name, model, policy, settings, prompt, gen, gbs, nb, budget GiB)
 PROFILE = "results/profiles/h200_offexec.json"
 
 
-def run(out) -> None:
+def run(out, only: str | None = None) -> None:
     import torch
 
     from experiments.common import provenance
@@ -37,8 +37,12 @@ def run(out) -> None:
     emit({"provenance": provenance()})
     weights = {}
     for name, mname, policy, st, prompt, gen, gbs, nb, budget in CONFIGS:
+        if only and only not in name:
+            continue
         m = get_model(mname)
         if mname not in weights:
+            for old in weights.values():  # unpin before freeing: a freed pinned range breaks later page-locking
+                old.close()
             weights.clear()
             torch.cuda.empty_cache()
             weights[mname] = random_weights(m, 0, torch.float16, device="cuda", pinned=True, progress=False)
@@ -90,9 +94,10 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="graphs_h200.jsonl")
     ap.add_argument("--report", default=None, metavar="FILE")
+    ap.add_argument("--only", default=None, help="only the configurations whose name contains this")
     a = ap.parse_args()
     if a.report:
         print(report(a.report))
         sys.exit(0)
     with open(a.out, "w") as f:
-        run(f)
+        run(f, a.only)
