@@ -5,7 +5,7 @@ need), then one per configuration comparing the two runs' tokens and their logit
 were still identical (``experiments.memory.sublayer_check.compare_logits``).
 
     python -m experiments.offexec.graphs_check [--out FILE] [--only NAME]     # on the GPU machine
-    python -m experiments.offexec.graphs_check --report FILE     # a markdown table of a run's records
+    python -m experiments.offexec.graphs_check --report FILE [FILE ...]     # a markdown table of runs' records
 """
 from __future__ import annotations
 
@@ -13,15 +13,18 @@ import argparse
 import json
 import sys
 
-CONFIGS = (  # (name, model, policy, settings, prompt, gen, gbs, nb, budget GiB)
-    ("opt-6.7b resident, 8x4", "opt-6.7b", "flexgen", {"percent": (100, 0, 0, 100, 100, 0)}, 512, 64, 8, 4, 40),
-    ("opt-6.7b flexgen 20/80 sub-layers, 16x2", "opt-6.7b", "flexgen", {"percent": (20, 80, 0, 100, 100, 0)},
+CONFIGS = (  # (name, model, policy, settings, prompt, gen, gbs, nb, budget GiB); FlexGen's sub-layers (its default)
+    ("opt-6.7b weights on the GPU, KV on the host, 8x4", "opt-6.7b", "flexgen", {"percent": (100, 0, 0, 100, 100, 0)}, 512, 64, 8, 4, 40),
+    ("opt-6.7b weights 20/80, KV on the host, 16x2", "opt-6.7b", "flexgen", {"percent": (20, 80, 0, 100, 100, 0)},
      512, 32, 16, 2, 12),
-    ("llama-2-7b resident, 4x4", "llama-2-7b", "flexgen", {"percent": (100, 0, 0, 100, 100, 0)}, 256, 64, 4, 4, 40),
-    ("llama-2-7b flexgen 50/50 KV on host, 8x2", "llama-2-7b", "flexgen", {"percent": (50, 50, 0, 100, 100, 0)},
+    ("llama-2-7b weights on the GPU, KV on the host, 4x4", "llama-2-7b", "flexgen", {"percent": (100, 0, 0, 100, 100, 0)}, 256, 64, 4, 4, 40),
+    ("llama-2-7b weights 50/50, KV on the host, 8x2", "llama-2-7b", "flexgen", {"percent": (50, 50, 0, 100, 100, 0)},
      512, 32, 8, 2, 16),
 )
 PROFILE = "results/profiles/h200_offexec.json"
+# the records of the first run (commit c853c92) carry the names these configurations had then
+RENAMED = {"opt-6.7b resident, 8x4": CONFIGS[0][0], "opt-6.7b flexgen 20/80 sub-layers, 16x2": CONFIGS[1][0],
+           "llama-2-7b resident, 4x4": CONFIGS[2][0], "llama-2-7b flexgen 50/50 KV on host, 8x2": CONFIGS[3][0]}
 
 
 def run(out, only: str | None = None) -> None:
@@ -68,10 +71,12 @@ def run(out, only: str | None = None) -> None:
               **compare_logits(toks["off"], toks["cuda"], lgs["off"], lgs["cuda"], gbs)})
 
 
-def report(path: str) -> str:
+def report(paths: list[str]) -> str:
     rows, cmp = [], {}
-    for line in open(path):
+    for line in (x for p in paths for x in open(p)):
         r = json.loads(line)
+        if "config" in r:
+            r["config"] = RENAMED.get(r["config"], r["config"])
         if "tokens_equal" in r:
             cmp[r["config"]] = r
         elif "graphs" in r:
@@ -93,7 +98,7 @@ def report(path: str) -> str:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="graphs_h200.jsonl")
-    ap.add_argument("--report", default=None, metavar="FILE")
+    ap.add_argument("--report", nargs="+", default=None, metavar="FILE")
     ap.add_argument("--only", default=None, help="only the configurations whose name contains this")
     a = ap.parse_args()
     if a.report:
