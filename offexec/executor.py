@@ -336,7 +336,7 @@ class Executor:
         if self.arena.used != self.arena.nbytes:
             raise ExecError(f"GPU arena: {self.arena.used} of {self.arena.nbytes} bytes taken (a bug)")
         if self.graph_mode != "off":
-            self.graphs = DecodeGraphs(dev, s.d_model, self.gbs, self.cap, dt, self.graph_mode)
+            self.graphs = DecodeGraphs(dev, self.cap, self.graph_mode)
             for g in ("cpu", "disk"):  # a graph attends over whole buffers: no NaN in a masked position
                 for buf, _ in self.pools[f"kvwork_{g}"].free:
                     buf.zero_()
@@ -706,8 +706,8 @@ class Executor:
     def _op_layer(self, op, args, info):
         x = self._val(args["x"])
         w = self._weights(op.layer, args)
-        if self._graphed(op, args, x, w, lambda xs, bufs: M.post_attn(self.spec, w, xs, self._attend_static(
-                op, bufs, *M.pre_attn(self.spec, w, xs, self.graphs.pos, self.rope)))):
+        if self._graphed(op, args, (x,), lambda xs, bufs: M.post_attn(self.spec, w, xs, self._attend_static(
+                bufs, *M.pre_attn(self.spec, w, xs, self.graphs.pos, self.rope)))):
             return
         start = op.ctx_tokens - op.q_tokens
         q, k, v = M.pre_attn(self.spec, w, x, start, self.rope)
@@ -719,8 +719,8 @@ class Executor:
         projection: ``footprint.layer_stage_bytes`` 'out_proj')."""
         x = self._val(args["x"])
         w = self._weights(op.layer, args, "attn")
-        if self._graphed(op, args, x, w, lambda xs, bufs: M.attn_out(self.spec, w, xs, self._attend_static(
-                op, bufs, *M.pre_attn(self.spec, w, xs, self.graphs.pos, self.rope)))):
+        if self._graphed(op, args, (x,), lambda xs, bufs: M.attn_out(self.spec, w, xs, self._attend_static(
+                bufs, *M.pre_attn(self.spec, w, xs, self.graphs.pos, self.rope)))):
             return
         q, k, v = M.pre_attn(self.spec, w, x, op.ctx_tokens - op.q_tokens, self.rope)
         o = self._attend_gpu(op, args, q, k, v)
@@ -730,7 +730,7 @@ class Executor:
     def _op_mlp(self, op, args, info):
         x = self._val(args["x"])
         w = self._weights(op.layer, args, "mlp")
-        if self._graphed(op, args, x, w, lambda xs, bufs: M.mlp(self.spec, w, xs)):
+        if self._graphed(op, args, (x,), lambda xs, bufs: M.mlp(self.spec, w, xs)):
             return
         self._put(args["out"], M.mlp(self.spec, w, x))
 
@@ -745,24 +745,25 @@ class Executor:
                 out.append((lo, hi, buf))
         return out
 
-    def _graphed(self, op, args, x, w, body) -> bool:
+    def _graphed(self, op, args, xs: tuple, body, out=None) -> bool:
         """Run decode op ``op`` (one new token) through its graph; False: not graphable, run it eagerly.
-        ``body(x_static, kv_buffers)`` is the op's math on the graphs' static input; the graph is keyed by the
-        addresses it bakes in: the layer's weights (a slot's address, or the resident views) and its KV buffers."""
+        ``body(*static_inputs, kv_buffers)`` is the op's math on the graphs' static inputs; the graph is keyed by
+        the addresses it bakes in: the layer's weights (a slot's address, or the resident views) and the KV buffers
+        it attends over. ``out(result)``: what the op leaves as its value (default: the result itself)."""
         if self.graphs is None or op.q_tokens != 1:
             return False
-        bufs = self._kv_buffers(op, args) if op.part != "mlp" else []
+        bufs = self._kv_buffers(op, args) if op.part in ("layer", "attn_layer") else []
         slot = self.vals[args["w"]].data_ptr() if "w" in args else None
         key = (op.part, op.layer, slot, tuple(b.data_ptr() for _, _, b in bufs))
         self.graphs.set_ctx(op.ctx_tokens)
-        y = self.graphs.run(key, lambda xs: body(xs, bufs), x)
+        y = self.graphs.run(key, lambda *ins: body(*ins, bufs), *xs)
         if y is None:  # capture failed: eager from here on
             self.graphs = None
             return False
-        self._put(args["out"], y)
+        self._put(args["out"], y if out is None else out(y))
         return True
 
-    def _attend_static(self, op, bufs, q, k_new, v_new) -> torch.Tensor:
+    def _attend_static(self, bufs, q, k_new, v_new) -> torch.Tensor:
         """``_attend_gpu`` for one new token at the graphs' device-side position: the K/V written with
         ``index_copy_`` at ``pos``, attention over each full-length buffer with the unwritten tail masked."""
         pos, groups = self.graphs.pos, []
@@ -775,6 +776,9 @@ class Executor:
     def _op_pre_attn(self, op, args, info):
         x = self._val(args["x"])
         w = self._weights(op.layer, args, self._unit("pre_attn"))
+        if self._graphed(op, args, (x,), lambda xs, bufs: M.pre_attn(self.spec, w, xs, self.graphs.pos, self.rope),
+                         out=lambda qkv: (x,) + qkv):
+            return
         q, k, v = M.pre_attn(self.spec, w, x, op.ctx_tokens - op.q_tokens, self.rope)
         self._put(args["out"], (x, q, k, v))
 
@@ -786,12 +790,17 @@ class Executor:
         x = self._val(args["pre"])[0]
         o = self._val(args["attn"])
         w = self._weights(op.layer, args)
+        if self._graphed(op, args, (x, o), lambda xs, os, bufs: M.post_attn(self.spec, w, xs, os)):
+            return
         self._put(args["out"], M.post_attn(self.spec, w, x, o))
 
     def _op_attn_out(self, op, args, info):
         x = self._val(args["pre"])[0]
         o = self._val(args["attn"])
-        self._put(args["out"], M.attn_out(self.spec, self._weights(op.layer, args, "attn"), x, o))
+        w = self._weights(op.layer, args, "attn")
+        if self._graphed(op, args, (x, o), lambda xs, os, bufs: M.attn_out(self.spec, w, xs, os)):
+            return
+        self._put(args["out"], M.attn_out(self.spec, w, x, o))
 
     def _op_attn_cpu(self, op, args, info):
         """FlexGen's CPU delegation: attention on the host over the host-homed (and disk-read) KV."""

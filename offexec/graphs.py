@@ -1,9 +1,9 @@
 """Decode layer ops as CUDA graphs: one launch instead of a few dozen.
 
 A decode step of a layer (one new token per sequence) is a dozen small kernels; issued one by one from Python, the
-host's issue time is a tenth to a fifth of an offloaded run (issue 14's audit). Here each decode op whose inputs sit
-at fixed addresses -- a layer's resident weights or its weight slot, its KV buffers -- is captured once as a CUDA
-graph and replayed at every later step.
+host's issue time is a tenth to a fifth of an offloaded run (issue 14's audit). Here each decode op
+(``GRAPHED_PARTS``) whose inputs sit at fixed addresses -- a layer's resident weights or its weight slot, its KV
+buffers -- is captured once as a CUDA graph and replayed at every later step.
 
 What varies between steps is read from device memory, so one graph serves every step:
 
@@ -12,9 +12,10 @@ What varies between steps is read from device memory, so one graph serves every 
   positions not yet written masked out, instead of over a prefix whose length is baked into the kernels. The buffers
   are zeroed when the run starts, so a masked position never holds NaN or Inf.
 
-The hidden state goes in through one static input buffer and the op's output comes out through one static output
-buffer, copied into a fresh tensor after the replay; both are shared by every graph, which is safe because every
-graph replays on the compute stream, one after the other. The graphs' intermediates live in one private memory pool
+Inputs go in through static buffers and outputs come out through static buffers (one set per shape signature: the
+hidden state [gbs, 1, E]; with CPU attention also the attention output in, Q/K/V out), copied into fresh tensors
+after the replay; they are shared by every graph, which is safe because every graph replays on the compute stream,
+one after the other. The graphs' intermediates live in one private memory pool
 that all captures share (``torch.cuda.graph_pool_handle``): never two at once, so the pool holds one op's
 intermediates. Its size is in the plan's footprint (``offsim.core.footprint.decode_graph_bytes``).
 
@@ -32,21 +33,23 @@ from typing import Callable
 import torch
 
 GRAPH_MODES = ("cuda", "static", "off")
+# compute parts whose one-token ops run through graphs (with CPU attention: the GPU halves around the host's work)
+GRAPHED_PARTS = ("layer", "attn_layer", "mlp", "pre_attn", "post_attn", "attn_out")
 
 
 class DecodeGraphs:
     """Captured decode ops of one run, keyed by what fixes their addresses (op kind, layer, slot, KV buffers)."""
 
-    def __init__(self, device: torch.device, hidden: int, gbs: int, max_len: int, dtype: torch.dtype,
-                 mode: str = "cuda"):
+    def __init__(self, device: torch.device, max_len: int, mode: str = "cuda"):
         if mode not in GRAPH_MODES[:2]:
             raise ValueError(f"graph mode must be one of {', '.join(GRAPH_MODES[:2])}, got {mode!r}")
-        self.mode = mode
+        self.mode, self.device = mode, device
         self.pos = torch.zeros(1, dtype=torch.long, device=device)  # the new token's position
         self.mask = torch.zeros(max_len, dtype=torch.bool, device=device)  # cache positions that exist
         self.keys = self.mask.view(1, 1, 1, max_len)  # as attention's mask: [B, H, T, C] broadcast
-        self.x_in = torch.zeros(gbs, 1, hidden, dtype=dtype, device=device)
-        self.out = torch.zeros(gbs, 1, hidden, dtype=dtype, device=device)
+        self.static_in: dict = {}  # (shape, dtype) of the inputs -> their static tensors
+        self.static_out: dict = {}  # (shape, dtype) of the outputs -> their static tensors
+        self.out_sig: dict = {}  # key -> the signature of its outputs
         self.ctx: int | None = None
         self.graphs: dict = {}
         self.pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
@@ -54,11 +57,6 @@ class DecodeGraphs:
         self.calls = 0  # decode ops run through the static body or its graph
         self.capture_s = 0.0
         self.failed: str | None = None
-
-    @staticmethod
-    def static_bytes(hidden_bytes_1: int, max_len: int) -> int:
-        """Bytes of the shared static tensors: input and output hidden [gbs, 1, E], ``pos`` and ``mask``."""
-        return 2 * hidden_bytes_1 + 8 + max_len
 
     def set_ctx(self, ctx: int) -> None:
         """Positions [0, ctx) exist, the new token is at ctx - 1 (on the current stream, before the op's kernels)."""
@@ -70,32 +68,54 @@ class DecodeGraphs:
         self.pos.fill_(ctx - 1)
         self.ctx = ctx
 
-    def run(self, key, body: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor | None:
-        """The op's output for input ``x``: ``body(x_in)`` replayed from its graph (captured at the first call).
-        None when graphs failed for this run: the caller runs the op eagerly."""
+    @staticmethod
+    def _sig(ts) -> tuple:
+        return tuple((tuple(t.shape), t.dtype) for t in ts)
+
+    def _statics(self, table: dict, sig: tuple) -> tuple:
+        if sig not in table:
+            table[sig] = tuple(torch.zeros(shape, dtype=dt, device=self.device) for shape, dt in sig)
+        return table[sig]
+
+    def run(self, key, body: Callable, *xs: torch.Tensor):
+        """The op's output(s) for inputs ``xs``: ``body(*static inputs)`` (a tensor or a tuple of tensors) replayed
+        from its graph, captured at the first call; fresh tensors, copied from the shared static outputs. None when
+        graphs failed for this run: the caller runs the op eagerly."""
         if self.failed is not None:
             return None
         self.calls += 1
-        self.x_in.copy_(x)
+        ins = self._statics(self.static_in, self._sig(xs))
+        for d, x in zip(ins, xs):
+            d.copy_(x)
         g = self.graphs.get(key)
         if g is not None and self.mode == "cuda":
             g.replay()
             self.replays += 1
-            return self.out.clone()
-        self.out.copy_(body(self.x_in))  # the first call (or 'static'): the static body eagerly
-        y = self.out.clone()
-        if self.mode == "cuda":
-            self._capture(key, body)
-        return y
+            outs = self.static_out[self.out_sig[key]]
+        else:  # the first call (or 'static'): the static body eagerly, its results through the static outputs
+            ys = body(*ins)
+            ys = ys if isinstance(ys, tuple) else (ys,)
+            self.out_sig[key] = sig = self._sig(ys)
+            outs = self._statics(self.static_out, sig)
+            for d, y in zip(outs, ys):
+                d.copy_(y)
+            del ys
+            if self.mode == "cuda":
+                self._capture(key, body, ins, outs)
+        res = tuple(o.clone() for o in outs)
+        return res if len(res) > 1 else res[0]
 
-    def _capture(self, key, body) -> None:
+    def _capture(self, key, body, ins, outs) -> None:
         t0 = time.perf_counter()
         g = torch.cuda.CUDAGraph()
         try:
             # thread_local: the host workers (CPU attention, disk) may touch CUDA while this thread captures
             g.capture_begin(pool=self.pool, capture_error_mode="thread_local")
             try:
-                self.out.copy_(body(self.x_in))
+                ys = body(*ins)
+                for d, y in zip(outs, ys if isinstance(ys, tuple) else (ys,)):
+                    d.copy_(y)
+                del ys
             finally:
                 g.capture_end()
         except RuntimeError as exc:  # an op that cannot be captured: eager for the rest of the run

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from offexec.executor import check_plan, run_plan
+from offexec.graphs import GRAPHED_PARTS
 from offexec.memory import DiskTier, ExecError, check_gpu_budget
 from offexec.testing import TIER_CASES, hf_generate, hf_kv, stored_positions, tiny_hf
 from offexec.weights import from_state_dict
@@ -99,13 +100,12 @@ def test_plan_reproduces_transformers(family, case):
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_graph_path_reproduces_transformers(family, case):
     """The kernels the decode CUDA graphs capture (offexec/graphs.py: the KV written at a device-side position,
-    attention over the full-length buffer with the unwritten tail masked, RoPE read at that position), run eagerly
-    on the CPU, give transformers' tokens, logits and stored KV too; every decode op of one new token goes through
-    them."""
+    attention over the full-length buffer with the unwritten tail masked, RoPE read at that position; with CPU
+    attention the GPU halves around it), run eagerly on the CPU, give transformers' tokens, logits and stored KV too;
+    every decode op of one new token goes through them."""
     hf, spec, plan, prompts, res = _run(family, *case, graphs="static")
     _check_against_transformers(hf, spec, plan, prompts, res)
-    one_token = sum(1 for o in plan.ops if o.kind == "compute" and o.part in ("layer", "attn_layer", "mlp")
-                    and o.q_tokens == 1)
+    one_token = sum(1 for o in plan.ops if o.kind == "compute" and o.part in GRAPHED_PARTS and o.q_tokens == 1)
     g = res.stats["graphs"]
     assert g["mode"] == "static" and g["failed"] is None
     assert g["replays"] == 0 and g["graphs"] == 0  # static: nothing captured

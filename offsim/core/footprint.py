@@ -381,14 +381,17 @@ def max_layer_peak_bytes(model: ModelSpec, wl: Workload, cpu_attention: bool = F
 
 def decode_graph_bytes(model: ModelSpec, wl: Workload) -> int:
     """GPU bytes of offexec's decode CUDA graphs (offexec/graphs.py), held from the first decode step to the end:
-    the shared static tensors (input and output hidden [gbs, 1, E], the position, the [max_len] key mask) and the
-    private pool of the graphs' intermediates -- one decode op's at a time, at the longest context (a graph attends
-    over the full-length buffer, with up to three KV head groups), twice over for what the pool cannot reuse between
-    captures, plus its segment rounding."""
+    the shared static tensors (the position, the [max_len] key mask; hidden states [gbs, 1, E] in and out, and with
+    CPU attention the attention output in and Q/K/V out: at most four hidden states and two Q/K/V) and the private
+    pool of the graphs' intermediates -- one decode op's at a time, at the longest context (a graph attends over the
+    full-length buffer, with up to three KV head groups), twice over for what the pool cannot reuse between captures,
+    plus its segment rounding."""
     gbs, M = wl.gpu_batch_size, wl.max_len
-    op = max(op_peak_bytes(model, part, gbs, 1, M, 3) for part in ("layer", "attn_layer", "mlp"))
+    op = max(op_peak_bytes(model, part, gbs, 1, M, 3)
+             for part in ("layer", "attn_layer", "mlp", "cpu_attn_layer", "cpu_attn_pre", "attn_out"))
     rounding = GRAPH_SMALL_SEGMENT_BYTES + (GRAPH_LARGE_SEGMENT_BYTES if op > (1 << 20) else 0)  # see the constants
-    return 2 * hidden_bytes(model, gbs, 1) + TOKEN_ID_BYTES + M + 2 * op + rounding
+    static = 4 * hidden_bytes(model, gbs, 1) + 2 * qkv_bytes(model, gbs, 1) + TOKEN_ID_BYTES + M
+    return static + 2 * op + rounding
 
 
 # ================================================================================================================
