@@ -134,6 +134,10 @@ def _build(args, hw):
         for p in (plan, warm):
             if p is not None:
                 p.disk_cached = True
+    if getattr(args, "no_cuda_graphs", False):  # so is how decode ops are issued (executor and simulator)
+        for p in (plan, warm):
+            if p is not None:
+                p.cuda_graphs = False
     return plan, model, dtype_name, warm
 
 
@@ -169,15 +173,14 @@ def cmd_run(args) -> dict:
     weights_s = time.perf_counter() - t0
     prov = provenance(device=str(device), gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "")
     warmup_s = None
-    graphs = "off" if args.no_cuda_graphs or device.type != "cuda" else "cuda"
     try:
         if warm is not None:  # unmeasured: its trace is dropped
             t0 = time.perf_counter()
             run_plan(warm, weights, args.device, seed=args.seed, gpu_budget_bytes=budget, disk_dir=args.disk_dir,
-                     allocator_cap=args.allocator_cap, graphs=graphs)
+                     allocator_cap=args.allocator_cap)
             warmup_s = time.perf_counter() - t0
         res = run_plan(plan, weights, args.device, seed=args.seed, gpu_budget_bytes=budget, disk_dir=args.disk_dir,
-                       allocator_cap=args.allocator_cap, graphs=graphs,
+                       allocator_cap=args.allocator_cap,
                        meta={"hardware": hw.name, "warmup": warm is not None, **prov})
     finally:
         weights.close()

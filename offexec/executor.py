@@ -212,7 +212,8 @@ class Executor:
         if allocator_cap not in ALLOCATOR_CAPS:
             raise ExecError(f"allocator cap must be one of {', '.join(ALLOCATOR_CAPS)}, got {allocator_cap!r}")
         self.cap_bytes = min(self.budget, sum(self.gpu_need.values())) if allocator_cap == "plan" else self.budget
-        graphs = graphs if graphs is not None else ("cuda" if self.cuda else "off")
+        if graphs is None:  # the plan says (Plan.cuda_graphs); graphs need a GPU
+            graphs = "cuda" if self.cuda and plan.cuda_graphs else "off"
         if graphs not in GRAPH_MODES or (graphs == "cuda" and not self.cuda):
             raise ExecError(f"graphs must be one of {', '.join(GRAPH_MODES)} ('cuda' needs --device cuda), "
                             f"got {graphs!r}")
@@ -341,6 +342,7 @@ class Executor:
                 for buf, _ in self.pools[f"kvwork_{g}"].free:
                     buf.zero_()
         self.logits: list = []
+        self.replayed = False
 
     def close(self) -> None:
         """Drop every buffer (GPU memory goes back to the allocator; the disk tier's files are removed)."""
@@ -407,7 +409,8 @@ class Executor:
         stats["issue_frac"] = self.issue_s / makespan if makespan > 0 else 0.0
         m = {"model": self.spec.name, "hardware": meta.get("hardware", self.device.type), "policy": self.plan.policy,
              "workload": wl.to_dict(), "settings": self.plan.settings,
-             "derived": self.plan.derived, "source": "offexec", "device": str(self.device)}
+             "derived": self.plan.derived, "source": "offexec", "device": str(self.device),
+             "cuda_graphs": self.graph_mode == "cuda" and self.graphs is not None}
         if self.plan.disk_cached:
             m["disk_cached"] = True
         m.update(meta)
@@ -558,6 +561,7 @@ class Executor:
                     if not is_host[d] and ops[d].stream != op.stream:
                         s.wait_event(self.ev_end[d])
                 b = bound[best]
+                self.replayed = False  # set by _graphed: this op went through a CUDA graph
                 self._take_buffers(b)  # a reused buffer's wait on its last users goes before the start event
                 ev0, ev1 = Event(), Event()
                 ev0.record(s)
@@ -569,7 +573,8 @@ class Executor:
                 dt = time.perf_counter() - a
                 issue += dt
                 issue_cpu += time.thread_time() - ca
-                by_fn[b.fn] = by_fn.get(b.fn, 0.0) + dt
+                fn = b.fn + " (graph)" if self.replayed else b.fn  # per handler, graphed apart (the profile's
+                by_fn[fn] = by_fn.get(fn, 0.0) + dt  # issue_graph_s: experiments/validation/calibrate_issue.py)
             for sname in HOST_STREAMS:
                 with cond:
                     host_q[sname].append(-1)
@@ -761,6 +766,7 @@ class Executor:
             self.graphs = None
             return False
         self._put(args["out"], y if out is None else out(y))
+        self.replayed = self.graphs.mode == "cuda"
         return True
 
     def _attend_static(self, bufs, q, k_new, v_new) -> torch.Tensor:

@@ -251,6 +251,8 @@ def cmd_simulate(args) -> None:
         plan = build_fitting_plan(args, model, hw, wl)
     if getattr(args, "disk_cache", False):
         plan.disk_cached = True  # price disk ops at the profile's page-cached rates (offexec run --disk-cache)
+    if getattr(args, "no_cuda_graphs", False):
+        plan.cuda_graphs = False  # every op issued kernel by kernel (offexec run --no-cuda-graphs)
     if args.save_plan:
         plan.save(args.save_plan)
     t0 = time.perf_counter()
@@ -472,6 +474,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--disk-cache", action="store_true",
                    help="the disk tier goes through the OS page cache (as `offexec run --disk-cache`): disk ops are "
                         "priced at the profile's disk_cached_* rates instead of its O_DIRECT rates")
+    s.add_argument("--no-cuda-graphs", action="store_true",
+                   help="the runtime issues decode ops kernel by kernel (as `offexec run --no-cuda-graphs`): their "
+                        "host issue is priced at the profile's issue_compute_s instead of issue_graph_s")
     s.add_argument("--trace", metavar="FILE",
                    help="write the predicted trace: FILE.csv as CSV, anything else as Chrome/Perfetto JSON")
     s.set_defaults(func=cmd_simulate)

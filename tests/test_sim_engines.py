@@ -130,3 +130,26 @@ def test_large_plan_identical():
                       {"percent": (20, 80, 0, 100, 0, 100), "cpu_attention": True}, validate=False,
                       check_fits=False)  # (the published policy is over the T4 by offexec's footprint)
     same(plan, hw, check_memory=False)
+
+
+@pytest.mark.parametrize("cpu_attention", [False, True])
+def test_graphed_decode_ops_issue_at_the_graph_cost(tiny_opt, t4, cpu_attention):
+    """With ``Plan.cuda_graphs`` (the default) a one-token decode op of a graphed part is issued at the profile's
+    ``issue_graph_s``, every other op at its kind's cost; off, or with no graph cost measured, everything at the
+    eager costs. Both engines agree in every case."""
+    from offsim.core import costmodel
+
+    hw = dataclasses.replace(t4, issue_compute_s=2e-3, issue_copy_s=1e-4, issue_graph_s=1e-4)
+    st = {"percent": (100, 0, 0, 100, 100, 0), "cpu_attention": cpu_attention}
+    plan = build_plan("flexgen", tiny_opt, hw, Workload(8, 6, 2, 2), st)
+    graphed = [o for o in plan.ops if costmodel.graphed(o.kind, o.part, o.q_tokens)]
+    assert graphed and all(o.step > 0 for o in graphed)  # decode only: prefill has the whole prompt per op
+    totals = {}
+    for graphs, h in ((True, hw), (False, hw), (True, dataclasses.replace(hw, issue_graph_s=0.0))):
+        plan.cuda_graphs = graphs
+        same(plan, h)
+        totals[(graphs, h.issue_graph_s)] = simulate(plan, h).metrics()["total_s"]
+    eager = totals[(False, 1e-4)]
+    # the plan is host-bound at 2 ms an op: the graphed run saves about what its graphed ops' issue saved
+    assert totals[(True, 1e-4)] < eager - 0.5 * len(graphed) * (2e-3 - 1e-4)
+    assert totals[(True, 0.0)] == eager

@@ -162,6 +162,10 @@ def _plan_of(case: dict, model: ModelSpec, hw, wl: Workload) -> tuple[Plan, str]
     pol = get_policy(meta["policy"])
     settings = pol.settings_from(pol.inputs_of(meta["settings"]))
     plan = build_plan(meta["policy"], model, hw, wl, settings, validate=False)
+    # how the run issued and where its disk tier was, as its trace recorded them (a run from before offexec's CUDA
+    # graphs carries no 'cuda_graphs': it was issued kernel by kernel)
+    plan.cuda_graphs = bool(meta.get("cuda_graphs", False))
+    plan.disk_cached = bool(meta.get("disk_cached", False))
     if meta.get("plan_sha256") not in (None, plan.fingerprint()):
         return plan, "rebuilt, differs"
     return plan, "rebuilt"

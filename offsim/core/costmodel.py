@@ -190,9 +190,23 @@ def cpu_attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_tokens
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def issue_seconds(op, hw: HardwareSpec) -> float:
-    """Host time the runtime spends issuing ``op`` (see ``HardwareSpec.issue_compute_s``)."""
-    return hw.issue_compute_s if op.kind == "compute" else hw.issue_copy_s
+# compute parts whose one-token (decode) ops offexec replays as CUDA graphs (offexec/graphs.py)
+GRAPHED_PARTS = ("layer", "attn_layer", "mlp", "pre_attn", "post_attn", "attn_out")
+
+
+def graphed(kind: str, part: str, q_tokens: int) -> bool:
+    """Whether offexec runs an op of this kind, part and query length as a CUDA-graph replay (with graphs on)."""
+    return kind == "compute" and q_tokens == 1 and part in GRAPHED_PARTS
+
+
+def issue_seconds(op, hw: HardwareSpec, graphs: bool = False) -> float:
+    """Host time the runtime spends issuing ``op`` (see ``HardwareSpec.issue_compute_s``); with ``graphs`` (the
+    plan's ``cuda_graphs``) a graphed decode op costs ``issue_graph_s`` where the profile measured it."""
+    if op.kind != "compute":
+        return hw.issue_copy_s
+    if graphs and hw.issue_graph_s and graphed(op.kind, getattr(op, "part", ""), getattr(op, "q_tokens", 0)):
+        return hw.issue_graph_s
+    return hw.issue_compute_s
 
 
 def op_seconds(op, model: ModelSpec, hw: HardwareSpec, other_busy_s: float = 0.0, disk_cached: bool = False) -> float:

@@ -235,6 +235,9 @@ class Plan:
     # the disk tier goes through the page cache (offexec ``DiskTier(cached=True)``) instead of past it (O_DIRECT, the
     # default); the simulator prices its disk ops at the profile's page-cached rates
     disk_cached: bool = False
+    # offexec replays one-token decode ops as CUDA graphs (offexec/graphs.py; ``costmodel.GRAPHED_PARTS``); the
+    # simulator prices their host issue at the profile's ``issue_graph_s``. False: every op issued kernel by kernel
+    cuda_graphs: bool = True
 
     def __post_init__(self):
         # as JSON would store them (tuples become lists), so a plan equals its own round trip
@@ -271,7 +274,7 @@ class Plan:
                 "policy": self.policy, "settings": self.settings, "capacity": self.capacity,
                 "resident": self.resident, "weight_split": [list(x) for x in self.weight_split], "kv_split": list(self.kv_split),
                 "hidden_home": self.hidden_home, "derived": self.derived, "disk_cached": self.disk_cached,
-                "op_fields": OP_FIELDS, "ops": rows}
+                "cuda_graphs": self.cuda_graphs, "op_fields": OP_FIELDS, "ops": rows}
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "plan") -> "Plan":
@@ -295,7 +298,7 @@ class Plan:
                        policy=d["policy"], settings=d["settings"], capacity=d["capacity"], resident=d["resident"],
                        weight_split=[tuple(x) for x in d["weight_split"]], kv_split=tuple(d["kv_split"]),
                        hidden_home=d["hidden_home"], ops=ops, derived=d.get("derived", {}),
-                       disk_cached=d.get("disk_cached", False))
+                       disk_cached=d.get("disk_cached", False), cuda_graphs=d.get("cuda_graphs", True))
         except KeyError as e:
             raise PlanError(f"{where}: missing field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
@@ -305,7 +308,8 @@ class Plan:
 
     def fingerprint(self) -> str:
         """SHA-256 of what the plan does: model, workload, placement and every op (not settings, derived values,
-        capacity or resident bytes, which record how it was chosen). Two plans with one fingerprint run identically; a measured
+        capacity or resident bytes, which record how it was chosen, nor ``cuda_graphs``: how the runtime issues the
+        ops, which a measured case records in its metadata). Two plans with one fingerprint run the same ops; a measured
         case records the fingerprint of the plan it ran, so a rebuilt plan that differs is caught."""
         d = self.to_dict()
         body = {k: d[k] for k in ("model", "workload", "weight_split", "kv_split", "hidden_home", "op_fields", "ops")}
@@ -338,6 +342,8 @@ class Plan:
                             f"{m.num_kv_heads}")
         if not isinstance(self.disk_cached, bool):
             raise PlanError(f"plan: disk_cached must be true or false, got {self.disk_cached!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise PlanError(f"plan: cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         if self.hidden_home not in ("gpu", "cpu"):
             raise PlanError(f"plan: hidden_home must be 'gpu' or 'cpu', got {self.hidden_home!r}")
         for t in TIERS:

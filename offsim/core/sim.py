@@ -70,8 +70,8 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
 
     # the host issues ops one after another in plan order (a single issuing thread); an op cannot start before
     # it is issued. With an ideal runtime (zero issue cost) this is a no-op.
-    if hw.issue_compute_s or hw.issue_copy_s:
-        issued_at = np.cumsum([costmodel.issue_seconds(o, hw) for o in ops])
+    if hw.issue_compute_s or hw.issue_copy_s or hw.issue_graph_s:
+        issued_at = np.cumsum([costmodel.issue_seconds(o, hw, plan.cuda_graphs) for o in ops])
     else:
         issued_at = None
 
@@ -143,12 +143,13 @@ _KIND_STREAM_INDEX = {k: _STREAM_INDEX[s] for k, s in STREAM_OF_KIND.items()}
 
 
 class _KindOnly:
-    """Stands for an op where a cost function reads only its kind (``costmodel.issue_seconds``)."""
+    """Stands for an op where a cost function reads only its kind, part and query length
+    (``costmodel.issue_seconds``)."""
 
-    __slots__ = ("kind",)
+    __slots__ = ("kind", "part", "q_tokens")
 
-    def __init__(self, kind: str):
-        self.kind = kind
+    def __init__(self, kind: str, part: str = "", q_tokens: int = 0):
+        self.kind, self.part, self.q_tokens = kind, part, q_tokens
 
 
 def simulate(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> Trace:
@@ -222,9 +223,13 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     # the host issues ops one after another in plan order (a single issuing thread); an op cannot start before
     # it is issued. With an ideal runtime (zero issue cost) this is a no-op.
     issued = None
-    if hw.issue_compute_s or hw.issue_copy_s:
+    if hw.issue_compute_s or hw.issue_copy_s or hw.issue_graph_s:
+        graphs = plan.cuda_graphs
         per_kind = {k: costmodel.issue_seconds(_KindOnly(k), hw) for k in KINDS}
-        issued = np.cumsum([per_kind[r[0]] for r in rows]).tolist()
+        graph_s = costmodel.issue_seconds(_KindOnly("compute", "layer", 1), hw, graphs)
+        issued = np.cumsum([graph_s if graphs and costmodel.graphed(r[0], r[6].get("part", ""),
+                                                                    r[6].get("q_tokens", 0))
+                            else per_kind[r[0]] for r in rows]).tolist()
 
     start = [0.0] * n
     end = [math.nan] * n

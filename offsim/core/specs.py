@@ -317,6 +317,9 @@ class HardwareSpec:
     # the pace. `experiments/validation/calibrate_issue.py` measures it for offexec.
     issue_compute_s: float = 0.0
     issue_copy_s: float = 0.0
+    # the same for a decode op replayed as a CUDA graph (offexec/graphs.py): a few copies and one launch; 0: not
+    # measured (such ops are then priced at issue_compute_s)
+    issue_graph_s: float = 0.0
     # the page-cached disk tier (a plan with ``disk_cached``): reads of files that were just written and still sit in
     # the page cache, writes into it (offexec profile, DiskTier(cached=True)); 0 = not measured. It prices a cached
     # plan only while its disk files fit in free host memory: past that the kernel evicts and reads hit the disk.
