@@ -5,7 +5,7 @@ need), then one per configuration comparing the two runs' tokens and their logit
 were still identical (``experiments.memory.sublayer_check.compare_logits``).
 
     python -m experiments.offexec.graphs_check [--out FILE] [--only NAME]     # on the GPU machine
-    python -m experiments.offexec.graphs_check --report FILE [FILE ...]     # a markdown table of runs' records
+    python -m experiments.offexec.graphs_check --report FILE [FILE ...] [--profile P]  # markdown tables of runs
 """
 from __future__ import annotations
 
@@ -71,28 +71,63 @@ def run(out, only: str | None = None) -> None:
               **compare_logits(toks["off"], toks["cuda"], lgs["off"], lgs["cuda"], gbs)})
 
 
-def report(paths: list[str]) -> str:
-    rows, cmp = [], {}
+def report(paths: list[str], profile: str | None = None) -> str:
+    """Markdown: one table per records file (a run), and with ``profile`` the decode throughput offsim predicts
+    for each configuration with and without graphs on that profile (``Plan.cuda_graphs``)."""
+    out = []
+    for path in paths:
+        rows, cmp = [], {}
+        for line in open(path):
+            r = json.loads(line)
+            if "config" in r:
+                r["config"] = RENAMED.get(r["config"], r["config"])
+            if "tokens_equal" in r:
+                cmp[r["config"]] = r
+            elif "graphs" in r:
+                rows.append(r)
+        out += [f"Records: `{path}`", "",
+                "| configuration | decode ops | decode tok/s | host issue s | issue share of the run | GPU idle | "
+                "graphs (capture s) | peak reserved / plan need GiB | token agreement | largest logit difference (std) |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in rows:
+            g, c = r["graph_stats"], cmp.get(r["config"], {})
+            out.append(f"| {r['config']} | {'CUDA graphs' if r['graphs'] == 'cuda' else 'eager'} | "
+                       f"{r['decode_tok_s']:.1f} | {r['issue_s']:.2f} | {r['issue_frac']:.1%} | "
+                       f"{r['gpu_idle_frac']:.1%} | "
+                       + (f"{g['graphs']} ({g['capture_s']:.2f})" if r["graphs"] == "cuda" else "") + " | "
+                       f"{r['gpu_max_reserved_bytes'] / 2**30:.2f} / {r['gpu_need_bytes'] / 2**30:.2f} | "
+                       + (f"{c['token_agreement']:.1%} | {c['logit_max_abs_diff']:.3g} ({c['logit_std']:.3g})"
+                          if r["graphs"] == "cuda" and c else " | ") + " |")
+        out.append("")
+    if profile:
+        out += predictions(paths, profile)
+    return "\n".join(out)
+
+
+def predictions(paths: list[str], profile: str) -> list[str]:
+    """Predicted against measured decode tok/s per configuration, eager and graphed (the last records of each)."""
+    from offsim import Workload, build_plan, get_hardware, get_model, simulate
+
+    meas = {}
     for line in (x for p in paths for x in open(p)):
         r = json.loads(line)
-        if "config" in r:
-            r["config"] = RENAMED.get(r["config"], r["config"])
-        if "tokens_equal" in r:
-            cmp[r["config"]] = r
-        elif "graphs" in r:
-            rows.append(r)
-    out = ["| configuration | decode ops | decode tok/s | host issue s | issue share of the run | GPU idle | graphs "
-           "(capture s) | peak reserved / plan need GiB | token agreement | largest logit difference (std) |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        g, c = r["graph_stats"], cmp.get(r["config"], {})
-        out.append(f"| {r['config']} | {'CUDA graphs' if r['graphs'] == 'cuda' else 'eager'} | "
-                   f"{r['decode_tok_s']:.1f} | {r['issue_s']:.2f} | {r['issue_frac']:.1%} | {r['gpu_idle_frac']:.1%} | "
-                   + (f"{g['graphs']} ({g['capture_s']:.2f})" if r["graphs"] == "cuda" else "") + " | "
-                   f"{r['gpu_max_reserved_bytes'] / 2**30:.2f} / {r['gpu_need_bytes'] / 2**30:.2f} | "
-                   + (f"{c['token_agreement']:.1%} | {c['logit_max_abs_diff']:.3g} ({c['logit_std']:.3g})"
-                      if r["graphs"] == "cuda" and c else " | ") + " |")
-    return "\n".join(out)
+        if "graphs" in r and "config" in r:
+            meas.setdefault((RENAMED.get(r["config"], r["config"]), r["graphs"]), []).append(r["decode_tok_s"])
+    out = [f"Predicted by offsim on `{profile}` (issue cost of a graphed op: its `issue_graph_s`) against the "
+           "measured decode tok/s of every run above:", "",
+           "| configuration | decode ops | predicted tok/s | measured tok/s (runs) | error of the prediction |",
+           "| --- | --- | --- | --- | --- |"]
+    for name, mname, policy, st, prompt, gen, gbs, nb, budget in CONFIGS:
+        hw = get_hardware(profile, budget)
+        plan = build_plan(policy, get_model(mname), hw, Workload(prompt, gen, gbs, nb), st)
+        for mode in ("off", "cuda"):
+            plan.cuda_graphs = mode == "cuda"
+            pred = simulate(plan, hw).metrics()["decode_tok_s"]
+            ms = meas.get((name, mode), [])
+            err = ", ".join(f"{(pred - m) / m:+.1%}" for m in ms)
+            out.append(f"| {name} | {'CUDA graphs' if mode == 'cuda' else 'eager'} | {pred:.1f} | "
+                       f"{', '.join(f'{m:.1f}' for m in ms)} | {err} |")
+    return out
 
 
 if __name__ == "__main__":
@@ -100,9 +135,10 @@ if __name__ == "__main__":
     ap.add_argument("--out", default="graphs_h200.jsonl")
     ap.add_argument("--report", nargs="+", default=None, metavar="FILE")
     ap.add_argument("--only", default=None, help="only the configurations whose name contains this")
+    ap.add_argument("--profile", default=None, help="with --report: also offsim's predictions on this profile")
     a = ap.parse_args()
     if a.report:
-        print(report(a.report))
+        print(report(a.report, a.profile))
         sys.exit(0)
     with open(a.out, "w") as f:
         run(f, a.only)
