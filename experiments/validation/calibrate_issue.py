@@ -67,10 +67,7 @@ def _as_run(run: dict):
     """The settings the run's plan was built from, as validation rebuilds them (a run from before a setting existed
     gets the behaviour it ran with: ``Policy.inputs_of``)."""
     pol = get_policy(run["policy"])
-    inputs = pol.inputs_of(run["settings"])
-    if run["policy"] == "flexgen" and "sublayer" not in run["settings"]:
-        inputs["sublayer"] = False  # recorded before FlexGen streamed sub-layers: it ran whole layers
-    return pol.settings_from(inputs)
+    return pol.settings_from(pol.inputs_of(run["settings"]))
 
 
 def graph_issue_cost() -> tuple[float, int, list]:

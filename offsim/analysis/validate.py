@@ -157,18 +157,24 @@ def _plan_of(case: dict, model: ModelSpec, hw, wl: Workload) -> tuple[Plan, str]
         plan = Plan.load(path)
         if meta.get("plan_sha256") not in (None, plan.fingerprint()):
             raise OffsimError(f"{where}: the stored plan {path} does not match field 'meta.plan_sha256'")
+        _as_ran(plan, meta)
         return plan, "stored"
     # a plan records its inputs (settings) apart from what the policy derived from them: rebuild from the inputs
     pol = get_policy(meta["policy"])
     settings = pol.settings_from(pol.inputs_of(meta["settings"]))
-    plan = build_plan(meta["policy"], model, hw, wl, settings, validate=False)
-    # how the run issued and where its disk tier was, as its trace recorded them (a run from before offexec's CUDA
-    # graphs carries no 'cuda_graphs': it was issued kernel by kernel)
-    plan.cuda_graphs = bool(meta.get("cuda_graphs", False))
-    plan.disk_cached = bool(meta.get("disk_cached", False))
+    plan = _as_ran(build_plan(meta["policy"], model, hw, wl, settings, validate=False), meta)
     if meta.get("plan_sha256") not in (None, plan.fingerprint()):
         return plan, "rebuilt, differs"
     return plan, "rebuilt"
+
+
+def _as_ran(plan: Plan, meta: dict) -> Plan:
+    """How the run issued its ops and where its disk tier was, as its trace recorded them: a run from before
+    offexec's CUDA graphs carries no 'cuda_graphs' (it issued kernel by kernel), a stored plan from before the field
+    reads as graphed."""
+    plan.cuda_graphs = bool(meta.get("cuda_graphs", False))
+    plan.disk_cached = bool(meta.get("disk_cached", plan.disk_cached))
+    return plan
 
 
 def _is_case_json(path: Path) -> bool:

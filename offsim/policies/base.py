@@ -45,6 +45,8 @@ class Policy:
     candidates: CandidateFn
     summary: str  # one line for --help and docs
     placement: Callable[[ModelSpec, HardwareSpec, Workload, Any], Placement] | None = None
+    # inputs added after runs were recorded, with the value those runs had: a recorded run without one ran so
+    before_inputs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def settings_from(self, d: Mapping[str, Any] | Any | None):
         """The settings object from a dict (unknown keys are an error naming the valid ones) or as given."""
@@ -63,9 +65,11 @@ class Policy:
 
     def inputs_of(self, recorded: Mapping[str, Any]) -> dict:
         """The inputs among settings recorded by a run. Plans written before ``Plan.derived`` existed stored derived
-        values (TightLLM's N_r table, Accelerate's GPU layers) among their settings; this drops them."""
+        values (TightLLM's N_r table, Accelerate's GPU layers) among their settings; this drops them. An input the
+        run predates takes the value the run had (``before_inputs``; FlexGen streamed whole layers before
+        ``sublayer``)."""
         names = set(self.input_names())
-        return {k: v for k, v in recorded.items() if k in names}
+        return {**self.before_inputs, **{k: v for k, v in recorded.items() if k in names}}
 
 
 def capacity_of(hw: HardwareSpec) -> dict[str, int]:

@@ -89,4 +89,5 @@ def candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int
 
 FLEXGEN = Policy("flexgen", FlexGenSettings, flexgen_plan, candidates,
                  "FlexGen: zig-zag block schedule, LP placement of weights/KV/activations, optional CPU attention",
-                 lambda m, hw, wl, st: flexgen_schedule(m, st).placement())
+                 lambda m, hw, wl, st: flexgen_schedule(m, st).placement(),
+                 before_inputs={"sublayer": False})
