@@ -64,3 +64,27 @@ def finish(summary: dict | list, default=str) -> None:
     """Print ``summary`` as the run's last stdout line: one JSON document (``default`` converts what JSON cannot
     hold, as in ``json.dumps``)."""
     print(json.dumps(summary, default=default), flush=True)
+
+
+def best_settings(policy: str, fixed: dict, model, hw, prompt_len: int, gen_len: int, max_batch: int):
+    """A policy's best (settings, workload) by offsim's search at ``hw``'s full budget, at most ``max_batch``
+    sequences; ``fixed`` settings forced (FlexGen with CPU attention: its best candidate that has it). Raises
+    OffsimError when nothing fits."""
+    from offsim import build_plan, simulate
+    from offsim.core.errors import OffsimError
+    from offsim.policies import get_policy
+    from offsim.search import search
+
+    if not fixed:
+        r = search(policy, model, hw, prompt_len, gen_len, max_sims=2, max_batch=max_batch)
+        return r.settings, r.workload
+    why = "no candidate"
+    for st, wl, _ in get_policy(policy).candidates(model, hw, prompt_len, gen_len, None):
+        if wl.num_prompts > max_batch or any(st.get(k) != v for k, v in fixed.items()):
+            continue
+        try:
+            simulate(build_plan(policy, model, hw, wl, st), hw)
+            return st, wl
+        except OffsimError as e:
+            why = str(e)
+    raise OffsimError(why)

@@ -150,3 +150,30 @@ def test_rebuilt_plan_that_differs_from_the_run_is_flagged(tmp_path):
     assert df["plan"].tolist() == ["rebuilt, differs"]
     bad = V.check_regression(df, pd.DataFrame({"case": ["c1"], "err_total_tok_s": [0.0]}))
     assert any("re-measure" in b for b in bad)
+
+
+def test_matrix_v2_split_is_seeded_and_stratified():
+    """Matrix v2 (issue 13) splits its cases into a calibration and a held-out set before anything is measured:
+    the split is a function of the seed alone, each policy variant is dealt to both sets, and the committed config's
+    split is the one its seed gives."""
+    import copy
+    from pathlib import Path
+
+    from experiments.validation.matrix import SPLITS, split_cases
+
+    cases = [{"tag": f"c{i}", "policy": p, "settings": {"cpu_attention": ca}, "disk": d}
+             for i, (p, ca, d) in enumerate([("flexgen", False, False)] * 5 + [("flexgen", True, False)] * 4
+                                            + [("tightllm", False, True)] * 3)]
+    a, b = copy.deepcopy(cases), copy.deepcopy(cases)
+    split_cases(a, 7)
+    split_cases(b, 7)
+    assert [c["split"] for c in a] == [c["split"] for c in b]
+    for key in {(c["policy"], c["settings"]["cpu_attention"], c["disk"]) for c in a}:
+        got = [c["split"] for c in a if (c["policy"], c["settings"]["cpu_attention"], c["disk"]) == key]
+        assert set(got) == set(SPLITS) and abs(got.count("calib") - got.count("heldout")) <= 1
+    cfg = Path(__file__).parent.parent / "results" / "validation" / "matrix_v2_config.json"
+    if cfg.exists():
+        doc = json.loads(cfg.read_text())
+        redo = copy.deepcopy(doc["cases"])
+        split_cases(redo, doc["seed"])
+        assert {c["tag"]: c["split"] for c in redo} == {c["tag"]: c["split"] for c in doc["cases"]}

@@ -28,7 +28,7 @@ from pathlib import Path
 from offsim import Workload, build_plan, get_hardware, get_model, simulate
 from offsim.core.errors import OffsimError
 from offsim.core.provenance import provenance, write_csv
-from offsim.search import search
+from experiments.common import best_settings
 
 GiB = 1 << 30
 PROFILE = "results/profiles/h200_offexec.json"
@@ -67,7 +67,7 @@ def plan_cases(seed: int, per_model: int) -> list[dict]:
             hw = _hardware(budget, host)
             tag = f"{mname}_{policy}{'-cpuattn' if fixed else ''}_b{budget}_p{prompt}_g{gen}{'_disk' if disk else ''}"
             try:
-                st, wl = _best(policy, fixed, model, hw, prompt, gen)
+                st, wl = best_settings(policy, fixed, model, hw, prompt, gen, MAX_BATCH)
                 plan = build_plan(policy, model, hw, wl, st)
                 m = simulate(plan, hw).metrics()
             except OffsimError as e:
@@ -85,25 +85,6 @@ def plan_cases(seed: int, per_model: int) -> list[dict]:
             print(f"  {tag}: {wl.gpu_batch_size} x {wl.num_gpu_batches} {st}, predicted peak "
                   f"{m['peak_gpu_bytes'] / GiB:.2f} GiB, {m['total_s']:.1f} s", flush=True)
     return cases
-
-
-def _best(policy, fixed, model, hw, prompt, gen):
-    """The policy's best setting by offsim's search (FlexGen with CPU attention forced when ``fixed`` says so)."""
-    if not fixed:
-        r = search(policy, model, hw, prompt, gen, max_sims=2, max_batch=MAX_BATCH)
-        return r.settings, r.workload
-    from offsim.policies import get_policy
-
-    why = "no candidate"
-    for st, wl, _ in get_policy(policy).candidates(model, hw, prompt, gen, None):
-        if wl.num_prompts > MAX_BATCH or any(st.get(k) != v for k, v in fixed.items()):
-            continue
-        try:
-            simulate(build_plan(policy, model, hw, wl, st), hw)
-            return st, wl
-        except OffsimError as e:
-            why = str(e)
-    raise OffsimError(why)
 
 
 def run_cases(cases: list[dict], out: Path, commit: str | None, disk_dir: str | None = None) -> None:

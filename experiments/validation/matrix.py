@@ -9,6 +9,15 @@ policy runs at its best), with the host-memory capacity reduced by the executor'
         --models opt-6.7b llama-3-8b            # on the H200
     python -m experiments.validation.matrix --device cpu --quick --out /tmp/v   # CPU smoke test (tiny model)
 
+Matrix v2 (issue 13): a seeded draw over five models, GPU budgets, prompt and generation lengths, every policy (CPU
+attention and the disk tier among them), each at its best setting by offsim's search at the full budget, split into
+a calibration set and a held-out set *before* anything is measured (the split is in the config). Runs are
+resumable: a case whose file exists is skipped.
+
+    python -m experiments.validation.matrix --v2-seed 2026 --plan-only results/validation/matrix_v2_config.json
+    python -m experiments.validation.matrix --config results/validation/matrix_v2_config.json \
+        --out results/validation --warmup --disk-dir DIR --commit C          # on the H200: h200_calib/, h200_heldout/
+
 OPT has 2048 learned positions: for prompt 2048 its position table is extended (random weights), as docs/anchors.md §2
 says FlexGen's code needs too.
 """
@@ -17,10 +26,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import random
 import time
 from pathlib import Path
 
-from experiments.common import finish, provenance
+from experiments.common import best_settings, finish, provenance
 from offsim import POLICIES, Workload, build_plan, get_hardware, get_model, simulate
 from offsim.core.errors import OffsimError
 from offsim.search import search
@@ -63,6 +73,82 @@ def settings_for(policy, fixed, model, hw, prompt_len, gen_len, quick=False):
         raise OffsimError(f"no feasible flexgen setting with cpu_attention={fixed['cpu_attention']}")
     res = search(policy, model, hw, prompt_len, gen_len, max_sims=2, max_batch=MAX_BATCH)
     return res.settings, res.workload
+
+
+# ---- matrix v2 --------------------------------------------------------------------------------------------------
+V2_MODELS = ("opt-6.7b", "opt-13b", "opt-30b", "llama-2-13b", "llama-3-8b")
+V2_BUDGETS_GIB = (8, 12, 16, 24, 32, 40)
+V2_PROMPTS = (128, 256, 512, 1024, 2048)
+V2_GENS = (16, 32, 64, 128)  # half the draws generate 64 tokens or more
+V2_DISK_SHARE = 0.15  # of the draws (not Select-N's): host memory cut so that the search must use the disk
+V2_DISK_HOST_GIB = 12.0  # host memory such a case may use beyond the executor's master copy of the weights
+V2_MAX_PREDICTED_S = 60.0  # a draw whose predicted run is longer is redrawn (device time)
+V2_TRIES = 4  # draws per case; a variant that finds no case in as many is passed over for this model
+SPLITS = ("calib", "heldout")
+
+
+def plan_v2(seed: int, per_model: int, profile: str, host_mem_gb: float) -> dict:
+    """The v2 config: ``per_model`` cases per model, each variant in turn; a draw with no feasible setting or a
+    predicted run over V2_MAX_PREDICTED_S is redrawn, up to V2_TRIES times, then the next variant takes the turn.
+    Then ``split_cases``."""
+    rng = random.Random(seed)
+    cases = []
+    for mname in V2_MODELS:
+        base = get_model(mname)
+        master = base.weight_bytes()  # the executor keeps a host master copy of every weight
+        made = turn = tries = 0
+        while made < per_model and turn < made + 2 * len(VARIANTS):
+            if tries == V2_TRIES:  # this variant found nothing: the next one's turn
+                turn, tries = turn + 1, 0
+            tries += 1
+            policy, fixed = VARIANTS[turn % len(VARIANTS)]
+            budget, prompt, gen = rng.choice(V2_BUDGETS_GIB), rng.choice(V2_PROMPTS), rng.choice(V2_GENS)
+            disk = policy != "selectn" and rng.random() < V2_DISK_SHARE
+            model = base
+            if prompt + gen - 1 > base.max_positions:  # random weights: extend OPT's learned positions (as v1)
+                model = dataclasses.replace(base, max_positions=4096)
+            host = int(V2_DISK_HOST_GIB * GiB) if disk else int(host_mem_gb * GiB) - master
+            hw = get_hardware(profile, budget).with_(cpu_mem_bytes=max(host, GiB))
+            tag = (f"{mname}_{policy}{'-cpuattn' if fixed.get('cpu_attention') else ''}_b{budget}_p{prompt}_g{gen}"
+                   f"{'_disk' if disk else ''}")
+            try:
+                st, wl = best_settings(policy, fixed, model, hw, prompt, gen, MAX_BATCH)
+                plan = build_plan(policy, model, hw, wl, st)
+                pm = simulate(plan, hw).metrics()
+            except OffsimError as e:
+                print(f"  {tag}: redrawn, no setting ({str(e)[:120]})", flush=True)
+                continue
+            if pm["total_s"] > V2_MAX_PREDICTED_S:
+                print(f"  {tag}: redrawn, predicted {pm['total_s']:.0f} s", flush=True)
+                continue
+            made, turn, tries = made + 1, turn + 1, 0
+            cases.append({"tag": tag, "model": mname, "model_config": model.to_dict(), "policy": policy,
+                          "settings": st, "workload": wl.to_dict(), "gpu_mem_gb": budget, "host_bytes": host,
+                          "disk": disk, "plan_sha256": plan.fingerprint(),
+                          "predicted": {k: pm[k] for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s",
+                                                           "total_s", "peak_gpu_bytes")}})
+            print(f"  {tag}: {wl.gpu_batch_size} x {wl.num_gpu_batches} {st}, predicted {pm['total_s']:.1f} s",
+                  flush=True)
+    split_cases(cases, seed)
+    return {"schema": "offsim.matrix/2", "seed": seed, "profile": profile, "host_mem_gb": host_mem_gb,
+            "splits": {s: sum(c["split"] == s for c in cases) for s in SPLITS}, "provenance": provenance(),
+            "cases": cases}
+
+
+def split_cases(cases: list[dict], seed: int) -> None:
+    """Each case's set, 'calib' or 'heldout', drawn before anything is measured: within each policy variant (CPU
+    attention apart, the disk tier apart) the cases are shuffled by ``seed`` and dealt alternately, from a
+    seeded side, so both sets hold every variant."""
+    rng = random.Random(f"split-{seed}")
+    groups: dict[tuple, list[dict]] = {}
+    for c in cases:
+        groups.setdefault((c["policy"], bool(c["settings"].get("cpu_attention")), c.get("disk", False)), []).append(c)
+    for key in sorted(groups, key=str):
+        g = groups[key]
+        rng.shuffle(g)
+        first = rng.randrange(2)
+        for i, c in enumerate(g):
+            c["split"] = SPLITS[(i + first) % 2]
 
 
 def plan_cases(args) -> list[dict]:
@@ -110,10 +196,17 @@ def run_cases(cases: list[dict], args) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     summary = []
+    started = time.time()
     by_model: dict[str, list[dict]] = {}
     for c in cases:
+        done = out / (f"h200_{c['split']}" if "split" in c else "") / f"{c['tag']}.case.json"
+        if done.exists():  # measured by an earlier run: resumable
+            continue
         by_model.setdefault(json.dumps(c["model_config"], sort_keys=True), []).append(c)
     for key, group in by_model.items():
+        if args.time_limit_s is not None and time.time() - started > args.time_limit_s:
+            print(f"{len(group)} cases of {group[0]['model']} not started (--time-limit-s)", flush=True)
+            continue
         model = ModelSpec.from_dict(json.loads(key))
         dtype = torch.float16 if model.dtype_bytes == 2 else torch.float32
         t0 = time.time()
@@ -121,18 +214,27 @@ def run_cases(cases: list[dict], args) -> list[dict]:
         print(f"{model.name}: weights ready in {time.time() - t0:.1f} s", flush=True)
         try:
             for c in group:
+                if args.time_limit_s is not None and time.time() - started > args.time_limit_s:
+                    print(f"  {c['tag']}: not started (--time-limit-s)", flush=True)
+                    continue
                 tag, policy = c["tag"], c["policy"]
                 base = get_hardware(args.profile, c["gpu_mem_gb"])
+                if "host_bytes" in c:  # v2: the host memory the case was planned with (the disk cases' cut)
+                    base = base.with_(cpu_mem_bytes=max(int(c["host_bytes"]), GiB))
+                dest = out / f"h200_{c['split']}" if "split" in c else out
+                dest.mkdir(parents=True, exist_ok=True)
                 wl = Workload.from_dict(c["workload"])
                 try:
                     plan = build_plan(policy, model, base, wl, c["settings"])
-                    check_plan(plan, torch.device(args.device), int(base.gpu_mem_bytes))
+                    check_plan(plan, torch.device(args.device), int(base.gpu_mem_bytes), args.disk_dir,
+                               weights_loaded=True)
                     if args.warmup:  # same shapes, two steps, unmeasured: cuBLAS heuristics, allocator growth
                         warm = build_plan(policy, model, base, wl.with_(gen_len=2), c["settings"])
-                        run_plan(warm, weights, args.device, gpu_budget_bytes=int(base.gpu_mem_bytes))
+                        run_plan(warm, weights, args.device, gpu_budget_bytes=int(base.gpu_mem_bytes),
+                                 disk_dir=args.disk_dir)
                     t1 = time.time()
                     res = run_plan(plan, weights, args.device, gpu_budget_bytes=int(base.gpu_mem_bytes),
-                                   meta={"hardware": base.name})
+                                   disk_dir=args.disk_dir, meta={"hardware": base.name})
                     wall = time.time() - t1
                 except Exception as e:  # one failed configuration must not lose the others
                     msg = str(e).split("\n")[0][:300]
@@ -142,7 +244,7 @@ def run_cases(cases: list[dict], args) -> list[dict]:
                         torch.cuda.empty_cache()
                     continue
                 tr = res.trace
-                plan.save(out / f"{tag}.plan.json.gz")  # what ran, op for op: `offsim validate` re-simulates it
+                plan.save(dest / f"{tag}.plan.json.gz")  # what ran, op for op: `offsim validate` re-simulates it
                 tr.meta.update({"plan_file": f"{tag}.plan.json.gz", "plan_sha256": plan.fingerprint(),
                                 "model": c["model"], "policy": policy, "settings": plan.settings,
                                 "workload": wl.to_dict(), "gpu_mem_gb": c["gpu_mem_gb"], "hardware": base.name,
@@ -153,7 +255,7 @@ def run_cases(cases: list[dict], args) -> list[dict]:
                                                         issue_frac=res.stats.get("issue_frac"),
                                                         warmup=bool(args.warmup),
                                                         host_mem_gb=args.host_mem_gb))
-                save_case(case, out / f"{tag}.case.json")
+                save_case(case, dest / f"{tag}.case.json")
                 pred = simulate(plan, base, check_memory=False).metrics()
                 m = tr.metrics()
                 row = {"case": tag, "batch": wl.num_prompts, "measured_total_tok_s": m["total_tok_s"],
@@ -166,7 +268,12 @@ def run_cases(cases: list[dict], args) -> list[dict]:
                       f"{wall:.1f} s", flush=True)
         finally:
             weights.close()
-    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    if any("split" in c for c in cases):  # v2: batches add up, one line per case run
+        with open(out / "matrix_v2_runs.jsonl", "a") as f:
+            for row in summary:
+                f.write(json.dumps(row, default=str) + "\n")
+    else:
+        (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary
 
 
@@ -187,15 +294,28 @@ def main() -> None:
                     help="commit to record (the device machine's copy has no .git, so provenance cannot read it)")
     ap.add_argument("--warmup", action="store_true",
                     help="before each measured run, run the same plan for two steps unmeasured")
+    ap.add_argument("--disk-dir", default=None, help="folder of the disk tier (a real disk: O_DIRECT)")
+    ap.add_argument("--only-models", nargs="+", default=None, help="run mode: only the cases of these models")
+    ap.add_argument("--time-limit-s", type=float, default=None,
+                    help="run mode: start no case after this many seconds (a later run resumes)")
+    ap.add_argument("--v2-seed", type=int, default=None,
+                    help="plan matrix v2 with this seed (five models, every policy, split into calib/heldout)")
+    ap.add_argument("--v2-per-model", type=int, default=14, help="v2 cases per model (default: %(default)s)")
     args = ap.parse_args()
     if args.config:
-        cases = json.loads(Path(args.config).read_text())
+        doc = json.loads(Path(args.config).read_text())
+        cases = doc["cases"] if isinstance(doc, dict) else doc
+    elif args.v2_seed is not None:
+        doc = plan_v2(args.v2_seed, args.v2_per_model, args.profile, args.host_mem_gb)
+        cases = doc["cases"]
     else:
-        cases = plan_cases(args)
+        cases = doc = plan_cases(args)
     if args.plan_only:
-        Path(args.plan_only).write_text(json.dumps(cases, indent=1, default=list))
+        Path(args.plan_only).write_text(json.dumps(doc, indent=1, default=list))
         finish({"cases": len(cases), "config": args.plan_only})
         return
+    if args.only_models:
+        cases = [c for c in cases if c["model"] in args.only_models]
     summary = run_cases(cases, args)
     finish({"cases": sum("err" in r for r in summary), "failed": sum("error" in r for r in summary),
             "out": args.out})
