@@ -29,6 +29,8 @@ on the GPU for its d2h: nothing bounds how many queue, and a static plan would n
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 from offsim.core import footprint as fp
@@ -106,8 +108,18 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
     add = b.add
     pinned = s.pinned
 
+    # sizes by shape (offsim.core.footprint), memoized for this build: a block asks the same few shapes ~10^5 times
+    @functools.cache
     def kv_bytes(heads: int, tokens: int) -> int:
         return fp.kv_bytes(model, gbs, tokens, heads)
+
+    @functools.cache
+    def op_peak(part: str, q: int, ctx: int) -> int:
+        return fp.op_peak_bytes(model, part, gbs, q, ctx, kv_groups)
+
+    @functools.cache
+    def act_bytes(what: str, q: int) -> int:  # 'hidden', 'qkv' or 'attn_out' of the block's gbs sequences
+        return {"hidden": fp.hidden_bytes, "qkv": fp.qkv_bytes, "attn_out": fp.attn_out_bytes}[what](model, gbs, q)
 
     # a position's KV work buffer of each off-GPU head group, full length (as offexec allocates it)
     buf_c, buf_d = fp.kv_buffer_bytes(model, gbs, wl.max_len, kc), fp.kv_buffer_bytes(model, gbs, wl.max_len, kd)
@@ -119,10 +131,12 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
     unit_range = dict(fp.sublayer_ranges_bytes(model)) if s.sublayer else {}
     unit_range[None] = (0, W)
 
+    @functools.cache
     def unit_slot(j: int, sub) -> int:
         g = s.weight_split[j][0]
         return fp.weight_slot_bytes(model, g) if sub is None else fp.sublayer_slot_bytes(model, g, sub)
 
+    @functools.cache
     def unit_straddle(j: int, sub) -> int:
         g = s.weight_split[j][0]
         return fp.weight_slot_straddle_bytes(model, g) if sub is None else \
@@ -226,7 +240,7 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         deps = [last_out.get(k)]
         hin = 0  # GPU bytes of a hidden copy loaded for this compute: counted while the compute runs
         if s.hidden_home == "cpu" and k in hidden_store and j >= 0:
-            hin = fp.hidden_bytes(model, gbs, q)
+            hin = act_bytes("hidden", q)
             # (the block's activations are reserved on their home tier in `resident`; the GPU copy is scratch)
             hl = add("h2d", [hidden_store.pop(k)], phase, i, j, k, tensor="hidden", lo=ctx - q, hi=ctx, nbytes=hin,
                      pinned=pinned)
@@ -257,9 +271,9 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
                 ("embed" if j < 0 else "head"))
         cpu_attn = decoder and s.cpu_attention and i > 0 and sub != "mlp"
         if cpu_attn and sub == "attn":  # pre_attn to attn_out: both halves' peaks, held across the CPU's work
-            ws = max(fp.op_peak_bytes(model, pt, gbs, q, ctx, kv_groups) for pt in ("cpu_attn_pre", "attn_out"))
+            ws = max(op_peak("cpu_attn_pre", q, ctx), op_peak("attn_out", q, ctx))
         else:
-            ws = fp.op_peak_bytes(model, "cpu_attn_layer" if cpu_attn else part, gbs, q, ctx, kv_groups)
+            ws = op_peak("cpu_attn_layer" if cpu_attn else part, q, ctx)
         if sub == "mlp":
             comp = add("compute", deps, phase, i, j, k, part="mlp", num_seqs=gbs, q_tokens=q, ctx_tokens=ctx,
                        frees_weights=last_k, alloc=(ws + hin, 0, 0), free=(ws + hin + w_free, 0, 0))
@@ -267,7 +281,7 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
             # FlexGen's CPU delegation: QKV on the GPU, attention on the CPU over the host cache, rest on the GPU
             pre = add("compute", deps + kv_stored.get((j, k), []), phase, i, j, k, part="pre_attn", num_seqs=gbs,
                       q_tokens=q, ctx_tokens=ctx, alloc=(ws + hin, 0, 0))
-            qkv_b = fp.qkv_bytes(model, gbs, q)
+            qkv_b = act_bytes("qkv", q)
             cpu_deps = []
             if kd:  # the cache lives on disk: read the prefix into host memory for the CPU
                 nbytes = kv_bytes(kd, ctx - q)
@@ -277,7 +291,7 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
             disk_staged = kv_bytes(kd, ctx - q) if kd else 0
             att = add("cpu_compute", [d] + cpu_deps, phase, i, j, k, part="attn", num_seqs=gbs, q_tokens=q,
                       ctx_tokens=ctx, free=(0, disk_staged, 0))
-            ob = fp.attn_out_bytes(model, gbs, q)
+            ob = act_bytes("attn_out", q)
             back = add("h2d", [att], phase, i, j, k, tensor="attn_out", lo=ctx - q, hi=ctx, nbytes=ob, pinned=pinned)
             comp = add("compute", [back, pre], phase, i, j, k, part="attn_out" if sub else "post_attn",
                        num_seqs=gbs, q_tokens=q, ctx_tokens=ctx, frees_weights=last_k,
@@ -322,7 +336,7 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         if decoder and last_k and unit in inst_index:
             free_op[inst_index[unit]] = comp
         if s.hidden_home == "cpu" and j < L:
-            hb = fp.hidden_bytes(model, gbs, q)
+            hb = act_bytes("hidden", q)
             hidden_store[k] = add("d2h", [comp], phase, i, j, k, tensor="hidden", lo=ctx - q, hi=ctx, nbytes=hb,
                                   pinned=pinned)
     cap = dict(capacity)
