@@ -26,6 +26,7 @@ Four layers of sizes:
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -67,14 +68,15 @@ def layer_weight_bytes(model: ModelSpec) -> int:
     return model.layer_weight_bytes()
 
 
-def weight_tensor_ranges_bytes(model: ModelSpec) -> list[tuple[str, int, int]]:
+@functools.lru_cache(maxsize=256)  # a model's layout never changes; the search asks it ~10^5 times
+def weight_tensor_ranges_bytes(model: ModelSpec) -> tuple[tuple[str, int, int], ...]:
     """(name, first byte, end byte) of each tensor in a layer's flat buffer, in ``layer_tensors`` order."""
     out, off = [], 0
     for name, shape in model.layer_tensors():
         n = math.prod(shape) * model.dtype_bytes
         out.append((name, off, off + n))
         off += n
-    return out
+    return tuple(out)
 
 
 def largest_weight_tensor_bytes(model: ModelSpec) -> int:
@@ -114,6 +116,11 @@ def sublayer_ranges_bytes(model: ModelSpec) -> dict[str, tuple[int, int]]:
     """[first, end) bytes of each sub-layer's tensors in a layer's flat buffer: the attention's (Q/K/V/output
     projections and the norm before them) come first in ``layer_tensors``, then the MLP's (its norm and FFN). FlexGen
     lists a decoder layer as these two layers and streams their weights separately."""
+    return dict(_sublayer_ranges(model))
+
+
+@functools.lru_cache(maxsize=256)
+def _sublayer_ranges(model: ModelSpec) -> tuple[tuple[str, tuple[int, int]], ...]:
     ends = {}
     for name, lo, hi in weight_tensor_ranges_bytes(model):
         sub = "attn" if name.split(".")[0] in _ATTN_TENSORS else "mlp"
@@ -121,7 +128,7 @@ def sublayer_ranges_bytes(model: ModelSpec) -> dict[str, tuple[int, int]]:
         ends[sub] = (min(a, lo), max(b, hi))
     if ends["attn"][1] != ends["mlp"][0]:
         raise OffsimError(f"{model.name}: the attention's weights are not one contiguous range before the MLP's")
-    return ends
+    return tuple(ends.items())
 
 
 _ATTN_TENSORS = ("q_proj", "k_proj", "v_proj", "out_proj", "o_proj", "self_attn_layer_norm", "input_layernorm")
