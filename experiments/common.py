@@ -88,3 +88,25 @@ def best_settings(policy: str, fixed: dict, model, hw, prompt_len: int, gen_len:
         except OffsimError as e:
             why = str(e)
     raise OffsimError(why)
+
+
+def case_tag(model: str, policy: str, fixed: dict, budget_gib, prompt_len: int, gen_len: int, disk: bool) -> str:
+    """A drawn case's name: model, policy (``-cpuattn`` with CPU attention forced), budget, lengths, ``_disk``."""
+    return (f"{model}_{policy}{'-cpuattn' if fixed.get('cpu_attention') else ''}_b{budget_gib}_p{prompt_len}"
+            f"_g{gen_len}{'_disk' if disk else ''}")
+
+
+def searched_case(policy: str, fixed: dict, model, hw, prompt_len: int, gen_len: int, max_batch: int,
+                  max_predicted_s: float):
+    """A drawn case at its best setting (``best_settings``): (settings, workload, plan, predicted metrics).
+    OffsimError when nothing fits, or when the run is predicted to take longer than ``max_predicted_s`` (device
+    time is scarce)."""
+    from offsim import build_plan, simulate
+    from offsim.core.errors import OffsimError
+
+    st, wl = best_settings(policy, fixed, model, hw, prompt_len, gen_len, max_batch)
+    plan = build_plan(policy, model, hw, wl, st)
+    m = simulate(plan, hw).metrics()
+    if m["total_s"] > max_predicted_s:
+        raise OffsimError(f"predicted {m['total_s']:.0f} s, over {max_predicted_s:.0f} s")
+    return st, wl, plan, m

@@ -25,10 +25,10 @@ import sys
 import time
 from pathlib import Path
 
-from offsim import Workload, build_plan, get_hardware, get_model, simulate
+from offsim import Workload, build_plan, get_hardware, get_model
 from offsim.core.errors import OffsimError
 from offsim.core.provenance import provenance, write_csv
-from experiments.common import best_settings
+from experiments.common import case_tag, searched_case
 
 GiB = 1 << 30
 PROFILE = "results/profiles/h200_offexec.json"
@@ -65,16 +65,11 @@ def plan_cases(seed: int, per_model: int) -> list[dict]:
             disk = policy != "selectn" and rng.random() < 0.2
             host = (DISK_HOST_GIB * GiB) if disk else (HOST_MEM_GIB * GiB - master)
             hw = _hardware(budget, host)
-            tag = f"{mname}_{policy}{'-cpuattn' if fixed else ''}_b{budget}_p{prompt}_g{gen}{'_disk' if disk else ''}"
+            tag = case_tag(mname, policy, fixed, budget, prompt, gen, disk)
             try:
-                st, wl = best_settings(policy, fixed, model, hw, prompt, gen, MAX_BATCH)
-                plan = build_plan(policy, model, hw, wl, st)
-                m = simulate(plan, hw).metrics()
+                st, wl, plan, m = searched_case(policy, fixed, model, hw, prompt, gen, MAX_BATCH, MAX_PREDICTED_S)
             except OffsimError as e:
-                print(f"  {tag}: no setting ({str(e)[:160]})", flush=True)
-                continue
-            if m["total_s"] > MAX_PREDICTED_S:
-                print(f"  {tag}: skipped, predicted {m['total_s']:.0f} s", flush=True)
+                print(f"  {tag}: skipped ({str(e)[:160]})", flush=True)
                 continue
             cases.append({"case": tag, "model": mname, "policy": policy, "settings": st, "workload": wl.to_dict(),
                           "budget_gib": budget, "host_bytes": int(host), "disk": disk,

@@ -30,7 +30,7 @@ import random
 import time
 from pathlib import Path
 
-from experiments.common import best_settings, finish, provenance
+from experiments.common import case_tag, finish, provenance, searched_case
 from offsim import POLICIES, Workload, build_plan, get_hardware, get_model, simulate
 from offsim.core.errors import OffsimError
 from offsim.search import search
@@ -109,17 +109,12 @@ def plan_v2(seed: int, per_model: int, profile: str, host_mem_gb: float) -> dict
                 model = dataclasses.replace(base, max_positions=4096)
             host = int(V2_DISK_HOST_GIB * GiB) if disk else int(host_mem_gb * GiB) - master
             hw = get_hardware(profile, budget).with_(cpu_mem_bytes=max(host, GiB))
-            tag = (f"{mname}_{policy}{'-cpuattn' if fixed.get('cpu_attention') else ''}_b{budget}_p{prompt}_g{gen}"
-                   f"{'_disk' if disk else ''}")
+            tag = case_tag(mname, policy, fixed, budget, prompt, gen, disk)
             try:
-                st, wl = best_settings(policy, fixed, model, hw, prompt, gen, MAX_BATCH)
-                plan = build_plan(policy, model, hw, wl, st)
-                pm = simulate(plan, hw).metrics()
+                st, wl, plan, pm = searched_case(policy, fixed, model, hw, prompt, gen, MAX_BATCH,
+                                                 V2_MAX_PREDICTED_S)
             except OffsimError as e:
-                print(f"  {tag}: redrawn, no setting ({str(e)[:120]})", flush=True)
-                continue
-            if pm["total_s"] > V2_MAX_PREDICTED_S:
-                print(f"  {tag}: redrawn, predicted {pm['total_s']:.0f} s", flush=True)
+                print(f"  {tag}: redrawn ({str(e)[:120]})", flush=True)
                 continue
             made, turn, tries = made + 1, turn + 1, 0
             cases.append({"tag": tag, "model": mname, "model_config": model.to_dict(), "policy": policy,
