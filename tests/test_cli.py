@@ -188,3 +188,16 @@ def test_disk_cache_prices_the_page_cached_disk_or_refuses_without_its_rates(tmp
         assert main(base + ["--hardware", str(prof)] + extra) == 0
         runs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
     assert runs[1]["total_tok_s"] > runs[0]["total_tok_s"]
+
+
+def test_simulate_no_cuda_graphs_prices_eager_issue(capsys):
+    """`offsim simulate --no-cuda-graphs` predicts the run issued kernel by kernel: on a profile with issue costs
+    (the H200's, where a graphed decode op costs less to issue) a host-bound plan is predicted slower."""
+    argv = ["simulate", "--model", "opt-125m", "--hardware", str(REPO / "results/profiles/h200_offexec.json"),
+            "--prompt-len", "32", "--gen-len", "16", "--gpu-batch-size", "2", "--num-gpu-batches", "2",
+            "--percent", "100", "0", "100", "0", "100", "0"]
+    tok_s = []
+    for extra in ([], ["--no-cuda-graphs"]):
+        assert main(argv + extra) == 0
+        tok_s.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["decode_tok_s"])
+    assert tok_s[0] > 1.5 * tok_s[1]
