@@ -399,8 +399,13 @@ def cmd_validate(args) -> None:
         out.mkdir(parents=True, exist_ok=True)
         from offsim.core.provenance import provenance, write_csv
 
-        write_csv(df, out / "validation.csv", provenance(cases=str(args.dir)))
+        prov = provenance(cases=str(args.dir))
+        write_csv(df, out / "validation.csv", prov)
         V.plot(df, out / "validation.png")
+        (out / "README.md").write_text(V.report_markdown(
+            df, f"offsim vs measured runs: {args.dir}",
+            f"offsim validate {args.dir}" + (f" --hardware {args.hardware}" if args.hardware else "") + f" --out {out}",
+            prov))
     errs = df["err_total_tok_s"].abs()
     print(f"\n{len(df)} cases; median |total error| {errs.median():.1%} (limit {V.MAX_MEDIAN_ERROR:.0%}), max "
           f"{errs.max():.1%} (limit {V.MAX_CASE_ERROR:.0%}): {'OK' if not bad else 'FAIL'}")
@@ -508,7 +513,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--hardware", default=None,
                    help="hardware preset or profile JSON for every case (default: the one each case names)")
     v.add_argument("--out", metavar="DIR",
-                   help="write validation.csv (every column per case) and validation.png there")
+                   help="write validation.csv (every column per case), validation.png and a README.md of tables "
+                        "computed from the CSV there")
     v.add_argument("--strict", action="store_true", help="exit 1 when a threshold is exceeded")
     v.add_argument("--progress", action="store_true", help="show a progress bar")
     v.set_defaults(func=cmd_validate)

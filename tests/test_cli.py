@@ -171,6 +171,23 @@ def test_validate_table_fits_120_columns(capsys):
     assert any("--out DIR writes them to validation.csv" in line for line in out)  # where the details are
 
 
+def test_validate_out_writes_a_readme_computed_from_its_csv(tmp_path, capsys):
+    """`validate --out` writes validation.csv and a README whose figures are the CSV's: the case count, the median
+    total error and one row per case."""
+    import pandas as pd
+
+    cases = REPO / "results" / "validation" / "h200_heldout"
+    if not cases.exists():
+        cases = REPO / "results" / "validation" / "h200"
+    assert main(["validate", str(cases), "--hardware", str(REPO / "results/profiles/h200_offexec.json"),
+                 "--out", str(tmp_path)]) == 0
+    capsys.readouterr()
+    df = pd.read_csv(tmp_path / "validation.csv", comment="#")
+    text = (tmp_path / "README.md").read_text()
+    assert f"**{len(df)} cases: median |total tok/s error| {df['err_total_tok_s'].abs().median():.1%}" in text
+    assert all(f"| {c} |" in text for c in df["case"])
+
+
 def test_disk_cache_prices_the_page_cached_disk_or_refuses_without_its_rates(tmp_path, capsys):
     """--disk-cache marks the plan's disk tier as page-cached: a profile without cached rates refuses it in one line;
     one with them simulates it, faster than the O_DIRECT tier."""

@@ -234,6 +234,32 @@ def check_thresholds(df: pd.DataFrame) -> list[str]:
     return bad
 
 
+def report_markdown(df: pd.DataFrame, title: str, command: str, prov: dict) -> str:
+    """A README for ``validate --out``: every number in it computed here from ``df`` (the validation.csv beside it):
+    the targets' verdict, errors by phase and by policy, and one row per case, worst first."""
+    errs = df["err_total_tok_s"].abs()
+    bad = check_thresholds(df)
+    med = {k: df[f"err_{k}_tok_s"].abs().median() for k in ("prefill", "decode", "total")}
+    lines = [f"# {title}", "", f"Written by `{command}` (commit {prov.get('commit')}, {prov.get('date')}) from "
+             "`validation.csv` beside it.", "",
+             f"**{len(df)} cases: median |total tok/s error| {med['total']:.1%} (target {MAX_MEDIAN_ERROR:.0%}), "
+             f"max {errs.max():.1%} (target {MAX_CASE_ERROR:.0%} per case), {int((errs <= MAX_CASE_ERROR).sum())} "
+             f"within {MAX_CASE_ERROR:.0%}: {'targets met' if not bad else 'targets NOT met'}.** Median |error| by "
+             f"phase: prefill {med['prefill']:.1%}, decode {med['decode']:.1%}; median per-step latency MAPE "
+             f"{df['step_latency_mape'].median():.1%}.", "",
+             "| policy | cases | median abs total error | max abs total error |", "| --- | --- | --- | --- |"]
+    for pol, g in df.groupby("policy"):
+        e = g["err_total_tok_s"].abs()
+        lines.append(f"| {pol} | {len(g)} | {e.median():.1%} | {e.max():.1%} |")
+    lines += ["", "| case | plan | batch | measured total tok/s | predicted | total error | prefill error | "
+              "decode error |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for _, r in df.assign(_a=errs).sort_values("_a", ascending=False).iterrows():
+        lines.append(f"| {r['case']} | {r['plan']} | {r['batch']} | {r['measured_total_tok_s']:.1f} | "
+                     f"{r['predicted_total_tok_s']:.1f} | {r['err_total_tok_s']:+.1%} | "
+                     f"{r['err_prefill_tok_s']:+.1%} | {r['err_decode_tok_s']:+.1%} |")
+    return "\n".join(lines) + "\n"
+
+
 def stale_cases(df: pd.DataFrame) -> list[str]:
     """Cases whose plan today's code rebuilds differently from the one that ran (``plan`` = 'rebuilt, differs')."""
     return df.loc[df["plan"] == "rebuilt, differs", "case"].tolist() if "plan" in df else []
