@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from offsim.core import costmodel
 from offsim.core import footprint as fp
 from offsim.core.plan import Plan
 from offsim.core.trace import Trace
@@ -678,16 +679,9 @@ class Executor:
 
     def _attend_gpu(self, op, args, q, k_new, v_new) -> torch.Tensor:
         """Write the new tokens' K/V into each head group's buffer and attend over positions [0, ctx)."""
-        j, b = op.layer, op.batch
         ctx, start = op.ctx_tokens, op.ctx_tokens - op.q_tokens
         groups = []
-        for g, (lo, hi) in self.prog.groups.items():
-            if hi <= lo:
-                continue
-            if g == "gpu":
-                buf = self.kv_gpu[j, b]
-            else:
-                buf = self._kv_view(self._pool_get(args[f"kv_{g}"]), hi - lo)
+        for lo, hi, buf in self._kv_buffers(op, args):
             buf[start:ctx, 0] = k_new[:, :, lo:hi].transpose(0, 1)  # [T, B, n, D]
             buf[start:ctx, 1] = v_new[:, :, lo:hi].transpose(0, 1)
             K = buf[:ctx, 0].permute(1, 2, 0, 3)  # [B, n, C, D]
@@ -755,7 +749,7 @@ class Executor:
         ``body(*static_inputs, kv_buffers)`` is the op's math on the graphs' static inputs; the graph is keyed by
         the addresses it bakes in: the layer's weights (a slot's address, or the resident views) and the KV buffers
         it attends over. ``out(result)``: what the op leaves as its value (default: the result itself)."""
-        if self.graphs is None or op.q_tokens != 1:
+        if self.graphs is None or not costmodel.graphed(op.kind, op.part, op.q_tokens):
             return False
         bufs = self._kv_buffers(op, args) if op.part in ("layer", "attn_layer") else []
         slot = self.vals[args["w"]].data_ptr() if "w" in args else None

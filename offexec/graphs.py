@@ -32,9 +32,9 @@ from typing import Callable
 
 import torch
 
+from offsim.core.costmodel import GRAPHED_PARTS  # noqa: F401  (the parts graphed: one list, the cost model's)
+
 GRAPH_MODES = ("cuda", "static", "off")
-# compute parts whose one-token ops run through graphs (with CPU attention: the GPU halves around the host's work)
-GRAPHED_PARTS = ("layer", "attn_layer", "mlp", "pre_attn", "post_attn", "attn_out")
 
 
 class DecodeGraphs:
