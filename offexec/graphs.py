@@ -2,8 +2,8 @@
 
 A decode step of a layer (one new token per sequence) is a dozen small kernels; issued one by one from Python, the
 host's issue time is a tenth to a fifth of an offloaded run (issue 14's audit). Here each decode op
-(``GRAPHED_PARTS``) whose inputs sit at fixed addresses -- a layer's resident weights or its weight slot, its KV
-buffers -- is captured once as a CUDA graph and replayed at every later step.
+(``offsim.core.costmodel.graphed``) whose inputs sit at fixed addresses -- a layer's resident weights or its weight
+slot, its KV buffers -- is captured once as a CUDA graph and replayed at every later step.
 
 What varies between steps is read from device memory, so one graph serves every step:
 
@@ -31,8 +31,6 @@ import warnings
 from typing import Callable
 
 import torch
-
-from offsim.core.costmodel import GRAPHED_PARTS  # noqa: F401  (the parts graphed: one list, the cost model's)
 
 GRAPH_MODES = ("cuda", "static", "off")
 

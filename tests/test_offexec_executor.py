@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from offexec.executor import check_plan, run_plan
-from offexec.graphs import GRAPHED_PARTS
 from offexec.memory import DiskTier, ExecError, check_gpu_budget
 from offexec.testing import TIER_CASES, hf_generate, hf_kv, stored_positions, tiny_hf
 from offexec.weights import from_state_dict
 from offsim import POLICIES, Workload, build_plan, get_hardware
+from offsim.core.costmodel import graphed
 from offsim.core.plan import Plan
 from offsim.core.trace import COLUMNS
 
@@ -105,7 +105,7 @@ def test_graph_path_reproduces_transformers(family, case):
     every decode op of one new token goes through them."""
     hf, spec, plan, prompts, res = _run(family, *case, graphs="static")
     _check_against_transformers(hf, spec, plan, prompts, res)
-    one_token = sum(1 for o in plan.ops if o.kind == "compute" and o.part in GRAPHED_PARTS and o.q_tokens == 1)
+    one_token = sum(1 for o in plan.ops if graphed(o.kind, o.part, o.q_tokens))
     g = res.stats["graphs"]
     assert g["mode"] == "static" and g["failed"] is None
     assert g["replays"] == 0 and g["graphs"] == 0  # static: nothing captured
