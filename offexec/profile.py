@@ -141,18 +141,122 @@ def profile_gpu(device, spec, reps: int, peak_flops: float) -> dict:
 
 
 def profile_cpu_attention(spec, reps: int) -> float:
-    """FLOP/s of decode attention on the host, fp16 KV as the executor keeps it (torch SDPA on the CPU)."""
+    """FLOP/s of decode attention on the host through the executor's own CPU path (``offexec.model.attention``
+    over views of a host KV buffer laid out [ctx, 2, batch, heads, head_dim], as ``Executor._op_attn_cpu`` reads
+    it), fp16 as the executor keeps it. The rate is the slope between two context lengths, so the fixed cost of a
+    call (priced apart, from the op tables of ``profile_ops``) does not inflate it."""
     import torch
-    import torch.nn.functional as F
+
+    from offexec import model as M
 
     H, D, Hk = spec.num_heads, spec.head_dim, spec.num_kv_heads
-    b, ctx = 16, 1024
-    q = torch.randn(b, H, 1, D, dtype=torch.float16)
-    k = torch.randn(b, Hk, ctx, D, dtype=torch.float16)
-    v = torch.randn_like(k)
-    s = _median_time(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=H != Hk), torch.device("cpu"),
-                     max(3, reps // 2), warmup=1)
-    return 4 * b * H * D * ctx / s
+    b = 16
+    cpu = torch.device("cpu")
+    times = {}
+    for ctx in (256, 1024):
+        buf = torch.randn(ctx, 2, b, Hk, D, dtype=torch.float16)
+        q = torch.randn(b, 1, H, D, dtype=torch.float16)
+        out = torch.empty(b, 1, H * D, dtype=torch.float16)
+        groups = [(0, Hk, buf[:, 0].permute(1, 2, 0, 3), buf[:, 1].permute(1, 2, 0, 3))]
+        times[ctx] = _median_time(lambda: M.attention(spec, q, groups, out=out), cpu, max(3, reps // 2), warmup=1)
+    flops = 4 * b * H * D * (1024 - 256)
+    return flops / max(times[1024] - times[256], 1e-9)
+
+
+# the sub-layer and CPU-attention forms of a decoder layer, each a flexgen plan setting: together they emit every
+# compute part a plan can hold (costmodel.COMPUTE_PARTS) and the CPU attention op
+_OP_FORMS = ({"sublayer": False, "cpu_attention": False}, {"sublayer": True, "cpu_attention": False},
+             {"sublayer": False, "cpu_attention": True}, {"sublayer": True, "cpu_attention": True})
+
+
+def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16, 256), gen_len: int = 8,
+                progress: bool = True) -> list:
+    """Op tables: seconds of each compute op as offexec itself runs it, by size, for one model's layer shape.
+
+    Small plans of the model cut to two layers (all weights and the KV cache on the GPU, or the KV on the host for
+    CPU attention) run through ``run_plan`` at each batch size and prompt length, with CUDA graphs on and off; each
+    op's time is taken from the run's own trace. That covers what the analytical terms miss -- GEMM efficiency at
+    this model's shapes, the elementwise kernels, launches or a graph replay with its static copies -- with no
+    constant fitted to any run that is later validated. Rows (``HardwareSpec.op_times``):
+
+    - ('graph' | 'eager', part, [[num_seqs, s], ...]): decode ops (one new token), replayed as a CUDA graph or eager;
+    - ('tokens', part, [[tokens, s], ...]): ops over many tokens (prefill, TightLLM's recompute), eager;
+    - ('eager', 'head', ...) by sequences (the LM head reads the last position only); ('cpu', 'attn', ...) the
+      fixed cost of a CPU-attention op by sequences at a short context (``profile_cpu_attention`` prices its FLOPs).
+
+    Times include attention over the probe's short contexts (at most prompt + gen tokens); the cost model adds
+    attention at the op's real context on top (a double count below 1 % at these sizes)."""
+    import dataclasses
+
+    import torch
+
+    from offexec.executor import run_plan
+    from offexec.weights import random_weights
+    from offsim.core.costmodel import GRAPHED_PARTS
+    from offsim.core.specs import HardwareSpec, Workload, layer_key
+    from offsim.policies.registry import build_plan
+
+    small = dataclasses.replace(spec, num_layers=2)
+    dt = torch.float16 if spec.dtype_bytes == 2 else torch.float32
+    cuda = device == "cuda"
+    weights = random_weights(small, 0, dt, device=device, pinned=cuda, progress=False)
+    hw = HardwareSpec.from_dict(_probe_hardware())
+    samples: dict[tuple, list] = {}
+    runs = [(p, b, form, g) for p in prompts for b in batches for form in _OP_FORMS
+            for g in (("cuda", "off") if cuda and p == prompts[0] else ("cuda",) if cuda else ("off",))]
+    try:
+        from tqdm import tqdm
+
+        it = tqdm(runs, desc=f"op tables {spec.name}", unit="run", file=sys.stderr, disable=not progress)
+    except ImportError:  # pragma: no cover
+        it = runs
+    try:
+        first = True
+        for p, b, form, g in it:
+            kv = [0, 100] if form["cpu_attention"] else [100, 0]  # the KV cache on the host for CPU attention
+            settings = {"percent": [100, 0] + kv + [100, 0], "overlap": True, "pin_weights": True, **form}
+            wl = Workload(p, gen_len, b, 1)
+            plan = build_plan("flexgen", small, hw, wl, settings)
+            if first:  # kernel loading and cuBLAS heuristics: one unmeasured run
+                run_plan(plan, weights, device, graphs=g)
+                first = False
+            res = run_plan(plan, weights, device, graphs=g)
+            df = res.trace.df
+            for r in df.itertuples():
+                op = plan.ops[r.op_id]
+                if op.kind not in ("compute", "cpu_compute"):
+                    continue
+                dur = r.end_s - r.start_s
+                if op.kind == "cpu_compute":
+                    if p == prompts[0] and op.q_tokens == 1 and op.step >= 2:
+                        samples.setdefault(("cpu", "attn", op.num_seqs), []).append(dur)
+                elif op.part == "head":
+                    samples.setdefault(("eager", "head", op.num_seqs), []).append(dur)
+                elif op.q_tokens > 1 or op.part == "embed":
+                    samples.setdefault(("tokens", op.part, op.num_seqs * op.q_tokens), []).append(dur)
+                elif op.step >= 2 and p == prompts[0]:  # step 1 captures the graphs
+                    mode = "graph" if g == "cuda" and op.part in GRAPHED_PARTS else "eager"
+                    samples.setdefault((mode, op.part, op.num_seqs), []).append(dur)
+            del res
+    finally:
+        weights.close()
+    key = layer_key(spec)
+    curves: dict[tuple, list] = {}
+    for (mode, part, x), ts in sorted(samples.items()):
+        # decode ops: the median of many; prefill ops (one per layer and run): the faster, past first-call effects
+        t = statistics.median(ts) if mode in ("graph", "eager", "cpu") else min(ts)
+        curves.setdefault((mode, part), []).append([float(x), float(t)])
+    return [[key, mode, part, pts] for (mode, part), pts in sorted(curves.items())]
+
+
+def _probe_hardware() -> dict:
+    """A roomy hardware profile for building the probe plans (their placement is fixed; only the plan's shape
+    matters): the packaged h200 preset with the whole device as budget."""
+    from offsim.core.specs import load_hardware_preset
+
+    d = load_hardware_preset("h200").to_dict()
+    d.pop("schema")
+    return d
 
 
 def profile_disk(directory: str, nbytes: int, reps: int = 3) -> dict[str, float]:
@@ -273,11 +377,69 @@ def add_profile_parser(sub) -> None:
                    help="dense fp16 peak of the GPU, when it is not in the datasheet table")
     p.add_argument("--disk-dir", default=None, metavar="DIR", help="directory whose disk to time (default: temp)")
     p.add_argument("--quick", action="store_true", help="tiny shapes and few repetitions (tests)")
+    p.add_argument("--ops", default=None, metavar="MODELS",
+                   help="comma-separated models (presets or config.json paths) whose compute ops to time as the "
+                        "executor runs them: op tables the cost model prefers to its analytical terms")
+    p.add_argument("--base", default=None, metavar="PROFILE",
+                   help="with --ops: keep this profile's other measurements and add the op tables (and CPU "
+                        "attention through the executor's path) to it, instead of measuring everything")
+    p.add_argument("--op-batches", default="1,4,16,64", metavar="N,N,...",
+                   help="sequences per GPU batch of the op-table runs (default: %(default)s)")
     p.set_defaults(func=cmd_profile)
 
 
+def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64)) -> dict:
+    """Profile dict ``d`` with op tables for ``models`` (replacing rows of the same layer shapes) and CPU attention
+    re-measured through the executor's path; provenance says which."""
+    from offsim.core.provenance import provenance
+    from offsim.core.specs import HardwareSpec, get_model
+
+    d = dict(d)
+    specs = [get_model(m) for m in models]
+    rows = []
+    for spec in specs:
+        rows += profile_ops(spec, device, batches=batches)
+    keys = {r[0] for r in rows}
+    d["op_times"] = [r for r in d.get("op_times", []) if r[0] not in keys] + rows
+    d["cpu_attention_flops"] = float(profile_cpu_attention(specs[0], 10))
+    HardwareSpec.from_dict(d)  # the profile must load
+    prov = dict(d.get("provenance", {}))
+    prov["op_tables"] = provenance(models=models, batches=list(batches), device=device,
+                                   cpu_attention="executor path, model shapes of " + models[0])
+    d["provenance"] = prov
+    return d
+
+
+def _parse_models(text: str) -> list[str]:
+    from offsim.core.errors import OffsimError
+
+    models = [m.strip() for m in text.split(",") if m.strip()]
+    if not models:
+        raise OffsimError(f"--ops: no model named in {text!r} (e.g. --ops opt-6.7b,llama-3-8b)")
+    return models
+
+
 def cmd_profile(args) -> dict:
-    d = run_profile(args.model, args.device, args.quick, args.peak_tflops, args.disk_dir, args.name)
+    from offsim.core.errors import OffsimError
+    from offsim.core.io import read_json_object
+
+    if args.base and not args.ops:
+        raise OffsimError("--base adds op tables to an existing profile: give --ops MODELS too")
+    try:
+        batches = tuple(int(b) for b in args.op_batches.split(","))
+    except ValueError:
+        batches = ()
+    if not batches or min(batches) < 1:
+        raise OffsimError(f"--op-batches must be positive integers separated by commas, got {args.op_batches!r}")
+    models = _parse_models(args.ops) if args.ops else []
+    if args.base:
+        d = read_json_object(args.base, "hardware profile")
+    else:
+        d = run_profile(args.model, args.device, args.quick, args.peak_tflops, args.disk_dir, args.name)
+    if models:
+        d = add_op_tables(d, models, args.device, batches)
+        if args.name:
+            d["name"] = args.name
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".tmp")

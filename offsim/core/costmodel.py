@@ -12,11 +12,12 @@ q = 1, ctx = current length, TightLLM's recompute of N_r tokens is q = N_r + 1.
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from numbers import Real
 
 from offsim.core.errors import OffsimError
-from offsim.core.specs import Curve, HardwareSpec, ModelSpec
+from offsim.core.specs import Curve, HardwareSpec, ModelSpec, layer_key
 
 # ----------------------------------------------------------------------------------------------------------------
 # curves
@@ -165,9 +166,67 @@ def attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_tokens: in
     return t_flops + t_mem  # an upper bound that stays linear (expressions only)
 
 
-def compute_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_tokens: int, ctx_tokens: int):
+# ----------------------------------------------------------------------------------------------------------------
+# op tables: compute ops as the executor runs them (HardwareSpec.op_times, offexec profile --ops)
+# ----------------------------------------------------------------------------------------------------------------
+_OP_INDEX: dict[int, tuple] = {}  # id(hw.op_times) -> (op_times, {(layer key, mode, part): curve})
+_layer_key = functools.lru_cache(maxsize=256)(layer_key)
+
+
+def op_table(hw: HardwareSpec, model: ModelSpec, mode: str, part: str) -> Curve | None:
+    """The measured curve of ``part`` in ``mode`` for this model's layer shape, or None where the profile has none."""
+    if not hw.op_times:
+        return None
+    e = _OP_INDEX.get(id(hw.op_times))
+    if e is None or e[0] is not hw.op_times:
+        if len(_OP_INDEX) > 256:
+            _OP_INDEX.clear()
+        e = _OP_INDEX[id(hw.op_times)] = (hw.op_times, {(k, m, p): c for k, m, p, c in hw.op_times})
+    return e[1].get((_layer_key(model), mode, part))
+
+
+def table_seconds(curve: Curve, x: float) -> float:
+    """Seconds at size ``x`` on an op table: linear between measured sizes (an op's time is close to affine in its
+    rows), the smallest size's time below them, and proportional to ``x`` past the largest (where the GEMMs are
+    compute-bound: time per row is constant)."""
+    _, xs, _, ys = _prepared(curve)
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1] * x / xs[-1]
+    i = bisect.bisect_left(xs, x)
+    w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+    return ys[i - 1] + w * (ys[i] - ys[i - 1])
+
+
+def _table_compute_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_tokens: int,
+                           graphs: bool) -> float | None:
+    """A compute op priced from the op tables (without attention over its context), or None without a row."""
+    if part == "head":  # the LM head reads each sequence's last position only
+        mode, x = "eager", num_seqs
+    elif part == "embed" or q_tokens > 1:
+        mode, x = "tokens", num_seqs * q_tokens
+    else:
+        mode, x = ("graph" if graphs and part in GRAPHED_PARTS else "eager"), num_seqs
+    curve = op_table(hw, model, mode, part)
+    return None if curve is None else table_seconds(curve, x)
+
+
+def compute_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_tokens: int, ctx_tokens: int,
+                    graphs: bool = True):
     """One GPU compute op: ``part`` of one layer (or 'embed'/'head') for a batch of ``num_seqs`` sequences.
-    'layer' = 'pre_attn' (norm, QKV) + 'attn' + 'post_attn' (output projection, norm, FFN)."""
+    'layer' = 'pre_attn' (norm, QKV) + 'attn' + 'post_attn' (output projection, norm, FFN). ``graphs``: the runtime
+    replays decode ops as CUDA graphs (``Plan.cuda_graphs``).
+
+    Where the profile has an op table for this model's layer shape (``HardwareSpec.op_times``), the op's time is the
+    table's (measured through the executor at this size) plus attention over its real context; otherwise the
+    analytical terms: fixed overhead + GEMM FLOPs at the profiled efficiency + elementwise HBM traffic + attention."""
+    if hw.op_times and _is_number(num_seqs):
+        t = _table_compute_seconds(model, hw, part, num_seqs, q_tokens, graphs)
+        if t is not None:
+            if part in ("attn", "layer", "attn_layer"):
+                t += attention_seconds(model, hw, num_seqs, q_tokens, ctx_tokens)
+            return t
     tokens = num_seqs * q_tokens
     if part == "embed":  # a gather: memory-bound, tiny
         return hw.kernel_overhead_s + model.hidden_bytes(tokens) / hw.gpu_hbm_bytes_per_s
@@ -181,8 +240,11 @@ def compute_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_t
 
 
 def cpu_attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_tokens: int, ctx_tokens: int):
-    """Attention on the host CPU over a KV cache in host memory (FlexGen's CPU delegation): FLOPs / CPU FLOP/s."""
-    return attention_flops(model, num_seqs, q_tokens, ctx_tokens) / hw.cpu_attention_flops
+    """Attention on the host CPU over a KV cache in host memory (FlexGen's CPU delegation): FLOPs / CPU FLOP/s, plus
+    the op's fixed cost (storing the new KV, the call, the worker thread) where the profile's op table has it."""
+    t = attention_flops(model, num_seqs, q_tokens, ctx_tokens) / hw.cpu_attention_flops
+    curve = op_table(hw, model, "cpu", "attn") if _is_number(num_seqs) else None
+    return t if curve is None else t + table_seconds(curve, num_seqs)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -209,12 +271,14 @@ def issue_seconds(op, hw: HardwareSpec, graphs: bool = False) -> float:
     return hw.issue_compute_s
 
 
-def op_seconds(op, model: ModelSpec, hw: HardwareSpec, other_busy_s: float = 0.0, disk_cached: bool = False) -> float:
+def op_seconds(op, model: ModelSpec, hw: HardwareSpec, other_busy_s: float = 0.0, disk_cached: bool = False,
+               graphs: bool = True) -> float:
     """Duration of one plan op (see ``offsim.core.plan.Op``). ``other_busy_s``: for PCIe copies, how long the opposite
-    direction stays busy from this op's start (duplex). ``disk_cached``: the plan's disk tier is page-cached."""
+    direction stays busy from this op's start (duplex). ``disk_cached``: the plan's disk tier is page-cached.
+    ``graphs``: the plan's ``cuda_graphs`` (decode ops replayed as CUDA graphs)."""
     k = op.kind
     if k == "compute":
-        return compute_seconds(model, hw, op.part, op.num_seqs, op.q_tokens, op.ctx_tokens)
+        return compute_seconds(model, hw, op.part, op.num_seqs, op.q_tokens, op.ctx_tokens, graphs)
     if k == "cpu_compute":
         return cpu_attention_seconds(model, hw, op.num_seqs, op.q_tokens, op.ctx_tokens)
     if k in ("h2d", "d2h"):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import platform
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,9 +19,11 @@ def git_commit(short: bool = True) -> str:
         c = subprocess.run(args, cwd=here, capture_output=True, text=True, timeout=5).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
                                capture_output=True, text=True, timeout=5).stdout.strip()
-        return (c or "unknown") + ("+dirty" if dirty else "")
+        if not c:  # a copy without .git (a device run): the commit it was made from, if the caller says
+            return os.environ.get("OFFSIM_COMMIT", "unknown")
+        return c + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        return os.environ.get("OFFSIM_COMMIT", "unknown")
 
 
 def provenance(**extra) -> dict:

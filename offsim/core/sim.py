@@ -61,11 +61,12 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
         other = _OPPOSITE.get(op.kind)
         other_busy = max(0.0, busy_until[other] - now) if other else 0.0
         if other_busy > 0.0:
-            return costmodel.op_seconds(op, model, hw, other_busy, disk_cached)
+            return costmodel.op_seconds(op, model, hw, other_busy, disk_cached, plan.cuda_graphs)
         key = (op.kind, op.part, op.num_seqs, op.q_tokens, op.ctx_tokens, op.nbytes, op.pinned)
         d = duration_cache.get(key)
         if d is None:
-            d = duration_cache[key] = costmodel.op_seconds(op, model, hw, disk_cached=disk_cached)
+            d = duration_cache[key] = costmodel.op_seconds(op, model, hw, disk_cached=disk_cached,
+                                                           graphs=plan.cuda_graphs)
         return d
 
     # the host issues ops one after another in plan order (a single issuing thread); an op cannot start before
@@ -103,7 +104,8 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
                 key = (op.kind, op.part, op.num_seqs, op.q_tokens, op.ctx_tokens, op.nbytes, op.pinned)
                 dt = duration_cache.get(key)
                 if dt is None:
-                    dt = duration_cache[key] = costmodel.op_seconds(op, model, hw, disk_cached=disk_cached)
+                    dt = duration_cache[key] = costmodel.op_seconds(op, model, hw, disk_cached=disk_cached,
+                                                                    graphs=plan.cuda_graphs)
             busy_until[op.stream] = now + dt
             yield env.timeout(dt)
             end[op.id] = env.now
@@ -213,7 +215,8 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
             key = (kind, nb, get("pinned", True))
         d = cache.get(key)
         if d is None:
-            d = cache[key] = costmodel.op_seconds(op_at(i), model, hw, disk_cached=disk_cached)
+            d = cache[key] = costmodel.op_seconds(op_at(i), model, hw, disk_cached=disk_cached,
+                                                  graphs=plan.cuda_graphs)
         dur0[i] = d
     by_stream: list[list[int]] = [[] for _ in STREAMS]
     for i, s in enumerate(sidx):
@@ -318,7 +321,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                                     f"bytes, over the capacity {cap[t]} by {mem[t] - cap[t]} bytes")
             o = other_of[s]
             if o >= 0 and busy_until[o] > now:  # the opposite direction is busy: priced for the overlap
-                dt = costmodel.op_seconds(op_at(i), model, hw, busy_until[o] - now, disk_cached)
+                dt = costmodel.op_seconds(op_at(i), model, hw, busy_until[o] - now, disk_cached, plan.cuda_graphs)
             else:
                 dt = dur0[i]
             busy_until[s] = now + dt

@@ -278,8 +278,17 @@ def get_model(name_or_path: str | Path) -> ModelSpec:
 # Hardware
 # ----------------------------------------------------------------------------------------------------------------
 HARDWARE_SCHEMA = "offsim.hardware/1"
+OP_TABLE_MODES = ("graph", "eager", "tokens", "cpu")  # see HardwareSpec.op_times
 
 Curve = tuple[tuple[float, float], ...]  # (x, y) points, x increasing; interpolated in log(x), clamped at the ends
+
+
+def layer_key(model: ModelSpec) -> str:
+    """What fixes a decoder layer's kernels, as the key of its op-table rows (``HardwareSpec.op_times``): models
+    that share it (the same family and sizes, any depth or vocabulary) share the rows."""
+    m = model
+    return (f"{m.family}/h{m.d_model}/q{m.num_heads}/kv{m.num_kv_heads}/d{m.head_dim}/f{m.ffn_dim}/"
+            f"b{m.dtype_bytes}")
 
 
 @dataclass(frozen=True)
@@ -325,6 +334,12 @@ class HardwareSpec:
     # plan only while its disk files fit in free host memory: past that the kernel evicts and reads hit the disk.
     disk_cached_read_bytes_per_s: float = 0.0
     disk_cached_write_bytes_per_s: float = 0.0
+    # op tables (``offexec profile --ops``): seconds of a compute op as the executor runs it, measured per model
+    # layer shape. Rows (layer_key, mode, part, curve): mode 'graph' / 'eager' (a decode op replayed as a CUDA graph
+    # or issued kernel by kernel; x = sequences), 'tokens' (prefill or recompute; x = tokens), 'cpu' (part 'attn':
+    # a CPU-attention op's fixed cost; x = sequences). Where a row exists the cost model reads it instead of the
+    # analytical GEMM, elementwise and overhead terms (costmodel.compute_seconds); () = none measured.
+    op_times: tuple = ()
     source: str = ""  # provenance: where the numbers come from
 
     def __post_init__(self):
@@ -340,6 +355,14 @@ class HardwareSpec:
                                   f"got {v!r}")
         if not 0 < self.duplex_fraction <= 1:
             raise OffsimError(f"hardware {self.name}: duplex_fraction must be in (0, 1], got {self.duplex_fraction}")
+        for row in self.op_times:
+            if (len(row) != 4 or not isinstance(row[0], str) or row[1] not in OP_TABLE_MODES
+                    or not isinstance(row[2], str) or not row[3]
+                    or any(len(p) != 2 or not p[0] > 0 or not p[1] > 0 for p in row[3])
+                    or any(a[0] >= b[0] for a, b in zip(row[3], row[3][1:]))):
+                raise OffsimError(f"hardware {self.name}: op_times rows must be [layer key, mode (one of "
+                                  f"{', '.join(OP_TABLE_MODES)}), part, [[x, seconds], ...] with x increasing and "
+                                  f"both positive]; got {str(row)[:120]}")
         for f in ("gemm_efficiency", "attn_prefill_efficiency", "attn_decode_efficiency", "h2d_pinned", "d2h_pinned",
                   "h2d_pageable", "d2h_pageable"):
             c = getattr(self, f)
@@ -367,6 +390,8 @@ class HardwareSpec:
         d = {"schema": HARDWARE_SCHEMA}
         for f in fields(self):
             v = getattr(self, f.name)
+            if f.name == "op_times":
+                v = [[k, m, p, [list(q) for q in c]] for k, m, p, c in v]
             d[f.name] = [list(p) for p in v] if isinstance(v, tuple) else v
         return d
 
@@ -383,12 +408,15 @@ class HardwareSpec:
             raise OffsimError(f"{where}: unknown fields {sorted(unknown)}")
         try:
             for k, v in list(d.items()):
-                if isinstance(v, list):
+                if k == "op_times":
+                    d[k] = tuple((str(r[0]), str(r[1]), str(r[2]), tuple((float(a), float(b)) for a, b in r[3]))
+                                 for r in v)
+                elif isinstance(v, list):
                     d[k] = tuple((float(a), float(b)) for a, b in v)
             return cls(**d)
         except TypeError as e:
             raise OffsimError(f"{where}: {e}") from None
-        except ValueError as e:
+        except (ValueError, IndexError) as e:
             raise OffsimError(f"{where}: malformed curve ({e})") from None
 
     @classmethod
