@@ -181,8 +181,10 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
 
     - ('graph' | 'eager', part, [[num_seqs, s], ...]): decode ops (one new token), replayed as a CUDA graph or eager;
     - ('tokens', part, [[tokens, s], ...]): ops over many tokens (prefill, TightLLM's recompute), eager;
-    - ('eager', 'head', ...) by sequences (the LM head reads the last position only); ('cpu', 'attn', ...) the
-      fixed cost of a CPU-attention op by sequences at a short context (``profile_cpu_attention`` prices its FLOPs).
+    - ('eager', 'head', ...) by sequences (the LM head reads the last position only);
+    - ('cpu', 'attn', ...): a CPU-attention op's time at the short prompt, by sequences (its fixed cost: storing the
+      new KV, the call, the worker thread), and ('cpu', 'attn_flops', ...) its FLOP/s by sequences, the slope from
+      the short prompt to the long one.
 
     Times include attention over the probe's short contexts (at most prompt + gen tokens); the cost model adds
     attention at the op's real context on top (a double count below 1 % at these sizes)."""
@@ -192,7 +194,7 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
 
     from offexec.executor import run_plan
     from offexec.weights import random_weights
-    from offsim.core.costmodel import GRAPHED_PARTS
+    from offsim.core.costmodel import GRAPHED_PARTS, attention_flops
     from offsim.core.specs import HardwareSpec, Workload, layer_key
     from offsim.policies.registry import build_plan
 
@@ -202,6 +204,7 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
     weights = random_weights(small, 0, dt, device=device, pinned=cuda, progress=False)
     hw = HardwareSpec.from_dict(_probe_hardware())
     samples: dict[tuple, list] = {}
+    cpu: dict[tuple, list] = {}  # (prompt, sequences) -> [(seconds, FLOPs)] of CPU-attention ops
     runs = [(p, b, form, g) for p in prompts for b in batches for form in _OP_FORMS
             for g in (("cuda", "off") if cuda and p == prompts[0] else ("cuda",) if cuda else ("off",))]
     try:
@@ -228,8 +231,9 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
                     continue
                 dur = r.end_s - r.start_s
                 if op.kind == "cpu_compute":
-                    if p == prompts[0] and op.q_tokens == 1 and op.step >= 2:
-                        samples.setdefault(("cpu", "attn", op.num_seqs), []).append(dur)
+                    if op.q_tokens == 1 and op.step >= 2:  # (x, FLOPs) beside the time: the rate is a slope
+                        cpu.setdefault((p, op.num_seqs), []).append(
+                            (dur, attention_flops(spec, op.num_seqs, 1, op.ctx_tokens)))
                 elif op.part == "head":
                     samples.setdefault(("eager", "head", op.num_seqs), []).append(dur)
                 elif op.q_tokens > 1 or op.part == "embed":
@@ -246,6 +250,20 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
         # decode ops: the median of many; prefill ops (one per layer and run): the faster, past first-call effects
         t = statistics.median(ts) if mode in ("graph", "eager", "cpu") else min(ts)
         curves.setdefault((mode, part), []).append([float(x), float(t)])
+    # CPU attention: the fixed cost at the short prompt, the FLOP rate from the slope up to the long one
+    lo, hi = prompts[0], prompts[-1]
+    for b in sorted({b for _, b in cpu}):
+        if (lo, b) not in cpu:
+            continue
+        t_s, f_s = (statistics.median(v) for v in zip(*cpu[lo, b]))
+        fixed = t_s
+        if hi != lo and (hi, b) in cpu:
+            t_l, f_l = (statistics.median(v) for v in zip(*cpu[hi, b]))
+            if t_l > t_s and f_l > f_s:
+                rate = (f_l - f_s) / (t_l - t_s)
+                curves.setdefault(("cpu", "attn_flops"), []).append([float(b), float(rate)])
+                fixed = max(t_s - f_s / rate, 0.1 * t_s)  # the short prompt's FLOPs are priced by the rate
+        curves.setdefault(("cpu", "attn"), []).append([float(b), float(fixed)])
     return [[key, mode, part, pts] for (mode, part), pts in sorted(curves.items())]
 
 
@@ -447,6 +465,7 @@ def cmd_profile(args) -> dict:
     tmp.replace(out)
     h2d = d["h2d_pinned"][-1][1] / 1e9
     print(f"profile of {d['name']} written to {out}")
+    d = {"disk_cached_read_bytes_per_s": 0.0, "disk_cached_write_bytes_per_s": 0.0, **d}
     print(f"  pinned H2D {h2d:.1f} GB/s, D2H {d['d2h_pinned'][-1][1] / 1e9:.1f} GB/s, duplex "
           f"{d['duplex_fraction']:.2f}; HBM {d['gpu_hbm_bytes_per_s'] / 1e12:.2f} TB/s; best GEMM "
           f"{max(e for _, e in d['gemm_efficiency']) * d['gpu_peak_flops'] / 1e12:.0f} TFLOP/s; CPU attention "

@@ -242,9 +242,13 @@ def compute_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_t
 def cpu_attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_tokens: int, ctx_tokens: int):
     """Attention on the host CPU over a KV cache in host memory (FlexGen's CPU delegation): FLOPs / CPU FLOP/s, plus
     the op's fixed cost (storing the new KV, the call, the worker thread) where the profile's op table has it."""
-    t = attention_flops(model, num_seqs, q_tokens, ctx_tokens) / hw.cpu_attention_flops
-    curve = op_table(hw, model, "cpu", "attn") if _is_number(num_seqs) else None
-    return t if curve is None else t + table_seconds(curve, num_seqs)
+    flops = attention_flops(model, num_seqs, q_tokens, ctx_tokens)
+    if not _is_number(num_seqs):
+        return flops / hw.cpu_attention_flops
+    rate = op_table(hw, model, "cpu", "attn_flops")
+    t = flops / (interp(rate, num_seqs) if rate else hw.cpu_attention_flops)
+    fixed = op_table(hw, model, "cpu", "attn")
+    return t if fixed is None else t + table_seconds(fixed, num_seqs)
 
 
 # ----------------------------------------------------------------------------------------------------------------
