@@ -14,16 +14,16 @@ import pandas as pd
 def git_commit(short: bool = True) -> str:
     """The checkout's commit (with '+dirty' when the tree has uncommitted changes), or 'unknown'."""
     here = Path(__file__).resolve().parent
+    if os.environ.get("OFFSIM_COMMIT"):  # a copy made from a commit elsewhere (a device run): that commit
+        return os.environ["OFFSIM_COMMIT"]
     try:
         args = ["git", "rev-parse", "--short", "HEAD"] if short else ["git", "rev-parse", "HEAD"]
         c = subprocess.run(args, cwd=here, capture_output=True, text=True, timeout=5).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
                                capture_output=True, text=True, timeout=5).stdout.strip()
-        if not c:  # a copy without .git (a device run): the commit it was made from, if the caller says
-            return os.environ.get("OFFSIM_COMMIT", "unknown")
-        return c + ("+dirty" if dirty else "")
+        return (c or "unknown") + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("OFFSIM_COMMIT", "unknown")
+        return "unknown"
 
 
 def provenance(**extra) -> dict:
