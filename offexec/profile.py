@@ -268,6 +268,35 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
     return [[key, mode, part, pts] for (mode, part), pts in sorted(curves.items())]
 
 
+def profile_attention(spec, device: str, peak_flops: float, reps: int = 10) -> list:
+    """Op-table rows of causal GPU attention's FLOP efficiency by context for one model's heads (GQA included),
+    through ``offexec.model.attention`` over the executor's KV layout (views of a [ctx, 2, batch, heads, head_dim]
+    buffer): ('attn', 'prefill') with the queries the whole context (the causal kernel), ('attn', 'recompute') with
+    the last 64 of them (TightLLM's recompute: an explicit bottom-right mask). ~16k query tokens a call."""
+    import torch
+
+    from offexec import model as M
+    from offsim.core.costmodel import attention_flops
+    from offsim.core.specs import layer_key
+
+    dev = torch.device(device)
+    dt = torch.float16 if spec.dtype_bytes == 2 else torch.float32
+    H, Hk, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    ctxs = [c for c in (128, 512, 2048, 4096) if c <= spec.max_positions] if dev.type == "cuda" else [32, 64]
+    rows = {"prefill": [], "recompute": []}
+    for ctx in ctxs:
+        for kind, T in (("prefill", ctx), ("recompute", min(64, ctx // 2))):
+            b = max(1, (16384 if dev.type == "cuda" else 256) // ctx)
+            buf = torch.randn(ctx, 2, b, Hk, D, dtype=dt, device=dev)
+            q = torch.randn(b, T, H, D, dtype=dt, device=dev)
+            groups = [(0, Hk, buf[:, 0].permute(1, 2, 0, 3), buf[:, 1].permute(1, 2, 0, 3))]
+            t = _median_time(lambda: M.attention(spec, q, groups), dev, reps)
+            rows[kind].append([float(ctx), float(attention_flops(spec, b, T, ctx) / t / peak_flops)])
+            del buf, q, groups
+    key = layer_key(spec)
+    return [[key, "attn", kind, pts] for kind, pts in rows.items()]
+
+
 def _probe_hardware() -> dict:
     """A roomy hardware profile for building the probe plans (their placement is fixed; only the plan's shape
     matters): the packaged h200 preset with the whole device as budget."""
@@ -402,14 +431,18 @@ def add_profile_parser(sub) -> None:
     p.add_argument("--base", default=None, metavar="PROFILE",
                    help="with --ops: keep this profile's other measurements and add the op tables (and CPU "
                         "attention through the executor's path) to it, instead of measuring everything")
+    p.add_argument("--attention-only", action="store_true",
+                   help="with --ops: measure only the GPU attention rows (by context, each model's heads)")
     p.add_argument("--op-batches", default="1,4,16,64", metavar="N,N,...",
                    help="sequences per GPU batch of the op-table runs (default: %(default)s)")
     p.set_defaults(func=cmd_profile)
 
 
-def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64)) -> dict:
-    """Profile dict ``d`` with op tables for ``models`` (replacing rows of the same layer shapes) and CPU attention
-    re-measured through the executor's path; provenance says which."""
+def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64), attention_only: bool = False
+                  ) -> dict:
+    """Profile dict ``d`` with op tables for ``models`` (replacing rows of the same layer shapes and modes) and CPU
+    attention re-measured through the executor's path; ``attention_only``: the GPU attention rows alone (the rest
+    of ``d`` kept). Provenance says which."""
     from offsim.core.provenance import provenance
     from offsim.core.specs import HardwareSpec, get_model
 
@@ -417,14 +450,19 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
     specs = [get_model(m) for m in models]
     rows = []
     for spec in specs:
-        rows += profile_ops(spec, device, batches=batches)
-    keys = {r[0] for r in rows}
-    d["op_times"] = [r for r in d.get("op_times", []) if r[0] not in keys] + rows
-    d["cpu_attention_flops"] = float(profile_cpu_attention(specs[0], 10))
-    HardwareSpec.from_dict(d)  # the profile must load
+        if not attention_only:
+            rows += profile_ops(spec, device, batches=batches)
+        rows += profile_attention(spec, device, float(d["gpu_peak_flops"]))
+    keys = {(r[0], r[1], r[2]) for r in rows}
+    d["op_times"] = [r for r in d.get("op_times", []) if tuple(r[:3]) not in keys] + rows
     prov = dict(d.get("provenance", {}))
-    prov["op_tables"] = provenance(models=models, batches=list(batches), device=device,
-                                   cpu_attention="executor path, model shapes of " + models[0])
+    if attention_only:
+        prov["attention_tables"] = provenance(models=models, device=device)
+    else:
+        d["cpu_attention_flops"] = float(profile_cpu_attention(specs[0], 10))
+        prov["op_tables"] = provenance(models=models, batches=list(batches), device=device,
+                                       cpu_attention="executor path, model shapes of " + models[0])
+    HardwareSpec.from_dict(d)  # the profile must load
     d["provenance"] = prov
     return d
 
@@ -456,7 +494,7 @@ def cmd_profile(args) -> dict:
     else:
         d = run_profile(args.model, args.device, args.quick, args.peak_tflops, args.disk_dir, args.name)
     if models:
-        d = add_op_tables(d, models, args.device, batches)
+        d = add_op_tables(d, models, args.device, batches, args.attention_only)
         if args.name:
             d["name"] = args.name
     out = Path(args.out)

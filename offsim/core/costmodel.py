@@ -156,9 +156,15 @@ def attention_flops(model: ModelSpec, num_seqs, q_tokens: int, ctx_tokens: int):
 
 
 def attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_tokens: int, ctx_tokens: int):
-    """GPU attention: the larger of its FLOPs at the prefill efficiency and its KV read at the decode efficiency."""
+    """GPU attention: the larger of its FLOPs at the prefill efficiency and its KV read at the decode efficiency.
+    The FLOP efficiency of many queries is this model's own where the profile's op tables have it (mode 'attn':
+    'prefill' when the queries are the whole context, else 'recompute' -- a masked kernel), else the profile's
+    model-agnostic curve."""
     flops = attention_flops(model, num_seqs, q_tokens, ctx_tokens)
-    t_flops = flops / (hw.gpu_peak_flops * interp(hw.attn_prefill_efficiency, ctx_tokens))
+    curve = None
+    if q_tokens > 1 and hw.op_times:
+        curve = op_table(hw, model, "attn", "prefill" if q_tokens == ctx_tokens else "recompute")
+    t_flops = flops / (hw.gpu_peak_flops * interp(curve or hw.attn_prefill_efficiency, ctx_tokens))
     kv_read = num_seqs * ctx_tokens * model.kv_bytes_per_token()
     t_mem = kv_read / (hw.gpu_hbm_bytes_per_s * interp(hw.attn_decode_efficiency, ctx_tokens))
     if _is_number(t_flops) and _is_number(t_mem):
