@@ -297,6 +297,39 @@ def profile_attention(spec, device: str, peak_flops: float, reps: int = 10) -> l
     return [[key, "attn", kind, pts] for kind, pts in rows.items()]
 
 
+def profile_sustained(device: str, seconds: float = 6.0) -> float:
+    """The compute-bound GEMM rate held under ``seconds`` of back-to-back load (the median of the last half's
+    0.2-s windows), over the rate of a burst after 2 s idle: how far the clocks fall under the power cap as a
+    prefill runs. 1.0 on the CPU."""
+    import torch
+    import torch.nn.functional as F
+
+    if device != "cuda":
+        return 1.0
+    h, f, t = 7168, 28672, 16384  # an FFN GEMM at prefill size: compute-bound
+    w = torch.randn(f, h, dtype=torch.float16, device=device) * 0.02
+    x = torch.randn(t, h, dtype=torch.float16, device=device)
+    flops = 2 * t * h * f
+
+    def rate(n: int) -> float:
+        torch.cuda.synchronize()
+        a = time.perf_counter()
+        for _ in range(n):
+            F.linear(x, w)
+        torch.cuda.synchronize()
+        return flops * n / (time.perf_counter() - a)
+
+    rate(3)
+    time.sleep(2.0)
+    burst = rate(5)
+    windows, t0 = [], time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        windows.append(rate(40))
+    held = statistics.median(windows[len(windows) // 2:])
+    del w, x
+    return min(1.0, held / burst)
+
+
 def _probe_hardware() -> dict:
     """A roomy hardware profile for building the probe plans (their placement is fixed; only the plan's shape
     matters): the packaged h200 preset with the whole device as budget."""
@@ -432,7 +465,8 @@ def add_profile_parser(sub) -> None:
                    help="with --ops: keep this profile's other measurements and add the op tables (and CPU "
                         "attention through the executor's path) to it, instead of measuring everything")
     p.add_argument("--attention-only", action="store_true",
-                   help="with --ops: measure only the GPU attention rows (by context, each model's heads)")
+                   help="with --ops: measure only the GPU attention rows (by context, each model's heads) and "
+                        "the sustained compute fraction")
     p.add_argument("--op-batches", default="1,4,16,64", metavar="N,N,...",
                    help="sequences per GPU batch of the op-table runs (default: %(default)s)")
     p.set_defaults(func=cmd_profile)
@@ -440,9 +474,9 @@ def add_profile_parser(sub) -> None:
 
 def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64), attention_only: bool = False
                   ) -> dict:
-    """Profile dict ``d`` with op tables for ``models`` (replacing rows of the same layer shapes and modes) and CPU
-    attention re-measured through the executor's path; ``attention_only``: the GPU attention rows alone (the rest
-    of ``d`` kept). Provenance says which."""
+    """Profile dict ``d`` with op tables for ``models`` (replacing rows of the same layer shapes and modes), CPU
+    attention re-measured through the executor's path and the sustained compute fraction; ``attention_only``: the
+    GPU attention rows and the sustained fraction alone (the rest of ``d`` kept). Provenance says which."""
     from offsim.core.provenance import provenance
     from offsim.core.specs import HardwareSpec, get_model
 
@@ -455,6 +489,7 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
         rows += profile_attention(spec, device, float(d["gpu_peak_flops"]))
     keys = {(r[0], r[1], r[2]) for r in rows}
     d["op_times"] = [r for r in d.get("op_times", []) if tuple(r[:3]) not in keys] + rows
+    d["sustained_compute_fraction"] = float(profile_sustained(device))
     prov = dict(d.get("provenance", {}))
     if attention_only:
         prov["attention_tables"] = provenance(models=models, device=device)

@@ -232,7 +232,24 @@ def compute_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_t
         if t is not None:
             if part in ("attn", "layer", "attn_layer"):
                 t += attention_seconds(model, hw, num_seqs, q_tokens, ctx_tokens)
-            return t
+            return _sustained(hw, t, num_seqs * q_tokens)
+    return _sustained(hw, _analytical_compute_seconds(model, hw, part, num_seqs, q_tokens, ctx_tokens),
+                      num_seqs * q_tokens)
+
+
+def _sustained(hw: HardwareSpec, t, tokens):
+    """``t`` at the clocks a compute-bound op sees under sustained load: ops of more tokens than the ridge point
+    (peak FLOP/s over HBM bytes/s: a GEMM's FLOP per weight byte is its token count) run at
+    ``sustained_compute_fraction`` of the burst rate the tables and curves were measured at."""
+    f = hw.sustained_compute_fraction
+    if f < 1 and _is_number(tokens) and tokens >= hw.gpu_peak_flops / hw.gpu_hbm_bytes_per_s:
+        return t / f
+    return t
+
+
+def _analytical_compute_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_tokens: int,
+                                ctx_tokens: int):
+    """``compute_seconds`` from the analytical terms (no op table)."""
     tokens = num_seqs * q_tokens
     if part == "embed":  # a gather: memory-bound, tiny
         return hw.kernel_overhead_s + model.hidden_bytes(tokens) / hw.gpu_hbm_bytes_per_s

@@ -342,6 +342,10 @@ class HardwareSpec:
     # heads, GQA and the executor's KV layout). Where a row exists the cost model reads it instead of the analytical
     # GEMM, elementwise and overhead terms or the model-agnostic curves (costmodel.compute_seconds); () = none.
     op_times: tuple = ()
+    # compute-bound GEMM rate held under seconds of back-to-back load (a prefill) over the rate of a burst after
+    # idle: the clocks drop under the power cap (offexec profile --ops; 1: not measured). The cost model divides
+    # compute-bound ops (many tokens, past the ridge point) by it
+    sustained_compute_fraction: float = 1.0
     source: str = ""  # provenance: where the numbers come from
 
     def __post_init__(self):
@@ -355,6 +359,9 @@ class HardwareSpec:
             if not isinstance(v, (int, float)) or not v >= 0:
                 raise OffsimError(f"hardware {self.name}: {f} must be a non-negative number (0: not measured), "
                                   f"got {v!r}")
+        if not 0 < self.sustained_compute_fraction <= 1:
+            raise OffsimError(f"hardware {self.name}: sustained_compute_fraction must be in (0, 1], got "
+                              f"{self.sustained_compute_fraction}")
         if not 0 < self.duplex_fraction <= 1:
             raise OffsimError(f"hardware {self.name}: duplex_fraction must be in (0, 1], got {self.duplex_fraction}")
         for row in self.op_times:
