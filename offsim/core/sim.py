@@ -39,6 +39,17 @@ _OPPOSITE = {"h2d": "d2h", "d2h": "h2d"}
 _NONE = (0, 0, 0)
 
 
+HOST_STREAMS = ("cpu", "disk")  # ops the runtime's host threads run (offexec: one worker thread per stream)
+
+
+def _host_gates(is_host, deps_of, cost) -> list[float]:
+    """Per op: its issue cost (``cost(i)``) where it runs on a GPU stream and depends on a host op, else 0. A runtime
+    cannot enqueue a GPU op behind work the host has not done yet: offexec issues such an op only when its host
+    dependencies have finished, and issuing it then takes its issue cost, so it starts no earlier than the last
+    host dependency's end plus that cost."""
+    return [cost(i) if not is_host[i] and any(is_host[d] for d in deps) else 0.0 for i, deps in enumerate(deps_of)]
+
+
 def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> Trace:
     """The reference engine: ``simulate`` written as SimPy processes, one per stream (slower; the tests check that
     both give identical traces)."""
@@ -76,6 +87,11 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
     else:
         issued_at = None
 
+    is_host = [op.stream in HOST_STREAMS for op in ops]
+    gate_s = _host_gates(is_host, [op.deps for op in ops],
+                         lambda i: costmodel.issue_seconds(ops[i], hw, plan.cuda_graphs)) \
+        if issued_at is not None else None
+
     def stream(stream_ops):
         for op in stream_ops:
             if issued_at is not None and issued_at[op.id] > env.now:
@@ -86,6 +102,10 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
                     if ev is None:
                         ev = waiters[d] = env.event()
                     yield ev
+            if gate_s is not None and gate_s[op.id]:  # issued only once its host dependencies are done
+                gate = max(end[d] for d in op.deps if is_host[d]) + gate_s[op.id]
+                if gate > env.now:
+                    yield env.timeout(gate - env.now)
             now = env.now
             start[op.id] = now
             if op.alloc != _NONE:
@@ -233,6 +253,11 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
         issued = np.cumsum([graph_s if graphs and costmodel.graphed(r[0], r[6].get("part", ""),
                                                                     r[6].get("q_tokens", 0))
                             else per_kind[r[0]] for r in rows]).tolist()
+        host_idx = {_STREAM_INDEX[h] for h in HOST_STREAMS}
+        is_host = [x in host_idx for x in sidx]
+        gate_s = _host_gates(is_host, [r[1] for r in rows], lambda i: costmodel.issue_seconds(
+            _KindOnly(rows[i][0], rows[i][6].get("part", ""), rows[i][6].get("q_tokens", 0)), hw, graphs))
+        gated = [False] * len(STREAMS)  # the stream's next op waits out its host gate (scheduled once)
 
     start = [0.0] * n
     end = [math.nan] * n
@@ -307,6 +332,15 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                     break
             if blocked:
                 continue
+            if issued is not None and gate_s[i] and not gated[s]:  # issued once its host dependencies are done
+                gate = max(end[d] for d in deps_of[i] if is_host[d]) + gate_s[i]
+                if gate > now:
+                    gated[s] = True
+                    push(heap, (now + (gate - now), seq, itself[s]))
+                    seq += 1
+                    continue
+            if issued is not None:
+                gated[s] = False
             start[i] = now
             a = allocs[i]
             if a is not None:
