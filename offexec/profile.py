@@ -184,7 +184,9 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
     - ('eager', 'head', ...) by sequences (the LM head reads the last position only);
     - ('cpu', 'attn', ...): a CPU-attention op's time at the short prompt, by sequences (its fixed cost: storing the
       new KV, the call, the worker thread), and ('cpu', 'attn_flops', ...) its FLOP/s by sequences, the slope from
-      the short prompt to the long one.
+      the short prompt to the long one;
+    - ('copy', 'd2h_qkv' | 'h2d_attn_out', [[bytes, s], ...]): CPU attention's small copies as the executor makes
+      them (the Q/K/V packing kernel, the copy, the output's allocation), by bytes.
 
     Times include attention over the probe's short contexts (at most prompt + gen tokens); the cost model adds
     attention at the op's real context on top (a double count below 1 % at these sizes)."""
@@ -194,7 +196,7 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
 
     from offexec.executor import run_plan
     from offexec.weights import random_weights
-    from offsim.core.costmodel import GRAPHED_PARTS, attention_flops
+    from offsim.core.costmodel import COPY_TABLE_TENSORS, GRAPHED_PARTS, attention_flops
     from offsim.core.specs import HardwareSpec, Workload, layer_key
     from offsim.policies.registry import build_plan
 
@@ -217,7 +219,10 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
         for p, b, form, g in it:
             kv = [0, 100] if form["cpu_attention"] else [100, 0]  # the KV cache on the host for CPU attention
             settings = {"percent": [100, 0] + kv + [100, 0], "overlap": True, "pin_weights": True, **form}
-            wl = Workload(p, gen_len, b, 1)
+            # CPU attention reads a host cache far larger than the CPU's caches in a real run: so many GPU batches
+            # that even one sequence's cache (16 x 2 layers) spills past the last-level cache
+            nb = max(1, 16 // b) if form["cpu_attention"] else 1
+            wl = Workload(p, gen_len, b, nb)
             plan = build_plan("flexgen", small, hw, wl, settings)
             # each configuration once unmeasured: kernel loading, cuBLAS heuristics and handles, the allocator's
             # first growth (an eager decode op of a fresh configuration measured ~18 ms for a few steps, not
@@ -228,9 +233,13 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
             df = res.trace.df
             for r in df.itertuples():
                 op = plan.ops[r.op_id]
+                dur = r.end_s - r.start_s
+                if op.kind in ("h2d", "d2h") and op.tensor in COPY_TABLE_TENSORS:
+                    if op.step >= 2 and p == prompts[0]:
+                        samples.setdefault(("copy", f"{op.kind}_{op.tensor}", op.nbytes), []).append(dur)
+                    continue
                 if op.kind not in ("compute", "cpu_compute"):
                     continue
-                dur = r.end_s - r.start_s
                 if op.kind == "cpu_compute":
                     if op.q_tokens == 1 and op.step >= 2:  # (x, FLOPs) beside the time: the rate is a slope
                         cpu.setdefault((p, op.num_seqs), []).append(
@@ -249,7 +258,7 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
     curves: dict[tuple, list] = {}
     for (mode, part, x), ts in sorted(samples.items()):
         # decode ops: the median of many; prefill ops (one per layer and run): the faster, past first-call effects
-        t = statistics.median(ts) if mode in ("graph", "eager", "cpu") else min(ts)
+        t = statistics.median(ts) if mode in ("graph", "eager", "cpu", "copy") else min(ts)
         curves.setdefault((mode, part), []).append([float(x), float(t)])
     # CPU attention: the fixed cost at the short prompt, the FLOP rate from the slope up to the long one
     lo, hi = prompts[0], prompts[-1]

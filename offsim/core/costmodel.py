@@ -179,6 +179,11 @@ _OP_INDEX: dict[int, tuple] = {}  # id(hw.op_times) -> (op_times, {(layer key, m
 _layer_key = functools.lru_cache(maxsize=256)(layer_key)
 
 
+# copies priced from the op tables where measured: CPU attention's per-batch Q/K/V out and attention output back,
+# small transfers that the executor's own work (a packing kernel, an allocation) dominates, not the link
+COPY_TABLE_TENSORS = ("qkv", "attn_out")
+
+
 def op_table(hw: HardwareSpec, model: ModelSpec, mode: str, part: str) -> Curve | None:
     """The measured curve of ``part`` in ``mode`` for this model's layer shape, or None where the profile has none."""
     if not hw.op_times:
@@ -309,6 +314,10 @@ def op_seconds(op, model: ModelSpec, hw: HardwareSpec, other_busy_s: float = 0.0
     if k == "cpu_compute":
         return cpu_attention_seconds(model, hw, op.num_seqs, op.q_tokens, op.ctx_tokens)
     if k in ("h2d", "d2h"):
+        if hw.op_times and getattr(op, "tensor", None) in COPY_TABLE_TENSORS:
+            curve = op_table(hw, model, "copy", f"{k}_{op.tensor}")
+            if curve is not None:
+                return table_seconds(curve, op.nbytes)
         return transfer_seconds(hw, op.nbytes, k, pinned=op.pinned, other_busy_s=other_busy_s)
     if k == "disk_read":
         return disk_seconds(hw, op.nbytes, "read", disk_cached)

@@ -73,7 +73,7 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
         other_busy = max(0.0, busy_until[other] - now) if other else 0.0
         if other_busy > 0.0:
             return costmodel.op_seconds(op, model, hw, other_busy, disk_cached, plan.cuda_graphs)
-        key = (op.kind, op.part, op.num_seqs, op.q_tokens, op.ctx_tokens, op.nbytes, op.pinned)
+        key = (op.kind, op.part, op.num_seqs, op.q_tokens, op.ctx_tokens, op.nbytes, op.pinned, op.tensor)
         d = duration_cache.get(key)
         if d is None:
             d = duration_cache[key] = costmodel.op_seconds(op, model, hw, disk_cached=disk_cached,
@@ -121,7 +121,7 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
             if op.kind in _OPPOSITE and busy_until[_OPPOSITE[op.kind]] > now:
                 dt = duration(op, now)
             else:
-                key = (op.kind, op.part, op.num_seqs, op.q_tokens, op.ctx_tokens, op.nbytes, op.pinned)
+                key = (op.kind, op.part, op.num_seqs, op.q_tokens, op.ctx_tokens, op.nbytes, op.pinned, op.tensor)
                 dt = duration_cache.get(key)
                 if dt is None:
                     dt = duration_cache[key] = costmodel.op_seconds(op, model, hw, disk_cached=disk_cached,
@@ -232,7 +232,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
         if kind == "compute" or kind == "cpu_compute":
             key = (kind, get("part", ""), get("num_seqs", 0), get("q_tokens", 0), get("ctx_tokens", 0))
         else:
-            key = (kind, nb, get("pinned", True))
+            key = (kind, nb, get("pinned", True), get("tensor", ""))
         d = cache.get(key)
         if d is None:
             d = cache[key] = costmodel.op_seconds(op_at(i), model, hw, disk_cached=disk_cached,

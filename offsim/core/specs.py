@@ -278,7 +278,7 @@ def get_model(name_or_path: str | Path) -> ModelSpec:
 # Hardware
 # ----------------------------------------------------------------------------------------------------------------
 HARDWARE_SCHEMA = "offsim.hardware/1"
-OP_TABLE_MODES = ("graph", "eager", "tokens", "cpu", "attn")  # see HardwareSpec.op_times
+OP_TABLE_MODES = ("graph", "eager", "tokens", "cpu", "attn", "copy")  # see HardwareSpec.op_times
 
 Curve = tuple[tuple[float, float], ...]  # (x, y) points, x increasing; interpolated in log(x), clamped at the ends
 
@@ -339,7 +339,8 @@ class HardwareSpec:
     # or issued kernel by kernel; x = sequences), 'tokens' (prefill or recompute; x = tokens), 'cpu' (part 'attn':
     # a CPU-attention op's fixed cost; x = sequences; part 'attn_flops': its FLOP/s), 'attn' (part 'prefill' or
     # 'recompute': causal GPU attention's efficiency, y = achieved / peak FLOP/s, by context x, with this model's
-    # heads, GQA and the executor's KV layout). Where a row exists the cost model reads it instead of the analytical
+    # heads, GQA and the executor's KV layout), 'copy' (part 'd2h_qkv' or 'h2d_attn_out': CPU attention's small
+    # copies, by bytes x). Where a row exists the cost model reads it instead of the analytical
     # GEMM, elementwise and overhead terms or the model-agnostic curves (costmodel.compute_seconds); () = none.
     op_times: tuple = ()
     # compute-bound GEMM rate held under seconds of back-to-back load (a prefill) over the rate of a burst after
