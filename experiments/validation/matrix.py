@@ -110,6 +110,9 @@ def plan_v2(seed: int, per_model: int, profile: str, host_mem_gb: float) -> dict
             host = int(V2_DISK_HOST_GIB * GiB) if disk else int(host_mem_gb * GiB) - master
             hw = get_hardware(profile, budget).with_(cpu_mem_bytes=max(host, GiB))
             tag = case_tag(mname, policy, fixed, budget, prompt, gen, disk)
+            if any(c["tag"] == tag for c in cases):  # the same draw again (v2's config holds one such repeat)
+                print(f"  {tag}: redrawn (drawn before)", flush=True)
+                continue
             try:
                 st, wl, plan, pm = searched_case(policy, fixed, model, hw, prompt, gen, MAX_BATCH,
                                                  V2_MAX_PREDICTED_S)
