@@ -56,17 +56,22 @@ def flexgen_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: FlexGenSe
     return build_block_plan(model, wl, flexgen_schedule(model, st), capacity_of(hw))
 
 
-def fit_gpu_weights(model: ModelSpec, hw: HardwareSpec, wl: Workload, percent: tuple, cpu_attention: bool) -> tuple:
+def fit_gpu_weights(model: ModelSpec, hw: HardwareSpec, wl: Workload, percent: tuple, cpu_attention: bool,
+                    fits=None) -> tuple:
     """``percent`` with the GPU share of the weights lowered, one point at a time, until the GPU holds the placement
     by the footprint's exact arithmetic. The LP's memory row is affine in the fractions, so it leaves out what is
     not: the tensor that straddles the GPU | offloaded boundary, which the executor assembles whole in each weight
     slot (``footprint.weight_slot_straddle_bytes``). A point moved off the GPU goes to the host when no weight is on
-    disk, else to disk. Unchanged when it already fits (or when the GPU is not the short tier)."""
+    disk, else to disk. Unchanged when it already fits (or when the GPU is not the short tier). ``fits(percent)``:
+    another policy's test of its own placement (TightLLM's working set differs from FlexGen's)."""
     cap = capacity_of(hw)["gpu"]
     p = tuple(percent)
     while p[0] > 0:
-        st = FlexGenSettings(percent=p, cpu_attention=cpu_attention)
-        if sum(fp.placement_tier_bytes(model, wl, flexgen_schedule(model, st).placement())["gpu"].values()) <= cap:
+        if fits is not None:
+            if fits(p):
+                break
+        elif sum(fp.placement_tier_bytes(model, wl, flexgen_schedule(
+                model, FlexGenSettings(percent=p, cpu_attention=cpu_attention)).placement())["gpu"].values()) <= cap:
             break
         wg, wc = p[0], p[1]
         p = (wg - 1, wc + 1 if wg + wc == 100 else wc) + p[2:]

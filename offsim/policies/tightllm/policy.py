@@ -62,7 +62,7 @@ from offsim.policies.tightllm.kv_distributor import SOLVERS, TRANSFER_MODELS, De
 from offsim.core.plan import Plan, PlanBuilder
 from offsim.core.specs import HardwareSpec, ModelSpec, Workload
 from offsim.policies.base import Candidate, Policy, capacity_of, kv_split_from_percent, weight_split_from_percent
-from offsim.policies.flexgen import FlexGenSettings
+from offsim.policies.flexgen import FlexGenSettings, fit_gpu_weights
 from offsim.policies.lp import flexgen_candidates
 from offsim.core import footprint as fp
 from offsim.policies.schedule import DiskStoreBuffers, Schedule, resident_bytes
@@ -524,12 +524,22 @@ def tightllm_placement(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: Tig
     return _schedule_of(model, layout_of(model, wl, st), st).placement()
 
 
+def _fits(model: ModelSpec, hw: HardwareSpec, wl: Workload, percent: tuple) -> bool:
+    """Whether TightLLM's placement of ``percent`` fits every tier (``footprint.check_fits``)."""
+    try:
+        fp.check_fits(model, capacity_of(hw), wl, tightllm_placement(model, hw, wl, TightLLMSettings(percent=percent)))
+    except OffsimError:
+        return False
+    return True
+
+
 def tightllm_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
                         batch: int | None = None, max_shapes: int = 12) -> Iterable[Candidate]:
     """Placements and block shapes for the search: FlexGen's LP optimum (GPU attention) for each block shape (same
-    memory constraints; with ``batch`` sequences when given), re-ranked by TightLLM's own estimate, plus -- when
-    the batch is free -- twice the GPU batch on the same placement (with recompute the KV loads shrink, so a bigger
-    batch can pay)."""
+    memory constraints; with ``batch`` sequences when given), its GPU weight share trimmed until TightLLM's own
+    placement fits (``flexgen.fit_gpu_weights``: the LP's memory row is FlexGen's, a few tens of MB off TightLLM's
+    working set), re-ranked by TightLLM's own estimate, plus -- when the batch is free -- twice the GPU batch on the
+    same placement (with recompute the KV loads shrink, so a bigger batch can pay)."""
     seen = set()
     lps = flexgen_candidates(model, hw, prompt_len, gen_len, cpu_attention=(False,), batch=batch,
                              sublayer=False)[:max_shapes]  # TightLLM's weight loader streams whole layers
@@ -540,14 +550,15 @@ def tightllm_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen
             if key in seen:
                 continue
             seen.add(key)
-            st = TightLLMSettings(percent=r.percent)
             wl = Workload(prompt_len, gen_len, gbs, r.num_gpu_batches)
+            pct = fit_gpu_weights(model, hw, wl, r.percent, False, fits=lambda p: _fits(model, hw, wl, p))
+            st = TightLLMSettings(percent=pct)
             try:
                 score = estimate_seconds_per_token(model, hw, wl, st)
             except OffsimError:
                 continue
             if math.isfinite(score):
-                out.append(Candidate({"percent": r.percent}, wl, score))
+                out.append(Candidate({"percent": pct}, wl, score))
     out.sort(key=lambda c: c.score_s_per_token)
     return out
 
