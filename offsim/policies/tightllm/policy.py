@@ -321,6 +321,9 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
     # --- KV ----------------------------------------------------------------------------------------------------
     positions = [(i, j, k) for i in range(wl.gen_len) for j in range(-1, L + 1) for k in range(nb)]
     computes: list[int] = []
+    # per position, the ops that give its KV work buffers back: the stores (their last user) or, with nothing to
+    # store, the compute. A buffer two positions on waits for them (double buffering, as the footprint counts two)
+    releases: list[list[int]] = []
     pending_loads: dict[int, tuple[list[int], set]] = {}  # position -> (h2d ops, head groups whose buffer they made)
     stored_upto: dict[tuple[int, int], int] = {}  # (layer, batch) -> S: KV tokens [0, S) stored off the GPU
     store_ops: dict[tuple[int, int], list[int]] = {}  # (layer, batch) -> the latest ops that extended S
@@ -341,19 +344,19 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
         ids, held = pending_loads.setdefault(p, ([], set()))
         if hi <= 0:
             return
-        buf_dep = computes[p - 2] if p >= 2 else None
+        buf_dep = releases[p - 2] if p >= 2 else []
         stage = computes[p - 3] if p >= 3 else None
         durable = store_ops.get((j, k), [])
         if part == "cpu" and kc:
             nbytes = kvb(kc, hi)
-            ids.append(add("h2d", [buf_dep] + durable, "decode", i, j, k, tensor="kv", lo=0, hi=hi, head_lo=kg,
+            ids.append(add("h2d", buf_dep + durable, "decode", i, j, k, tensor="kv", lo=0, hi=hi, head_lo=kg,
                            head_hi=kg + kc, nbytes=nbytes, pinned=pinned, alloc=(buf["cpu"], 0, 0)))
             held.add("cpu")
         if part == "disk" and kd:
             nbytes = kvb(kd, hi)
             rd = add("disk_read", [stage] + durable, "decode", i, j, k, tensor="kv", lo=0, hi=hi, head_lo=kg + kc,
                      head_hi=n_kv, nbytes=nbytes, alloc=(0, nbytes, 0))
-            ids.append(add("h2d", [rd, buf_dep], "decode", i, j, k, tensor="kv", lo=0, hi=hi, head_lo=kg + kc,
+            ids.append(add("h2d", [rd] + buf_dep, "decode", i, j, k, tensor="kv", lo=0, hi=hi, head_lo=kg + kc,
                            head_hi=n_kv, nbytes=nbytes, pinned=pinned, alloc=(buf["disk"], 0, 0),
                            free=(0, nbytes, 0)))
             held.add("disk")
@@ -409,6 +412,8 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
             # else (nothing to store) by this compute
             groups = [g for g, h in (("cpu", kc), ("disk", kd)) if h]
             made = sum(buf[g] for g in groups if g not in loaded_groups)
+            if made and p >= 2:  # buffers this compute makes (prefill): not before two positions back gave theirs
+                deps += releases[p - 2]
             unstored = sum(buf[g] for g in groups) if not new_store else 0
             comp = add("compute", deps, phase, i, j, k, part="layer", num_seqs=gbs, q_tokens=q, ctx_tokens=ctx,
                        frees_weights=last_k and u is not None, alloc=(ws + hin + made, 0, 0),
@@ -416,17 +421,21 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
             if last_k and u is not None:
                 free_op[u] = comp
             # (5) store what a later step will load: tokens [S, t), all inside [ctx - q, ctx) computed just now
+            rel = [comp]
             if new_store:
                 ops = []
                 if kc:
                     nbytes = kvb(kc, new_store)
                     ops.append(add("d2h", [comp], phase, i, j, k, tensor="kv", lo=S, hi=t, head_lo=kg,
                                    head_hi=kg + kc, nbytes=nbytes, pinned=pinned, free=(buf["cpu"], 0, 0)))
+                    rel = [ops[-1]]
                 if kd:
                     nbytes = kvb(kd, new_store)
                     st_ = add("d2h", [comp] + disk_stores.d2h_deps(), phase, i, j, k, tensor="kv", lo=S, hi=t,
                               head_lo=kg + kc, head_hi=n_kv, nbytes=nbytes, pinned=pinned, alloc=(0, nbytes, 0),
                               free=(buf["disk"], 0, 0))
+                    rel = rel[:1] if kc else []
+                    rel.append(st_)
                     ops.append(add("disk_write", [st_], phase, i, j, k, tensor="kv", lo=S, hi=t, head_lo=kg + kc,
                                    head_hi=n_kv, nbytes=nbytes, free=(0, nbytes, 0)))
                     disk_stores.record(st_, ops[-1])
@@ -437,6 +446,7 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
             comp = add("compute", deps, phase, i, j, k, part=part, num_seqs=gbs, q_tokens=q, ctx_tokens=ctx,
                        alloc=(ws + hin, 0, 0), free=(ws + hin, 0, 0))
         computes.append(comp)
+        releases.append(rel if decoder else [comp])
         last_out[k] = comp
         # (6) park the hidden on the CPU between layers
         if lay.hidden_home == "cpu" and j < L:
