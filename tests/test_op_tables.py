@@ -1,0 +1,557 @@
+"""Op tables (HardwareSpec.op_times, costmodel.compute_seconds / op_seconds), sustained clocks
+(sustained_compute_fraction), the host-gated issue of GPU ops behind host ops (sim._host_gates, both engines), and the
+executor's op-table probe on the CPU (offexec.profile.profile_ops / profile_attention on tiny models)."""
+import dataclasses
+import json
+import math
+
+import pandas as pd
+import pytest
+
+from offsim import Workload, build_plan
+from offsim.core import costmodel as C
+from offsim.core.errors import OffsimError
+from offsim.core.sim import HOST_STREAMS, simulate, simulate_simpy
+from offsim.core.specs import OP_TABLE_MODES, HardwareSpec, get_hardware, get_model, layer_key
+
+M = get_model("opt-125m")
+KEY = layer_key(M)
+H200 = get_hardware("h200")
+RIDGE = H200.gpu_peak_flops / H200.gpu_hbm_bytes_per_s  # tokens past which an op is compute-bound
+
+# a synthetic op table for opt-125m; attention efficiencies are tiny so that attention's FLOP term (the one the
+# tables change) dominates its KV-read term at the sizes used below
+ROWS = (
+    (KEY, "graph", "layer", ((1.0, 1e-4), (8.0, 2e-4))),
+    (KEY, "eager", "layer", ((1.0, 3e-4), (8.0, 5e-4))),
+    (KEY, "eager", "mlp", ((1.0, 4e-5), (8.0, 6e-5))),
+    (KEY, "tokens", "layer", ((16.0, 1e-3), (256.0, 4e-3))),
+    (KEY, "tokens", "embed", ((1.0, 2e-5), (1024.0, 8e-5))),
+    (KEY, "eager", "head", ((1.0, 7e-5), (8.0, 9e-5))),
+    (KEY, "cpu", "attn", ((1.0, 1e-4), (8.0, 2e-4))),
+    (KEY, "cpu", "attn_flops", ((1.0, 1e9), (8.0, 4e9))),
+    (KEY, "copy", "d2h_qkv", ((1000.0, 1e-5), (100000.0, 3e-5))),
+    (KEY, "copy", "h2d_attn_out", ((1000.0, 2e-5), (100000.0, 6e-5))),
+    (KEY, "attn", "prefill", ((128.0, 0.01), (2048.0, 0.02))),
+    (KEY, "attn", "recompute", ((128.0, 0.0005), (2048.0, 0.001))),
+)
+HW = H200.with_(op_times=ROWS)
+
+
+def curve(hw, mode, part, model=M):
+    c = C.op_table(hw, model, mode, part)
+    assert c is not None, (mode, part)
+    return c
+
+
+def same_traces(plan, hw):
+    """Both engines: identical trace frames (exactly) and peaks; returns the event loop's trace."""
+    a, b = simulate(plan, hw), simulate_simpy(plan, hw)
+    pd.testing.assert_frame_equal(a.df, b.df, check_exact=True)
+    assert a.peak_bytes == b.peak_bytes
+    return a
+
+
+def cpu_attention_plan(model=M, hw=HW, percent=(100, 0, 0, 100, 100, 0), wl=Workload(16, 3, 4, 2)):
+    return build_plan("flexgen", model, hw, wl, {"percent": list(percent), "cpu_attention": True})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# specs: layer_key, op_times and sustained_compute_fraction
+# ----------------------------------------------------------------------------------------------------------------
+def test_layer_key_ignores_depth_and_vocab_only():
+    deeper = dataclasses.replace(M, name="x", num_layers=3, vocab_size=1000)
+    assert layer_key(deeper) == KEY
+    assert layer_key(dataclasses.replace(M, dtype_bytes=4)) != KEY
+    assert layer_key(dataclasses.replace(M, ffn_dim=M.ffn_dim * 2)) != KEY
+    assert layer_key(dataclasses.replace(M, family="llama")) != KEY
+    assert layer_key(get_model("opt-1.3b")) != KEY
+    # Llama-2-7B and -13B differ in width; Llama-2-70B and Llama-3-70B share one layer shape (GQA 64/8)
+    assert layer_key(get_model("llama-2-7b")) != layer_key(get_model("llama-2-13b"))
+    assert layer_key(get_model("llama-2-70b")) == layer_key(get_model("llama-3-70b"))
+
+
+def test_op_times_and_sustained_round_trip_through_dict_and_json():
+    hw = HW.with_(sustained_compute_fraction=0.8)
+    d = hw.to_dict()
+    assert isinstance(d["op_times"], list) and d["op_times"][0] == [KEY, "graph", "layer", [[1.0, 1e-4], [8.0, 2e-4]]]
+    back = HardwareSpec.from_dict(json.loads(json.dumps(d)))
+    assert back == hw
+    assert back.op_times == ROWS and back.sustained_compute_fraction == 0.8
+    assert isinstance(back.op_times, tuple) and all(isinstance(r, tuple) and isinstance(r[3], tuple)
+                                                    for r in back.op_times)
+    # rows given as JSON-like lists (ints included) become the same tuples
+    listy = [[k, m, p, [[int(x) if x == int(x) else x, y] for x, y in c]] for k, m, p, c in ROWS]
+    assert H200.with_(op_times=listy).op_times == ROWS
+    # the preset without tables: nothing measured
+    assert H200.op_times == () and H200.sustained_compute_fraction == 1.0
+
+
+BAD_ROWS = {
+    "three elements": (KEY, "eager", "layer"),
+    "unknown mode": (KEY, "bogus", "layer", ((1.0, 1.0),)),
+    "decreasing x": (KEY, "eager", "layer", ((2.0, 1.0), (1.0, 1.0))),
+    "repeated x": (KEY, "eager", "layer", ((1.0, 1.0), (1.0, 2.0))),
+    "zero seconds": (KEY, "eager", "layer", ((1.0, 0.0),)),
+    "negative seconds": (KEY, "eager", "layer", ((1.0, 1e-4), (2.0, -1e-4))),
+    "zero x": (KEY, "eager", "layer", ((0.0, 1.0),)),
+    "empty curve": (KEY, "eager", "layer", ()),
+    "key not a string": (7, "eager", "layer", ((1.0, 1.0),)),
+}
+
+
+@pytest.mark.parametrize("what", list(BAD_ROWS))
+def test_malformed_row_raises_naming_op_times(what):
+    row = BAD_ROWS[what]
+    with pytest.raises(OffsimError, match="op_times"):
+        dataclasses.replace(H200, op_times=ROWS + (row,))
+
+
+@pytest.mark.parametrize("what", [w for w in BAD_ROWS if w not in ("three elements", "key not a string")])
+def test_malformed_row_through_from_dict_raises_naming_op_times(what):
+    k, m, p, c = BAD_ROWS[what]
+    d = H200.to_dict()
+    d["op_times"] = [[k, m, p, [list(q) for q in c]]]
+    with pytest.raises(OffsimError, match="op_times"):
+        HardwareSpec.from_dict(d)
+
+
+WRONG_NESTING = {
+    "three elements": [[KEY, "eager", "layer"]],
+    "flat curve": [[KEY, "eager", "layer", [1.0, 2e-4]]],
+    "curve is null": [[KEY, "eager", "layer", None]],
+    "one row, not a list of rows": [KEY, "eager", "layer", [[1.0, 2e-4]]],
+    "points of three": [[KEY, "eager", "layer", [[1.0, 2e-4, 3.0]]]],
+}
+
+
+@pytest.mark.parametrize("what", list(WRONG_NESTING))
+def test_wrong_nesting_through_from_dict_raises(what):
+    d = H200.to_dict()
+    d["op_times"] = WRONG_NESTING[what]
+    with pytest.raises(OffsimError):
+        HardwareSpec.from_dict(d)
+
+
+@pytest.mark.xfail(strict=True, reason="from_dict's conversion errors (IndexError / TypeError / ValueError while "
+                                       "reading op_times) come out as 'malformed curve (list index out of range)' or "
+                                       "'cannot unpack non-iterable float object', without naming op_times")
+@pytest.mark.parametrize("what", list(WRONG_NESTING))
+def test_wrong_nesting_through_from_dict_names_op_times(what):
+    d = H200.to_dict()
+    d["op_times"] = WRONG_NESTING[what]
+    with pytest.raises(OffsimError, match="op_times"):
+        HardwareSpec.from_dict(d)
+
+
+@pytest.mark.xfail(strict=True, reason="from_dict keeps r[0:4] of each op_times row, so a row of 5 elements loads "
+                                       "(its extra element silently dropped) though HardwareSpec rejects len != 4")
+def test_row_of_five_elements_through_from_dict_raises():
+    d = H200.to_dict()
+    d["op_times"] = [[KEY, "eager", "layer", [[1.0, 2e-4]], "extra"]]
+    with pytest.raises(OffsimError, match="op_times"):
+        HardwareSpec.from_dict(d)
+
+
+@pytest.mark.parametrize("f", [0.0, -0.5, 1.01, 2.0, math.nan])
+def test_sustained_fraction_outside_unit_interval_raises(f):
+    with pytest.raises(OffsimError, match="sustained_compute_fraction"):
+        H200.with_(sustained_compute_fraction=f)
+    with pytest.raises(OffsimError, match="sustained_compute_fraction"):
+        dataclasses.replace(H200, sustained_compute_fraction=f)
+
+
+def test_sustained_fraction_bounds_accepted():
+    assert H200.with_(sustained_compute_fraction=1.0).sustained_compute_fraction == 1.0
+    assert H200.with_(sustained_compute_fraction=1e-3).sustained_compute_fraction == 1e-3
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# costmodel: table_seconds and the table lookups
+# ----------------------------------------------------------------------------------------------------------------
+def test_table_seconds_interpolates_clamps_below_extrapolates_above():
+    c = ((10.0, 1.0), (20.0, 3.0), (40.0, 4.0))
+    assert C.table_seconds(c, 10) == 1.0
+    assert C.table_seconds(c, 15) == pytest.approx(2.0, rel=1e-12)  # linear in x, not in log(x)
+    assert C.interp(c, 15) != pytest.approx(2.0, rel=1e-3)
+    assert C.table_seconds(c, 30) == pytest.approx(3.5, rel=1e-12)
+    assert C.table_seconds(c, 20) == pytest.approx(3.0, rel=1e-12)
+    assert C.table_seconds(c, 5) == 1.0 and C.table_seconds(c, 0.1) == 1.0  # the first point below
+    assert C.table_seconds(c, 40) == pytest.approx(4.0, rel=1e-12)
+    assert C.table_seconds(c, 80) == pytest.approx(8.0, rel=1e-12)  # proportional to x beyond the last
+    assert C.table_seconds(c, 100) == pytest.approx(10.0, rel=1e-12)
+    assert C.table_seconds(((4.0, 2.0),), 1) == 2.0 and C.table_seconds(((4.0, 2.0),), 12) == pytest.approx(6.0)
+
+
+def test_op_table_lookup():
+    assert C.op_table(HW, M, "eager", "layer") == ((1.0, 3e-4), (8.0, 5e-4))
+    assert C.op_table(HW, M, "graph", "mlp") is None  # no such row
+    assert C.op_table(H200, M, "eager", "layer") is None  # no tables at all
+    assert C.op_table(HW, get_model("opt-1.3b"), "eager", "layer") is None  # another layer shape
+    assert C.op_table(HW, dataclasses.replace(M, name="m2", num_layers=2), "eager", "layer") is not None
+
+
+def test_decode_op_picks_graph_row_with_graphs_and_eager_row_without():
+    n, ctx = 4, 100
+    att = C.attention_seconds(M, HW, n, 1, ctx)
+    assert att == C.attention_seconds(M, H200, n, 1, ctx)  # one query: attention rows do not apply
+    g = C.compute_seconds(M, HW, "layer", n, 1, ctx, graphs=True)
+    e = C.compute_seconds(M, HW, "layer", n, 1, ctx, graphs=False)
+    assert g == pytest.approx(C.table_seconds(curve(HW, "graph", "layer"), n) + att, rel=1e-12)
+    assert e == pytest.approx(C.table_seconds(curve(HW, "eager", "layer"), n) + att, rel=1e-12)
+    assert g < e
+    assert C.compute_seconds(M, HW, "layer", n, 1, ctx) == g  # graphs default to on
+    # a part without attention: no attention added; its only row is 'eager', which graphs=False reads
+    assert C.compute_seconds(M, HW, "mlp", n, 1, ctx, graphs=False) == pytest.approx(
+        C.table_seconds(curve(HW, "eager", "mlp"), n), rel=1e-12)
+    # past the largest measured batch: proportional
+    assert C.compute_seconds(M, HW, "layer", 16, 1, ctx, graphs=False) == pytest.approx(
+        2 * 5e-4 + C.attention_seconds(M, HW, 16, 1, ctx), rel=1e-12)
+
+
+def test_many_tokens_op_picks_tokens_row_by_seqs_times_queries_plus_attention():
+    for n, q in ((4, 16), (2, 48), (8, 64)):
+        t = C.compute_seconds(M, HW, "layer", n, q, q, graphs=True)
+        expect = C.table_seconds(curve(HW, "tokens", "layer"), n * q) + C.attention_seconds(M, HW, n, q, q)
+        assert t == pytest.approx(expect, rel=1e-12)
+        assert t == C.compute_seconds(M, HW, "layer", n, q, q, graphs=False)  # graphs do not matter here
+    # recompute (q < ctx): the same tokens row, attention over the longer context
+    assert C.compute_seconds(M, HW, "layer", 4, 17, 500) == pytest.approx(
+        C.table_seconds(curve(HW, "tokens", "layer"), 68) + C.attention_seconds(M, HW, 4, 17, 500), rel=1e-12)
+
+
+def test_embed_and_head_rows():
+    # embed: 'tokens' by num_seqs * q_tokens, decode included
+    assert C.compute_seconds(M, HW, "embed", 4, 1, 50) == pytest.approx(
+        C.table_seconds(curve(HW, "tokens", "embed"), 4), rel=1e-12)
+    assert C.compute_seconds(M, HW, "embed", 4, 32, 32) == pytest.approx(
+        C.table_seconds(curve(HW, "tokens", "embed"), 128), rel=1e-12)
+    # head: 'eager' by sequences, whatever the queries (it reads each sequence's last position)
+    h = C.table_seconds(curve(HW, "eager", "head"), 4)
+    assert C.compute_seconds(M, HW, "head", 4, 1, 50) == pytest.approx(h, rel=1e-12)
+    assert C.compute_seconds(M, HW, "head", 4, 32, 32) == pytest.approx(h, rel=1e-12)
+    assert C.compute_seconds(M, HW, "head", 4, 32, 32, graphs=False) == pytest.approx(h, rel=1e-12)
+
+
+def test_attention_rows_for_many_queries():
+    peak = HW.gpu_peak_flops
+    n, ctx = 4, 1024
+    pre = C.attention_seconds(M, HW, n, ctx, ctx)
+    assert pre == pytest.approx(C.attention_flops(M, n, ctx, ctx) / (peak * C.interp(
+        curve(HW, "attn", "prefill"), ctx)), rel=1e-12)
+    assert pre != pytest.approx(C.attention_seconds(M, H200, n, ctx, ctx), rel=1e-3)
+    q = 65
+    rec = C.attention_seconds(M, HW, n, q, ctx)
+    assert rec == pytest.approx(C.attention_flops(M, n, q, ctx) / (peak * C.interp(
+        curve(HW, "attn", "recompute"), ctx)), rel=1e-12)
+    # the KV-read term still bounds it from below
+    kv = n * ctx * M.kv_bytes_per_token() / (HW.gpu_hbm_bytes_per_s * C.interp(HW.attn_decode_efficiency, ctx))
+    assert rec > kv and pre > kv
+
+
+def test_other_layer_shape_falls_back_to_analytical():
+    other = get_model("opt-1.3b")
+    shapes = [("layer", 4, 1, 100), ("layer", 4, 64, 64), ("layer", 2, 17, 300), ("mlp", 4, 1, 100),
+              ("embed", 4, 64, 64), ("head", 4, 1, 100), ("pre_attn", 8, 1, 10), ("attn", 4, 64, 64)]
+    for part, n, q, ctx in shapes:
+        for graphs in (True, False):
+            assert C.compute_seconds(other, HW, part, n, q, ctx, graphs) == \
+                C.compute_seconds(other, H200, part, n, q, ctx, graphs)
+        assert C.cpu_attention_seconds(other, HW, n, q, ctx) == C.cpu_attention_seconds(other, H200, n, q, ctx)
+        assert C.attention_seconds(other, HW, n, q, ctx) == C.attention_seconds(other, H200, n, q, ctx)
+    # the same shape, a part the table lacks: analytical too
+    assert C.compute_seconds(M, HW, "pre_attn", 4, 1, 100) == C.compute_seconds(M, H200, "pre_attn", 4, 1, 100)
+    # and a table row is not the analytical value
+    assert C.compute_seconds(M, HW, "layer", 4, 1, 100) != pytest.approx(
+        C.compute_seconds(M, H200, "layer", 4, 1, 100), rel=1e-3)
+
+
+def test_shallower_model_of_same_shape_uses_the_table():
+    small = dataclasses.replace(M, name="opt-125m-2l", num_layers=2)
+    assert C.compute_seconds(small, HW, "layer", 4, 1, 100, graphs=False) == \
+        C.compute_seconds(M, HW, "layer", 4, 1, 100, graphs=False)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# sustained clocks
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("base", [H200, HW], ids=["analytical", "tables"])
+def test_sustained_fraction_slows_compute_bound_ops_only(base):
+    f = 0.8
+    slow = base.with_(sustained_compute_fraction=f)
+    for part, n, q, ctx in (("layer", 4, 512, 512), ("layer", 1, 1024, 1024), ("mlp", 8, 64, 64),
+                            ("layer", 4, 65, 2000)):
+        assert n * q >= RIDGE
+        assert C.compute_seconds(M, slow, part, n, q, ctx) == pytest.approx(
+            C.compute_seconds(M, base, part, n, q, ctx) / f, rel=1e-12)
+    for part, n, q, ctx in (("layer", 4, 1, 100), ("layer", 64, 1, 2000), ("mlp", 1, 1, 10), ("layer", 2, 8, 8)):
+        assert n * q < RIDGE
+        assert C.compute_seconds(M, slow, part, n, q, ctx) == C.compute_seconds(M, base, part, n, q, ctx)
+    # the threshold is the ridge point, in tokens
+    lo, hi = math.floor(RIDGE), math.ceil(RIDGE)
+    assert lo < RIDGE <= hi
+    assert C.compute_seconds(M, slow, "layer", 1, lo, lo) == C.compute_seconds(M, base, "layer", 1, lo, lo)
+    assert C.compute_seconds(M, slow, "layer", 1, hi, hi) == pytest.approx(
+        C.compute_seconds(M, base, "layer", 1, hi, hi) / f, rel=1e-12)
+    # host work is not GPU clocks
+    assert C.cpu_attention_seconds(M, slow, 4, 512, 512) == C.cpu_attention_seconds(M, base, 4, 512, 512)
+
+
+def test_sustained_fraction_in_a_simulated_plan():
+    f = 0.5
+    plan = build_plan("flexgen", M, H200, Workload(256, 3, 4, 1), {"percent": [100, 0, 100, 0, 100, 0]})
+    fast = simulate(plan, H200).df
+    slow = simulate(plan, H200.with_(sustained_compute_fraction=f)).df
+    d_fast, d_slow = fast.end_s - fast.start_s, slow.end_s - slow.start_s
+    n_big = n_small = 0
+    for op in plan.ops:
+        if op.kind != "compute":
+            continue
+        if op.num_seqs * op.q_tokens >= RIDGE:
+            assert d_slow[op.id] == pytest.approx(d_fast[op.id] / f, rel=1e-9)
+            n_big += 1
+        else:
+            assert d_slow[op.id] == pytest.approx(d_fast[op.id], rel=1e-12)
+            n_small += 1
+    assert n_big >= M.num_layers and n_small >= 2 * M.num_layers
+    assert slow.end_s.max() > fast.end_s.max()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# CPU attention and its copies
+# ----------------------------------------------------------------------------------------------------------------
+def test_cpu_attention_seconds_with_and_without_rows():
+    n, q, ctx = 4, 1, 300
+    flops = C.attention_flops(M, n, q, ctx)
+    assert C.cpu_attention_seconds(M, H200, n, q, ctx) == pytest.approx(flops / H200.cpu_attention_flops, rel=1e-12)
+    fixed = C.table_seconds(curve(HW, "cpu", "attn"), n)
+    rate = C.interp(curve(HW, "cpu", "attn_flops"), n)
+    assert C.cpu_attention_seconds(M, HW, n, q, ctx) == pytest.approx(flops / rate + fixed, rel=1e-12)
+    # the fixed cost alone: FLOPs at the profile's scalar rate
+    only_fixed = H200.with_(op_times=tuple(r for r in ROWS if r[1:3] == ("cpu", "attn")))
+    assert C.cpu_attention_seconds(M, only_fixed, n, q, ctx) == pytest.approx(
+        flops / H200.cpu_attention_flops + fixed, rel=1e-12)
+    # the rate alone: no fixed cost
+    only_rate = H200.with_(op_times=tuple(r for r in ROWS if r[1:3] == ("cpu", "attn_flops")))
+    assert C.cpu_attention_seconds(M, only_rate, n, q, ctx) == pytest.approx(flops / rate, rel=1e-12)
+
+
+def test_copy_rows_price_cpu_attention_copies_not_weights():
+    plan = cpu_attention_plan(percent=(50, 50, 0, 100, 100, 0))
+    by = {}
+    for op in plan.ops:
+        by.setdefault((op.kind, op.tensor), []).append(op)
+    assert {("d2h", "qkv"), ("h2d", "attn_out"), ("h2d", "weight"), ("d2h", "kv")} <= set(by)
+    for kind, tensor in (("d2h", "qkv"), ("h2d", "attn_out")):
+        c = curve(HW, "copy", f"{kind}_{tensor}")
+        for op in by[kind, tensor]:
+            t = C.op_seconds(op, M, HW)
+            assert t == pytest.approx(C.table_seconds(c, op.nbytes), rel=1e-12)
+            assert t != pytest.approx(C.transfer_seconds(HW, op.nbytes, kind, op.pinned), rel=1e-3)
+            # the link's duplex share does not apply to a measured copy
+            assert C.op_seconds(op, M, HW, other_busy_s=1.0) == t
+            # without tables: the link
+            assert C.op_seconds(op, M, H200) == C.transfer_seconds(H200, op.nbytes, kind, op.pinned)
+    for kind, tensor in (("h2d", "weight"), ("d2h", "kv")):
+        for op in by[kind, tensor]:
+            assert C.op_seconds(op, M, HW) == C.op_seconds(op, M, H200) == \
+                C.transfer_seconds(HW, op.nbytes, kind, op.pinned)
+    # copy rows of another layer shape are not this model's
+    other = H200.with_(op_times=tuple(("opt/other", *r[1:]) for r in ROWS))
+    op = by["d2h", "qkv"][0]
+    assert C.op_seconds(op, M, other) == C.transfer_seconds(other, op.nbytes, "d2h", op.pinned)
+
+
+def test_simulated_cpu_attention_plan_reads_the_tables():
+    plan = cpu_attention_plan(percent=(50, 50, 0, 100, 100, 0))
+    df = same_traces(plan, HW).df
+    dur = df.end_s - df.start_s
+    seen = set()
+    for op in plan.ops:
+        if op.kind == "cpu_compute":
+            expect = C.cpu_attention_seconds(M, HW, op.num_seqs, op.q_tokens, op.ctx_tokens)
+        elif op.tensor in C.COPY_TABLE_TENSORS:
+            expect = C.table_seconds(curve(HW, "copy", f"{op.kind}_{op.tensor}"), op.nbytes)
+        elif op.kind == "compute" and op.part == "layer" and op.q_tokens == 1 and plan.cuda_graphs:
+            expect = C.table_seconds(curve(HW, "graph", "layer"), op.num_seqs) + C.attention_seconds(
+                M, HW, op.num_seqs, 1, op.ctx_tokens)
+        else:
+            continue
+        seen.add((op.kind, op.tensor))
+        assert dur[op.id] == pytest.approx(expect, rel=1e-9), op.describe()
+    assert {("cpu_compute", ""), ("d2h", "qkv"), ("h2d", "attn_out")} <= seen
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# host-gated issue (sim._host_gates), both engines
+# ----------------------------------------------------------------------------------------------------------------
+def _check_host_gates(plan, hw, df):
+    """Every GPU-stream op that depends on a host op starts at or after that op's end plus its own issue cost;
+    returns (how many such ops, how many of them start exactly at the gate)."""
+    ops = plan.ops
+    n = binding = 0
+    for op in ops:
+        if op.stream in HOST_STREAMS:
+            continue
+        host = [d for d in op.deps if ops[d].stream in HOST_STREAMS]
+        if not host:
+            continue
+        gate = max(df.end_s[d] for d in host) + C.issue_seconds(op, hw, plan.cuda_graphs)
+        assert df.start_s[op.id] >= gate - 1e-12, op.describe()
+        n += 1
+        binding += math.isclose(df.start_s[op.id], gate, rel_tol=1e-12, abs_tol=1e-15)
+    return n, binding
+
+
+def test_host_gate_cpu_attention_both_engines():
+    hw = H200.with_(issue_compute_s=1e-4, issue_copy_s=5e-5)
+    plan = cpu_attention_plan(hw=hw)
+    df = same_traces(plan, hw).df
+    n, binding = _check_host_gates(plan, hw, df)
+    assert n > 0 and binding > 0
+    ops = plan.ops
+    outs = [op for op in ops if op.kind == "h2d" and op.tensor == "attn_out"]
+    assert len(outs) == M.num_layers * 2 * 2  # layers x GPU batches x decode steps past the first
+    for op in outs:
+        (dep,) = [d for d in op.deps if ops[d].kind == "cpu_compute"]
+        assert df.start_s[op.id] >= df.end_s[dep] + hw.issue_copy_s - 1e-12
+    # the gate binds: the attention output's copy waits for the CPU op and then for its issue
+    assert sum(math.isclose(df.start_s[op.id], df.end_s[op.deps[0]] + hw.issue_copy_s, rel_tol=1e-12)
+               for op in outs) > len(outs) // 2
+
+
+def test_no_host_gate_without_issue_costs():
+    plan = cpu_attention_plan(hw=H200)
+    df = same_traces(plan, H200).df
+    ops = plan.ops
+    outs = [op for op in ops if op.kind == "h2d" and op.tensor == "attn_out"]
+    assert outs
+    # an ideal runtime: the copy starts the moment the CPU attention ends (the h2d stream idles there)
+    starts_at_dep_end = [df.start_s[op.id] == max(df.end_s[d] for d in op.deps) for op in outs]
+    assert sum(starts_at_dep_end) > len(outs) // 2
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_host_gate_uses_the_graph_issue_cost_for_graphed_ops(graphs):
+    hw = H200.with_(issue_compute_s=3e-4, issue_copy_s=2e-5, issue_graph_s=4e-5)
+    plan = cpu_attention_plan(hw=hw, percent=(50, 50, 0, 100, 100, 0))
+    plan.cuda_graphs = graphs
+    df = same_traces(plan, hw).df
+    ops = plan.ops
+    gated_compute = [op for op in ops if op.kind == "compute"
+                     and any(ops[d].stream in HOST_STREAMS for d in op.deps)]
+    assert gated_compute and all(C.graphed(op.kind, op.part, op.q_tokens) for op in gated_compute)
+    cost = hw.issue_graph_s if graphs else hw.issue_compute_s
+    for op in gated_compute:
+        host_end = max(df.end_s[d] for d in op.deps if ops[d].stream in HOST_STREAMS)
+        assert df.start_s[op.id] >= host_end + cost - 1e-12
+    n, binding = _check_host_gates(plan, hw, df)
+    assert n >= len(gated_compute) and binding > 0
+
+
+def test_host_gate_disk_stream_both_engines(tiny_opt):
+    hw = H200.with_(issue_compute_s=1e-4, issue_copy_s=5e-5)
+    plan = build_plan("flexgen", tiny_opt, hw, Workload(8, 3, 2, 2), {"percent": [0, 0, 0, 0, 100, 0]})
+    ops = plan.ops
+    assert any(op.stream == "disk" for op in ops)
+    df = same_traces(plan, hw).df
+    n, binding = _check_host_gates(plan, hw, df)
+    assert n > 0 and binding > 0
+    assert any(op.kind == "h2d" and any(ops[d].kind == "disk_read" for d in op.deps) for op in ops)
+
+
+def test_engines_agree_with_tables_sustained_and_issue_costs():
+    hw = HW.with_(issue_compute_s=1e-4, issue_copy_s=5e-5, issue_graph_s=2e-5, sustained_compute_fraction=0.7)
+    for percent in ((100, 0, 0, 100, 100, 0), (50, 50, 0, 100, 100, 0)):
+        plan = cpu_attention_plan(hw=hw, percent=percent, wl=Workload(128, 3, 4, 2))
+        df = same_traces(plan, hw).df
+        n, _ = _check_host_gates(plan, hw, df)
+        assert n > 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# offexec profile_ops / profile_attention on the CPU, tiny models
+# ----------------------------------------------------------------------------------------------------------------
+BATCHES, PROMPTS = (1, 4), (8, 16)
+
+
+@pytest.fixture(scope="module", params=["opt", "llama"])
+def probed(request):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from offexec.profile import profile_attention, profile_ops
+    from offexec.testing import tiny_hf
+
+    _, spec = tiny_hf(request.param)
+    rows = profile_ops(spec, "cpu", batches=BATCHES, prompts=PROMPTS, gen_len=4, progress=False)
+    att = profile_attention(spec, "cpu", H200.gpu_peak_flops)
+    return spec, rows, att
+
+
+def test_profile_ops_rows_are_well_formed(probed):
+    spec, rows, att = probed
+    key = layer_key(spec)
+    assert json.loads(json.dumps(rows + att)) == rows + att  # plain JSON
+    for r in rows + att:
+        assert len(r) == 4 and r[0] == key and r[1] in OP_TABLE_MODES and isinstance(r[2], str)
+        xs = [p[0] for p in r[3]]
+        assert xs == sorted(set(xs)) and all(len(p) == 2 and p[0] > 0 and p[1] > 0 for p in r[3])
+    table = {(r[1], r[2]): r[3] for r in rows}
+    assert len(table) == len(rows)  # one row per (mode, part)
+    for need in (("eager", "layer"), ("tokens", "layer"), ("eager", "head"), ("cpu", "attn"), ("copy", "d2h_qkv"),
+                 ("copy", "h2d_attn_out"), ("eager", "pre_attn"), ("eager", "mlp"), ("tokens", "embed")):
+        assert need in table, need
+    assert not any(m == "graph" for m, _ in table)  # no CUDA graphs on the CPU
+    assert [x for x, _ in table["eager", "layer"]] == list(BATCHES)
+    assert [x for x, _ in table["cpu", "attn"]] == list(BATCHES)
+    assert {b * p for b in BATCHES for p in PROMPTS} <= {x for x, _ in table["tokens", "layer"]}
+    w = spec.dtype_bytes
+    assert [x for x, _ in table["copy", "d2h_qkv"]] == [b * (spec.q_dim + 2 * spec.kv_dim) * w for b in BATCHES]
+    assert [x for x, _ in table["copy", "h2d_attn_out"]] == [b * spec.q_dim * w for b in BATCHES]
+    assert {(r[1], r[2]) for r in att} == {("attn", "prefill"), ("attn", "recompute")}
+
+
+def test_profiled_rows_load_and_price_a_simulated_plan(probed):
+    spec, rows, att = probed
+    d = H200.to_dict()
+    d["op_times"] = rows + att
+    hw = HardwareSpec.from_dict(json.loads(json.dumps(d)))
+    as_tuples = tuple((k, m, p, tuple(tuple(q) for q in c)) for k, m, p, c in rows + att)
+    assert H200.with_(op_times=as_tuples) == hw
+    assert len(hw.op_times) == len(rows) + len(att)
+    # attention rows price many-query attention
+    assert C.attention_seconds(spec, hw, 2, 48, 48) != C.attention_seconds(spec, H200, 2, 48, 48)
+
+    plan = build_plan("flexgen", spec, hw, Workload(8, 4, 4, 2), {"percent": [100, 0, 0, 100, 100, 0],
+                                                                   "cpu_attention": True})
+    plan.cuda_graphs = False  # as probed: eager decode ops
+    tr = same_traces(plan, hw)
+    df = tr.df
+    assert df.end_s.notna().all() and df.end_s.max() > 0
+    dur = df.end_s - df.start_s
+    seen = set()
+    for op in plan.ops:
+        if op.kind == "cpu_compute":
+            expect = C.cpu_attention_seconds(spec, hw, op.num_seqs, op.q_tokens, op.ctx_tokens)
+            assert expect > C.cpu_attention_seconds(spec, H200, op.num_seqs, op.q_tokens, op.ctx_tokens)
+        elif op.tensor in C.COPY_TABLE_TENSORS:
+            expect = C.table_seconds(curve(hw, "copy", f"{op.kind}_{op.tensor}", spec), op.nbytes)
+        elif op.kind == "compute" and op.q_tokens == 1 and op.part != "embed" \
+                and C.op_table(hw, spec, "eager", op.part) is not None:
+            expect = C.table_seconds(curve(hw, "eager", op.part, spec), op.num_seqs)
+            if op.part in ("attn", "layer", "attn_layer"):
+                expect += C.attention_seconds(spec, hw, op.num_seqs, 1, op.ctx_tokens)
+        elif op.kind == "compute" and op.q_tokens > 1 and op.part != "head":
+            expect = C.table_seconds(curve(hw, "tokens", op.part, spec), op.num_seqs * op.q_tokens)
+            if op.part in ("attn", "layer", "attn_layer"):
+                expect += C.attention_seconds(spec, hw, op.num_seqs, op.q_tokens, op.ctx_tokens)
+        else:
+            continue
+        seen.add((op.kind, op.part, op.q_tokens > 1))
+        assert dur[op.id] == pytest.approx(expect, rel=1e-9), op.describe()
+    assert any(k == "cpu_compute" for k, _, _ in seen)
+    assert any(k == "compute" and many for k, _, many in seen) and any(k == "compute" and not many
+                                                                      for k, _, many in seen)
+    # the measured tables, not the H200's analytical terms, set the pace of this tiny model
+    base = simulate(plan, H200).df
+    assert df.end_s.max() != pytest.approx(base.end_s.max(), rel=1e-3)
