@@ -396,7 +396,10 @@ class Plan:
                         raise PlanError(f"{self._describe(i)}: attends over KV tokens [0, {need}) but only [0, {have}) "
                                         f"{src} (rule: every KV token read exists on the tier it is read from)")
                 if kind == "compute" and part in ("layer", "pre_attn", "attn_layer"):  # new tokens' KV now exists
-                    _extend(present, ("new", layer, batch), ctx - q, ctx)
+                    key = ("new", layer, batch)  # (``_extend``, inlined: this loop runs once per op)
+                    end = present.get(key, 0)
+                    if ctx - q <= end and ctx > end:
+                        present[key] = ctx
             else:
                 tensor, nbytes, lo, hi = get("tensor", ""), get("nbytes", 0), get("lo", 0), get("hi", 0)
                 if tensor not in TENSORS:
@@ -416,22 +419,31 @@ class Plan:
                                         f"[0, {have}) {'were computed' if kind == 'd2h' else 'were stored there'} "
                                         "(rule: every KV token loaded was stored)")
                     if kind != "h2d":  # KV on the GPU is tracked as 'computed'; host and disk copies extend their tier
-                        _extend(present, (dst, layer, batch), lo, hi)
+                        key = (dst, layer, batch)  # (``_extend``, inlined)
+                        end = present.get(key, 0)
+                        if lo <= end and hi > end:
+                            present[key] = hi
                 elif tensor == "qkv":  # CPU attention: new tokens' K, V land in host memory
-                    _extend(present, ("cpu", layer, batch), lo, hi)
+                    key = ("cpu", layer, batch)  # (``_extend``, inlined)
+                    end = present.get(key, 0)
+                    if lo <= end and hi > end:
+                        present[key] = hi
             alloc = get("alloc")
             if alloc is None and (use[0] > cap[0] or use[1] > cap[1] or use[2] > cap[2]):
                 alloc = (0, 0, 0)  # (nothing allocated, but a negative free may have raised the use: report it)
             if alloc is not None:
-                for t in range(3):
-                    use[t] += alloc[t]
-                    if use[t] > cap[t]:
-                        raise PlanError(f"{self._describe(i)}: {TIERS[t]} memory reaches {use[t]} bytes, over the "
-                                        f"capacity {cap[t]} by {use[t] - cap[t]} bytes")
+                use[0] += alloc[0]
+                use[1] += alloc[1]
+                use[2] += alloc[2]
+                if use[0] > cap[0] or use[1] > cap[1] or use[2] > cap[2]:
+                    t = 0 if use[0] > cap[0] else 1 if use[1] > cap[1] else 2  # the first tier over, as before
+                    raise PlanError(f"{self._describe(i)}: {TIERS[t]} memory reaches {use[t]} bytes, over the "
+                                    f"capacity {cap[t]} by {use[t] - cap[t]} bytes")
             free = get("free")
             if free is not None:
-                for t in range(3):
-                    use[t] -= free[t]
+                use[0] -= free[0]
+                use[1] -= free[1]
+                use[2] -= free[2]
         return self
 
     def _describe(self, i: int) -> str:
@@ -480,7 +492,11 @@ class PlanBuilder:
             deps = [d for d in deps if d is not None]
         if self.serial and i:
             deps = [*deps, i - 1]
-        if len(deps) > 1:
+        n = len(deps)
+        if n == 2:  # the commonest merge (an op and one buffer or load), without building a set and sorting it
+            a, b = deps
+            deps = (a, b) if a < b else (b, a) if b < a else (a,)
+        elif n > 2:
             deps = tuple(sorted(set(deps)))
         elif type(deps) is not tuple:
             deps = tuple(deps)

@@ -90,6 +90,9 @@ class DiskStoreBuffers:
         self.writes.append(write)
 
 
+_PART_OF_SUB = {None: "layer", "attn": "attn_layer", "mlp": "mlp"}  # a decoder position's compute part
+
+
 def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict[str, int]) -> Plan:
     """Emit the ops of one block (``num_gpu_batches`` × ``gpu_batch_size`` prompts, all generation steps)."""
     L, nb, gbs = model.num_layers, wl.num_gpu_batches, wl.gpu_batch_size
@@ -200,19 +203,20 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
     # attention (a load runs ahead of the compute that stores the previous position); one with CPU attention, whose
     # only work buffers are prefill's (``footprint.tier_bytes``' KV work buffers).
     kv_reuse = 1 if s.cpu_attention else 2
-    buf_frees: dict[int, list[int]] = {}  # KV index -> the stores that free its work buffers
+    # KV index -> the stores that free its work buffers; KV position a takes the buffers of a - kv_reuse
+    buf_frees: dict[int, list[int]] = {}
 
-    def buffer_deps(a: int) -> list[int]:
-        return buf_frees.get(a - kv_reuse, [])
+    loads_kv = not s.cpu_attention and bool(kc or kd)  # GPU attention over a host/disk cache: KV loads at all
+    prompt_len = wl.prompt_len
 
     def emit_kv_loads(p: int) -> None:
         """Bring the KV prefix of position p to the GPU (GPU attention over a host/disk cache)."""
         i, j, sub, k = positions[p]
-        if i == 0 or not 0 <= j < L or sub == "mlp" or s.cpu_attention or not (kc or kd):
+        if i == 0 or not 0 <= j < L or sub == "mlp":
             return
-        ctx_prev = wl.prompt_len + i - 1  # tokens whose KV exists before this step
+        ctx_prev = prompt_len + i - 1  # tokens whose KV exists before this step
         # the load takes the work buffer that the stores two KV positions back give up (double buffering)
-        deps = buffer_deps(kv_index[p]) + kv_stored.get((j, k), [])
+        deps = buf_frees.get(kv_index[p] - kv_reuse, []) + kv_stored.get((j, k), [])
         phase = "decode"
         ids = []
         if kc:  # the load allocates the position's full-length work buffer; its store frees it
@@ -228,10 +232,14 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         pending_kv_loads[p] = ids
         pending_kv_bufs[p] = (bool(kc), bool(kd))
 
+    # (the loop below runs once per position, ~10^5 times for OPT-175B: the settings it reads are locals)
+    hidden_cpu = s.hidden_home == "cpu"
+    prefetch = s.prefetch
+    cpu_attention = s.cpu_attention
     for p, (i, j, sub, k) in enumerate(positions):
         phase = "prefill" if i == 0 else "decode"
-        q = wl.prompt_len if i == 0 else 1
-        ctx = wl.prompt_len + i
+        q = prompt_len if i == 0 else 1
+        ctx = prompt_len + i
         decoder = 0 <= j < L
         # hidden input: from the CPU if parked there. Issued before this position's prefetches: the H2D stream is
         # in order, and this batch's compute needs its few-KB hidden state now, the next layer's weights and the
@@ -239,37 +247,37 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         # a whole layer's weights)
         deps = [last_out.get(k)]
         hin = 0  # GPU bytes of a hidden copy loaded for this compute: counted while the compute runs
-        if s.hidden_home == "cpu" and k in hidden_store and j >= 0:
+        if hidden_cpu and k in hidden_store and j >= 0:
             hin = act_bytes("hidden", q)
             # (the block's activations are reserved on their home tier in `resident`; the GPU copy is scratch)
             hl = add("h2d", [hidden_store.pop(k)], phase, i, j, k, tensor="hidden", lo=ctx - q, hi=ctx, nbytes=hin,
                      pinned=pinned)
             deps = [hl]
         # weights: the current unit's (first batch only), then, when prefetching, the next streamed unit's
-        unit = (i, j, sub)
-        if decoder and k == 0 and unit in inst_index:
-            u = inst_index[unit]
-            ensure_loaded(u + (1 if s.prefetch else 0))
-        elif k == 0 and s.prefetch and not decoder:
+        u = inst_index.get((i, j, sub)) if decoder else None  # this position's streamed unit, if any
+        if k == 0 and u is not None:
+            ensure_loaded(u + (1 if prefetch else 0))
+        elif k == 0 and prefetch and not decoder:
             # embedding / head: prefetch the next streamed decoder unit
             nxt = next((inst_index[(ii, jj, ss)] for ii, jj in ([(i, x) for x in range(max(j, 0), L)] +
                                                                 [(i + 1, x) for x in range(L)])
                         for ss in subs if (ii, jj, ss) in inst_index), None)
             if nxt is not None:
                 ensure_loaded(nxt)
-        if p == 0:
-            emit_kv_loads(0)
-        if p + 1 < len(positions):
-            emit_kv_loads(p + 1)  # prefetch the next batch's cache (FlexGen: load_cache(k+1))
-        if decoder and unit in inst_index:
-            deps += loaded[inst_index[unit]]
-        deps += pending_kv_loads.pop(p, [])
+        if loads_kv:
+            if p == 0:
+                emit_kv_loads(0)
+            if p + 1 in kv_index:  # (only a decoder attention position has KV to load)
+                emit_kv_loads(p + 1)  # prefetch the next batch's cache (FlexGen: load_cache(k+1))
+        if u is not None:
+            deps += loaded[u]
+        if pending_kv_loads:
+            deps += pending_kv_loads.pop(p, [])
         last_k = k == nb - 1
         w_free = unit_slot(j, sub) if (decoder and last_k) else 0
-        loaded_c, loaded_d = pending_kv_bufs.pop(p, (False, False))
-        part = ({None: "layer", "attn": "attn_layer", "mlp": "mlp"}[sub] if decoder else
-                ("embed" if j < 0 else "head"))
-        cpu_attn = decoder and s.cpu_attention and i > 0 and sub != "mlp"
+        loaded_c, loaded_d = pending_kv_bufs.pop(p, (False, False)) if pending_kv_bufs else (False, False)
+        part = _PART_OF_SUB[sub] if decoder else ("embed" if j < 0 else "head")
+        cpu_attn = decoder and cpu_attention and i > 0 and sub != "mlp"
         if cpu_attn and sub == "attn":  # pre_attn to attn_out: both halves' peaks, held across the CPU's work
             ws = max(op_peak("cpu_attn_pre", q, ctx), op_peak("attn_out", q, ctx))
         else:
@@ -309,7 +317,7 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
             # work buffers of off-GPU heads that no load brought: this compute creates them (the stores free them)
             new_bufs = (0 if loaded_c else buf_c) + (0 if loaded_d else buf_d) if decoder else 0
             if new_bufs:
-                deps += buffer_deps(kv_index[p])
+                deps += buf_frees.get(kv_index[p] - kv_reuse, [])
             comp = add("compute", deps, phase, i, j, k, part=part, num_seqs=gbs, q_tokens=q, ctx_tokens=ctx,
                        frees_weights=decoder and last_k, alloc=(ws + hin + new_bufs, 0, 0),
                        free=(ws + hin + w_free, 0, 0))
@@ -333,9 +341,9 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
                     disk_stores.record(st, stores[-1])
                 kv_stored[(j, k)] = stores
         last_out[k] = comp
-        if decoder and last_k and unit in inst_index:
-            free_op[inst_index[unit]] = comp
-        if s.hidden_home == "cpu" and j < L:
+        if last_k and u is not None:
+            free_op[u] = comp
+        if hidden_cpu and j < L:
             hb = act_bytes("hidden", q)
             hidden_store[k] = add("d2h", [comp], phase, i, j, k, tensor="hidden", lo=ctx - q, hi=ctx, nbytes=hb,
                                   pinned=pinned)

@@ -5,6 +5,7 @@ the best *simulated* setting, not the best modelled one.
 """
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,12 +54,32 @@ def search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen
     screen only their ``2 · max_sims`` best LP candidates; (2) build and simulate the full plan of the best
     screened candidate, falling back to the next when the full-length plan does not fit memory. ``max_batch``
     caps the prompts per block (gpu_batch_size × num_gpu_batches)."""
+    # The cyclic garbage collector is paused for the search (``build_plan`` and ``simulate`` pause it while they
+    # run, but between them its young-generation passes would walk the ~10^6 objects of a large plan, which form no
+    # cycles); what the search makes is freed by reference counting when it returns.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _search(policy, model, hw, prompt_len, gen_len, max_sims, progress, max_batch)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int, max_sims: int,
+            progress: bool, max_batch: int | None) -> SearchResult:
     pol = get_policy(policy)
     Workload(prompt_len, gen_len)  # validates the lengths
     rows, reasons = [], []
-    cands = list(pol.candidates(model, hw, prompt_len, gen_len, None))
-    if max_batch is not None:  # a cap on prompts per block (latency, host memory, or run time)
-        cands = [c for c in cands if c[1].num_prompts <= max_batch]
+    cands = []
+    for c in pol.candidates(model, hw, prompt_len, gen_len, None):
+        if max_batch is not None and c[1].num_prompts > max_batch:  # a cap on prompts per block (latency, host
+            continue  # memory, or run time)
+        cands.append(c)
+        if cands[0][2] is not None and len(cands) >= 2 * max_sims:
+            # ranked (the first is, so ``ranked`` below holds): only the 2 · max_sims best are screened, so the rest
+            # are not drawn -- FlexGen's trims each LP optimum to fit (``fit_gpu_weights``), ~1 ms a candidate
+            break
     ranked = any(c[2] is not None for c in cands)
     if ranked:
         cands = cands[:2 * max_sims]
