@@ -203,7 +203,7 @@ once, looks up a position's streamed unit once and calls the KV-load emitter onl
 `PlanBuilder.add` merges two dependencies without a set; `Plan.validate` inlines its per-op prefix and memory
 updates; `offsim search` draws only the candidates it screens (FlexGen's GPU-weight trim runs for those alone) and
 pauses the collector for the whole search. What is left is the per-op Python itself -- the `add(**kw)` call, the
-schedule's per-position bookkeeping, the event loop's per-event work (~1 us an event in CPython 3.11) -- and, for
+schedule's per-position bookkeeping, the event loop's per-event work (~0.8 us an event in CPython 3.11) -- and, for
 the command, its imports (cvxpy ~0.75 s, pandas) and FlexGen's 168 LPs (~0.4 s). The machine is a shared 2-core VM
 whose speed varies by tens of percent from run to run; the load average above says how busy it was.
 """
