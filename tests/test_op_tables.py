@@ -133,9 +133,6 @@ def test_wrong_nesting_through_from_dict_raises(what):
         HardwareSpec.from_dict(d)
 
 
-@pytest.mark.xfail(strict=True, reason="from_dict's conversion errors (IndexError / TypeError / ValueError while "
-                                       "reading op_times) come out as 'malformed curve (list index out of range)' or "
-                                       "'cannot unpack non-iterable float object', without naming op_times")
 @pytest.mark.parametrize("what", list(WRONG_NESTING))
 def test_wrong_nesting_through_from_dict_names_op_times(what):
     d = H200.to_dict()
@@ -144,8 +141,6 @@ def test_wrong_nesting_through_from_dict_names_op_times(what):
         HardwareSpec.from_dict(d)
 
 
-@pytest.mark.xfail(strict=True, reason="from_dict keeps r[0:4] of each op_times row, so a row of 5 elements loads "
-                                       "(its extra element silently dropped) though HardwareSpec rejects len != 4")
 def test_row_of_five_elements_through_from_dict_raises():
     d = H200.to_dict()
     d["op_times"] = [[KEY, "eager", "layer", [[1.0, 2e-4]], "extra"]]

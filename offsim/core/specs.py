@@ -283,6 +283,20 @@ OP_TABLE_MODES = ("graph", "eager", "tokens", "cpu", "attn", "copy")  # see Hard
 Curve = tuple[tuple[float, float], ...]  # (x, y) points, x increasing; interpolated in log(x), clamped at the ends
 
 
+def _op_times_from_json(v: Any, where: str) -> tuple:
+    """``op_times`` rows from JSON lists, each [key, mode, part, [[x, y], ...]]; anything else is refused by name."""
+    rows = []
+    for r in v if isinstance(v, (list, tuple)) else [None]:
+        ok = isinstance(r, (list, tuple)) and len(r) == 4 and isinstance(r[3], (list, tuple)) and all(
+            isinstance(q, (list, tuple)) and len(q) == 2 and all(isinstance(z, (int, float)) for z in q)
+            for q in r[3])
+        if not ok:
+            raise OffsimError(f"{where}: op_times rows must be [layer key, mode (one of {', '.join(OP_TABLE_MODES)}), "
+                              f"part, [[x, seconds], ...]]; got {str(r)[:120]}")
+        rows.append((str(r[0]), str(r[1]), str(r[2]), tuple((float(a), float(b)) for a, b in r[3])))
+    return tuple(rows)
+
+
 def layer_key(model: ModelSpec) -> str:
     """What fixes a decoder layer's kernels, as the key of its op-table rows (``HardwareSpec.op_times``): models
     that share it (the same family and sizes, any depth or vocabulary) share the rows."""
@@ -419,8 +433,7 @@ class HardwareSpec:
         try:
             for k, v in list(d.items()):
                 if k == "op_times":
-                    d[k] = tuple((str(r[0]), str(r[1]), str(r[2]), tuple((float(a), float(b)) for a, b in r[3]))
-                                 for r in v)
+                    d[k] = _op_times_from_json(v, where)
                 elif isinstance(v, list):
                     d[k] = tuple((float(a), float(b)) for a, b in v)
             return cls(**d)
