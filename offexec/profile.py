@@ -197,14 +197,15 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
     from offexec.executor import run_plan
     from offexec.weights import random_weights
     from offsim.core.costmodel import COPY_TABLE_TENSORS, GRAPHED_PARTS, attention_flops
-    from offsim.core.specs import HardwareSpec, Workload, layer_key
+    from offsim.core.specs import Workload, layer_key, load_hardware_preset
     from offsim.policies.registry import build_plan
 
     small = dataclasses.replace(spec, num_layers=2)
     dt = torch.float16 if spec.dtype_bytes == 2 else torch.float32
     cuda = device == "cuda"
     weights = random_weights(small, 0, dt, device=device, pinned=cuda, progress=False)
-    hw = HardwareSpec.from_dict(_probe_hardware())
+    # a roomy profile for building the probe plans (their placement is fixed; only the plan's shape matters)
+    hw = load_hardware_preset("h200")
     samples: dict[tuple, list] = {}
     cpu: dict[tuple, list] = {}  # (prompt, sequences) -> [(seconds, FLOPs)] of CPU-attention ops
     runs = [(p, b, form, g) for p in prompts for b in batches for form in _OP_FORMS
@@ -337,16 +338,6 @@ def profile_sustained(device: str, seconds: float = 6.0) -> float:
     held = statistics.median(windows[len(windows) // 2:])
     del w, x
     return min(1.0, held / burst)
-
-
-def _probe_hardware() -> dict:
-    """A roomy hardware profile for building the probe plans (their placement is fixed; only the plan's shape
-    matters): the packaged h200 preset with the whole device as budget."""
-    from offsim.core.specs import load_hardware_preset
-
-    d = load_hardware_preset("h200").to_dict()
-    d.pop("schema")
-    return d
 
 
 def profile_disk(directory: str, nbytes: int, reps: int = 3) -> dict[str, float]:
