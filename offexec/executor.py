@@ -17,6 +17,7 @@ clock. The result is a ``Trace`` in offsim's schema (``source='offexec'``) plus 
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import deque
@@ -54,7 +55,8 @@ def run_plan(plan: Plan, weights: ModelWeights, device: str = "cuda", prompts: t
              seed: int = 0, gpu_budget_bytes: int | None = None, disk_dir: str | None = None,
              record_logits: bool = False, keep_kv: bool = False, meta: dict | None = None,
              threaded: bool = False, host_kv_pool: HostBuffer | None = None,
-             allocator_cap: str = "plan", graphs: str | None = None) -> RunResult:
+             allocator_cap: str = "plan", graphs: str | None = None,
+             switch_interval_s: float | None = None) -> RunResult:
     """Run ``plan`` with ``weights`` on ``device``; return the measured trace and the generated tokens.
 
     ``prompts``: [num_prompts, prompt_len] token ids (default: seeded random ids). ``gpu_budget_bytes``: the GPU
@@ -66,10 +68,15 @@ def run_plan(plan: Plan, weights: ModelWeights, device: str = "cuda", prompts: t
     planned; 'budget' caps it at the budget, letting the allocator cache freely up to it. ``graphs``: decode
     layer ops as CUDA graphs ('cuda', the default on a GPU), their graph-ready kernels run eagerly ('static', for
     CPU tests of the graph path's numerics), or the plain eager kernels ('off', the default on the CPU)
-    (offexec/graphs.py)."""
+    (offexec/graphs.py). ``switch_interval_s``: Python's thread switch interval during the run (default
+    ``Executor.SWITCH_INTERVAL_S``; see there)."""
     ex = Executor(plan, weights, device, prompts, seed, gpu_budget_bytes, disk_dir, record_logits, keep_kv,
                   threaded, allocator_cap, graphs)
     ex.host_kv_pool = host_kv_pool
+    if switch_interval_s is not None:
+        if not switch_interval_s > 0:
+            raise ExecError(f"switch interval must be a positive number of seconds, got {switch_interval_s!r}")
+        ex.switch_interval_s = float(switch_interval_s)
     try:
         return ex.run(meta or {})
     finally:
@@ -104,9 +111,12 @@ def gpu_need(prog: Program, plan: Plan) -> dict[str, int]:
     """GPU bytes the executor will hold for ``plan``, by purpose (``footprint.executor_gpu_bytes``): what the budget
     pre-check adds up. Buffer pools count the most buffers live at once in plan order, activations the most GPU
     values (hidden states, Q/K/V, attention outputs) live at once in plan order, and op transients the largest
-    compute op's peak beyond its output."""
+    compute op's peak beyond its output. The decode graphs are sized for the plan's longest graphed op."""
+    gq = plan.graph_q_tokens
+    longest = max((op.q_tokens for op in plan.ops if gq and costmodel.graphed(op.kind, op.part, op.q_tokens,
+                                                                               op.phase, gq)), default=1)
     return fp.executor_gpu_bytes(plan.model, plan.workload, plan.weight_split, plan.kv_split, prog.pool_peak,
-                                 prog.gpu_value_peak_bytes, op_transient_bytes(plan, prog))
+                                 prog.gpu_value_peak_bytes, op_transient_bytes(plan, prog), longest)
 
 
 def disk_need(plan: Plan, layout=None) -> int:
@@ -185,6 +195,12 @@ class Executor:
     # flow control: ops the issuing thread may have outstanding on each stream. Waiting here is not issue time; it
     # keeps every CUDA call from blocking on a full launch or copy queue, so issue time measures only host work
     RUN_AHEAD = {"compute": 16, "h2d": 6, "d2h": 16}
+    # Python's GIL switch interval during a run. The host workers (CPU attention, disk) and the issuing thread share
+    # the GIL; each torch call releases it, and taking it back while another thread runs Python waits up to the
+    # interval (5 ms by default) -- a CPU attention op of a few small torch calls then takes several intervals
+    # (experiments/offexec/gil_check.py measures it). A shorter interval hands the GIL back within it.
+    SWITCH_INTERVAL_S = 2e-4
+    switch_interval_s = SWITCH_INTERVAL_S
     def __init__(self, plan: Plan, weights: ModelWeights, device: str, prompts, seed: int,
                  gpu_budget_bytes: int | None, disk_dir: str | None, record_logits: bool, keep_kv: bool,
                  threaded: bool = False, allocator_cap: str = "plan", graphs: str | None = None):
@@ -338,7 +354,7 @@ class Executor:
         if self.arena.used != self.arena.nbytes:
             raise ExecError(f"GPU arena: {self.arena.used} of {self.arena.nbytes} bytes taken (a bug)")
         if self.graph_mode != "off":
-            self.graphs = DecodeGraphs(dev, self.cap, self.graph_mode)
+            self.graphs = DecodeGraphs(dev, self.cap, self.graph_mode, max(1, self.plan.graph_q_tokens))
             for g in ("cpu", "disk"):  # a graph attends over whole buffers: no NaN in a masked position
                 for buf, _ in self.pools[f"kvwork_{g}"].free:
                     buf.zero_()
@@ -378,7 +394,12 @@ class Executor:
         self.issue_by_fn: dict = {}
         t_wall = time.perf_counter()
         if self.cuda or self.threaded:
-            self._run_streams()
+            old = sys.getswitchinterval()
+            sys.setswitchinterval(self.switch_interval_s)
+            try:
+                self._run_streams()
+            finally:
+                sys.setswitchinterval(old)
         else:
             self._run_sequential()
         wall_s = time.perf_counter() - t_wall
@@ -386,7 +407,8 @@ class Executor:
         toks = self.tokens[:, :, wl.prompt_len:wl.prompt_len + wl.gen_len].reshape(wl.num_prompts, wl.gen_len)
         peaks = {"gpu": 0, "cpu": 0, "disk": self.disk.size_bytes if self.disk else 0}
         stats = {"wall_s": wall_s, "issue_s": self.issue_s, "issue_cpu_s": self.issue_cpu_s,
-                 "run_ahead_wait_s": self.wait_s, "issue_s_by_handler": dict(self.issue_by_fn), "gpu_need_bytes": self.gpu_need,
+                 "run_ahead_wait_s": self.wait_s, "switch_interval_s": self.switch_interval_s,
+                 "issue_s_by_handler": dict(self.issue_by_fn), "gpu_need_bytes": self.gpu_need,
                  "pool_buffers": {k: p.count for k, p in self.pools.items()},
                  "pool_buffers_plan_order": dict(self.prog.pool_peak),
                  "host_staging_peak_bytes_plan_order": self.prog.host_peak_bytes,
@@ -412,6 +434,8 @@ class Executor:
              "workload": wl.to_dict(), "settings": self.plan.settings,
              "derived": self.plan.derived, "source": "offexec", "device": str(self.device),
              "cuda_graphs": self.graph_mode == "cuda" and self.graphs is not None}
+        if m["cuda_graphs"]:
+            m["graph_max_q_tokens"] = self.plan.graph_max_q_tokens  # offsim prices issue as the run replayed
         if self.plan.disk_cached:
             m["disk_cached"] = True
         m.update(meta)
@@ -749,12 +773,13 @@ class Executor:
         ``body(*static_inputs, kv_buffers)`` is the op's math on the graphs' static inputs; the graph is keyed by
         the addresses it bakes in: the layer's weights (a slot's address, or the resident views) and the KV buffers
         it attends over. ``out(result)``: what the op leaves as its value (default: the result itself)."""
-        if self.graphs is None or not costmodel.graphed(op.kind, op.part, op.q_tokens):
+        if self.graphs is None or not costmodel.graphed(op.kind, op.part, op.q_tokens, op.phase,
+                                                        self.plan.graph_q_tokens):
             return False
         bufs = self._kv_buffers(op, args) if op.part in ("layer", "attn_layer") else []
         slot = self.vals[args["w"]].data_ptr() if "w" in args else None
-        key = (op.part, op.layer, slot, tuple(b.data_ptr() for _, _, b in bufs))
-        self.graphs.set_ctx(op.ctx_tokens)
+        key = (op.part, op.q_tokens, op.layer, slot, tuple(b.data_ptr() for _, _, b in bufs))
+        self.graphs.set_ctx(op.ctx_tokens, op.q_tokens)
         y = self.graphs.run(key, lambda *ins: body(*ins, bufs), *xs)
         if y is None:  # capture failed: eager from here on
             self.graphs = None
@@ -764,11 +789,11 @@ class Executor:
         return True
 
     def _attend_static(self, bufs, q, k_new, v_new) -> torch.Tensor:
-        """``_attend_gpu`` for one new token at the graphs' device-side position: the K/V written with
-        ``index_copy_`` at ``pos``, attention over each full-length buffer with the unwritten tail masked."""
+        """``_attend_gpu`` for the op's q tokens at the graphs' device-side positions: their K/V written with
+        ``index_copy_`` at ``pos``, attention over each full-length buffer, each query's unseen keys masked."""
         pos, groups = self.graphs.pos, []
         for lo, hi, buf in bufs:
-            buf[:, 0].index_copy_(0, pos, k_new[:, :, lo:hi].transpose(0, 1))  # [1, B, n, D] at row pos
+            buf[:, 0].index_copy_(0, pos, k_new[:, :, lo:hi].transpose(0, 1))  # [q, B, n, D] at rows pos
             buf[:, 1].index_copy_(0, pos, v_new[:, :, lo:hi].transpose(0, 1))
             groups.append((lo, hi, buf[:, 0].permute(1, 2, 0, 3), buf[:, 1].permute(1, 2, 0, 3)))  # [B, n, M, D]
         return M.attention(self.spec, q, groups, mask=self.graphs.keys)

@@ -3,21 +3,25 @@
 A decode step of a layer (one new token per sequence) is a dozen small kernels; issued one by one from Python, the
 host's issue time is a tenth to a fifth of an offloaded run (issue 14's audit). Here each decode op
 (``offsim.core.costmodel.graphed``) whose inputs sit at fixed addresses -- a layer's resident weights or its weight
-slot, its KV buffers -- is captured once as a CUDA graph and replayed at every later step.
+slot, its KV buffers -- is captured once as a CUDA graph and replayed at every later step. TightLLM's decode ops
+that recompute N_r tokens beside the new one (q = N_r + 1 query tokens) are graphed the same way while q is at most
+the plan's ``graph_max_q_tokens``: one graph per (op, layer, q), replayed at every step with that q.
 
 What varies between steps is read from device memory, so one graph serves every step:
 
-- the new token's position (``pos``, int64 [1]): the KV write (``index_copy_``) and RoPE read it;
-- which cache positions exist (``mask``, bool [max_len]): attention runs over the full-length KV buffer with the
-  positions not yet written masked out, instead of over a prefix whose length is baked into the kernels. The buffers
-  are zeroed when the run starts, so a masked position never holds NaN or Inf.
+- the positions of the op's q tokens (``pos``, int64 [q]): the KV write (``index_copy_``) and RoPE read them;
+- which cache positions each query sees (``keys``, bool [1, 1, q, max_len]; causal, aligned to the bottom right):
+  attention runs over the full-length KV buffer with the positions not yet written masked out, instead of over a
+  prefix whose length is baked into the kernels. The buffers are zeroed when the run starts, so a masked position
+  never holds NaN or Inf.
 
-Inputs go in through static buffers and outputs come out through static buffers (one set per shape signature: the
-hidden state [gbs, 1, E]; with CPU attention also the attention output in, Q/K/V out), copied into fresh tensors
-after the replay; they are shared by every graph, which is safe because every graph replays on the compute stream,
-one after the other. The graphs' intermediates live in one private memory pool
-that all captures share (``torch.cuda.graph_pool_handle``): never two at once, so the pool holds one op's
-intermediates. Its size is in the plan's footprint (``offsim.core.footprint.decode_graph_bytes``).
+Inputs go in through static buffers and outputs come out through static buffers (one per argument position and
+size per token: the hidden state [gbs, q, E]; with CPU attention also the attention output in, Q/K/V out, each
+allocated for the longest q and viewed at the op's), copied into fresh tensors after the replay; they are shared by
+every graph, which is safe because every graph replays on the compute stream, one after the other. The graphs'
+intermediates live in one private memory pool that all captures share (``torch.cuda.graph_pool_handle``): never
+two at once, so the pool holds one op's intermediates (the longest q's at most). Its size is in the plan's footprint
+(``offsim.core.footprint.decode_graph_bytes``).
 
 The first time a key is met the op runs eagerly through the same static body (real work, the step's result), then
 is captured (recording only; nothing runs twice). ``mode='static'`` runs the static body eagerly every time with no
@@ -38,17 +42,22 @@ GRAPH_MODES = ("cuda", "static", "off")
 class DecodeGraphs:
     """Captured decode ops of one run, keyed by what fixes their addresses (op kind, layer, slot, KV buffers)."""
 
-    def __init__(self, device: torch.device, max_len: int, mode: str = "cuda"):
+    def __init__(self, device: torch.device, max_len: int, mode: str = "cuda", max_q_tokens: int = 1):
         if mode not in GRAPH_MODES[:2]:
             raise ValueError(f"graph mode must be one of {', '.join(GRAPH_MODES[:2])}, got {mode!r}")
         self.mode, self.device = mode, device
-        self.pos = torch.zeros(1, dtype=torch.long, device=device)  # the new token's position
-        self.mask = torch.zeros(max_len, dtype=torch.bool, device=device)  # cache positions that exist
-        self.keys = self.mask.view(1, 1, 1, max_len)  # as attention's mask: [B, H, T, C] broadcast
+        self.max_len, self.max_q = max_len, max_q_tokens
+        self._steps = torch.arange(max_q_tokens, device=device)  # 0 .. max_q - 1
+        self._cols = torch.arange(max_len, device=device)  # every cache position
+        self._pos = torch.zeros(max_q_tokens, dtype=torch.long, device=device)
+        self._mask = torch.zeros(max_q_tokens * max_len, dtype=torch.bool, device=device)
+        self.pos = self._pos[:1]  # the current op's token positions [q] (views at fixed addresses)
+        self.keys = self._mask[:max_len].view(1, 1, 1, max_len)  # their visible keys [1, 1, q, max_len]
         self.static_in: dict = {}  # (shape, dtype) of the inputs -> their static tensors
         self.static_out: dict = {}  # (shape, dtype) of the outputs -> their static tensors
+        self._flat: dict = {}  # (role, argument position, dtype, elements per token) -> storage for the longest q
         self.out_sig: dict = {}  # key -> the signature of its outputs
-        self.ctx: int | None = None
+        self.ctx: tuple | None = None
         self.graphs: dict = {}
         self.pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
         self.replays = 0
@@ -56,23 +65,44 @@ class DecodeGraphs:
         self.capture_s = 0.0
         self.failed: str | None = None
 
-    def set_ctx(self, ctx: int) -> None:
-        """Positions [0, ctx) exist, the new token is at ctx - 1 (on the current stream, before the op's kernels)."""
-        if ctx == self.ctx:
+    def set_ctx(self, ctx: int, q_tokens: int = 1) -> None:
+        """The op's ``q_tokens`` queries sit at positions [ctx - q, ctx) and query t sees keys [0, ctx - q + t]
+        (written on the current stream, before the op's kernels)."""
+        if (ctx, q_tokens) == self.ctx:
             return
-        if self.ctx is None or ctx < self.ctx:
-            self.mask.zero_()
-        self.mask[:ctx] = True
-        self.pos.fill_(ctx - 1)
-        self.ctx = ctx
+        if not 1 <= q_tokens <= self.max_q:
+            raise ValueError(f"a graphed op has 1 to {self.max_q} query tokens, got {q_tokens}")
+        M = self.max_len
+        self.pos = self._pos[:q_tokens]
+        torch.add(self._steps[:q_tokens], ctx - q_tokens, out=self.pos)
+        mask = self._mask[:q_tokens * M].view(q_tokens, M)
+        torch.le(self._cols.unsqueeze(0), self.pos.unsqueeze(1), out=mask)
+        self.keys = mask.view(1, 1, q_tokens, M)
+        self.ctx = (ctx, q_tokens)
 
     @staticmethod
     def _sig(ts) -> tuple:
         return tuple((tuple(t.shape), t.dtype) for t in ts)
 
     def _statics(self, table: dict, sig: tuple) -> tuple:
+        """Static tensors of signature ``sig``: views of one storage per argument position and size per token,
+        allocated for the longest q (dimension 1 of every graphed tensor is the op's query tokens)."""
         if sig not in table:
-            table[sig] = tuple(torch.zeros(shape, dtype=dt, device=self.device) for shape, dt in sig)
+            role = "in" if table is self.static_in else "out"
+            views = []
+            for i, (shape, dt) in enumerate(sig):
+                numel = 1
+                for d in shape:
+                    numel *= d
+                q = shape[1] if len(shape) > 1 and shape[1] > 0 else 1
+                per_token = numel // q if numel % q == 0 else numel
+                key = (role, i, dt, per_token) if numel % q == 0 else (role, i, dt, shape)
+                size = per_token * self.max_q if numel % q == 0 else numel
+                flat = self._flat.get(key)
+                if flat is None or flat.numel() < size:
+                    flat = self._flat[key] = torch.zeros(size, dtype=dt, device=self.device)
+                views.append(flat[:numel].view(shape))
+            table[sig] = tuple(views)
         return table[sig]
 
     def run(self, key, body: Callable, *xs: torch.Tensor):

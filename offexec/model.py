@@ -147,10 +147,11 @@ class Rope:
 
     def apply(self, x: torch.Tensor, start) -> torch.Tensor:
         """x: [B, T, n, D] of positions [start, start + T) -> rotated, same shape. ``start``: an int, or (one new
-        token, T = 1) an int64 [1] tensor on the device, read by the kernels (a CUDA graph replays it per step)."""
+        token or a graphed recompute) an int64 [T] tensor of the positions on the device, read by the kernels (a
+        CUDA graph replays it per step)."""
         T = x.shape[1]
         if isinstance(start, torch.Tensor):
-            cos = self.cos.index_select(0, start)[None, :, None, :]  # [1, 1, 1, D]
+            cos = self.cos.index_select(0, start)[None, :, None, :]  # [1, T, 1, D]
             sin = self.sin.index_select(0, start)[None, :, None, :]
         else:
             cos = self.cos[start:start + T][None, :, None, :]  # [1, T, 1, D]
@@ -185,7 +186,7 @@ def attention(spec: ModelSpec, q: torch.Tensor, groups: list[tuple[int, int, tor
     [head_lo, head_hi) (query heads [head_lo·G, head_hi·G), G = H / Hk: GQA). Query t (0-based) sees keys
     [0, C - T + t] -- causal, aligned to the bottom right -- so a prefill (T = C), a decode step (T = 1) and a
     recompute block (1 < T < C) are one function. Returns out [B, T, H·D] (written into ``out`` if given).
-    ``mask`` (one new token, T = 1): bool [1, 1, 1, C], the key positions that exist -- attention over a full-length buffer
+    ``mask`` (graphed ops): bool [1, 1, T, C], the key positions each query sees -- attention over a full-length buffer
     whose tail is not written yet (offexec/graphs.py).
     """
     B, T, H, D = q.shape
@@ -205,12 +206,12 @@ def attention(spec: ModelSpec, q: torch.Tensor, groups: list[tuple[int, int, tor
 
 def _sdpa(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, T: int, G: int,
           keys: torch.Tensor | None = None) -> torch.Tensor:
-    """q: [B, n·G, T, D] against K, V: [B, n, C, D], causal aligned to the bottom right; ``keys``: bool [1, 1, 1, C],
-    the positions that exist (T = 1 only)."""
+    """q: [B, n·G, T, D] against K, V: [B, n, C, D], causal aligned to the bottom right; ``keys``: bool [1, 1, T, C],
+    the positions each query sees (then no causal alignment is applied: the mask is the whole rule)."""
     C = K.shape[2]
     if keys is not None:
-        if T != 1:
-            raise ValueError("a key mask is for one new token (T = 1)")
+        if keys.shape[-2] != T:
+            raise ValueError(f"a key mask [1, 1, T, C] for {T} queries has {keys.shape[-2]} rows")
         mask, causal = keys, False
     elif T == 1:
         mask, causal = None, False

@@ -102,14 +102,17 @@ def test_graph_path_reproduces_transformers(family, case):
     """The kernels the decode CUDA graphs capture (offexec/graphs.py: the KV written at a device-side position,
     attention over the full-length buffer with the unwritten tail masked, RoPE read at that position; with CPU
     attention the GPU halves around it), run eagerly on the CPU, give transformers' tokens, logits and stored KV too;
-    every decode op of one new token goes through them."""
+    every decode op of one new token goes through them, and so does every TightLLM recompute of up to
+    ``GRAPH_MAX_Q_TOKENS`` query tokens (positions and a causal key mask of q rows read on the device)."""
     hf, spec, plan, prompts, res = _run(family, *case, graphs="static")
     _check_against_transformers(hf, spec, plan, prompts, res)
-    one_token = sum(1 for o in plan.ops if graphed(o.kind, o.part, o.q_tokens))
+    through = [o for o in plan.ops if graphed(o.kind, o.part, o.q_tokens, o.phase, plan.graph_q_tokens)]
     g = res.stats["graphs"]
     assert g["mode"] == "static" and g["failed"] is None
     assert g["replays"] == 0 and g["graphs"] == 0  # static: nothing captured
-    assert g["ops"] == one_token
+    assert g["ops"] == len(through)
+    if plan.settings.get("max_recompute_tokens"):  # N_r = 4: recompute blocks of 5 query tokens, graphed
+        assert any(o.q_tokens == 5 for o in through)
 
 
 def test_graph_modes_are_checked():

@@ -435,7 +435,7 @@ def test_host_gate_uses_the_graph_issue_cost_for_graphed_ops(graphs):
     ops = plan.ops
     gated_compute = [op for op in ops if op.kind == "compute"
                      and any(ops[d].stream in HOST_STREAMS for d in op.deps)]
-    assert gated_compute and all(C.graphed(op.kind, op.part, op.q_tokens) for op in gated_compute)
+    assert gated_compute and all(C.graphed(op.kind, op.part, op.q_tokens, op.phase) for op in gated_compute)
     cost = hw.issue_graph_s if graphs else hw.issue_compute_s
     for op in gated_compute:
         host_end = max(df.end_s[d] for d in op.deps if ops[d].stream in HOST_STREAMS)

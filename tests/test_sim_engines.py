@@ -142,7 +142,7 @@ def test_graphed_decode_ops_issue_at_the_graph_cost(tiny_opt, t4, cpu_attention)
     hw = dataclasses.replace(t4, issue_compute_s=2e-3, issue_copy_s=1e-4, issue_graph_s=1e-4)
     st = {"percent": (100, 0, 0, 100, 100, 0), "cpu_attention": cpu_attention}
     plan = build_plan("flexgen", tiny_opt, hw, Workload(8, 6, 2, 2), st)
-    graphed = [o for o in plan.ops if costmodel.graphed(o.kind, o.part, o.q_tokens)]
+    graphed = [o for o in plan.ops if costmodel.graphed(o.kind, o.part, o.q_tokens, o.phase)]
     assert graphed and all(o.step > 0 for o in graphed)  # decode only: prefill has the whole prompt per op
     totals = {}
     for graphs, h in ((True, hw), (False, hw), (True, dataclasses.replace(hw, issue_graph_s=0.0))):

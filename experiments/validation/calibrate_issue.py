@@ -84,7 +84,7 @@ def graph_issue_cost() -> tuple[float, int, list]:
         plan = build_plan(run["policy"], get_model(data["model"]), hw, Workload.from_dict(run["workload"]),
                           _as_run(run), validate=False)
         total += sum(v for k, v in run["issue_s_by_handler"].items() if k.endswith(" (graph)"))
-        n += sum(1 for o in plan.ops if graphed(o.kind, o.part, o.q_tokens))
+        n += sum(1 for o in plan.ops if graphed(o.kind, o.part, o.q_tokens, o.phase, 1))
         used.append(run["config"])
     return total / n, n, used
 

@@ -173,6 +173,7 @@ def _as_ran(plan: Plan, meta: dict) -> Plan:
     offexec's CUDA graphs carries no 'cuda_graphs' (it issued kernel by kernel), a stored plan from before the field
     reads as graphed."""
     plan.cuda_graphs = bool(meta.get("cuda_graphs", False))
+    plan.graph_max_q_tokens = int(meta.get("graph_max_q_tokens", 1))  # runs before recompute graphs: one token
     plan.disk_cached = bool(meta.get("disk_cached", plan.disk_cached))
     return plan
 

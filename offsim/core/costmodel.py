@@ -284,21 +284,29 @@ def cpu_attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_tokens
 # ----------------------------------------------------------------------------------------------------------------
 
 
-# compute parts whose one-token (decode) ops offexec replays as CUDA graphs (offexec/graphs.py)
+# compute parts whose decode ops offexec replays as CUDA graphs (offexec/graphs.py)
 GRAPHED_PARTS = ("layer", "attn_layer", "mlp", "pre_attn", "post_attn", "attn_out")
+# the longest decode op (query tokens) offexec replays as a graph: one new token, or TightLLM's recompute of N_r
+# tokens plus the new one where N_r + 1 is this small. Such ops are a few dozen small kernels whose host issue
+# outlasts their GPU time; longer ones keep the GPU busy while the host issues them, and a graph's private pool
+# would hold their larger intermediates for the whole run (``footprint.decode_graph_bytes``)
+GRAPH_MAX_Q_TOKENS = 8
 
 
-def graphed(kind: str, part: str, q_tokens: int) -> bool:
-    """Whether offexec runs an op of this kind, part and query length as a CUDA-graph replay (with graphs on)."""
-    return kind == "compute" and q_tokens == 1 and part in GRAPHED_PARTS
+def graphed(kind: str, part: str, q_tokens: int, phase: str, max_q_tokens: int = GRAPH_MAX_Q_TOKENS) -> bool:
+    """Whether offexec runs an op of this kind, part, query length and phase as a CUDA-graph replay, when its plan
+    replays decode ops of up to ``max_q_tokens`` query tokens as graphs (``Plan.graph_q_tokens``; 0: none)."""
+    return kind == "compute" and phase == "decode" and 1 <= q_tokens <= max_q_tokens and part in GRAPHED_PARTS
 
 
-def issue_seconds(op, hw: HardwareSpec, graphs: bool = False) -> float:
-    """Host time the runtime spends issuing ``op`` (see ``HardwareSpec.issue_compute_s``); with ``graphs`` (the
-    plan's ``cuda_graphs``) a graphed decode op costs ``issue_graph_s`` where the profile measured it."""
+def issue_seconds(op, hw: HardwareSpec, graph_q_tokens: int = 0) -> float:
+    """Host time the runtime spends issuing ``op`` (see ``HardwareSpec.issue_compute_s``); a decode op that the plan
+    replays as a graph (``graph_q_tokens``: the plan's ``graph_q_tokens``) costs ``issue_graph_s`` where the profile
+    measured it."""
     if op.kind != "compute":
         return hw.issue_copy_s
-    if graphs and hw.issue_graph_s and graphed(op.kind, getattr(op, "part", ""), getattr(op, "q_tokens", 0)):
+    if graph_q_tokens and hw.issue_graph_s and graphed(op.kind, getattr(op, "part", ""), getattr(op, "q_tokens", 0),
+                                                       getattr(op, "phase", ""), graph_q_tokens):
         return hw.issue_graph_s
     return hw.issue_compute_s
 

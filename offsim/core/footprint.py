@@ -386,18 +386,20 @@ def max_layer_peak_bytes(model: ModelSpec, wl: Workload, cpu_attention: bool = F
     return max(layers + [op_peak_bytes(model, "embed", gbs, P, P), op_peak_bytes(model, "head", gbs, P, P)])
 
 
-def decode_graph_bytes(model: ModelSpec, wl: Workload) -> int:
-    """GPU bytes of offexec's decode CUDA graphs (offexec/graphs.py), held from the first decode step to the end:
-    the shared static tensors (the position, the [max_len] key mask; hidden states [gbs, 1, E] in and out, and with
-    CPU attention the attention output in and Q/K/V out: at most four hidden states and two Q/K/V) and the private
-    pool of the graphs' intermediates -- one decode op's at a time, at the longest context (a graph attends over the
+def decode_graph_bytes(model: ModelSpec, wl: Workload, q_tokens: int = 1) -> int:
+    """GPU bytes of offexec's decode CUDA graphs (offexec/graphs.py), held from the first decode step to the end,
+    when the longest graphed decode op has ``q_tokens`` query tokens (1: one new token; TightLLM's recompute of N_r
+    tokens: N_r + 1, up to ``costmodel.GRAPH_MAX_Q_TOKENS``): the shared static tensors, sized for ``q_tokens``
+    (the positions [q] and the key mask [q, max_len]; hidden states [gbs, q, E] in and out, and with CPU attention
+    the attention output in and Q/K/V out: at most four hidden states and two Q/K/V) and the private pool of the
+    graphs' intermediates -- one decode op's at a time, the longest at the longest context (a graph attends over the
     full-length buffer, with up to three KV head groups), twice over for what the pool cannot reuse between captures,
     plus its segment rounding."""
-    gbs, M = wl.gpu_batch_size, wl.max_len
-    op = max(op_peak_bytes(model, part, gbs, 1, M, 3)
+    gbs, M, q = wl.gpu_batch_size, wl.max_len, q_tokens
+    op = max(op_peak_bytes(model, part, gbs, q, M, 3)
              for part in ("layer", "attn_layer", "mlp", "cpu_attn_layer", "cpu_attn_pre", "attn_out"))
     rounding = GRAPH_SMALL_SEGMENT_BYTES + (GRAPH_LARGE_SEGMENT_BYTES if op > (1 << 20) else 0)  # see the constants
-    static = 4 * hidden_bytes(model, gbs, 1) + 2 * qkv_bytes(model, gbs, 1) + TOKEN_ID_BYTES + M
+    static = 4 * hidden_bytes(model, gbs, q) + 2 * qkv_bytes(model, gbs, q) + q * (TOKEN_ID_BYTES + M)
     return static + 2 * op + rounding
 
 
@@ -550,12 +552,13 @@ def _head_groups(model: ModelSpec, kv_split) -> tuple[int, int, int]:
 # 4. the executor's buffers
 # ================================================================================================================
 def executor_gpu_bytes(model: ModelSpec, wl: Workload, weight_split, kv_split, pool_buffers: Mapping[str, int],
-                       activation_peak_bytes: int, op_transient_bytes: int) -> dict[str, int]:
+                       activation_peak_bytes: int, op_transient_bytes: int, graph_q_tokens: int = 1) -> dict[str, int]:
     """GPU bytes offexec holds for a plan, by purpose (offexec/executor.py ``Executor._setup`` and the op handlers):
 
     - embeddings (``emb``), token ids [nb, gbs, max_len + 1] int64 and RoPE tables (``tokens``, ``rope``);
     - cuBLAS's workspace of the compute stream (``LIBRARY_WORKSPACE_BYTES``) and the caching allocator's rounding
-      (``ALLOCATOR_SLACK_BYTES``); the decode CUDA graphs' static tensors and pool (``decode_graph_bytes``);
+      (``ALLOCATOR_SLACK_BYTES``); the decode CUDA graphs' static tensors and pool (``decode_graph_bytes``, for
+      the plan's longest graphed decode op: ``graph_q_tokens``);
     - resident weights: [0, g) of every layer (``w_res``);
     - resident KV: [L, nb] buffers of the GPU-homed heads at full length (``kv_gpu``);
     - weight slots: ``pool_buffers['wslot']`` slots of the largest ``weight_slot_bytes`` (whole layers), or
@@ -572,7 +575,7 @@ def executor_gpu_bytes(model: ModelSpec, wl: Workload, weight_split, kv_split, p
     return {"embeddings": embedding_bytes(model),
             "token ids": token_ids_bytes(wl.num_prompts, M) + rope_table_bytes(model, M),
             "library workspace": LIBRARY_WORKSPACE_BYTES, "allocator slack": ALLOCATOR_SLACK_BYTES,
-            "CUDA graphs": decode_graph_bytes(model, wl),
+            "CUDA graphs": decode_graph_bytes(model, wl, graph_q_tokens),
             "resident weights": sum(g for g, _ in weight_split),
             "resident KV": L * nb * kv_buffer_bytes(model, gbs, M, kg),
             "weight slots": pool_buffers.get("wslot", 0) * slot

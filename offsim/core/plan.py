@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from offsim.core.costmodel import COMPUTE_PARTS
+from offsim.core.costmodel import COMPUTE_PARTS, GRAPH_MAX_Q_TOKENS
 from offsim.core.errors import OffsimError
 from offsim.core.io import read_json_object, write_text_atomic
 from offsim.core.specs import ModelSpec, Workload
@@ -238,6 +238,15 @@ class Plan:
     # offexec replays one-token decode ops as CUDA graphs (offexec/graphs.py; ``costmodel.GRAPHED_PARTS``); the
     # simulator prices their host issue at the profile's ``issue_graph_s``. False: every op issued kernel by kernel
     cuda_graphs: bool = True
+    # the longest decode op, in query tokens, that offexec replays as a graph (``costmodel.GRAPH_MAX_Q_TOKENS``):
+    # TightLLM's short recomputes too. Plans and runs from before recompute graphs replayed one-token ops only (1)
+    graph_max_q_tokens: int = GRAPH_MAX_Q_TOKENS
+
+    @property
+    def graph_q_tokens(self) -> int:
+        """The longest decode op replayed as a CUDA graph (0: graphs off): what ``costmodel.graphed`` and
+        ``costmodel.issue_seconds`` take."""
+        return self.graph_max_q_tokens if self.cuda_graphs else 0
 
     def __post_init__(self):
         # as JSON would store them (tuples become lists), so a plan equals its own round trip
@@ -274,7 +283,8 @@ class Plan:
                 "policy": self.policy, "settings": self.settings, "capacity": self.capacity,
                 "resident": self.resident, "weight_split": [list(x) for x in self.weight_split], "kv_split": list(self.kv_split),
                 "hidden_home": self.hidden_home, "derived": self.derived, "disk_cached": self.disk_cached,
-                "cuda_graphs": self.cuda_graphs, "op_fields": OP_FIELDS, "ops": rows}
+                "cuda_graphs": self.cuda_graphs, "graph_max_q_tokens": self.graph_max_q_tokens,
+                "op_fields": OP_FIELDS, "ops": rows}
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "plan") -> "Plan":
@@ -298,7 +308,8 @@ class Plan:
                        policy=d["policy"], settings=d["settings"], capacity=d["capacity"], resident=d["resident"],
                        weight_split=[tuple(x) for x in d["weight_split"]], kv_split=tuple(d["kv_split"]),
                        hidden_home=d["hidden_home"], ops=ops, derived=d.get("derived", {}),
-                       disk_cached=d.get("disk_cached", False), cuda_graphs=d.get("cuda_graphs", True))
+                       disk_cached=d.get("disk_cached", False), cuda_graphs=d.get("cuda_graphs", True),
+                       graph_max_q_tokens=d.get("graph_max_q_tokens", 1))
         except KeyError as e:
             raise PlanError(f"{where}: missing field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
@@ -344,6 +355,9 @@ class Plan:
             raise PlanError(f"plan: disk_cached must be true or false, got {self.disk_cached!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise PlanError(f"plan: cuda_graphs must be true or false, got {self.cuda_graphs!r}")
+        if isinstance(self.graph_max_q_tokens, bool) or not isinstance(self.graph_max_q_tokens, int) \
+                or self.graph_max_q_tokens < 1:
+            raise PlanError(f"plan: graph_max_q_tokens must be a positive integer, got {self.graph_max_q_tokens!r}")
         if self.hidden_home not in ("gpu", "cpu"):
             raise PlanError(f"plan: hidden_home must be 'gpu' or 'cpu', got {self.hidden_home!r}")
         for t in TIERS:

@@ -57,6 +57,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Iterable
 
+from offsim.core.costmodel import GRAPH_MAX_Q_TOKENS
 from offsim.core.errors import OffsimError
 from offsim.policies.tightllm.kv_distributor import SOLVERS, TRANSFER_MODELS, Decision, KVDistributorWarning, distributor, kv_load_bytes
 from offsim.core.plan import Plan, PlanBuilder
@@ -156,15 +157,20 @@ def kv_work_buffers_bytes(model: ModelSpec, wl: Workload, lay: Layout) -> int:
 def recompute_memory_cap(model: ModelSpec, wl: Workload, lay: Layout, free_gpu_bytes: int, ctx_tokens: int) -> int:
     """The largest N_r whose decode step fits: the op peak of a layer over (N_r + 1)·batch tokens at a context of
     N_ctx + 1 (``footprint.op_peak_bytes``), with activations on the host the copy of its input, and two positions'
-    KV work buffers (this one's and the next one's, loaded ahead; full length, so independent of N_r). -1 if not
-    even N_r = 0 fits (the plan will then fail validation with the shortfall)."""
+    KV work buffers (this one's and the next one's, loaded ahead; full length, so independent of N_r); where
+    offexec replays the N_r + 1 token op as a CUDA graph (``costmodel.GRAPH_MAX_Q_TOKENS``), what its graphs hold
+    beyond the one-token graphs the placement already counts (``footprint.decode_graph_bytes``). -1 if not even
+    N_r = 0 fits (the plan will then fail validation with the shortfall)."""
     gbs = wl.gpu_batch_size
     groups = sum(1 for h in (lay.kv_gpu_heads, lay.kv_cpu_heads, lay.kv_disk_heads) if h)
     bufs = 2 * kv_work_buffers_bytes(model, wl, lay)
+    graphs_1 = fp.decode_graph_bytes(model, wl, 1)
 
     def need(n: int) -> int:
         hin = fp.hidden_bytes(model, gbs, n + 1) if lay.hidden_home == "cpu" else 0
-        return fp.op_peak_bytes(model, "layer", gbs, n + 1, ctx_tokens + 1, groups) + hin + bufs
+        # (at most the longest graphed op's: a plan whose N_r varies by step may hold those graphs too; monotone)
+        graphs = fp.decode_graph_bytes(model, wl, min(n + 1, GRAPH_MAX_Q_TOKENS)) - graphs_1
+        return fp.op_peak_bytes(model, "layer", gbs, n + 1, ctx_tokens + 1, groups) + hin + bufs + graphs
 
     # need(n) grows with n: every term of the op peak is linear in the query tokens
     if need(0) > free_gpu_bytes:
