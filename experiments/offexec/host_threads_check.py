@@ -31,6 +31,9 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="JSON lines file")
     ap.add_argument("--profile", default=PROFILE)
     ap.add_argument("--disk-dir", default=None)
+    ap.add_argument("--kv-solver", default=None, choices=("ilp", "exact"),
+                    help="TightLLM's N_r solver instead of the case's (exact: the same N_r without cvxpy; each run "
+                         "records whether its plan is the one measured)")
     args = ap.parse_args()
 
     import numpy as np
@@ -68,6 +71,8 @@ def main() -> None:
                     base = base.with_(cpu_mem_bytes=max(int(c["host_bytes"]), GiB))
                     prof = prof.with_(cpu_mem_bytes=max(int(c["host_bytes"]), GiB))
                 wl = Workload.from_dict(c["workload"])
+                if args.kv_solver and c["policy"] == "tightllm":
+                    c = {**c, "settings": {**c["settings"], "kv_solver": args.kv_solver}}
                 first = None
                 for name, switch_s, gq in VARIANTS:
                     plan = build_plan(c["policy"], model, base, wl, c["settings"])
