@@ -20,6 +20,9 @@ CONFIGS = (  # (name, model, policy, settings, prompt, gen, gbs, nb, budget GiB)
     ("llama-2-7b weights on the GPU, KV on the host, 4x4", "llama-2-7b", "flexgen", {"percent": (100, 0, 0, 100, 100, 0)}, 256, 64, 4, 4, 40),
     ("llama-2-7b weights 50/50, KV on the host, 8x2", "llama-2-7b", "flexgen", {"percent": (50, 50, 0, 100, 100, 0)},
      512, 32, 8, 2, 16),
+    # TightLLM recomputing N_r <= 2 tokens per step: decode layer ops of 3 query tokens, graphed
+    ("llama-2-7b tightllm KV 50/50, N_r <= 2, 16x1", "llama-2-7b", "tightllm",
+     {"percent": (100, 0, 50, 50, 100, 0), "max_recompute_tokens": 2, "kv_solver": "exact"}, 512, 32, 16, 1, 40),
 )
 PROFILE = "results/profiles/h200_offexec.json"
 # the records of the first run (commit c853c92) carry the names these configurations had then

@@ -198,7 +198,7 @@ def run_cases(cases: list[dict], args) -> list[dict]:
     by_model: dict[str, list[dict]] = {}
     for c in cases:
         done = out / (f"h200_{c['split']}" if "split" in c else "") / f"{c['tag']}.case.json"
-        if done.exists():  # measured by an earlier run: resumable
+        if done.exists() and not args.remeasure:  # measured by an earlier run: resumable
             continue
         by_model.setdefault(json.dumps(c["model_config"], sort_keys=True), []).append(c)
     for key, group in by_model.items():
@@ -222,6 +222,8 @@ def run_cases(cases: list[dict], args) -> list[dict]:
                 dest = out / f"h200_{c['split']}" if "split" in c else out
                 dest.mkdir(parents=True, exist_ok=True)
                 wl = Workload.from_dict(c["workload"])
+                if args.kv_solver and policy == "tightllm":  # the ILP's N_r (its exact path), no cvxpy needed
+                    c = {**c, "settings": {**c["settings"], "kv_solver": args.kv_solver}}
                 try:
                     plan = build_plan(policy, model, base, wl, c["settings"])
                     check_plan(plan, torch.device(args.device), int(base.gpu_mem_bytes), args.disk_dir,
@@ -294,6 +296,12 @@ def main() -> None:
                     help="before each measured run, run the same plan for two steps unmeasured")
     ap.add_argument("--disk-dir", default=None, help="folder of the disk tier (a real disk: O_DIRECT)")
     ap.add_argument("--only-models", nargs="+", default=None, help="run mode: only the cases of these models")
+    ap.add_argument("--only-cases", nargs="+", default=None,
+                    help="run mode: only the cases whose tag contains one of these strings")
+    ap.add_argument("--remeasure", action="store_true",
+                    help="run mode: measure cases whose file exists again (replacing it: after an executor change)")
+    ap.add_argument("--kv-solver", default=None, choices=("ilp", "exact"),
+                    help="TightLLM's N_r solver instead of the config's (exact: the ILP's answers without cvxpy)")
     ap.add_argument("--time-limit-s", type=float, default=None,
                     help="run mode: start no case after this many seconds (a later run resumes)")
     ap.add_argument("--v2-seed", type=int, default=None,
@@ -314,6 +322,8 @@ def main() -> None:
         return
     if args.only_models:
         cases = [c for c in cases if c["model"] in args.only_models]
+    if args.only_cases:
+        cases = [c for c in cases if any(s in c["tag"] for s in args.only_cases)]
     summary = run_cases(cases, args)
     finish({"cases": sum("err" in r for r in summary), "failed": sum("error" in r for r in summary),
             "out": args.out})
