@@ -278,6 +278,60 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
     return [[key, mode, part, pts] for (mode, part), pts in sorted(curves.items())]
 
 
+def profile_graph_recompute(spec, device: str = "cuda", batches=(1, 4, 16, 64), q_tokens=(2, 4, 8),
+                            gen_len: int = 8, progress: bool = True) -> list:
+    """Op-table rows ('graph_tokens', part, [[rows, s], ...]) of TightLLM's decode ops that recompute N_r tokens
+    beside the new one (q = N_r + 1 query tokens, up to ``costmodel.GRAPH_MAX_Q_TOKENS``), replayed as CUDA graphs
+    as offexec runs them, by rows (sequences x q). Two-layer TightLLM plans of the model, weights on the GPU and
+    the KV cache in host memory (so that recomputing is worth it), N_r capped at q - 1, each run once unmeasured;
+    the median of each op size's decode ops after the step that captures its graphs."""
+    import dataclasses
+
+    import torch
+
+    from offexec.executor import run_plan
+    from offexec.weights import random_weights
+    from offsim.core.costmodel import GRAPH_MAX_Q_TOKENS, graphed
+    from offsim.core.specs import Workload, layer_key, load_hardware_preset
+    from offsim.policies.registry import build_plan
+
+    small = dataclasses.replace(spec, num_layers=2)
+    dt = torch.float16 if spec.dtype_bytes == 2 else torch.float32
+    weights = random_weights(small, 0, dt, device=device, pinned=device == "cuda", progress=False)
+    # plans built on an H200 whose host-to-GPU link is a thousand times slower: recomputing always beats loading,
+    # so N_r is the cap and every decode layer op has exactly q query tokens (only the plan's shape matters here)
+    h200 = load_hardware_preset("h200")
+    hw = h200.with_(h2d_pinned=tuple((x, y * 1e-3) for x, y in h200.h2d_pinned))
+    prompt = 2 * max(q_tokens)  # room for N_r recomputed prompt tokens
+    samples: dict[tuple, list] = {}
+    runs = [(b, q) for b in batches for q in q_tokens if 1 < q <= GRAPH_MAX_Q_TOKENS]
+    try:
+        from tqdm import tqdm
+
+        it = tqdm(runs, desc=f"recompute graphs {spec.name}", unit="run", file=sys.stderr, disable=not progress)
+    except ImportError:  # pragma: no cover
+        it = runs
+    try:
+        for b, q in it:
+            settings = {"percent": [100, 0, 0, 100, 100, 0], "max_recompute_tokens": q - 1, "kv_solver": "exact"}
+            plan = build_plan("tightllm", small, hw, Workload(prompt, gen_len, b, 1), settings)
+            graphs = "cuda" if device == "cuda" else "static"
+            run_plan(plan, weights, device, graphs=graphs, allocator_cap="budget")  # unmeasured: see profile_ops
+            res = run_plan(plan, weights, device, graphs=graphs, allocator_cap="budget")
+            for r in res.trace.df.itertuples():
+                op = plan.ops[r.op_id]
+                if op.step >= 2 and op.q_tokens > 1 and graphed(op.kind, op.part, op.q_tokens, op.phase,
+                                                                plan.graph_q_tokens):
+                    samples.setdefault((op.part, op.num_seqs * op.q_tokens), []).append(r.end_s - r.start_s)
+            del res
+    finally:
+        weights.close()
+    curves: dict[str, list] = {}
+    for (part, x), ts in sorted(samples.items()):
+        curves.setdefault(part, []).append([float(x), float(statistics.median(ts))])
+    return [[layer_key(spec), "graph_tokens", part, pts] for part, pts in sorted(curves.items())]
+
+
 def profile_attention(spec, device: str, peak_flops: float, reps: int = 10) -> list:
     """Op-table rows of causal GPU attention's FLOP efficiency by context for one model's heads (GQA included),
     through ``offexec.model.attention`` over the executor's KV layout (views of a [ctx, 2, batch, heads, head_dim]
@@ -467,16 +521,20 @@ def add_profile_parser(sub) -> None:
     p.add_argument("--attention-only", action="store_true",
                    help="with --ops: measure only the GPU attention rows (by context, each model's heads) and "
                         "the sustained compute fraction")
+    p.add_argument("--recompute-only", action="store_true",
+                   help="with --ops: measure only the graphed recompute rows (TightLLM's decode ops of 2 to 8 "
+                        "query tokens as CUDA graphs)")
     p.add_argument("--op-batches", default="1,4,16,64", metavar="N,N,...",
                    help="sequences per GPU batch of the op-table runs (default: %(default)s)")
     p.set_defaults(func=cmd_profile)
 
 
-def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64), attention_only: bool = False
-                  ) -> dict:
+def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64), attention_only: bool = False,
+                  recompute_only: bool = False) -> dict:
     """Profile dict ``d`` with op tables for ``models`` (replacing rows of the same layer shapes and modes), CPU
     attention re-measured through the executor's path and the sustained compute fraction; ``attention_only``: the
-    GPU attention rows and the sustained fraction alone (the rest of ``d`` kept). Provenance says which."""
+    GPU attention rows and the sustained fraction alone; ``recompute_only``: the graphed recompute rows alone (the
+    rest of ``d`` kept). Provenance says which."""
     from offsim.core.provenance import provenance
     from offsim.core.specs import HardwareSpec, get_model
 
@@ -484,14 +542,20 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
     specs = [get_model(m) for m in models]
     rows = []
     for spec in specs:
-        if not attention_only:
+        if not (attention_only or recompute_only):
             rows += profile_ops(spec, device, batches=batches)
-        rows += profile_attention(spec, device, float(d["gpu_peak_flops"]))
+        if not attention_only and device == "cuda":
+            rows += profile_graph_recompute(spec, device, batches=batches)
+        if not recompute_only:
+            rows += profile_attention(spec, device, float(d["gpu_peak_flops"]))
     keys = {(r[0], r[1], r[2]) for r in rows}
     d["op_times"] = [r for r in d.get("op_times", []) if tuple(r[:3]) not in keys] + rows
-    d["sustained_compute_fraction"] = float(profile_sustained(device))
     prov = dict(d.get("provenance", {}))
-    if attention_only:
+    if not recompute_only:
+        d["sustained_compute_fraction"] = float(profile_sustained(device))
+    if recompute_only:
+        prov["recompute_graph_tables"] = provenance(models=models, batches=list(batches), device=device)
+    elif attention_only:
         prov["attention_tables"] = provenance(models=models, device=device)
     else:
         d["cpu_attention_flops"] = float(profile_cpu_attention(specs[0], 10))
@@ -529,7 +593,7 @@ def cmd_profile(args) -> dict:
     else:
         d = run_profile(args.model, args.device, args.quick, args.peak_tflops, args.disk_dir, args.name)
     if models:
-        d = add_op_tables(d, models, args.device, batches, args.attention_only)
+        d = add_op_tables(d, models, args.device, batches, args.attention_only, args.recompute_only)
         if args.name:
             d["name"] = args.name
     out = Path(args.out)

@@ -550,3 +550,33 @@ def test_profiled_rows_load_and_price_a_simulated_plan(probed):
     # the measured tables, not the H200's analytical terms, set the pace of this tiny model
     base = simulate(plan, H200).df
     assert df.end_s.max() != pytest.approx(base.end_s.max(), rel=1e-3)
+
+
+def test_graphed_recompute_op_reads_the_graph_rows_then_the_gpu_bound_tokens_rows():
+    """A decode op of 1 < q <= GRAPH_MAX_Q_TOKENS query tokens that offexec replays as a graph is priced by its rows
+    (sequences x q) on the 'graph' table, then linearly up to the 'tokens' table's first GPU-bound size (its smaller
+    sizes are eager timings that include host issue); past GRAPH_MAX_Q_TOKENS, or eager, the 'tokens' table."""
+    rows = tuple(r for r in ROWS if r[1:3] != ("tokens", "layer")) + (
+        (KEY, "tokens", "layer", ((16.0, 1e-3), (256.0, 4e-3), (512.0, 3e-3), (1024.0, 6e-3))),)
+    hw = H200.with_(op_times=rows)
+    ctx = 300
+    for n, q, table in ((2, 3, 1e-4 + 5 / 7 * 1e-4), (64, 5, 2e-4 + 312 / 504 * 2.8e-3)):
+        att = C.attention_seconds(M, hw, n, q, ctx)
+        assert C.compute_seconds(M, hw, "layer", n, q, ctx, graphs=True) == pytest.approx(
+            C._sustained(hw, table + att, n * q), rel=1e-12)
+        eager = C.table_seconds(curve(hw, "tokens", "layer"), n * q) + att
+        assert C.compute_seconds(M, hw, "layer", n, q, ctx, graphs=False) == pytest.approx(
+            C._sustained(hw, eager, n * q), rel=1e-12)
+    q = C.GRAPH_MAX_Q_TOKENS + 1  # never graphed
+    assert C.compute_seconds(M, hw, "layer", 4, q, ctx, graphs=True) == C.compute_seconds(M, hw, "layer", 4, q, ctx,
+                                                                                        graphs=False)
+    # op_seconds asks the plan: decode only, and only up to the plan's longest graphed op
+    from types import SimpleNamespace
+    op = SimpleNamespace(kind="compute", part="layer", num_seqs=2, q_tokens=3, ctx_tokens=ctx, phase="decode")
+    graphed = C.compute_seconds(M, hw, "layer", 2, 3, ctx, graphs=True)
+    eager = C.compute_seconds(M, hw, "layer", 2, 3, ctx, graphs=False)
+    assert graphed < eager
+    assert C.op_seconds(op, M, hw, graph_q_tokens=C.GRAPH_MAX_Q_TOKENS) == graphed
+    assert C.op_seconds(op, M, hw, graph_q_tokens=1) == eager  # a run from before recompute graphs
+    assert C.op_seconds(op, M, hw, graph_q_tokens=0) == eager  # graphs off
+    assert C.op_seconds(SimpleNamespace(**{**vars(op), "phase": "prefill"}), M, hw) == eager

@@ -210,15 +210,49 @@ def table_seconds(curve: Curve, x: float) -> float:
     return ys[i - 1] + w * (ys[i] - ys[i - 1])
 
 
+# tokens at and above which an eager op of the 'tokens' table keeps the GPU busy while the host issues it (below,
+# its measured time includes host issue, and the probe's small sizes scatter by +-20 %: docs/cost-model.md §4a)
+GPU_BOUND_TOKENS = 512
+_GRAPH_TOKENS: dict[tuple, Curve] = {}
+
+
+def _graph_tokens_curve(hw: HardwareSpec, model: ModelSpec, part: str) -> Curve | None:
+    """A graphed op of q > 1 query tokens by its rows (sequences x q): the profile's 'graph_tokens' table where it
+    measured one (``offexec profile``: such ops replayed as offexec runs them); otherwise the 'graph' table
+    (one-token decode ops, rows = sequences: the same GEMMs) up to its largest size, then the 'tokens' table from
+    ``GPU_BOUND_TOKENS`` on, linear between (an op's time is close to affine in its rows)."""
+    measured = op_table(hw, model, "graph_tokens", part)
+    if measured is not None:
+        return measured
+    g, t = op_table(hw, model, "graph", part), op_table(hw, model, "tokens", part)
+    if g is None or t is None:
+        return g or t
+    key = (id(g), id(t))
+    c = _GRAPH_TOKENS.get(key)
+    if c is None or c[0] is not g:
+        top = max(x for x, _ in g)
+        merged = sorted(g) + [p for p in sorted(t) if p[0] > top and p[0] >= GPU_BOUND_TOKENS]
+        if len(_GRAPH_TOKENS) > 256:
+            _GRAPH_TOKENS.clear()
+        c = _GRAPH_TOKENS[key] = (g, merged)
+    return c[1]
+
+
 def _table_compute_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_tokens: int,
                            graphs: bool) -> float | None:
-    """A compute op priced from the op tables (without attention over its context), or None without a row."""
+    """A compute op priced from the op tables (without attention over its context), or None without a row.
+    ``graphs``: this op is a CUDA-graph replay (``graphed``)."""
     if part == "head":  # the LM head reads each sequence's last position only
         mode, x = "eager", num_seqs
+    elif graphs and part in GRAPHED_PARTS and q_tokens <= GRAPH_MAX_Q_TOKENS:
+        if q_tokens > 1:
+            curve = _graph_tokens_curve(hw, model, part)
+            return None if curve is None else table_seconds(curve, num_seqs * q_tokens)
+        mode, x = "graph", num_seqs
     elif part == "embed" or q_tokens > 1:
         mode, x = "tokens", num_seqs * q_tokens
     else:
-        mode, x = ("graph" if graphs and part in GRAPHED_PARTS else "eager"), num_seqs
+        mode, x = "eager", num_seqs
     curve = op_table(hw, model, mode, part)
     return None if curve is None else table_seconds(curve, x)
 
@@ -227,7 +261,7 @@ def compute_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_t
                     graphs: bool = True):
     """One GPU compute op: ``part`` of one layer (or 'embed'/'head') for a batch of ``num_seqs`` sequences.
     'layer' = 'pre_attn' (norm, QKV) + 'attn' + 'post_attn' (output projection, norm, FFN). ``graphs``: the runtime
-    replays decode ops as CUDA graphs (``Plan.cuda_graphs``).
+    replays this op as a CUDA graph (``graphed``: a decode op of at most the plan's ``graph_q_tokens`` tokens).
 
     Where the profile has an op table for this model's layer shape (``HardwareSpec.op_times``), the op's time is the
     table's (measured through the executor at this size) plus attention over its real context; otherwise the
@@ -312,13 +346,15 @@ def issue_seconds(op, hw: HardwareSpec, graph_q_tokens: int = 0) -> float:
 
 
 def op_seconds(op, model: ModelSpec, hw: HardwareSpec, other_busy_s: float = 0.0, disk_cached: bool = False,
-               graphs: bool = True) -> float:
+               graph_q_tokens: int = GRAPH_MAX_Q_TOKENS) -> float:
     """Duration of one plan op (see ``offsim.core.plan.Op``). ``other_busy_s``: for PCIe copies, how long the opposite
     direction stays busy from this op's start (duplex). ``disk_cached``: the plan's disk tier is page-cached.
-    ``graphs``: the plan's ``cuda_graphs`` (decode ops replayed as CUDA graphs)."""
+    ``graph_q_tokens``: the plan's ``graph_q_tokens`` (decode ops of up to this many query tokens replayed as CUDA
+    graphs; 0: none)."""
     k = op.kind
     if k == "compute":
-        return compute_seconds(model, hw, op.part, op.num_seqs, op.q_tokens, op.ctx_tokens, graphs)
+        g = bool(graph_q_tokens) and graphed(k, op.part, op.q_tokens, op.phase, graph_q_tokens)
+        return compute_seconds(model, hw, op.part, op.num_seqs, op.q_tokens, op.ctx_tokens, g)
     if k == "cpu_compute":
         return cpu_attention_seconds(model, hw, op.num_seqs, op.q_tokens, op.ctx_tokens)
     if k in ("h2d", "d2h"):

@@ -72,12 +72,12 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
         other = _OPPOSITE.get(op.kind)
         other_busy = max(0.0, busy_until[other] - now) if other else 0.0
         if other_busy > 0.0:
-            return costmodel.op_seconds(op, model, hw, other_busy, disk_cached, plan.cuda_graphs)
+            return costmodel.op_seconds(op, model, hw, other_busy, disk_cached, plan.graph_q_tokens)
         key = (op.kind, op.part, op.num_seqs, op.q_tokens, op.ctx_tokens, op.nbytes, op.pinned, op.tensor)
         d = duration_cache.get(key)
         if d is None:
             d = duration_cache[key] = costmodel.op_seconds(op, model, hw, disk_cached=disk_cached,
-                                                           graphs=plan.cuda_graphs)
+                                                           graph_q_tokens=plan.graph_q_tokens)
         return d
 
     # the host issues ops one after another in plan order (a single issuing thread); an op cannot start before
@@ -125,7 +125,7 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
                 dt = duration_cache.get(key)
                 if dt is None:
                     dt = duration_cache[key] = costmodel.op_seconds(op, model, hw, disk_cached=disk_cached,
-                                                                    graphs=plan.cuda_graphs)
+                                                                    graph_q_tokens=plan.graph_q_tokens)
             busy_until[op.stream] = now + dt
             yield env.timeout(dt)
             end[op.id] = env.now
@@ -236,7 +236,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
         d = cache.get(key)
         if d is None:
             d = cache[key] = costmodel.op_seconds(op_at(i), model, hw, disk_cached=disk_cached,
-                                                  graphs=plan.cuda_graphs)
+                                                  graph_q_tokens=plan.graph_q_tokens)
         dur0[i] = d
     # each stream's ops in plan order (numpy: a tenth of the time of appending op by op)
     sarr = np.asarray(sidx, dtype=np.intp)
@@ -384,7 +384,8 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                             raise overflow(i, now, 2, mem_d)
             o = other_of[s]
             if o >= 0 and busy_until[o] > now:  # the opposite direction is busy: priced for the overlap
-                dt = costmodel.op_seconds(op_at(i), model, hw, busy_until[o] - now, disk_cached, plan.cuda_graphs)
+                dt = costmodel.op_seconds(op_at(i), model, hw, busy_until[o] - now, disk_cached,
+                                          plan.graph_q_tokens)
             else:
                 dt = dur0[i]
             busy_until[s] = now + dt

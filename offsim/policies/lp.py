@@ -56,7 +56,7 @@ def flexgen_terms(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: 
     h2d_pre = T(hw, w_off * W, "h2d") + T(hw, h_off * s * hid_tok, "h2d")
     d2h_pre = T(hw, c_off * s * kv_tok, "d2h") + T(hw, h_off * s * hid_tok, "d2h")
     disk_pre = cm.disk_seconds(hw, x["wd"] * W, "read") + cm.disk_seconds(hw, x["cd"] * s * kv_tok, "write")
-    comp_pre = nb * cm.compute_seconds(model, hw, "layer", gbs, s, s)
+    comp_pre = nb * cm.compute_seconds(model, hw, "layer", gbs, s, s, graphs=False)
     # an average decode step of one layer for the whole block
     h2d_gen = T(hw, w_off * W, "h2d") + T(hw, h_off * hid_tok, "h2d")
     d2h_gen = T(hw, h_off * hid_tok, "d2h")

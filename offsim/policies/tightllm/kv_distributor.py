@@ -188,7 +188,9 @@ class KVDistributor:
             return hit
         m, hw = self.model, self.hw
         self.stats["evaluations"] += 1
-        t_c = cm.compute_seconds(m, hw, "layer", d.num_seqs, n + 1, d.ctx_tokens + 1)
+        # offexec replays a recompute of up to GRAPH_MAX_Q_TOKENS query tokens as a CUDA graph
+        t_c = cm.compute_seconds(m, hw, "layer", d.num_seqs, n + 1, d.ctx_tokens + 1,
+                                 n + 1 <= cm.GRAPH_MAX_Q_TOKENS)
         loaded = d.ctx_tokens - n
         kv_d = kv_load_bytes(m, d.num_seqs, d.kv_disk_heads, loaded)
         t_kvw = 0.0
@@ -223,7 +225,10 @@ class KVDistributor:
         falling parts at b plus its rising parts at a."""
         _, kvw_b, _, disk_b, _ = self._parts(d, b)
         _, _, hid_a, _, dd_a = self._parts(d, a)
-        lb_c = cm.compute_seconds(self.model, self._hw_lb, "layer", d.num_seqs, a + 1, d.ctx_tokens + 1)
+        lb_c = cm.compute_seconds(self.model, self._hw_lb, "layer", d.num_seqs, a + 1, d.ctx_tokens + 1, False)
+        if a + 1 <= cm.GRAPH_MAX_Q_TOKENS:  # n in [a, b] may run graphed or eager: the lower of the two at a
+            lb_c = min(lb_c, cm.compute_seconds(self.model, self._hw_lb, "layer", d.num_seqs, a + 1,
+                                                d.ctx_tokens + 1, True))
         if d.hidden_serial:
             lb_c += hid_a + dd_a
         return self.combine((lb_c, kvw_b + hid_a, disk_b, dd_a))

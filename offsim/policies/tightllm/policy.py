@@ -526,7 +526,7 @@ def estimate_seconds_per_token(model: ModelSpec, hw: HardwareSpec, wl: Workload,
         dec += kvd.objective(d, n)
         t_w = sum(cm.transfer_seconds(hw, x, "h2d") for x in (d.weight_cpu_bytes, d.weight_disk_bytes) if x)
         t_st = cm.transfer_seconds(hw, kvb_all(model, gbs, off_heads, P - n), "d2h") if off_heads else 0.0
-        pre += max(cm.compute_seconds(model, hw, "layer", gbs, P, P),
+        pre += max(cm.compute_seconds(model, hw, "layer", gbs, P, P, graphs=False),
                    t_w + cm.disk_seconds(hw, d.weight_disk_bytes, "read"), t_st)
     return model.num_layers * (pre + (wl.gen_len - 1) * dec) / (wl.num_prompts * wl.gen_len)
 
