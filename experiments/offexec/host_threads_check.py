@@ -9,6 +9,7 @@ per run: measured and predicted (``--profile``) tok/s, the mean CPU-attention op
 tokens equal the first variant's.
 
     python -m experiments.offexec.host_threads_check --cases TAG [TAG ...] --out FILE   # on the GPU machine
+    python -m experiments.offexec.host_threads_check --report FILE [--md OUT]            # markdown table of a run
 """
 from __future__ import annotations
 
@@ -27,14 +28,25 @@ VARIANTS = (("before: 5 ms, one-token graphs", 5e-3, 1), ("switch 0.2 ms", 2e-4,
 
 def main() -> None:
     ap = argparser(__doc__)
-    ap.add_argument("--cases", nargs="+", required=True, help="case tags of the matrix v2 config")
-    ap.add_argument("--out", required=True, help="JSON lines file")
+    ap.add_argument("--cases", nargs="+", help="case tags of the matrix v2 config")
+    ap.add_argument("--out", help="JSON lines file")
+    ap.add_argument("--report", metavar="FILE", help="write a markdown table of the records in FILE")
+    ap.add_argument("--md", metavar="OUT", help="with --report: the markdown file (default: stdout)")
     ap.add_argument("--profile", default=PROFILE)
     ap.add_argument("--disk-dir", default=None)
     ap.add_argument("--kv-solver", default=None, choices=("ilp", "exact"),
                     help="TightLLM's N_r solver instead of the case's (exact: the same N_r without cvxpy; each run "
                          "records whether its plan is the one measured)")
     args = ap.parse_args()
+    if args.report:
+        text = report(args.report)
+        if args.md:
+            Path(args.md).write_text(text)
+        else:
+            print(text)
+        return
+    if not args.cases or not args.out:
+        ap.error("--cases and --out are required (or --report FILE)")
 
     import numpy as np
     import torch
@@ -111,6 +123,29 @@ def main() -> None:
             w.close()
             torch.cuda.empty_cache()
     out.close()
+
+
+def report(path: str) -> str:
+    """Markdown: one row per run of the records file (its provenance on top)."""
+    recs = [json.loads(line) for line in open(path)]
+    prov = next((r["provenance"] for r in recs if "provenance" in r), {})
+    out = [f"Records `{Path(path).name}`: commit {prov.get('commit')}, {prov.get('date')}, `{prov.get('command')}`.",
+           "Predicted: offsim on `results/profiles/h200_offexec_v2.json` as it was at that commit.", "",
+           "| case | variant | measured total tok/s | predicted | host issue share | mean CPU-attention op (ms) | "
+           "graphs (replays) | tokens as the first variant |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in recs:
+        if "case" not in r:
+            continue
+        if "error" in r:
+            out.append(f"| {r['case']} | {r['variant']} | failed: {r['error']} | | | | | |")
+            continue
+        cpu = r["cpu_attn_decode_mean_ms"]
+        g = r["graphs"]
+        out.append(f"| {r['case']} | {r['variant']} | {r['measured_total_tok_s']:.1f} | "
+                   f"{r['predicted_total_tok_s']:.1f} | {r['issue_frac']:.0%} | "
+                   f"{'' if cpu is None else f'{cpu:.2f}'} | {g['graphs']} ({g['replays']}) | "
+                   f"{r['tokens_agree_frac']:.0%} |")
+    return "\n".join(out) + "\n"
 
 
 if __name__ == "__main__":
