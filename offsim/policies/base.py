@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple
 from offsim.core.errors import OffsimError
 from offsim.core.footprint import Placement
 from offsim.core.plan import Plan
-from offsim.core.specs import HardwareSpec, ModelSpec, Workload
+from offsim.core.specs import Compression, HardwareSpec, ModelSpec, Workload
 
 
 class Candidate(NamedTuple):
@@ -70,6 +70,15 @@ class Policy:
         ``sublayer``)."""
         names = set(self.input_names())
         return {**self.before_inputs, **{k: v for k, v in recorded.items() if k in names}}
+
+
+def compression_of(st: Any) -> Compression:
+    """A settings object's compression (its ``compress_weight``, ``compress_cache`` and ``sparse_attention``;
+    ``Compression.from_settings``), checked against its CPU attention: what a settings ``__post_init__`` calls so
+    that a bad combination is refused on construction, in one line."""
+    comp = Compression.from_settings(st)
+    comp.check_cpu_attention(getattr(st, "cpu_attention", False))
+    return comp
 
 
 def capacity_of(hw: HardwareSpec) -> dict[str, int]:

@@ -12,7 +12,8 @@ from offsim.core import footprint as fp
 from offsim.core.errors import OffsimError
 from offsim.core.plan import Plan
 from offsim.core.specs import HardwareSpec, ModelSpec, Workload
-from offsim.policies.base import Candidate, Policy, capacity_of, kv_split_from_percent, weight_split_from_percent
+from offsim.policies.base import (Candidate, Policy, capacity_of, compression_of, kv_split_from_percent,
+                                  weight_split_from_percent)
 from offsim.policies.lp import flexgen_candidates
 from offsim.policies.schedule import Schedule, build_block_plan
 
@@ -27,6 +28,10 @@ class FlexGenSettings:
     cpu_attention: bool = False  # FlexGen's --cpu-cache-compute
     pin_weights: bool = True  # FlexGen's --pin-weight
     sublayer: bool = True  # stream the attention's and the MLP's weights separately, as FlexGen's code does
+    # FlexGen's approximations (``specs.Compression``): --compress-weight, --compress-cache, --sparse-attention
+    compress_weight: bool = False
+    compress_cache: bool = False
+    sparse_attention: float = 1.0
 
     def __post_init__(self):
         p = tuple(self.percent)
@@ -39,6 +44,7 @@ class FlexGenSettings:
             raise OffsimError(f"--percent: activations GPU + CPU must sum to 100 (activations never go to disk), "
                               f"got {p[4]} + {p[5]}")
         object.__setattr__(self, "percent", p)
+        compression_of(self)
 
 
 def flexgen_schedule(model: ModelSpec, st: FlexGenSettings) -> Schedule:
@@ -49,7 +55,7 @@ def flexgen_schedule(model: ModelSpec, st: FlexGenSettings) -> Schedule:
     return Schedule(policy="flexgen", weight_split=(split,) * model.num_layers, kv_split=kv,
                     hidden_home="gpu" if ag >= ac else "cpu", prefetch=True, overlap=st.overlap,
                     cpu_attention=st.cpu_attention, pinned=st.pin_weights, sublayer=st.sublayer,
-                    settings=tuple(dataclasses.asdict(st).items()))
+                    compression=compression_of(st), settings=tuple(dataclasses.asdict(st).items()))
 
 
 def flexgen_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: FlexGenSettings) -> Plan:

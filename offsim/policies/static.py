@@ -9,6 +9,7 @@ block schedule (``offsim.policies.schedule``) with one GPU batch.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -16,7 +17,7 @@ from offsim.core import footprint as fp
 from offsim.core.errors import OffsimError
 from offsim.core.plan import Plan
 from offsim.core.specs import HardwareSpec, ModelSpec, Workload
-from offsim.policies.base import Candidate, Policy, capacity_of, host_offload_tier
+from offsim.policies.base import Candidate, Policy, capacity_of, compression_of, host_offload_tier
 from offsim.policies.lp import GPU_BATCH_SIZES
 from offsim.policies.schedule import Schedule, build_block_plan
 
@@ -28,10 +29,15 @@ class AccelerateSettings:
 
     gpu_layers: int | None = None
     offload: str = "cpu"
+    # FlexGen's approximations (``specs.Compression``): --compress-weight, --compress-cache, --sparse-attention
+    compress_weight: bool = False
+    compress_cache: bool = False
+    sparse_attention: float = 1.0
 
     def __post_init__(self):
         if self.offload not in ("cpu", "disk"):
             raise OffsimError(f"offload must be 'cpu' or 'disk', got {self.offload!r}")
+        compression_of(self)
 
 
 def accelerate_gpu_layers(model: ModelSpec, hw: HardwareSpec, wl: Workload) -> int:
@@ -55,8 +61,8 @@ def _accelerate_schedule(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: A
     off = (0, W) if st.offload == "cpu" else (0, 0)
     split = tuple((W, 0) if j < n else off for j in range(model.num_layers))
     return Schedule(policy="static-accelerate", weight_split=split, kv_split=(model.num_kv_heads, 0), prefetch=False,
-                    overlap=True, pinned=False, settings=(("gpu_layers", st.gpu_layers), ("offload", st.offload)),
-                    derived=(("gpu_layers", n),))
+                    overlap=True, pinned=False, compression=compression_of(st),
+                    settings=tuple(dataclasses.asdict(st).items()), derived=(("gpu_layers", n),))
 
 
 def static_accelerate_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: AccelerateSettings) -> Plan:
@@ -70,10 +76,15 @@ class ZeroSettings:
 
     offload: str = "cpu"
     kv_on_cpu: bool = False
+    # FlexGen's approximations (``specs.Compression``): --compress-weight, --compress-cache, --sparse-attention
+    compress_weight: bool = False
+    compress_cache: bool = False
+    sparse_attention: float = 1.0
 
     def __post_init__(self):
         if self.offload not in ("cpu", "disk"):
             raise OffsimError(f"offload must be 'cpu' or 'disk', got {self.offload!r}")
+        compression_of(self)
 
 
 def _zero_schedule(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: ZeroSettings) -> Schedule:
@@ -83,7 +94,7 @@ def _zero_schedule(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: ZeroSet
     split = ((0, W) if st.offload == "cpu" else (0, 0),) * model.num_layers
     kv = (0, model.num_kv_heads) if st.kv_on_cpu else (model.num_kv_heads, 0)
     return Schedule(policy="static-zero", weight_split=split, kv_split=kv, prefetch=True, overlap=True, pinned=True,
-                    settings=(("offload", st.offload), ("kv_on_cpu", st.kv_on_cpu)))
+                    compression=compression_of(st), settings=tuple(dataclasses.asdict(st).items()))
 
 
 def static_zero_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: ZeroSettings) -> Plan:
