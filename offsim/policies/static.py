@@ -16,7 +16,7 @@ from typing import Iterable
 from offsim.core import footprint as fp
 from offsim.core.errors import OffsimError
 from offsim.core.plan import Plan
-from offsim.core.specs import HardwareSpec, ModelSpec, Workload
+from offsim.core.specs import NO_COMPRESSION, Compression, HardwareSpec, ModelSpec, Workload
 from offsim.policies.base import Candidate, Policy, capacity_of, compression_of, host_offload_tier
 from offsim.policies.lp import GPU_BATCH_SIZES
 from offsim.policies.schedule import Schedule, build_block_plan
@@ -40,22 +40,23 @@ class AccelerateSettings:
         compression_of(self)
 
 
-def accelerate_gpu_layers(model: ModelSpec, hw: HardwareSpec, wl: Workload) -> int:
+def accelerate_gpu_layers(model: ModelSpec, hw: HardwareSpec, wl: Workload,
+                          comp: Compression = NO_COMPRESSION) -> int:
     """How many whole decoder layers fit on the GPU beside everything else the GPU holds with every layer offloaded
     (``footprint.placement_tier_bytes``: embeddings, token ids, the KV cache at full length, the activations, the
     largest op peak and one streamed layer's slot) -- what device_map='auto' with max_memory does, leaving room
-    for generation."""
+    for generation. With compression (``comp``), at the layers' stored size."""
     W, L = fp.layer_weight_bytes(model), model.num_layers
-    pl = fp.Placement(((0, W),) * L, (model.num_kv_heads, 0), weight_buffers=1)
+    pl = fp.Placement(((0, W),) * L, (model.num_kv_heads, 0), weight_buffers=1, compression=comp)
     fixed = sum(fp.placement_tier_bytes(model, wl, pl)["gpu"].values())
-    return max(0, min(L, (hw.gpu_mem_bytes - fixed) // W))
+    return max(0, min(L, (hw.gpu_mem_bytes - fixed) // fp.stored_layer_weight_bytes(model, comp)))
 
 
 def _accelerate_schedule(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: AccelerateSettings) -> Schedule:
     if wl.num_gpu_batches != 1:
         raise OffsimError("static-accelerate runs one GPU batch at a time: use --num-gpu-batches 1")
     W = model.layer_weight_bytes()
-    n = accelerate_gpu_layers(model, hw, wl) if st.gpu_layers is None else st.gpu_layers
+    n = accelerate_gpu_layers(model, hw, wl, compression_of(st)) if st.gpu_layers is None else st.gpu_layers
     if not 0 <= n <= model.num_layers:
         raise OffsimError(f"gpu_layers must be in [0, {model.num_layers}], got {n}")
     off = (0, W) if st.offload == "cpu" else (0, 0)
