@@ -278,8 +278,9 @@ def quant_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_tok
 
         compressed weights: dequantize the part's weight matrices to fp16 before its GEMMs, every op (FlexGen
                             decompresses in each batch's mha/mlp call): matrix elements = GEMM FLOPs per token / 2
-        compressed cache:   dequantize the K and V the attention reads (V at its sparse share) and quantize the
-                            new tokens' K and V on store
+        compressed cache:   dequantize the cached K and V the attention reads -- the ctx − q positions before the
+                            op's queries, V at its sparse share; the q new (or recomputed, TightLLM) tokens' K and
+                            V are fresh fp16 -- and quantize the new tokens' K and V on store
         t = fp16 bytes / quant_bytes_per_s
 
     0 for the embedding and the head (kept fp16 on the GPU)."""
@@ -291,7 +292,8 @@ def quant_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_tok
     if comp.cache:
         kv_tok = model.kv_bytes_per_token()
         if part in _KV_READ_PARTS:
-            fp16_bytes += num_seqs * ctx_tokens * kv_tok * (1 + sparse_share(q_tokens, ctx_tokens, comp)) / 2
+            cached = ctx_tokens - q_tokens
+            fp16_bytes += num_seqs * cached * kv_tok * (1 + sparse_share(q_tokens, ctx_tokens, comp)) / 2
         if part in _KV_STORE_PARTS:
             fp16_bytes += num_seqs * q_tokens * kv_tok
     return fp16_bytes / quant_bytes_per_s(hw)
