@@ -68,7 +68,7 @@ def fraction(s: str) -> float:
     return v
 
 
-COMPRESSION_POLICIES = "flexgen, static-accelerate, static-zero, selectn"
+COMPRESSION_POLICIES = ", ".join(p for p, rec in POLICIES.items() if rec.compressible)  # their settings carry it
 
 
 def add_compression_args(p: argparse.ArgumentParser, choice: bool = False) -> None:
@@ -343,7 +343,13 @@ def cmd_search(args) -> None:
             if c in res.candidates]
     print(f"\ncandidates evaluated ({len(res.candidates)}; best first):")
     print(res.candidates[cols].head(args.show).to_string(index=False))
-    _print_json(summary(res.metrics, res.settings))
+    out = summary(res.metrics, res.settings)
+    by_comp = res.best_by_compression()
+    if len(compression_choices(args)) > 1:  # the user asked to compare: the best of each choice
+        print("\nbest screened total tok/s by compression: " +
+              ", ".join(f"{k} {v:,.3f}" for k, v in by_comp.items()))
+        out["best_by_compression"] = by_comp
+    _print_json(out)
 
 
 def _compare_table(out: list[dict]) -> str:

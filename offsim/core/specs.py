@@ -321,6 +321,12 @@ class Compression:
         """Whether anything differs from dense fp16."""
         return self.weight or self.cache or self.sparse_attention < 1
 
+    def describe(self) -> str:
+        """A short label: 'fp16', '4-bit weights', '4-bit cache', '4-bit weights+cache', with ', sparse 0.1'."""
+        parts = [p for p, on in (("weights", self.weight), ("cache", self.cache)) if on]
+        out = "4-bit " + "+".join(parts) if parts else "fp16"
+        return out + (f", sparse {self.sparse_attention:g}" if self.sparse_attention < 1 else "")
+
     def settings(self) -> dict:
         """As policy settings (``COMPRESSION_KEYS``)."""
         return {"compress_weight": self.weight, "compress_cache": self.cache,

@@ -26,6 +26,16 @@ class SearchResult:
     metrics: dict[str, Any]
     candidates: pd.DataFrame  # every candidate evaluated (simulated or not), best first
 
+    def best_by_compression(self) -> dict[str, float]:
+        """The best screened total tok/s of each compression choice the search tried ('fp16', '4-bit cache', ...),
+        best first: how much compression buys here."""
+        out: dict[str, float] = {}
+        for st, tok_s in zip(self.candidates["settings"], self.candidates.get("screen_total_tok_s", [])):
+            if tok_s == tok_s:  # (NaN: not screened)
+                label = Compression.from_settings(st).describe()
+                out[label] = max(out.get(label, 0.0), float(tok_s))
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
     def summary(self) -> dict:
         return {"policy": self.policy, "settings": self.settings, "gpu_batch_size": self.workload.gpu_batch_size,
                 "num_gpu_batches": self.workload.num_gpu_batches, **{k: self.metrics[k] for k in (
@@ -117,9 +127,11 @@ def _candidates(pol, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_le
                 max_batch: int | None, comp: Compression) -> list:
     """The candidates of one compression choice: a ranked policy's 2 · max_sims best, else all of them."""
     if comp.any and not pol.compressible:
-        raise OffsimError(f"policy {pol.name} does not model compression or sparse attention (those that do: "
-                          "flexgen, static-accelerate, static-zero, selectn); drop --compress-weight, "
-                          "--compress-cache and --sparse-attention for it")
+        from offsim.policies import POLICIES
+
+        can = ", ".join(p for p, rec in POLICIES.items() if rec.compressible)
+        raise OffsimError(f"policy {pol.name} does not model compression or sparse attention (those that do: {can}); "
+                          "drop --compress-weight, --compress-cache and --sparse-attention for it")
     if pol.ranks_compression:
         drawn = pol.candidates(model, hw, prompt_len, gen_len, None, compression=comp)
     else:
