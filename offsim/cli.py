@@ -79,7 +79,7 @@ def add_compression_args(p: argparse.ArgumentParser, choice: bool = False) -> No
         dict(action="store_true")
     p.add_argument("--compress-weight", **kw,
                    help="store decoder weight matrices 4-bit group-wise (groups of 64 along the output channel, fp16 "
-                        "min and scale per group), dequantized to fp16 before compute (FlexGen's --compress-weight)"
+                        "min and step per group), dequantized to fp16 before compute (FlexGen's --compress-weight)"
                         f"{how}; {COMPRESSION_POLICIES}")
     p.add_argument("--compress-cache", **kw,
                    help="store the KV cache 4-bit group-wise (groups of 64 along the head dimension), quantized on "

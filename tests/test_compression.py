@@ -225,3 +225,35 @@ def test_offexec_refuses_a_compressed_plan_in_one_line(tmp_path, capsys):
     rc = offexec_main(["run", "--plan", str(path), "--device", "cpu", "--hardware", "t4"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and "compressed" in err
+
+
+def test_tightllm_recomputes_less_when_the_cache_is_compressed():
+    """Compressed KV is cheaper to load, so the KV distributor trades less of it for recompute; the recomputed
+    tokens' KV is fresh fp16 (no dequantize), only the loaded prefix is dequantized."""
+    m = get_model("opt-30b")
+    wl = Workload(512, 4, 64, 2)
+    base = {"percent": (0, 100, 0, 100, 100, 0)}
+    p16 = build_plan("tightllm", m, T4, wl, base)
+    p4 = build_plan("tightllm", m, T4, wl, {**base, "compress_cache": True})
+    n16 = sum(map(sum, p16.derived["recompute_tokens"]))
+    n4 = sum(map(sum, p4.derived["recompute_tokens"]))
+    assert n16 > 0 and n4 < n16
+    assert simulate(p4, T4).metrics()["decode_tok_s"] > simulate(p16, T4).metrics()["decode_tok_s"]
+    q = cm.quant_seconds(m, T4, "layer", 64, 11, 600, Compression(cache=True))  # 10 recomputed + 1 new token
+    kv_tok = m.kv_bytes_per_token()
+    assert q == pytest.approx((64 * 589 * kv_tok + 64 * 11 * kv_tok) / T4.quant_bytes_per_s)
+
+
+def test_static_policies_and_selectn_store_the_packed_weights():
+    from offsim.policies.static import accelerate_gpu_layers
+
+    m = get_model("opt-13b")
+    wl = Workload(128, 4, 4, 1)
+    assert accelerate_gpu_layers(m, T4, wl, Compression(weight=True)) > accelerate_gpu_layers(m, T4, wl)
+    z16 = build_plan("static-zero", m, T4, wl, {})
+    z4 = build_plan("static-zero", m, T4, wl, {"compress_weight": True})
+    assert z4.resident["cpu"] / z16.resident["cpu"] == pytest.approx(fp.weight_stored_fraction(m, C4), rel=1e-3)
+    s16 = build_plan("selectn", m, T4, wl, {"interval": 2})
+    s4 = build_plan("selectn", m, T4, wl, {"interval": 2, "compress_weight": True})
+    assert s4.bytes_by_kind()["h2d"] / s16.bytes_by_kind()["h2d"] == pytest.approx(
+        fp.weight_stored_fraction(m, C4), rel=1e-3)

@@ -278,8 +278,8 @@ def get_model(name_or_path: str | Path) -> ModelSpec:
 # Compression (FlexGen's 4-bit group-wise quantization and sparse attention)
 # ----------------------------------------------------------------------------------------------------------------
 QUANT_BITS = 4  # bits per element of FlexGen's compressed tensors (CompressionConfig(num_bits=4))
-QUANT_GROUP_SIZE = 64  # elements per group sharing one min and one scale (CompressionConfig(group_size=64))
-QUANT_SCALE_BYTES = 2  # the per-group min and scale are fp16 each
+QUANT_GROUP_SIZE = 64  # elements per group sharing one min and one step (CompressionConfig(group_size=64))
+QUANT_SCALE_BYTES = 2  # the per-group min and step (the scale) are fp16 each
 # Which dim a tensor is grouped along (FlexGen's ``group_dim``): a weight [out, in] along dim 0, its output channel
 # (FlexGen's comp_weight_config, group_dim=0 of torch's Linear layout); the KV cache along the head dimension D
 # (comp_cache_config, group_dim=2 of its [s, b·heads, D] layout): a group is 64 consecutive elements of one token's
