@@ -158,3 +158,28 @@ def top_k_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fr
         rows = torch.gather(vx.float(), 2, top_i.squeeze(2).unsqueeze(-1).expand(B, H, keep, D))  # V rows loaded
         out = out + top_w @ rows
     return out.to(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the rate offsim prices the passes with
+# ----------------------------------------------------------------------------------------------------------------
+def measure_dequantize_bytes_per_s(device: str = "cuda", nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """fp16 bytes per second that ``dequantize`` produces on ``device`` for a weight matrix of ``nbytes`` fp16
+    bytes, best of ``repeats`` after one warm-up: ``HardwareSpec.quant_bytes_per_s`` as a profile can measure it
+    (what ``offexec profile`` can write under that key; offsim prices every dequantize and quantize pass with it)."""
+    import time
+
+    cols = 4096
+    rows = max(QUANT_GROUP_SIZE, nbytes // 2 // cols)
+    w = torch.randn(rows, cols, device=device, dtype=torch.float16)
+    p = quantize_weight(w)
+    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+    dequantize(p)
+    best = math.inf
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        dequantize(p)
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return rows * cols * 2 / best

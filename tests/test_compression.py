@@ -260,3 +260,9 @@ def test_static_policies_and_selectn_store_the_packed_weights():
     s4 = build_plan("selectn", m, T4, wl, {"interval": 2, "compress_weight": True})
     assert s4.bytes_by_kind()["h2d"] / s16.bytes_by_kind()["h2d"] == pytest.approx(
         fp.weight_stored_fraction(m, C4), rel=1e-3)
+
+
+def test_dequantize_rate_can_be_measured_for_a_profile():
+    rate = quant.measure_dequantize_bytes_per_s("cpu", nbytes=1 << 20, repeats=2)
+    assert rate > 1e6  # fp16 bytes per second: a profile's quant_bytes_per_s
+    assert get_hardware("t4").with_(quant_bytes_per_s=rate).quant_bytes_per_s == rate
