@@ -16,7 +16,8 @@ prices, which ``Packed.nbytes`` must equal (tests/test_compression.py).
 Error bound per group: rounding to the grid is at most step / 2 = (max − min) / 30, plus fp16 rounding of min, step
 and the output (``round_trip_bound``).
 
-Works on any device (CPU, CUDA): plain tensor ops, computed in fp32 and stored in fp16/uint8.
+Device-agnostic: plain tensor ops, computed in fp32 and stored in fp16/uint8. Tested on the CPU; the CUDA check
+(tests/test_compression.py, marked gpu) compares the packed bytes with the CPU's and has not run on a GPU yet.
 """
 from __future__ import annotations
 

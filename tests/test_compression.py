@@ -266,3 +266,14 @@ def test_dequantize_rate_can_be_measured_for_a_profile():
     rate = quant.measure_dequantize_bytes_per_s("cpu", nbytes=1 << 20, repeats=2)
     assert rate > 1e6  # fp16 bytes per second: a profile's quant_bytes_per_s
     assert get_hardware("t4").with_(quant_bytes_per_s=rate).quant_bytes_per_s == rate
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_packed_format_on_cuda_matches_the_cpu():
+    x = torch.randn(300, 130, dtype=torch.float16)
+    on_cpu = quant.quantize(x, 0)
+    on_gpu = quant.quantize(x.cuda(), 0)
+    assert torch.equal(on_gpu.data.cpu(), on_cpu.data) and torch.equal(on_gpu.scale.cpu(), on_cpu.scale)
+    assert torch.equal(quant.dequantize(on_gpu).cpu(), quant.dequantize(on_cpu))
+    assert on_gpu.nbytes == quant.stored_nbytes(x.shape, 0)
