@@ -277,3 +277,13 @@ def test_packed_format_on_cuda_matches_the_cpu():
     assert torch.equal(on_gpu.data.cpu(), on_cpu.data) and torch.equal(on_gpu.scale.cpu(), on_cpu.scale)
     assert torch.equal(quant.dequantize(on_gpu).cpu(), quant.dequantize(on_cpu))
     assert on_gpu.nbytes == quant.stored_nbytes(x.shape, 0)
+
+
+def test_a_weight_range_is_never_empty_and_its_parts_cover_the_whole():
+    m = get_model("opt-125m")
+    W = m.layer_weight_bytes()
+    assert fp.stored_weight_bytes(m, 2, 4, C4) >= 1  # one element of a matrix: still a byte on the link
+    cuts = [0, 1000, 1002, W // 3, W // 2 + 6, W]
+    parts = sum(fp.stored_weight_bytes(m, a, b, C4) for a, b in zip(cuts, cuts[1:]))
+    whole = fp.stored_layer_weight_bytes(m, C4)
+    assert whole <= parts <= whole + len(cuts) * len(m.layer_tensors())

@@ -243,15 +243,16 @@ def _stored_tensor_table(model: ModelSpec, comp: Compression) -> tuple[tuple[int
 def stored_weight_bytes(model: ModelSpec, lo: int, hi: int, comp: Compression = NO_COMPRESSION) -> int:
     """Stored bytes of bytes [lo, hi) of a layer's flat fp16 weight buffer -- what a copy of that range moves and a
     tier holds. Plans keep addressing weights in fp16 bytes (``Plan.weight_split``, an op's lo/hi); with compressed
-    weights a range is each tensor's packed form in the share the range covers of that tensor (floored: a whole
-    tensor or a whole layer is exact). Without compression: hi − lo."""
+    weights a range is each tensor's packed form in the share the range covers of that tensor (rounded up, so a
+    non-empty range never moves 0 bytes and the parts of a split cover the whole; a whole tensor or layer is
+    exact). Without compression: hi − lo."""
     if not comp.weight:
         return max(hi - lo, 0)
     out = 0
     for t_lo, t_hi, stored in _stored_tensor_table(model, comp):
         a, b = max(lo, t_lo), min(hi, t_hi)
         if b > a:
-            out += stored if (a, b) == (t_lo, t_hi) else stored * (b - a) // (t_hi - t_lo)
+            out += stored if (a, b) == (t_lo, t_hi) else -(-stored * (b - a) // (t_hi - t_lo))  # rounded up
     return out
 
 
