@@ -213,7 +213,7 @@ def kv_buffer_elems(model: ModelSpec, num_seqs: int, max_len: int, heads: int) -
 def quantized_bytes(shape: tuple[int, ...], group_dim: int) -> int:
     """Bytes of a tensor of ``shape`` stored 4-bit group-wise along ``group_dim``: that dim is padded up to whole
     groups of ``QUANT_GROUP_SIZE`` (64) elements; each group holds 64 · 4 / 8 = 32 bytes of packed payload (two
-    elements a byte) and its min and scale in fp16 (2 · 2 bytes) -- 36 bytes per 64 elements, 0.28125 of fp16:
+    elements a byte) and its min and step in fp16 (2 · 2 bytes) -- 36 bytes per 64 elements, 0.28125 of fp16:
 
         groups = ceil(shape[group_dim] / 64) · prod(the other dims)
         bytes  = groups · (64 · 4 / 8 + 2 · 2)
