@@ -26,7 +26,8 @@ GiB = 1 << 30
 TIER_NAMES = {"gpu": "GPU memory", "cpu": "host memory", "disk": "disk"}
 # Options that define a plan: with --plan FILE the plan is the file's, so any of these is a conflict.
 PLAN_DEFINING = ("model", "policy", "gpu_batch_size", "num_gpu_batches", "percent", "prompt_len", "gen_len",
-                 "cpu_attention", "no_overlap", "whole_layers", "no_kv_distributor", "no_weight_loader", "set")
+                 "cpu_attention", "no_overlap", "whole_layers", "no_kv_distributor", "no_weight_loader", "set",
+                 "compress_weight", "compress_cache", "sparse_attention")
 SUMMARY_KEYS = ("model", "hardware", "policy", "batch", "gpu_batch_size", "num_gpu_batches", "prompt_len",
                 "gen_len", "prefill_s", "decode_s", "total_s", "prefill_tok_s", "decode_tok_s", "total_tok_s",
                 "gpu_idle_frac", "peak_gpu_bytes", "peak_cpu_bytes", "peak_disk_bytes")
@@ -55,6 +56,48 @@ def percent_int(s: str) -> int:
     if not 0 <= v <= 100:
         raise argparse.ArgumentTypeError(f"a percentage is in [0, 100], got {v}")
     return v
+
+
+def fraction(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {s!r}") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1] (1: dense attention), got {v:g}")
+    return v
+
+
+COMPRESSION_POLICIES = ", ".join(p for p, rec in POLICIES.items() if rec.compressible)  # their settings carry it
+
+
+def add_compression_args(p: argparse.ArgumentParser, choice: bool = False) -> None:
+    """FlexGen's approximations (``specs.Compression``). ``choice`` (search, compare): each of the two may also be
+    ``auto``, to search over it (fp16 and 4-bit both tried, the best simulated one kept)."""
+    how = " (or 'auto': search both fp16 and 4-bit)" if choice else ""
+    kw = dict(nargs="?", const="on", choices=("on", "off", "auto"), metavar="auto") if choice else \
+        dict(action="store_true")
+    p.add_argument("--compress-weight", **kw,
+                   help="store decoder weight matrices 4-bit group-wise (groups of 64 along the output channel, fp16 "
+                        "min and step per group), dequantized to fp16 before compute (FlexGen's --compress-weight)"
+                        f"{how}; {COMPRESSION_POLICIES}")
+    p.add_argument("--compress-cache", **kw,
+                   help="store the KV cache 4-bit group-wise (groups of 64 along the head dimension), quantized on "
+                        f"store, dequantized before attention (FlexGen's --compress-cache){how}; "
+                        f"{COMPRESSION_POLICIES}")
+    p.add_argument("--sparse-attention", type=fraction, default=None, metavar="FRACTION",
+                   help="in decode each query keeps the top FRACTION of K positions and only those V rows are loaded "
+                        "and multiplied (FlexGen's --attn-sparsity; 1: dense)")
+
+
+def compression_choices(args) -> tuple:
+    """``search``'s compression choices from ``--compress-weight / --compress-cache [auto]`` and
+    ``--sparse-attention``: every combination of the two (fp16 or 4-bit each), the sparse fraction fixed."""
+    from offsim.core.specs import Compression
+
+    opts = {"on": (True,), "off": (False,), "auto": (False, True), None: (False,)}
+    sparse = args.sparse_attention or 1.0
+    return tuple(Compression(w, c, sparse) for w in opts[args.compress_weight] for c in opts[args.compress_cache])
 
 
 def add_target_args(p: argparse.ArgumentParser) -> None:
@@ -117,8 +160,16 @@ def policy_settings(args) -> dict:
         given["kv_distributor"] = False
     if args.no_weight_loader:
         given["weight_loader"] = False
+    if getattr(args, "compress_weight", False):
+        given["compress_weight"] = True
+    if getattr(args, "compress_cache", False):
+        given["compress_cache"] = True
+    if getattr(args, "sparse_attention", None) is not None:
+        given["sparse_attention"] = args.sparse_attention
     flag = {"percent": "--percent", "cpu_attention": "--cpu-attention", "overlap": "--no-overlap",
-            "sublayer": "--whole-layers", "kv_distributor": "--no-kv-distributor", "weight_loader": "--no-weight-loader"}
+            "sublayer": "--whole-layers", "kv_distributor": "--no-kv-distributor", "weight_loader": "--no-weight-loader",
+            "compress_weight": "--compress-weight", "compress_cache": "--compress-cache",
+            "sparse_attention": "--sparse-attention"}
     for k in given:
         if k not in names:
             raise OffsimError(f"{flag[k]} does not apply to policy {args.policy} (its settings: {sorted(names)})")
@@ -283,7 +334,7 @@ def cmd_search(args) -> None:
     hw = get_hardware(args.hardware, args.gpu_mem_gb)
     model = get_model(args.model)
     res = search(args.policy, model, hw, args.prompt_len, args.gen_len, max_sims=args.max_sims,
-                 progress=args.progress)
+                 progress=args.progress, compression=compression_choices(args))
     print(f"best {args.policy} for {model.name} on {hw.name}: gpu_batch_size {res.workload.gpu_batch_size}, "
           f"num_gpu_batches {res.workload.num_gpu_batches}, settings {res.settings}")
     print(_fmt_table([res.metrics]))
@@ -292,7 +343,13 @@ def cmd_search(args) -> None:
             if c in res.candidates]
     print(f"\ncandidates evaluated ({len(res.candidates)}; best first):")
     print(res.candidates[cols].head(args.show).to_string(index=False))
-    _print_json(summary(res.metrics, res.settings))
+    out = summary(res.metrics, res.settings)
+    by_comp = res.best_by_compression()
+    if len(compression_choices(args)) > 1:  # the user asked to compare: the best of each choice
+        print("\nbest screened total tok/s by compression: " +
+              ", ".join(f"{k} {v:,.3f}" for k, v in by_comp.items()))
+        out["best_by_compression"] = by_comp
+    _print_json(out)
 
 
 def _compare_table(out: list[dict]) -> str:
@@ -328,7 +385,7 @@ def cmd_compare(args) -> None:
     for pol in policies:
         try:
             res = search(pol, model, hw, args.prompt_len, args.gen_len, max_sims=args.max_sims,
-                         progress=args.progress)
+                         progress=args.progress, compression=compression_choices(args))
         except OffsimError as e:
             print(f"{pol}: infeasible: {_short_reason(pol, str(e))}", flush=True)
             out.append({"policy": pol, "error": str(e)})
@@ -472,6 +529,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "FlexGen's definitions.")
     add_target_args(s)
     add_policy_args(s)
+    add_compression_args(s)
     s.add_argument("--plan", metavar="FILE",
                    help="simulate a saved plan JSON instead of building one (it carries model, policy, settings "
                         "and workload: options that set those are then an error)")
@@ -494,6 +552,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     q.add_argument("--show", type=positive_int, default=8, help="candidates to list (default: %(default)s)")
     q.add_argument("--progress", action="store_true", help="show a progress bar")
+    add_compression_args(q, choice=True)
     q.set_defaults(func=cmd_search)
     c = sub.add_parser("compare", help="every policy at its best settings, side by side",
                        description="Search every policy (or --policies) and print them side by side, best total "
@@ -504,6 +563,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-sims", type=positive_int, default=3,
                    help="LP-ranked candidates to simulate per policy (default: %(default)s)")
     c.add_argument("--progress", action="store_true", help="show a progress bar per policy")
+    add_compression_args(c, choice=True)
     c.set_defaults(func=cmd_compare)
     v = sub.add_parser("validate", help="re-simulate measured runs and report the prediction error",
                        description="Re-simulate every measured case under DIR (*.case.json, *.trace.csv from "

@@ -17,7 +17,7 @@ import math
 from numbers import Real
 
 from offsim.core.errors import OffsimError
-from offsim.core.specs import Curve, HardwareSpec, ModelSpec, layer_key
+from offsim.core.specs import NO_COMPRESSION, Compression, Curve, HardwareSpec, ModelSpec, layer_key
 
 # ----------------------------------------------------------------------------------------------------------------
 # curves
@@ -148,24 +148,34 @@ def gemm_seconds(hw: HardwareSpec, tokens: float, flops):
     return flops / (hw.gpu_peak_flops * interp(hw.gemm_efficiency, max(tokens, 1)))
 
 
-def attention_flops(model: ModelSpec, num_seqs, q_tokens: int, ctx_tokens: int):
+def attention_flops(model: ModelSpec, num_seqs, q_tokens: int, ctx_tokens: int, sparse: float = 1.0):
     """FLOPs of causal attention (QK^T and PV: 4 FLOP per query·key·head_dim) for the last ``q_tokens`` queries of
-    a ``ctx_tokens`` context: query i (0-based among the q) sees ctx - q + i + 1 keys."""
+    a ``ctx_tokens`` context: query i (0-based among the q) sees ctx - q + i + 1 keys. ``sparse``: the share of
+    keys whose V rows each query keeps (``sparse_share``): QK^T stays whole, PV shrinks to that share."""
     keys = q_tokens * (ctx_tokens - q_tokens) + q_tokens * (q_tokens + 1) / 2
-    return 4 * num_seqs * keys * model.num_heads * model.head_dim
+    return 2 * (1 + sparse) * num_seqs * keys * model.num_heads * model.head_dim  # 2·(QK^T) + 2·sparse·(PV)
 
 
-def attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_tokens: int, ctx_tokens: int):
+def sparse_share(q_tokens: int, ctx_tokens: int, comp: Compression) -> float:
+    """The share of V an attention op reads: ``comp.sparse_attention`` in generation (queries after the prompt,
+    FlexGen's ``mha_gen``; also TightLLM's recompute), 1 at prefill (FlexGen's prefill attention is dense)."""
+    return comp.sparse_attention if q_tokens < ctx_tokens else 1.0
+
+
+def attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_tokens: int, ctx_tokens: int,
+                      comp: Compression = NO_COMPRESSION):
     """GPU attention: the larger of its FLOPs at the prefill efficiency and its KV read at the decode efficiency.
     The FLOP efficiency of many queries is this model's own where the profile's op tables have it (mode 'attn':
     'prefill' when the queries are the whole context, else 'recompute' -- a masked kernel), else the profile's
-    model-agnostic curve."""
-    flops = attention_flops(model, num_seqs, q_tokens, ctx_tokens)
+    model-agnostic curve. Sparse attention (``comp``) reads all of K and its share of V, and does its share of
+    PV."""
+    sparse = sparse_share(q_tokens, ctx_tokens, comp)
+    flops = attention_flops(model, num_seqs, q_tokens, ctx_tokens, sparse)
     curve = None
     if q_tokens > 1 and hw.op_times:
         curve = op_table(hw, model, "attn", "prefill" if q_tokens == ctx_tokens else "recompute")
     t_flops = flops / (hw.gpu_peak_flops * interp(curve or hw.attn_prefill_efficiency, ctx_tokens))
-    kv_read = num_seqs * ctx_tokens * model.kv_bytes_per_token()
+    kv_read = num_seqs * ctx_tokens * model.kv_bytes_per_token() * (1 + sparse) / 2  # K whole, V's kept share
     t_mem = kv_read / (hw.gpu_hbm_bytes_per_s * interp(hw.attn_decode_efficiency, ctx_tokens))
     if _is_number(t_flops) and _is_number(t_mem):
         return max(t_flops, t_mem)
@@ -258,22 +268,69 @@ def _table_compute_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_se
 
 
 def compute_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_tokens: int, ctx_tokens: int,
-                    graphs: bool = True):
+                    graphs: bool = True, comp: Compression = NO_COMPRESSION):
     """One GPU compute op: ``part`` of one layer (or 'embed'/'head') for a batch of ``num_seqs`` sequences.
     'layer' = 'pre_attn' (norm, QKV) + 'attn' + 'post_attn' (output projection, norm, FFN). ``graphs``: the runtime
     replays this op as a CUDA graph (``graphed``: a decode op of at most the plan's ``graph_q_tokens`` tokens).
 
     Where the profile has an op table for this model's layer shape (``HardwareSpec.op_times``), the op's time is the
     table's (measured through the executor at this size) plus attention over its real context; otherwise the
-    analytical terms: fixed overhead + GEMM FLOPs at the profiled efficiency + elementwise HBM traffic + attention."""
+    analytical terms: fixed overhead + GEMM FLOPs at the profiled efficiency + elementwise HBM traffic + attention.
+    With compression (``comp``), plus its dequantize and quantize passes (``quant_seconds``)."""
+    q = quant_seconds(model, hw, part, num_seqs, q_tokens, ctx_tokens, comp) if comp is not NO_COMPRESSION else 0.0
     if hw.op_times and _is_number(num_seqs):
         t = _table_compute_seconds(model, hw, part, num_seqs, q_tokens, graphs)
         if t is not None:
             if part in ("attn", "layer", "attn_layer"):
-                t += attention_seconds(model, hw, num_seqs, q_tokens, ctx_tokens)
-            return _sustained(hw, t, num_seqs * q_tokens)
-    return _sustained(hw, _analytical_compute_seconds(model, hw, part, num_seqs, q_tokens, ctx_tokens),
-                      num_seqs * q_tokens)
+                t += attention_seconds(model, hw, num_seqs, q_tokens, ctx_tokens, comp)
+            return _sustained(hw, t, num_seqs * q_tokens) + q
+    return _sustained(hw, _analytical_compute_seconds(model, hw, part, num_seqs, q_tokens, ctx_tokens, comp),
+                      num_seqs * q_tokens) + q
+
+
+# Bytes of HBM traffic per fp16 byte that a dequantize (or quantize) pass moves when no profile measured its rate
+# (HardwareSpec.quant_bytes_per_s = 0): FlexGen's PyTorch kernels are unfused elementwise passes -- unpack the
+# high and the low nibbles, interleave them, divide by the scale, add the min, cut the padding -- each reading and
+# writing about the tensor's size.
+QUANT_HBM_PASSES = 8
+
+
+def quant_bytes_per_s(hw: HardwareSpec) -> float:
+    """fp16 bytes per second dequantized (or quantized): the profile's ``quant_bytes_per_s``, else HBM bandwidth /
+    ``QUANT_HBM_PASSES``."""
+    return hw.quant_bytes_per_s or hw.gpu_hbm_bytes_per_s / QUANT_HBM_PASSES
+
+
+# parts that read a decoder layer's KV cache (attention) and that store new KV (the Q/K/V projections)
+_KV_READ_PARTS = ("layer", "attn_layer", "attn")
+_KV_STORE_PARTS = ("layer", "attn_layer", "pre_attn")
+
+
+def quant_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_tokens: int, ctx_tokens: int,
+                  comp: Compression):
+    """Seconds of the compression passes of one compute op (FlexGen's compressed mode runs them on the GPU):
+
+        compressed weights: dequantize the part's weight matrices to fp16 before its GEMMs, every op (FlexGen
+                            decompresses in each batch's mha/mlp call): matrix elements = GEMM FLOPs per token / 2
+        compressed cache:   dequantize the cached K and V the attention reads -- the ctx − q positions before the
+                            op's queries, V at its sparse share; the q new (or recomputed, TightLLM) tokens' K and
+                            V are fresh fp16 -- and quantize the new tokens' K and V on store
+        t = fp16 bytes / quant_bytes_per_s
+
+    0 for the embedding and the head (kept fp16 on the GPU)."""
+    if part in ("embed", "head"):
+        return 0.0
+    fp16_bytes = 0.0
+    if comp.weight:
+        fp16_bytes += gemm_flops_per_token(model, part) / 2 * model.dtype_bytes
+    if comp.cache:
+        kv_tok = model.kv_bytes_per_token()
+        if part in _KV_READ_PARTS:
+            cached = ctx_tokens - q_tokens
+            fp16_bytes += num_seqs * cached * kv_tok * (1 + sparse_share(q_tokens, ctx_tokens, comp)) / 2
+        if part in _KV_STORE_PARTS:
+            fp16_bytes += num_seqs * q_tokens * kv_tok
+    return fp16_bytes / quant_bytes_per_s(hw)
 
 
 def _sustained(hw: HardwareSpec, t, tokens):
@@ -287,7 +344,7 @@ def _sustained(hw: HardwareSpec, t, tokens):
 
 
 def _analytical_compute_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_tokens: int,
-                                ctx_tokens: int):
+                                ctx_tokens: int, comp: Compression = NO_COMPRESSION):
     """``compute_seconds`` from the analytical terms (no op table)."""
     tokens = num_seqs * q_tokens
     if part == "embed":  # a gather: memory-bound, tiny
@@ -297,14 +354,16 @@ def _analytical_compute_seconds(model: ModelSpec, hw: HardwareSpec, part: str, n
     t = hw.kernel_overhead_s + gemm_seconds(hw, tokens, tokens * gemm_flops_per_token(model, part))
     t = t + tokens * elementwise_bytes_per_token(model, part) / hw.gpu_hbm_bytes_per_s
     if part in ("attn", "layer", "attn_layer"):
-        t = t + attention_seconds(model, hw, num_seqs, q_tokens, ctx_tokens)
+        t = t + attention_seconds(model, hw, num_seqs, q_tokens, ctx_tokens, comp)
     return t
 
 
-def cpu_attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_tokens: int, ctx_tokens: int):
+def cpu_attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_tokens: int, ctx_tokens: int,
+                          comp: Compression = NO_COMPRESSION):
     """Attention on the host CPU over a KV cache in host memory (FlexGen's CPU delegation): FLOPs / CPU FLOP/s, plus
-    the op's fixed cost (storing the new KV, the call, the worker thread) where the profile's op table has it."""
-    flops = attention_flops(model, num_seqs, q_tokens, ctx_tokens)
+    the op's fixed cost (storing the new KV, the call, the worker thread) where the profile's op table has it.
+    Sparse attention (``comp``) does its share of PV."""
+    flops = attention_flops(model, num_seqs, q_tokens, ctx_tokens, sparse_share(q_tokens, ctx_tokens, comp))
     if not _is_number(num_seqs):
         return flops / hw.cpu_attention_flops
     rate = op_table(hw, model, "cpu", "attn_flops")
@@ -346,17 +405,18 @@ def issue_seconds(op, hw: HardwareSpec, graph_q_tokens: int = 0) -> float:
 
 
 def op_seconds(op, model: ModelSpec, hw: HardwareSpec, other_busy_s: float = 0.0, disk_cached: bool = False,
-               graph_q_tokens: int = GRAPH_MAX_Q_TOKENS) -> float:
+               graph_q_tokens: int = GRAPH_MAX_Q_TOKENS, comp: Compression = NO_COMPRESSION) -> float:
     """Duration of one plan op (see ``offsim.core.plan.Op``). ``other_busy_s``: for PCIe copies, how long the opposite
     direction stays busy from this op's start (duplex). ``disk_cached``: the plan's disk tier is page-cached.
     ``graph_q_tokens``: the plan's ``graph_q_tokens`` (decode ops of up to this many query tokens replayed as CUDA
-    graphs; 0: none)."""
+    graphs; 0: none). ``comp``: the plan's compression (``Compression.from_settings(plan.settings)``): a copy's bytes
+    are already its stored size; a compute op adds its dequantize / quantize passes and sparse attention."""
     k = op.kind
     if k == "compute":
         g = bool(graph_q_tokens) and graphed(k, op.part, op.q_tokens, op.phase, graph_q_tokens)
-        return compute_seconds(model, hw, op.part, op.num_seqs, op.q_tokens, op.ctx_tokens, g)
+        return compute_seconds(model, hw, op.part, op.num_seqs, op.q_tokens, op.ctx_tokens, g, comp)
     if k == "cpu_compute":
-        return cpu_attention_seconds(model, hw, op.num_seqs, op.q_tokens, op.ctx_tokens)
+        return cpu_attention_seconds(model, hw, op.num_seqs, op.q_tokens, op.ctx_tokens, comp)
     if k in ("h2d", "d2h"):
         if hw.op_times and getattr(op, "tensor", None) in COPY_TABLE_TENSORS:
             curve = op_table(hw, model, "copy", f"{k}_{op.tensor}")

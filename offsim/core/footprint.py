@@ -33,7 +33,8 @@ from typing import Any, Mapping
 
 from offsim.core.errors import OffsimError
 from offsim.core.plan import PlanError
-from offsim.core.specs import ModelSpec, Workload
+from offsim.core.specs import (NO_COMPRESSION, QUANT_BITS, QUANT_GROUP_SIZE, QUANT_SCALE_BYTES,
+                               WEIGHT_GROUP_DIM, Compression, ModelSpec, Workload)
 
 GiB = 1 << 30
 TOKEN_ID_BYTES = 8  # int64 token ids (offexec keeps every sequence's ids on the GPU: executor.Executor.tokens)
@@ -153,20 +154,31 @@ def sublayer_slot_straddle_bytes(model: ModelSpec, gpu_bytes: int, sub: str) -> 
     return sublayer_slot_bytes(model, gpu_bytes, sub) - (hi - max(lo, gpu_bytes))
 
 
-def weight_slots_bytes(model: ModelSpec, weight_split, weight_buffers: int, sublayer: bool) -> int:
+def stored_slot_bytes(model: ModelSpec, gpu_bytes: int, sub: str | None,
+                      comp: Compression = NO_COMPRESSION) -> int:
+    """``weight_slot_bytes`` (``sub`` None: a whole layer) or ``sublayer_slot_bytes`` (``sub`` 'attn' / 'mlp') as
+    stored: the slot's fp16 range [slot base, unit end) in its stored size (``stored_weight_bytes``)."""
+    lo, hi = (0, layer_weight_bytes(model)) if sub is None else sublayer_ranges_bytes(model)[sub]
+    if gpu_bytes >= hi:
+        return 0
+    return stored_weight_bytes(model, max(lo, weight_slot_base_bytes(model, gpu_bytes)), hi, comp)
+
+
+def weight_slots_bytes(model: ModelSpec, weight_split, weight_buffers: int, sublayer: bool,
+                       comp: Compression = NO_COMPRESSION) -> int:
     """GPU bytes of the streamed-weight slots a schedule holds at once: ``weight_buffers`` whole-layer slots of the
     largest ``weight_slot_bytes``; or, streaming sub-layers (always double-buffered: the next streamed sub-layer
     loads while this one computes), per sub-layer kind as many slots as two consecutive streamed sub-layers hold of
     it (one attention and one MLP slot when both stream; two MLP slots when the attention is resident), each of
     that kind's largest ``sublayer_slot_bytes`` -- the executor's pools (offexec/program.py)."""
     if not sublayer:
-        return weight_buffers * max((weight_slot_bytes(model, g) for g, _ in weight_split), default=0)
+        return weight_buffers * max((stored_slot_bytes(model, g, None, comp) for g, _ in weight_split), default=0)
     seq = [sub for g, _ in weight_split for sub in SUBLAYERS if sublayer_slot_bytes(model, g, sub)]
     seq += seq[:1]  # the last of a step, then the first of the next
     total = 0
     for sub in SUBLAYERS:
         live = max((int(a == sub) + int(b == sub) for a, b in zip(seq, seq[1:])), default=0)
-        total += live * max((sublayer_slot_bytes(model, g, sub) for g, _ in weight_split), default=0)
+        total += live * max((stored_slot_bytes(model, g, sub, comp) for g, _ in weight_split), default=0)
     return total
 
 
@@ -195,6 +207,104 @@ def kv_buffer_bytes(model: ModelSpec, num_seqs: int, max_len: int, heads: int) -
 def kv_buffer_elems(model: ModelSpec, num_seqs: int, max_len: int, heads: int) -> int:
     """Elements of ``kv_buffer_bytes``: max_len · 2 · B · heads · D."""
     return max_len * 2 * num_seqs * heads * model.head_dim
+
+
+# -- compressed storage: FlexGen's 4-bit group-wise format (the one formula; offexec/quant.py packs exactly this) ---
+def quantized_bytes(shape: tuple[int, ...], group_dim: int) -> int:
+    """Bytes of a tensor of ``shape`` stored 4-bit group-wise along ``group_dim``: that dim is padded up to whole
+    groups of ``QUANT_GROUP_SIZE`` (64) elements; each group holds 64 · 4 / 8 = 32 bytes of packed payload (two
+    elements a byte) and its min and step in fp16 (2 · 2 bytes) -- 36 bytes per 64 elements, 0.28125 of fp16:
+
+        groups = ceil(shape[group_dim] / 64) · prod(the other dims)
+        bytes  = groups · (64 · 4 / 8 + 2 · 2)
+
+    (FlexGen's TorchCompressedDevice.allocate: data [.., groups, 32] uint8, scale [.., groups, 2] fp16.)"""
+    n = shape[group_dim]
+    others = math.prod(shape) // n if n else 0
+    groups = -(-n // QUANT_GROUP_SIZE) * others
+    return groups * (QUANT_GROUP_SIZE * QUANT_BITS // 8 + 2 * QUANT_SCALE_BYTES)
+
+
+def _stored_tensor_bytes(model: ModelSpec, shape: tuple[int, ...], comp: Compression) -> int:
+    """One weight tensor as stored: 4-bit along its output channel when weights are compressed and it is a matrix;
+    otherwise (1-D biases and norms, as FlexGen keeps them, or no compression) fp16."""
+    if comp.weight and len(shape) >= 2:
+        return quantized_bytes(shape, WEIGHT_GROUP_DIM)
+    return math.prod(shape) * model.dtype_bytes
+
+
+@functools.lru_cache(maxsize=256)
+def _stored_tensor_table(model: ModelSpec, comp: Compression) -> tuple[tuple[int, int, int], ...]:
+    """(first fp16 byte, end fp16 byte, stored bytes) of each tensor of a layer, in ``layer_tensors`` order."""
+    return tuple((lo, hi, _stored_tensor_bytes(model, shape, comp))
+                 for (_, lo, hi), (_, shape) in zip(weight_tensor_ranges_bytes(model), model.layer_tensors()))
+
+
+def stored_weight_bytes(model: ModelSpec, lo: int, hi: int, comp: Compression = NO_COMPRESSION) -> int:
+    """Stored bytes of bytes [lo, hi) of a layer's flat fp16 weight buffer -- what a copy of that range moves and a
+    tier holds. Plans keep addressing weights in fp16 bytes (``Plan.weight_split``, an op's lo/hi); with compressed
+    weights a range is each tensor's packed form in the share the range covers of that tensor (rounded up, so a
+    non-empty range never moves 0 bytes and the parts of a split cover the whole; a whole tensor or layer is
+    exact). Without compression: hi − lo."""
+    if not comp.weight:
+        return max(hi - lo, 0)
+    out = 0
+    for t_lo, t_hi, stored in _stored_tensor_table(model, comp):
+        a, b = max(lo, t_lo), min(hi, t_hi)
+        if b > a:
+            out += stored if (a, b) == (t_lo, t_hi) else -(-stored * (b - a) // (t_hi - t_lo))  # rounded up
+    return out
+
+
+def stored_layer_weight_bytes(model: ModelSpec, comp: Compression = NO_COMPRESSION) -> int:
+    """One decoder layer's weights as stored (``stored_weight_bytes`` of the whole layer)."""
+    return stored_weight_bytes(model, 0, layer_weight_bytes(model), comp)
+
+
+def stored_kv_bytes(model: ModelSpec, num_seqs: int, tokens: int, heads: int | None = None, layers: int = 1,
+                    comp: Compression = NO_COMPRESSION) -> int:
+    """``kv_bytes`` as stored: with a compressed cache, each token's K and V of each head are [D] vectors grouped
+    along D (``quantized_bytes((D,), 0)`` each); else fp16."""
+    if not comp.cache:
+        return kv_bytes(model, num_seqs, tokens, heads, layers)
+    heads = model.num_kv_heads if heads is None else heads
+    return num_seqs * max(tokens, 0) * layers * heads * 2 * quantized_bytes((model.head_dim,), 0)  # 2: K and V
+
+
+def kv_load_bytes(model: ModelSpec, num_seqs: int, tokens: int, heads: int | None = None,
+                  comp: Compression = NO_COMPRESSION) -> int:
+    """Bytes a KV load for GPU attention moves: the stored KV, or with sparse attention all of K (every key is
+    scored) and the ``sparse_attention`` share of V (only the kept positions' rows), FlexGen's sparse load."""
+    kv = stored_kv_bytes(model, num_seqs, tokens, heads, 1, comp)
+    if comp.sparse_attention >= 1:
+        return kv
+    k = kv // 2  # K and V are the same size
+    return k + math.ceil(k * comp.sparse_attention)
+
+
+def weight_stored_fraction(model: ModelSpec, comp: Compression = NO_COMPRESSION) -> float:
+    """Stored over fp16 bytes of a layer's weights (1 without compression): the constant that keeps FlexGen's LP
+    affine (``tier_bytes``, ``lp.flexgen_terms``)."""
+    return stored_layer_weight_bytes(model, comp) / layer_weight_bytes(model)
+
+
+def kv_stored_fraction(model: ModelSpec, comp: Compression = NO_COMPRESSION) -> float:
+    """Stored over fp16 bytes of the KV cache (1 without compression): 36 / 128 for a head dim that is a multiple
+    of 64."""
+    return stored_kv_bytes(model, 1, 1, comp=comp) / kv_bytes(model, 1, 1)
+
+
+def dequantized_copy_bytes(model: ModelSpec, gbs: int, max_len: int, comp: Compression, sublayer: bool) -> int:
+    """GPU bytes of the fp16 working copies that compression adds beside the packed storage, for the op being
+    computed: the dequantized weights of the unit it computes (a sub-layer's or a whole layer's, the largest) and,
+    with a compressed cache, the dequantized KV of its batch over every head at full length (the attention reads
+    fp16; a decode step attends over the whole prefix). Both forms exist at once only inside that op."""
+    w = 0
+    if comp.weight:
+        units = sublayer_ranges_bytes(model).values() if sublayer else ((0, layer_weight_bytes(model)),)
+        w = max(hi - lo for lo, hi in units)
+    kv = kv_buffer_bytes(model, gbs, max_len, model.num_kv_heads) if comp.cache else 0
+    return w + kv
 
 
 # -- activations ---------------------------------------------------------------------------------------------------
@@ -419,6 +529,7 @@ class Placement:
     weight_buffers: int = 2
     cpu_attention: bool = False
     sublayer: bool = False  # weights stream per sub-layer (attention, MLP), as FlexGen's code does
+    compression: Compression = NO_COMPRESSION  # 4-bit weights / KV (stored sizes) and their fp16 working copies
 
     def fractions(self, model: ModelSpec) -> dict[str, float]:
         """Placement fractions (FlexGen's LP variables) of the weights (the mean over layers), KV heads and
@@ -433,7 +544,8 @@ class Placement:
 
 
 def tier_bytes(model: ModelSpec, wl: Workload, x: Mapping[str, Any], cpu_attention: bool = False,
-               weight_buffers: int = 2, op_peak: int | None = None, sublayer: bool = False) -> dict[str, dict[str, Any]]:
+               weight_buffers: int = 2, op_peak: int | None = None, sublayer: bool = False,
+               comp: Compression = NO_COMPRESSION) -> dict[str, dict[str, Any]]:
     """Bytes per tier and purpose of a block on a placement given as fractions ``x`` (wg, wc, wd, cg, cc, cd, hg,
     hc; floats or LP expressions -- every term is a constant or a constant times one fraction, so the LP stays
     affine): what is resident for the whole run plus the minimum working set. Returns {tier: {purpose: bytes}}.
@@ -450,7 +562,11 @@ def tier_bytes(model: ModelSpec, wl: Workload, x: Mapping[str, Any], cpu_attenti
     Host: wc · L · W weights; cc of the KV; hc of the block's activations; staging of what comes from disk -- wd of
     ``weight_buffers`` layers, and cd of one full-length KV buffer read ahead plus two prefill stores in flight
     (``schedule.DiskStoreBuffers``).
-    Disk: wd · L · W weights and cd of the KV."""
+    Disk: wd · L · W weights and cd of the KV.
+
+    Compression (``comp``): every stored weight and KV byte above is its stored size (W and the KV times
+    ``weight_stored_fraction`` / ``kv_stored_fraction``, constants, so the LP stays affine), and the GPU also holds
+    the fp16 working copies of the op being computed (``dequantized_copy_bytes``)."""
     L, W = model.num_layers, layer_weight_bytes(model)
     gbs, P, M = wl.gpu_batch_size, wl.prompt_len, wl.max_len
     n_kv = model.num_kv_heads
@@ -459,6 +575,13 @@ def tier_bytes(model: ModelSpec, wl: Workload, x: Mapping[str, Any], cpu_attenti
     hidden_block = hidden_bytes(model, wl.num_prompts, P)
     hidden_batch = hidden_bytes(model, gbs, P)
     w_off, c_off = x["wc"] + x["wd"], x["cc"] + x["cd"]
+    if comp.weight or comp.cache:  # stored sizes (the fractions are constants: affine still)
+        W = W * weight_stored_fraction(model, comp)
+        rc = kv_stored_fraction(model, comp)
+        kv_all, kv_buf = kv_all * rc, kv_buf * rc
+        kv_prompt = kv_bytes(model, gbs, P) * rc
+    else:
+        kv_prompt = kv_bytes(model, gbs, P)
     if op_peak is None:
         op_peak = max_layer_peak_bytes(model, wl, cpu_attention, sublayer=sublayer)
     slot_layers = 1 if sublayer else weight_buffers  # sub-layers: an attention and an MLP slot, one layer's worth
@@ -472,8 +595,10 @@ def tier_bytes(model: ModelSpec, wl: Workload, x: Mapping[str, Any], cpu_attenti
            "KV work buffers": c_off * ((1 if cpu_attention else 2) * kv_buf),
            "activations": x["hg"] * hidden_block + x["hc"] * (2 * hidden_batch),
            "op peak": op_peak}
+    if comp.weight or comp.cache:
+        gpu["dequantized copies"] = dequantized_copy_bytes(model, gbs, M, comp, sublayer)
     cpu = {"weights": x["wc"] * (L * W), "KV": x["cc"] * kv_all, "activations": x["hc"] * hidden_block,
-           "disk staging": x["wd"] * (weight_buffers * W) + x["cd"] * (kv_buf + 2 * kv_bytes(model, gbs, P))}
+           "disk staging": x["wd"] * (weight_buffers * W) + x["cd"] * (kv_buf + 2 * kv_prompt)}
     disk = {"weights": x["wd"] * (L * W), "KV": x["cd"] * kv_all}
     return {"gpu": gpu, "cpu": cpu, "disk": disk}
 
@@ -483,24 +608,27 @@ def placement_tier_bytes(model: ModelSpec, wl: Workload, pl: Placement) -> dict[
     x = pl.fractions(model)
     kv_groups = sum(1 for h in _head_groups(model, pl.kv_split) if h)
     peak = max_layer_peak_bytes(model, wl, pl.cpu_attention, kv_groups, pl.sublayer)
-    out = tier_bytes(model, wl, x, pl.cpu_attention, pl.weight_buffers, peak, pl.sublayer)
+    cz = pl.compression
+    out = tier_bytes(model, wl, x, pl.cpu_attention, pl.weight_buffers, peak, pl.sublayer, cz)
     # exact integers where fractions were used: sums of the split, heads, and the slot as the executor sizes it
     L, W = model.num_layers, layer_weight_bytes(model)
     kg, kc = pl.kv_split
     kd = model.num_kv_heads - kg - kc
     M, gbs = wl.max_len, wl.gpu_batch_size
     gpu, cpu, disk = out["gpu"], out["cpu"], out["disk"]
-    gpu["resident weights"] = sum(g for g, _ in pl.weight_split)
-    gpu["weight slots"] = weight_slots_bytes(model, pl.weight_split, pl.weight_buffers, pl.sublayer)
-    gpu["resident KV"] = kv_bytes(model, wl.num_prompts, M, kg, L)
-    gpu["KV work buffers"] = (1 if pl.cpu_attention else 2) * sum(kv_buffer_bytes(model, gbs, M, h) for h in (kc, kd))
-    cpu["weights"] = sum(c for _, c in pl.weight_split)
-    cpu["KV"] = kv_bytes(model, wl.num_prompts, M, kc, L)
-    disk_w = sum(W - g - c for g, c in pl.weight_split)
-    cpu["disk staging"] = pl.weight_buffers * max((W - g - c for g, c in pl.weight_split), default=0) + \
-        kv_buffer_bytes(model, gbs, M, kd) + 2 * kv_bytes(model, gbs, wl.prompt_len, kd)
+    sw = functools.partial(stored_weight_bytes, model, comp=cz)
+    skv = functools.partial(stored_kv_bytes, model, comp=cz)
+    gpu["resident weights"] = sum(sw(0, g) for g, _ in pl.weight_split)
+    gpu["weight slots"] = weight_slots_bytes(model, pl.weight_split, pl.weight_buffers, pl.sublayer, cz)
+    gpu["resident KV"] = skv(wl.num_prompts, M, kg, L)
+    gpu["KV work buffers"] = (1 if pl.cpu_attention else 2) * sum(skv(gbs, M, h) for h in (kc, kd))
+    cpu["weights"] = sum(sw(g, g + c) for g, c in pl.weight_split)
+    cpu["KV"] = skv(wl.num_prompts, M, kc, L)
+    disk_w = sum(sw(g + c, W) for g, c in pl.weight_split)
+    cpu["disk staging"] = pl.weight_buffers * max((sw(g + c, W) for g, c in pl.weight_split), default=0) + \
+        skv(gbs, M, kd) + 2 * skv(gbs, wl.prompt_len, kd)
     disk["weights"] = disk_w
-    disk["KV"] = kv_bytes(model, wl.num_prompts, M, kd, L)
+    disk["KV"] = skv(wl.num_prompts, M, kd, L)
     return {t: {k: int(v) for k, v in d.items()} for t, d in out.items()}
 
 

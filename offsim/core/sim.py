@@ -32,7 +32,7 @@ import simpy
 from offsim.core import costmodel
 from offsim.core.errors import OffsimError
 from offsim.core.plan import KINDS, STREAM_OF_KIND, STREAMS, TIERS, Plan, PlanError, _op_from_row, op_rows
-from offsim.core.specs import HardwareSpec
+from offsim.core.specs import Compression, HardwareSpec
 from offsim.core.trace import COLUMNS, Trace
 
 _OPPOSITE = {"h2d": "d2h", "d2h": "h2d"}
@@ -67,17 +67,18 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
     cap = [plan.capacity.get(t, 0) for t in TIERS]
     duration_cache: dict[tuple, float] = {}
     disk_cached = plan.disk_cached  # the plan's disk tier goes through the page cache: priced at its rates
+    comp = Compression.from_settings(plan.settings)  # 4-bit passes and sparse attention of compute ops
 
     def duration(op, now: float) -> float:
         other = _OPPOSITE.get(op.kind)
         other_busy = max(0.0, busy_until[other] - now) if other else 0.0
         if other_busy > 0.0:
-            return costmodel.op_seconds(op, model, hw, other_busy, disk_cached, plan.graph_q_tokens)
+            return costmodel.op_seconds(op, model, hw, other_busy, disk_cached, plan.graph_q_tokens, comp)
         key = (op.kind, op.part, op.num_seqs, op.q_tokens, op.ctx_tokens, op.nbytes, op.pinned, op.tensor)
         d = duration_cache.get(key)
         if d is None:
             d = duration_cache[key] = costmodel.op_seconds(op, model, hw, disk_cached=disk_cached,
-                                                           graph_q_tokens=plan.graph_q_tokens)
+                                                           graph_q_tokens=plan.graph_q_tokens, comp=comp)
         return d
 
     # the host issues ops one after another in plan order (a single issuing thread); an op cannot start before
@@ -125,7 +126,7 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
                 dt = duration_cache.get(key)
                 if dt is None:
                     dt = duration_cache[key] = costmodel.op_seconds(op, model, hw, disk_cached=disk_cached,
-                                                                    graph_q_tokens=plan.graph_q_tokens)
+                                                                    graph_q_tokens=plan.graph_q_tokens, comp=comp)
             busy_until[op.stream] = now + dt
             yield env.timeout(dt)
             end[op.id] = env.now
@@ -195,6 +196,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     rows = op_rows(ops)
     n = len(rows)
     disk_cached = plan.disk_cached  # the plan's disk tier goes through the page cache: priced at its rates
+    comp = Compression.from_settings(plan.settings)  # 4-bit passes and sparse attention of compute ops
     from_builder = getattr(ops, "rows", None) is not None
 
     def op_at(i: int):  # the Op itself, for a cost function's duplex price and for messages
@@ -236,7 +238,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
         d = cache.get(key)
         if d is None:
             d = cache[key] = costmodel.op_seconds(op_at(i), model, hw, disk_cached=disk_cached,
-                                                  graph_q_tokens=plan.graph_q_tokens)
+                                                  graph_q_tokens=plan.graph_q_tokens, comp=comp)
         dur0[i] = d
     # each stream's ops in plan order (numpy: a tenth of the time of appending op by op)
     sarr = np.asarray(sidx, dtype=np.intp)
@@ -385,7 +387,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
             o = other_of[s]
             if o >= 0 and busy_until[o] > now:  # the opposite direction is busy: priced for the overlap
                 dt = costmodel.op_seconds(op_at(i), model, hw, busy_until[o] - now, disk_cached,
-                                          plan.graph_q_tokens)
+                                          plan.graph_q_tokens, comp)
             else:
                 dt = dur0[i]
             busy_until[s] = now + dt

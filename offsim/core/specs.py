@@ -275,6 +275,78 @@ def get_model(name_or_path: str | Path) -> ModelSpec:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Compression (FlexGen's 4-bit group-wise quantization and sparse attention)
+# ----------------------------------------------------------------------------------------------------------------
+QUANT_BITS = 4  # bits per element of FlexGen's compressed tensors (CompressionConfig(num_bits=4))
+QUANT_GROUP_SIZE = 64  # elements per group sharing one min and one step (CompressionConfig(group_size=64))
+QUANT_SCALE_BYTES = 2  # the per-group min and step (the scale) are fp16 each
+# Which dim a tensor is grouped along (FlexGen's ``group_dim``): a weight [out, in] along dim 0, its output channel
+# (FlexGen's comp_weight_config, group_dim=0 of torch's Linear layout); the KV cache along the head dimension D
+# (comp_cache_config, group_dim=2 of its [s, b·heads, D] layout): a group is 64 consecutive elements of one token's
+# K (or V) of one head. 1-D tensors (biases, norms) stay fp16, as FlexGen's ``init_weight_list`` keeps them.
+WEIGHT_GROUP_DIM = 0
+COMPRESSION_KEYS = ("compress_weight", "compress_cache", "sparse_attention")  # the settings that carry it
+
+
+@dataclass(frozen=True)
+class Compression:
+    """The approximations a plan runs with, as FlexGen names them: ``weight`` (``--compress-weight``: decoder weight
+    matrices stored 4-bit group-wise, dequantized to fp16 before each compute), ``cache`` (``--compress-cache``: the
+    KV cache stored 4-bit, quantized on store and dequantized before attention) and ``sparse_attention`` (FlexGen's
+    ``--attn-sparsity``: in decode each query keeps the top fraction of K positions and only those V rows are loaded
+    and multiplied; 1.0 = dense). Policies carry these as their settings ``compress_weight``, ``compress_cache``
+    and ``sparse_attention`` (``COMPRESSION_KEYS``); the plan's settings are the contract (``from_settings``)."""
+
+    weight: bool = False
+    cache: bool = False
+    sparse_attention: float = 1.0
+
+    def __post_init__(self):
+        for f in ("weight", "cache"):
+            if not isinstance(getattr(self, f), bool):
+                raise OffsimError(f"compress_{f} must be true or false, got {getattr(self, f)!r}")
+        f = self.sparse_attention
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+            raise OffsimError(f"sparse_attention must be a fraction in (0, 1] (1: dense attention), got {f!r}")
+
+    def check_cpu_attention(self, cpu_attention: bool) -> None:
+        """Refuse CPU attention with compressed weights or cache, as FlexGen does (its compressed mode turns CPU
+        attention off: dequantizing on the host costs more than the delegation saves)."""
+        if cpu_attention and (self.weight or self.cache):
+            raise OffsimError("CPU attention cannot be combined with --compress-weight or --compress-cache (FlexGen "
+                              "turns it off with compression); drop one of them")
+
+    @property
+    def any(self) -> bool:
+        """Whether anything differs from dense fp16."""
+        return self.weight or self.cache or self.sparse_attention < 1
+
+    def describe(self) -> str:
+        """A short label: 'fp16', '4-bit weights', '4-bit cache', '4-bit weights+cache', with ', sparse 0.1'."""
+        parts = [p for p, on in (("weights", self.weight), ("cache", self.cache)) if on]
+        out = "4-bit " + "+".join(parts) if parts else "fp16"
+        return out + (f", sparse {self.sparse_attention:g}" if self.sparse_attention < 1 else "")
+
+    def settings(self) -> dict:
+        """As policy settings (``COMPRESSION_KEYS``)."""
+        return {"compress_weight": self.weight, "compress_cache": self.cache,
+                "sparse_attention": float(self.sparse_attention)}
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any] | Any | None) -> "Compression":
+        """From a plan's (or a settings object's) ``compress_weight``, ``compress_cache``, ``sparse_attention``;
+        absent keys are off (plans of policies that do not model compression, and plans from before it)."""
+        if settings is None:
+            return NO_COMPRESSION
+        get = settings.get if isinstance(settings, Mapping) else (lambda k, d: getattr(settings, k, d))
+        c = cls(get("compress_weight", False), get("compress_cache", False), get("sparse_attention", 1.0))
+        return NO_COMPRESSION if c == NO_COMPRESSION else c
+
+
+NO_COMPRESSION = Compression()
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Hardware
 # ----------------------------------------------------------------------------------------------------------------
 HARDWARE_SCHEMA = "offsim.hardware/1"
@@ -362,6 +434,11 @@ class HardwareSpec:
     # idle: the clocks drop under the power cap (offexec profile --ops; 1: not measured). The cost model divides
     # compute-bound ops (many tokens, past the ridge point) by it
     sustained_compute_fraction: float = 1.0
+    # fp16 bytes per second that the GPU dequantizes from (or quantizes into) FlexGen's 4-bit group-wise format
+    # (costmodel.quant_seconds): the rate of the unpack-scale-shift passes, which are memory-bound. 0: not measured,
+    # then gpu_hbm_bytes_per_s / QUANT_HBM_PASSES (costmodel); the presets give it with that source, and a profile
+    # from ``offexec profile`` may measure it
+    quant_bytes_per_s: float = 0.0
     source: str = ""  # provenance: where the numbers come from
 
     def __post_init__(self):
@@ -370,7 +447,7 @@ class HardwareSpec:
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or not v > 0:
                 raise OffsimError(f"hardware {self.name}: {f} must be a positive number, got {v!r}")
-        for f in ("disk_cached_read_bytes_per_s", "disk_cached_write_bytes_per_s"):
+        for f in ("disk_cached_read_bytes_per_s", "disk_cached_write_bytes_per_s", "quant_bytes_per_s"):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or not v >= 0:
                 raise OffsimError(f"hardware {self.name}: {f} must be a non-negative number (0: not measured), "

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple
 from offsim.core.errors import OffsimError
 from offsim.core.footprint import Placement
 from offsim.core.plan import Plan
-from offsim.core.specs import HardwareSpec, ModelSpec, Workload
+from offsim.core.specs import COMPRESSION_KEYS, Compression, HardwareSpec, ModelSpec, Workload
 
 
 class Candidate(NamedTuple):
@@ -47,6 +47,14 @@ class Policy:
     placement: Callable[[ModelSpec, HardwareSpec, Workload, Any], Placement] | None = None
     # inputs added after runs were recorded, with the value those runs had: a recorded run without one ran so
     before_inputs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # its candidate generator takes ``compression=`` and ranks under it (FlexGen's LP); for the other policies that
+    # model compression (their settings have ``specs.COMPRESSION_KEYS``) the search adds it to each candidate
+    ranks_compression: bool = False
+
+    @property
+    def compressible(self) -> bool:
+        """Whether its settings carry FlexGen's compression and sparse attention (``specs.COMPRESSION_KEYS``)."""
+        return set(COMPRESSION_KEYS) <= set(self.input_names())
 
     def settings_from(self, d: Mapping[str, Any] | Any | None):
         """The settings object from a dict (unknown keys are an error naming the valid ones) or as given."""
@@ -70,6 +78,15 @@ class Policy:
         ``sublayer``)."""
         names = set(self.input_names())
         return {**self.before_inputs, **{k: v for k, v in recorded.items() if k in names}}
+
+
+def compression_of(st: Any) -> Compression:
+    """A settings object's compression (its ``compress_weight``, ``compress_cache`` and ``sparse_attention``;
+    ``Compression.from_settings``), checked against its CPU attention: what a settings ``__post_init__`` calls so
+    that a bad combination is refused on construction, in one line."""
+    comp = Compression.from_settings(st)
+    comp.check_cpu_attention(getattr(st, "cpu_attention", False))
+    return comp
 
 
 def capacity_of(hw: HardwareSpec) -> dict[str, int]:

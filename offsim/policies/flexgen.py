@@ -11,8 +11,9 @@ from typing import Iterable
 from offsim.core import footprint as fp
 from offsim.core.errors import OffsimError
 from offsim.core.plan import Plan
-from offsim.core.specs import HardwareSpec, ModelSpec, Workload
-from offsim.policies.base import Candidate, Policy, capacity_of, kv_split_from_percent, weight_split_from_percent
+from offsim.core.specs import NO_COMPRESSION, Compression, HardwareSpec, ModelSpec, Workload
+from offsim.policies.base import (Candidate, Policy, capacity_of, compression_of, kv_split_from_percent,
+                                  weight_split_from_percent)
 from offsim.policies.lp import flexgen_candidates
 from offsim.policies.schedule import Schedule, build_block_plan
 
@@ -27,6 +28,10 @@ class FlexGenSettings:
     cpu_attention: bool = False  # FlexGen's --cpu-cache-compute
     pin_weights: bool = True  # FlexGen's --pin-weight
     sublayer: bool = True  # stream the attention's and the MLP's weights separately, as FlexGen's code does
+    # FlexGen's approximations (``specs.Compression``): --compress-weight, --compress-cache, --sparse-attention
+    compress_weight: bool = False
+    compress_cache: bool = False
+    sparse_attention: float = 1.0
 
     def __post_init__(self):
         p = tuple(self.percent)
@@ -39,6 +44,7 @@ class FlexGenSettings:
             raise OffsimError(f"--percent: activations GPU + CPU must sum to 100 (activations never go to disk), "
                               f"got {p[4]} + {p[5]}")
         object.__setattr__(self, "percent", p)
+        compression_of(self)
 
 
 def flexgen_schedule(model: ModelSpec, st: FlexGenSettings) -> Schedule:
@@ -49,7 +55,7 @@ def flexgen_schedule(model: ModelSpec, st: FlexGenSettings) -> Schedule:
     return Schedule(policy="flexgen", weight_split=(split,) * model.num_layers, kv_split=kv,
                     hidden_home="gpu" if ag >= ac else "cpu", prefetch=True, overlap=st.overlap,
                     cpu_attention=st.cpu_attention, pinned=st.pin_weights, sublayer=st.sublayer,
-                    settings=tuple(dataclasses.asdict(st).items()))
+                    compression=compression_of(st), settings=tuple(dataclasses.asdict(st).items()))
 
 
 def flexgen_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: FlexGenSettings) -> Plan:
@@ -57,7 +63,7 @@ def flexgen_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: FlexGenSe
 
 
 def fit_gpu_weights(model: ModelSpec, hw: HardwareSpec, wl: Workload, percent: tuple, cpu_attention: bool,
-                    fits=None) -> tuple:
+                    fits=None, comp: Compression = NO_COMPRESSION) -> tuple:
     """``percent`` with the GPU share of the weights lowered, one point at a time, until the GPU holds the placement
     by the footprint's exact arithmetic. The LP's memory row is affine in the fractions, so it leaves out what is
     not: the tensor that straddles the GPU | offloaded boundary, which the executor assembles whole in each weight
@@ -71,7 +77,8 @@ def fit_gpu_weights(model: ModelSpec, hw: HardwareSpec, wl: Workload, percent: t
             if fits(p):
                 break
         elif sum(fp.placement_tier_bytes(model, wl, flexgen_schedule(
-                model, FlexGenSettings(percent=p, cpu_attention=cpu_attention)).placement())["gpu"].values()) <= cap:
+                model, FlexGenSettings(percent=p, cpu_attention=cpu_attention, **comp.settings())
+        ).placement())["gpu"].values()) <= cap:
             break
         wg, wc = p[0], p[1]
         p = (wg - 1, wc + 1 if wg + wc == 100 else wc) + p[2:]
@@ -79,20 +86,21 @@ def fit_gpu_weights(model: ModelSpec, hw: HardwareSpec, wl: Workload, percent: t
 
 
 def candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
-               batch: int | None = None) -> Iterable[Candidate]:
+               batch: int | None = None, compression: Compression = NO_COMPRESSION) -> Iterable[Candidate]:
     """FlexGen's LP optimum for every block shape (with ``batch`` sequences when given), with and without CPU
     attention, best LP time first, its GPU weight share trimmed to fit exactly (``fit_gpu_weights``); each also with
     the activations on the other tier (a near-tie in the LP, whose activation traffic is small, but not in a real
-    schedule)."""
-    for r in flexgen_candidates(model, hw, prompt_len, gen_len, batch=batch):
+    schedule). ``compression``: the LP, the fit and every candidate run with it (its settings in each candidate)."""
+    extra = compression.settings() if compression.any else {}
+    for r in flexgen_candidates(model, hw, prompt_len, gen_len, batch=batch, comp=compression):
         wl = Workload(prompt_len, gen_len, r.gpu_batch_size, r.num_gpu_batches)
-        p = fit_gpu_weights(model, hw, wl, r.percent, r.cpu_attention)
-        yield Candidate({"percent": p, "cpu_attention": r.cpu_attention}, wl, r.seconds_per_token)
-        yield Candidate({"percent": p[:4] + (p[5], p[4]), "cpu_attention": r.cpu_attention}, wl,
+        p = fit_gpu_weights(model, hw, wl, r.percent, r.cpu_attention, comp=compression)
+        yield Candidate({"percent": p, "cpu_attention": r.cpu_attention, **extra}, wl, r.seconds_per_token)
+        yield Candidate({"percent": p[:4] + (p[5], p[4]), "cpu_attention": r.cpu_attention, **extra}, wl,
                         r.seconds_per_token)
 
 
 FLEXGEN = Policy("flexgen", FlexGenSettings, flexgen_plan, candidates,
                  "FlexGen: zig-zag block schedule, LP placement of weights/KV/activations, optional CPU attention",
                  lambda m, hw, wl, st: flexgen_schedule(m, st).placement(),
-                 before_inputs={"sublayer": False})
+                 before_inputs={"sublayer": False}, ranks_compression=True)

@@ -22,7 +22,7 @@ import numpy as np
 from offsim.core import costmodel as cm
 from offsim.core import footprint as fp
 from offsim.core.solvers import solve_quietly
-from offsim.core.specs import HardwareSpec, ModelSpec, Workload
+from offsim.core.specs import NO_COMPRESSION, Compression, HardwareSpec, ModelSpec, Workload
 
 LP_SOLVER = "HIGHS"  # cp.HIGHS, named explicitly: the LP must not depend on whichever solver cvxpy finds first
 GPU_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -35,18 +35,23 @@ TIE_BREAK = 1e-3  # weight of total traffic time against the block time in the L
 # FlexGen's LP
 # ----------------------------------------------------------------------------------------------------------------
 def flexgen_terms(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int, gbs: int, nb: int,
-                  x: dict[str, Any], cpu_attention: bool, sublayer: bool = True) -> dict[str, Any]:
+                  x: dict[str, Any], cpu_attention: bool, sublayer: bool = True,
+                  comp: Compression = NO_COMPRESSION) -> dict[str, Any]:
     """Per-layer time terms and per-tier peak memory of FlexGen's cost model for placement fractions ``x``
     (floats or cvxpy expressions). Returns {'pre': [terms], 'gen': [terms], 'mem': {tier: bytes}}.
 
     Memory is ``footprint.tier_bytes`` -- the formula ``check_fits`` and the plans use -- with the fractions as
     variables: affine in them. Its one non-affine part, the straddling tensor of a partly resident layer's weight
     slot (at most one tensor), is left to ``check_fits`` on the rounded placement (``flexgen.fit_gpu_weights``).
-    ``sublayer``: weights stream per sub-layer (FlexGen's code; TightLLM's loader streams whole layers)."""
+    ``sublayer``: weights stream per sub-layer (FlexGen's code; TightLLM's loader streams whole layers).
+    ``comp``: compression -- weights and KV move and sit at their stored sizes (``footprint.stored_*``), a decode
+    KV load moves all of K and the sparse share of V, and compute carries the dequantize / quantize passes and
+    sparse attention (``costmodel.compute_seconds``)."""
     s, n = prompt_len, gen_len
     bls = gbs * nb
-    W = fp.layer_weight_bytes(model)
-    kv_tok = fp.kv_bytes(model, bls, 1)  # the block's KV of one token, one layer
+    W = fp.stored_layer_weight_bytes(model, comp)
+    kv_tok = fp.stored_kv_bytes(model, bls, 1, comp=comp)  # the block's KV of one token, one layer, as stored
+    kv_load_tok = fp.kv_load_bytes(model, bls, 1, comp=comp)  # ... as a decode load moves it (sparse: V's share)
     hid_tok = fp.hidden_bytes(model, bls, 1)  # the block's hidden state of one token
     ctx_avg = s + n / 2  # FlexGen's average decode context
     w_off, c_off, h_off = x["wc"] + x["wd"], x["cc"] + x["cd"], x["hc"]
@@ -56,7 +61,7 @@ def flexgen_terms(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: 
     h2d_pre = T(hw, w_off * W, "h2d") + T(hw, h_off * s * hid_tok, "h2d")
     d2h_pre = T(hw, c_off * s * kv_tok, "d2h") + T(hw, h_off * s * hid_tok, "d2h")
     disk_pre = cm.disk_seconds(hw, x["wd"] * W, "read") + cm.disk_seconds(hw, x["cd"] * s * kv_tok, "write")
-    comp_pre = nb * cm.compute_seconds(model, hw, "layer", gbs, s, s, graphs=False)
+    comp_pre = nb * cm.compute_seconds(model, hw, "layer", gbs, s, s, graphs=False, comp=comp)
     # an average decode step of one layer for the whole block
     h2d_gen = T(hw, w_off * W, "h2d") + T(hw, h_off * hid_tok, "h2d")
     d2h_gen = T(hw, h_off * hid_tok, "d2h")
@@ -68,16 +73,16 @@ def flexgen_terms(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: 
         disk_gen = disk_gen + cm.disk_seconds(hw, x["cd"] * ctx_avg * kv_tok, "read")
         comp_gen = (nb * (cm.compute_seconds(model, hw, "pre_attn", gbs, 1, ctx_avg)
                           + cm.compute_seconds(model, hw, "post_attn", gbs, 1, ctx_avg))
-                    + c_off * nb * cm.cpu_attention_seconds(model, hw, gbs, 1, ctx_avg)
-                    + x["cg"] * nb * cm.attention_seconds(model, hw, gbs, 1, ctx_avg))
+                    + c_off * nb * cm.cpu_attention_seconds(model, hw, gbs, 1, ctx_avg, comp)
+                    + x["cg"] * nb * cm.attention_seconds(model, hw, gbs, 1, ctx_avg, comp))
     else:
-        h2d_gen = h2d_gen + T(hw, c_off * ctx_avg * kv_tok, "h2d")
+        h2d_gen = h2d_gen + T(hw, c_off * ctx_avg * kv_load_tok, "h2d")
         d2h_gen = d2h_gen + T(hw, c_off * kv_tok, "d2h")
         disk_gen = disk_gen + cm.disk_seconds(hw, x["cd"] * ctx_avg * kv_tok, "read")
-        comp_gen = nb * cm.compute_seconds(model, hw, "layer", gbs, 1, ctx_avg)
+        comp_gen = nb * cm.compute_seconds(model, hw, "layer", gbs, 1, ctx_avg, comp=comp)
 
     tiers = fp.tier_bytes(model, Workload(s, n, gbs, nb), x, cpu_attention, weight_buffers=2,
-                          op_peak=_op_peak(model, s, n, gbs, cpu_attention, sublayer), sublayer=sublayer)
+                          op_peak=_op_peak(model, s, n, gbs, cpu_attention, sublayer), sublayer=sublayer, comp=comp)
     mem = {t: sum(parts.values()) for t, parts in tiers.items()}
     return {"pre": [h2d_pre, d2h_pre, disk_pre, comp_pre], "gen": [h2d_gen, d2h_gen, disk_gen, comp_gen],
             "mem": mem}
@@ -169,7 +174,8 @@ _LP: _ParamLP | None = None
 
 
 def flexgen_lp(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int, gbs: int, nb: int,
-               cpu_attention: bool = False, sublayer: bool = True) -> LPResult | None:
+               cpu_attention: bool = False, sublayer: bool = True,
+               comp: Compression = NO_COMPRESSION) -> LPResult | None:
     """Solve FlexGen's LP for one block shape; None if no placement fits memory (or the solver gives up)."""
     global _LP
     import cvxpy as cp
@@ -177,7 +183,7 @@ def flexgen_lp(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int
     if _LP is None:
         _LP = _ParamLP()
     lp = _LP
-    terms = flexgen_terms(model, hw, prompt_len, gen_len, gbs, nb, Affine.basis(), cpu_attention, sublayer)
+    terms = flexgen_terms(model, hw, prompt_len, gen_len, gbs, nb, Affine.basis(), cpu_attention, sublayer, comp)
     for k in ("pre", "gen"):
         rows = [_affine(e) for e in terms[k]]
         lp.A[k].value = np.array([r[0] for r in rows])
@@ -226,16 +232,20 @@ def flexgen_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_
                        gpu_batch_sizes: Iterable[int] = GPU_BATCH_SIZES,
                        num_gpu_batches: Iterable[int] = NUM_GPU_BATCHES,
                        cpu_attention: Iterable[bool] = (False, True), batch: int | None = None,
-                       sublayer: bool = True) -> list[LPResult]:
+                       sublayer: bool = True, comp: Compression = NO_COMPRESSION) -> list[LPResult]:
     """LP optimum for every block shape that fits (with ``batch`` sequences when given), best (lowest seconds per
-    token) first. ``sublayer``: weights stream per sub-layer (FlexGen) or whole layers (TightLLM)."""
+    token) first. ``sublayer``: weights stream per sub-layer (FlexGen) or whole layers (TightLLM). ``comp``: the
+    compression every candidate runs with (CPU attention is left out with compressed weights or cache, as FlexGen
+    turns it off)."""
     out = []
     for ca in cpu_attention:
+        if ca and (comp.weight or comp.cache):
+            continue
         too_big: set[int] = set()  # num_gpu_batches whose smaller GPU batch already did not fit
         for gbs, nb in block_shapes(batch, gpu_batch_sizes, num_gpu_batches):
             if nb in too_big:
                 continue  # a larger GPU batch needs more memory still
-            r = flexgen_lp(model, hw, prompt_len, gen_len, gbs, nb, ca, sublayer)
+            r = flexgen_lp(model, hw, prompt_len, gen_len, gbs, nb, ca, sublayer, comp)
             if r is None:
                 too_big.add(nb)
                 continue

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from offsim.core import footprint as fp
 from offsim.core.errors import OffsimError
 from offsim.core.plan import Plan, PlanBuilder
-from offsim.core.specs import ModelSpec, Workload
+from offsim.core.specs import NO_COMPRESSION, Compression, ModelSpec, Workload
 
 
 @dataclass(frozen=True)
@@ -54,12 +54,14 @@ class Schedule:
     settings: tuple = ()  # (key, value) pairs: the policy's inputs, recorded in the plan
     derived: tuple = ()  # (key, value) pairs: what the policy chose from them (e.g. Accelerate's GPU layers)
     sublayer: bool = False  # stream weights per sub-layer (attention, MLP) as FlexGen's code does; needs prefetch
+    compression: Compression = NO_COMPRESSION  # 4-bit weights / KV and sparse attention (FlexGen's approximations)
 
     def placement(self) -> fp.Placement:
         """What this schedule puts where, for the footprint (``offsim.core.footprint``)."""
         return fp.Placement(weight_split=tuple(self.weight_split), kv_split=tuple(self.kv_split),
                             hidden_home=self.hidden_home, weight_buffers=2 if self.prefetch else 1,
-                            cpu_attention=self.cpu_attention, sublayer=self.sublayer)
+                            cpu_attention=self.cpu_attention, sublayer=self.sublayer,
+                            compression=self.compression)
 
 
 def resident_bytes(model: ModelSpec, wl: Workload, s: Schedule) -> dict[str, int]:
@@ -102,6 +104,8 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
     kd = n_kv - kg - kc
     if s.cpu_attention and kg:
         raise OffsimError("CPU attention needs the KV cache off the GPU: the GPU share of the cache must be 0 %")
+    compression = s.compression  # (not ``comp``: that name is the compute op's id below)
+    compression.check_cpu_attention(s.cpu_attention)
     if s.sublayer and not s.prefetch:
         raise OffsimError("sub-layer weight streaming double-buffers the attention and MLP slots: it needs prefetch")
     if wl.max_len > model.max_positions:
@@ -111,10 +115,22 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
     add = b.add
     pinned = s.pinned
 
-    # sizes by shape (offsim.core.footprint), memoized for this build: a block asks the same few shapes ~10^5 times
+    # sizes by shape (offsim.core.footprint), memoized for this build: a block asks the same few shapes ~10^5 times;
+    # every stored KV or weight byte is its stored size (4-bit with compression)
     @functools.cache
     def kv_bytes(heads: int, tokens: int) -> int:
-        return fp.kv_bytes(model, gbs, tokens, heads)
+        return fp.stored_kv_bytes(model, gbs, tokens, heads, comp=compression)
+
+    @functools.cache
+    def kv_load(heads: int, tokens: int) -> int:  # a KV h2d for GPU attention: with sparse attention, K and V's share
+        return fp.kv_load_bytes(model, gbs, tokens, heads, compression)
+
+    @functools.cache
+    def w_bytes(lo: int, hi: int) -> int:
+        return fp.stored_weight_bytes(model, lo, hi, compression)
+
+    # the fp16 copies a decoder compute dequantizes into, beside the packed storage, while it runs
+    dq = fp.dequantized_copy_bytes(model, gbs, wl.max_len, compression, s.sublayer)
 
     @functools.cache
     def op_peak(part: str, q: int, ctx: int) -> int:
@@ -125,7 +141,7 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         return {"hidden": fp.hidden_bytes, "qkv": fp.qkv_bytes, "attn_out": fp.attn_out_bytes}[what](model, gbs, q)
 
     # a position's KV work buffer of each off-GPU head group, full length (as offexec allocates it)
-    buf_c, buf_d = fp.kv_buffer_bytes(model, gbs, wl.max_len, kc), fp.kv_buffer_bytes(model, gbs, wl.max_len, kd)
+    buf_c, buf_d = kv_bytes(kc, wl.max_len), kv_bytes(kd, wl.max_len)
     kv_groups = sum(1 for h in (kg, kc, kd) if h)
 
     # --- streamed weights: instances (step, layer, sub-layer) in execution order, loaded ahead by the cursor ----
@@ -136,14 +152,12 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
 
     @functools.cache
     def unit_slot(j: int, sub) -> int:
-        g = s.weight_split[j][0]
-        return fp.weight_slot_bytes(model, g) if sub is None else fp.sublayer_slot_bytes(model, g, sub)
+        return fp.stored_slot_bytes(model, s.weight_split[j][0], sub, compression)
 
     @functools.cache
-    def unit_straddle(j: int, sub) -> int:
+    def unit_straddle(j: int, sub) -> int:  # the slot beyond its streamed bytes: the straddling tensor's head
         g = s.weight_split[j][0]
-        return fp.weight_slot_straddle_bytes(model, g) if sub is None else \
-            fp.sublayer_slot_straddle_bytes(model, g, sub)
+        return unit_slot(j, sub) - w_bytes(max(g, unit_range[sub][0]), unit_range[sub][1])
 
     streamed = [(j, sub) for j in range(L) for sub in subs if s.weight_split[j][0] < unit_range[sub][1]]
     instances = [(i, j, sub) for i in range(wl.gen_len) for j, sub in streamed]
@@ -164,10 +178,11 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         h_lo, h_hi = max(g, u_lo), min(g + c, u_hi)  # the unit's host-homed bytes
         d_lo = max(g + c, u_lo)  # ... and its disk-homed bytes [d_lo, u_hi)
         if h_hi > h_lo:
-            ids.append(add("h2d", [dep], phase, i, j, 0, tensor="weight", lo=h_lo, hi=h_hi, nbytes=h_hi - h_lo,
-                           pinned=pinned, alloc=(h_hi - h_lo + straddle, 0, 0)))
+            n = w_bytes(h_lo, h_hi)
+            ids.append(add("h2d", [dep], phase, i, j, 0, tensor="weight", lo=h_lo, hi=h_hi, nbytes=n,
+                           pinned=pinned, alloc=(n + straddle, 0, 0)))
         if u_hi > d_lo:
-            n = u_hi - d_lo
+            n = w_bytes(d_lo, u_hi)
             rd = add("disk_read", [dep], phase, i, j, 0, tensor="weight", lo=d_lo, hi=u_hi, nbytes=n,
                      alloc=(0, n, 0))
             ids.append(add("h2d", [rd], phase, i, j, 0, tensor="weight", lo=d_lo, hi=u_hi, nbytes=n, pinned=pinned,
@@ -220,7 +235,7 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         phase = "decode"
         ids = []
         if kc:  # the load allocates the position's full-length work buffer; its store frees it
-            nbytes = kv_bytes(kc, ctx_prev)
+            nbytes = kv_load(kc, ctx_prev)
             ids.append(add("h2d", deps, phase, i, j, k, tensor="kv", lo=0, hi=ctx_prev, head_lo=kg, head_hi=kg + kc,
                            nbytes=nbytes, pinned=pinned, alloc=(buf_c, 0, 0)))
         if kd:
@@ -228,7 +243,8 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
             rd = add("disk_read", deps, phase, i, j, k, tensor="kv", lo=0, hi=ctx_prev, head_lo=kg + kc,
                      head_hi=n_kv, nbytes=nbytes, alloc=(0, nbytes, 0))
             ids.append(add("h2d", [rd], phase, i, j, k, tensor="kv", lo=0, hi=ctx_prev, head_lo=kg + kc,
-                           head_hi=n_kv, nbytes=nbytes, pinned=pinned, alloc=(buf_d, 0, 0), free=(0, nbytes, 0)))
+                           head_hi=n_kv, nbytes=kv_load(kd, ctx_prev), pinned=pinned, alloc=(buf_d, 0, 0),
+                           free=(0, nbytes, 0)))
         pending_kv_loads[p] = ids
         pending_kv_bufs[p] = (bool(kc), bool(kd))
 
@@ -282,6 +298,8 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
             ws = max(op_peak("cpu_attn_pre", q, ctx), op_peak("attn_out", q, ctx))
         else:
             ws = op_peak("cpu_attn_layer" if cpu_attn else part, q, ctx)
+        if decoder:
+            ws += dq
         if sub == "mlp":
             comp = add("compute", deps, phase, i, j, k, part="mlp", num_seqs=gbs, q_tokens=q, ctx_tokens=ctx,
                        frees_weights=last_k, alloc=(ws + hin, 0, 0), free=(ws + hin + w_free, 0, 0))

@@ -9,14 +9,15 @@ block schedule (``offsim.policies.schedule``) with one GPU batch.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterable
 
 from offsim.core import footprint as fp
 from offsim.core.errors import OffsimError
 from offsim.core.plan import Plan
-from offsim.core.specs import HardwareSpec, ModelSpec, Workload
-from offsim.policies.base import Candidate, Policy, capacity_of, host_offload_tier
+from offsim.core.specs import NO_COMPRESSION, Compression, HardwareSpec, ModelSpec, Workload
+from offsim.policies.base import Candidate, Policy, capacity_of, compression_of, host_offload_tier
 from offsim.policies.lp import GPU_BATCH_SIZES
 from offsim.policies.schedule import Schedule, build_block_plan
 
@@ -28,35 +29,41 @@ class AccelerateSettings:
 
     gpu_layers: int | None = None
     offload: str = "cpu"
+    # FlexGen's approximations (``specs.Compression``): --compress-weight, --compress-cache, --sparse-attention
+    compress_weight: bool = False
+    compress_cache: bool = False
+    sparse_attention: float = 1.0
 
     def __post_init__(self):
         if self.offload not in ("cpu", "disk"):
             raise OffsimError(f"offload must be 'cpu' or 'disk', got {self.offload!r}")
+        compression_of(self)
 
 
-def accelerate_gpu_layers(model: ModelSpec, hw: HardwareSpec, wl: Workload) -> int:
+def accelerate_gpu_layers(model: ModelSpec, hw: HardwareSpec, wl: Workload,
+                          comp: Compression = NO_COMPRESSION) -> int:
     """How many whole decoder layers fit on the GPU beside everything else the GPU holds with every layer offloaded
     (``footprint.placement_tier_bytes``: embeddings, token ids, the KV cache at full length, the activations, the
     largest op peak and one streamed layer's slot) -- what device_map='auto' with max_memory does, leaving room
-    for generation."""
+    for generation. With compression (``comp``), at the layers' stored size."""
     W, L = fp.layer_weight_bytes(model), model.num_layers
-    pl = fp.Placement(((0, W),) * L, (model.num_kv_heads, 0), weight_buffers=1)
+    pl = fp.Placement(((0, W),) * L, (model.num_kv_heads, 0), weight_buffers=1, compression=comp)
     fixed = sum(fp.placement_tier_bytes(model, wl, pl)["gpu"].values())
-    return max(0, min(L, (hw.gpu_mem_bytes - fixed) // W))
+    return max(0, min(L, (hw.gpu_mem_bytes - fixed) // fp.stored_layer_weight_bytes(model, comp)))
 
 
 def _accelerate_schedule(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: AccelerateSettings) -> Schedule:
     if wl.num_gpu_batches != 1:
         raise OffsimError("static-accelerate runs one GPU batch at a time: use --num-gpu-batches 1")
     W = model.layer_weight_bytes()
-    n = accelerate_gpu_layers(model, hw, wl) if st.gpu_layers is None else st.gpu_layers
+    n = accelerate_gpu_layers(model, hw, wl, compression_of(st)) if st.gpu_layers is None else st.gpu_layers
     if not 0 <= n <= model.num_layers:
         raise OffsimError(f"gpu_layers must be in [0, {model.num_layers}], got {n}")
     off = (0, W) if st.offload == "cpu" else (0, 0)
     split = tuple((W, 0) if j < n else off for j in range(model.num_layers))
     return Schedule(policy="static-accelerate", weight_split=split, kv_split=(model.num_kv_heads, 0), prefetch=False,
-                    overlap=True, pinned=False, settings=(("gpu_layers", st.gpu_layers), ("offload", st.offload)),
-                    derived=(("gpu_layers", n),))
+                    overlap=True, pinned=False, compression=compression_of(st),
+                    settings=tuple(dataclasses.asdict(st).items()), derived=(("gpu_layers", n),))
 
 
 def static_accelerate_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: AccelerateSettings) -> Plan:
@@ -70,10 +77,15 @@ class ZeroSettings:
 
     offload: str = "cpu"
     kv_on_cpu: bool = False
+    # FlexGen's approximations (``specs.Compression``): --compress-weight, --compress-cache, --sparse-attention
+    compress_weight: bool = False
+    compress_cache: bool = False
+    sparse_attention: float = 1.0
 
     def __post_init__(self):
         if self.offload not in ("cpu", "disk"):
             raise OffsimError(f"offload must be 'cpu' or 'disk', got {self.offload!r}")
+        compression_of(self)
 
 
 def _zero_schedule(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: ZeroSettings) -> Schedule:
@@ -83,7 +95,7 @@ def _zero_schedule(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: ZeroSet
     split = ((0, W) if st.offload == "cpu" else (0, 0),) * model.num_layers
     kv = (0, model.num_kv_heads) if st.kv_on_cpu else (model.num_kv_heads, 0)
     return Schedule(policy="static-zero", weight_split=split, kv_split=kv, prefetch=True, overlap=True, pinned=True,
-                    settings=(("offload", st.offload), ("kv_on_cpu", st.kv_on_cpu)))
+                    compression=compression_of(st), settings=tuple(dataclasses.asdict(st).items()))
 
 
 def static_zero_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: ZeroSettings) -> Plan:

@@ -14,7 +14,7 @@ import pandas as pd
 from offsim.core import footprint as fp
 from offsim.core.errors import OffsimError
 from offsim.core.sim import simulate
-from offsim.core.specs import HardwareSpec, ModelSpec, Workload
+from offsim.core.specs import NO_COMPRESSION, Compression, HardwareSpec, ModelSpec, Workload
 from offsim.policies import build_plan, get_policy
 
 
@@ -25,6 +25,16 @@ class SearchResult:
     workload: Workload
     metrics: dict[str, Any]
     candidates: pd.DataFrame  # every candidate evaluated (simulated or not), best first
+
+    def best_by_compression(self) -> dict[str, float]:
+        """The best screened total tok/s of each compression choice the search tried ('fp16', '4-bit cache', ...),
+        best first: how much compression buys here."""
+        out: dict[str, float] = {}
+        for st, tok_s in zip(self.candidates["settings"], self.candidates.get("screen_total_tok_s", [])):
+            if tok_s == tok_s:  # (NaN: not screened)
+                label = Compression.from_settings(st).describe()
+                out[label] = max(out.get(label, 0.0), float(tok_s))
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
     def summary(self) -> dict:
         return {"policy": self.policy, "settings": self.settings, "gpu_batch_size": self.workload.gpu_batch_size,
@@ -45,7 +55,8 @@ def _try(fn, row: dict, reasons: list):
 
 
 def search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
-           max_sims: int = 3, progress: bool = False, max_batch: int | None = None) -> SearchResult:
+           max_sims: int = 3, progress: bool = False, max_batch: int | None = None,
+           compression: tuple[Compression, ...] = (NO_COMPRESSION,)) -> SearchResult:
     """The best settings and block shape of ``policy`` for this model, hardware and lengths, by simulated total
     throughput.
 
@@ -53,36 +64,31 @@ def search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen
     ``SCREEN_DECODE_STEPS`` decode steps, decode time extrapolated to ``gen_len``); LP-ranked policies (FlexGen)
     screen only their ``2 · max_sims`` best LP candidates; (2) build and simulate the full plan of the best
     screened candidate, falling back to the next when the full-length plan does not fit memory. ``max_batch``
-    caps the prompts per block (gpu_batch_size × num_gpu_batches)."""
+    caps the prompts per block (gpu_batch_size × num_gpu_batches). ``compression``: the compression choices to
+    search over (default: none, fp16); each choice draws its own candidates -- ranked under it by the policy's own
+    model where it has one (FlexGen's LP), else the policy's candidates with the choice added to their settings --
+    so ``(NO_COMPRESSION, Compression(True, True))`` returns the better of fp16 and 4-bit, and the candidate table
+    shows both."""
     # The cyclic garbage collector is paused for the search (``build_plan`` and ``simulate`` pause it while they
     # run, but between them its young-generation passes would walk the ~10^6 objects of a large plan, which form no
     # cycles); what the search makes is freed by reference counting when it returns.
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _search(policy, model, hw, prompt_len, gen_len, max_sims, progress, max_batch)
+        return _search(policy, model, hw, prompt_len, gen_len, max_sims, progress, max_batch, tuple(compression))
     finally:
         if was_enabled:
             gc.enable()
 
 
 def _search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int, max_sims: int,
-            progress: bool, max_batch: int | None) -> SearchResult:
+            progress: bool, max_batch: int | None, compression: tuple[Compression, ...]) -> SearchResult:
     pol = get_policy(policy)
     Workload(prompt_len, gen_len)  # validates the lengths
     rows, reasons = [], []
     cands = []
-    for c in pol.candidates(model, hw, prompt_len, gen_len, None):
-        if max_batch is not None and c[1].num_prompts > max_batch:  # a cap on prompts per block (latency, host
-            continue  # memory, or run time)
-        cands.append(c)
-        if cands[0][2] is not None and len(cands) >= 2 * max_sims:
-            # ranked (the first is, so ``ranked`` below holds): only the 2 · max_sims best are screened, so the rest
-            # are not drawn -- FlexGen's trims each LP optimum to fit (``fit_gpu_weights``), ~1 ms a candidate
-            break
-    ranked = any(c[2] is not None for c in cands)
-    if ranked:
-        cands = cands[:2 * max_sims]
+    for comp in compression:
+        cands += _candidates(pol, model, hw, prompt_len, gen_len, max_sims, max_batch, comp)
     short_gen = min(gen_len, SCREEN_DECODE_STEPS + 1)
     it = cands
     if progress:
@@ -115,6 +121,33 @@ def _search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, ge
     df = pd.DataFrame([{k: v for k, v in r.items() if k != "_wl"} for r in rows])
     df = df.sort_values("screen_total_tok_s", ascending=False, na_position="last").reset_index(drop=True)
     return SearchResult(policy, best[0], best[1], best[2], df)
+
+
+def _candidates(pol, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int, max_sims: int,
+                max_batch: int | None, comp: Compression) -> list:
+    """The candidates of one compression choice: a ranked policy's 2 · max_sims best, else all of them."""
+    if comp.any and not pol.compressible:
+        from offsim.policies import POLICIES
+
+        can = ", ".join(p for p, rec in POLICIES.items() if rec.compressible)
+        raise OffsimError(f"policy {pol.name} does not model compression or sparse attention (those that do: {can}); "
+                          "drop --compress-weight, --compress-cache and --sparse-attention for it")
+    if pol.ranks_compression:
+        drawn = pol.candidates(model, hw, prompt_len, gen_len, None, compression=comp)
+    else:
+        extra = comp.settings() if comp.any else {}
+        drawn = (c._replace(settings={**c.settings, **extra})
+                 for c in pol.candidates(model, hw, prompt_len, gen_len, None))
+    cands = []
+    for c in drawn:
+        if max_batch is not None and c[1].num_prompts > max_batch:  # a cap on prompts per block (latency, host
+            continue  # memory, or run time)
+        cands.append(c)
+        if cands[0][2] is not None and len(cands) >= 2 * max_sims:
+            # ranked (the first is): only the 2 · max_sims best are screened, so the rest are not drawn --
+            # FlexGen's trims each LP optimum to fit (``fit_gpu_weights``), ~1 ms a candidate
+            break
+    return cands
 
 
 def infeasibility_reason(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,

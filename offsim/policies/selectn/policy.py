@@ -24,8 +24,8 @@ from typing import Iterable
 from offsim.core import footprint as fp
 from offsim.core.errors import OffsimError
 from offsim.core.plan import Plan
-from offsim.core.specs import HardwareSpec, ModelSpec, Workload
-from offsim.policies.base import Candidate, Policy, capacity_of
+from offsim.core.specs import NO_COMPRESSION, Compression, HardwareSpec, ModelSpec, Workload
+from offsim.policies.base import Candidate, Policy, capacity_of, compression_of
 from offsim.policies.schedule import Schedule, build_block_plan
 
 
@@ -37,8 +37,13 @@ class SelectNSettings:
 
     interval: int = 1
     prefetch: bool = True
+    # FlexGen's approximations (``specs.Compression``): --compress-weight, --compress-cache, --sparse-attention
+    compress_weight: bool = False
+    compress_cache: bool = False
+    sparse_attention: float = 1.0
 
     def __post_init__(self):
+        compression_of(self)
         if isinstance(self.interval, bool) or not isinstance(self.interval, int) or self.interval < 1:
             raise OffsimError(f"selectn interval must be an integer >= 1 (1 offloads every layer, a value above "
                               f"the layer count offloads none), got {self.interval!r}")
@@ -56,18 +61,20 @@ def host_weight_bytes(model: ModelSpec, interval: int) -> int:
     return len(offloaded_layers(model.num_layers, interval)) * model.layer_weight_bytes()
 
 
-def selectn_schedule(model: ModelSpec, interval: int, prefetch: bool = True) -> Schedule:
-    """The block schedule of Select-N with offloading interval ``interval``."""
+def selectn_schedule(model: ModelSpec, interval: int, prefetch: bool = True,
+                     comp: Compression = NO_COMPRESSION) -> Schedule:
+    """The block schedule of Select-N with offloading interval ``interval`` (and compression ``comp``)."""
     W = model.layer_weight_bytes()
     off = set(offloaded_layers(model.num_layers, interval))
     split = tuple((0, W) if j in off else (W, 0) for j in range(model.num_layers))
     return Schedule(policy="selectn", weight_split=split, kv_split=(model.num_kv_heads, 0), hidden_home="gpu",
-                    prefetch=prefetch, overlap=True, cpu_attention=False, pinned=True,
-                    settings=(("interval", interval), ("prefetch", prefetch)))
+                    prefetch=prefetch, overlap=True, cpu_attention=False, pinned=True, compression=comp,
+                    settings=(("interval", interval), ("prefetch", prefetch), *comp.settings().items()))
 
 
 def selectn_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: SelectNSettings) -> Plan:
-    return build_block_plan(model, wl, selectn_schedule(model, st.interval, st.prefetch), capacity_of(hw))
+    return build_block_plan(model, wl, selectn_schedule(model, st.interval, st.prefetch, compression_of(st)),
+                            capacity_of(hw))
 
 
 def selectn_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
@@ -100,4 +107,4 @@ def selectn_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_
 
 SELECTN = Policy("selectn", SelectNSettings, selectn_plan, selectn_candidates,
                  "Select-N: one layer in every N offloaded and prefetched; N chosen to meet a latency SLO",
-                 lambda m, hw, wl, st: selectn_schedule(m, st.interval, st.prefetch).placement())
+                 lambda m, hw, wl, st: selectn_schedule(m, st.interval, st.prefetch, compression_of(st)).placement())

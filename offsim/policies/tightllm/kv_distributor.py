@@ -59,7 +59,7 @@ from offsim.core import costmodel as cm
 from offsim.core import footprint as fp
 from offsim.core.errors import OffsimError
 from offsim.core.solvers import solve_quietly
-from offsim.core.specs import HardwareSpec, ModelSpec
+from offsim.core.specs import NO_COMPRESSION, Compression, HardwareSpec, ModelSpec
 
 ILP_SOLVER = "HIGHS"  # cvxpy's name for HiGHS; named explicitly, never "whatever cvxpy finds first"
 TRANSFER_MODELS = ("streams", "serial")
@@ -126,10 +126,12 @@ class Decision:
         return self.lo, hi
 
 
-def kv_load_bytes(model: ModelSpec, num_seqs: int, heads: int, tokens: int) -> int:
+def kv_load_bytes(model: ModelSpec, num_seqs: int, heads: int, tokens: int,
+                  comp: Compression = NO_COMPRESSION) -> int:
     """Bytes of the KV of ``tokens`` tokens of ``num_seqs`` sequences over ``heads`` of the model's KV heads, one
-    layer: what one KV copy op of a TightLLM plan moves (K and V, ``ModelSpec.kv_bytes_per_token`` per token)."""
-    return fp.kv_bytes(model, num_seqs, tokens, heads)
+    layer, that one KV load of a TightLLM plan moves: K and V at their stored size, V at its sparse share
+    (``footprint.kv_load_bytes``)."""
+    return fp.kv_load_bytes(model, num_seqs, tokens, heads, comp)
 
 
 def _suffix_max_curve(curve):
@@ -152,10 +154,14 @@ class KVDistributor:
     """Solves ``Decision`` problems for one model on one hardware; memoises decisions (a plan asks the same one for
     every batch that shares a step)."""
 
-    def __init__(self, model: ModelSpec, hw: HardwareSpec, transfer_model: str = "streams"):
+    def __init__(self, model: ModelSpec, hw: HardwareSpec, transfer_model: str = "streams",
+                 comp: Compression = NO_COMPRESSION):
         if transfer_model not in TRANSFER_MODELS:
             raise OffsimError(f"transfer_model must be one of {TRANSFER_MODELS}, got {transfer_model!r}")
         self.model, self.hw, self.transfer_model = model, hw, transfer_model
+        # compression: KV loads at their stored size (and sparse share), compute with its dequantize / quantize
+        # passes -- a compressed cache makes loading cheaper, so recompute pays off later (a smaller N_r)
+        self.comp = comp
         self.bracket = PRESOLVE_BRACKET
         # the lower-bound hardware: same everything, GEMM efficiency replaced by its suffix maximum
         self._hw_lb = hw.with_(gemm_efficiency=_suffix_max_curve(hw.gemm_efficiency))
@@ -190,11 +196,11 @@ class KVDistributor:
         self.stats["evaluations"] += 1
         # offexec replays a recompute of up to GRAPH_MAX_Q_TOKENS query tokens as a CUDA graph
         t_c = cm.compute_seconds(m, hw, "layer", d.num_seqs, n + 1, d.ctx_tokens + 1,
-                                 n + 1 <= cm.GRAPH_MAX_Q_TOKENS)
+                                 n + 1 <= cm.GRAPH_MAX_Q_TOKENS, comp=self.comp)
         loaded = d.ctx_tokens - n
-        kv_d = kv_load_bytes(m, d.num_seqs, d.kv_disk_heads, loaded)
+        kv_d = kv_load_bytes(m, d.num_seqs, d.kv_disk_heads, loaded, self.comp)
         t_kvw = 0.0
-        for nbytes in (kv_load_bytes(m, d.num_seqs, d.kv_cpu_heads, loaded), kv_d, d.weight_cpu_bytes,
+        for nbytes in (kv_load_bytes(m, d.num_seqs, d.kv_cpu_heads, loaded, self.comp), kv_d, d.weight_cpu_bytes,
                        d.weight_disk_bytes):
             if nbytes:
                 t_kvw += cm.transfer_seconds(hw, nbytes, "h2d", pinned=d.pinned)
@@ -225,10 +231,11 @@ class KVDistributor:
         falling parts at b plus its rising parts at a."""
         _, kvw_b, _, disk_b, _ = self._parts(d, b)
         _, _, hid_a, _, dd_a = self._parts(d, a)
-        lb_c = cm.compute_seconds(self.model, self._hw_lb, "layer", d.num_seqs, a + 1, d.ctx_tokens + 1, False)
+        lb_c = cm.compute_seconds(self.model, self._hw_lb, "layer", d.num_seqs, a + 1, d.ctx_tokens + 1, False,
+                                  comp=self.comp)
         if a + 1 <= cm.GRAPH_MAX_Q_TOKENS:  # n in [a, b] may run graphed or eager: the lower of the two at a
             lb_c = min(lb_c, cm.compute_seconds(self.model, self._hw_lb, "layer", d.num_seqs, a + 1,
-                                                d.ctx_tokens + 1, True))
+                                                d.ctx_tokens + 1, True, comp=self.comp))
         if d.hidden_serial:
             lb_c += hid_a + dd_a
         return self.combine((lb_c, kvw_b + hid_a, disk_b, dd_a))
@@ -437,6 +444,8 @@ def _solve_choice_milp(T: np.ndarray) -> int:
 
 
 @lru_cache(maxsize=64)
-def distributor(model: ModelSpec, hw: HardwareSpec, transfer_model: str = "streams") -> KVDistributor:
-    """A shared distributor per (model, hardware, transfer model), so decisions are memoised across plans."""
-    return KVDistributor(model, hw, transfer_model)
+def distributor(model: ModelSpec, hw: HardwareSpec, transfer_model: str = "streams",
+                comp: Compression = NO_COMPRESSION) -> KVDistributor:
+    """A shared distributor per (model, hardware, transfer model, compression), so decisions are memoised across
+    plans."""
+    return KVDistributor(model, hw, transfer_model, comp)

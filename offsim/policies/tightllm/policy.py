@@ -61,8 +61,9 @@ from offsim.core.costmodel import GRAPH_MAX_Q_TOKENS
 from offsim.core.errors import OffsimError
 from offsim.policies.tightllm.kv_distributor import SOLVERS, TRANSFER_MODELS, Decision, KVDistributorWarning, distributor, kv_load_bytes
 from offsim.core.plan import Plan, PlanBuilder
-from offsim.core.specs import HardwareSpec, ModelSpec, Workload
-from offsim.policies.base import Candidate, Policy, capacity_of, kv_split_from_percent, weight_split_from_percent
+from offsim.core.specs import NO_COMPRESSION, Compression, HardwareSpec, ModelSpec, Workload
+from offsim.policies.base import (Candidate, Policy, capacity_of, compression_of, kv_split_from_percent,
+                                  weight_split_from_percent)
 from offsim.policies.flexgen import FlexGenSettings, fit_gpu_weights
 from offsim.policies.lp import flexgen_candidates
 from offsim.core import footprint as fp
@@ -86,9 +87,15 @@ class TightLLMSettings:
     transfer_model: str = "streams"
     max_recompute_tokens: int | None = None
     pin_weights: bool = True
+    # FlexGen's approximations (``specs.Compression``): a compressed cache is cheaper to load, so the KV
+    # distributor recomputes less; the recomputed tokens' KV is fresh fp16 (no dequantize)
+    compress_weight: bool = False
+    compress_cache: bool = False
+    sparse_attention: float = 1.0
 
     def __post_init__(self):
         FlexGenSettings(percent=tuple(self.percent))  # same placement rules and messages as FlexGen
+        compression_of(self)
         object.__setattr__(self, "percent", tuple(self.percent))
         if self.kv_solver not in SOLVERS:
             raise OffsimError(f"tightllm kv_solver must be one of {SOLVERS}, got {self.kv_solver!r}")
@@ -148,22 +155,26 @@ def layout_of(model: ModelSpec, wl: Workload, st: TightLLMSettings) -> Layout:
     return Layout(g, c, d, kg, kc, model.num_kv_heads - kg - kc, "gpu" if ag >= ac else "cpu", b_n, slices)
 
 
-def kv_work_buffers_bytes(model: ModelSpec, wl: Workload, lay: Layout) -> int:
-    """One position's full-length KV work buffers of the off-GPU head groups (``footprint.kv_buffer_bytes``)."""
-    return sum(fp.kv_buffer_bytes(model, wl.gpu_batch_size, wl.max_len, h) for h in (lay.kv_cpu_heads,
-                                                                                        lay.kv_disk_heads))
+def kv_work_buffers_bytes(model: ModelSpec, wl: Workload, lay: Layout, comp: Compression = NO_COMPRESSION) -> int:
+    """One position's full-length KV work buffers of the off-GPU head groups (``footprint.kv_buffer_bytes``, at
+    their stored size)."""
+    return sum(fp.stored_kv_bytes(model, wl.gpu_batch_size, wl.max_len, h, comp=comp)
+               for h in (lay.kv_cpu_heads, lay.kv_disk_heads))
 
 
-def recompute_memory_cap(model: ModelSpec, wl: Workload, lay: Layout, free_gpu_bytes: int, ctx_tokens: int) -> int:
+def recompute_memory_cap(model: ModelSpec, wl: Workload, lay: Layout, free_gpu_bytes: int, ctx_tokens: int,
+                         comp: Compression = NO_COMPRESSION) -> int:
     """The largest N_r whose decode step fits: the op peak of a layer over (N_r + 1)·batch tokens at a context of
     N_ctx + 1 (``footprint.op_peak_bytes``), with activations on the host the copy of its input, and two positions'
-    KV work buffers (this one's and the next one's, loaded ahead; full length, so independent of N_r); where
-    offexec replays the N_r + 1 token op as a CUDA graph (``costmodel.GRAPH_MAX_Q_TOKENS``), what its graphs hold
-    beyond the one-token graphs the placement already counts (``footprint.decode_graph_bytes``). -1 if not even
-    N_r = 0 fits (the plan will then fail validation with the shortfall)."""
+    KV work buffers (this one's and the next one's, loaded ahead; full length, so independent of N_r), with
+    compression the op's fp16 working copies, and where offexec replays the N_r + 1 token op as a CUDA graph
+    (``costmodel.GRAPH_MAX_Q_TOKENS``) what its graphs hold beyond the one-token graphs the placement already counts
+    (``footprint.decode_graph_bytes``). -1 if not even N_r = 0 fits (the plan will then fail validation with the
+    shortfall)."""
     gbs = wl.gpu_batch_size
     groups = sum(1 for h in (lay.kv_gpu_heads, lay.kv_cpu_heads, lay.kv_disk_heads) if h)
-    bufs = 2 * kv_work_buffers_bytes(model, wl, lay)
+    bufs = 2 * kv_work_buffers_bytes(model, wl, lay, comp) + fp.dequantized_copy_bytes(model, gbs, wl.max_len,
+                                                                                        comp, False)
     graphs_1 = fp.decode_graph_bytes(model, wl, 1)
 
     def need(n: int) -> int:
@@ -193,15 +204,16 @@ def decision_for(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLMS
     the GPU the prompt-sized activation buffer)."""
     lay = lay or layout_of(model, wl, st)
     if free_gpu_bytes is None:
-        free_gpu_bytes = free_gpu_bytes_of(model, hw, wl, lay)
-    mem_hi = recompute_memory_cap(model, wl, lay, free_gpu_bytes, ctx_tokens)
+        free_gpu_bytes = free_gpu_bytes_of(model, hw, wl, lay, compression_of(st))
+    comp = compression_of(st)
+    mem_hi = recompute_memory_cap(model, wl, lay, free_gpu_bytes, ctx_tokens, comp)
     if lay.hidden_home == "gpu":
         # the block's activations between layers live in the buffer reserved for the prompt (``resident``): the
         # N_r + 1 recomputed-plus-new tokens of every sequence must fit in it
         mem_hi = min(mem_hi, wl.prompt_len - 1)
     if batch_index < lay.num_slices:
         (c_lo, c_hi), (d_lo, d_hi) = lay.slices[batch_index]
-        w_cpu, w_disk = c_hi - c_lo, d_hi - d_lo
+        w_cpu, w_disk = fp.stored_weight_bytes(model, c_lo, c_hi, comp), fp.stored_weight_bytes(model, d_lo, d_hi, comp)
     else:
         w_cpu = w_disk = 0
     hi = None if st.max_recompute_tokens is None else min(st.max_recompute_tokens, ctx_tokens)
@@ -220,8 +232,8 @@ def recompute_tokens(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: Tight
     if not st.kv_distributor or lay.kv_cpu_heads + lay.kv_disk_heads == 0:
         return table  # nothing is loaded, so nothing to trade
     if free_gpu_bytes is None:
-        free_gpu_bytes = free_gpu_bytes_of(model, hw, wl, lay)
-    kvd = distributor(model, hw, st.transfer_model)
+        free_gpu_bytes = free_gpu_bytes_of(model, hw, wl, lay, compression_of(st))
+    kvd = distributor(model, hw, st.transfer_model, compression_of(st))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", KVDistributorWarning)
         for i in range(1, wl.gen_len):
@@ -241,7 +253,7 @@ def recompute_tokens(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: Tight
 def _schedule_of(model: ModelSpec, lay: Layout, st: TightLLMSettings) -> Schedule:
     return Schedule(policy="tightllm", weight_split=((lay.weight_gpu, lay.weight_cpu),) * model.num_layers,
                     kv_split=(lay.kv_gpu_heads, lay.kv_cpu_heads), hidden_home=lay.hidden_home,
-                    pinned=st.pin_weights)
+                    pinned=st.pin_weights, compression=compression_of(st))
 
 
 def _resident(model: ModelSpec, wl: Workload, lay: Layout, st: TightLLMSettings) -> dict[str, int]:
@@ -249,11 +261,12 @@ def _resident(model: ModelSpec, wl: Workload, lay: Layout, st: TightLLMSettings)
     return resident_bytes(model, wl, _schedule_of(model, lay, st))
 
 
-def free_gpu_bytes_of(model: ModelSpec, hw: HardwareSpec, wl: Workload, lay: Layout) -> int:
+def free_gpu_bytes_of(model: ModelSpec, hw: HardwareSpec, wl: Workload, lay: Layout,
+                      comp: Compression = NO_COMPRESSION) -> int:
     """GPU bytes left for one position's scratch and KV buffers: capacity minus what is resident and the two
-    streamed-weight slots (``footprint.weight_slot_bytes``)."""
-    res = _resident(model, wl, lay, TightLLMSettings())["gpu"]  # (placement comes from lay; settings unused)
-    slot = fp.weight_slot_bytes(model, lay.weight_gpu) if lay.weight_offloaded else 0
+    streamed-weight slots (``footprint.stored_slot_bytes``), at their stored size with compression ``comp``."""
+    res = _resident(model, wl, lay, TightLLMSettings(**comp.settings()))["gpu"]  # (placement comes from lay)
+    slot = fp.stored_slot_bytes(model, lay.weight_gpu, None, comp) if lay.weight_offloaded else 0
     return int(hw.gpu_mem_bytes) - res - 2 * slot
 
 
@@ -273,16 +286,26 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
     kg, kc, kd = lay.kv_gpu_heads, lay.kv_cpu_heads, lay.kv_disk_heads
     n_kv = model.num_kv_heads
     off = lay.weight_offloaded
-    slot = fp.weight_slot_bytes(model, lay.weight_gpu) if off else 0  # GPU bytes of one streamed layer
-    straddle = slot - off if off else 0
-    buf = {"cpu": fp.kv_buffer_bytes(model, gbs, wl.max_len, kc), "disk": fp.kv_buffer_bytes(model, gbs, wl.max_len, kd)}
+    cz = compression_of(st)  # every stored weight / KV byte below is its stored size (4-bit with compression)
+    slot = fp.stored_slot_bytes(model, lay.weight_gpu, None, cz) if off else 0  # GPU bytes of one streamed layer
+    W = model.layer_weight_bytes()
+    straddle = slot - fp.stored_weight_bytes(model, lay.weight_gpu, W, cz) if off else 0
+    buf = {"cpu": fp.stored_kv_bytes(model, gbs, wl.max_len, kc, comp=cz),
+           "disk": fp.stored_kv_bytes(model, gbs, wl.max_len, kd, comp=cz)}
+    dq = fp.dequantized_copy_bytes(model, gbs, wl.max_len, cz, False)  # a decoder compute's fp16 working copies
     kv_groups = sum(1 for h in (kg, kc, kd) if h)
     pinned = st.pin_weights
     b = PlanBuilder()
     add = b.add
 
-    def kvb(heads: int, tokens: int) -> int:
-        return kv_load_bytes(model, gbs, heads, tokens)
+    def kvb(heads: int, tokens: int) -> int:  # a KV load for GPU attention (sparse: V's share)
+        return kv_load_bytes(model, gbs, heads, tokens, cz)
+
+    def kv_stored(heads: int, tokens: int) -> int:  # KV as stored: a store, a disk read
+        return fp.stored_kv_bytes(model, gbs, tokens, heads, comp=cz)
+
+    def w_bytes(lo: int, hi: int) -> int:
+        return fp.stored_weight_bytes(model, lo, hi, cz)
 
     def boundary(i: int, k: int) -> int:
         """b(i, k): tokens [0, b) of decode step i are loaded, the rest recomputed."""
@@ -314,10 +337,11 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
         ids = loaded.setdefault(u, [])
         first = straddle if not ids else 0  # the instance's first load takes its whole weight slot
         if part == "cpu" and c_hi > c_lo:
-            ids.append(add("h2d", [dep], phase, i, j, s, tensor="weight", lo=c_lo, hi=c_hi, nbytes=c_hi - c_lo,
-                           pinned=pinned, alloc=(c_hi - c_lo + first, 0, 0)))
+            nbytes = w_bytes(c_lo, c_hi)
+            ids.append(add("h2d", [dep], phase, i, j, s, tensor="weight", lo=c_lo, hi=c_hi, nbytes=nbytes,
+                           pinned=pinned, alloc=(nbytes + first, 0, 0)))
         if part == "disk" and d_hi > d_lo:
-            nbytes = d_hi - d_lo
+            nbytes = w_bytes(d_lo, d_hi)
             first = straddle if not ids else 0
             rd = add("disk_read", [stage_dep], phase, i, j, s, tensor="weight", lo=d_lo, hi=d_hi, nbytes=nbytes,
                      alloc=(0, nbytes, 0))
@@ -359,11 +383,11 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
                            head_hi=kg + kc, nbytes=nbytes, pinned=pinned, alloc=(buf["cpu"], 0, 0)))
             held.add("cpu")
         if part == "disk" and kd:
-            nbytes = kvb(kd, hi)
+            nbytes = kv_stored(kd, hi)
             rd = add("disk_read", [stage] + durable, "decode", i, j, k, tensor="kv", lo=0, hi=hi, head_lo=kg + kc,
                      head_hi=n_kv, nbytes=nbytes, alloc=(0, nbytes, 0))
             ids.append(add("h2d", [rd] + buf_dep, "decode", i, j, k, tensor="kv", lo=0, hi=hi, head_lo=kg + kc,
-                           head_hi=n_kv, nbytes=nbytes, pinned=pinned, alloc=(buf["disk"], 0, 0),
+                           head_hi=n_kv, nbytes=kvb(kd, hi), pinned=pinned, alloc=(buf["disk"], 0, 0),
                            free=(0, nbytes, 0)))
             held.add("disk")
 
@@ -409,7 +433,7 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
             S = stored_upto.get((j, k), 0)
             t = store_target(i, k)
             new_store = max(0, t - S) if (kc or kd) else 0
-            ws = fp.op_peak_bytes(model, "layer", gbs, q, ctx, kv_groups)
+            ws = fp.op_peak_bytes(model, "layer", gbs, q, ctx, kv_groups) + dq
             last_k = k == nb - 1
             w_free = slot if (last_k and u is not None) else 0
             if new_store and kd:
@@ -431,12 +455,12 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
             if new_store:
                 ops = []
                 if kc:
-                    nbytes = kvb(kc, new_store)
+                    nbytes = kv_stored(kc, new_store)
                     ops.append(add("d2h", [comp], phase, i, j, k, tensor="kv", lo=S, hi=t, head_lo=kg,
                                    head_hi=kg + kc, nbytes=nbytes, pinned=pinned, free=(buf["cpu"], 0, 0)))
                     rel = [ops[-1]]
                 if kd:
-                    nbytes = kvb(kd, new_store)
+                    nbytes = kv_stored(kd, new_store)
                     st_ = add("d2h", [comp] + disk_stores.d2h_deps(), phase, i, j, k, tensor="kv", lo=S, hi=t,
                               head_lo=kg + kc, head_hi=n_kv, nbytes=nbytes, pinned=pinned, alloc=(0, nbytes, 0),
                               free=(buf["disk"], 0, 0))
@@ -512,10 +536,11 @@ def estimate_seconds_per_token(model: ModelSpec, hw: HardwareSpec, wl: Workload,
         fp.check_fits(model, capacity_of(hw), wl, _schedule_of(model, lay, st).placement())
     except OffsimError:
         return math.inf
-    free = free_gpu_bytes_of(model, hw, wl, lay)
+    free = free_gpu_bytes_of(model, hw, wl, lay, compression_of(st))
     gbs, P = wl.gpu_batch_size, wl.prompt_len
     off_heads = lay.kv_cpu_heads + lay.kv_disk_heads
-    kvd = distributor(model, hw, st.transfer_model)
+    cz = compression_of(st)
+    kvd = distributor(model, hw, st.transfer_model, cz)
     mid = P + wl.gen_len // 2 - 1
     pre = dec = 0.0
     for k in range(wl.num_gpu_batches):
@@ -525,14 +550,14 @@ def estimate_seconds_per_token(model: ModelSpec, hw: HardwareSpec, wl: Workload,
         n = kvd.decide(d, "exact") if (st.kv_distributor and off_heads) else 0
         dec += kvd.objective(d, n)
         t_w = sum(cm.transfer_seconds(hw, x, "h2d") for x in (d.weight_cpu_bytes, d.weight_disk_bytes) if x)
-        t_st = cm.transfer_seconds(hw, kvb_all(model, gbs, off_heads, P - n), "d2h") if off_heads else 0.0
-        pre += max(cm.compute_seconds(model, hw, "layer", gbs, P, P, graphs=False),
+        t_st = cm.transfer_seconds(hw, kvb_all(model, gbs, off_heads, P - n, cz), "d2h") if off_heads else 0.0
+        pre += max(cm.compute_seconds(model, hw, "layer", gbs, P, P, graphs=False, comp=cz),
                    t_w + cm.disk_seconds(hw, d.weight_disk_bytes, "read"), t_st)
     return model.num_layers * (pre + (wl.gen_len - 1) * dec) / (wl.num_prompts * wl.gen_len)
 
 
-def kvb_all(model: ModelSpec, gbs: int, heads: int, tokens: int) -> int:
-    return fp.kv_bytes(model, gbs, max(tokens, 0), heads)
+def kvb_all(model: ModelSpec, gbs: int, heads: int, tokens: int, comp: Compression = NO_COMPRESSION) -> int:
+    return fp.stored_kv_bytes(model, gbs, max(tokens, 0), heads, comp=comp)
 
 
 def tightllm_placement(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLMSettings) -> fp.Placement:
@@ -540,25 +565,30 @@ def tightllm_placement(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: Tig
     return _schedule_of(model, layout_of(model, wl, st), st).placement()
 
 
-def _fits(model: ModelSpec, hw: HardwareSpec, wl: Workload, percent: tuple) -> bool:
+def _fits(model: ModelSpec, hw: HardwareSpec, wl: Workload, percent: tuple,
+          comp: Compression = NO_COMPRESSION) -> bool:
     """Whether TightLLM's placement of ``percent`` fits every tier (``footprint.check_fits``)."""
     try:
-        fp.check_fits(model, capacity_of(hw), wl, tightllm_placement(model, hw, wl, TightLLMSettings(percent=percent)))
+        fp.check_fits(model, capacity_of(hw), wl, tightllm_placement(model, hw, wl, TightLLMSettings(
+            percent=percent, **comp.settings())))
     except OffsimError:
         return False
     return True
 
 
 def tightllm_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
-                        batch: int | None = None, max_shapes: int = 12) -> Iterable[Candidate]:
+                        batch: int | None = None, max_shapes: int = 12,
+                        compression: Compression = NO_COMPRESSION) -> Iterable[Candidate]:
     """Placements and block shapes for the search: FlexGen's LP optimum (GPU attention) for each block shape (same
     memory constraints; with ``batch`` sequences when given), its GPU weight share trimmed until TightLLM's own
     placement fits (``flexgen.fit_gpu_weights``: the LP's memory row is FlexGen's, a few tens of MB off TightLLM's
     working set), re-ranked by TightLLM's own estimate, plus -- when the batch is free -- twice the GPU batch on the
-    same placement (with recompute the KV loads shrink, so a bigger batch can pay)."""
+    same placement (with recompute the KV loads shrink, so a bigger batch can pay). ``compression``: the LP, the fit,
+    the estimate and every candidate run with it."""
     seen = set()
+    extra = compression.settings() if compression.any else {}
     lps = flexgen_candidates(model, hw, prompt_len, gen_len, cpu_attention=(False,), batch=batch,
-                             sublayer=False)[:max_shapes]  # TightLLM's weight loader streams whole layers
+                             sublayer=False, comp=compression)[:max_shapes]  # the loader streams whole layers
     out = []
     for r in lps:
         for gbs in (r.gpu_batch_size,) if batch is not None else (r.gpu_batch_size, 2 * r.gpu_batch_size):
@@ -567,18 +597,19 @@ def tightllm_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen
                 continue
             seen.add(key)
             wl = Workload(prompt_len, gen_len, gbs, r.num_gpu_batches)
-            pct = fit_gpu_weights(model, hw, wl, r.percent, False, fits=lambda p: _fits(model, hw, wl, p))
-            st = TightLLMSettings(percent=pct)
+            pct = fit_gpu_weights(model, hw, wl, r.percent, False,
+                                  fits=lambda p: _fits(model, hw, wl, p, compression))
+            st = TightLLMSettings(percent=pct, **extra)
             try:
                 score = estimate_seconds_per_token(model, hw, wl, st)
             except OffsimError:
                 continue
             if math.isfinite(score):
-                out.append(Candidate({"percent": pct}, wl, score))
+                out.append(Candidate({"percent": pct, **extra}, wl, score))
     out.sort(key=lambda c: c.score_s_per_token)
     return out
 
 
 TIGHTLLM = Policy("tightllm", TightLLMSettings, tightllm_plan, tightllm_candidates,
                   "TightLLM: recompute part of the KV cache on the idle GPU (ILP per batch), weight slices per batch",
-                  tightllm_placement)
+                  tightllm_placement, ranks_compression=True)

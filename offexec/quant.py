@@ -1,0 +1,186 @@
+"""FlexGen's 4-bit group-wise quantization and top-k sparse attention, as PyTorch kernels (issue 16).
+
+Not wired into the executor yet: this is the numerics core and the small API it will call -- ``quantize`` when a
+weight or a KV block is stored, ``dequantize`` before compute, ``top_k_sparse_attention`` in decode.
+
+**Format** (FlexGen, ICML'23 §5; its ``CompressionConfig(num_bits=4, group_size=64)``): a tensor is cut into groups
+of ``QUANT_GROUP_SIZE`` = 64 consecutive elements along one dim; each group keeps its min and its step
+(max − min) / 15 in fp16 and every element as the 4-bit integer round((x − min) / step), two to a byte (the even
+element in the high nibble). Weights [out, in] are grouped along dim 0, the output channel (FlexGen's
+``group_dim=0``); the KV cache along the head dimension D (FlexGen's ``group_dim=2`` of [s, b·heads, D]). A size
+that is not a multiple of 64 is padded up to whole groups by repeating the last element (so the padding never widens
+a group's range; FlexGen pads with zeros), and the padding is dropped on ``dequantize``. Bytes per 64 elements:
+32 payload + 2 · 2 (min, step) = 36, exactly ``offsim.core.footprint.quantized_bytes`` -- the size formula offsim
+prices, which ``Packed.nbytes`` must equal (tests/test_compression.py).
+
+Error bound per group: rounding to the grid is at most step / 2 = (max − min) / 30, plus fp16 rounding of min, step
+and the output (``round_trip_bound``).
+
+Device-agnostic: plain tensor ops, computed in fp32 and stored in fp16/uint8. Tested on the CPU; the CUDA check
+(tests/test_compression.py, marked gpu) compares the packed bytes with the CPU's and has not run on a GPU yet.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from offsim.core.footprint import quantized_bytes
+from offsim.core.specs import QUANT_BITS, QUANT_GROUP_SIZE, WEIGHT_GROUP_DIM
+
+LEVELS = (1 << QUANT_BITS) - 1  # 15: the largest 4-bit code
+FP16_EPS = 2.0 ** -10  # fp16's spacing at 1 (10 mantissa bits): relative rounding is at most half of it
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A tensor in 4-bit group-wise form. ``data``: uint8 [..., groups, 32], two codes a byte; ``scale``: fp16
+    [..., groups, 2], each group's (min, step); ``...`` are the tensor's other dims in order (the grouped dim moved
+    last and cut into groups). ``shape`` and ``dim``: the original tensor's shape and grouped dim."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    shape: tuple[int, ...]
+    dim: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: payload + per-group min and step (= ``footprint.quantized_bytes(shape, dim)``)."""
+        return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size()
+
+    def to(self, device) -> "Packed":
+        """The same packed tensor on ``device`` (what a copy between tiers moves: ``nbytes``)."""
+        return Packed(self.data.to(device, non_blocking=True), self.scale.to(device, non_blocking=True), self.shape,
+                      self.dim)
+
+
+def _groups(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
+    """x with ``dim`` moved last, padded up to whole groups by repeating its last element, as [..., groups, 64]
+    fp32; and the unpadded length of that dim."""
+    xm = x.movedim(dim, -1).float()
+    n = xm.shape[-1]
+    pad = -n % QUANT_GROUP_SIZE
+    if pad:
+        xm = torch.cat([xm, xm[..., -1:].expand(*xm.shape[:-1], pad)], dim=-1)
+    return xm.reshape(*xm.shape[:-1], -1, QUANT_GROUP_SIZE), n
+
+
+def quantize(x: torch.Tensor, dim: int) -> Packed:
+    """``x`` (any float dtype, any device, non-empty along ``dim``) in 4-bit groups of 64 along ``dim``."""
+    if x.dim() == 0 or x.shape[dim] == 0:
+        raise ValueError(f"quantize needs a non-empty dim {dim}, got shape {tuple(x.shape)}")
+    dim = dim % x.dim()
+    g, _ = _groups(x, dim)  # [..., G, 64]
+    mn = g.amin(dim=-1, keepdim=True).half()  # stored in fp16: quantize against the stored values
+    step = ((g.amax(dim=-1, keepdim=True) - mn.float()) / LEVELS).half()
+    s = step.float()
+    codes = torch.where(s > 0, torch.round((g - mn.float()) / torch.where(s > 0, s, 1.0)), 0.0)
+    codes = codes.clamp_(0, LEVELS).to(torch.uint8)  # [..., G, 64]
+    data = (codes[..., 0::2] << 4) | codes[..., 1::2]  # [..., G, 32]: even element high, odd element low
+    return Packed(data.contiguous(), torch.cat([mn, step], dim=-1).contiguous(), tuple(x.shape), dim)
+
+
+def dequantize(p: Packed, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """The fp16 (or ``dtype``) tensor of ``p``, in its original shape, on ``p``'s device."""
+    codes = torch.stack([p.data >> 4, p.data & 0xF], dim=-1).flatten(-2)  # [..., G, 64]
+    mn, step = p.scale[..., 0:1].float(), p.scale[..., 1:2].float()
+    x = codes.float() * step + mn  # [..., G, 64]
+    n = p.shape[p.dim]
+    x = x.flatten(-2)[..., :n]  # drop the padding: [..., n]
+    return x.to(dtype).movedim(-1, p.dim).contiguous()
+
+
+def quantize_weight(w: torch.Tensor) -> Packed:
+    """A weight matrix [out, in], grouped along its output channel (FlexGen's ``group_dim=0``)."""
+    return quantize(w, WEIGHT_GROUP_DIM)
+
+
+def quantize_kv(kv: torch.Tensor) -> Packed:
+    """K or V with the head dimension last ([..., D], offexec's layouts), grouped along D."""
+    return quantize(kv, -1)
+
+
+def stored_nbytes(shape: tuple[int, ...], dim: int) -> int:
+    """Bytes of a tensor of ``shape`` packed along ``dim``: offsim's formula (``footprint.quantized_bytes``), the
+    one source of truth; ``quantize(...).nbytes`` equals it."""
+    return quantized_bytes(tuple(shape), dim % len(shape))
+
+
+def round_trip_bound(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Per element, the most |x − dequantize(quantize(x))| may be: half a step of its group, (max − min) / 15 / 2,
+    plus fp16 rounding -- of the stored min and step (the step's error times up to 15 codes) and of the fp16
+    output -- bounded by ``FP16_EPS`` times the group's largest magnitude, three times over. Shape of ``x``."""
+    g, n = _groups(x, dim % x.dim())
+    mn, mx = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    big = torch.maximum(mn.abs(), mx.abs())
+    bound = (mx - mn) / LEVELS / 2 + 3 * FP16_EPS * (big + (mx - mn))
+    b = bound.expand_as(g).flatten(-2)[..., :n]
+    return b.movedim(-1, dim % x.dim())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# sparse attention
+# ----------------------------------------------------------------------------------------------------------------
+def top_k_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fraction: float,
+                           mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode attention that keeps, per query and head, the top ``fraction`` of the cached key positions (FlexGen's
+    ``--attn-sparsity``, its ``_sparse_attention_value``) -- the reference implementation, for one new token.
+
+    q: [B, H, 1, D]; k, v: [B, Hk, C, D] (H a multiple of Hk: GQA); ``mask``: bool [1, 1, 1, C], the key positions
+    that exist, a prefix (offexec's full-length buffers), or None (all do); the new token's K/V is the last of them. As FlexGen:
+    softmax over every existing key, then keep the weights of the top int(fraction · cached) cached positions plus the
+    new token's own (always kept), unrenormalised, and multiply only those V rows -- so only they need loading.
+    ``fraction`` ≥ 1 is dense attention: the same call as ``offexec.model._sdpa`` for one token (FlexGen switches to
+    its dense path the same way), so it equals the project's attention exactly. Returns [B, H, 1, D]."""
+    from offexec.model import _sdpa  # the project's attention (one token: no causal mask beyond ``mask``)
+
+    if not 0 < fraction:
+        raise ValueError(f"fraction must be positive, got {fraction}")
+    B, H, T, D = q.shape
+    G = H // k.shape[1]
+    if T != 1:
+        raise ValueError(f"top_k_sparse_attention is for one new token (T = 1), got T = {T}")
+    if fraction >= 1:
+        return _sdpa(q, k, v, 1, G, mask)
+    C = k.shape[2]
+    kx = k.repeat_interleave(G, dim=1) if G > 1 else k  # [B, H, C, D]
+    vx = v.repeat_interleave(G, dim=1) if G > 1 else v
+    scores = (q.float() @ kx.float().transpose(-1, -2)) / math.sqrt(D)  # [B, H, 1, C]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    w = torch.softmax(scores, dim=-1)  # [B, H, 1, C]
+    # the existing positions are a prefix [0, p]: p is the new token's, [0, p) the cached ones
+    p = C - 1 if mask is None else int(mask.sum()) - 1
+    keep = max(1, int(fraction * p)) if p else 0
+    out = w[..., p:p + 1] * vx[:, :, p:p + 1].float()  # [B, H, 1, D]: the new token, always kept
+    if keep:
+        top_w, top_i = w[..., :p].topk(keep, dim=-1)  # [B, H, 1, keep]
+        rows = torch.gather(vx.float(), 2, top_i.squeeze(2).unsqueeze(-1).expand(B, H, keep, D))  # V rows loaded
+        out = out + top_w @ rows
+    return out.to(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the rate offsim prices the passes with
+# ----------------------------------------------------------------------------------------------------------------
+def measure_dequantize_bytes_per_s(device: str = "cuda", nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """fp16 bytes per second that ``dequantize`` produces on ``device`` for a weight matrix of ``nbytes`` fp16
+    bytes, best of ``repeats`` after one warm-up: ``HardwareSpec.quant_bytes_per_s`` as a profile can measure it
+    (what ``offexec profile`` can write under that key; offsim prices every dequantize and quantize pass with it)."""
+    import time
+
+    cols = 4096
+    rows = max(QUANT_GROUP_SIZE, nbytes // 2 // cols)
+    w = torch.randn(rows, cols, device=device, dtype=torch.float16)
+    p = quantize_weight(w)
+    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+    dequantize(p)
+    best = math.inf
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        dequantize(p)
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return rows * cols * 2 / best

@@ -1,0 +1,289 @@
+"""Issue 16: FlexGen's 4-bit group-wise compression and sparse attention -- the packed format (offexec/quant.py) and
+offsim's model of it (sizes in footprint, passes in the cost model, the block schedule, the LP and the search)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from offexec import quant
+from offexec.model import _sdpa
+from offsim import Workload, build_plan, get_hardware, get_model, simulate
+from offsim.cli import main as offsim_main
+from offsim.core import costmodel as cm
+from offsim.core import footprint as fp
+from offsim.core.errors import OffsimError
+from offsim.core.specs import NO_COMPRESSION, Compression
+
+C4 = Compression(weight=True, cache=True)
+
+
+# ---- the packed format -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape,dim", [((128, 64), 0), ((100, 7), 0), ((3, 5, 130), -1), ((64,), 0), ((1, 1), 0),
+                                       ((7, 200), 1)])
+def test_round_trip_within_the_4bit_bound_per_group(shape, dim):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(shape, generator=g) * 3 + torch.rand(shape, generator=g)).half()
+    p = quant.quantize(x, dim)
+    y = quant.dequantize(p)
+    assert y.shape == x.shape and y.dtype == torch.float16
+    err = (x.float() - y.float()).abs()
+    bound = quant.round_trip_bound(x, dim)
+    assert (err <= bound).all(), float((err - bound).max())
+    # and the bound is not loose: somewhere the error reaches a good share of its group's half step
+    g, _ = quant._groups(x, dim % x.dim())
+    half_step = (g.amax(-1) - g.amin(-1)) / quant.LEVELS / 2  # [..., groups]
+    if x.numel() >= 64:
+        assert float(err.max()) > 0.5 * float(half_step.min())
+
+
+def test_constant_groups_and_padding_round_trip_exactly():
+    x = torch.full((70, 3), 1.5, dtype=torch.float16)  # 70 = one group and a padded one along dim 0
+    assert torch.equal(quant.dequantize(quant.quantize(x, 0)), x)
+    codes = torch.arange(16, dtype=torch.float16).repeat(4)  # on the grid: 0..15, step 1
+    assert torch.equal(quant.dequantize(quant.quantize(codes, 0)), codes)
+
+
+@pytest.mark.parametrize("shape,dim", [((7168, 7168), 0), ((28672, 7168), 0), ((100, 33), 0), ((5, 12, 128), 2),
+                                       ((3, 96), -1), ((65,), 0)])
+def test_packed_bytes_equal_offsims_size_formula(shape, dim):
+    p = quant.quantize(torch.zeros(shape, dtype=torch.float16), dim) if math.prod(shape) < 1e7 else None
+    want = fp.quantized_bytes(shape, dim % len(shape))
+    assert quant.stored_nbytes(shape, dim) == want
+    n = shape[dim]
+    assert want == math.prod(shape) // n * math.ceil(n / 64) * 36  # 32 bytes of codes + fp16 min and step
+    if p is not None:
+        assert p.nbytes == want
+
+
+def test_layer_and_kv_stored_sizes_are_the_packed_sizes():
+    m = get_model("opt-1.3b")
+    # every matrix of a layer packed along dim 0, every 1-D tensor fp16: what quantize_weight would hold
+    want = sum(quant.stored_nbytes(s, 0) if len(s) == 2 else math.prod(s) * 2 for _, s in m.layer_tensors())
+    assert fp.stored_layer_weight_bytes(m, C4) == want
+    assert fp.stored_layer_weight_bytes(m, NO_COMPRESSION) == m.layer_weight_bytes()
+    # one token, one head: K and V of D elements each, grouped along D
+    kv = torch.zeros(2, 1, 1, m.head_dim, dtype=torch.float16)  # [K/V, B, heads, D]
+    assert fp.stored_kv_bytes(m, 1, 1, 1, comp=C4) == quant.quantize_kv(kv).nbytes
+    assert fp.kv_stored_fraction(m, C4) == 36 / 128
+
+
+def test_sparse_attention_at_one_is_dense_attention_exactly():
+    g = torch.Generator().manual_seed(0)
+    B, H, Hk, C, D = 2, 8, 2, 37, 64
+    q = torch.randn(B, H, 1, D, generator=g)
+    k, v = torch.randn(B, Hk, C, D, generator=g), torch.randn(B, Hk, C, D, generator=g)
+    dense = _sdpa(q, k, v, 1, H // Hk)
+    assert torch.equal(quant.top_k_sparse_attention(q, k, v, 1.0), dense)
+    mask = torch.zeros(1, 1, 1, C, dtype=torch.bool)
+    mask[..., :20] = True
+    assert torch.equal(quant.top_k_sparse_attention(q, k, v, 1.0, mask), _sdpa(q, k, v, 1, H // Hk, mask))
+
+
+def test_sparse_attention_keeps_the_top_fraction():
+    g = torch.Generator().manual_seed(1)
+    B, H, C, D = 1, 4, 101, 32
+    q = torch.randn(B, H, 1, D, generator=g)
+    k, v = torch.randn(B, H, C, D, generator=g), torch.randn(B, H, C, D, generator=g)
+    dense = _sdpa(q, k, v, 1, 1)
+    # keeping almost everything is close to dense; keeping 10 % differs but stays a weighted sum of V rows
+    near = quant.top_k_sparse_attention(q, k, v, 0.999)
+    assert torch.allclose(near, dense, atol=5e-2)
+    sparse = quant.top_k_sparse_attention(q, k, v, 0.1)
+    assert not torch.allclose(sparse, dense, atol=1e-4)
+    # by hand: softmax weights, the top 10 of the 100 cached positions and the new token, unrenormalised
+    w = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(D), -1)
+    tw, ti = w[..., :100].topk(10, -1)
+    rows = torch.stack([v[0, h, ti[0, h, 0]] for h in range(H)])  # [H, 10, D]
+    ref = (tw[0, :, 0].unsqueeze(-1) * rows).sum(1) + w[0, :, 0, 100:] * v[0, :, 100]
+    assert torch.allclose(sparse[0, :, 0], ref, atol=1e-5)
+
+
+# ---- offsim ------------------------------------------------------------------------------------------------------
+T4 = get_hardware("t4")
+
+
+def _run(model, st, wl, hw=T4):
+    plan = build_plan("flexgen", model, hw, wl, st)
+    return plan, simulate(plan, hw).metrics()
+
+
+def test_compressed_plans_move_the_packed_share_of_the_bytes():
+    m = get_model("opt-30b")
+    wl = Workload(512, 4, 32, 2)
+    base = {"percent": (0, 100, 0, 100, 100, 0)}
+    p16, _ = _run(m, base, wl)
+    p4, _ = _run(m, {**base, "compress_weight": True, "compress_cache": True}, wl)
+    b16, b4 = p16.bytes_by_kind(), p4.bytes_by_kind()
+    ratio = fp.weight_stored_fraction(m, C4)  # 0.2813: weights dominate; KV is exactly 36/128
+    assert b4["h2d"] / b16["h2d"] == pytest.approx(ratio, rel=2e-3)
+    assert b4["d2h"] / b16["d2h"] == pytest.approx(36 / 128, rel=1e-9)  # only KV is stored (activations on GPU)
+    # every tier holds the stored size
+    assert p4.resident["cpu"] / p16.resident["cpu"] == pytest.approx(ratio, rel=1e-2)
+
+
+def test_sparse_attention_loads_all_of_k_and_its_share_of_v():
+    m = get_model("opt-6.7b")
+    wl = Workload(256, 4, 8, 1)
+    base = {"percent": (100, 0, 0, 100, 100, 0)}  # weights on the GPU: the h2d is KV loads only
+    p1, m1 = _run(m, base, wl)
+    p2, m2 = _run(m, {**base, "sparse_attention": 0.1}, wl)
+    assert p2.bytes_by_kind()["h2d"] / p1.bytes_by_kind()["h2d"] == pytest.approx((1 + 0.1) / 2, rel=1e-3)
+    assert m2["decode_tok_s"] > m1["decode_tok_s"]
+    # attention FLOPs: QK^T whole, PV at the share; prefill stays dense
+    assert cm.attention_flops(m, 1, 1, 100, 0.1) == pytest.approx(cm.attention_flops(m, 1, 1, 100) * 0.55)
+    assert cm.sparse_share(256, 256, Compression(sparse_attention=0.1)) == 1.0
+
+
+def test_dequantize_passes_are_priced_from_the_profiled_rate():
+    m = get_model("opt-6.7b")
+    t16 = cm.compute_seconds(m, T4, "mlp", 8, 1, 300)
+    t4 = cm.compute_seconds(m, T4, "mlp", 8, 1, 300, comp=C4)
+    fp16_bytes = cm.gemm_flops_per_token(m, "mlp") / 2 * 2  # the MLP's matrices in fp16
+    assert t4 - t16 == pytest.approx(fp16_bytes / T4.quant_bytes_per_s)
+    assert T4.quant_bytes_per_s == T4.gpu_hbm_bytes_per_s / cm.QUANT_HBM_PASSES
+    fast = T4.with_(quant_bytes_per_s=10 * T4.quant_bytes_per_s)  # a profile key overrides the preset
+    assert cm.compute_seconds(m, fast, "mlp", 8, 1, 300, comp=C4) < t4
+    # a profile without the key: HBM / QUANT_HBM_PASSES
+    assert cm.quant_bytes_per_s(T4.with_(quant_bytes_per_s=0.0)) == T4.gpu_hbm_bytes_per_s / cm.QUANT_HBM_PASSES
+
+
+def test_compression_fits_what_fp16_does_not():
+    m = get_model("opt-13b")
+    wl = Workload(512, 8, 8, 1)
+    st = {"percent": (100, 0, 100, 0, 100, 0)}  # all on the 15 GiB T4: 24 GiB of fp16 weights do not fit, 6.8 do
+    with pytest.raises(OffsimError, match="does not fit"):
+        build_plan("flexgen", m, T4, wl, st)
+    plan = build_plan("flexgen", m, T4, wl, {**st, "compress_weight": True, "compress_cache": True})
+    gpu = fp.placement_tier_bytes(m, wl, fp.Placement(plan.weight_split, plan.kv_split, compression=C4))["gpu"]
+    assert gpu["dequantized copies"] > 0  # the fp16 working copy counted beside the packed storage
+    assert simulate(plan, T4).metrics()["peak_gpu_bytes"] <= T4.gpu_mem_bytes
+
+
+def test_cpu_attention_with_compression_is_refused():
+    with pytest.raises(OffsimError, match="CPU attention"):
+        build_plan("flexgen", get_model("opt-1.3b"), T4, Workload(64, 4, 4, 1),
+                   {"percent": (100, 0, 0, 100, 100, 0), "cpu_attention": True, "compress_cache": True})
+
+
+def test_cli_refuses_cpu_attention_with_compression_in_one_line(capsys):
+    rc = offsim_main(["simulate", "--model", "opt-1.3b", "--percent", "100", "0", "0", "100", "100", "0",
+                      "--cpu-attention", "--compress-weight", "--gen-len", "4", "--gpu-batch-size", "2"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "CPU attention" in err
+
+
+@pytest.mark.parametrize("settings", [{"sparse_attention": 0}, {"sparse_attention": 1.5},
+                                      {"compress_weight": "yes"}])
+def test_bad_compression_settings_are_one_line_errors(settings):
+    with pytest.raises(OffsimError):
+        build_plan("flexgen", get_model("opt-1.3b"), T4, Workload(64, 4, 4, 1), settings)
+
+
+def test_a_saved_plan_carries_its_compression(tmp_path):
+    m = get_model("opt-1.3b")
+    wl = Workload(64, 4, 4, 1)
+    plan = build_plan("static-zero", m, T4, wl, {"compress_weight": True, "sparse_attention": 0.5})
+    path = tmp_path / "p.json"
+    plan.save(path)
+    from offsim.core.plan import Plan
+
+    again = Plan.load(path)
+    assert Compression.from_settings(again.settings) == Compression(True, False, 0.5)
+    assert simulate(again, T4).metrics()["total_s"] == simulate(plan, T4).metrics()["total_s"]
+
+
+def test_uncompressed_plans_are_unchanged_by_the_compression_settings():
+    m = get_model("opt-1.3b")
+    wl = Workload(64, 4, 4, 2)
+    st = {"percent": (50, 50, 0, 100, 100, 0)}
+    a = build_plan("flexgen", m, T4, wl, st)
+    b = build_plan("flexgen", m, T4, wl, {**st, "compress_weight": False, "sparse_attention": 1.0})
+    assert a.fingerprint() == b.fingerprint()
+
+
+@pytest.mark.slow
+def test_search_with_compression_beats_fp16_on_opt30b_t4():
+    """FlexGen's paper: OPT-30B on the T4, 7.32 total tok/s in fp16, 8.70 with 4-bit compression."""
+    from offsim.search import search
+
+    m = get_model("opt-30b")
+    fp16 = search("flexgen", m, T4, 512, 32)
+    best = search("flexgen", m, T4, 512, 32, compression=(NO_COMPRESSION, Compression(False, True),
+                                                          Compression(True, True)))
+    assert Compression.from_settings(best.settings).any
+    assert best.metrics["total_tok_s"] > 1.1 * fp16.metrics["total_tok_s"]
+    # the candidate table holds fp16 and compressed candidates side by side
+    assert {bool(s.get("compress_cache", False)) for s in best.candidates["settings"]} == {False, True}
+
+
+def test_offexec_refuses_a_compressed_plan_in_one_line(tmp_path, capsys):
+    """The executor does not run compressed plans yet: a saved one is refused, not run in fp16 and mislabelled."""
+    from offexec.cli import main as offexec_main
+
+    plan = build_plan("flexgen", get_model("opt-125m"), T4, Workload(16, 2, 2, 1), {"compress_cache": True})
+    path = tmp_path / "c.json"
+    plan.save(path)
+    rc = offexec_main(["run", "--plan", str(path), "--device", "cpu", "--hardware", "t4"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "compressed" in err
+
+
+def test_tightllm_recomputes_less_when_the_cache_is_compressed():
+    """Compressed KV is cheaper to load, so the KV distributor trades less of it for recompute; the recomputed
+    tokens' KV is fresh fp16 (no dequantize), only the loaded prefix is dequantized."""
+    m = get_model("opt-30b")
+    wl = Workload(512, 4, 64, 2)
+    base = {"percent": (0, 100, 0, 100, 100, 0)}
+    p16 = build_plan("tightllm", m, T4, wl, base)
+    p4 = build_plan("tightllm", m, T4, wl, {**base, "compress_cache": True})
+    n16 = sum(map(sum, p16.derived["recompute_tokens"]))
+    n4 = sum(map(sum, p4.derived["recompute_tokens"]))
+    assert n16 > 0 and n4 < n16
+    assert simulate(p4, T4).metrics()["decode_tok_s"] > simulate(p16, T4).metrics()["decode_tok_s"]
+    q = cm.quant_seconds(m, T4, "layer", 64, 11, 600, Compression(cache=True))  # 10 recomputed + 1 new token
+    kv_tok = m.kv_bytes_per_token()
+    assert q == pytest.approx((64 * 589 * kv_tok + 64 * 11 * kv_tok) / T4.quant_bytes_per_s)
+
+
+def test_static_policies_and_selectn_store_the_packed_weights():
+    from offsim.policies.static import accelerate_gpu_layers
+
+    m = get_model("opt-13b")
+    wl = Workload(128, 4, 4, 1)
+    assert accelerate_gpu_layers(m, T4, wl, Compression(weight=True)) > accelerate_gpu_layers(m, T4, wl)
+    z16 = build_plan("static-zero", m, T4, wl, {})
+    z4 = build_plan("static-zero", m, T4, wl, {"compress_weight": True})
+    assert z4.resident["cpu"] / z16.resident["cpu"] == pytest.approx(fp.weight_stored_fraction(m, C4), rel=1e-3)
+    s16 = build_plan("selectn", m, T4, wl, {"interval": 2})
+    s4 = build_plan("selectn", m, T4, wl, {"interval": 2, "compress_weight": True})
+    assert s4.bytes_by_kind()["h2d"] / s16.bytes_by_kind()["h2d"] == pytest.approx(
+        fp.weight_stored_fraction(m, C4), rel=1e-3)
+
+
+def test_dequantize_rate_can_be_measured_for_a_profile():
+    rate = quant.measure_dequantize_bytes_per_s("cpu", nbytes=1 << 20, repeats=2)
+    assert rate > 1e6  # fp16 bytes per second: a profile's quant_bytes_per_s
+    assert get_hardware("t4").with_(quant_bytes_per_s=rate).quant_bytes_per_s == rate
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_packed_format_on_cuda_matches_the_cpu():
+    x = torch.randn(300, 130, dtype=torch.float16)
+    on_cpu = quant.quantize(x, 0)
+    on_gpu = quant.quantize(x.cuda(), 0)
+    assert torch.equal(on_gpu.data.cpu(), on_cpu.data) and torch.equal(on_gpu.scale.cpu(), on_cpu.scale)
+    assert torch.equal(quant.dequantize(on_gpu).cpu(), quant.dequantize(on_cpu))
+    assert on_gpu.nbytes == quant.stored_nbytes(x.shape, 0)
+
+
+def test_a_weight_range_is_never_empty_and_its_parts_cover_the_whole():
+    m = get_model("opt-125m")
+    W = m.layer_weight_bytes()
+    assert fp.stored_weight_bytes(m, 2, 4, C4) >= 1  # one element of a matrix: still a byte on the link
+    cuts = [0, 1000, 1002, W // 3, W // 2 + 6, W]
+    parts = sum(fp.stored_weight_bytes(m, a, b, C4) for a, b in zip(cuts, cuts[1:]))
+    whole = fp.stored_layer_weight_bytes(m, C4)
+    assert whole <= parts <= whole + len(cuts) * len(m.layer_tensors())
