@@ -24,6 +24,9 @@ GiB = 1 << 30
 # (name, switch interval s, longest graphed decode op in query tokens)
 VARIANTS = (("before: 5 ms, one-token graphs", 5e-3, 1), ("switch 0.2 ms", 2e-4, 1),
             ("recompute graphs", 5e-3, 8), ("both", 2e-4, 8))
+# --threads: the CPU attention's intra-op threads (torch.set_num_threads), each twice: the run-to-run spread beside
+# the effect (None: torch's default, one per core)
+THREADS = (None, None, 4, 4, 8, 8)
 
 
 def main() -> None:
@@ -34,6 +37,8 @@ def main() -> None:
     ap.add_argument("--md", metavar="OUT", help="with --report: the markdown file (default: stdout)")
     ap.add_argument("--profile", default=PROFILE)
     ap.add_argument("--disk-dir", default=None)
+    ap.add_argument("--threads", action="store_true",
+                    help="variants of torch's intra-op threads (THREADS) instead of the switch interval and graphs")
     ap.add_argument("--kv-solver", default=None, choices=("ilp", "exact"),
                     help="TightLLM's N_r solver instead of the case's (exact: the same N_r without cvxpy; each run "
                          "records whether its plan is the one measured)")
@@ -86,7 +91,11 @@ def main() -> None:
                 if args.kv_solver and c["policy"] == "tightllm":
                     c = {**c, "settings": {**c["settings"], "kv_solver": args.kv_solver}}
                 first = None
-                for name, switch_s, gq in VARIANTS:
+                default_threads = torch.get_num_threads()
+                variants = [(f"threads {t or default_threads}", 2e-4, 8, t or default_threads) for t in THREADS] \
+                    if args.threads else [v + (default_threads,) for v in VARIANTS]
+                for name, switch_s, gq, threads in variants:
+                    torch.set_num_threads(threads)
                     plan = build_plan(c["policy"], model, base, wl, c["settings"])
                     plan.graph_max_q_tokens = gq
                     warm = build_plan(c["policy"], model, base, wl.with_(gen_len=2), c["settings"])
@@ -108,6 +117,7 @@ def main() -> None:
                     toks = np.asarray(res.tokens.cpu() if hasattr(res.tokens, "cpu") else res.tokens)
                     first = toks if first is None else first
                     emit({"case": c["tag"], "variant": name, "switch_interval_s": switch_s, "graph_max_q_tokens": gq,
+                          "torch_threads": threads,
                           "measured_total_tok_s": m["total_tok_s"], "measured_decode_tok_s": m["decode_tok_s"],
                           "predicted_total_tok_s": pred["total_tok_s"], "predicted_decode_tok_s": pred["decode_tok_s"],
                           "err_total": pred["total_tok_s"] / m["total_tok_s"] - 1,
@@ -119,6 +129,7 @@ def main() -> None:
                           "tokens_agree_frac": float((toks == first).mean()),
                           "gpu_max_reserved_GiB": res.stats.get("gpu_max_reserved_bytes", 0) / GiB,
                           "allocator_cap_GiB": res.stats.get("allocator_cap_bytes", 0) / GiB})
+                torch.set_num_threads(default_threads)
         finally:
             w.close()
             torch.cuda.empty_cache()
