@@ -580,3 +580,29 @@ def test_graphed_recompute_op_reads_the_graph_rows_then_the_gpu_bound_tokens_row
     assert C.op_seconds(op, M, hw, graph_q_tokens=1) == eager  # a run from before recompute graphs
     assert C.op_seconds(op, M, hw, graph_q_tokens=0) == eager  # graphs off
     assert C.op_seconds(SimpleNamespace(**{**vars(op), "phase": "prefill"}), M, hw) == eager
+
+
+def test_graph_captures_cost_the_profiles_capture_rows_at_each_keys_first_op():
+    """Where the profile has 'capture' rows, the first op of each graph key (part, query tokens, layer, and the
+    batch for parts that attend over GPU KV buffers) costs its capture beyond its replay, the plan's very first one
+    the 'first' row's; every other op is priced as before, in both engines."""
+    cap = ((KEY, "capture", "layer", ((1.0, 5e-3), (8.0, 6e-3))), (KEY, "capture", "first", ((1.0, 0.05), (8.0, 0.07))))
+    hw, base = H200.with_(op_times=ROWS + cap), H200.with_(op_times=ROWS)
+    plan = build_plan("flexgen", M, hw, Workload(16, 4, 2, 3), {"percent": [100, 0, 100, 0, 100, 0],
+                                                                 "sublayer": False})
+    dur = lambda h: (lambda df: (df.end_s - df.start_s).to_numpy())(same_traces(plan, h).df)  # noqa: E731
+    extra = dur(hw) - dur(base)
+    graph = curve(hw, "graph", "layer")
+    seen, expect = set(), [0.0] * len(plan.ops)
+    for op in plan.ops:
+        if C.graphed(op.kind, op.part, op.q_tokens, op.phase, plan.graph_q_tokens):
+            key = (op.part, op.layer, op.batch)
+            if key not in seen:
+                row = curve(hw, "capture", "first" if not seen else "layer")
+                expect[op.id] = C.table_seconds(row, op.num_seqs) - C.table_seconds(graph, op.num_seqs)
+                seen.add(key)
+    assert len(seen) == M.num_layers * 3  # each layer's graph for each of the 3 batches, captured at step 1
+    assert extra == pytest.approx(expect, abs=1e-12)
+    assert simulate(plan, hw).metrics()["total_s"] > simulate(plan, base).metrics()["total_s"]
+    plan.cuda_graphs = False  # no graphs, no captures
+    assert (dur(hw) == dur(base)).all()

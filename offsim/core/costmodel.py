@@ -392,6 +392,19 @@ def graphed(kind: str, part: str, q_tokens: int, phase: str, max_q_tokens: int =
     return kind == "compute" and phase == "decode" and 1 <= q_tokens <= max_q_tokens and part in GRAPHED_PARTS
 
 
+def capture_extra_seconds(model: ModelSpec, hw: HardwareSpec, part: str, rows: int, first: bool) -> float:
+    """What a graphed decode op costs beyond its replay the first time offexec meets it: it runs its static body
+    eagerly (issued kernel by kernel) and then records it as a CUDA graph (offexec/graphs.py). From the profile's
+    'capture' rows (``offexec profile --ops``: the probe's step-1 ops, by sequences) less its 'graph' row; ``first``:
+    the run's first capture, which also creates the graphs' pool and context (row 'capture', 'first'). 0 where the
+    profile has no such rows. ``rows``: sequences x query tokens."""
+    cap = op_table(hw, model, "capture", "first" if first else part)
+    rep = op_table(hw, model, "graph", part)
+    if cap is None or rep is None:
+        return 0.0
+    return max(0.0, table_seconds(cap, rows) - table_seconds(rep, rows))
+
+
 def issue_seconds(op, hw: HardwareSpec, graph_q_tokens: int = 0) -> float:
     """Host time the runtime spends issuing ``op`` (see ``HardwareSpec.issue_compute_s``); a decode op that the plan
     replays as a graph (``graph_q_tokens``: the plan's ``graph_q_tokens``) costs ``issue_graph_s`` where the profile

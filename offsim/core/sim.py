@@ -68,6 +68,7 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
     duration_cache: dict[tuple, float] = {}
     disk_cached = plan.disk_cached  # the plan's disk tier goes through the page cache: priced at its rates
     comp = Compression.from_settings(plan.settings)  # 4-bit passes and sparse attention of compute ops
+    captures = _capture_extras(plan, op_rows(ops), hw)  # graphed ops offexec captures where they first run
 
     def duration(op, now: float) -> float:
         other = _OPPOSITE.get(op.kind)
@@ -127,6 +128,7 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
                 if dt is None:
                     dt = duration_cache[key] = costmodel.op_seconds(op, model, hw, disk_cached=disk_cached,
                                                                     graph_q_tokens=plan.graph_q_tokens, comp=comp)
+                dt += captures.get(op.id, 0.0)
             busy_until[op.stream] = now + dt
             yield env.timeout(dt)
             end[op.id] = env.now
@@ -163,6 +165,32 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
 _STREAM_INDEX = {s: i for i, s in enumerate(STREAMS)}
 _OTHER_INDEX = [_STREAM_INDEX.get(_OPPOSITE.get(s), -1) for s in STREAMS]  # h2d <-> d2h, others -1
 _KIND_STREAM_INDEX = {k: _STREAM_INDEX[s] for k, s in STREAM_OF_KIND.items()}
+
+
+def _capture_extras(plan: Plan, rows: list, hw: HardwareSpec) -> dict[int, float]:
+    """{op index: extra seconds} of the ops at which offexec captures a CUDA graph (``costmodel.capture_extra_seconds``):
+    the first op in plan order of each graph key -- part, query tokens, layer, and for parts that attend over the GPU
+    KV buffers the batch (offexec keys a graph by the addresses it reads: weights, KV buffers). Empty without graphs
+    or without the profile's 'capture' rows. Both engines add these to the ops' durations."""
+    gq = plan.graph_q_tokens
+    if not gq or not hw.op_times or costmodel.op_table(hw, plan.model, "capture", "first") is None:
+        return {}
+    seen, out = set(), {}
+    for i, r in enumerate(rows):
+        if r[0] != "compute":
+            continue
+        kw = r[6]
+        part, q = kw.get("part", ""), kw.get("q_tokens", 0)
+        if not costmodel.graphed("compute", part, q, r[2], gq):
+            continue
+        key = (part, q, r[4], r[5] if part in ("layer", "attn_layer") else -1)
+        if key in seen:
+            continue
+        t = costmodel.capture_extra_seconds(plan.model, hw, part, kw.get("num_seqs", 0) * q, not seen)
+        seen.add(key)
+        if t:
+            out[i] = t
+    return out
 
 
 class _KindOnly:
@@ -240,6 +268,8 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
             d = cache[key] = costmodel.op_seconds(op_at(i), model, hw, disk_cached=disk_cached,
                                                   graph_q_tokens=plan.graph_q_tokens, comp=comp)
         dur0[i] = d
+    for i, extra in _capture_extras(plan, rows, hw).items():  # graphed ops offexec captures where they first run
+        dur0[i] += extra
     # each stream's ops in plan order (numpy: a tenth of the time of appending op by op)
     sarr = np.asarray(sidx, dtype=np.intp)
     by_stream: list[list[int]] = [np.flatnonzero(sarr == s).tolist() for s in range(len(STREAMS))]
