@@ -170,7 +170,7 @@ _OP_FORMS = ({"sublayer": False, "cpu_attention": False}, {"sublayer": True, "cp
 
 
 def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16, 512), gen_len: int = 8,
-                progress: bool = True) -> list:
+                progress: bool = True, capture_only: bool = False) -> list:
     """Op tables: seconds of each compute op as offexec itself runs it, by size, for one model's layer shape.
 
     Small plans of the model cut to two layers (all weights and the KV cache on the GPU, or the KV on the host for
@@ -213,6 +213,8 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
     cpu: dict[tuple, list] = {}  # (prompt, sequences) -> [(seconds, FLOPs)] of CPU-attention ops
     runs = [(p, b, form, g) for p in prompts for b in batches for form in _OP_FORMS
             for g in (("cuda", "off") if cuda and p == prompts[0] else ("cuda",) if cuda else ("off",))]
+    if capture_only:  # the 'capture' rows alone (the profile's 'graph' rows stay as measured)
+        runs = [r for r in runs if r[0] == prompts[0] and r[3] == "cuda"]
     try:
         from tqdm import tqdm
 
@@ -283,7 +285,8 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
                 curves.setdefault(("cpu", "attn_flops"), []).append([float(b), float(rate)])
                 fixed = max(t_s - f_s / rate, 0.1 * t_s)  # the short prompt's FLOPs are priced by the rate
         curves.setdefault(("cpu", "attn"), []).append([float(b), float(fixed)])
-    return [[key, mode, part, pts] for (mode, part), pts in sorted(curves.items())]
+    return [[key, mode, part, pts] for (mode, part), pts in sorted(curves.items())
+            if not capture_only or mode == "capture"]
 
 
 def profile_graph_recompute(spec, device: str = "cuda", batches=(1, 4, 16, 64), q_tokens=(2, 4, 8),
@@ -532,17 +535,20 @@ def add_profile_parser(sub) -> None:
     p.add_argument("--recompute-only", action="store_true",
                    help="with --ops: measure only the graphed recompute rows (TightLLM's decode ops of 2 to 8 "
                         "query tokens as CUDA graphs)")
+    p.add_argument("--capture-only", action="store_true",
+                   help="with --ops: measure only the graph-capture rows (graphed decode ops at the first decode "
+                        "step)")
     p.add_argument("--op-batches", default="1,4,16,64", metavar="N,N,...",
                    help="sequences per GPU batch of the op-table runs (default: %(default)s)")
     p.set_defaults(func=cmd_profile)
 
 
 def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64), attention_only: bool = False,
-                  recompute_only: bool = False) -> dict:
+                  recompute_only: bool = False, capture_only: bool = False) -> dict:
     """Profile dict ``d`` with op tables for ``models`` (replacing rows of the same layer shapes and modes), CPU
     attention re-measured through the executor's path and the sustained compute fraction; ``attention_only``: the
     GPU attention rows and the sustained fraction alone; ``recompute_only``: the graphed recompute rows alone (the
-    rest of ``d`` kept). Provenance says which."""
+    rest of ``d`` kept); ``capture_only``: the graph-capture rows alone. Provenance says which."""
     from offsim.core.provenance import provenance
     from offsim.core.specs import HardwareSpec, get_model
 
@@ -550,6 +556,9 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
     specs = [get_model(m) for m in models]
     rows = []
     for spec in specs:
+        if capture_only:
+            rows += profile_ops(spec, device, batches=batches, capture_only=True)
+            continue
         if not (attention_only or recompute_only):
             rows += profile_ops(spec, device, batches=batches)
         if not attention_only and device == "cuda":
@@ -559,9 +568,11 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
     keys = {(r[0], r[1], r[2]) for r in rows}
     d["op_times"] = [r for r in d.get("op_times", []) if tuple(r[:3]) not in keys] + rows
     prov = dict(d.get("provenance", {}))
-    if not recompute_only:
+    if not (recompute_only or capture_only):
         d["sustained_compute_fraction"] = float(profile_sustained(device))
-    if recompute_only:
+    if capture_only:
+        prov["capture_tables"] = provenance(models=models, batches=list(batches), device=device)
+    elif recompute_only:
         prov["recompute_graph_tables"] = provenance(models=models, batches=list(batches), device=device)
     elif attention_only:
         prov["attention_tables"] = provenance(models=models, device=device)
@@ -601,7 +612,8 @@ def cmd_profile(args) -> dict:
     else:
         d = run_profile(args.model, args.device, args.quick, args.peak_tflops, args.disk_dir, args.name)
     if models:
-        d = add_op_tables(d, models, args.device, batches, args.attention_only, args.recompute_only)
+        d = add_op_tables(d, models, args.device, batches, args.attention_only, args.recompute_only,
+                          args.capture_only)
         if args.name:
             d["name"] = args.name
     out = Path(args.out)
