@@ -29,6 +29,7 @@ import torch
 from offsim.core import costmodel
 from offsim.core import footprint as fp
 from offsim.core.plan import Plan
+from offsim.core.specs import Compression
 from offsim.core.trace import Trace
 
 from . import ALLOCATOR_CAPS
@@ -36,7 +37,7 @@ from . import model as M
 from .graphs import GRAPH_MODES, DecodeGraphs
 from .memory import (BufferPool, DiskTier, ExecError, GpuArena, HostBuffer, apply_gpu_budget, check_disk_dir,
                      check_gpu_budget, configure_allocator, executor_streams, host_tensor, warm_library_workspace)
-from .program import GPU_STREAMS, HOST_STREAMS, Program, bind
+from .program import GPU_STREAMS, HOST_STREAMS, Program, bind, pool_of
 from .weights import ModelWeights
 
 GiB = fp.GiB
@@ -107,28 +108,44 @@ def op_transient_bytes(plan: Plan, prog: Program) -> int:
     return best
 
 
+def compression_of(plan: Plan) -> Compression:
+    """The plan's compression (its settings are the contract), refused in one line where the executor does not run
+    it: a compressed KV cache and sparse attention (offexec/quant.py has their kernels; the executor does not call
+    them yet), and CPU attention with compression (offsim refuses it too: ``Compression.check_cpu_attention``)."""
+    comp = Compression.from_settings(plan.settings)
+    if comp.cache or comp.sparse_attention < 1:
+        raise ExecError(f"offexec does not run a compressed KV cache or sparse attention yet (compress_cache, "
+                        f"sparse_attention; this plan: {comp.describe()}), only compress_weight; simulate the plan "
+                        "with `offsim simulate` instead")
+    comp.check_cpu_attention(any(op.kind == "cpu_compute" for op in plan.ops))
+    return comp
+
+
 def gpu_need(prog: Program, plan: Plan) -> dict[str, int]:
     """GPU bytes the executor will hold for ``plan``, by purpose (``footprint.executor_gpu_bytes``): what the budget
     pre-check adds up. Buffer pools count the most buffers live at once in plan order, activations the most GPU
     values (hidden states, Q/K/V, attention outputs) live at once in plan order, and op transients the largest
-    compute op's peak beyond its output. The decode graphs are sized for the plan's longest graphed op."""
+    compute op's peak beyond its output. The decode graphs are sized for the plan's longest graphed op. Compressed
+    weights: stored sizes plus the fp16 working copy of the largest unit."""
     gq = plan.graph_q_tokens
     longest = max((op.q_tokens for op in plan.ops if gq and costmodel.graphed(op.kind, op.part, op.q_tokens,
                                                                                op.phase, gq)), default=1)
     return fp.executor_gpu_bytes(plan.model, plan.workload, plan.weight_split, plan.kv_split, prog.pool_peak,
-                                 prog.gpu_value_peak_bytes, op_transient_bytes(plan, prog), longest)
+                                 prog.gpu_value_peak_bytes, op_transient_bytes(plan, prog), longest,
+                                 compression_of(plan), None not in prog.units)
 
 
 def disk_need(plan: Plan, layout=None) -> int:
-    """Bytes of the disk tier's files (``footprint.disk_tier_bytes``): each layer's disk-homed weight bytes (at the
-    largest layer's stride) and the KV of disk-homed heads. (``layout``: unused, kept for callers.)"""
-    return fp.disk_tier_bytes(plan.model, plan.workload, plan.weight_split, plan.kv_split)
+    """Bytes of the disk tier's files (``footprint.disk_tier_bytes``): each layer's disk-homed weight bytes (stored
+    size, at the largest layer's stride) and the KV of disk-homed heads. (``layout``: unused, kept for callers.)"""
+    return fp.disk_tier_bytes(plan.model, plan.workload, plan.weight_split, plan.kv_split, compression_of(plan))
 
 
 def host_need(prog: Program, plan: Plan, weights_loaded: bool = False) -> dict[str, int]:
     """Host bytes the executor will hold for ``plan``, by purpose (``footprint.executor_host_bytes``); the weights'
     host master is left out when it is already loaded (``weights_loaded``)."""
-    need = fp.executor_host_bytes(plan.model, plan.workload, plan.kv_split, prog.host_peak_bytes)
+    need = fp.executor_host_bytes(plan.model, plan.workload, plan.kv_split, prog.host_peak_bytes,
+                                  compression_of(plan))
     if weights_loaded:
         need["weights master"] = 0
     return need
@@ -180,7 +197,7 @@ def check_plan(plan: Plan, device, budget_bytes: int, disk_dir: str | None = Non
                         "smaller GPU batches or a plan with less in host memory")
     pinned = cuda and (all(o.pinned for o in plan.ops) if plan.ops else True)
     lock = _memlock_limit_bytes()
-    locked = host["weights master"] + host["host KV"]
+    locked = host["weights master"] + host["host KV"] + host.get("packed weights", 0)
     if pinned and lock is not None and locked > lock:
         raise ExecError(f"the plan page-locks {locked / GiB:.2f} GiB of host memory (weights and host KV) but "
                         f"RLIMIT_MEMLOCK allows {lock / GiB:.2f} GiB: short by {(locked - lock) / GiB:.2f} GiB; "
@@ -223,6 +240,11 @@ class Executor:
         self._disk_dir = disk_dir
         self.budget = int(gpu_budget_bytes if gpu_budget_bytes is not None else plan.capacity["gpu"])
         self.prog: Program = bind(plan, weights.layout)
+        self.comp = compression_of(plan)
+        # compressed weights: GPU slots hold the stored bytes of their range (``footprint.stored_slot_bytes``)
+        self.packed_slot_bytes = {pool_of(u): max((fp.stored_slot_bytes(plan.model, g, u, self.comp)
+                                                   for g, _ in plan.weight_split), default=0)
+                                  for u in self.prog.units} if self.comp.weight else {}
         self.gpu_need = gpu_need(self.prog, plan)
         if self.cuda:
             check_gpu_budget(self.gpu_need, self.budget)  # before any large allocation
@@ -264,15 +286,31 @@ class Executor:
         if s.family == "llama":
             items += [("rope.cos", (self.cap + 1, D), dt), ("rope.sin", (self.cap + 1, D), dt)]
         items.append(("tokens", (self.nb, self.gbs, self.cap + 1), torch.long))
-        items += [(f"w_res.{j}", (g // self.e,), dt) for j, (g, _) in enumerate(self.plan.weight_split) if g]
+        if self.comp.weight:  # resident weights stored packed, and the fp16 working copy compute ops dequantize into
+            items += [(f"w_res.{j}", (fp.stored_weight_bytes(s, 0, g, self.comp),), torch.uint8)
+                      for j, (g, _) in enumerate(self.plan.weight_split) if g]
+            items.append(("w_deq", (self.gpu_need["dequantized copies"] // self.e,), dt))
+        else:
+            items += [(f"w_res.{j}", (g // self.e,), dt) for j, (g, _) in enumerate(self.plan.weight_split) if g]
         heads = {g: hi - lo for g, (lo, hi) in self.prog.groups.items()}
         if heads["gpu"]:
             items.append(("kv_gpu", (L, self.nb, self.cap, 2, self.gbs, heads["gpu"], D), dt))
         for name, n in self.prog.pool_peak.items():
-            numel = self.prog.slot_numel.get(name, 0) if name.startswith("wslot") else \
-                self._kv_elems(heads[name.removeprefix("kvwork_")])
-            items += [(f"{name}.{i}", (numel,), dt) for i in range(n)]
+            items += [(f"{name}.{i}",) + self._pool_buffer(name) for i in range(n)]
         return items
+
+    def _pool_buffer(self, name: str) -> tuple[tuple[int], torch.dtype]:
+        """(shape, dtype) of one buffer of pool ``name``: a weight slot (elements, or stored bytes with compressed
+        weights) or a KV work buffer."""
+        if name.startswith("wslot"):
+            if self.comp.weight:
+                return (self.packed_slot_bytes.get(name, 0),), torch.uint8
+            return (self.prog.slot_numel.get(name, 0),), self.dtype
+        return (self._kv_elems(self.kv_heads_of(name.removeprefix("kvwork_"))),), self.dtype
+
+    def kv_heads_of(self, group: str) -> int:
+        lo, hi = self.prog.groups[group]
+        return hi - lo
 
     def _setup(self) -> None:
         s, plan, dev, dt = self.spec, self.plan, self.device, self.dtype
@@ -306,8 +344,14 @@ class Executor:
         # resident weight bytes [0, gpu) of each layer
         self.g_el = [g // e for g, _ in plan.weight_split]
         self.c_el = [c // e for _, c in plan.weight_split]
-        self.w_res = [arena(f"w_res.{j}").copy_(self.wts.layers[j, :self.g_el[j]]) if self.g_el[j] else None
-                      for j in range(L)]
+        self.packed = self.wts.packed_layers(self.comp) if self.comp.weight else None
+        src = self.wts.layers if self.packed is None else self.packed.layers
+        self.w_res: list = [None] * L  # resident bytes [0, gpu) of each layer (stored bytes when compressed)
+        for j in range(L):
+            if self.g_el[j]:
+                t = arena(f"w_res.{j}")
+                self.w_res[j] = t.copy_(src[j, :t.numel()])
+        self.w_deq = arena("w_deq") if self.comp.weight else None
         self.view_cache: dict = {}
         # KV homes
         groups = self.prog.groups
@@ -330,7 +374,11 @@ class Executor:
                 self.host_kv_bytes = self.host_kv.nbytes
         # disk tier: weight bytes [gpu + cpu, W) of each layer, KV of disk-homed heads
         disk_w = [Wn - self.g_el[j] - self.c_el[j] for j in range(L)]
-        self.disk_w_stride = max(disk_w) * e
+        # the disk-homed range of layer j as its file holds it: (first byte in the layer's buffer, bytes) -- fp16
+        # elements times e, or the stored range of the packed layer (``PackedLayers.range``)
+        self.disk_w_range = [((Wn - n) * e, n * e) if self.packed is None else self.packed.range((Wn - n) * e, Wn * e)
+                             for n in disk_w]
+        self.disk_w_stride = max(n for _, n in self.disk_w_range)
         self.disk_kv_stride = self._kv_elems(self.kv_heads["disk"]) * e
         need = self.disk_w_stride * L + self.disk_kv_stride * L * self.nb
         if need:
@@ -339,14 +387,16 @@ class Executor:
                 self.disk.create("weights.bin", self.disk_w_stride * L)
                 for j in range(L):
                     if disk_w[j]:
-                        self.disk.write("weights.bin", self.wts.layers[j, Wn - disk_w[j]:].contiguous(),
-                                        j * self.disk_w_stride)
+                        a, n = self.disk_w_range[j]
+                        row = (self.wts.layers[j] if self.packed is None else self.packed.layers[j]).view(torch.uint8)
+                        self.disk.write("weights.bin", row[a:a + n].contiguous(), j * self.disk_w_stride)
             if self.disk_kv_stride:
                 self.disk.create("kv.bin", self.disk_kv_stride * L * self.nb)
         # pools, from the arena, as many buffers as plan order has live at once
         p = self.prog
         for name in ("wslot", "wslot_attn", "wslot_mlp"):
-            self.pools[name] = BufferPool(name, p.slot_numel.get(name, 0), dt, dev)
+            (numel,), pdt = self._pool_buffer(name)
+            self.pools[name] = BufferPool(name, numel, pdt, dev)
         for g in ("cpu", "disk"):
             self.pools[f"kvwork_{g}"] = BufferPool(f"kvwork_{g}", self._kv_elems(self.kv_heads[g]), dt, dev)
         for name, pool in self.pools.items():
@@ -363,7 +413,7 @@ class Executor:
 
     def close(self) -> None:
         """Drop every buffer (GPU memory goes back to the allocator; the disk tier's files are removed)."""
-        for attr in ("vals", "view_cache", "w_res", "kv_gpu", "kv_host", "emb", "tokens", "rope", "val_events"):
+        for attr in ("vals", "view_cache", "w_res", "w_deq", "kv_gpu", "kv_host", "emb", "tokens", "rope", "val_events"):
             if hasattr(self, attr):
                 setattr(self, attr, None)
         for pool in self.pools.values():
@@ -413,7 +463,8 @@ class Executor:
                  "pool_buffers_plan_order": dict(self.prog.pool_peak),
                  "host_staging_peak_bytes_plan_order": self.prog.host_peak_bytes,
                  "host_weights_master_bytes": self.wts.host.nbytes,
-                 "host_weights_tier_bytes": sum(c for _, c in self.plan.weight_split),
+                 "host_weights_tier_bytes": self._host_weight_tier_bytes(),
+                 "disk_weights_tier_bytes": sum(n for _, n in self.disk_w_range),
                  "host_kv_bytes": self.host_kv_bytes,
                  "budget_bytes": self.budget,
                  "graphs": self.graphs.stats() if self.graphs is not None else {"mode": "off"}}
@@ -446,6 +497,13 @@ class Executor:
                   "cpu": None if self.kv_host is None else self.kv_host.clone(),
                   "disk": self._read_disk_kv() if self.disk_kv_stride else None}
         return RunResult(trace, toks.cpu().numpy(), stats, self.logits if self.record_logits else None, kv)
+
+    def _host_weight_tier_bytes(self) -> int:
+        """Bytes of the host-homed weight ranges h2d ops read: fp16 bytes, or their stored size when compressed."""
+        split = self.plan.weight_split
+        if self.packed is None:
+            return sum(c for _, c in split)
+        return sum(self.packed.range(g, g + c)[1] for g, c in split if c)
 
     def _read_disk_kv(self) -> torch.Tensor:
         s = self.spec
@@ -679,7 +737,11 @@ class Executor:
             return None
         return "mlp" if part == "mlp" else "attn"
 
-    def _weights(self, j: int, args: dict, unit=None) -> dict:
+    def _weights(self, j: int, args: dict, unit=None, part: str = "layer") -> dict:
+        """Named weight tensors of layer ``j``'s ``unit`` for compute part ``part``: views of the resident buffer and
+        the slot, or, with compressed weights, of the fp16 working copy after dequantizing the part's tensors."""
+        if self.packed is not None:
+            return self._dequantized(j, args, unit, part)
         ulo, uhi = self.prog.units[unit]
         if "w" not in args:
             key = (j, unit, None)
@@ -697,6 +759,27 @@ class Executor:
                 pieces.insert(0, (0, self.w_res[j][:base]))
             w = self.view_cache[key] = M.layer_views(self.wts.layout, pieces, ulo, uhi)
         return w
+
+    def _dequantized(self, j: int, args: dict, unit, part: str) -> dict:
+        """Compressed weights: dequantize the tensors compute part ``part`` reads (``part_reads``) from their stored
+        bytes -- the resident buffer, or the slot for streamed tensors (the straddling one included) -- into the fp16
+        working copy ``w_deq`` (the unit's tensors at their offsets from its start), in the op itself, on the compute
+        stream: the passes offsim adds to the compute op (``costmodel.quant_seconds``). Every op dequantizes anew,
+        as FlexGen does: one working copy serves every op (``footprint.dequantized_copy_bytes``)."""
+        ulo, uhi = self.prog.units[unit]
+        views = self.view_cache.get(("deq", unit))
+        if views is None:
+            views = self.view_cache[("deq", unit)] = M.layer_views(self.wts.layout, [(ulo, self.w_deq[:uhi - ulo])],
+                                                                   ulo, uhi)
+        pk, e = self.packed, self.e
+        slot = self._pool_get(args["w"]) if "w" in args else None
+        base = pk.offset(self.prog.slot_base[(j, unit)] * e)  # the slot's first stored byte (a tensor's start)
+        for i, (t, off, n, _) in enumerate(pk.tensors):
+            if t.lo < ulo or t.hi > uhi or not part_reads(t.name, part):
+                continue
+            src = self.w_res[j][off:off + n] if t.hi <= self.g_el[j] else slot[off - base:off - base + n]
+            pk.unpack(i, src, views[t.name])
+        return views
 
     def _kv_view(self, buf: torch.Tensor, heads: int) -> torch.Tensor:
         return buf.view(self.cap, 2, self.gbs, heads, self.spec.head_dim)
@@ -728,7 +811,7 @@ class Executor:
 
     def _op_layer(self, op, args, info):
         x = self._val(args["x"])
-        w = self._weights(op.layer, args)
+        w = self._weights(op.layer, args, None, "layer")
         if self._graphed(op, args, (x,), lambda xs, bufs: M.post_attn(self.spec, w, xs, self._attend_static(
                 bufs, *M.pre_attn(self.spec, w, xs, self.graphs.pos, self.rope)))):
             return
@@ -741,7 +824,7 @@ class Executor:
         """The attention sub-layer: Q/K/V, attention, output projection and residual (Q/K/V freed before the
         projection: ``footprint.layer_stage_bytes`` 'out_proj')."""
         x = self._val(args["x"])
-        w = self._weights(op.layer, args, "attn")
+        w = self._weights(op.layer, args, "attn", "attn_layer")
         if self._graphed(op, args, (x,), lambda xs, bufs: M.attn_out(self.spec, w, xs, self._attend_static(
                 bufs, *M.pre_attn(self.spec, w, xs, self.graphs.pos, self.rope)))):
             return
@@ -752,7 +835,7 @@ class Executor:
 
     def _op_mlp(self, op, args, info):
         x = self._val(args["x"])
-        w = self._weights(op.layer, args, "mlp")
+        w = self._weights(op.layer, args, "mlp", "mlp")
         if self._graphed(op, args, (x,), lambda xs, bufs: M.mlp(self.spec, w, xs)):
             return
         self._put(args["out"], M.mlp(self.spec, w, x))
@@ -800,7 +883,7 @@ class Executor:
 
     def _op_pre_attn(self, op, args, info):
         x = self._val(args["x"])
-        w = self._weights(op.layer, args, self._unit("pre_attn"))
+        w = self._weights(op.layer, args, self._unit("pre_attn"), "pre_attn")
         if self._graphed(op, args, (x,), lambda xs, bufs: M.pre_attn(self.spec, w, xs, self.graphs.pos, self.rope),
                          out=lambda qkv: (x,) + qkv):
             return
@@ -814,7 +897,7 @@ class Executor:
     def _op_post_attn(self, op, args, info):
         x = self._val(args["pre"])[0]
         o = self._val(args["attn"])
-        w = self._weights(op.layer, args)
+        w = self._weights(op.layer, args, None, "post_attn")
         if self._graphed(op, args, (x, o), lambda xs, os, bufs: M.post_attn(self.spec, w, xs, os)):
             return
         self._put(args["out"], M.post_attn(self.spec, w, x, o))
@@ -822,7 +905,7 @@ class Executor:
     def _op_attn_out(self, op, args, info):
         x = self._val(args["pre"])[0]
         o = self._val(args["attn"])
-        w = self._weights(op.layer, args, "attn")
+        w = self._weights(op.layer, args, "attn", "attn_out")
         if self._graphed(op, args, (x, o), lambda xs, os, bufs: M.attn_out(self.spec, w, xs, os)):
             return
         self._put(args["out"], M.attn_out(self.spec, w, x, o))
@@ -855,6 +938,8 @@ class Executor:
 
     # ---- op handlers: transfers -------------------------------------------------------------------------------
     def _op_h2d_weight(self, op, args, info):
+        if self.packed is not None:
+            return self._h2d_packed_weight(op, args, info)
         j = op.layer
         base = self.prog.slot_base[(j, info["unit"])]
         slot = self._pool_get(args["slot"])
@@ -869,8 +954,35 @@ class Executor:
             src = self.wts.layers[j, lo:hi]
         slot[lo - base:hi - base].copy_(src, non_blocking=True)
 
+    def _h2d_packed_weight(self, op, args, info):
+        """``_op_h2d_weight`` with compressed weights: the stored bytes of fp16 range [lo, hi) (``PackedLayers.range``:
+        the op's nbytes) from the host's packed layer or the disk read's staging into the slot, which holds the
+        stored bytes from its base (a tensor's start) on; the first load brings the straddling tensor's resident head."""
+        j, pk = op.layer, self.packed
+        base = pk.offset(self.prog.slot_base[(j, info["unit"])] * self.e)
+        slot = self._pool_get(args["slot"])
+        if info.get("init") and self.w_res[j] is not None and base < self.w_res[j].numel():
+            slot[:self.w_res[j].numel() - base].copy_(self.w_res[j][base:], non_blocking=True)
+        a, n = pk.range(op.lo, op.hi)
+        if "stage" in args:
+            stage = self.vals[args["stage"]]
+            s = a - pk.offset(info["stage_lo"] * self.e)
+            if s < 0 or s + n > stage.numel():
+                raise ExecError(f"{op.describe()}: its stored bytes are not all in the disk read's staging buffer "
+                                "(a load that splits a disk read inside a tensor): not supported with compression")
+            src = stage[s:s + n]
+        else:
+            src = pk.layers[j, a:a + n]
+        slot[a - base:a - base + n].copy_(src, non_blocking=True)
+
     def _op_disk_read_weight(self, op, args, info):
         j = op.layer
+        if self.packed is not None:  # the stored bytes of the range, from the layer's stored disk range
+            a, n = self.packed.range(op.lo, op.hi)
+            out = host_tensor((n,), torch.uint8, self.device)
+            self.disk.read("weights.bin", out, j * self.disk_w_stride + a - self.disk_w_range[j][0])
+            self.vals[args["out"]] = out
+            return
         lo, hi = op.lo // self.e, op.hi // self.e
         first = self.g_el[j] + self.c_el[j]
         out = host_tensor((hi - lo,), self.dtype, self.device)
@@ -949,6 +1061,17 @@ class Executor:
     def _op_h2d_attn_out(self, op, args, info):
         src = self.vals[args["src"]]
         self._put(args["out"], src.to(self.device, non_blocking=True))
+
+
+def part_reads(name: str, part: str) -> bool:
+    """Whether compute part ``part`` reads weight tensor ``name`` (a ``layer_tensors`` name): the tensors of the
+    math in offexec/model.py -- pre_attn: the norm and Q/K/V projections; attn_out: the output projection;
+    post_attn: the output projection and the MLP; attn_layer: the attention's; mlp: the MLP's; layer: all. With
+    compressed weights, the tensors an op dequantizes (offsim prices the part's matrices: ``quant_seconds``)."""
+    mod = name.split(".")[0]
+    attn, out = mod in fp.ATTN_TENSORS, mod in ("out_proj", "o_proj")
+    return {"layer": True, "pre_attn": attn and not out, "attn_out": out, "post_attn": out or not attn,
+            "attn_layer": attn, "mlp": not attn}[part]
 
 
 class _HostStream:
