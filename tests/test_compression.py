@@ -219,7 +219,8 @@ def test_search_with_compression_beats_fp16_on_opt30b_t4():
 
 
 def test_offexec_refuses_a_compressed_plan_in_one_line(tmp_path, capsys):
-    """The executor does not run compressed plans yet: a saved one is refused, not run in fp16 and mislabelled."""
+    """The executor runs compressed weights (tests/test_offexec_compression.py) but not a compressed cache yet: a saved
+    plan with one is refused, not run in fp16 and mislabelled."""
     from offexec.cli import main as offexec_main
 
     plan = build_plan("flexgen", get_model("opt-125m"), T4, Workload(16, 2, 2, 1), {"compress_cache": True})
