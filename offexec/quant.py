@@ -170,6 +170,32 @@ def round_trip_bound(x: torch.Tensor, dim: int) -> torch.Tensor:
     return b.movedim(-1, dim % x.dim())
 
 
+def pack_vectors(x: torch.Tensor) -> torch.Tensor:
+    """K or V ``x`` [..., D] (head dimension last) packed per vector along D: uint8 [..., stored_nbytes((D,), 0)],
+    each vector's codes then its groups' (min, step) bytes -- how the executor's compressed KV buffers hold a token's
+    head (``footprint.stored_kv_bytes`` per vector)."""
+    p = quantize_kv(x)
+    return torch.cat([p.data.flatten(-2), p.scale.flatten(-2).view(torch.uint8)], dim=-1)
+
+
+def unpack_vectors_into(buf: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``pack_vectors``'s form ``buf`` [S, ..., stored] dequantized into ``out`` [S, ..., D] (any float dtype, any
+    strides; on ``buf``'s device) -- the same values as ``dequantize`` -- a bounded number of leading rows at a time
+    (``DEQUANT_CHUNK_ELEMS``). Returns ``out``."""
+    D = out.shape[-1]
+    groups = -(-D // QUANT_GROUP_SIZE)
+    nd = groups * (QUANT_GROUP_SIZE // 2)
+    if buf.shape[-1] != stored_nbytes((D,), 0) or buf.shape[:-1] != out.shape[:-1]:
+        raise ValueError(f"packed KV of shape {list(buf.shape)} does not hold vectors of shape {list(out.shape)}")
+    data = buf[..., :nd].unflatten(-1, (groups, QUANT_GROUP_SIZE // 2))
+    scale = buf[..., nd:].view(torch.float16).unflatten(-1, (groups, 2))
+    per_row = max(1, out[0].numel()) if out.shape[0] else 1
+    step = max(1, DEQUANT_CHUNK_ELEMS // per_row)
+    for r in range(0, out.shape[0], step):
+        out[r:r + step].copy_(_values(data[r:r + step], scale[r:r + step], D))
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # sparse attention
 # ----------------------------------------------------------------------------------------------------------------

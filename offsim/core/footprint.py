@@ -720,9 +720,10 @@ def executor_gpu_bytes(model: ModelSpec, wl: Workload, weight_split, kv_split, p
     - activations: the most GPU values (hidden states, pre_attn's Q/K/V, attention outputs) alive at once in plan
       order (``activation_peak_bytes``, from offexec/program.py);
     - op transients: the largest op peak beyond its output (``op_transient_bytes``);
-    - with compressed weights (``comp``; offexec runs no compressed cache): resident weights and slots in their
-      stored sizes (``stored_weight_bytes``, ``stored_slot_bytes``) and the fp16 working copy of the largest unit a
-      compute op dequantizes (``dequantized_copy_bytes``; ``sublayer``: units are sub-layers)."""
+    - with compression (``comp``): resident weights and slots (compressed weights), resident KV and KV work buffers
+      (compressed cache) in their stored sizes (``stored_weight_bytes``, ``stored_slot_bytes``, ``stored_kv_bytes``)
+      and the fp16 working copies a compute op dequantizes into (``dequantized_copy_bytes``; ``sublayer``: weight
+      units are sub-layers)."""
     L, M, gbs, nb = model.num_layers, wl.max_len, wl.gpu_batch_size, wl.num_gpu_batches
     kg, kc, kd = _head_groups(model, kv_split)
     slot = max((stored_slot_bytes(model, g, None, comp) for g, _ in weight_split), default=0)
@@ -733,13 +734,13 @@ def executor_gpu_bytes(model: ModelSpec, wl: Workload, weight_split, kv_split, p
             "library workspace": LIBRARY_WORKSPACE_BYTES, "allocator slack": ALLOCATOR_SLACK_BYTES,
             "CUDA graphs": decode_graph_bytes(model, wl, graph_q_tokens),
             "resident weights": sum(stored_weight_bytes(model, 0, g, comp) for g, _ in weight_split),
-            "resident KV": L * nb * kv_buffer_bytes(model, gbs, M, kg),
+            "resident KV": L * nb * stored_kv_bytes(model, gbs, M, kg, comp=comp),
             "weight slots": pool_buffers.get("wslot", 0) * slot
             + sum(pool_buffers.get(f"wslot_{sub}", 0) * sub_slots[sub] for sub in SUBLAYERS),
-            "KV work buffers": pool_buffers.get("kvwork_cpu", 0) * kv_buffer_bytes(model, gbs, M, kc)
-            + pool_buffers.get("kvwork_disk", 0) * kv_buffer_bytes(model, gbs, M, kd),
+            "KV work buffers": pool_buffers.get("kvwork_cpu", 0) * stored_kv_bytes(model, gbs, M, kc, comp=comp)
+            + pool_buffers.get("kvwork_disk", 0) * stored_kv_bytes(model, gbs, M, kd, comp=comp),
             "activations": activation_peak_bytes, "op transients": op_transient_bytes}
-    if comp.weight:
+    if comp.weight or comp.cache:
         out["dequantized copies"] = dequantized_copy_bytes(model, gbs, M, comp, sublayer)
     return out
 
@@ -748,24 +749,24 @@ def disk_tier_bytes(model: ModelSpec, wl: Workload, weight_split, kv_split,
                     comp: Compression = NO_COMPRESSION) -> int:
     """Bytes of offexec's disk-tier files: every layer's disk-homed weights (in their stored size,
     ``stored_weight_bytes``) at the largest layer's stride (``weights.bin``) and the [L, nb] full-length KV buffers of
-    the disk-homed heads (``kv.bin``)."""
+    the disk-homed heads (``kv.bin``; stored size, ``stored_kv_bytes``)."""
     W = layer_weight_bytes(model)
     stride = max((stored_weight_bytes(model, g + c, W, comp) for g, c in weight_split), default=0)
     _, _, kd = _head_groups(model, kv_split)
     L, nb = model.num_layers, wl.num_gpu_batches
-    return stride * L + L * nb * kv_buffer_bytes(model, wl.gpu_batch_size, wl.max_len, kd)
+    return stride * L + L * nb * stored_kv_bytes(model, wl.gpu_batch_size, wl.max_len, kd, comp=comp)
 
 
 def executor_host_bytes(model: ModelSpec, wl: Workload, kv_split, staging_peak_bytes: int,
                         comp: Compression = NO_COMPRESSION) -> dict[str, int]:
     """Host bytes offexec holds, by purpose: the weights' host master (every layer in full, plus embeddings:
     offexec/weights.py ``ModelWeights``; host-homed weight bytes are views of it), the [L, nb] full-length KV buffers
-    of host-homed heads (``kv_host``) and the most disk/CPU-attention staging alive at once (``staging_peak_bytes``,
-    from offexec/program.py). With compressed weights also every layer in its stored form (``PackedLayers``, made
-    from the master; host-homed weight bytes are views of it instead)."""
+    of host-homed heads (``kv_host``, stored size) and the most disk/CPU-attention staging alive at once
+    (``staging_peak_bytes``, from offexec/program.py). With compressed weights also every layer in its stored form
+    (``PackedLayers``, made from the master; host-homed weight bytes are views of it instead)."""
     _, kc, _ = _head_groups(model, kv_split)
     packed = {"packed weights": model.num_layers * stored_layer_weight_bytes(model, comp)} if comp.weight else {}
     return {**packed, "weights master": model.num_layers * layer_weight_bytes(model) + embedding_bytes(model),
             "host KV": model.num_layers * wl.num_gpu_batches
-            * kv_buffer_bytes(model, wl.gpu_batch_size, wl.max_len, kc),
+            * stored_kv_bytes(model, wl.gpu_batch_size, wl.max_len, kc, comp=comp),
             "staging": staging_peak_bytes}
