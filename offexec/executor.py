@@ -17,6 +17,7 @@ clock. The result is a ``Trace`` in offsim's schema (``source='offexec'``) plus 
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 import time
@@ -34,6 +35,7 @@ from offsim.core.trace import Trace
 
 from . import ALLOCATOR_CAPS
 from . import model as M
+from . import quant
 from .graphs import GRAPH_MODES, DecodeGraphs
 from .memory import (BufferPool, DiskTier, ExecError, GpuArena, HostBuffer, apply_gpu_budget, check_disk_dir,
                      check_gpu_budget, configure_allocator, executor_streams, host_tensor, warm_library_workspace)
@@ -110,13 +112,13 @@ def op_transient_bytes(plan: Plan, prog: Program) -> int:
 
 def compression_of(plan: Plan) -> Compression:
     """The plan's compression (its settings are the contract), refused in one line where the executor does not run
-    it: a compressed KV cache and sparse attention (offexec/quant.py has their kernels; the executor does not call
-    them yet), and CPU attention with compression (offsim refuses it too: ``Compression.check_cpu_attention``)."""
+    it: sparse attention (``quant.top_k_sparse_attention`` exists; the executor does not call it, and a sparse KV
+    load moves only part of V, which its KV ops do not do yet), and CPU attention with compression (offsim refuses it
+    too: ``Compression.check_cpu_attention``). Compressed weights and a compressed cache run."""
     comp = Compression.from_settings(plan.settings)
-    if comp.cache or comp.sparse_attention < 1:
-        raise ExecError(f"offexec does not run a compressed KV cache or sparse attention yet (compress_cache, "
-                        f"sparse_attention; this plan: {comp.describe()}), only compress_weight; simulate the plan "
-                        "with `offsim simulate` instead")
+    if comp.sparse_attention < 1:
+        raise ExecError(f"offexec does not run sparse attention yet (sparse_attention {comp.sparse_attention:g}; "
+                        "compress_weight and compress_cache run); simulate the plan with `offsim simulate` instead")
     comp.check_cpu_attention(any(op.kind == "cpu_compute" for op in plan.ops))
     return comp
 
@@ -245,6 +247,12 @@ class Executor:
         self.packed_slot_bytes = {pool_of(u): max((fp.stored_slot_bytes(plan.model, g, u, self.comp)
                                                    for g, _ in plan.weight_split), default=0)
                                   for u in self.prog.units} if self.comp.weight else {}
+        # every KV buffer's last dim: D elements, or with a compressed cache each vector's stored bytes
+        # (``quant.pack_vectors``; uint8)
+        D = self.spec.head_dim
+        self.kv_last, self.kv_dtype = (quant.stored_nbytes((D,), 0), torch.uint8) if self.comp.cache else \
+            (D, weights.dtype)
+        self.kv_e = torch.empty(0, dtype=self.kv_dtype).element_size()
         self.gpu_need = gpu_need(self.prog, plan)
         if self.cuda:
             check_gpu_budget(self.gpu_need, self.budget)  # before any large allocation
@@ -274,6 +282,11 @@ class Executor:
 
     # ---- memory -----------------------------------------------------------------------------------------------
     def _kv_elems(self, heads: int) -> int:
+        """Elements of one full-length KV buffer of ``heads`` heads: [max_len, 2, B, heads, kv_last] -- fp16
+        elements, or with a compressed cache its stored bytes (``footprint.stored_kv_bytes``)."""
+        if self.comp.cache:
+            wl = self.plan.workload
+            return fp.stored_kv_bytes(self.spec, wl.gpu_batch_size, wl.max_len, heads, comp=self.comp)
         return kv_buffer_elems(self.plan, heads)
 
     def _arena_items(self) -> list:
@@ -289,12 +302,16 @@ class Executor:
         if self.comp.weight:  # resident weights stored packed, and the fp16 working copy compute ops dequantize into
             items += [(f"w_res.{j}", (fp.stored_weight_bytes(s, 0, g, self.comp),), torch.uint8)
                       for j, (g, _) in enumerate(self.plan.weight_split) if g]
-            items.append(("w_deq", (self.gpu_need["dequantized copies"] // self.e,), dt))
+            w_only = dataclasses.replace(self.comp, cache=False)  # the weights' share of the working copies
+            w_deq_bytes = fp.dequantized_copy_bytes(s, self.gbs, self.cap, w_only, None not in self.prog.units)
+            items.append(("w_deq", (w_deq_bytes // self.e,), dt))
         else:
             items += [(f"w_res.{j}", (g // self.e,), dt) for j, (g, _) in enumerate(self.plan.weight_split) if g]
         heads = {g: hi - lo for g, (lo, hi) in self.prog.groups.items()}
         if heads["gpu"]:
-            items.append(("kv_gpu", (L, self.nb, self.cap, 2, self.gbs, heads["gpu"], D), dt))
+            items.append(("kv_gpu", (L, self.nb, self.cap, 2, self.gbs, heads["gpu"], self.kv_last), self.kv_dtype))
+        if self.comp.cache:  # the fp16 working copy attention reads: every head of a batch at full length
+            items.append(("kv_deq", (self.cap, 2, self.gbs, s.num_kv_heads, D), dt))
         for name, n in self.prog.pool_peak.items():
             items += [(f"{name}.{i}",) + self._pool_buffer(name) for i in range(n)]
         return items
@@ -306,7 +323,7 @@ class Executor:
             if self.comp.weight:
                 return (self.packed_slot_bytes.get(name, 0),), torch.uint8
             return (self.prog.slot_numel.get(name, 0),), self.dtype
-        return (self._kv_elems(self.kv_heads_of(name.removeprefix("kvwork_"))),), self.dtype
+        return (self._kv_elems(self.kv_heads_of(name.removeprefix("kvwork_"))),), self.kv_dtype
 
     def kv_heads_of(self, group: str) -> int:
         lo, hi = self.prog.groups[group]
@@ -356,20 +373,21 @@ class Executor:
         # KV homes
         groups = self.prog.groups
         self.kv_heads = {g: hi - lo for g, (lo, hi) in groups.items()}
-        D = s.head_dim
-        shape = lambda n: (self.cap, 2, self.gbs, n, D)  # noqa: E731  token-major: a prefix is contiguous
+        shape = lambda n: (self.cap, 2, self.gbs, n, self.kv_last)  # noqa: E731  token-major: a prefix is contiguous
         self.kv_gpu = arena("kv_gpu").zero_() if self.kv_heads["gpu"] else None
+        # zeroed: a graph (or a masked position) reads whole buffers, and zero bytes dequantize to 0, not NaN
+        self.kv_deq = arena("kv_deq").zero_() if self.comp.cache else None
         self.kv_host = None
         self.host_kv_bytes = 0
         if self.kv_heads["cpu"]:
             n = L * self.nb * self._kv_elems(self.kv_heads["cpu"])
             pool = self.host_kv_pool
-            if pool is not None and pool.tensor.numel() >= n and pool.tensor.dtype == dt and \
+            if pool is not None and pool.tensor.numel() >= n and pool.tensor.dtype == self.kv_dtype and \
                     pool.pinned == (pinned and self.cuda):
                 self.kv_host = pool.tensor[:n].view((L, self.nb) + shape(self.kv_heads["cpu"]))
-                self.host_kv_bytes = n * e
+                self.host_kv_bytes = n * self.kv_e
             else:
-                self.host_kv = HostBuffer(n, dt, pinned and self.cuda)
+                self.host_kv = HostBuffer(n, self.kv_dtype, pinned and self.cuda)
                 self.kv_host = self.host_kv.tensor.view((L, self.nb) + shape(self.kv_heads["cpu"]))
                 self.host_kv_bytes = self.host_kv.nbytes
         # disk tier: weight bytes [gpu + cpu, W) of each layer, KV of disk-homed heads
@@ -379,7 +397,7 @@ class Executor:
         self.disk_w_range = [((Wn - n) * e, n * e) if self.packed is None else self.packed.range((Wn - n) * e, Wn * e)
                              for n in disk_w]
         self.disk_w_stride = max(n for _, n in self.disk_w_range)
-        self.disk_kv_stride = self._kv_elems(self.kv_heads["disk"]) * e
+        self.disk_kv_stride = self._kv_elems(self.kv_heads["disk"]) * self.kv_e
         need = self.disk_w_stride * L + self.disk_kv_stride * L * self.nb
         if need:
             self.disk = DiskTier(self._disk_dir, need, cached=self.plan.disk_cached)
@@ -398,7 +416,8 @@ class Executor:
             (numel,), pdt = self._pool_buffer(name)
             self.pools[name] = BufferPool(name, numel, pdt, dev)
         for g in ("cpu", "disk"):
-            self.pools[f"kvwork_{g}"] = BufferPool(f"kvwork_{g}", self._kv_elems(self.kv_heads[g]), dt, dev)
+            self.pools[f"kvwork_{g}"] = BufferPool(f"kvwork_{g}", self._kv_elems(self.kv_heads[g]), self.kv_dtype,
+                                                   dev)
         for name, pool in self.pools.items():
             pool.reserve(p.pool_peak.get(name, 0), self.arena)
         if self.arena.used != self.arena.nbytes:
@@ -413,7 +432,8 @@ class Executor:
 
     def close(self) -> None:
         """Drop every buffer (GPU memory goes back to the allocator; the disk tier's files are removed)."""
-        for attr in ("vals", "view_cache", "w_res", "w_deq", "kv_gpu", "kv_host", "emb", "tokens", "rope", "val_events"):
+        for attr in ("vals", "view_cache", "w_res", "w_deq", "kv_deq", "kv_gpu", "kv_host", "emb", "tokens", "rope",
+                     "val_events"):
             if hasattr(self, attr):
                 setattr(self, attr, None)
         for pool in self.pools.values():
@@ -507,8 +527,8 @@ class Executor:
 
     def _read_disk_kv(self) -> torch.Tensor:
         s = self.spec
-        out = torch.empty((s.num_layers, self.nb, self.cap, 2, self.gbs, self.kv_heads["disk"], s.head_dim),
-                          dtype=self.dtype)
+        out = torch.empty((s.num_layers, self.nb, self.cap, 2, self.gbs, self.kv_heads["disk"], self.kv_last),
+                          dtype=self.kv_dtype)
         self.disk.read("kv.bin", out, 0)
         return out
 
@@ -782,11 +802,46 @@ class Executor:
         return views
 
     def _kv_view(self, buf: torch.Tensor, heads: int) -> torch.Tensor:
-        return buf.view(self.cap, 2, self.gbs, heads, self.spec.head_dim)
+        return buf.view(self.cap, 2, self.gbs, heads, self.kv_last)
+
+    def _load_kv(self, op, args) -> None:
+        """Compressed cache: dequantize the cached positions [0, ctx - q) of every head group into the fp16 working
+        copy ``kv_deq`` -- in the attention's op, on the compute stream, as offsim prices it (``quant_seconds``: the
+        cached positions only; the new tokens' K/V are fresh fp16) -- before a graph replays (the graph then holds
+        no dequantize temporaries). A no-op without compression."""
+        start = op.ctx_tokens - op.q_tokens
+        if self.comp.cache and start:
+            for lo, hi, buf in self._kv_buffers(op, args):
+                quant.unpack_vectors_into(buf[:start], self.kv_deq[:start, :, :, lo:hi])
+
+    def _attend_packed(self, bufs, start: int, ctx: int, q, k_new, v_new, pos=None, mask=None) -> torch.Tensor:
+        """``_attend_gpu`` with a compressed cache: quantize the new tokens' K/V into each group's packed buffer
+        (the store; d2h and disk ops then move packed bytes), put them fresh into the working copy beside the
+        cached positions ``_load_kv`` dequantized, and attend over it -- rows [start, ctx), or with ``pos`` (the
+        graphs' device-side positions) those rows over the whole buffer with ``mask``. ``bufs``: ``_kv_buffers``."""
+        kt, vt = k_new.transpose(0, 1), v_new.transpose(0, 1)  # [T, B, Hk, D]
+        work = self.kv_deq
+        for lo, hi, buf in bufs:
+            for i, x in ((0, kt), (1, vt)):
+                packed = quant.pack_vectors(x[:, :, lo:hi])
+                if pos is None:
+                    buf[start:ctx, i] = packed
+                else:
+                    buf[:, i].index_copy_(0, pos, packed)
+        for i, x in ((0, kt), (1, vt)):
+            if pos is None:
+                work[start:ctx, i] = x
+            else:
+                work[:, i].index_copy_(0, pos, x)
+        rows = work if pos is not None else work[:ctx]
+        groups = [(0, self.spec.num_kv_heads, rows[:, 0].permute(1, 2, 0, 3), rows[:, 1].permute(1, 2, 0, 3))]
+        return M.attention(self.spec, q, groups, mask=mask)
 
     def _attend_gpu(self, op, args, q, k_new, v_new) -> torch.Tensor:
         """Write the new tokens' K/V into each head group's buffer and attend over positions [0, ctx)."""
         ctx, start = op.ctx_tokens, op.ctx_tokens - op.q_tokens
+        if self.comp.cache:
+            return self._attend_packed(self._kv_buffers(op, args), start, ctx, q, k_new, v_new)
         groups = []
         for lo, hi, buf in self._kv_buffers(op, args):
             buf[start:ctx, 0] = k_new[:, :, lo:hi].transpose(0, 1)  # [T, B, n, D]
@@ -812,6 +867,7 @@ class Executor:
     def _op_layer(self, op, args, info):
         x = self._val(args["x"])
         w = self._weights(op.layer, args, None, "layer")
+        self._load_kv(op, args)
         if self._graphed(op, args, (x,), lambda xs, bufs: M.post_attn(self.spec, w, xs, self._attend_static(
                 bufs, *M.pre_attn(self.spec, w, xs, self.graphs.pos, self.rope)))):
             return
@@ -825,6 +881,7 @@ class Executor:
         projection: ``footprint.layer_stage_bytes`` 'out_proj')."""
         x = self._val(args["x"])
         w = self._weights(op.layer, args, "attn", "attn_layer")
+        self._load_kv(op, args)
         if self._graphed(op, args, (x,), lambda xs, bufs: M.attn_out(self.spec, w, xs, self._attend_static(
                 bufs, *M.pre_attn(self.spec, w, xs, self.graphs.pos, self.rope)))):
             return
@@ -875,6 +932,8 @@ class Executor:
         """``_attend_gpu`` for the op's q tokens at the graphs' device-side positions: their K/V written with
         ``index_copy_`` at ``pos``, attention over each full-length buffer, each query's unseen keys masked."""
         pos, groups = self.graphs.pos, []
+        if self.comp.cache:
+            return self._attend_packed(bufs, 0, 0, q, k_new, v_new, pos, self.graphs.keys)
         for lo, hi, buf in bufs:
             buf[:, 0].index_copy_(0, pos, k_new[:, :, lo:hi].transpose(0, 1))  # [q, B, n, D] at rows pos
             buf[:, 1].index_copy_(0, pos, v_new[:, :, lo:hi].transpose(0, 1))
@@ -892,6 +951,7 @@ class Executor:
 
     def _op_attn_gpu(self, op, args, info):
         _, q, k, v = self._val(args["pre"])
+        self._load_kv(op, args)
         self._put(args["out"], self._attend_gpu(op, args, q, k, v))
 
     def _op_post_attn(self, op, args, info):
@@ -957,7 +1017,8 @@ class Executor:
     def _h2d_packed_weight(self, op, args, info):
         """``_op_h2d_weight`` with compressed weights: the stored bytes of fp16 range [lo, hi) (``PackedLayers.range``:
         the op's nbytes) from the host's packed layer or the disk read's staging into the slot, which holds the
-        stored bytes from its base (a tensor's start) on; the first load brings the straddling tensor's resident head."""
+        stored bytes from its base (a tensor's start) on; the first load brings the straddling tensor's resident
+        head."""
         j, pk = op.layer, self.packed
         base = pk.offset(self.prog.slot_base[(j, info["unit"])] * self.e)
         slot = self._pool_get(args["slot"])
@@ -1008,14 +1069,14 @@ class Executor:
             self.kv_host[op.layer, op.batch, op.lo:op.hi, :, :, op.head_lo - glo:op.head_hi - glo].copy_(
                 src, non_blocking=True)
         else:
-            out = host_tensor(src.shape, self.dtype, self.device)
+            out = host_tensor(src.shape, src.dtype, self.device)
             out.copy_(src, non_blocking=True)
             self.vals[args["out"]] = out
 
     def _op_disk_read_kv(self, op, args, info):
         n = self.kv_heads["disk"]
-        out = host_tensor((op.hi - op.lo, 2, self.gbs, n, self.spec.head_dim), self.dtype, self.device)
-        tok_bytes = 2 * self.gbs * n * self.spec.head_dim * self.e
+        out = host_tensor((op.hi - op.lo, 2, self.gbs, n, self.kv_last), self.kv_dtype, self.device)
+        tok_bytes = 2 * self.gbs * n * self.kv_last * self.kv_e
         base = (op.layer * self.nb + op.batch) * self.disk_kv_stride
         self.disk.read("kv.bin", out, base + op.lo * tok_bytes)
         self.vals[args["out"]] = out
@@ -1037,7 +1098,7 @@ class Executor:
         else:
             h = op.head_lo - info["src_h0"]
             data = src[a:b, :, :, h:h + n].contiguous()
-        tok_bytes = 2 * self.gbs * n * self.spec.head_dim * self.e
+        tok_bytes = 2 * self.gbs * n * self.kv_last * self.kv_e
         base = (op.layer * self.nb + op.batch) * self.disk_kv_stride
         self.disk.write("kv.bin", data, base + op.lo * tok_bytes)
 
