@@ -1,8 +1,9 @@
 """FlexGen's 4-bit group-wise quantization and top-k sparse attention, as PyTorch kernels (issue 16).
 
-The executor runs compressed weights with it (offexec/weights.py ``PackedLayers`` stores every layer with
-``quantize_weight`` / ``to_bytes``; compute ops ``dequantize_into`` their fp16 working copy); the KV cache's
-``quantize_kv`` and ``top_k_sparse_attention`` are not wired into the executor yet (it refuses such plans).
+The executor runs compressed weights and KV with it (offexec/weights.py ``PackedLayers`` stores every layer with
+``quantize_weight`` / ``to_bytes``, compute ops ``dequantize_into`` their fp16 working copy; KV buffers hold
+``pack_vectors``' form, attention ops ``unpack_vectors_into`` the working KV); ``top_k_sparse_attention`` is not
+wired into the executor yet (it refuses sparse plans).
 
 **Format** (FlexGen, ICML'23 §5; its ``CompressionConfig(num_bits=4, group_size=64)``): a tensor is cut into groups
 of ``QUANT_GROUP_SIZE`` = 64 consecutive elements along one dim; each group keeps its min and its step
