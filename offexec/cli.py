@@ -28,7 +28,6 @@ from offsim.core.plan import Plan
 from offsim.core.provenance import provenance
 from offsim.core.sim import simulate
 from offsim.core.specs import HARDWARE_PRESETS, Workload, get_hardware, get_model
-from offsim.core.specs import Compression
 from offsim.policies import build_plan
 
 from . import ALLOCATOR_CAPS
@@ -127,10 +126,9 @@ def _build(args, hw):
         wl = Workload(args.prompt_len, args.gen_len, args.gpu_batch_size, args.num_gpu_batches)
         plan = build_fitting_plan(args, model, hw, wl, model_arg=args.model or args.checkpoint or DEFAULT_MODEL)
         settings, policy = plan.settings, plan.policy
-    if Compression.from_settings(settings).any:  # offsim models it (issue 16); the executor does not run it yet
-        raise OffsimError("offexec does not run compressed or sparse plans yet (compress_weight, compress_cache, "
-                          "sparse_attention): offexec/quant.py has the kernels, the executor does not call them; "
-                          "simulate the plan with `offsim simulate` instead")
+    from .executor import compression_of
+
+    compression_of(plan)  # compressed weights run; a compressed cache and sparse attention are refused here
     warm = None
     if not args.no_warmup:
         warm = build_plan(policy, model, hw, plan.workload.with_(gen_len=min(WARMUP_GEN_LEN, plan.workload.gen_len)),

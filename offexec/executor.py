@@ -17,6 +17,7 @@ clock. The result is a ``Trace`` in offsim's schema (``source='offexec'``) plus 
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 import time
@@ -29,14 +30,16 @@ import torch
 from offsim.core import costmodel
 from offsim.core import footprint as fp
 from offsim.core.plan import Plan
+from offsim.core.specs import Compression
 from offsim.core.trace import Trace
 
 from . import ALLOCATOR_CAPS
 from . import model as M
+from . import quant
 from .graphs import GRAPH_MODES, DecodeGraphs
 from .memory import (BufferPool, DiskTier, ExecError, GpuArena, HostBuffer, apply_gpu_budget, check_disk_dir,
                      check_gpu_budget, configure_allocator, executor_streams, host_tensor, warm_library_workspace)
-from .program import GPU_STREAMS, HOST_STREAMS, Program, bind
+from .program import GPU_STREAMS, HOST_STREAMS, Program, bind, pool_of
 from .weights import ModelWeights
 
 GiB = fp.GiB
@@ -107,28 +110,44 @@ def op_transient_bytes(plan: Plan, prog: Program) -> int:
     return best
 
 
+def compression_of(plan: Plan) -> Compression:
+    """The plan's compression (its settings are the contract), refused in one line where the executor does not run
+    it: sparse attention (``quant.top_k_sparse_attention`` exists; the executor does not call it, and a sparse KV
+    load moves only part of V, which its KV ops do not do yet), and CPU attention with compression (offsim refuses it
+    too: ``Compression.check_cpu_attention``). Compressed weights and a compressed cache run."""
+    comp = Compression.from_settings(plan.settings)
+    if comp.sparse_attention < 1:
+        raise ExecError(f"offexec does not run sparse attention yet (sparse_attention {comp.sparse_attention:g}; "
+                        "compress_weight and compress_cache run); simulate the plan with `offsim simulate` instead")
+    comp.check_cpu_attention(any(op.kind == "cpu_compute" for op in plan.ops))
+    return comp
+
+
 def gpu_need(prog: Program, plan: Plan) -> dict[str, int]:
     """GPU bytes the executor will hold for ``plan``, by purpose (``footprint.executor_gpu_bytes``): what the budget
     pre-check adds up. Buffer pools count the most buffers live at once in plan order, activations the most GPU
     values (hidden states, Q/K/V, attention outputs) live at once in plan order, and op transients the largest
-    compute op's peak beyond its output. The decode graphs are sized for the plan's longest graphed op."""
+    compute op's peak beyond its output. The decode graphs are sized for the plan's longest graphed op. Compressed
+    weights: stored sizes plus the fp16 working copy of the largest unit."""
     gq = plan.graph_q_tokens
     longest = max((op.q_tokens for op in plan.ops if gq and costmodel.graphed(op.kind, op.part, op.q_tokens,
                                                                                op.phase, gq)), default=1)
     return fp.executor_gpu_bytes(plan.model, plan.workload, plan.weight_split, plan.kv_split, prog.pool_peak,
-                                 prog.gpu_value_peak_bytes, op_transient_bytes(plan, prog), longest)
+                                 prog.gpu_value_peak_bytes, op_transient_bytes(plan, prog), longest,
+                                 compression_of(plan), None not in prog.units)
 
 
 def disk_need(plan: Plan, layout=None) -> int:
-    """Bytes of the disk tier's files (``footprint.disk_tier_bytes``): each layer's disk-homed weight bytes (at the
-    largest layer's stride) and the KV of disk-homed heads. (``layout``: unused, kept for callers.)"""
-    return fp.disk_tier_bytes(plan.model, plan.workload, plan.weight_split, plan.kv_split)
+    """Bytes of the disk tier's files (``footprint.disk_tier_bytes``): each layer's disk-homed weight bytes (stored
+    size, at the largest layer's stride) and the KV of disk-homed heads. (``layout``: unused, kept for callers.)"""
+    return fp.disk_tier_bytes(plan.model, plan.workload, plan.weight_split, plan.kv_split, compression_of(plan))
 
 
 def host_need(prog: Program, plan: Plan, weights_loaded: bool = False) -> dict[str, int]:
     """Host bytes the executor will hold for ``plan``, by purpose (``footprint.executor_host_bytes``); the weights'
     host master is left out when it is already loaded (``weights_loaded``)."""
-    need = fp.executor_host_bytes(plan.model, plan.workload, plan.kv_split, prog.host_peak_bytes)
+    need = fp.executor_host_bytes(plan.model, plan.workload, plan.kv_split, prog.host_peak_bytes,
+                                  compression_of(plan))
     if weights_loaded:
         need["weights master"] = 0
     return need
@@ -180,7 +199,7 @@ def check_plan(plan: Plan, device, budget_bytes: int, disk_dir: str | None = Non
                         "smaller GPU batches or a plan with less in host memory")
     pinned = cuda and (all(o.pinned for o in plan.ops) if plan.ops else True)
     lock = _memlock_limit_bytes()
-    locked = host["weights master"] + host["host KV"]
+    locked = host["weights master"] + host["host KV"] + host.get("packed weights", 0)
     if pinned and lock is not None and locked > lock:
         raise ExecError(f"the plan page-locks {locked / GiB:.2f} GiB of host memory (weights and host KV) but "
                         f"RLIMIT_MEMLOCK allows {lock / GiB:.2f} GiB: short by {(locked - lock) / GiB:.2f} GiB; "
@@ -223,6 +242,17 @@ class Executor:
         self._disk_dir = disk_dir
         self.budget = int(gpu_budget_bytes if gpu_budget_bytes is not None else plan.capacity["gpu"])
         self.prog: Program = bind(plan, weights.layout)
+        self.comp = compression_of(plan)
+        # compressed weights: GPU slots hold the stored bytes of their range (``footprint.stored_slot_bytes``)
+        self.packed_slot_bytes = {pool_of(u): max((fp.stored_slot_bytes(plan.model, g, u, self.comp)
+                                                   for g, _ in plan.weight_split), default=0)
+                                  for u in self.prog.units} if self.comp.weight else {}
+        # every KV buffer's last dim: D elements, or with a compressed cache each vector's stored bytes
+        # (``quant.pack_vectors``; uint8)
+        D = self.spec.head_dim
+        self.kv_last, self.kv_dtype = (quant.stored_nbytes((D,), 0), torch.uint8) if self.comp.cache else \
+            (D, weights.dtype)
+        self.kv_e = torch.empty(0, dtype=self.kv_dtype).element_size()
         self.gpu_need = gpu_need(self.prog, plan)
         if self.cuda:
             check_gpu_budget(self.gpu_need, self.budget)  # before any large allocation
@@ -252,6 +282,11 @@ class Executor:
 
     # ---- memory -----------------------------------------------------------------------------------------------
     def _kv_elems(self, heads: int) -> int:
+        """Elements of one full-length KV buffer of ``heads`` heads: [max_len, 2, B, heads, kv_last] -- fp16
+        elements, or with a compressed cache its stored bytes (``footprint.stored_kv_bytes``)."""
+        if self.comp.cache:
+            wl = self.plan.workload
+            return fp.stored_kv_bytes(self.spec, wl.gpu_batch_size, wl.max_len, heads, comp=self.comp)
         return kv_buffer_elems(self.plan, heads)
 
     def _arena_items(self) -> list:
@@ -264,15 +299,35 @@ class Executor:
         if s.family == "llama":
             items += [("rope.cos", (self.cap + 1, D), dt), ("rope.sin", (self.cap + 1, D), dt)]
         items.append(("tokens", (self.nb, self.gbs, self.cap + 1), torch.long))
-        items += [(f"w_res.{j}", (g // self.e,), dt) for j, (g, _) in enumerate(self.plan.weight_split) if g]
+        if self.comp.weight:  # resident weights stored packed, and the fp16 working copy compute ops dequantize into
+            items += [(f"w_res.{j}", (fp.stored_weight_bytes(s, 0, g, self.comp),), torch.uint8)
+                      for j, (g, _) in enumerate(self.plan.weight_split) if g]
+            w_only = dataclasses.replace(self.comp, cache=False)  # the weights' share of the working copies
+            w_deq_bytes = fp.dequantized_copy_bytes(s, self.gbs, self.cap, w_only, None not in self.prog.units)
+            items.append(("w_deq", (w_deq_bytes // self.e,), dt))
+        else:
+            items += [(f"w_res.{j}", (g // self.e,), dt) for j, (g, _) in enumerate(self.plan.weight_split) if g]
         heads = {g: hi - lo for g, (lo, hi) in self.prog.groups.items()}
         if heads["gpu"]:
-            items.append(("kv_gpu", (L, self.nb, self.cap, 2, self.gbs, heads["gpu"], D), dt))
+            items.append(("kv_gpu", (L, self.nb, self.cap, 2, self.gbs, heads["gpu"], self.kv_last), self.kv_dtype))
+        if self.comp.cache:  # the fp16 working copy attention reads: every head of a batch at full length
+            items.append(("kv_deq", (self.cap, 2, self.gbs, s.num_kv_heads, D), dt))
         for name, n in self.prog.pool_peak.items():
-            numel = self.prog.slot_numel.get(name, 0) if name.startswith("wslot") else \
-                self._kv_elems(heads[name.removeprefix("kvwork_")])
-            items += [(f"{name}.{i}", (numel,), dt) for i in range(n)]
+            items += [(f"{name}.{i}",) + self._pool_buffer(name) for i in range(n)]
         return items
+
+    def _pool_buffer(self, name: str) -> tuple[tuple[int], torch.dtype]:
+        """(shape, dtype) of one buffer of pool ``name``: a weight slot (elements, or stored bytes with compressed
+        weights) or a KV work buffer."""
+        if name.startswith("wslot"):
+            if self.comp.weight:
+                return (self.packed_slot_bytes.get(name, 0),), torch.uint8
+            return (self.prog.slot_numel.get(name, 0),), self.dtype
+        return (self._kv_elems(self.kv_heads_of(name.removeprefix("kvwork_"))),), self.kv_dtype
+
+    def kv_heads_of(self, group: str) -> int:
+        lo, hi = self.prog.groups[group]
+        return hi - lo
 
     def _setup(self) -> None:
         s, plan, dev, dt = self.spec, self.plan, self.device, self.dtype
@@ -306,32 +361,43 @@ class Executor:
         # resident weight bytes [0, gpu) of each layer
         self.g_el = [g // e for g, _ in plan.weight_split]
         self.c_el = [c // e for _, c in plan.weight_split]
-        self.w_res = [arena(f"w_res.{j}").copy_(self.wts.layers[j, :self.g_el[j]]) if self.g_el[j] else None
-                      for j in range(L)]
+        self.packed = self.wts.packed_layers(self.comp) if self.comp.weight else None
+        src = self.wts.layers if self.packed is None else self.packed.layers
+        self.w_res: list = [None] * L  # resident bytes [0, gpu) of each layer (stored bytes when compressed)
+        for j in range(L):
+            if self.g_el[j]:
+                t = arena(f"w_res.{j}")
+                self.w_res[j] = t.copy_(src[j, :t.numel()])
+        self.w_deq = arena("w_deq") if self.comp.weight else None
         self.view_cache: dict = {}
         # KV homes
         groups = self.prog.groups
         self.kv_heads = {g: hi - lo for g, (lo, hi) in groups.items()}
-        D = s.head_dim
-        shape = lambda n: (self.cap, 2, self.gbs, n, D)  # noqa: E731  token-major: a prefix is contiguous
+        shape = lambda n: (self.cap, 2, self.gbs, n, self.kv_last)  # noqa: E731  token-major: a prefix is contiguous
         self.kv_gpu = arena("kv_gpu").zero_() if self.kv_heads["gpu"] else None
+        # zeroed: a graph (or a masked position) reads whole buffers, and zero bytes dequantize to 0, not NaN
+        self.kv_deq = arena("kv_deq").zero_() if self.comp.cache else None
         self.kv_host = None
         self.host_kv_bytes = 0
         if self.kv_heads["cpu"]:
             n = L * self.nb * self._kv_elems(self.kv_heads["cpu"])
             pool = self.host_kv_pool
-            if pool is not None and pool.tensor.numel() >= n and pool.tensor.dtype == dt and \
+            if pool is not None and pool.tensor.numel() >= n and pool.tensor.dtype == self.kv_dtype and \
                     pool.pinned == (pinned and self.cuda):
                 self.kv_host = pool.tensor[:n].view((L, self.nb) + shape(self.kv_heads["cpu"]))
-                self.host_kv_bytes = n * e
+                self.host_kv_bytes = n * self.kv_e
             else:
-                self.host_kv = HostBuffer(n, dt, pinned and self.cuda)
+                self.host_kv = HostBuffer(n, self.kv_dtype, pinned and self.cuda)
                 self.kv_host = self.host_kv.tensor.view((L, self.nb) + shape(self.kv_heads["cpu"]))
                 self.host_kv_bytes = self.host_kv.nbytes
         # disk tier: weight bytes [gpu + cpu, W) of each layer, KV of disk-homed heads
         disk_w = [Wn - self.g_el[j] - self.c_el[j] for j in range(L)]
-        self.disk_w_stride = max(disk_w) * e
-        self.disk_kv_stride = self._kv_elems(self.kv_heads["disk"]) * e
+        # the disk-homed range of layer j as its file holds it: (first byte in the layer's buffer, bytes) -- fp16
+        # elements times e, or the stored range of the packed layer (``PackedLayers.range``)
+        self.disk_w_range = [((Wn - n) * e, n * e) if self.packed is None else self.packed.range((Wn - n) * e, Wn * e)
+                             for n in disk_w]
+        self.disk_w_stride = max(n for _, n in self.disk_w_range)
+        self.disk_kv_stride = self._kv_elems(self.kv_heads["disk"]) * self.kv_e
         need = self.disk_w_stride * L + self.disk_kv_stride * L * self.nb
         if need:
             self.disk = DiskTier(self._disk_dir, need, cached=self.plan.disk_cached)
@@ -339,16 +405,19 @@ class Executor:
                 self.disk.create("weights.bin", self.disk_w_stride * L)
                 for j in range(L):
                     if disk_w[j]:
-                        self.disk.write("weights.bin", self.wts.layers[j, Wn - disk_w[j]:].contiguous(),
-                                        j * self.disk_w_stride)
+                        a, n = self.disk_w_range[j]
+                        row = (self.wts.layers[j] if self.packed is None else self.packed.layers[j]).view(torch.uint8)
+                        self.disk.write("weights.bin", row[a:a + n].contiguous(), j * self.disk_w_stride)
             if self.disk_kv_stride:
                 self.disk.create("kv.bin", self.disk_kv_stride * L * self.nb)
         # pools, from the arena, as many buffers as plan order has live at once
         p = self.prog
         for name in ("wslot", "wslot_attn", "wslot_mlp"):
-            self.pools[name] = BufferPool(name, p.slot_numel.get(name, 0), dt, dev)
+            (numel,), pdt = self._pool_buffer(name)
+            self.pools[name] = BufferPool(name, numel, pdt, dev)
         for g in ("cpu", "disk"):
-            self.pools[f"kvwork_{g}"] = BufferPool(f"kvwork_{g}", self._kv_elems(self.kv_heads[g]), dt, dev)
+            self.pools[f"kvwork_{g}"] = BufferPool(f"kvwork_{g}", self._kv_elems(self.kv_heads[g]), self.kv_dtype,
+                                                   dev)
         for name, pool in self.pools.items():
             pool.reserve(p.pool_peak.get(name, 0), self.arena)
         if self.arena.used != self.arena.nbytes:
@@ -363,7 +432,8 @@ class Executor:
 
     def close(self) -> None:
         """Drop every buffer (GPU memory goes back to the allocator; the disk tier's files are removed)."""
-        for attr in ("vals", "view_cache", "w_res", "kv_gpu", "kv_host", "emb", "tokens", "rope", "val_events"):
+        for attr in ("vals", "view_cache", "w_res", "w_deq", "kv_deq", "kv_gpu", "kv_host", "emb", "tokens", "rope",
+                     "val_events"):
             if hasattr(self, attr):
                 setattr(self, attr, None)
         for pool in self.pools.values():
@@ -413,7 +483,8 @@ class Executor:
                  "pool_buffers_plan_order": dict(self.prog.pool_peak),
                  "host_staging_peak_bytes_plan_order": self.prog.host_peak_bytes,
                  "host_weights_master_bytes": self.wts.host.nbytes,
-                 "host_weights_tier_bytes": sum(c for _, c in self.plan.weight_split),
+                 "host_weights_tier_bytes": self._host_weight_tier_bytes(),
+                 "disk_weights_tier_bytes": sum(n for _, n in self.disk_w_range),
                  "host_kv_bytes": self.host_kv_bytes,
                  "budget_bytes": self.budget,
                  "graphs": self.graphs.stats() if self.graphs is not None else {"mode": "off"}}
@@ -447,10 +518,17 @@ class Executor:
                   "disk": self._read_disk_kv() if self.disk_kv_stride else None}
         return RunResult(trace, toks.cpu().numpy(), stats, self.logits if self.record_logits else None, kv)
 
+    def _host_weight_tier_bytes(self) -> int:
+        """Bytes of the host-homed weight ranges h2d ops read: fp16 bytes, or their stored size when compressed."""
+        split = self.plan.weight_split
+        if self.packed is None:
+            return sum(c for _, c in split)
+        return sum(self.packed.range(g, g + c)[1] for g, c in split if c)
+
     def _read_disk_kv(self) -> torch.Tensor:
         s = self.spec
-        out = torch.empty((s.num_layers, self.nb, self.cap, 2, self.gbs, self.kv_heads["disk"], s.head_dim),
-                          dtype=self.dtype)
+        out = torch.empty((s.num_layers, self.nb, self.cap, 2, self.gbs, self.kv_heads["disk"], self.kv_last),
+                          dtype=self.kv_dtype)
         self.disk.read("kv.bin", out, 0)
         return out
 
@@ -679,7 +757,11 @@ class Executor:
             return None
         return "mlp" if part == "mlp" else "attn"
 
-    def _weights(self, j: int, args: dict, unit=None) -> dict:
+    def _weights(self, j: int, args: dict, unit=None, part: str = "layer") -> dict:
+        """Named weight tensors of layer ``j``'s ``unit`` for compute part ``part``: views of the resident buffer and
+        the slot, or, with compressed weights, of the fp16 working copy after dequantizing the part's tensors."""
+        if self.packed is not None:
+            return self._dequantized(j, args, unit, part)
         ulo, uhi = self.prog.units[unit]
         if "w" not in args:
             key = (j, unit, None)
@@ -698,12 +780,68 @@ class Executor:
             w = self.view_cache[key] = M.layer_views(self.wts.layout, pieces, ulo, uhi)
         return w
 
+    def _dequantized(self, j: int, args: dict, unit, part: str) -> dict:
+        """Compressed weights: dequantize the tensors compute part ``part`` reads (``part_reads``) from their stored
+        bytes -- the resident buffer, or the slot for streamed tensors (the straddling one included) -- into the fp16
+        working copy ``w_deq`` (the unit's tensors at their offsets from its start), in the op itself, on the compute
+        stream: the passes offsim adds to the compute op (``costmodel.quant_seconds``). Every op dequantizes anew,
+        as FlexGen does: one working copy serves every op (``footprint.dequantized_copy_bytes``)."""
+        ulo, uhi = self.prog.units[unit]
+        views = self.view_cache.get(("deq", unit))
+        if views is None:
+            views = self.view_cache[("deq", unit)] = M.layer_views(self.wts.layout, [(ulo, self.w_deq[:uhi - ulo])],
+                                                                   ulo, uhi)
+        pk, e = self.packed, self.e
+        slot = self._pool_get(args["w"]) if "w" in args else None
+        base = pk.offset(self.prog.slot_base[(j, unit)] * e)  # the slot's first stored byte (a tensor's start)
+        for i, (t, off, n, _) in enumerate(pk.tensors):
+            if t.lo < ulo or t.hi > uhi or not part_reads(t.name, part):
+                continue
+            src = self.w_res[j][off:off + n] if t.hi <= self.g_el[j] else slot[off - base:off - base + n]
+            pk.unpack(i, src, views[t.name])
+        return views
+
     def _kv_view(self, buf: torch.Tensor, heads: int) -> torch.Tensor:
-        return buf.view(self.cap, 2, self.gbs, heads, self.spec.head_dim)
+        return buf.view(self.cap, 2, self.gbs, heads, self.kv_last)
+
+    def _load_kv(self, op, args) -> None:
+        """Compressed cache: dequantize the cached positions [0, ctx - q) of every head group into the fp16 working
+        copy ``kv_deq`` -- in the attention's op, on the compute stream, as offsim prices it (``quant_seconds``: the
+        cached positions only; the new tokens' K/V are fresh fp16) -- before a graph replays (the graph then holds
+        no dequantize temporaries). A no-op without compression."""
+        start = op.ctx_tokens - op.q_tokens
+        if self.comp.cache and start:
+            for lo, hi, buf in self._kv_buffers(op, args):
+                quant.unpack_vectors_into(buf[:start], self.kv_deq[:start, :, :, lo:hi])
+
+    def _attend_packed(self, bufs, start: int, ctx: int, q, k_new, v_new, pos=None, mask=None) -> torch.Tensor:
+        """``_attend_gpu`` with a compressed cache: quantize the new tokens' K/V into each group's packed buffer
+        (the store; d2h and disk ops then move packed bytes), put them fresh into the working copy beside the
+        cached positions ``_load_kv`` dequantized, and attend over it -- rows [start, ctx), or with ``pos`` (the
+        graphs' device-side positions) those rows over the whole buffer with ``mask``. ``bufs``: ``_kv_buffers``."""
+        kt, vt = k_new.transpose(0, 1), v_new.transpose(0, 1)  # [T, B, Hk, D]
+        work = self.kv_deq
+        for lo, hi, buf in bufs:
+            for i, x in ((0, kt), (1, vt)):
+                packed = quant.pack_vectors(x[:, :, lo:hi])
+                if pos is None:
+                    buf[start:ctx, i] = packed
+                else:
+                    buf[:, i].index_copy_(0, pos, packed)
+        for i, x in ((0, kt), (1, vt)):
+            if pos is None:
+                work[start:ctx, i] = x
+            else:
+                work[:, i].index_copy_(0, pos, x)
+        rows = work if pos is not None else work[:ctx]
+        groups = [(0, self.spec.num_kv_heads, rows[:, 0].permute(1, 2, 0, 3), rows[:, 1].permute(1, 2, 0, 3))]
+        return M.attention(self.spec, q, groups, mask=mask)
 
     def _attend_gpu(self, op, args, q, k_new, v_new) -> torch.Tensor:
         """Write the new tokens' K/V into each head group's buffer and attend over positions [0, ctx)."""
         ctx, start = op.ctx_tokens, op.ctx_tokens - op.q_tokens
+        if self.comp.cache:
+            return self._attend_packed(self._kv_buffers(op, args), start, ctx, q, k_new, v_new)
         groups = []
         for lo, hi, buf in self._kv_buffers(op, args):
             buf[start:ctx, 0] = k_new[:, :, lo:hi].transpose(0, 1)  # [T, B, n, D]
@@ -728,7 +866,8 @@ class Executor:
 
     def _op_layer(self, op, args, info):
         x = self._val(args["x"])
-        w = self._weights(op.layer, args)
+        w = self._weights(op.layer, args, None, "layer")
+        self._load_kv(op, args)
         if self._graphed(op, args, (x,), lambda xs, bufs: M.post_attn(self.spec, w, xs, self._attend_static(
                 bufs, *M.pre_attn(self.spec, w, xs, self.graphs.pos, self.rope)))):
             return
@@ -741,7 +880,8 @@ class Executor:
         """The attention sub-layer: Q/K/V, attention, output projection and residual (Q/K/V freed before the
         projection: ``footprint.layer_stage_bytes`` 'out_proj')."""
         x = self._val(args["x"])
-        w = self._weights(op.layer, args, "attn")
+        w = self._weights(op.layer, args, "attn", "attn_layer")
+        self._load_kv(op, args)
         if self._graphed(op, args, (x,), lambda xs, bufs: M.attn_out(self.spec, w, xs, self._attend_static(
                 bufs, *M.pre_attn(self.spec, w, xs, self.graphs.pos, self.rope)))):
             return
@@ -752,7 +892,7 @@ class Executor:
 
     def _op_mlp(self, op, args, info):
         x = self._val(args["x"])
-        w = self._weights(op.layer, args, "mlp")
+        w = self._weights(op.layer, args, "mlp", "mlp")
         if self._graphed(op, args, (x,), lambda xs, bufs: M.mlp(self.spec, w, xs)):
             return
         self._put(args["out"], M.mlp(self.spec, w, x))
@@ -792,6 +932,8 @@ class Executor:
         """``_attend_gpu`` for the op's q tokens at the graphs' device-side positions: their K/V written with
         ``index_copy_`` at ``pos``, attention over each full-length buffer, each query's unseen keys masked."""
         pos, groups = self.graphs.pos, []
+        if self.comp.cache:
+            return self._attend_packed(bufs, 0, 0, q, k_new, v_new, pos, self.graphs.keys)
         for lo, hi, buf in bufs:
             buf[:, 0].index_copy_(0, pos, k_new[:, :, lo:hi].transpose(0, 1))  # [q, B, n, D] at rows pos
             buf[:, 1].index_copy_(0, pos, v_new[:, :, lo:hi].transpose(0, 1))
@@ -800,7 +942,7 @@ class Executor:
 
     def _op_pre_attn(self, op, args, info):
         x = self._val(args["x"])
-        w = self._weights(op.layer, args, self._unit("pre_attn"))
+        w = self._weights(op.layer, args, self._unit("pre_attn"), "pre_attn")
         if self._graphed(op, args, (x,), lambda xs, bufs: M.pre_attn(self.spec, w, xs, self.graphs.pos, self.rope),
                          out=lambda qkv: (x,) + qkv):
             return
@@ -809,12 +951,13 @@ class Executor:
 
     def _op_attn_gpu(self, op, args, info):
         _, q, k, v = self._val(args["pre"])
+        self._load_kv(op, args)
         self._put(args["out"], self._attend_gpu(op, args, q, k, v))
 
     def _op_post_attn(self, op, args, info):
         x = self._val(args["pre"])[0]
         o = self._val(args["attn"])
-        w = self._weights(op.layer, args)
+        w = self._weights(op.layer, args, None, "post_attn")
         if self._graphed(op, args, (x, o), lambda xs, os, bufs: M.post_attn(self.spec, w, xs, os)):
             return
         self._put(args["out"], M.post_attn(self.spec, w, x, o))
@@ -822,7 +965,7 @@ class Executor:
     def _op_attn_out(self, op, args, info):
         x = self._val(args["pre"])[0]
         o = self._val(args["attn"])
-        w = self._weights(op.layer, args, "attn")
+        w = self._weights(op.layer, args, "attn", "attn_out")
         if self._graphed(op, args, (x, o), lambda xs, os, bufs: M.attn_out(self.spec, w, xs, os)):
             return
         self._put(args["out"], M.attn_out(self.spec, w, x, o))
@@ -855,6 +998,8 @@ class Executor:
 
     # ---- op handlers: transfers -------------------------------------------------------------------------------
     def _op_h2d_weight(self, op, args, info):
+        if self.packed is not None:
+            return self._h2d_packed_weight(op, args, info)
         j = op.layer
         base = self.prog.slot_base[(j, info["unit"])]
         slot = self._pool_get(args["slot"])
@@ -869,8 +1014,36 @@ class Executor:
             src = self.wts.layers[j, lo:hi]
         slot[lo - base:hi - base].copy_(src, non_blocking=True)
 
+    def _h2d_packed_weight(self, op, args, info):
+        """``_op_h2d_weight`` with compressed weights: the stored bytes of fp16 range [lo, hi) (``PackedLayers.range``:
+        the op's nbytes) from the host's packed layer or the disk read's staging into the slot, which holds the
+        stored bytes from its base (a tensor's start) on; the first load brings the straddling tensor's resident
+        head."""
+        j, pk = op.layer, self.packed
+        base = pk.offset(self.prog.slot_base[(j, info["unit"])] * self.e)
+        slot = self._pool_get(args["slot"])
+        if info.get("init") and self.w_res[j] is not None and base < self.w_res[j].numel():
+            slot[:self.w_res[j].numel() - base].copy_(self.w_res[j][base:], non_blocking=True)
+        a, n = pk.range(op.lo, op.hi)
+        if "stage" in args:
+            stage = self.vals[args["stage"]]
+            s = a - pk.offset(info["stage_lo"] * self.e)
+            if s < 0 or s + n > stage.numel():
+                raise ExecError(f"{op.describe()}: its stored bytes are not all in the disk read's staging buffer "
+                                "(a load that splits a disk read inside a tensor): not supported with compression")
+            src = stage[s:s + n]
+        else:
+            src = pk.layers[j, a:a + n]
+        slot[a - base:a - base + n].copy_(src, non_blocking=True)
+
     def _op_disk_read_weight(self, op, args, info):
         j = op.layer
+        if self.packed is not None:  # the stored bytes of the range, from the layer's stored disk range
+            a, n = self.packed.range(op.lo, op.hi)
+            out = host_tensor((n,), torch.uint8, self.device)
+            self.disk.read("weights.bin", out, j * self.disk_w_stride + a - self.disk_w_range[j][0])
+            self.vals[args["out"]] = out
+            return
         lo, hi = op.lo // self.e, op.hi // self.e
         first = self.g_el[j] + self.c_el[j]
         out = host_tensor((hi - lo,), self.dtype, self.device)
@@ -896,14 +1069,14 @@ class Executor:
             self.kv_host[op.layer, op.batch, op.lo:op.hi, :, :, op.head_lo - glo:op.head_hi - glo].copy_(
                 src, non_blocking=True)
         else:
-            out = host_tensor(src.shape, self.dtype, self.device)
+            out = host_tensor(src.shape, src.dtype, self.device)
             out.copy_(src, non_blocking=True)
             self.vals[args["out"]] = out
 
     def _op_disk_read_kv(self, op, args, info):
         n = self.kv_heads["disk"]
-        out = host_tensor((op.hi - op.lo, 2, self.gbs, n, self.spec.head_dim), self.dtype, self.device)
-        tok_bytes = 2 * self.gbs * n * self.spec.head_dim * self.e
+        out = host_tensor((op.hi - op.lo, 2, self.gbs, n, self.kv_last), self.kv_dtype, self.device)
+        tok_bytes = 2 * self.gbs * n * self.kv_last * self.kv_e
         base = (op.layer * self.nb + op.batch) * self.disk_kv_stride
         self.disk.read("kv.bin", out, base + op.lo * tok_bytes)
         self.vals[args["out"]] = out
@@ -925,7 +1098,7 @@ class Executor:
         else:
             h = op.head_lo - info["src_h0"]
             data = src[a:b, :, :, h:h + n].contiguous()
-        tok_bytes = 2 * self.gbs * n * self.spec.head_dim * self.e
+        tok_bytes = 2 * self.gbs * n * self.kv_last * self.kv_e
         base = (op.layer * self.nb + op.batch) * self.disk_kv_stride
         self.disk.write("kv.bin", data, base + op.lo * tok_bytes)
 
@@ -949,6 +1122,17 @@ class Executor:
     def _op_h2d_attn_out(self, op, args, info):
         src = self.vals[args["src"]]
         self._put(args["out"], src.to(self.device, non_blocking=True))
+
+
+def part_reads(name: str, part: str) -> bool:
+    """Whether compute part ``part`` reads weight tensor ``name`` (a ``layer_tensors`` name): the tensors of the
+    math in offexec/model.py -- pre_attn: the norm and Q/K/V projections; attn_out: the output projection;
+    post_attn: the output projection and the MLP; attn_layer: the attention's; mlp: the MLP's; layer: all. With
+    compressed weights, the tensors an op dequantizes (offsim prices the part's matrices: ``quant_seconds``)."""
+    mod = name.split(".")[0]
+    attn, out = mod in fp.ATTN_TENSORS, mod in ("out_proj", "o_proj")
+    return {"layer": True, "pre_attn": attn and not out, "attn_out": out, "post_attn": out or not attn,
+            "attn_layer": attn, "mlp": not attn}[part]
 
 
 class _HostStream:

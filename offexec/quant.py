@@ -1,7 +1,9 @@
 """FlexGen's 4-bit group-wise quantization and top-k sparse attention, as PyTorch kernels (issue 16).
 
-Not wired into the executor yet: this is the numerics core and the small API it will call -- ``quantize`` when a
-weight or a KV block is stored, ``dequantize`` before compute, ``top_k_sparse_attention`` in decode.
+The executor runs compressed weights and KV with it (offexec/weights.py ``PackedLayers`` stores every layer with
+``quantize_weight`` / ``to_bytes``, compute ops ``dequantize_into`` their fp16 working copy; KV buffers hold
+``pack_vectors``' form, attention ops ``unpack_vectors_into`` the working KV); ``top_k_sparse_attention`` is not
+wired into the executor yet (it refuses sparse plans).
 
 **Format** (FlexGen, ICML'23 §5; its ``CompressionConfig(num_bits=4, group_size=64)``): a tensor is cut into groups
 of ``QUANT_GROUP_SIZE`` = 64 consecutive elements along one dim; each group keeps its min and its step
@@ -81,14 +83,64 @@ def quantize(x: torch.Tensor, dim: int) -> Packed:
     return Packed(data.contiguous(), torch.cat([mn, step], dim=-1).contiguous(), tuple(x.shape), dim)
 
 
+def _values(data: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
+    """fp32 values [..., n] of packed groups (``data`` [..., G, 32], ``scale`` [..., G, 2]), padding dropped: the
+    one dequantize formula (``dequantize`` and ``dequantize_into`` both use it, so they agree bit for bit)."""
+    codes = torch.stack([data >> 4, data & 0xF], dim=-1).flatten(-2)  # [..., G, 64]
+    mn, step = scale[..., 0:1].float(), scale[..., 1:2].float()
+    x = codes.float() * step + mn  # [..., G, 64]
+    return x.flatten(-2)[..., :n]  # drop the padding: [..., n]
+
+
 def dequantize(p: Packed, dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """The fp16 (or ``dtype``) tensor of ``p``, in its original shape, on ``p``'s device."""
-    codes = torch.stack([p.data >> 4, p.data & 0xF], dim=-1).flatten(-2)  # [..., G, 64]
-    mn, step = p.scale[..., 0:1].float(), p.scale[..., 1:2].float()
-    x = codes.float() * step + mn  # [..., G, 64]
-    n = p.shape[p.dim]
-    x = x.flatten(-2)[..., :n]  # drop the padding: [..., n]
-    return x.to(dtype).movedim(-1, p.dim).contiguous()
+    return _values(p.data, p.scale, p.shape[p.dim]).to(dtype).movedim(-1, p.dim).contiguous()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the stored form as flat bytes (the executor's tiers hold weights this way: offexec/weights.py PackedLayers)
+# ----------------------------------------------------------------------------------------------------------------
+# Rows of groups dequantize_into turns into values per pass: its fp32 temporaries (codes, values) are ~12 bytes an
+# element, so 2^20 elements bound them to ~12 MiB whatever the matrix (inside the allocator's slack,
+# footprint.ALLOCATOR_SLACK_BYTES, which the plan's GPU bytes carry), where one pass over OPT-30B's 205 M-element
+# fc1 would take 2.5 GB the plan does not have.
+DEQUANT_CHUNK_ELEMS = 1 << 20
+
+
+def to_bytes(p: Packed) -> torch.Tensor:
+    """``p`` as one flat uint8 tensor: its codes, then its scales' bytes (``p.nbytes`` of them)."""
+    return torch.cat([p.data.reshape(-1), p.scale.reshape(-1).view(torch.uint8)])
+
+
+def _split_bytes(buf: torch.Tensor, shape: tuple[int, ...], dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views (data [..., G, 32], scale [..., G, 2]) of ``to_bytes``'s layout in the uint8 tensor ``buf``."""
+    dim = dim % len(shape)
+    others = tuple(d for i, d in enumerate(shape) if i != dim)
+    groups = -(-shape[dim] // QUANT_GROUP_SIZE)
+    nd = math.prod(others) * groups * (QUANT_GROUP_SIZE // 2)
+    if buf.numel() != stored_nbytes(shape, dim):
+        raise ValueError(f"{buf.numel()} bytes do not hold a tensor of shape {list(shape)} packed along dim {dim} "
+                         f"({stored_nbytes(shape, dim)} bytes)")
+    data = buf[:nd].view(*others, groups, QUANT_GROUP_SIZE // 2)
+    scale = buf[nd:].view(torch.float16).view(*others, groups, 2)
+    return data, scale
+
+
+def dequantize_into(buf: torch.Tensor, shape: tuple[int, ...], dim: int, out: torch.Tensor) -> torch.Tensor:
+    """Dequantize ``to_bytes``'s form in ``buf`` (uint8, on ``out``'s device) into ``out`` (shape ``shape``, any
+    float dtype) in place -- the same values as ``dequantize`` -- a bounded number of rows at a time
+    (``DEQUANT_CHUNK_ELEMS``), so the temporaries stay small. Returns ``out``."""
+    data, scale = _split_bytes(buf, tuple(shape), dim)
+    n = shape[dim % len(shape)]
+    om = out.movedim(dim, -1)  # [..., n], the grouped dim last (a view)
+    rows_d, rows_s, rows_o = data.reshape(-1, *data.shape[-2:]), scale.reshape(-1, *scale.shape[-2:]), \
+        om.reshape(-1, n)
+    if rows_o.untyped_storage().data_ptr() != out.untyped_storage().data_ptr():  # reshape copied: writes lost
+        raise ValueError("dequantize_into needs an output whose grouped dim can be moved last as a view")
+    step = max(1, DEQUANT_CHUNK_ELEMS // max(n, 1))
+    for r in range(0, rows_o.shape[0], step):
+        rows_o[r:r + step].copy_(_values(rows_d[r:r + step], rows_s[r:r + step], n))
+    return out
 
 
 def quantize_weight(w: torch.Tensor) -> Packed:
@@ -117,6 +169,32 @@ def round_trip_bound(x: torch.Tensor, dim: int) -> torch.Tensor:
     bound = (mx - mn) / LEVELS / 2 + 3 * FP16_EPS * (big + (mx - mn))
     b = bound.expand_as(g).flatten(-2)[..., :n]
     return b.movedim(-1, dim % x.dim())
+
+
+def pack_vectors(x: torch.Tensor) -> torch.Tensor:
+    """K or V ``x`` [..., D] (head dimension last) packed per vector along D: uint8 [..., stored_nbytes((D,), 0)],
+    each vector's codes then its groups' (min, step) bytes -- how the executor's compressed KV buffers hold a token's
+    head (``footprint.stored_kv_bytes`` per vector)."""
+    p = quantize_kv(x)
+    return torch.cat([p.data.flatten(-2), p.scale.flatten(-2).view(torch.uint8)], dim=-1)
+
+
+def unpack_vectors_into(buf: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``pack_vectors``'s form ``buf`` [S, ..., stored] dequantized into ``out`` [S, ..., D] (any float dtype, any
+    strides; on ``buf``'s device) -- the same values as ``dequantize`` -- a bounded number of leading rows at a time
+    (``DEQUANT_CHUNK_ELEMS``). Returns ``out``."""
+    D = out.shape[-1]
+    groups = -(-D // QUANT_GROUP_SIZE)
+    nd = groups * (QUANT_GROUP_SIZE // 2)
+    if buf.shape[-1] != stored_nbytes((D,), 0) or buf.shape[:-1] != out.shape[:-1]:
+        raise ValueError(f"packed KV of shape {list(buf.shape)} does not hold vectors of shape {list(out.shape)}")
+    data = buf[..., :nd].unflatten(-1, (groups, QUANT_GROUP_SIZE // 2))
+    scale = buf[..., nd:].view(torch.float16).unflatten(-1, (groups, 2))
+    per_row = max(1, out[0].numel()) if out.shape[0] else 1
+    step = max(1, DEQUANT_CHUNK_ELEMS // per_row)
+    for r in range(0, out.shape[0], step):
+        out[r:r + step].copy_(_values(data[r:r + step], scale[r:r + step], D))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------

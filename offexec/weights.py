@@ -20,8 +20,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from offsim.core.specs import ModelSpec
+from offsim.core import footprint as fp
+from offsim.core.specs import WEIGHT_GROUP_DIM, Compression, ModelSpec
 
+from . import quant
 from .memory import ExecError, HostBuffer
 from .model import Embeddings, dtype_of, layer_layout
 
@@ -42,6 +44,7 @@ class ModelWeights:
         self.layers = self.host.tensor.view(spec.num_layers, self.layer_numel)
         self.emb: Embeddings | None = None
         self.source = ""
+        self.packed: PackedLayers | None = None  # the stored form with compressed weights (``packed_layers``)
 
     @property
     def pinned(self) -> bool:
@@ -49,9 +52,68 @@ class ModelWeights:
 
     def set_pinned(self, pinned: bool) -> None:
         self.host.set_pinned(pinned and torch.cuda.is_available())
+        if self.packed is not None:
+            self.packed.host.set_pinned(pinned and torch.cuda.is_available())
 
     def nbytes(self) -> int:
         return self.host.nbytes + (self.emb.nbytes() if self.emb else 0)
+
+    def close(self) -> None:
+        self.host.close()
+        if self.packed is not None:
+            self.packed.close()
+            self.packed = None
+
+    def packed_layers(self, comp: Compression) -> "PackedLayers":
+        """Every layer in its stored form for compression ``comp`` (made from the master once, then kept)."""
+        if self.packed is None or self.packed.comp != comp:
+            if self.packed is not None:
+                self.packed.close()
+            self.packed = PackedLayers(self, comp)
+        self.packed.host.set_pinned(self.pinned)
+        return self.packed
+
+
+class PackedLayers:
+    """Compressed weights (``compress_weight``, issue 16) as the executor's off-GPU tiers store them: every decoder
+    layer as one flat uint8 buffer, ``layers`` [L, stored bytes of a layer], holding each tensor's stored form back to
+    back in ``layer_tensors`` order -- a matrix as ``quant.to_bytes(quant.quantize_weight(m))``, a 1-D tensor as its
+    raw bytes (``footprint.weight_tensor_is_packed``). Sizes and offsets are offsim's (``footprint``'s
+    ``stored_weight_bytes`` / ``stored_weight_offset_bytes``): the plan addresses weights in fp16 bytes, and
+    ``range`` maps such a range to the stored bytes its copy moves. Made from the fp16 master on the host (quantized
+    on the CPU, once per ``ModelWeights``); host-homed bytes are views of it, disk-homed bytes are written from it."""
+
+    def __init__(self, w: ModelWeights, comp: Compression):
+        spec, e = w.spec, w.spec.dtype_bytes
+        self.spec, self.comp, self.e = spec, comp, e
+        self.layer_bytes = fp.stored_layer_weight_bytes(spec, comp)
+        self.host = HostBuffer(spec.num_layers * self.layer_bytes, torch.uint8, False)
+        self.layers = self.host.tensor.view(spec.num_layers, self.layer_bytes)
+        # per tensor of the layout: (slot, first stored byte, stored bytes, packed 4-bit?)
+        self.tensors = [(t, self.offset(t.lo * e), fp.stored_weight_bytes(spec, t.lo * e, t.hi * e, comp),
+                         fp.weight_tensor_is_packed(t.shape, comp)) for t in w.layout]
+        for j in range(spec.num_layers):
+            for t, off, n, packed in self.tensors:
+                x = w.layers[j, t.lo:t.hi].view(t.shape)
+                self.layers[j, off:off + n].copy_(quant.to_bytes(quant.quantize_weight(x)) if packed
+                                                   else x.reshape(-1).view(torch.uint8))
+
+    def offset(self, lo_bytes: int) -> int:
+        """First stored byte of fp16 byte ``lo_bytes`` of a layer (``footprint.stored_weight_offset_bytes``)."""
+        return fp.stored_weight_offset_bytes(self.spec, lo_bytes, self.comp)
+
+    def range(self, lo_bytes: int, hi_bytes: int) -> tuple[int, int]:
+        """(first stored byte, stored bytes) that a copy of fp16 bytes [lo, hi) of a layer moves."""
+        return self.offset(lo_bytes), fp.stored_weight_bytes(self.spec, lo_bytes, hi_bytes, self.comp)
+
+    def unpack(self, t_index: int, src: torch.Tensor, out: torch.Tensor) -> None:
+        """Tensor ``t_index`` of the layout from its stored bytes ``src`` (uint8, on ``out``'s device) into ``out``
+        (its shape, the model's dtype): dequantized, or its raw bytes copied."""
+        t, _, _, packed = self.tensors[t_index]
+        if packed:
+            quant.dequantize_into(src, t.shape, WEIGHT_GROUP_DIM, out)
+        else:
+            out.view(-1).view(torch.uint8).copy_(src)
 
     def close(self) -> None:
         self.host.close()

@@ -218,16 +218,18 @@ def test_search_with_compression_beats_fp16_on_opt30b_t4():
     assert {bool(s.get("compress_cache", False)) for s in best.candidates["settings"]} == {False, True}
 
 
-def test_offexec_refuses_a_compressed_plan_in_one_line(tmp_path, capsys):
-    """The executor does not run compressed plans yet: a saved one is refused, not run in fp16 and mislabelled."""
+def test_offexec_refuses_a_sparse_plan_in_one_line(tmp_path, capsys):
+    """The executor runs compressed weights and cache (tests/test_offexec_compression.py) but not sparse attention
+    yet: a saved sparse plan is refused, not run dense and mislabelled."""
     from offexec.cli import main as offexec_main
 
-    plan = build_plan("flexgen", get_model("opt-125m"), T4, Workload(16, 2, 2, 1), {"compress_cache": True})
+    plan = build_plan("flexgen", get_model("opt-125m"), T4, Workload(16, 2, 2, 1),
+                      {"compress_cache": True, "sparse_attention": 0.5})
     path = tmp_path / "c.json"
     plan.save(path)
     rc = offexec_main(["run", "--plan", str(path), "--device", "cpu", "--hardware", "t4"])
     err = capsys.readouterr().err.strip()
-    assert rc == 2 and len(err.splitlines()) == 1 and "compressed" in err
+    assert rc == 2 and len(err.splitlines()) == 1 and "sparse attention" in err
 
 
 def test_tightllm_recomputes_less_when_the_cache_is_compressed():

@@ -124,7 +124,7 @@ def sublayer_ranges_bytes(model: ModelSpec) -> dict[str, tuple[int, int]]:
 def _sublayer_ranges(model: ModelSpec) -> tuple[tuple[str, tuple[int, int]], ...]:
     ends = {}
     for name, lo, hi in weight_tensor_ranges_bytes(model):
-        sub = "attn" if name.split(".")[0] in _ATTN_TENSORS else "mlp"
+        sub = "attn" if name.split(".")[0] in ATTN_TENSORS else "mlp"
         a, b = ends.get(sub, (lo, hi))
         ends[sub] = (min(a, lo), max(b, hi))
     if ends["attn"][1] != ends["mlp"][0]:
@@ -132,7 +132,7 @@ def _sublayer_ranges(model: ModelSpec) -> tuple[tuple[str, tuple[int, int]], ...
     return tuple(ends.items())
 
 
-_ATTN_TENSORS = ("q_proj", "k_proj", "v_proj", "out_proj", "o_proj", "self_attn_layer_norm", "input_layernorm")
+ATTN_TENSORS = ("q_proj", "k_proj", "v_proj", "out_proj", "o_proj", "self_attn_layer_norm", "input_layernorm")
 
 
 def sublayer_slot_bytes(model: ModelSpec, gpu_bytes: int, sub: str) -> int:
@@ -225,10 +225,16 @@ def quantized_bytes(shape: tuple[int, ...], group_dim: int) -> int:
     return groups * (QUANT_GROUP_SIZE * QUANT_BITS // 8 + 2 * QUANT_SCALE_BYTES)
 
 
+def weight_tensor_is_packed(shape: tuple[int, ...], comp: Compression) -> bool:
+    """Whether a layer's weight tensor of ``shape`` is stored 4-bit: the matrices, when weights are compressed (1-D
+    biases and norms stay in the model's dtype, as FlexGen keeps them)."""
+    return comp.weight and len(shape) >= 2
+
+
 def _stored_tensor_bytes(model: ModelSpec, shape: tuple[int, ...], comp: Compression) -> int:
-    """One weight tensor as stored: 4-bit along its output channel when weights are compressed and it is a matrix;
-    otherwise (1-D biases and norms, as FlexGen keeps them, or no compression) fp16."""
-    if comp.weight and len(shape) >= 2:
+    """One weight tensor as stored: 4-bit along its output channel when it is packed (``weight_tensor_is_packed``);
+    otherwise fp16 (the model's dtype)."""
+    if weight_tensor_is_packed(shape, comp):
         return quantized_bytes(shape, WEIGHT_GROUP_DIM)
     return math.prod(shape) * model.dtype_bytes
 
@@ -253,6 +259,24 @@ def stored_weight_bytes(model: ModelSpec, lo: int, hi: int, comp: Compression = 
         a, b = max(lo, t_lo), min(hi, t_hi)
         if b > a:
             out += stored if (a, b) == (t_lo, t_hi) else -(-stored * (b - a) // (t_hi - t_lo))  # rounded up
+    return out
+
+
+def stored_weight_offset_bytes(model: ModelSpec, lo: int, comp: Compression = NO_COMPRESSION) -> int:
+    """Where fp16 byte ``lo`` of a layer's flat weights starts in the layer's stored buffer -- every tensor's stored
+    form back to back in ``layer_tensors`` order (offexec/weights.py ``PackedLayers``): the stored bytes of the whole
+    tensors before it plus, inside a tensor, its share of that tensor's stored bytes rounded down. With the share of a
+    range rounded up (``stored_weight_bytes``), [offset(lo), offset(lo) + stored_weight_bytes(lo, hi)) covers every
+    byte of the range's tensors' stored forms that a byte of [lo, hi) maps to, ends at the tensor's end when hi is a
+    tensor's end, and never passes that end: the copy of a range moves exactly the bytes the plan prices."""
+    if not comp.weight:
+        return max(lo, 0)
+    out = 0
+    for t_lo, t_hi, stored in _stored_tensor_table(model, comp):
+        if lo >= t_hi:
+            out += stored
+        else:
+            return out + stored * max(lo - t_lo, 0) // (t_hi - t_lo)
     return out
 
 
@@ -680,7 +704,8 @@ def _head_groups(model: ModelSpec, kv_split) -> tuple[int, int, int]:
 # 4. the executor's buffers
 # ================================================================================================================
 def executor_gpu_bytes(model: ModelSpec, wl: Workload, weight_split, kv_split, pool_buffers: Mapping[str, int],
-                       activation_peak_bytes: int, op_transient_bytes: int, graph_q_tokens: int = 1) -> dict[str, int]:
+                       activation_peak_bytes: int, op_transient_bytes: int, graph_q_tokens: int = 1,
+                       comp: Compression = NO_COMPRESSION, sublayer: bool = False) -> dict[str, int]:
     """GPU bytes offexec holds for a plan, by purpose (offexec/executor.py ``Executor._setup`` and the op handlers):
 
     - embeddings (``emb``), token ids [nb, gbs, max_len + 1] int64 and RoPE tables (``tokens``, ``rope``);
@@ -694,42 +719,54 @@ def executor_gpu_bytes(model: ModelSpec, wl: Workload, weight_split, kv_split, p
     - KV work buffers: ``pool_buffers['kvwork_cpu' / 'kvwork_disk']`` full-length buffers of each off-GPU group;
     - activations: the most GPU values (hidden states, pre_attn's Q/K/V, attention outputs) alive at once in plan
       order (``activation_peak_bytes``, from offexec/program.py);
-    - op transients: the largest op peak beyond its output (``op_transient_bytes``)."""
+    - op transients: the largest op peak beyond its output (``op_transient_bytes``);
+    - with compression (``comp``): resident weights and slots (compressed weights), resident KV and KV work buffers
+      (compressed cache) in their stored sizes (``stored_weight_bytes``, ``stored_slot_bytes``, ``stored_kv_bytes``)
+      and the fp16 working copies a compute op dequantizes into (``dequantized_copy_bytes``; ``sublayer``: weight
+      units are sub-layers)."""
     L, M, gbs, nb = model.num_layers, wl.max_len, wl.gpu_batch_size, wl.num_gpu_batches
     kg, kc, kd = _head_groups(model, kv_split)
-    slot = max((weight_slot_bytes(model, g) for g, _ in weight_split), default=0)
-    sub_slots = {sub: max((sublayer_slot_bytes(model, g, sub) for g, _ in weight_split), default=0)
+    slot = max((stored_slot_bytes(model, g, None, comp) for g, _ in weight_split), default=0)
+    sub_slots = {sub: max((stored_slot_bytes(model, g, sub, comp) for g, _ in weight_split), default=0)
                  for sub in SUBLAYERS}
-    return {"embeddings": embedding_bytes(model),
+    out = {"embeddings": embedding_bytes(model),
             "token ids": token_ids_bytes(wl.num_prompts, M) + rope_table_bytes(model, M),
             "library workspace": LIBRARY_WORKSPACE_BYTES, "allocator slack": ALLOCATOR_SLACK_BYTES,
             "CUDA graphs": decode_graph_bytes(model, wl, graph_q_tokens),
-            "resident weights": sum(g for g, _ in weight_split),
-            "resident KV": L * nb * kv_buffer_bytes(model, gbs, M, kg),
+            "resident weights": sum(stored_weight_bytes(model, 0, g, comp) for g, _ in weight_split),
+            "resident KV": L * nb * stored_kv_bytes(model, gbs, M, kg, comp=comp),
             "weight slots": pool_buffers.get("wslot", 0) * slot
             + sum(pool_buffers.get(f"wslot_{sub}", 0) * sub_slots[sub] for sub in SUBLAYERS),
-            "KV work buffers": pool_buffers.get("kvwork_cpu", 0) * kv_buffer_bytes(model, gbs, M, kc)
-            + pool_buffers.get("kvwork_disk", 0) * kv_buffer_bytes(model, gbs, M, kd),
+            "KV work buffers": pool_buffers.get("kvwork_cpu", 0) * stored_kv_bytes(model, gbs, M, kc, comp=comp)
+            + pool_buffers.get("kvwork_disk", 0) * stored_kv_bytes(model, gbs, M, kd, comp=comp),
             "activations": activation_peak_bytes, "op transients": op_transient_bytes}
+    if comp.weight or comp.cache:
+        out["dequantized copies"] = dequantized_copy_bytes(model, gbs, M, comp, sublayer)
+    return out
 
 
-def disk_tier_bytes(model: ModelSpec, wl: Workload, weight_split, kv_split) -> int:
-    """Bytes of offexec's disk-tier files: every layer's disk-homed weights at the largest layer's stride
-    (``weights.bin``) and the [L, nb] full-length KV buffers of the disk-homed heads (``kv.bin``)."""
+def disk_tier_bytes(model: ModelSpec, wl: Workload, weight_split, kv_split,
+                    comp: Compression = NO_COMPRESSION) -> int:
+    """Bytes of offexec's disk-tier files: every layer's disk-homed weights (in their stored size,
+    ``stored_weight_bytes``) at the largest layer's stride (``weights.bin``) and the [L, nb] full-length KV buffers of
+    the disk-homed heads (``kv.bin``; stored size, ``stored_kv_bytes``)."""
     W = layer_weight_bytes(model)
-    stride = max((W - g - c for g, c in weight_split), default=0)
+    stride = max((stored_weight_bytes(model, g + c, W, comp) for g, c in weight_split), default=0)
     _, _, kd = _head_groups(model, kv_split)
     L, nb = model.num_layers, wl.num_gpu_batches
-    return stride * L + L * nb * kv_buffer_bytes(model, wl.gpu_batch_size, wl.max_len, kd)
+    return stride * L + L * nb * stored_kv_bytes(model, wl.gpu_batch_size, wl.max_len, kd, comp=comp)
 
 
-def executor_host_bytes(model: ModelSpec, wl: Workload, kv_split, staging_peak_bytes: int) -> dict[str, int]:
+def executor_host_bytes(model: ModelSpec, wl: Workload, kv_split, staging_peak_bytes: int,
+                        comp: Compression = NO_COMPRESSION) -> dict[str, int]:
     """Host bytes offexec holds, by purpose: the weights' host master (every layer in full, plus embeddings:
     offexec/weights.py ``ModelWeights``; host-homed weight bytes are views of it), the [L, nb] full-length KV buffers
-    of host-homed heads (``kv_host``) and the most disk/CPU-attention staging alive at once (``staging_peak_bytes``,
-    from offexec/program.py)."""
+    of host-homed heads (``kv_host``, stored size) and the most disk/CPU-attention staging alive at once
+    (``staging_peak_bytes``, from offexec/program.py). With compressed weights also every layer in its stored form
+    (``PackedLayers``, made from the master; host-homed weight bytes are views of it instead)."""
     _, kc, _ = _head_groups(model, kv_split)
-    return {"weights master": model.num_layers * layer_weight_bytes(model) + embedding_bytes(model),
+    packed = {"packed weights": model.num_layers * stored_layer_weight_bytes(model, comp)} if comp.weight else {}
+    return {**packed, "weights master": model.num_layers * layer_weight_bytes(model) + embedding_bytes(model),
             "host KV": model.num_layers * wl.num_gpu_batches
-            * kv_buffer_bytes(model, wl.gpu_batch_size, wl.max_len, kc),
+            * stored_kv_bytes(model, wl.gpu_batch_size, wl.max_len, kc, comp=comp),
             "staging": staging_peak_bytes}
