@@ -85,11 +85,11 @@ TASKS: dict[str, TaskLengths] = {t.name: t for t in (
     # the answer is one of four labels, a word or two
     TaskLengths("classification", "AG News", template_tokens=24,
                 text=LogNormalLen(54, 0.35, 8, 256), output=LogNormalLen(2, 0.3, 1, 4)),
-    # WMT14 newstest2014 En-De: 3,003 sentences, 62,964 words = 21 words ~ 27 tokens a sentence; a request
-    # translates a paragraph of 8 sentences (~218 tokens), the output as long again (German runs ~1.1x in BPE)
-    TaskLengths("translation", "WMT14 newstest2014 (8-sentence paragraphs)", template_tokens=16,
-                text=LogNormalLen(218, 0.4, 32, 512), output_per_text_token=1.1, output_sigma=0.15,
-                output_max_tokens=640),
+    # WMT14 newstest2014 En-De: 3,003 sentences, 67,337 English words = 22.4 words ~ 29 tokens a sentence; a
+    # request translates a paragraph of 4 sentences (~117 tokens), the output as long again (German ~1.1x in BPE)
+    TaskLengths("translation", "WMT14 newstest2014 En-De (4-sentence paragraphs)", template_tokens=16,
+                text=LogNormalLen(117, 0.4, 16, 320), output_per_text_token=1.1, output_sigma=0.15,
+                output_max_tokens=384),
     # CNN/DailyMail (Nallapati et al. 2016): articles 781 tokens, summaries 56 tokens on average; articles
     # truncated to 1,024 tokens as summarisers (BART) do
     TaskLengths("summarization", "CNN/DailyMail", template_tokens=16,

@@ -229,11 +229,17 @@ def job_lengths(requests: Sequence[Request]) -> tuple[int, int]:
 
 def best_for_job(policy: str, model: ModelSpec, hw: HardwareSpec, requests: Sequence[Request], max_sims: int = 3,
                  max_batch: int | None = None) -> SearchResult:
-    """``offsim search`` at the job's longest prompt and generation, at most ``max_batch`` and never more
-    sequences a block than the job has requests."""
+    """``offsim search`` at the job's longest prompt and generation, at most ``max_batch`` and, where the policy has
+    such candidates, no more sequences a block than the job has requests (a policy whose candidates are all larger
+    -- TightLLM's come from FlexGen's LP shapes -- keeps its best shape; ``make_blocks`` then runs the job as one
+    partly filled block with fewer GPU batches)."""
     p, g = job_lengths(requests)
-    cap = len(requests) if max_batch is None else min(max_batch, len(requests))
-    return search(policy, model, hw, p, g, max_sims=max_sims, max_batch=cap)
+    if max_batch is None or max_batch > len(requests):
+        try:
+            return search(policy, model, hw, p, g, max_sims=max_sims, max_batch=len(requests))
+        except OffsimError:
+            pass
+    return search(policy, model, hw, p, g, max_sims=max_sims, max_batch=max_batch)
 
 
 def run_job(policy: str, model: ModelSpec, hw: HardwareSpec, requests: Sequence[Request], batching: str = "padded",
