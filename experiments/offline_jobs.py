@@ -263,10 +263,12 @@ def main(argv=None) -> None:
     journal = out / "jobs.jsonl"
     t0 = time.perf_counter()
     if not args.readme_only:
+        # provenance taken before the run: the commit whose code computes the table, not whatever HEAD is later
+        prov = provenance(argv, requests=args.requests, seed=args.seed)
         run_grid(args.requests, args.seed, args.tasks, args.models, args.hardware, args.policies, journal,
                  args.progress)
         df = pd.DataFrame([json.loads(ln) for ln in journal.read_text().splitlines() if ln.strip()])
-        prov = provenance(argv, requests=args.requests, seed=args.seed)
+        prov["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())
         write_csv(df, csv_path, prov)
     prov, df = read_commented_csv(csv_path, "offline jobs table")
     red = reductions(df)
