@@ -94,7 +94,9 @@ _PART_OF_SUB = {None: "layer", "attn": "attn_layer", "mlp": "mlp"}  # a decoder 
 
 
 def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict[str, int]) -> Plan:
-    """Emit the ops of one block (``num_gpu_batches`` × ``gpu_batch_size`` prompts, all generation steps)."""
+    """Emit the ops of one block (``num_gpu_batches`` × ``gpu_batch_size`` prompts, all generation steps). Each GPU
+    batch runs at its own prompt length, padded to its longest prompt (``Workload.batch_prompt_lens``; all
+    ``prompt_len`` for a uniform workload); buffers are sized for the block's longest (``wl.max_len``)."""
     L, nb, gbs = model.num_layers, wl.num_gpu_batches, wl.gpu_batch_size
     W = model.layer_weight_bytes()
     n_kv = model.num_kv_heads

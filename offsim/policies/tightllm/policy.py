@@ -8,7 +8,9 @@ layer j, batch k: prefetch the next position's KV, load a slice of the next laye
 
 What the ops mean (only the op semantics of ``offsim.core.plan``'s docstring; the executor runs them unchanged):
 
-- Decode step i, batch k, N_ctx = prompt_len + i - 1 tokens have KV, N_r recomputed, b = N_ctx - N_r loaded:
+- Decode step i, batch k, N_ctx = prompt_len + i - 1 tokens have KV, N_r recomputed, b = N_ctx - N_r loaded
+  (prompt_len: the batch's own, padded to its longest prompt; the distributor decides N_r on the batch's *mean*
+  prompt length, as Algorithm 1 estimates it: ``batch_ctx_tokens``, docs/jobs.md §5):
   * ``h2d kv [0, b)`` (host-homed heads; disk-homed heads ``disk_read kv [0, b)`` then ``h2d kv [0, b)``): only the
     prefix is loaded;
   * ``compute embed`` with ``q_tokens = N_r + 1``, ``ctx_tokens = N_ctx + 1``: the recomputed tokens start from
