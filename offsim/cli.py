@@ -483,6 +483,7 @@ def cmd_job(args) -> None:
 
     spec = J.load_job_spec(args.spec)
     batching = args.batching or spec.batching
+    decode_steps = None if args.exact else spec.decode_steps
     policies = args.policies or list(spec.policies)
     for pol in policies:
         if pol not in POLICIES:
@@ -493,12 +494,14 @@ def cmd_job(args) -> None:
     p_max, g_max = J.job_lengths(reqs)
     print(f"job {spec.name}: {len(reqs)} requests from {spec.source} (seed {spec.seed}), prompts "
           f"{min(r.prompt_len for r in reqs)}-{p_max} tokens, outputs {min(r.gen_len for r in reqs)}-{g_max}; "
-          f"{model.name} on {hw.name} ({hw.gpu_mem_bytes / GiB:.1f} GiB GPU), {batching} batches", flush=True)
+          f"{model.name} on {hw.name} ({hw.gpu_mem_bytes / GiB:.1f} GiB GPU), {batching} batches, "
+          + ("every step simulated" if decode_steps is None else
+             f"{decode_steps} decode steps a block simulated, the rest extrapolated (--exact: all)"), flush=True)
     out = []
     for pol in policies:
         try:
             res = J.run_job(pol, model, hw, reqs, batching, max_sims=spec.max_sims, max_batch=spec.max_batch,
-                            progress=not args.no_progress)
+                            progress=not args.no_progress, decode_steps=decode_steps)
         except OffsimError as e:
             print(f"{pol}: infeasible: {_short_reason(pol, str(e))}", flush=True)
             out.append({"model": model.name, "hardware": hw.name, "policy": pol, "error": str(e)})
@@ -616,6 +619,9 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--batching", choices=("padded", "bucketed"), default=None,
                    help="padded: batches in arrival order, each padded to its longest prompt (FlexGen); bucketed: "
                         "sorted by length first (default: the spec's, else padded)")
+    j.add_argument("--exact", action="store_true",
+                   help="simulate every decode step of every block (default: the spec's decode_steps, 16, then "
+                        "each block's later steps extrapolated; docs/jobs.md §6)")
     j.add_argument("--no-progress", action="store_true", help="no progress bar")
     j.set_defaults(func=cmd_job)
     p.subcommands = {"simulate": s, "search": q, "compare": c, "validate": v, "sweep": w, "job": j}  # for given_options

@@ -113,6 +113,27 @@ def test_uniform_job_equals_single_length_simulation(opt125, t4_small, policy, s
     assert list(res.request_done_s[gbs * nb:]) == list(first + tr.makespan_s)
 
 
+# ---- decode steps extrapolated ------------------------------------------------------------------------------
+@pytest.mark.parametrize("policy, settings", [FLEXGEN, TIGHTLLM])
+def test_extrapolated_decode_close_to_exact(opt125, t4_small, policy, settings):
+    reqs = [Request(i, 32 + 16 * (i % 4), 24 + 4 * (i % 3)) for i in range(16)]
+    best = fixed(policy, settings, 4, 2)
+    exact = run_job(policy, opt125, t4_small, reqs, "bucketed", best=best)
+    fast = run_job(policy, opt125, t4_small, reqs, "bucketed", best=best, decode_steps=6)
+    assert fast.completion_s == pytest.approx(exact.completion_s, rel=0.02)
+    np.testing.assert_allclose(fast.request_done_s, exact.request_done_s, rtol=0.03)
+    assert fast.summary()["decode_steps"] == 6 and exact.summary()["decode_steps"] is None
+    # a block no longer than the simulated steps is exact
+    short = [Request(i, 32, 5) for i in range(8)]
+    assert run_job(policy, opt125, t4_small, short, best=best, decode_steps=6).completion_s == \
+        run_job(policy, opt125, t4_small, short, best=best).completion_s
+
+
+def test_decode_steps_below_two_refused(opt125, t4_small):
+    with pytest.raises(OffsimError, match="decode_steps must be at least 2"):
+        run_job("flexgen", opt125, t4_small, [Request(0, 32, 8)], best=fixed(*FLEXGEN, 1, 1), decode_steps=1)
+
+
 # ---- TightLLM: the batch's mean length ---------------------------------------------------------------------------
 def test_tightllm_distributor_sees_the_batch_mean_length(opt125, t4_small, monkeypatch):
     # activations parked on the host: no prompt-sized activation buffer caps N_r, so the decisions are the
@@ -161,7 +182,7 @@ def _spec(tmp_path, **over) -> str:
 
 
 def test_job_cli_table_and_json_percentiles_ordered(tmp_path, capsys):
-    rc = main(["job", _spec(tmp_path), "--batching", "bucketed"])
+    rc = main(["job", _spec(tmp_path), "--batching", "bucketed", "--exact"])
     out = capsys.readouterr().out.strip().splitlines()
     assert rc == 0
     js = json.loads(out[-1])
@@ -169,7 +190,7 @@ def test_job_cli_table_and_json_percentiles_ordered(tmp_path, capsys):
     assert [o["completion_s"] for o in js] == sorted(o["completion_s"] for o in js)  # shortest job first
     assert js[0]["best"] and not any(o["best"] for o in js[1:])
     for o in js:
-        assert o["requests"] == 24 and o["batching"] == "bucketed"
+        assert o["requests"] == 24 and o["batching"] == "bucketed" and o["decode_steps"] is None
         assert 0 < o["p50_request_s"] <= o["p90_request_s"] <= o["p99_request_s"] <= o["completion_s"]
         assert 0 <= o["padding_waste"] < 1
         assert o["output_tok_s"] == pytest.approx(o["output_tokens"] / o["completion_s"])
@@ -191,6 +212,7 @@ def test_job_from_csv(tmp_path, capsys):
     ({"policies": ["flexgen", "vllm"]}, "unknown policy 'vllm'"),
     ({"model": "opt-7b"}, "opt-7b"),
     ({"colour": "red"}, "unknown keys ['colour']"),
+    ({"decode_steps": 1}, "decode_steps must be an integer >= 2 or null"),
     ({"requests": {"csv": "missing.csv"}}, "cannot read request lengths"),
     ({"requests": {"csv": "bad.csv"}}, "row 3 is not two integers"),
     ({"requests": {"csv": "long.csv"}}, "exceeds opt-125m's 2048 positions"),
