@@ -14,6 +14,7 @@ from offsim.core.requests import TASKS, Request, draw_requests, make_blocks, rea
 from offsim.core.sim import simulate
 from offsim.core.specs import Workload, get_hardware, get_model
 from offsim.policies import build_plan
+from offsim.policies.registry import same_placement
 from offsim.policies.tightllm import policy as T
 from offsim.search.job import run_job
 from offsim.search.search import SearchResult
@@ -113,9 +114,9 @@ def test_uniform_job_equals_single_length_simulation(opt125, t4_small, policy, s
     assert list(res.request_done_s[gbs * nb:]) == list(first + tr.makespan_s)
 
 
-# ---- decode steps extrapolated ------------------------------------------------------------------------------
+# ---- fast mode: decode steps interpolated ---------------------------------------------------------------------------
 @pytest.mark.parametrize("policy, settings", [FLEXGEN, TIGHTLLM])
-def test_extrapolated_decode_close_to_exact(opt125, t4_small, policy, settings):
+def test_interpolated_decode_close_to_exact(opt125, t4_small, policy, settings):
     reqs = [Request(i, 32 + 16 * (i % 4), 24 + 4 * (i % 3)) for i in range(16)]
     best = fixed(policy, settings, 4, 2)
     exact = run_job(policy, opt125, t4_small, reqs, "bucketed", best=best)
@@ -127,6 +128,21 @@ def test_extrapolated_decode_close_to_exact(opt125, t4_small, policy, settings):
     short = [Request(i, 32, 5) for i in range(8)]
     assert run_job(policy, opt125, t4_small, short, best=best, decode_steps=6).completion_s == \
         run_job(policy, opt125, t4_small, short, best=best).completion_s
+
+
+def test_fast_mode_simulates_whole_blocks_of_a_length_dependent_placement(opt125):
+    # Accelerate's GPU layers make room for the KV of the whole output: a shortened piece would be another plan
+    hw = get_hardware("t4", 0.8)  # 5 layers fit beside 64 sequences' KV of 32 steps, 10 beside 4 steps'
+    reqs = [Request(i, 32 + 16 * (i % 4), 24 + 4 * (i % 3)) for i in range(64)]
+    best = fixed("static-accelerate", {"offload": "cpu"}, 64, 1)
+    wl = make_blocks(reqs, 64, 1)[0].workload
+    short = wl.with_(gen_len=4, gen_lens=tuple(min(g, 4) for g in wl.gen_lens))
+    assert not same_placement("static-accelerate", opt125, hw, {"offload": "cpu"}, wl, short)
+    assert same_placement("flexgen", opt125, hw, FLEXGEN[1], wl, short)
+    fast = run_job("static-accelerate", opt125, hw, reqs, best=best, decode_steps=4)
+    exact = run_job("static-accelerate", opt125, hw, reqs, best=best)
+    assert fast.completion_s == exact.completion_s
+    assert list(fast.request_done_s) == list(exact.request_done_s)
 
 
 def test_decode_steps_below_two_refused(opt125, t4_small):
