@@ -296,19 +296,33 @@ def cmd_search(args) -> None:
     _print_json(summary(res.metrics, res.settings))
 
 
+def _rank(out: list[dict], key) -> list[dict]:
+    """Sort the policies' results by ``key`` (smallest first), infeasible ones (with an 'error') last, mark the first
+    feasible one 'best'; the feasible ones, in that order."""
+    out.sort(key=lambda o: key(o) if "error" not in o else math.inf)
+    feasible = [o for o in out if "error" not in o]
+    for o in out:
+        o["best"] = bool(feasible) and o is feasible[0]
+    return feasible
+
+
+def _ranked_table(out: list[dict], columns) -> str:
+    """The feasible results in order, the winner marked '*', with policy and block shape, then ``columns(o)``."""
+    rows = [{" ": "*" if i == 0 else "", "policy": o["policy"],
+             "batch": f"{o['gpu_batch_size']}x{o['num_gpu_batches']}", **columns(o)}
+            for i, o in enumerate(o for o in out if "error" not in o)]
+    return pd.DataFrame(rows).to_string(index=False, float_format=lambda x: f"{x:,.2f}")
+
+
 def _compare_table(out: list[dict]) -> str:
     """Feasible policies, best total tok/s first, the winner marked; then why each loses or wins: latency and the
     busiest stream."""
-    rows = []
-    for i, o in enumerate(o for o in out if "error" not in o):
-        rows.append({" ": "*" if i == 0 else "", "policy": o["policy"],
-                     "batch": f"{o['gpu_batch_size']}x{o['num_gpu_batches']}", "total_tok_s": o["total_tok_s"],
-                     "decode_tok_s": o["decode_tok_s"], "ttft_s": o["ttft_s"],
-                     "decode_ms/tok": o["decode_ms_per_token"],
-                     "bottleneck": f"{o['bottleneck_stream']} {o['bottleneck_busy_frac']:.0%}",
-                     "peak_gpu_GiB": o["peak_gpu_bytes"] / GiB, "peak_cpu_GiB": o["peak_cpu_bytes"] / GiB,
-                     "peak_disk_GiB": o["peak_disk_bytes"] / GiB})
-    return pd.DataFrame(rows).to_string(index=False, float_format=lambda x: f"{x:,.2f}")
+    return _ranked_table(out, lambda o: {
+        "total_tok_s": o["total_tok_s"], "decode_tok_s": o["decode_tok_s"], "ttft_s": o["ttft_s"],
+        "decode_ms/tok": o["decode_ms_per_token"],
+        "bottleneck": f"{o['bottleneck_stream']} {o['bottleneck_busy_frac']:.0%}",
+        "peak_gpu_GiB": o["peak_gpu_bytes"] / GiB, "peak_cpu_GiB": o["peak_cpu_bytes"] / GiB,
+        "peak_disk_GiB": o["peak_disk_bytes"] / GiB})
 
 
 def _short_reason(policy: str, msg: str) -> str:
@@ -337,11 +351,7 @@ def cmd_compare(args) -> None:
         out.append(summary(res.metrics, res.settings))
         print(f"{pol}: gpu_batch_size {res.workload.gpu_batch_size} x {res.workload.num_gpu_batches}, "
               f"settings {res.settings}", flush=True)
-    # the objective (total tok/s, FlexGen's) decides: best first, infeasible policies last
-    out.sort(key=lambda o: -o["total_tok_s"] if "error" not in o else math.inf)
-    feasible = [o for o in out if "error" not in o]
-    for o in out:
-        o["best"] = bool(feasible) and o is feasible[0]
+    feasible = _rank(out, lambda o: -o["total_tok_s"])  # the objective (total tok/s, FlexGen's) decides
     print(f"\n{model.name} on {hw.name} ({hw.gpu_mem_bytes / GiB:.1f} GiB GPU), prompt {args.prompt_len}, "
           f"gen {args.gen_len}, each policy at its best simulated settings, best total tok/s first (*):")
     if feasible:
@@ -468,14 +478,18 @@ def cmd_sweep(args) -> None:
 def _job_table(out: list[dict]) -> str:
     """Feasible policies, shortest completion first (the winner marked): completion, throughput, request latency
     percentiles and the padding waste."""
-    rows = []
-    for i, o in enumerate(o for o in out if "error" not in o):
-        rows.append({" ": "*" if i == 0 else "", "policy": o["policy"],
-                     "batch": f"{o['gpu_batch_size']}x{o['num_gpu_batches']}", "blocks": o["blocks"],
-                     "completion_s": o["completion_s"], "output_tok_s": o["output_tok_s"],
-                     "p50_s": o["p50_request_s"], "p90_s": o["p90_request_s"], "p99_s": o["p99_request_s"],
-                     "padding": f"{o['padding_waste']:.1%}"})
-    return pd.DataFrame(rows).to_string(index=False, float_format=lambda x: f"{x:,.2f}")
+    return _ranked_table(out, lambda o: {
+        "blocks": o["blocks"], "completion_s": o["completion_s"], "output_tok_s": o["output_tok_s"],
+        "p50_s": o["p50_request_s"], "p90_s": o["p90_request_s"], "p99_s": o["p99_request_s"],
+        "padding": f"{o['padding_waste']:.1%}"})
+
+
+def _job_winner(feasible: list[dict]) -> str:
+    """One line: the fastest policy's completion time, and how much shorter than the runner-up's."""
+    w = feasible[0]
+    nxt = (f", {1 - w['completion_s'] / feasible[1]['completion_s']:.1%} less than {feasible[1]['policy']}"
+           if len(feasible) > 1 else "")
+    return f"{w['policy']} finishes the job in {w['completion_s']:,.1f} s{nxt}"
 
 
 def cmd_job(args) -> None:
@@ -508,20 +522,11 @@ def cmd_job(args) -> None:
             continue
         out.append({"model": model.name, "hardware": hw.name, "job": spec.name, "source": spec.source,
                     "seed": spec.seed, **res.summary()})
-    out.sort(key=lambda o: o["completion_s"] if "error" not in o else math.inf)
-    feasible = [o for o in out if "error" not in o]
-    for o in out:
-        o["best"] = bool(feasible) and o is feasible[0]
+    feasible = _rank(out, lambda o: o["completion_s"])  # the job's completion time decides
     print(f"\n{spec.name}: each policy at its best settings (searched at prompt {p_max}, gen {g_max}), shortest "
           "job first (*); p50/p90/p99: when a request's last token came, from the job's start:")
     if feasible:
-        print(_job_table(out))
-        w = feasible[0]
-        why = f"{w['policy']} finishes the job in {w['completion_s']:,.1f} s"
-        if len(feasible) > 1:
-            r = feasible[1]
-            why += f", {1 - w['completion_s'] / r['completion_s']:.1%} less than {r['policy']}"
-        print(why)
+        print(_job_table(out) + "\n" + _job_winner(feasible))
     _print_json(out)
     if not feasible:
         raise OffsimError(f"no policy fits job {spec.name} ({model.name} on {hw.name}): " + "; ".join(

@@ -28,13 +28,14 @@ from typing import Any, Sequence
 import numpy as np
 
 from offsim.core.errors import OffsimError
-from offsim.core.io import read_json_object
+from offsim.core.io import read_spec
 from offsim.core.requests import BATCHING, TASKS, Request, draw_requests, make_blocks, read_requests_csv, \
     sample_requests
 from offsim.core.sim import simulate
 from offsim.core.specs import HardwareSpec, ModelSpec, Workload, get_hardware, get_model
 from offsim.policies import POLICIES, build_plan
 from offsim.policies.registry import check_plan_fits, same_placement
+from offsim.search.grid import check_gpu_mem_gb, check_spec_keys
 from offsim.search.search import SearchResult, search
 
 SCHEMA = "offsim.job/1"
@@ -67,19 +68,7 @@ class JobSpec:
 def load_job_spec(path: str | Path) -> JobSpec:
     """The spec in ``path`` (.yaml/.yml: YAML, else JSON), checked (``parse_job_spec``); a CSV it names is read
     relative to the spec's folder."""
-    path = Path(path)
-    if path.suffix in (".yaml", ".yml"):
-        import yaml
-
-        try:
-            d = yaml.safe_load(path.read_text())
-        except OSError as e:
-            raise OffsimError(f"cannot read job spec {path}: {e.strerror}") from None
-        except yaml.YAMLError as e:
-            raise OffsimError(f"job spec {path} is not valid YAML: {' '.join(str(e).split())}") from None
-    else:
-        d = read_json_object(path, "job spec")
-    return parse_job_spec(d, where=f"job spec {path}", base=path.parent)
+    return parse_job_spec(read_spec(path, "job spec"), where=f"job spec {path}", base=Path(path).parent)
 
 
 def _positive_int(where: str, key: str, v: Any, allow_none: bool = False) -> int | None:
@@ -96,13 +85,7 @@ def parse_job_spec(d: Any, where: str = "job spec", base: Path = Path(".")) -> J
     ``distribution`` (a name in ``TASKS``) or ``csv`` (a file of ``prompt_len,gen_len`` rows; without ``count``
     the file's requests as listed, with it ``count`` drawn from them)}, ``batching`` (``padded`` or ``bucketed``),
     ``max_batch``, ``max_sims``, ``decode_steps`` (default ``DECODE_STEPS``; null: every step simulated)."""
-    if not isinstance(d, dict):
-        raise OffsimError(f"{where}: expected a mapping with model, hardware and requests")
-    unknown = set(d) - set(SPEC_KEYS)
-    if unknown:
-        raise OffsimError(f"{where}: unknown keys {sorted(unknown)}; valid: {list(SPEC_KEYS)}")
-    if d.get("schema", SCHEMA) != SCHEMA:
-        raise OffsimError(f"{where}: schema is {d['schema']!r}; this offsim reads {SCHEMA!r}")
+    check_spec_keys(d, where, SPEC_KEYS, SCHEMA, "model, hardware and requests")
     for k in ("model", "hardware", "requests"):
         if k not in d:
             raise OffsimError(f"{where}: '{k}' is required")
@@ -110,9 +93,7 @@ def parse_job_spec(d: Any, where: str = "job spec", base: Path = Path(".")) -> J
         if not isinstance(d[k], str):
             raise OffsimError(f"{where}: {k} takes a name or a file path, got {d[k]!r}")
     gpu_mem_gb = d.get("gpu_mem_gb")
-    if gpu_mem_gb is not None and (isinstance(gpu_mem_gb, bool) or not isinstance(gpu_mem_gb, (int, float))
-                                   or not gpu_mem_gb > 0):
-        raise OffsimError(f"{where}: gpu_mem_gb takes GiB > 0 or null (the hardware's own), got {gpu_mem_gb!r}")
+    check_gpu_mem_gb(where, "gpu_mem_gb", gpu_mem_gb)
     pols = d.get("policies", "all")
     pols = list(POLICIES) if pols == "all" else ([pols] if isinstance(pols, str) else pols)
     if not isinstance(pols, list) or not pols:
