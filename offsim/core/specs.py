@@ -558,13 +558,13 @@ class Workload:
             return (self.prompt_len,) * self.num_gpu_batches
         return tuple(max(self._slice(self.prompt_lens, k)) for k in range(self.num_gpu_batches))
 
-    def batch_mean_prompt_len(self, k: int) -> float:
-        """GPU batch k's mean prompt length over its requests (empty slots left out): what TightLLM's Algorithm 1
-        estimates for a batch."""
+    def batch_mean_prompt_len(self, k: int) -> int:
+        """GPU batch k's mean prompt length over its requests (empty slots left out), rounded to a token (halves
+        up): what TightLLM's Algorithm 1 estimates for a batch."""
         if not self.prompt_lens:
-            return float(self.prompt_len)
+            return self.prompt_len
         real = [p for p in self._slice(self.prompt_lens, k) if p]
-        return sum(real) / len(real)
+        return (2 * sum(real) + len(real)) // (2 * len(real))  # floor(mean + 1/2), in integers
 
     def request_lens(self) -> list[tuple[int, int, int]]:
         """(GPU batch, prompt length, generation length) of every request, in batch order, empty slots left out."""

@@ -9,7 +9,8 @@ the work was padding.
   and generation (so that every block fits: a block padded to less needs no more memory), cuts the requests into
   blocks (``requests.make_blocks``), simulates each block's own plan -- each GPU batch at its padded length -- one
   after another, and reads each request's completion from the trace: the end of the step that produced its last
-  token. Blocks of identical shape are simulated once.
+  token. Blocks of identical shape are simulated once; a long block is simulated in pieces by default, the rest
+  of its steps interpolated (``simulate_block``; ``decode_steps`` None: every step).
 
 Numbers (``JobResult.summary``): ``completion_s`` (the job's makespan: its blocks back to back), ``output_tok_s``
 (generated tokens of the requests / completion_s), ``requests_per_s``, per-request completion times within the
@@ -160,7 +161,7 @@ class BlockRun:
 def block_key(wl: Workload) -> tuple:
     """What a block's plan depends on: its shape, its GPU batches' padded prompt lengths, and their mean lengths
     (TightLLM's estimate), to a token; blocks with the same key are simulated once."""
-    means = tuple(math.floor(wl.batch_mean_prompt_len(k) + 0.5) for k in range(wl.num_gpu_batches))
+    means = tuple(wl.batch_mean_prompt_len(k) for k in range(wl.num_gpu_batches))
     return wl.gpu_batch_size, wl.num_gpu_batches, wl.gen_len, wl.batch_prompt_lens, means
 
 

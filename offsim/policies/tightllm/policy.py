@@ -214,8 +214,7 @@ def batch_ctx_tokens(wl: Workload, step: int, k: int) -> tuple[int, int]:
     """(estimated, padded) N_ctx of GPU batch k at decode step ``step``: tokens that have KV before the step, at
     the batch's mean prompt length rounded to a token (Algorithm 1: "estimate the batch's mean sequence length"), and
     at the length its ops run at, its longest prompt. The same for uniform prompts."""
-    mean = math.floor(wl.batch_mean_prompt_len(k) + 0.5)
-    return mean + step - 1, wl.batch_prompt_lens[k] + step - 1
+    return wl.batch_mean_prompt_len(k) + step - 1, wl.batch_prompt_lens[k] + step - 1
 
 
 def recompute_tokens(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLMSettings,
