@@ -510,7 +510,7 @@ def cmd_job(args) -> None:
           f"{min(r.prompt_len for r in reqs)}-{p_max} tokens, outputs {min(r.gen_len for r in reqs)}-{g_max}; "
           f"{model.name} on {hw.name} ({hw.gpu_mem_bytes / GiB:.1f} GiB GPU), {batching} batches, "
           + ("every step simulated" if decode_steps is None else
-             f"{decode_steps} decode steps a block simulated, the rest extrapolated (--exact: all)"), flush=True)
+             f"long blocks simulated in pieces of {decode_steps} decode steps, the rest interpolated (--exact: all)"), flush=True)
     out = []
     for pol in policies:
         try:
@@ -625,8 +625,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="padded: batches in arrival order, each padded to its longest prompt (FlexGen); bucketed: "
                         "sorted by length first (default: the spec's, else padded)")
     j.add_argument("--exact", action="store_true",
-                   help="simulate every decode step of every block (default: the spec's decode_steps, 16, then "
-                        "each block's later steps extrapolated; docs/jobs.md §6)")
+                   help="simulate every decode step of every block (default: the spec's decode_steps, 16: a "
+                        "longer block is simulated in pieces and its other steps interpolated; docs/jobs.md §6)")
     j.add_argument("--no-progress", action="store_true", help="no progress bar")
     j.set_defaults(func=cmd_job)
     p.subcommands = {"simulate": s, "search": q, "compare": c, "validate": v, "sweep": w, "job": j}  # for given_options
