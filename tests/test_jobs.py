@@ -14,10 +14,10 @@ from offsim.core.requests import TASKS, Request, draw_requests, make_blocks, rea
 from offsim.core.sim import simulate
 from offsim.core.specs import Workload, get_hardware, get_model
 from offsim.policies import build_plan
-from offsim.policies.registry import same_placement
+from offsim.policies.registry import check_plan_fits, same_placement
 from offsim.policies.tightllm import policy as T
 from offsim.search.job import run_job
-from offsim.search.search import SearchResult
+from offsim.search.search import SearchResult, search
 
 FLEXGEN = ("flexgen", {"percent": (0, 100, 0, 100, 100, 0)})  # everything streamed: the link decides
 TIGHTLLM = ("tightllm", {"percent": (0, 100, 0, 100, 100, 0)})
@@ -143,6 +143,18 @@ def test_fast_mode_simulates_whole_blocks_of_a_length_dependent_placement(opt125
     exact = run_job("static-accelerate", opt125, hw, reqs, best=best)
     assert fast.completion_s == exact.completion_s
     assert list(fast.request_done_s) == list(exact.request_done_s)
+
+
+def test_search_with_a_shortened_last_stage_picks_the_same(opt125, t4_small):
+    full = search("flexgen", opt125, t4_small, 64, 40, max_sims=2)
+    short = search("flexgen", opt125, t4_small, 64, 40, max_sims=2, verify_decode_steps=4)
+    assert (short.settings, short.workload) == (full.settings, full.workload)
+    assert short.metrics["extrapolated_from_decode_steps"] == 5 and short.metrics["gen_len"] == 40
+    # (its metrics are screening's estimate, the first steps' mean step time: optimistic where steps grow)
+    assert short.metrics["total_tok_s"] >= full.metrics["total_tok_s"]
+    # the full-length fit is still checked from arithmetic: a block too large for the GPU is refused
+    with pytest.raises(OffsimError, match="does not fit"):
+        check_plan_fits("flexgen", opt125, t4_small, Workload(64, 40, 4096, 4), {"percent": (100, 0, 100, 0, 100, 0)})
 
 
 def test_decode_steps_below_two_refused(opt125, t4_small):

@@ -134,7 +134,8 @@ def _search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, ge
 
 def extrapolated_metrics(m: dict, wl: Workload) -> dict:
     """Metrics of a plan shortened to fewer decode steps, its decode time extrapolated to ``wl.gen_len`` at its mean
-    step time (as screening does); the throughputs follow FlexGen's definitions (``Trace.metrics``)."""
+    step time (as screening does: an estimate, optimistic where later steps grow with the context); the
+    throughputs follow FlexGen's definitions (``Trace.metrics``). Peaks are the shortened plan's."""
     steps = m["gen_len"] - 1
     decode_s = m["decode_s"] / steps * (wl.gen_len - 1) if steps > 0 else 0.0
     total_s = m["prefill_s"] + decode_s
