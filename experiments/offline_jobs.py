@@ -5,6 +5,7 @@ padded and length-bucketed batches, beside TightLLM's claim: job completion time
 baselines (HF Accelerate and FlexGen).
 
     python -m experiments.offline_jobs                 # the whole grid (resumes: finished jobs are kept)
+    python -m experiments.offline_jobs --fresh         # start over (discard the journal)
     python -m experiments.offline_jobs --readme-only   # rewrite README.md and the plot from the CSV
 
 Writes ``results/offline_jobs/``: ``jobs.jsonl`` (the journal, one job a line, appended as each finishes),
@@ -314,6 +315,7 @@ def main(argv=None) -> None:
     ap.add_argument("--hardware", nargs="+", default=list(HARDWARE))
     ap.add_argument("--policies", nargs="+", default=list(POLICIES))
     ap.add_argument("--readme-only", action="store_true", help="rewrite README and plot from the CSV")
+    ap.add_argument("--fresh", action="store_true", help="start over: discard the journal of an earlier run")
     ap.add_argument("--progress", action="store_true")
     args = ap.parse_args(argv)
     out = results_dir(NAME)
@@ -323,6 +325,8 @@ def main(argv=None) -> None:
     if not args.readme_only:
         # provenance taken before the run: the commit whose code computes the table, not whatever HEAD is later
         prov = provenance(argv, requests=args.requests, seed=args.seed)
+        if args.fresh and journal.exists():
+            journal.unlink()  # (after the provenance: the journal is a result, not code)
         run_grid(args.requests, args.seed, args.tasks, args.models, args.hardware, args.policies, journal,
                  args.progress)
         df = pd.DataFrame([json.loads(ln) for ln in journal.read_text().splitlines() if ln.strip()])
