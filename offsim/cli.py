@@ -1,4 +1,5 @@
-"""``offsim`` command line: simulate one policy, search a policy's best settings, compare every policy, sweep a grid.
+"""``offsim`` command line: simulate one policy, search a policy's best settings, compare every policy, sweep a grid,
+run an offline job of mixed-length requests.
 
 Each command prints a readable table and, as its last stdout line, one JSON document (an object; for ``compare`` a
 list) that scripts can parse. Bad input exits with code 2 and a one-line reason on stderr.
@@ -352,19 +353,33 @@ def cmd_search(args) -> None:
     _print_json(out)
 
 
+def _rank(out: list[dict], key) -> list[dict]:
+    """Sort the policies' results by ``key`` (smallest first), infeasible ones (with an 'error') last, mark the first
+    feasible one 'best'; the feasible ones, in that order."""
+    out.sort(key=lambda o: key(o) if "error" not in o else math.inf)
+    feasible = [o for o in out if "error" not in o]
+    for o in out:
+        o["best"] = bool(feasible) and o is feasible[0]
+    return feasible
+
+
+def _ranked_table(out: list[dict], columns) -> str:
+    """The feasible results in order, the winner marked '*', with policy and block shape, then ``columns(o)``."""
+    rows = [{" ": "*" if i == 0 else "", "policy": o["policy"],
+             "batch": f"{o['gpu_batch_size']}x{o['num_gpu_batches']}", **columns(o)}
+            for i, o in enumerate(o for o in out if "error" not in o)]
+    return pd.DataFrame(rows).to_string(index=False, float_format=lambda x: f"{x:,.2f}")
+
+
 def _compare_table(out: list[dict]) -> str:
     """Feasible policies, best total tok/s first, the winner marked; then why each loses or wins: latency and the
     busiest stream."""
-    rows = []
-    for i, o in enumerate(o for o in out if "error" not in o):
-        rows.append({" ": "*" if i == 0 else "", "policy": o["policy"],
-                     "batch": f"{o['gpu_batch_size']}x{o['num_gpu_batches']}", "total_tok_s": o["total_tok_s"],
-                     "decode_tok_s": o["decode_tok_s"], "ttft_s": o["ttft_s"],
-                     "decode_ms/tok": o["decode_ms_per_token"],
-                     "bottleneck": f"{o['bottleneck_stream']} {o['bottleneck_busy_frac']:.0%}",
-                     "peak_gpu_GiB": o["peak_gpu_bytes"] / GiB, "peak_cpu_GiB": o["peak_cpu_bytes"] / GiB,
-                     "peak_disk_GiB": o["peak_disk_bytes"] / GiB})
-    return pd.DataFrame(rows).to_string(index=False, float_format=lambda x: f"{x:,.2f}")
+    return _ranked_table(out, lambda o: {
+        "total_tok_s": o["total_tok_s"], "decode_tok_s": o["decode_tok_s"], "ttft_s": o["ttft_s"],
+        "decode_ms/tok": o["decode_ms_per_token"],
+        "bottleneck": f"{o['bottleneck_stream']} {o['bottleneck_busy_frac']:.0%}",
+        "peak_gpu_GiB": o["peak_gpu_bytes"] / GiB, "peak_cpu_GiB": o["peak_cpu_bytes"] / GiB,
+        "peak_disk_GiB": o["peak_disk_bytes"] / GiB})
 
 
 def _short_reason(policy: str, msg: str) -> str:
@@ -393,11 +408,7 @@ def cmd_compare(args) -> None:
         out.append(summary(res.metrics, res.settings))
         print(f"{pol}: gpu_batch_size {res.workload.gpu_batch_size} x {res.workload.num_gpu_batches}, "
               f"settings {res.settings}", flush=True)
-    # the objective (total tok/s, FlexGen's) decides: best first, infeasible policies last
-    out.sort(key=lambda o: -o["total_tok_s"] if "error" not in o else math.inf)
-    feasible = [o for o in out if "error" not in o]
-    for o in out:
-        o["best"] = bool(feasible) and o is feasible[0]
+    feasible = _rank(out, lambda o: -o["total_tok_s"])  # the objective (total tok/s, FlexGen's) decides
     print(f"\n{model.name} on {hw.name} ({hw.gpu_mem_bytes / GiB:.1f} GiB GPU), prompt {args.prompt_len}, "
           f"gen {args.gen_len}, each policy at its best simulated settings, best total tok/s first (*):")
     if feasible:
@@ -520,6 +531,65 @@ def cmd_sweep(args) -> None:
         raise SystemExit(1)
 
 
+# ---- job ---------------------------------------------------------------------------------------------------------
+def _job_table(out: list[dict]) -> str:
+    """Feasible policies, shortest completion first (the winner marked): completion, throughput, request latency
+    percentiles and the padding waste."""
+    return _ranked_table(out, lambda o: {
+        "blocks": o["blocks"], "completion_s": o["completion_s"], "output_tok_s": o["output_tok_s"],
+        "p50_s": o["p50_request_s"], "p90_s": o["p90_request_s"], "p99_s": o["p99_request_s"],
+        "padding": f"{o['padding_waste']:.1%}"})
+
+
+def _job_winner(feasible: list[dict]) -> str:
+    """One line: the fastest policy's completion time, and how much shorter than the runner-up's."""
+    w = feasible[0]
+    nxt = (f", {1 - w['completion_s'] / feasible[1]['completion_s']:.1%} less than {feasible[1]['policy']}"
+           if len(feasible) > 1 else "")
+    return f"{w['policy']} finishes the job in {w['completion_s']:,.1f} s{nxt}"
+
+
+def cmd_job(args) -> None:
+    from offsim.search import job as J
+
+    spec = J.load_job_spec(args.spec)
+    batching = args.batching or spec.batching
+    decode_steps = None if args.exact else spec.decode_steps
+    policies = args.policies or list(spec.policies)
+    for pol in policies:
+        if pol not in POLICIES:
+            raise OffsimError(f"unknown policy {pol!r}; valid: {', '.join(POLICIES)}")
+    hw = get_hardware(spec.hardware, spec.gpu_mem_gb)
+    model = get_model(spec.model)
+    reqs = spec.requests
+    p_max, g_max = J.job_lengths(reqs)
+    print(f"job {spec.name}: {len(reqs)} requests from {spec.source} (seed {spec.seed}), prompts "
+          f"{min(r.prompt_len for r in reqs)}-{p_max} tokens, outputs {min(r.gen_len for r in reqs)}-{g_max}; "
+          f"{model.name} on {hw.name} ({hw.gpu_mem_bytes / GiB:.1f} GiB GPU), {batching} batches, "
+          + ("every step simulated" if decode_steps is None else
+             f"long blocks simulated in pieces of {decode_steps} decode steps, the rest interpolated (--exact: all)"), flush=True)
+    out = []
+    for pol in policies:
+        try:
+            res = J.run_job(pol, model, hw, reqs, batching, max_sims=spec.max_sims, max_batch=spec.max_batch,
+                            progress=not args.no_progress, decode_steps=decode_steps)
+        except OffsimError as e:
+            print(f"{pol}: infeasible: {_short_reason(pol, str(e))}", flush=True)
+            out.append({"model": model.name, "hardware": hw.name, "policy": pol, "error": str(e)})
+            continue
+        out.append({"model": model.name, "hardware": hw.name, "job": spec.name, "source": spec.source,
+                    "seed": spec.seed, **res.summary()})
+    feasible = _rank(out, lambda o: o["completion_s"])  # the job's completion time decides
+    print(f"\n{spec.name}: each policy at its best settings (searched at prompt {p_max}, gen {g_max}), shortest "
+          "job first (*); p50/p90/p99: when a request's last token came, from the job's start:")
+    if feasible:
+        print(_job_table(out) + "\n" + _job_winner(feasible))
+    _print_json(out)
+    if not feasible:
+        raise OffsimError(f"no policy fits job {spec.name} ({model.name} on {hw.name}): " + "; ".join(
+            f"{o['policy']}: {_short_reason(o['policy'], o['error'])}" for o in out))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="offsim", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -602,7 +672,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="latency axis of the Pareto plot (default: %(default)s, a block's time to its last token)")
     w.add_argument("--no-progress", action="store_true", help="no progress bar")
     w.set_defaults(func=cmd_sweep)
-    p.subcommands = {"simulate": s, "search": q, "compare": c, "validate": v, "sweep": w}  # for given_options
+    j = sub.add_parser("job", help="an offline job of mixed-length requests: completion time per policy",
+                       description="Run an offline job (YAML or JSON spec: docs/jobs.md) -- N requests with their "
+                                   "own prompt and output lengths, from a named task distribution or a CSV -- with "
+                                   "every policy (or the spec's) at its best settings, block after block, and "
+                                   "report completion time, throughput, per-request latency percentiles and "
+                                   "padding waste, shortest job first. Exit 2 when no policy fits.")
+    j.add_argument("spec", help="job spec, .yaml/.yml or .json (schema offsim.job/1)")
+    j.add_argument("--policies", nargs="+", metavar="POLICY", help=f"subset of: {', '.join(POLICIES)} (default: "
+                                                                   "the spec's)")
+    j.add_argument("--batching", choices=("padded", "bucketed"), default=None,
+                   help="padded: batches in arrival order, each padded to its longest prompt (FlexGen); bucketed: "
+                        "sorted by length first (default: the spec's, else padded)")
+    j.add_argument("--exact", action="store_true",
+                   help="simulate every decode step of every block (default: the spec's decode_steps, 16: a "
+                        "longer block is simulated in pieces and its other steps interpolated; docs/jobs.md §6)")
+    j.add_argument("--no-progress", action="store_true", help="no progress bar")
+    j.set_defaults(func=cmd_job)
+    p.subcommands = {"simulate": s, "search": q, "compare": c, "validate": v, "sweep": w, "job": j}  # for given_options
     return p
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import json
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -69,3 +70,19 @@ def read_commented_csv(path: str | Path, what: str) -> tuple[dict, pd.DataFrame]
     if not isinstance(header, dict):
         raise OffsimError(f"{what} {path}: metadata line must be a JSON object")
     return header, df
+
+
+def read_spec(path: str | Path, what: str) -> Any:
+    """A spec file: YAML for ``.yaml``/``.yml``, else a JSON object; errors name the file (``offsim sweep``,
+    ``offsim job``)."""
+    path = Path(path)
+    if path.suffix not in (".yaml", ".yml"):
+        return read_json_object(path, what)
+    import yaml
+
+    try:
+        return yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise OffsimError(f"cannot read {what} {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise OffsimError(f"{what} {path} is not valid YAML: {' '.join(str(e).split())}") from None

@@ -576,19 +576,47 @@ def get_hardware(name_or_path: str | Path, gpu_mem_gb: float | None = None) -> H
 @dataclass(frozen=True)
 class Workload:
     """What to generate: ``num_gpu_batches`` batches of ``gpu_batch_size`` prompts (one FlexGen block), each prompt
-    ``prompt_len`` tokens, ``gen_len`` tokens generated per prompt (the first by prefill)."""
+    ``prompt_len`` tokens, ``gen_len`` tokens generated per prompt (the first by prefill).
+
+    Mixed lengths (``offsim job``, docs/jobs.md): ``prompt_lens`` and ``gen_lens`` give each prompt's own lengths,
+    in batch order (GPU batch k holds prompts [k·gpu_batch_size, (k+1)·gpu_batch_size)); empty, every prompt has
+    ``prompt_len`` and ``gen_len``. A batch runs padded to its longest prompt (``batch_prompt_len``), as FlexGen pads
+    a batch: its ops compute and store the KV of that many positions, and every sequence of the block runs all
+    ``gen_len`` steps (a request whose ``gen_lens`` entry is smaller is done earlier; its later tokens are padding).
+    An entry of 0 (in both lists) is an empty slot of a partly filled last batch: padding only. ``prompt_len`` and
+    ``gen_len`` stay the block's maxima, so every size that depends on them (buffers, the footprint) is an upper
+    bound."""
 
     prompt_len: int
     gen_len: int
     gpu_batch_size: int = 1
     num_gpu_batches: int = 1
-    prompt_lens: tuple[int, ...] = field(default=())  # optional per-prompt lengths (informational; mean is used)
+    prompt_lens: tuple[int, ...] = field(default=())  # per prompt, batch order; () = all prompt_len; 0 = empty slot
+    gen_lens: tuple[int, ...] = field(default=())  # per prompt, batch order; () = all gen_len; 0 = empty slot
 
     def __post_init__(self):
         for f in ("prompt_len", "gen_len", "gpu_batch_size", "num_gpu_batches"):
             v = getattr(self, f)
             if not isinstance(v, int) or v <= 0:
                 raise OffsimError(f"{f.replace('_', '-')} must be a positive integer, got {v!r}")
+        for f, top in (("prompt_lens", self.prompt_len), ("gen_lens", self.gen_len)):
+            lens = getattr(self, f)
+            if not lens:
+                continue
+            if len(lens) != self.num_prompts:
+                raise OffsimError(f"{f} lists {len(lens)} lengths for {self.num_prompts} prompts "
+                                  f"({self.num_gpu_batches} x {self.gpu_batch_size})")
+            bad = [v for v in lens if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= top]
+            if bad:
+                raise OffsimError(f"{f}: lengths are integers in [0, {top}] (0: an empty slot), got {bad[0]!r}")
+        if bool(self.prompt_lens) != bool(self.gen_lens):
+            raise OffsimError("prompt_lens and gen_lens go together: give both per-prompt lists or neither")
+        if self.prompt_lens:
+            if [p == 0 for p in self.prompt_lens] != [g == 0 for g in self.gen_lens]:
+                raise OffsimError("prompt_lens and gen_lens must mark the same empty slots (0 in both)")
+            for k in range(self.num_gpu_batches):
+                if not any(self._slice(self.prompt_lens, k)):
+                    raise OffsimError(f"GPU batch {k} has no prompt (every slot empty)")
 
     @property
     def num_prompts(self) -> int:
@@ -599,15 +627,52 @@ class Workload:
         """Tokens in a sequence at the end of generation (the last generated token's KV is never needed)."""
         return self.prompt_len + self.gen_len - 1
 
+    # -- mixed lengths ------------------------------------------------------------------------------------------
+    def _slice(self, lens: tuple[int, ...], k: int) -> tuple[int, ...]:
+        return lens[k * self.gpu_batch_size:(k + 1) * self.gpu_batch_size]
+
+    @property
+    def batch_prompt_lens(self) -> tuple[int, ...]:
+        """Per GPU batch, the prompt length it runs at: its longest prompt (padded to the batch maximum)."""
+        if not self.prompt_lens:
+            return (self.prompt_len,) * self.num_gpu_batches
+        return tuple(max(self._slice(self.prompt_lens, k)) for k in range(self.num_gpu_batches))
+
+    def batch_mean_prompt_len(self, k: int) -> int:
+        """GPU batch k's mean prompt length over its requests (empty slots left out), rounded to a token (halves
+        up): what TightLLM's Algorithm 1 estimates for a batch."""
+        if not self.prompt_lens:
+            return self.prompt_len
+        real = [p for p in self._slice(self.prompt_lens, k) if p]
+        return (2 * sum(real) + len(real)) // (2 * len(real))  # floor(mean + 1/2), in integers
+
+    def request_lens(self) -> list[tuple[int, int, int]]:
+        """(GPU batch, prompt length, generation length) of every request, in batch order, empty slots left out."""
+        if not self.prompt_lens:
+            return [(k, self.prompt_len, self.gen_len) for k in range(self.num_gpu_batches)
+                    for _ in range(self.gpu_batch_size)]
+        return [(i // self.gpu_batch_size, p, g) for i, (p, g) in enumerate(zip(self.prompt_lens, self.gen_lens))
+                if p]
+
+    def slot_tokens(self) -> int:
+        """Token positions the block computes: every slot of batch k at its padded prompt plus all ``gen_len``
+        steps. Against the requests' own tokens this is the padding waste (``offsim.search.job``)."""
+        return self.gpu_batch_size * sum(p + self.gen_len for p in self.batch_prompt_lens)
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["prompt_lens"] = list(self.prompt_lens)
+        if self.gen_lens:
+            d["gen_lens"] = list(self.gen_lens)
+        else:
+            del d["gen_lens"]  # (plans of uniform workloads serialise as they did before mixed lengths)
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Workload":
         d = dict(d)
         d["prompt_lens"] = tuple(d.get("prompt_lens", ()))
+        d["gen_lens"] = tuple(d.get("gen_lens", ()))
         return cls(**d)
 
     def with_(self, **changes) -> "Workload":

@@ -43,10 +43,8 @@ def build_plan(policy: str, model: ModelSpec, hw: HardwareSpec, wl: Workload,
     that already happened."""
     p = get_policy(policy)
     st = p.settings_from(settings)
-    if check_fits and p.placement is not None:
-        what = (f"{policy} for {model.name} with {wl.num_gpu_batches} x {wl.gpu_batch_size} sequences of "
-                f"{wl.prompt_len} + {wl.gen_len} tokens on {hw.name}")
-        fp.check_fits(model, capacity_of(hw), wl, p.placement(model, hw, wl, st), what)
+    if check_fits:
+        check_plan_fits(policy, model, hw, wl, st)
     # The cyclic garbage collector is paused while the ops are made (as ``simulate`` pauses it while it runs): a
     # large plan is ~10^6 new objects that form no cycles, and each of the collector's passes over them frees
     # nothing (OPT-175B's FlexGen plan: build 1.14 s with the collector, 0.68 s without; results/bench_sim_speed/)
@@ -58,3 +56,30 @@ def build_plan(policy: str, model: ModelSpec, hw: HardwareSpec, wl: Workload,
     finally:
         if was_enabled:
             gc.enable()
+
+
+def check_plan_fits(policy: str, model: ModelSpec, hw: HardwareSpec, wl: Workload,
+                    settings: Mapping[str, Any] | Any | None = None) -> None:
+    """Refuse, from arithmetic alone (``footprint.check_fits``: one line, each short tier and its shortfall in GiB),
+    a placement of ``policy`` whose resident bytes and minimum working set exceed a tier -- without building an op.
+    A policy that gives no placement is not checked here (its built plan's ``validate`` is)."""
+    p = get_policy(policy)
+    if p.placement is None:
+        return
+    st = p.settings_from(settings)
+    what = (f"{policy} for {model.name} with {wl.num_gpu_batches} x {wl.gpu_batch_size} sequences of "
+            f"{wl.prompt_len} + {wl.gen_len} tokens on {hw.name}")
+    fp.check_fits(model, capacity_of(hw), wl, p.placement(model, hw, wl, st), what)
+
+
+def same_placement(policy: str, model: ModelSpec, hw: HardwareSpec, settings: Mapping[str, Any] | Any | None,
+                   wl: Workload, *others: Workload) -> bool:
+    """Whether ``policy`` places weights and cache alike for ``wl`` and every one of ``others`` (False when it gives
+    no placement): a plan shortened to fewer steps is then the same plan, cut short. Not so for a policy that sizes
+    its placement by the lengths (Accelerate's GPU layers make room for the KV of the whole output)."""
+    p = get_policy(policy)
+    if p.placement is None:
+        return False
+    st = p.settings_from(settings)
+    ref = p.placement(model, hw, wl, st)
+    return all(p.placement(model, hw, x, st) == ref for x in others)

@@ -96,7 +96,9 @@ _PART_OF_SUB = {None: "layer", "attn": "attn_layer", "mlp": "mlp"}  # a decoder 
 
 
 def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict[str, int]) -> Plan:
-    """Emit the ops of one block (``num_gpu_batches`` × ``gpu_batch_size`` prompts, all generation steps)."""
+    """Emit the ops of one block (``num_gpu_batches`` × ``gpu_batch_size`` prompts, all generation steps). Each GPU
+    batch runs at its own prompt length, padded to its longest prompt (``Workload.batch_prompt_lens``; all
+    ``prompt_len`` for a uniform workload); buffers are sized for the block's longest (``wl.max_len``)."""
     L, nb, gbs = model.num_layers, wl.num_gpu_batches, wl.gpu_batch_size
     W = model.layer_weight_bytes()
     n_kv = model.num_kv_heads
@@ -222,14 +224,15 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
     buf_frees: dict[int, list[int]] = {}
 
     loads_kv = not s.cpu_attention and bool(kc or kd)  # GPU attention over a host/disk cache: KV loads at all
-    prompt_len = wl.prompt_len
+    # each GPU batch runs at its own (padded) prompt length; all the same for a uniform workload
+    batch_prompt_len = wl.batch_prompt_lens
 
     def emit_kv_loads(p: int) -> None:
         """Bring the KV prefix of position p to the GPU (GPU attention over a host/disk cache)."""
         i, j, sub, k = positions[p]
         if i == 0 or not 0 <= j < L or sub == "mlp":
             return
-        ctx_prev = prompt_len + i - 1  # tokens whose KV exists before this step
+        ctx_prev = batch_prompt_len[k] + i - 1  # tokens whose KV exists before this step
         # the load takes the work buffer that the stores two KV positions back give up (double buffering)
         deps = buf_frees.get(kv_index[p] - kv_reuse, []) + kv_stored.get((j, k), [])
         phase = "decode"
@@ -254,6 +257,7 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
     cpu_attention = s.cpu_attention
     for p, (i, j, sub, k) in enumerate(positions):
         phase = "prefill" if i == 0 else "decode"
+        prompt_len = batch_prompt_len[k]
         q = prompt_len if i == 0 else 1
         ctx = prompt_len + i
         decoder = 0 <= j < L

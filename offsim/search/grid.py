@@ -42,7 +42,7 @@ import pandas as pd
 
 from offsim.core import provenance as prov
 from offsim.core.errors import OffsimError
-from offsim.core.io import read_json_object, write_commented_csv, write_text_atomic
+from offsim.core.io import read_json_object, read_spec, write_commented_csv, write_text_atomic
 from offsim.core.latency import latency_and_bottleneck
 from offsim.core.specs import HardwareSpec, ModelSpec, Workload, get_hardware, get_model
 from offsim.policies import POLICIES, get_policy
@@ -90,19 +90,25 @@ class SweepSpec:
 
 def load_spec(path: str | Path) -> SweepSpec:
     """The spec in ``path`` (.yaml/.yml: YAML, else JSON), checked (``parse_spec``)."""
-    path = Path(path)
-    if path.suffix in (".yaml", ".yml"):
-        import yaml
+    return parse_spec(read_spec(path, "sweep spec"), where=f"sweep spec {path}")
 
-        try:
-            d = yaml.safe_load(path.read_text())
-        except OSError as e:
-            raise OffsimError(f"cannot read sweep spec {path}: {e.strerror}") from None
-        except yaml.YAMLError as e:
-            raise OffsimError(f"sweep spec {path} is not valid YAML: {' '.join(str(e).split())}") from None
-    else:
-        d = read_json_object(path, "sweep spec")
-    return parse_spec(d, where=f"sweep spec {path}")
+
+def check_spec_keys(d: Any, where: str, keys: tuple[str, ...], schema: str, needs: str) -> None:
+    """A spec is a mapping (with ``needs``, for the message) of known ``keys`` whose schema, if given, is
+    ``schema`` (``offsim sweep``, ``offsim job``)."""
+    if not isinstance(d, dict):
+        raise OffsimError(f"{where}: expected a mapping with {needs}")
+    unknown = set(d) - set(keys)
+    if unknown:
+        raise OffsimError(f"{where}: unknown keys {sorted(unknown)}; valid: {list(keys)}")
+    if d.get("schema", schema) != schema:
+        raise OffsimError(f"{where}: schema is {d['schema']!r}; this offsim reads {schema!r}")
+
+
+def check_gpu_mem_gb(where: str, key: str, v: Any) -> None:
+    """A GPU budget in a spec: GiB > 0, or null for the hardware's own."""
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+        raise OffsimError(f"{where}: {key} takes GiB > 0 or null (the hardware's own), got {v!r}")
 
 
 def _positive_ints(where: str, axis: str, values: list) -> list[int]:
@@ -116,13 +122,7 @@ def parse_spec(d: Any, where: str = "sweep spec") -> SweepSpec:
     """Check a spec dict: known keys, every axis a non-empty list of valid values, models, hardware and policies
     that resolve (a model config or hardware profile path is read relative to the current directory, as the other
     commands read it), settings each policy accepts. Every problem is an OffsimError naming the key."""
-    if not isinstance(d, dict):
-        raise OffsimError(f"{where}: expected a mapping with a 'grid'")
-    unknown = set(d) - set(SPEC_KEYS)
-    if unknown:
-        raise OffsimError(f"{where}: unknown keys {sorted(unknown)}; valid: {list(SPEC_KEYS)}")
-    if d.get("schema", SCHEMA) != SCHEMA:
-        raise OffsimError(f"{where}: schema is {d['schema']!r}; this offsim reads {SCHEMA!r}")
+    check_spec_keys(d, where, SPEC_KEYS, SCHEMA, "a 'grid'")
     grid_in = d.get("grid")
     if not isinstance(grid_in, dict):
         raise OffsimError(f"{where}: 'grid' must be a mapping of axis -> list of values (axes: {list(AXES)})")
@@ -147,8 +147,7 @@ def parse_spec(d: Any, where: str = "sweep spec") -> SweepSpec:
         if axis in grid:
             _positive_ints(where, axis, grid[axis])
     for v in grid.get("gpu_mem_gb", []):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
-            raise OffsimError(f"{where}: grid.gpu_mem_gb takes GiB > 0 or null (the hardware's own), got {v!r}")
+        check_gpu_mem_gb(where, "grid.gpu_mem_gb", v)
     if "batch" in grid and "gpu_batch_size" in grid:
         raise OffsimError(f"{where}: give either grid.batch (each policy's best at that batch) or "
                           "grid.gpu_batch_size (a fixed plan), not both")

@@ -16,6 +16,7 @@ from offsim.core.errors import OffsimError
 from offsim.core.sim import simulate
 from offsim.core.specs import NO_COMPRESSION, Compression, HardwareSpec, ModelSpec, Workload
 from offsim.policies import build_plan, get_policy
+from offsim.policies.registry import check_plan_fits, same_placement
 
 
 @dataclass
@@ -56,7 +57,8 @@ def _try(fn, row: dict, reasons: list):
 
 def search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
            max_sims: int = 3, progress: bool = False, max_batch: int | None = None,
-           compression: tuple[Compression, ...] = (NO_COMPRESSION,)) -> SearchResult:
+           compression: tuple[Compression, ...] = (NO_COMPRESSION,),
+           verify_decode_steps: int | None = None) -> SearchResult:
     """The best settings and block shape of ``policy`` for this model, hardware and lengths, by simulated total
     throughput.
 
@@ -68,21 +70,26 @@ def search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen
     search over (default: none, fp16); each choice draws its own candidates -- ranked under it by the policy's own
     model where it has one (FlexGen's LP), else the policy's candidates with the choice added to their settings --
     so ``(NO_COMPRESSION, Compression(True, True))`` returns the better of fp16 and 4-bit, and the candidate table
-    shows both."""
+    shows both. ``verify_decode_steps`` (``offsim job``'s fast mode): stage (2) checks the full-length plan's fit
+    from arithmetic (``registry.check_plan_fits``) and simulates only prefill and that many decode steps, decode
+    extrapolated as in screening -- no memory check under the full plan's timing -- where the shortened plan places
+    weights and cache as the full one does (``registry.same_placement``); None: the full plan, as above."""
     # The cyclic garbage collector is paused for the search (``build_plan`` and ``simulate`` pause it while they
     # run, but between them its young-generation passes would walk the ~10^6 objects of a large plan, which form no
     # cycles); what the search makes is freed by reference counting when it returns.
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _search(policy, model, hw, prompt_len, gen_len, max_sims, progress, max_batch, tuple(compression))
+        return _search(policy, model, hw, prompt_len, gen_len, max_sims, progress, max_batch, tuple(compression),
+                       verify_decode_steps)
     finally:
         if was_enabled:
             gc.enable()
 
 
 def _search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int, max_sims: int,
-            progress: bool, max_batch: int | None, compression: tuple[Compression, ...]) -> SearchResult:
+            progress: bool, max_batch: int | None, compression: tuple[Compression, ...],
+            verify_decode_steps: int | None = None) -> SearchResult:
     pol = get_policy(policy)
     Workload(prompt_len, gen_len)  # validates the lengths
     rows, reasons = [], []
@@ -108,10 +115,19 @@ def _search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, ge
         row["screen_total_tok_s"] = wl.num_prompts * gen_len / est_s
     screened = sorted((r for r in rows if "screen_total_tok_s" in r), key=lambda r: -r["screen_total_tok_s"])
     best = None
+    short_verify = verify_decode_steps is not None and gen_len > verify_decode_steps + 2
     for row in screened:
         wl = row["_wl"]
-        plan = _try(lambda: build_plan(policy, model, hw, wl, row["settings"]), row, reasons)
+        vwl = wl
+        if short_verify and same_placement(policy, model, hw, row["settings"], wl,
+                                           wl.with_(gen_len=verify_decode_steps + 2)):
+            if _try(lambda: check_plan_fits(policy, model, hw, wl, row["settings"]) or True, row, reasons) is None:
+                continue
+            vwl = wl.with_(gen_len=verify_decode_steps + 2)
+        plan = _try(lambda: build_plan(policy, model, hw, vwl, row["settings"]), row, reasons)
         m = plan and _try(lambda: simulate(plan, hw).metrics(), row, reasons)
+        if m and vwl is not wl:
+            m = extrapolated_metrics(m, wl)
         if m:
             row.update({k: m[k] for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s", "peak_gpu_bytes")})
             best = (row["settings"], wl, m)
@@ -148,6 +164,19 @@ def _candidates(pol, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_le
             # FlexGen's trims each LP optimum to fit (``fit_gpu_weights``), ~1 ms a candidate
             break
     return cands
+
+
+def extrapolated_metrics(m: dict, wl: Workload) -> dict:
+    """Metrics of a plan shortened to fewer decode steps, its decode time extrapolated to ``wl.gen_len`` at its mean
+    step time (as screening does: an estimate, optimistic where later steps grow with the context); the
+    throughputs follow FlexGen's definitions (``Trace.metrics``). Peaks are the shortened plan's."""
+    steps = m["gen_len"] - 1
+    decode_s = m["decode_s"] / steps * (wl.gen_len - 1) if steps > 0 else 0.0
+    total_s = m["prefill_s"] + decode_s
+    prompts = wl.num_prompts
+    return {**m, "gen_len": wl.gen_len, "decode_s": decode_s, "total_s": total_s,
+            "decode_tok_s": prompts * (wl.gen_len - 1) / decode_s if decode_s > 0 else float("inf"),
+            "total_tok_s": prompts * wl.gen_len / total_s, "extrapolated_from_decode_steps": steps}
 
 
 def infeasibility_reason(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,

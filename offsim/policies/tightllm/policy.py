@@ -8,7 +8,9 @@ layer j, batch k: prefetch the next position's KV, load a slice of the next laye
 
 What the ops mean (only the op semantics of ``offsim.core.plan``'s docstring; the executor runs them unchanged):
 
-- Decode step i, batch k, N_ctx = prompt_len + i - 1 tokens have KV, N_r recomputed, b = N_ctx - N_r loaded:
+- Decode step i, batch k, N_ctx = prompt_len + i - 1 tokens have KV, N_r recomputed, b = N_ctx - N_r loaded
+  (prompt_len: the batch's own, padded to its longest prompt; the distributor decides N_r on the batch's *mean*
+  prompt length, as Algorithm 1 estimates it: ``batch_ctx_tokens``, docs/jobs.md §5):
   * ``h2d kv [0, b)`` (host-homed heads; disk-homed heads ``disk_read kv [0, b)`` then ``h2d kv [0, b)``): only the
     prefix is loaded;
   * ``compute embed`` with ``q_tokens = N_r + 1``, ``ctx_tokens = N_ctx + 1``: the recomputed tokens start from
@@ -197,16 +199,19 @@ def recompute_memory_cap(model: ModelSpec, wl: Workload, lay: Layout, free_gpu_b
 
 
 def decision_for(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLMSettings, ctx_tokens: int,
-                 batch_index: int, lay: Layout | None = None, free_gpu_bytes: int | None = None) -> Decision:
+                 batch_index: int, lay: Layout | None = None, free_gpu_bytes: int | None = None,
+                 padded_ctx_tokens: int | None = None) -> Decision:
     """The KV distributor's problem for GPU batch ``batch_index`` at a decode step where ``ctx_tokens`` tokens have
-    KV (Algorithm 1: the batch's sequence length -- prompts are uniform here, so the mean is the length): its KV
-    placement, the weight slice it carries, and the caps on N_r (the user's, GPU memory, and with activations on
-    the GPU the prompt-sized activation buffer)."""
+    KV (Algorithm 1: the batch's *mean* sequence length, ``batch_ctx_tokens``): its KV placement, the weight slice it
+    carries, and the caps on N_r (the user's, GPU memory, and with activations on the GPU the prompt-sized
+    activation buffer). GPU memory is capped at the context the ops really run at, ``padded_ctx_tokens`` (the
+    batch padded to its longest prompt; default ``ctx_tokens``, as for uniform prompts)."""
     lay = lay or layout_of(model, wl, st)
     if free_gpu_bytes is None:
         free_gpu_bytes = free_gpu_bytes_of(model, hw, wl, lay, compression_of(st))
     comp = compression_of(st)
-    mem_hi = recompute_memory_cap(model, wl, lay, free_gpu_bytes, ctx_tokens, comp)
+    mem_hi = recompute_memory_cap(model, wl, lay, free_gpu_bytes,
+                                  ctx_tokens if padded_ctx_tokens is None else padded_ctx_tokens, comp)
     if lay.hidden_home == "gpu":
         # the block's activations between layers live in the buffer reserved for the prompt (``resident``): the
         # N_r + 1 recomputed-plus-new tokens of every sequence must fit in it
@@ -221,6 +226,13 @@ def decision_for(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLMS
                     kv_disk_heads=lay.kv_disk_heads, weight_cpu_bytes=w_cpu, weight_disk_bytes=w_disk, lo=0, hi=hi,
                     mem_hi=mem_hi, pinned=st.pin_weights, hidden_offloaded=lay.hidden_home == "cpu",
                     hidden_serial=lay.hidden_home == "cpu" and wl.num_gpu_batches == 1)
+
+
+def batch_ctx_tokens(wl: Workload, step: int, k: int) -> tuple[int, int]:
+    """(estimated, padded) N_ctx of GPU batch k at decode step ``step``: tokens that have KV before the step, at
+    the batch's mean prompt length rounded to a token (Algorithm 1: "estimate the batch's mean sequence length"), and
+    at the length its ops run at, its longest prompt. The same for uniform prompts."""
+    return wl.batch_mean_prompt_len(k) + step - 1, wl.batch_prompt_lens[k] + step - 1
 
 
 def recompute_tokens(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLMSettings,
@@ -238,7 +250,8 @@ def recompute_tokens(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: Tight
         warnings.simplefilter("always", KVDistributorWarning)
         for i in range(1, wl.gen_len):
             for k in range(nb):
-                d = decision_for(model, hw, wl, st, wl.prompt_len + i - 1, k, lay, free_gpu_bytes)
+                est, padded = batch_ctx_tokens(wl, i, k)
+                d = decision_for(model, hw, wl, st, est, k, lay, free_gpu_bytes, padded)
                 table[i][k] = kvd.decide(d, st.kv_solver)
     fell = [w for w in caught if issubclass(w.category, KVDistributorWarning)]
     for w in caught:
@@ -282,7 +295,8 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
                           "positions")
     lay = layout_of(model, wl, st)
     nr = recompute_tokens(model, hw, wl, st, lay)
-    L, nb, gbs, P = model.num_layers, wl.num_gpu_batches, wl.gpu_batch_size, wl.prompt_len
+    L, nb, gbs = model.num_layers, wl.num_gpu_batches, wl.gpu_batch_size
+    P_of = wl.batch_prompt_lens  # each GPU batch's prompt length (padded to its longest prompt)
     kg, kc, kd = lay.kv_gpu_heads, lay.kv_cpu_heads, lay.kv_disk_heads
     n_kv = model.num_kv_heads
     off = lay.weight_offloaded
@@ -309,7 +323,7 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
 
     def boundary(i: int, k: int) -> int:
         """b(i, k): tokens [0, b) of decode step i are loaded, the rest recomputed."""
-        return P + i - 1 - nr[i][k]
+        return P_of[k] + i - 1 - nr[i][k]
 
     def store_target(i: int, k: int) -> int:
         """After step i (0 = prefill), KV must be stored up to the next step's boundary; after the last, nothing."""
@@ -399,6 +413,7 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
             issue_slice(0, s, "disk")
     for p, (i, j, k) in enumerate(positions):
         phase = "prefill" if i == 0 else "decode"
+        P = P_of[k]
         q = P if i == 0 else nr[i][k] + 1
         ctx = P + i
         decoder = 0 <= j < L
