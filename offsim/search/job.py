@@ -138,7 +138,8 @@ def parse_job_spec(d: Any, where: str = "job spec", base: Path = Path(".")) -> J
     spec = JobSpec(name=str(d.get("name") or "job"), model=d["model"], hardware=d["hardware"], gpu_mem_gb=gpu_mem_gb,
                    policies=tuple(pols), requests=tuple(reqs), source=source, seed=seed, batching=batching,
                    max_batch=max_batch, max_sims=max_sims, decode_steps=decode_steps)
-    model, hw = get_model(spec.model), get_hardware(spec.hardware, spec.gpu_mem_gb)  # both load, or one line
+    model = get_model(spec.model)
+    get_hardware(spec.hardware, spec.gpu_mem_gb)  # both load, or one line
     longest = max(q.prompt_len + q.gen_len - 1 for q in spec.requests)
     if longest > model.max_positions:
         raise OffsimError(f"{where}: a request of {longest} tokens (prompt + gen - 1) exceeds {model.name}'s "
