@@ -169,6 +169,20 @@ _OP_FORMS = ({"sublayer": False, "cpu_attention": False}, {"sublayer": True, "cp
              {"sublayer": False, "cpu_attention": True}, {"sublayer": True, "cpu_attention": True})
 
 
+# an extra probe form: weights on the GPU, the KV cache and the activations in host memory (offloaded runs' copies)
+_ISSUE_FORM = {"sublayer": True, "cpu_attention": False}
+
+
+def _copy_handlers(plan) -> dict:
+    """{offexec handler: (copies, median bytes)} of a plan's GPU-stream copies (handler = KIND_TENSOR, as
+    offexec/program.py names them)."""
+    sizes: dict[str, list] = {}
+    for op in plan.ops:
+        if op.kind in ("h2d", "d2h"):
+            sizes.setdefault(f"{op.kind}_{op.tensor}", []).append(op.nbytes)
+    return {fn: (len(v), int(statistics.median(v))) for fn, v in sizes.items()}
+
+
 def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16, 512), gen_len: int = 8,
                 progress: bool = True, capture_only: bool = False) -> list:
     """Op tables: seconds of each compute op as offexec itself runs it, by size, for one model's layer shape.
@@ -182,6 +196,9 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
     - ('graph' | 'eager', part, [[num_seqs, s], ...]): decode ops (one new token), replayed as a CUDA graph or eager;
     - ('tokens', part, [[tokens, s], ...]): ops over many tokens (prefill, TightLLM's recompute), eager;
     - ('eager', 'head', ...) by sequences (the LM head reads the last position only);
+    - ('issue', KIND_TENSOR, [[bytes, s], ...]): the host time offexec spends issuing one copy of a handler
+      (``issue_s_by_handler`` over the plan's copies of it), by their median size; an extra form with the KV cache
+      and the activations in host memory adds the copies of offloaded runs;
     - ('capture', part, [[num_seqs, s], ...]): a graphed decode op at the first decode step, where offexec runs its
       static body eagerly and captures it; ('capture', 'first', ...): the run's first such op (it also sets up the
       graphs' memory pool);
@@ -215,6 +232,8 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
             for g in (("cuda", "off") if cuda and p == prompts[0] else ("cuda",) if cuda else ("off",))]
     if capture_only:  # the 'capture' rows alone (the profile's 'graph' rows stay as measured)
         runs = [r for r in runs if r[0] == prompts[0] and r[3] == "cuda"]
+    elif cuda:  # the KV cache and the activations in host memory: the copies of offloaded runs, for 'issue' rows
+        runs += [(prompts[0], b, _ISSUE_FORM, "cuda") for b in batches]
     try:
         from tqdm import tqdm
 
@@ -223,8 +242,10 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
         it = runs
     try:
         for p, b, form, g in it:
-            kv = [0, 100] if form["cpu_attention"] else [100, 0]  # the KV cache on the host for CPU attention
-            settings = {"percent": [100, 0] + kv + [100, 0], "overlap": True, "pin_weights": True, **form}
+            issue_only = form is _ISSUE_FORM
+            kv = [0, 100] if form["cpu_attention"] or issue_only else [100, 0]  # the KV cache on the host
+            act = [0, 100] if issue_only else [100, 0]
+            settings = {"percent": [100, 0] + kv + act, "overlap": True, "pin_weights": True, **form}
             # CPU attention reads a host cache far larger than the CPU's caches in a real run: so many GPU batches
             # that even one sequence's cache (16 x 2 layers) spills past the last-level cache
             nb = max(1, 16 // b) if form["cpu_attention"] else 1
@@ -236,6 +257,16 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
             # contract (which the runs it prices prove)
             run_plan(plan, weights, device, graphs=g, allocator_cap="budget")
             res = run_plan(plan, weights, device, graphs=g, allocator_cap="budget")
+            if g == "cuda" and p == prompts[0]:
+                # a copy handler's host issue time per op (offexec times each handler: issue_s_by_handler), by the
+                # median size of its copies
+                for fn, (count, nbytes) in _copy_handlers(plan).items():
+                    spent = res.stats["issue_s_by_handler"].get(fn)
+                    if spent is not None and count:
+                        samples.setdefault(("issue", fn, nbytes), []).append(spent / count)
+            if issue_only:
+                del res
+                continue
             df = res.trace.df
             first = True  # the run's first graphed op: its capture also sets up the graphs' pool
             for r in df.sort_values("op_id").itertuples():
@@ -269,7 +300,7 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
     curves: dict[tuple, list] = {}
     for (mode, part, x), ts in sorted(samples.items()):
         # decode ops: the median of many; prefill ops (one per layer and run): the faster, past first-call effects
-        t = statistics.median(ts) if mode in ("graph", "eager", "capture", "cpu", "copy") else min(ts)
+        t = statistics.median(ts) if mode in ("graph", "eager", "capture", "issue", "cpu", "copy") else min(ts)
         curves.setdefault((mode, part), []).append([float(x), float(t)])
     # CPU attention: the fixed cost at the short prompt, the FLOP rate from the slope up to the long one
     lo, hi = prompts[0], prompts[-1]

@@ -606,3 +606,22 @@ def test_graph_captures_cost_the_profiles_capture_rows_at_each_keys_first_op():
     assert simulate(plan, hw).metrics()["total_s"] > simulate(plan, base).metrics()["total_s"]
     plan.cuda_graphs = False  # no graphs, no captures
     assert (dur(hw) == dur(base)).all()
+
+
+def test_copy_issue_costs_follow_the_profiles_issue_rows():
+    """A copy whose handler (KIND_TENSOR) has an 'issue' row costs that row at its bytes to issue, in both engines;
+    other copies cost ``issue_copy_s``; a cost function asked without the model reads no rows."""
+    slow = H200.with_(op_times=ROWS, issue_compute_s=1e-4, issue_copy_s=2e-3, issue_graph_s=5e-5)
+    fast = slow.with_(op_times=ROWS + ((KEY, "issue", "h2d_kv", ((1e3, 1e-5), (1e8, 2e-5))),))
+    plan = build_plan("flexgen", M, fast, Workload(16, 4, 2, 2), {"percent": [100, 0, 0, 100, 100, 0],
+                                                                   "sublayer": False})
+    kv = [op for op in plan.ops if op.kind == "h2d" and op.tensor == "kv"]
+    assert kv and any(op.kind == "d2h" and op.tensor == "kv" for op in plan.ops)
+    for op in kv:
+        assert C.issue_seconds(op, fast, 0, M) == pytest.approx(
+            C.table_seconds(curve(fast, "issue", "h2d_kv"), op.nbytes), rel=1e-12)
+        assert C.issue_seconds(op, fast, 0) == fast.issue_copy_s  # no model, no rows
+    d2h = next(op for op in plan.ops if op.kind == "d2h")
+    assert C.issue_seconds(d2h, fast, 0, M) == fast.issue_copy_s  # its handler has no row
+    t_fast, t_slow = same_traces(plan, fast), same_traces(plan, slow)
+    assert t_fast.metrics()["total_s"] < t_slow.metrics()["total_s"]  # host-bound at 2 ms a copy

@@ -405,11 +405,16 @@ def capture_extra_seconds(model: ModelSpec, hw: HardwareSpec, part: str, rows: i
     return max(0.0, table_seconds(cap, rows) - table_seconds(rep, rows))
 
 
-def issue_seconds(op, hw: HardwareSpec, graph_q_tokens: int = 0) -> float:
+def issue_seconds(op, hw: HardwareSpec, graph_q_tokens: int = 0, model: ModelSpec | None = None) -> float:
     """Host time the runtime spends issuing ``op`` (see ``HardwareSpec.issue_compute_s``); a decode op that the plan
     replays as a graph (``graph_q_tokens``: the plan's ``graph_q_tokens``) costs ``issue_graph_s`` where the profile
-    measured it."""
+    measured it. A copy costs its handler's row ('issue', KIND_TENSOR, by bytes: ``offexec profile --ops``, offexec's
+    own issue time per handler) where ``model``'s layer shape has one, else ``issue_copy_s``."""
     if op.kind != "compute":
+        if model is not None and hw.op_times:
+            curve = op_table(hw, model, "issue", f"{op.kind}_{getattr(op, 'tensor', '')}")
+            if curve is not None:
+                return table_seconds(curve, getattr(op, "nbytes", 0))
         return hw.issue_copy_s
     if graph_q_tokens and hw.issue_graph_s and graphed(op.kind, getattr(op, "part", ""), getattr(op, "q_tokens", 0),
                                                        getattr(op, "phase", ""), graph_q_tokens):

@@ -85,13 +85,13 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
     # the host issues ops one after another in plan order (a single issuing thread); an op cannot start before
     # it is issued. With an ideal runtime (zero issue cost) this is a no-op.
     if hw.issue_compute_s or hw.issue_copy_s or hw.issue_graph_s:
-        issued_at = np.cumsum([costmodel.issue_seconds(o, hw, plan.graph_q_tokens) for o in ops])
+        issued_at = np.cumsum([costmodel.issue_seconds(o, hw, plan.graph_q_tokens, model) for o in ops])
     else:
         issued_at = None
 
     is_host = [op.stream in HOST_STREAMS for op in ops]
     gate_s = _host_gates(is_host, [op.deps for op in ops],
-                         lambda i: costmodel.issue_seconds(ops[i], hw, plan.graph_q_tokens)) \
+                         lambda i: costmodel.issue_seconds(ops[i], hw, plan.graph_q_tokens, model)) \
         if issued_at is not None else None
 
     def stream(stream_ops):
@@ -194,13 +194,15 @@ def _capture_extras(plan: Plan, rows: list, hw: HardwareSpec) -> dict[int, float
 
 
 class _KindOnly:
-    """Stands for an op where a cost function reads only its kind, part, query length and phase
+    """Stands for an op where a cost function reads only its kind, part, query length, phase, tensor and bytes
     (``costmodel.issue_seconds``)."""
 
-    __slots__ = ("kind", "part", "q_tokens", "phase")
+    __slots__ = ("kind", "part", "q_tokens", "phase", "tensor", "nbytes")
 
-    def __init__(self, kind: str, part: str = "", q_tokens: int = 0, phase: str = ""):
+    def __init__(self, kind: str, part: str = "", q_tokens: int = 0, phase: str = "", tensor: str = "",
+                 nbytes: int = 0):
         self.kind, self.part, self.q_tokens, self.phase = kind, part, q_tokens, phase
+        self.tensor, self.nbytes = tensor, nbytes
 
 
 def simulate(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> Trace:
@@ -282,14 +284,23 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
         graph_q = plan.graph_q_tokens
         per_kind = {k: costmodel.issue_seconds(_KindOnly(k), hw) for k in KINDS}
         graph_s = costmodel.issue_seconds(_KindOnly("compute", "layer", 1, "decode"), hw, graph_q)
-        issued = np.cumsum([graph_s if graph_q and costmodel.graphed(r[0], r[6].get("part", ""),
-                                                                     r[6].get("q_tokens", 0), r[2], graph_q)
-                            else per_kind[r[0]] for r in rows]).tolist()
+        copy_s: dict[tuple, float] = {}  # (kind, tensor, bytes) -> a copy's issue cost (its handler's row)
+
+        def copy_issue(r) -> float:
+            k = (r[0], r[6].get("tensor", ""), r[6].get("nbytes", 0))
+            c = copy_s.get(k)
+            if c is None:
+                c = copy_s[k] = costmodel.issue_seconds(_KindOnly(k[0], tensor=k[1], nbytes=k[2]), hw, 0, model)
+            return c
+
+        issued = np.cumsum([(graph_s if graph_q and costmodel.graphed(r[0], r[6].get("part", ""),
+                                                                      r[6].get("q_tokens", 0), r[2], graph_q)
+                             else per_kind[r[0]]) if r[0] == "compute" else copy_issue(r) for r in rows]).tolist()
         host_idx = {_STREAM_INDEX[h] for h in HOST_STREAMS}
         is_host = [x in host_idx for x in sidx]
         gate_s = _host_gates(is_host, [r[1] for r in rows], lambda i: costmodel.issue_seconds(
-            _KindOnly(rows[i][0], rows[i][6].get("part", ""), rows[i][6].get("q_tokens", 0), rows[i][2]), hw,
-            graph_q))
+            _KindOnly(rows[i][0], rows[i][6].get("part", ""), rows[i][6].get("q_tokens", 0), rows[i][2],
+                      rows[i][6].get("tensor", ""), rows[i][6].get("nbytes", 0)), hw, graph_q, model))
         gated = [False] * len(STREAMS)  # the stream's next op waits out its host gate (scheduled once)
 
     start = [0.0] * n

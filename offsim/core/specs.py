@@ -350,7 +350,7 @@ NO_COMPRESSION = Compression()
 # Hardware
 # ----------------------------------------------------------------------------------------------------------------
 HARDWARE_SCHEMA = "offsim.hardware/1"
-OP_TABLE_MODES = ("graph", "eager", "tokens", "graph_tokens", "capture", "cpu", "attn", "copy")  # see HardwareSpec.op_times
+OP_TABLE_MODES = ("graph", "eager", "tokens", "graph_tokens", "capture", "cpu", "attn", "copy", "issue")  # see HardwareSpec.op_times
 
 Curve = tuple[tuple[float, float], ...]  # (x, y) points, x increasing; interpolated in log(x), clamped at the ends
 
@@ -425,7 +425,8 @@ class HardwareSpec:
     # or issued kernel by kernel; x = sequences), 'tokens' (prefill or recompute, eager; x = tokens),
     # 'graph_tokens' (TightLLM's short recomputes replayed as CUDA graphs; x = sequences x query tokens),
     # 'capture' (a graphed op the first time it runs: its static body eagerly, then its capture; part 'first': the
-    # run's first such op; x = sequences), 'cpu' (part 'attn':
+    # run's first such op; x = sequences), 'issue' (part KIND_TENSOR, e.g. 'h2d_kv': the host time offexec spends
+    # issuing one such copy, by bytes x), 'cpu' (part 'attn':
     # a CPU-attention op's fixed cost; x = sequences; part 'attn_flops': its FLOP/s), 'attn' (part 'prefill' or
     # 'recompute': causal GPU attention's efficiency, y = achieved / peak FLOP/s, by context x, with this model's
     # heads, GQA and the executor's KV layout), 'copy' (part 'd2h_qkv' or 'h2d_attn_out': CPU attention's small
