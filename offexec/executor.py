@@ -279,6 +279,15 @@ class Executor:
             raise ExecError(f"prompts have shape {list(prompts.shape)}, the workload needs "
                             f"[{wl.num_prompts}, {wl.prompt_len}]")
         self.prompts = prompts
+        # a mixed-length workload (docs/jobs.md §4): batch k runs at batch_prompt_lens[k], each shorter prompt
+        # LEFT-padded by pad[k, i] positions (so every sequence's last prompt token, and every decode step, sits at
+        # the same cache row); prompt i's ids are the first prompt_lens[i] of its row of ``prompts``. An empty slot
+        # (length 0) runs unpadded on zero ids, its output unused. None: a uniform workload, no mask, no padding.
+        self.pad = None
+        if wl.prompt_lens and any(0 < p < wl.batch_prompt_lens[i // self.gbs] for i, p in enumerate(wl.prompt_lens)):
+            self.pad = torch.tensor([[wl.batch_prompt_lens[k] - p if p else 0
+                                      for p in wl.prompt_lens[k * self.gbs:(k + 1) * self.gbs]]
+                                     for k in range(self.nb)], dtype=torch.long)  # [nb, B]
 
     # ---- memory -----------------------------------------------------------------------------------------------
     def _kv_elems(self, heads: int) -> int:
@@ -357,7 +366,15 @@ class Executor:
             self.rope = rope
         # token ids of every sequence: [nb, B, cap + 1]
         self.tokens = arena("tokens").zero_()
-        self.tokens[:, :, :plan.workload.prompt_len] = self.prompts.view(self.nb, self.gbs, -1).to(dev)
+        wl = plan.workload
+        if not wl.prompt_lens:
+            self.tokens[:, :, :wl.prompt_len] = self.prompts.view(self.nb, self.gbs, -1).to(dev)
+        else:  # each prompt ends at its batch's length (left padding; batches may run at different lengths)
+            for i, p in enumerate(wl.prompt_lens):
+                k, r = divmod(i, self.gbs)
+                end = wl.batch_prompt_lens[k]
+                self.tokens[k, r, end - p:end] = self.prompts[i, :p].to(dev)
+        self.pad_dev = None if self.pad is None else self.pad.to(dev)
         # resident weight bytes [0, gpu) of each layer
         self.g_el = [g // e for g, _ in plan.weight_split]
         self.c_el = [c // e for _, c in plan.weight_split]
@@ -474,7 +491,10 @@ class Executor:
             self._run_sequential()
         wall_s = time.perf_counter() - t_wall
         wl = self.plan.workload
-        toks = self.tokens[:, :, wl.prompt_len:wl.prompt_len + wl.gen_len].reshape(wl.num_prompts, wl.gen_len)
+        # batch k's generated tokens start after its prompt length; a request of a mixed workload whose gen_lens entry
+        # is shorter than gen_len kept generating with its batch: its output is the first gen_lens[i] of its row
+        toks = torch.stack([self.tokens[k, :, L:L + wl.gen_len] for k, L in enumerate(wl.batch_prompt_lens)])
+        toks = toks.reshape(wl.num_prompts, wl.gen_len)
         peaks = {"gpu": 0, "cpu": 0, "disk": self.disk.size_bytes if self.disk else 0}
         stats = {"wall_s": wall_s, "issue_s": self.issue_s, "issue_cpu_s": self.issue_cpu_s,
                  "run_ahead_wait_s": self.wait_s, "switch_interval_s": self.switch_interval_s,
@@ -837,11 +857,34 @@ class Executor:
         groups = [(0, self.spec.num_kv_heads, rows[:, 0].permute(1, 2, 0, 3), rows[:, 1].permute(1, 2, 0, 3))]
         return M.attention(self.spec, q, groups, mask=mask)
 
+    def _start(self, op, device=None):
+        """The positions of the op's tokens, cache rows [ctx - q, ctx): their first row (an int), or in a padded
+        batch each sequence's positions, int64 [B, q] (``model.positions``)."""
+        start = op.ctx_tokens - op.q_tokens
+        if self.pad is None:
+            return start
+        pad = self._pad(op, device)
+        return M.positions(torch.arange(start, op.ctx_tokens, device=pad.device), pad)
+
+    def _pad(self, op, device=None) -> torch.Tensor:
+        return self.pad[op.batch] if device is not None and torch.device(device).type == "cpu" else \
+            self.pad_dev[op.batch]
+
+    def _mask(self, op, device=None):
+        """The key mask of an eager attention over cache rows [0, ctx): None (causal, no padding), or in a padded
+        batch bool [B, 1, q, ctx] (``model.visible``)."""
+        if self.pad is None:
+            return None
+        pad = self._pad(op, device)
+        return M.visible(torch.arange(op.ctx_tokens - op.q_tokens, op.ctx_tokens, device=pad.device),
+                         torch.arange(op.ctx_tokens, device=pad.device), pad)
+
     def _attend_gpu(self, op, args, q, k_new, v_new) -> torch.Tensor:
         """Write the new tokens' K/V into each head group's buffer and attend over positions [0, ctx)."""
         ctx, start = op.ctx_tokens, op.ctx_tokens - op.q_tokens
         if self.comp.cache:
-            return self._attend_packed(self._kv_buffers(op, args), start, ctx, q, k_new, v_new)
+            return self._attend_packed(self._kv_buffers(op, args), start, ctx, q, k_new, v_new,
+                                       mask=self._mask(op))
         groups = []
         for lo, hi, buf in self._kv_buffers(op, args):
             buf[start:ctx, 0] = k_new[:, :, lo:hi].transpose(0, 1)  # [T, B, n, D]
@@ -849,13 +892,13 @@ class Executor:
             K = buf[:ctx, 0].permute(1, 2, 0, 3)  # [B, n, C, D]
             V = buf[:ctx, 1].permute(1, 2, 0, 3)
             groups.append((lo, hi, K, V))
-        return M.attention(self.spec, q, groups)
+        return M.attention(self.spec, q, groups, mask=self._mask(op))
 
     # ---- op handlers: compute ---------------------------------------------------------------------------------
     def _op_embed(self, op, args, info):
         start = op.ctx_tokens - op.q_tokens
         ids = self.tokens[op.batch, :, start:op.ctx_tokens]  # [B, T]
-        self._put(args["out"], M.embed(self.spec, self.emb, ids, start))
+        self._put(args["out"], M.embed(self.spec, self.emb, ids, self._start(op)))
 
     def _op_head(self, op, args, info):
         x = self._val(args["x"])
@@ -869,10 +912,9 @@ class Executor:
         w = self._weights(op.layer, args, None, "layer")
         self._load_kv(op, args)
         if self._graphed(op, args, (x,), lambda xs, bufs: M.post_attn(self.spec, w, xs, self._attend_static(
-                bufs, *M.pre_attn(self.spec, w, xs, self.graphs.pos, self.rope)))):
+                bufs, *M.pre_attn(self.spec, w, xs, self.graphs.rpos, self.rope)))):
             return
-        start = op.ctx_tokens - op.q_tokens
-        q, k, v = M.pre_attn(self.spec, w, x, start, self.rope)
+        q, k, v = M.pre_attn(self.spec, w, x, self._start(op), self.rope)
         o = self._attend_gpu(op, args, q, k, v)
         self._put(args["out"], M.post_attn(self.spec, w, x, o))
 
@@ -883,9 +925,9 @@ class Executor:
         w = self._weights(op.layer, args, "attn", "attn_layer")
         self._load_kv(op, args)
         if self._graphed(op, args, (x,), lambda xs, bufs: M.attn_out(self.spec, w, xs, self._attend_static(
-                bufs, *M.pre_attn(self.spec, w, xs, self.graphs.pos, self.rope)))):
+                bufs, *M.pre_attn(self.spec, w, xs, self.graphs.rpos, self.rope)))):
             return
-        q, k, v = M.pre_attn(self.spec, w, x, op.ctx_tokens - op.q_tokens, self.rope)
+        q, k, v = M.pre_attn(self.spec, w, x, self._start(op), self.rope)
         o = self._attend_gpu(op, args, q, k, v)
         del q, k, v
         self._put(args["out"], M.attn_out(self.spec, w, x, o))
@@ -919,7 +961,7 @@ class Executor:
         bufs = self._kv_buffers(op, args) if op.part in ("layer", "attn_layer") else []
         slot = self.vals[args["w"]].data_ptr() if "w" in args else None
         key = (op.part, op.q_tokens, op.layer, slot, tuple(b.data_ptr() for _, _, b in bufs))
-        self.graphs.set_ctx(op.ctx_tokens, op.q_tokens)
+        self.graphs.set_ctx(op.ctx_tokens, op.q_tokens, None if self.pad is None else self.pad_dev[op.batch])
         y = self.graphs.run(key, lambda *ins: body(*ins, bufs), *xs)
         if y is None:  # capture failed: eager from here on
             self.graphs = None
@@ -943,10 +985,10 @@ class Executor:
     def _op_pre_attn(self, op, args, info):
         x = self._val(args["x"])
         w = self._weights(op.layer, args, self._unit("pre_attn"), "pre_attn")
-        if self._graphed(op, args, (x,), lambda xs, bufs: M.pre_attn(self.spec, w, xs, self.graphs.pos, self.rope),
+        if self._graphed(op, args, (x,), lambda xs, bufs: M.pre_attn(self.spec, w, xs, self.graphs.rpos, self.rope),
                          out=lambda qkv: (x,) + qkv):
             return
-        q, k, v = M.pre_attn(self.spec, w, x, op.ctx_tokens - op.q_tokens, self.rope)
+        q, k, v = M.pre_attn(self.spec, w, x, self._start(op), self.rope)
         self._put(args["out"], (x, q, k, v))
 
     def _op_attn_gpu(self, op, args, info):
@@ -993,7 +1035,7 @@ class Executor:
                 new = torch.cat((stage, new), 0)
             groups.append((lo, hi, new[:, 0].permute(1, 2, 0, 3), new[:, 1].permute(1, 2, 0, 3)))
         out = host_tensor((qkv.shape[0], qkv.shape[1], H * s.head_dim), qkv.dtype, self.device)
-        M.attention(s, q, groups, out=out)
+        M.attention(s, q, groups, out=out, mask=self._mask(op, "cpu"))
         self.vals[args["out"]] = out
 
     # ---- op handlers: transfers -------------------------------------------------------------------------------

@@ -14,6 +14,10 @@ What varies between steps is read from device memory, so one graph serves every 
   attention runs over the full-length KV buffer with the positions not yet written masked out, instead of over a
   prefix whose length is baked into the kernels. The buffers are zeroed when the run starts, so a masked position
   never holds NaN or Inf.
+- in a mixed-length batch (left-padded prompts, docs/jobs.md §4), the batch's pad lengths: ``keys`` becomes
+  [B, 1, q, max_len], the causal mask combined with each sequence's pad positions (``model.visible``), and the RoPE
+  positions ``rpos`` [B, q] count from each sequence's first real token (``model.positions``); both are written
+  per op into static buffers, so the same graph serves every batch.
 
 Inputs go in through static buffers and outputs come out through static buffers (one per argument position and
 size per token: the hidden state [gbs, q, E]; with CPU attention also the attention output in, Q/K/V out, each
@@ -36,6 +40,8 @@ from typing import Callable
 
 import torch
 
+from offexec import model as M_  # M is the max length below
+
 GRAPH_MODES = ("cuda", "static", "off")
 
 
@@ -52,6 +58,9 @@ class DecodeGraphs:
         self._pos = torch.zeros(max_q_tokens, dtype=torch.long, device=device)
         self._mask = torch.zeros(max_q_tokens * max_len, dtype=torch.bool, device=device)
         self.pos = self._pos[:1]  # the current op's token positions [q] (views at fixed addresses)
+        self.rpos = self.pos  # their RoPE positions: ``pos``, or [B, q] in a left-padded batch
+        self._bmask: torch.Tensor | None = None  # a padded batch's keys [B·max_q·max_len] and RoPE positions
+        self._rpos: torch.Tensor | None = None
         self.keys = self._mask[:max_len].view(1, 1, 1, max_len)  # their visible keys [1, 1, q, max_len]
         self.static_in: dict = {}  # (shape, dtype) of the inputs -> their static tensors
         self.static_out: dict = {}  # (shape, dtype) of the outputs -> their static tensors
@@ -65,10 +74,12 @@ class DecodeGraphs:
         self.capture_s = 0.0
         self.failed: str | None = None
 
-    def set_ctx(self, ctx: int, q_tokens: int = 1) -> None:
+    def set_ctx(self, ctx: int, q_tokens: int = 1, pad: torch.Tensor | None = None) -> None:
         """The op's ``q_tokens`` queries sit at positions [ctx - q, ctx) and query t sees keys [0, ctx - q + t]
-        (written on the current stream, before the op's kernels)."""
-        if (ctx, q_tokens) == self.ctx:
+        (written on the current stream, before the op's kernels). ``pad``: int64 [B] on the device, each sequence's
+        left padding in a mixed-length batch (None: no padding, the masks above unchanged)."""
+        tag = (ctx, q_tokens, None if pad is None else pad.data_ptr())
+        if tag == self.ctx:
             return
         if not 1 <= q_tokens <= self.max_q:
             raise ValueError(f"a graphed op has 1 to {self.max_q} query tokens, got {q_tokens}")
@@ -78,7 +89,17 @@ class DecodeGraphs:
         mask = self._mask[:q_tokens * M].view(q_tokens, M)
         torch.le(self._cols.unsqueeze(0), self.pos.unsqueeze(1), out=mask)
         self.keys = mask.view(1, 1, q_tokens, M)
-        self.ctx = (ctx, q_tokens)
+        self.rpos = self.pos
+        if pad is not None:
+            B = pad.shape[0]
+            if self._bmask is None:  # once, at fixed addresses every graph bakes in
+                self._bmask = torch.zeros(B * self.max_q * M, dtype=torch.bool, device=self.device)
+                self._rpos = torch.zeros(B * self.max_q, dtype=torch.long, device=self.device)
+            self.keys = self._bmask[:B * q_tokens * M].view(B, 1, q_tokens, M)
+            self.keys.copy_(M_.visible(self.pos, self._cols, pad))
+            self.rpos = self._rpos[:B * q_tokens].view(B, q_tokens)
+            self.rpos.copy_(M_.positions(self.pos, pad))
+        self.ctx = tag
 
     @staticmethod
     def _sig(ts) -> tuple:

@@ -106,13 +106,33 @@ class Embeddings:
                                                           self.lm_head) if t is not None)
 
 
-def embed(spec: ModelSpec, emb: Embeddings, tokens: torch.Tensor, start: int) -> torch.Tensor:
-    """tokens: [B, T] ids of positions [start, start + T) -> hidden [B, T, E]."""
+def embed(spec: ModelSpec, emb: Embeddings, tokens: torch.Tensor, start) -> torch.Tensor:
+    """tokens: [B, T] ids of positions [start, start + T) -> hidden [B, T, E]. ``start``: an int, or (left-padded
+    sequences of a mixed-length batch) an int64 [B, T] tensor of each token's position (``positions``)."""
     x = F.embedding(tokens, emb.tokens)  # [B, T, E]
     if spec.family == "opt":
+        if isinstance(start, torch.Tensor):
+            return x + emb.positions[start + OPT_POSITION_OFFSET]  # [B, T, E]
         T = tokens.shape[1]
         x = x + emb.positions[start + OPT_POSITION_OFFSET:start + OPT_POSITION_OFFSET + T]  # [T, E] broadcast
     return x
+
+
+def positions(rows: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+    """Each sequence's position of cache rows ``rows`` (int64 [T]) when sequence b is left-padded by ``pad[b]``
+    (int64 [B]): [B, T], counted from the sequence's first real token as transformers counts them for a request
+    alone. Pad rows get 0 (clamped): their outputs are never seen (``visible``), only need to be finite."""
+    return (rows.unsqueeze(0) - pad.unsqueeze(1)).clamp_(min=0)
+
+
+def visible(rows: torch.Tensor, cols: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+    """bool [B, 1, T, C]: key ``cols[c]`` is visible to the query at cache row ``rows[t]`` of sequence b, left-padded
+    by ``pad[b]``: causal, and not a pad position -- except a pad query sees itself, so that no row is all masked
+    (SDPA would give NaN, and a pad position's K/V, NaN, would poison every later query through 0 x NaN)."""
+    causal = cols.unsqueeze(0) <= rows.unsqueeze(1)  # [T, C]
+    real = cols.unsqueeze(0) >= pad.unsqueeze(1)  # [B, C]
+    self_ = cols.unsqueeze(0) == rows.unsqueeze(1)  # [T, C]
+    return (causal.unsqueeze(0) & (real.unsqueeze(1) | self_.unsqueeze(0))).unsqueeze(1)
 
 
 def head(spec: ModelSpec, emb: Embeddings, x: torch.Tensor) -> torch.Tensor:
@@ -148,9 +168,11 @@ class Rope:
     def apply(self, x: torch.Tensor, start) -> torch.Tensor:
         """x: [B, T, n, D] of positions [start, start + T) -> rotated, same shape. ``start``: an int, or (one new
         token or a graphed recompute) an int64 [T] tensor of the positions on the device, read by the kernels (a
-        CUDA graph replays it per step)."""
+        CUDA graph replays it per step), or int64 [B, T] per sequence (left-padded mixed-length batches)."""
         T = x.shape[1]
-        if isinstance(start, torch.Tensor):
+        if isinstance(start, torch.Tensor) and start.dim() == 2:  # per-sequence positions [B, T] (``positions``)
+            cos, sin = self.cos[start][:, :, None, :], self.sin[start][:, :, None, :]  # [B, T, 1, D]
+        elif isinstance(start, torch.Tensor):
             cos = self.cos.index_select(0, start)[None, :, None, :]  # [1, T, 1, D]
             sin = self.sin.index_select(0, start)[None, :, None, :]
         else:
@@ -187,7 +209,8 @@ def attention(spec: ModelSpec, q: torch.Tensor, groups: list[tuple[int, int, tor
     [0, C - T + t] -- causal, aligned to the bottom right -- so a prefill (T = C), a decode step (T = 1) and a
     recompute block (1 < T < C) are one function. Returns out [B, T, H·D] (written into ``out`` if given).
     ``mask`` (graphed ops): bool [1, 1, T, C], the key positions each query sees -- attention over a full-length buffer
-    whose tail is not written yet (offexec/graphs.py).
+    whose tail is not written yet (offexec/graphs.py); [B, 1, T, C] for left-padded mixed-length batches
+    (``visible``).
     """
     B, T, H, D = q.shape
     G = H // spec.num_kv_heads
@@ -211,7 +234,7 @@ def _sdpa(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, T: int, G: int,
     C = K.shape[2]
     if keys is not None:
         if keys.shape[-2] != T:
-            raise ValueError(f"a key mask [1, 1, T, C] for {T} queries has {keys.shape[-2]} rows")
+            raise ValueError(f"a key mask [B or 1, 1, T, C] for {T} queries has {keys.shape[-2]} rows")
         mask, causal = keys, False
     elif T == 1:
         mask, causal = None, False
