@@ -49,6 +49,7 @@ GiB = fp.GiB
 class RunResult:
     trace: Trace
     tokens: np.ndarray  # [num_prompts, gen_len] generated token ids (batch-major: prompt p = batch p // gbs)
+    # (a mixed-length workload: request p's output is its first gen_lens[p] tokens; it kept generating after them)
     stats: dict  # memory peaks, issue overhead, pool sizes
     logits: list | None = None  # per (step, batch): [gbs, V] float32 CPU tensors, when asked
     kv: dict = field(default_factory=dict)  # home-tier KV caches after the run, when asked (tests)
@@ -62,7 +63,8 @@ def run_plan(plan: Plan, weights: ModelWeights, device: str = "cuda", prompts: t
              switch_interval_s: float | None = None) -> RunResult:
     """Run ``plan`` with ``weights`` on ``device``; return the measured trace and the generated tokens.
 
-    ``prompts``: [num_prompts, prompt_len] token ids (default: seeded random ids). ``gpu_budget_bytes``: the GPU
+    ``prompts``: [num_prompts, prompt_len] token ids (default: seeded random ids); in a mixed-length workload prompt
+    i's ids are the first ``prompt_lens[i]`` of its row (the executor left-pads them, docs/jobs.md §4). ``gpu_budget_bytes``: the GPU
     memory cap (default: the plan's GPU capacity). ``threaded``: on the CPU, run the stream scheduler with host
     stand-ins for streams instead of plain plan order (tests). ``host_kv_pool``: a (pinned) host buffer to hold the
     host-homed KV cache, reused across runs in one process (page-locking tens of GB takes seconds).
