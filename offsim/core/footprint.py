@@ -524,7 +524,8 @@ def decode_graph_bytes(model: ModelSpec, wl: Workload, q_tokens: int = 1) -> int
     """GPU bytes of offexec's decode CUDA graphs (offexec/graphs.py), held from the first decode step to the end,
     when the longest graphed decode op has ``q_tokens`` query tokens (1: one new token; TightLLM's recompute of N_r
     tokens: N_r + 1, up to ``costmodel.GRAPH_MAX_Q_TOKENS``): the shared static tensors, sized for ``q_tokens``
-    (the positions [q] and the key mask [q, max_len]; hidden states [gbs, q, E] in and out, and with CPU attention
+    (the positions [q] and the key mask [q, max_len], in a mixed-length block per sequence too; hidden states
+    [gbs, q, E] in and out, and with CPU attention
     the attention output in and Q/K/V out: at most four hidden states and two Q/K/V) and the private pool of the
     graphs' intermediates -- one decode op's at a time, the longest at the longest context (a graph attends over the
     full-length buffer, with up to three KV head groups), twice over for what the pool cannot reuse between captures,
@@ -534,6 +535,8 @@ def decode_graph_bytes(model: ModelSpec, wl: Workload, q_tokens: int = 1) -> int
              for part in ("layer", "attn_layer", "mlp", "cpu_attn_layer", "cpu_attn_pre", "attn_out"))
     rounding = GRAPH_SMALL_SEGMENT_BYTES + (GRAPH_LARGE_SEGMENT_BYTES if op > (1 << 20) else 0)  # see the constants
     static = 4 * hidden_bytes(model, gbs, q) + 2 * qkv_bytes(model, gbs, q) + q * (TOKEN_ID_BYTES + M)
+    if wl.prompt_lens:  # mixed lengths: per sequence, its keys [q, max_len] and RoPE positions [q] (offexec/graphs.py)
+        static += gbs * q * (M + TOKEN_ID_BYTES)
     return static + 2 * op + rounding
 
 
