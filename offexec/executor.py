@@ -286,8 +286,9 @@ class Executor:
         # the same cache row); prompt i's ids are the first prompt_lens[i] of its row of ``prompts``. An empty slot
         # (length 0) runs unpadded on zero ids, its output unused. None: a uniform workload, no mask, no padding.
         self.pad = None
-        if wl.prompt_lens and any(0 < p < wl.batch_prompt_lens[i // self.gbs] for i, p in enumerate(wl.prompt_lens)):
-            self.pad = torch.tensor([[wl.batch_prompt_lens[k] - p if p else 0
+        lens = wl.batch_prompt_lens
+        if wl.prompt_lens and any(0 < p < lens[i // self.gbs] for i, p in enumerate(wl.prompt_lens)):
+            self.pad = torch.tensor([[lens[k] - p if p else 0
                                       for p in wl.prompt_lens[k * self.gbs:(k + 1) * self.gbs]]
                                      for k in range(self.nb)], dtype=torch.long)  # [nb, B]
 

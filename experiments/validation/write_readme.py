@@ -124,18 +124,16 @@ def _rounds() -> list[str]:
     import json
 
     rounds: dict[tuple, int] = {}
+    ran = {}  # case -> the fingerprint of the plan it ran
     for s in SPLITS:
         for f in sorted((VAL / f"h200_{s}").glob("*.case.json")):
             m = json.loads(f.read_text())["meta"]
             k = (s, m.get("commit", "?"), str(m.get("date", ""))[:10])
             rounds[k] = rounds.get(k, 0) + 1
+            ran[f.name.removesuffix(".case.json")] = m.get("plan_sha256")
     out = ["Measurement rounds (the cases as committed now):", "", "| split | offexec commit | date | cases |",
            "| --- | --- | --- | --- |"] + [f"| {s} | {c} | {d} | {n} |" for (s, c, d), n in sorted(rounds.items())]
     planned = {c["tag"]: c.get("plan_sha256") for c in json.loads((VAL / "matrix_v2_config.json").read_text())["cases"]}
-    ran = {}
-    for s in SPLITS:
-        for f in (VAL / f"h200_{s}").glob("*.case.json"):
-            ran[f.name.removesuffix(".case.json")] = json.loads(f.read_text())["meta"].get("plan_sha256")
     runs: dict[str, list] = {}
     for line in (VAL / "matrix_v2_runs.jsonl").read_text().splitlines():
         r = json.loads(line)

@@ -31,7 +31,7 @@ import simpy
 
 from offsim.core import costmodel
 from offsim.core.errors import OffsimError
-from offsim.core.plan import KINDS, STREAM_OF_KIND, STREAMS, TIERS, Plan, PlanError, _op_from_row, op_rows
+from offsim.core.plan import STREAM_OF_KIND, STREAMS, TIERS, Plan, PlanError, _op_from_row, op_rows
 from offsim.core.specs import Compression, HardwareSpec
 from offsim.core.trace import COLUMNS, Trace
 
@@ -282,7 +282,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     issued = None
     if hw.issue_compute_s or hw.issue_copy_s or hw.issue_graph_s:
         graph_q = plan.graph_q_tokens
-        per_kind = {k: costmodel.issue_seconds(_KindOnly(k), hw) for k in KINDS}
+        compute_s = costmodel.issue_seconds(_KindOnly("compute"), hw)
         graph_s = costmodel.issue_seconds(_KindOnly("compute", "layer", 1, "decode"), hw, graph_q)
         copy_s: dict[tuple, float] = {}  # (kind, tensor, bytes) -> a copy's issue cost (its handler's row)
 
@@ -295,7 +295,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
 
         issued = np.cumsum([(graph_s if graph_q and costmodel.graphed(r[0], r[6].get("part", ""),
                                                                       r[6].get("q_tokens", 0), r[2], graph_q)
-                             else per_kind[r[0]]) if r[0] == "compute" else copy_issue(r) for r in rows]).tolist()
+                             else compute_s) if r[0] == "compute" else copy_issue(r) for r in rows]).tolist()
         host_idx = {_STREAM_INDEX[h] for h in HOST_STREAMS}
         is_host = [x in host_idx for x in sidx]
         gate_s = _host_gates(is_host, [r[1] for r in rows], lambda i: costmodel.issue_seconds(

@@ -11,6 +11,7 @@ Byte accounting (docs/architecture.md §3): a layer's weights are laid out as on
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass, field, fields
@@ -632,9 +633,10 @@ class Workload:
     def _slice(self, lens: tuple[int, ...], k: int) -> tuple[int, ...]:
         return lens[k * self.gpu_batch_size:(k + 1) * self.gpu_batch_size]
 
-    @property
+    @functools.cached_property
     def batch_prompt_lens(self) -> tuple[int, ...]:
-        """Per GPU batch, the prompt length it runs at: its longest prompt (padded to the batch maximum)."""
+        """Per GPU batch, the prompt length it runs at: its longest prompt (padded to the batch maximum). Computed
+        once per workload (plan builders and the executor ask for it per batch and step)."""
         if not self.prompt_lens:
             return (self.prompt_len,) * self.num_gpu_batches
         return tuple(max(self._slice(self.prompt_lens, k)) for k in range(self.num_gpu_batches))
