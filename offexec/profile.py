@@ -230,9 +230,9 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
     cpu: dict[tuple, list] = {}  # (prompt, sequences) -> [(seconds, FLOPs)] of CPU-attention ops
     runs = [(p, b, form, g) for p in prompts for b in batches for form in _OP_FORMS
             for g in (("cuda", "off") if cuda and p == prompts[0] else ("cuda",) if cuda else ("off",))]
-    if capture_only:  # the 'capture' rows alone (the profile's 'graph' rows stay as measured)
+    if capture_only:  # the 'capture' and 'issue' rows alone (the profile's 'graph' rows stay as measured)
         runs = [r for r in runs if r[0] == prompts[0] and r[3] == "cuda"]
-    elif cuda:  # the KV cache and the activations in host memory: the copies of offloaded runs, for 'issue' rows
+    if cuda:  # the KV cache and the activations in host memory: the copies of offloaded runs, for 'issue' rows
         runs += [(prompts[0], b, _ISSUE_FORM, "cuda") for b in batches]
     try:
         from tqdm import tqdm
@@ -317,7 +317,7 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
                 fixed = max(t_s - f_s / rate, 0.1 * t_s)  # the short prompt's FLOPs are priced by the rate
         curves.setdefault(("cpu", "attn"), []).append([float(b), float(fixed)])
     return [[key, mode, part, pts] for (mode, part), pts in sorted(curves.items())
-            if not capture_only or mode == "capture"]
+            if not capture_only or mode in ("capture", "issue")]
 
 
 def profile_graph_recompute(spec, device: str = "cuda", batches=(1, 4, 16, 64), q_tokens=(2, 4, 8),
@@ -568,7 +568,7 @@ def add_profile_parser(sub) -> None:
                         "query tokens as CUDA graphs)")
     p.add_argument("--capture-only", action="store_true",
                    help="with --ops: measure only the graph-capture rows (graphed decode ops at the first decode "
-                        "step)")
+                        "step) and the copy-issue rows (host time per copy of each kind)")
     p.add_argument("--op-batches", default="1,4,16,64", metavar="N,N,...",
                    help="sequences per GPU batch of the op-table runs (default: %(default)s)")
     p.set_defaults(func=cmd_profile)
@@ -579,7 +579,7 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
     """Profile dict ``d`` with op tables for ``models`` (replacing rows of the same layer shapes and modes), CPU
     attention re-measured through the executor's path and the sustained compute fraction; ``attention_only``: the
     GPU attention rows and the sustained fraction alone; ``recompute_only``: the graphed recompute rows alone (the
-    rest of ``d`` kept); ``capture_only``: the graph-capture rows alone. Provenance says which."""
+    rest of ``d`` kept); ``capture_only``: the graph-capture and copy-issue rows alone. Provenance says which."""
     from offsim.core.provenance import provenance
     from offsim.core.specs import HardwareSpec, get_model
 
