@@ -81,7 +81,7 @@ class PackedLayers:
     raw bytes (``footprint.weight_tensor_is_packed``). Sizes and offsets are offsim's (``footprint``'s
     ``stored_weight_bytes`` / ``stored_weight_offset_bytes``): the plan addresses weights in fp16 bytes, and
     ``range`` maps such a range to the stored bytes its copy moves. Made from the fp16 master on the host (quantized
-    on the CPU, once per ``ModelWeights``); host-homed bytes are views of it, disk-homed bytes are written from it."""
+    on the GPU where there is one, else the CPU; once per ``ModelWeights``); host-homed bytes are views of it, disk-homed bytes are written from it."""
 
     def __init__(self, w: ModelWeights, comp: Compression):
         spec, e = w.spec, w.spec.dtype_bytes
@@ -92,9 +92,13 @@ class PackedLayers:
         # per tensor of the layout: (slot, first stored byte, stored bytes, packed 4-bit?)
         self.tensors = [(t, self.offset(t.lo * e), fp.stored_weight_bytes(spec, t.lo * e, t.hi * e, comp),
                          fp.weight_tensor_is_packed(t.shape, comp)) for t in w.layout]
+        # quantized on the GPU where there is one: OPT-30B's 30 G parameters take seconds there, minutes on the CPU
+        # (the same fp32 arithmetic; tests/test_compression.py compares the two devices' bytes)
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
         for j in range(spec.num_layers):
             for t, off, n, packed in self.tensors:
                 x = w.layers[j, t.lo:t.hi].view(t.shape)
+                x = x.to(dev) if packed else x
                 self.layers[j, off:off + n].copy_(quant.to_bytes(quant.quantize_weight(x)) if packed
                                                    else x.reshape(-1).view(torch.uint8))
 

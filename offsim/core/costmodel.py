@@ -206,15 +206,16 @@ def op_table(hw: HardwareSpec, model: ModelSpec, mode: str, part: str) -> Curve 
     return e[1].get((_layer_key(model), mode, part))
 
 
-def table_seconds(curve: Curve, x: float) -> float:
+def table_seconds(curve: Curve, x: float, flat_past_largest: bool = False) -> float:
     """Seconds at size ``x`` on an op table: linear between measured sizes (an op's time is close to affine in its
     rows), the smallest size's time below them, and proportional to ``x`` past the largest (where the GEMMs are
-    compute-bound: time per row is constant)."""
+    compute-bound: time per row is constant) -- or, with ``flat_past_largest``, the largest size's time (host issue
+    time: a copy's host work does not grow with its bytes)."""
     _, xs, _, ys = _prepared(curve)
     if x <= xs[0]:
         return ys[0]
     if x >= xs[-1]:
-        return ys[-1] * x / xs[-1]
+        return ys[-1] if flat_past_largest else ys[-1] * x / xs[-1]
     i = bisect.bisect_left(xs, x)
     w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
     return ys[i - 1] + w * (ys[i] - ys[i - 1])
@@ -414,7 +415,9 @@ def issue_seconds(op, hw: HardwareSpec, graph_q_tokens: int = 0, model: ModelSpe
         if model is not None and hw.op_times:
             curve = op_table(hw, model, "issue", f"{op.kind}_{getattr(op, 'tensor', '')}")
             if curve is not None:
-                return table_seconds(curve, getattr(op, "nbytes", 0))
+                # the probe's copies reach tens of MB; larger ones (prefill's KV stores, weight loads) cost the host
+                # no more: the bytes move on the copy engine, not in the issuing thread
+                return table_seconds(curve, getattr(op, "nbytes", 0), flat_past_largest=True)
         return hw.issue_copy_s
     if graph_q_tokens and hw.issue_graph_s and graphed(op.kind, getattr(op, "part", ""), getattr(op, "q_tokens", 0),
                                                        getattr(op, "phase", ""), graph_q_tokens):
