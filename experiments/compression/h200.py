@@ -148,6 +148,11 @@ def run_configs(args) -> int:
         if plan.fingerprint() != c["fingerprint"]:
             print(f"{c['name']}: the plan differs from the one planned (fingerprint); running the rebuilt one",
                   flush=True)
+        try:  # refuse before the weights and the KV pool are made (they are the host memory the check counts)
+            check_plan(plan, "cuda", budget)
+        except Exception as e:
+            print(f"skip {c['name']}: {e}", flush=True)
+            continue
         plans[c["name"]] = (c, plan)
     t0 = time.perf_counter()
     weights = random_weights(model, seed=0, device="cuda", pinned=True, progress=False)
@@ -164,7 +169,6 @@ def run_configs(args) -> int:
             print(f"skip {name}: time limit", flush=True)
             continue
         try:
-            check_plan(plan, "cuda", budget, weights_loaded=True)
             t0 = time.perf_counter()
             warm = build_plan(c["policy"], model, hw, plan.workload.with_(gen_len=2, num_gpu_batches=1),
                               c["settings"])
