@@ -160,15 +160,26 @@ def run_configs(args) -> int:
     print(f"weights: {model.name} {weights.host.nbytes / 1e9:.1f} GB pinned in {weights_s:.1f} s", flush=True)
     bw = link_bandwidth(weights.layers)
     print("link: " + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bw.items()), flush=True)
-    # one page-locked pool for the largest host KV (stored bytes: packed when the cache is compressed)
-    kv_bytes = max(host_bytes(p)["host KV"] for _, p in plans.values())
-    kv_pool = HostBuffer(kv_bytes // model.dtype_bytes + 1, weights.dtype, pinned=True)
+    # fp16 runs first: the packed copy of the weights (made at the first 4-bit run, then kept) would otherwise sit
+    # in host memory beside an fp16 run's larger KV
+    order = sorted(plans, key=lambda n: plans[n][0]["compression"] != "fp16")
+    kv_pool = None
     runs = []
-    for name, (c, plan) in plans.items():
+    for name in order:
+        c, plan = plans[name]
         if time.perf_counter() - t_start > args.time_limit_s:
             print(f"skip {name}: time limit", flush=True)
             continue
         try:
+            # a page-locked pool of this plan's host KV (stored bytes), made anew where the last one is too small
+            # or much larger: host memory holds the master, the packed weights and one pool, not the largest
+            kv_n = host_bytes(plan)["host KV"] // model.dtype_bytes + 1
+            if kv_pool is None or not kv_n <= kv_pool.tensor.numel() <= 1.25 * kv_n:
+                if kv_pool is not None:
+                    kv_pool.close()
+                    kv_pool = None
+                    gc.collect()
+                kv_pool = HostBuffer(kv_n, weights.dtype, pinned=True)
             t0 = time.perf_counter()
             warm = build_plan(c["policy"], model, hw, plan.workload.with_(gen_len=2, num_gpu_batches=1),
                               c["settings"])
@@ -198,7 +209,8 @@ def run_configs(args) -> int:
         res = None
         gc.collect()
         torch.cuda.empty_cache()
-    kv_pool.close()
+    if kv_pool is not None:
+        kv_pool.close()
     weights.close()
     doc = {"experiment": "compression_h200", "provenance": prov, "model": model.name, "budget_gb": cfg["budget_gb"],
            "profile": cfg["profile"], "weights_s": weights_s, "link": bw, "runs": runs,
