@@ -128,6 +128,7 @@ def run_configs(args) -> int:
     from offexec.weights import random_weights
     from offsim import Workload, build_plan, get_hardware, get_model, simulate
     from offsim.analysis.validate import case_from_trace, save_case
+    from offsim.core.specs import Compression
 
     if not torch.cuda.is_available():
         print("compression h200: needs a CUDA GPU", file=sys.stderr)
@@ -174,11 +175,18 @@ def run_configs(args) -> int:
             # a page-locked pool of this plan's host KV (stored bytes), made anew where the last one is too small
             # or much larger: host memory holds the master, the packed weights and one pool, not the largest
             kv_n = host_bytes(plan)["host KV"] // model.dtype_bytes + 1
-            if kv_pool is None or not kv_n <= kv_pool.tensor.numel() <= 1.25 * kv_n:
+            comp = Compression.from_settings(c["settings"])
+            fresh = comp.weight and (weights.packed is None or weights.packed.comp != comp)
+            if kv_pool is None or fresh or not kv_n <= kv_pool.tensor.numel() <= 1.05 * kv_n:
                 if kv_pool is not None:
                     kv_pool.close()
                     kv_pool = None
                     gc.collect()
+                if fresh:  # the packed copy before the pool: it is made while no pool is held
+                    t0 = time.perf_counter()
+                    weights.packed_layers(comp)
+                    print(f"packed weights: {weights.packed.host.nbytes / 1e9:.1f} GB in "
+                          f"{time.perf_counter() - t0:.1f} s", flush=True)
                 kv_pool = HostBuffer(kv_n, weights.dtype, pinned=True)
             t0 = time.perf_counter()
             warm = build_plan(c["policy"], model, hw, plan.workload.with_(gen_len=2, num_gpu_batches=1),
