@@ -402,9 +402,10 @@ class Executor:
         if self.kv_heads["cpu"]:
             n = L * self.nb * self._kv_elems(self.kv_heads["cpu"])
             pool = self.host_kv_pool
-            if pool is not None and pool.tensor.numel() >= n and pool.tensor.dtype == self.kv_dtype and \
-                    pool.pinned == (pinned and self.cuda):
-                self.kv_host = pool.tensor[:n].view((L, self.nb) + shape(self.kv_heads["cpu"]))
+            if pool is not None and pool.nbytes >= n * self.kv_e and pool.pinned == (pinned and self.cuda):
+                # the pool's bytes, whatever its dtype (a compressed cache stores uint8)
+                raw = pool.tensor.view(-1).view(torch.uint8)[:n * self.kv_e]
+                self.kv_host = raw.view(self.kv_dtype).view((L, self.nb) + shape(self.kv_heads["cpu"]))
                 self.host_kv_bytes = n * self.kv_e
             else:
                 self.host_kv = HostBuffer(n, self.kv_dtype, pinned and self.cuda)
