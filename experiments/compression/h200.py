@@ -193,6 +193,7 @@ def run_configs(args) -> int:
                               c["settings"])
             run_plan(warm, weights, "cuda", seed=1, gpu_budget_bytes=budget, host_kv_pool=kv_pool)
             warm_s = time.perf_counter() - t0
+            print(f"{name}: warm-up {warm_s:.1f} s", flush=True)
             meta = {"hardware": "h200", "gpu_mem_gb": cfg["budget_gb"], **prov}
             res = run_plan(plan, weights, "cuda", seed=1, gpu_budget_bytes=budget, meta=meta, host_kv_pool=kv_pool)
             pred = simulate(plan, hw).metrics()
