@@ -847,11 +847,10 @@ class Executor:
         work = self.kv_deq
         for lo, hi, buf in bufs:
             for i, x in ((0, kt), (1, vt)):
-                packed = quant.pack_vectors(x[:, :, lo:hi])
-                if pos is None:
-                    buf[start:ctx, i] = packed
+                if pos is None:  # prefill or a recompute: many tokens, packed in bounded chunks
+                    quant.pack_vectors_into(x[:, :, lo:hi], buf[start:ctx, i])
                 else:
-                    buf[:, i].index_copy_(0, pos, packed)
+                    buf[:, i].index_copy_(0, pos, quant.pack_vectors(x[:, :, lo:hi]))
         for i, x in ((0, kt), (1, vt)):
             if pos is None:
                 work[start:ctx, i] = x

@@ -101,9 +101,9 @@ def dequantize(p: Packed, dtype: torch.dtype = torch.float16) -> torch.Tensor:
 # the stored form as flat bytes (the executor's tiers hold weights this way: offexec/weights.py PackedLayers)
 # ----------------------------------------------------------------------------------------------------------------
 # Rows of groups dequantize_into turns into values per pass: its fp32 temporaries (codes, values) are ~12 bytes an
-# element, so 2^20 elements bound them to ~12 MiB whatever the matrix (inside the allocator's slack,
-# footprint.ALLOCATOR_SLACK_BYTES, which the plan's GPU bytes carry), where one pass over OPT-30B's 205 M-element
-# fc1 would take 2.5 GB the plan does not have.
+# element (quantizing, ``pack_vectors_into``: ~24), so 2^20 elements bound them to 12-24 MiB whatever the tensor
+# (inside the allocator's slack, footprint.ALLOCATOR_SLACK_BYTES, which the plan's GPU bytes carry), where one pass
+# over OPT-30B's 205 M-element fc1 would take 2.5 GB the plan does not have.
 DEQUANT_CHUNK_ELEMS = 1 << 20
 
 
@@ -177,6 +177,20 @@ def pack_vectors(x: torch.Tensor) -> torch.Tensor:
     head (``footprint.stored_kv_bytes`` per vector)."""
     p = quantize_kv(x)
     return torch.cat([p.data.flatten(-2), p.scale.flatten(-2).view(torch.uint8)], dim=-1)
+
+
+def pack_vectors_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``pack_vectors(x)`` written into ``out`` [S, ..., stored] (uint8, any strides) a bounded number of leading
+    rows at a time (``DEQUANT_CHUNK_ELEMS``): quantizing takes several fp32 temporaries per element, so a prefill's
+    K or V in one pass (OPT-30B, 24 x 1984 tokens: 0.3 G elements) would need GBs the plan does not have. Returns
+    ``out``."""
+    if out.shape[:-1] != x.shape[:-1]:
+        raise ValueError(f"packed KV of shape {list(out.shape)} cannot hold vectors of shape {list(x.shape)}")
+    per_row = max(1, x[0].numel()) if x.shape[0] else 1
+    step = max(1, DEQUANT_CHUNK_ELEMS // per_row)
+    for r in range(0, x.shape[0], step):
+        out[r:r + step] = pack_vectors(x[r:r + step])
+    return out
 
 
 def unpack_vectors_into(buf: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

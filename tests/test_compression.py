@@ -289,3 +289,11 @@ def test_a_weight_range_is_never_empty_and_its_parts_cover_the_whole():
     parts = sum(fp.stored_weight_bytes(m, a, b, C4) for a, b in zip(cuts, cuts[1:]))
     whole = fp.stored_layer_weight_bytes(m, C4)
     assert whole <= parts <= whole + len(cuts) * len(m.layer_tensors())
+
+
+def test_pack_vectors_into_in_chunks_equals_one_pass(monkeypatch):
+    """The chunked store (prefill, recomputes) packs exactly what one pass would."""
+    x = torch.randn(300, 3, 5, 128, generator=torch.Generator().manual_seed(0)).half()
+    whole = quant.pack_vectors(x)
+    monkeypatch.setattr(quant, "DEQUANT_CHUNK_ELEMS", 2000)  # many chunks
+    assert torch.equal(quant.pack_vectors_into(x, torch.zeros_like(whole)), whole)

@@ -325,3 +325,25 @@ def test_compressed_plans_on_cuda_within_the_plans_own_gpu_bytes():
         assert (graphed.tokens == eager.tokens).mean() > 0.9  # graphs attend over full buffers: fp16 ties may flip
     finally:
         w.close()
+
+
+def test_a_compressed_cache_runs_in_an_fp16_host_kv_pool_by_its_bytes():
+    """A caller's page-locked KV pool (experiments make one per process) serves a compressed cache's uint8 buffers
+    by its bytes: no second host KV beside it (on the H200 that second copy was killed for host memory), and the
+    same tokens as without the pool."""
+    from offexec.memory import HostBuffer
+
+    spec, w, _, prompts = _model("opt")
+    wl = Workload(PROMPT, GEN, 2, 2)
+    plan = build_plan("flexgen", spec, HW, wl, {"percent": (100, 0, 0, 100, 100, 0), "compress_cache": True})
+    need = fp.executor_host_bytes(spec, wl, plan.kv_split, 0, compression_of(plan))["host KV"]
+    pool = HostBuffer(need // 2 + 1, torch.float16, pinned=False)  # fp16 elements, whatever the model dtype
+    try:
+        ex = Executor(plan, w, "cpu", prompts[:4], 0, None, None, False, False)
+        ex.host_kv_pool = pool
+        res = ex.run({})
+        assert getattr(ex, "host_kv", None) is None  # the pool's bytes, no buffer of its own
+        assert res.stats["host_kv_bytes"] == need
+        np.testing.assert_array_equal(res.tokens, run_plan(plan, w, "cpu", prompts[:4]).tokens)
+    finally:
+        pool.close()
