@@ -166,6 +166,15 @@ def run_configs(args) -> int:
     order = sorted(plans, key=lambda n: plans[n][0]["compression"] != "fp16")
     kv_pool = None
     runs = []
+    dest = out / "compression_h200.json"
+
+    def save() -> None:
+        doc = {"experiment": "compression_h200", "provenance": prov, "model": model.name,
+               "budget_gb": cfg["budget_gb"], "profile": cfg["profile"], "weights_s": weights_s, "link": bw,
+               "runs": runs, "flexgen_ref_fp16_decode_tok_s": FLEXGEN_REF_DECODE_TOK_S,
+               "elapsed_s": time.perf_counter() - t_start}
+        dest.write_text(json.dumps(doc, indent=1, default=str))
+
     for name in order:
         c, plan = plans[name]
         if time.perf_counter() - t_start > args.time_limit_s:
@@ -218,14 +227,11 @@ def run_configs(args) -> int:
         res = None
         gc.collect()
         torch.cuda.empty_cache()
+        save()  # after every run: a later run that the host kills leaves the earlier ones' evidence
     if kv_pool is not None:
         kv_pool.close()
     weights.close()
-    doc = {"experiment": "compression_h200", "provenance": prov, "model": model.name, "budget_gb": cfg["budget_gb"],
-           "profile": cfg["profile"], "weights_s": weights_s, "link": bw, "runs": runs,
-           "flexgen_ref_fp16_decode_tok_s": FLEXGEN_REF_DECODE_TOK_S, "elapsed_s": time.perf_counter() - t_start}
-    dest = out / "compression_h200.json"
-    dest.write_text(json.dumps(doc, indent=1, default=str))
+    save()
     finish({"experiment": "compression_h200", "out": str(dest),
             "decode_tok_s": {r["config"]: r.get("measured", {}).get("decode_tok_s") for r in runs}})
     return 0
