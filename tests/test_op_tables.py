@@ -625,3 +625,9 @@ def test_copy_issue_costs_follow_the_profiles_issue_rows():
     assert C.issue_seconds(d2h, fast, 0, M) == fast.issue_copy_s  # its handler has no row
     t_fast, t_slow = same_traces(plan, fast), same_traces(plan, slow)
     assert t_fast.metrics()["total_s"] < t_slow.metrics()["total_s"]  # host-bound at 2 ms a copy
+    # past the largest measured copy the issue time stays flat (the bytes move on the copy engine, not the host),
+    # where a compute table grows in proportion
+    from offsim.core.sim import _KindOnly
+
+    assert C.issue_seconds(_KindOnly("h2d", tensor="kv", nbytes=int(1e10)), fast, 0, M) == pytest.approx(2e-5)
+    assert C.table_seconds(curve(fast, "issue", "h2d_kv"), 1e10) == pytest.approx(2e-5 * 100)
