@@ -2,8 +2,8 @@
 
 The executor runs compressed weights and KV with it (offexec/weights.py ``PackedLayers`` stores every layer with
 ``quantize_weight`` / ``to_bytes``, compute ops ``dequantize_into`` their fp16 working copy; KV buffers hold
-``pack_vectors``' form, attention ops ``unpack_vectors_into`` the working KV); ``top_k_sparse_attention`` is not
-wired into the executor yet (it refuses sparse plans).
+``pack_vectors``' form, attention ops ``unpack_vectors_into`` the working KV) and runs sparse attention with
+``sparse_sdpa`` (``model.attention``'s ``sparse``); ``top_k_sparse_attention`` is its one-token reference.
 
 **Format** (FlexGen, ICML'23 §5; its ``CompressionConfig(num_bits=4, group_size=64)``): a tensor is cut into groups
 of ``QUANT_GROUP_SIZE`` = 64 consecutive elements along one dim; each group keeps its min and its step
@@ -237,6 +237,73 @@ def top_k_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fr
         rows = torch.gather(vx.float(), 2, top_i.squeeze(2).unsqueeze(-1).expand(B, H, keep, D))  # V rows loaded
         out = out + top_w @ rows
     return out.to(q.dtype)
+
+
+def keep_count(fraction: float, others: int) -> int:
+    """How many of ``others`` cached key positions a query keeps (FlexGen's ``int(attn_sparsity · (s − 1))``, at
+    least one where there is one): the V rows of the kept positions are the ones attention multiplies."""
+    return max(1, int(fraction * others)) if others > 0 else 0
+
+
+def sparse_sdpa(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, fraction: float, T: int,
+                keys: torch.Tensor | None = None, k_cap: int | None = None,
+                first: "int | torch.Tensor" = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k sparse attention as the executor runs it (``model._sdpa``'s arguments; any T, masks, GQA): each query
+    keeps its own position and the top ``keep_count(fraction, n)`` of the n other key positions it sees, by score;
+    the softmax is over every key it sees and the kept weights are not renormalised (FlexGen's
+    ``_sparse_attention_value``, which ``top_k_sparse_attention`` spells out for one token).
+
+    q: [B, n·G, T, D]; K, V: [B, n, C, D]; ``keys``: bool [B or 1, 1, T, C], the positions each query sees (a query's
+    own position is the last it sees), or None (causal, aligned to the bottom right). ``first``: the first position
+    (cache row) whose query is sparse -- a generated token's; a query at an earlier row (a prompt token that TightLLM
+    recomputes) keeps every position it sees, as the dense prefill that made its KV did, so that recomputing KV gives
+    what loading it would (an int, or a 0-d tensor on the device that a CUDA graph reads per replay). QKᵀ is whole.
+    PV:
+
+    - one query (T = 1, decode): the kept positions' V rows are gathered -- ``k_cap`` of them per head (default
+      ``keep_count(fraction, C − 1)``, the most any query of this C keeps; a fixed size, so that a CUDA graph
+      replays it: the graphs pass the count for the full-length buffer), the ranks past a query's own count weighted
+      0 -- and only they are multiplied: the V read and PV FLOPs offsim prices (``costmodel.sparse_share``);
+    - several (TightLLM's recompute, T > 1): a masked product, the weights of the dropped positions zeroed, over
+      every V row (per query the kept set differs; gathering T · keep rows per head would outgrow the op's memory).
+
+    Returns (out [B, n·G, T, D] in q's dtype, the number of kept (query head, query, V row) entries as a 0-d
+    int64 tensor on q's device -- summed without a host sync)."""
+    B, HG, _, D = q.shape
+    n, C = K.shape[1], K.shape[2]
+    G = HG // n
+    qg = q.float().reshape(B, n, G * T, D)
+    scores = (qg @ K.float().transpose(-1, -2)).view(B, HG, T, C) / math.sqrt(D)  # [B, n·G, T, C]
+    cols = torch.arange(C, device=q.device)
+    if keys is None:
+        vis = (cols.unsqueeze(0) <= (C - T + torch.arange(T, device=q.device)).unsqueeze(1)).view(1, 1, T, C)
+    else:
+        vis = keys
+    scores = scores.masked_fill(~vis, float("-inf"))
+    w = torch.softmax(scores, dim=-1)  # [B, n·G, T, C]
+    own = (vis.long() * (cols + 1)).argmax(-1, keepdim=True)  # [B|1, 1, T, 1]: the last position each sees
+    seen = vis.sum(-1, keepdim=True) - 1  # other positions each query sees
+    keep = torch.where(seen > 0, (seen.double() * fraction).floor().long().clamp_(min=1), 0)  # keep_count
+    if T > 1:  # (one query is a generated token's: ``first`` matters only to recompute blocks)
+        keep = torch.where(own >= first, keep, seen)
+    others = scores.masked_fill(cols == own, float("-inf"))
+    if T == 1:
+        kc = min(C, keep_count(fraction, C - 1) if k_cap is None else k_cap)
+        _, idx = others.topk(kc, dim=-1)  # [B, n·G, 1, kc], best first
+        tw = w.gather(-1, idx) * (torch.arange(kc, device=q.device) < keep)  # ranks past the count: weight 0
+        rows = torch.gather(V.float(), 2, idx.reshape(B, n, G * kc, 1).expand(B, n, G * kc, D))  # V rows read
+        out = (tw.view(B, HG, 1, 1, kc) @ rows.view(B, HG, 1, kc, D)).view(B, HG, 1, D)
+        ow = w.gather(-1, own.expand(B, HG, 1, 1))  # [B, n·G, 1, 1]
+        orow = torch.gather(V.float(), 2, own.expand(B, n, 1, D))  # [B, n, 1, D]: the own position's V row
+        out = out + ow * orow.repeat_interleave(G, dim=1)
+    else:
+        order = others.argsort(dim=-1, descending=True, stable=True)
+        rank = torch.empty_like(order).scatter_(-1, order, cols.expand_as(order))
+        kept = (rank < keep) | (cols == own)  # [B, n·G, T, C]
+        wk = (w * kept).view(B, n, G * T, C)
+        out = (wk @ V.float()).view(B, HG, T, D)
+    count = (keep + 1).expand(B, HG, T, 1).sum()  # the kept positions and the own one, per query head and query
+    return out.to(q.dtype), count
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -297,13 +297,16 @@ def stored_kv_bytes(model: ModelSpec, num_seqs: int, tokens: int, heads: int | N
 
 def kv_load_bytes(model: ModelSpec, num_seqs: int, tokens: int, heads: int | None = None,
                   comp: Compression = NO_COMPRESSION) -> int:
-    """Bytes a KV load for GPU attention moves: the stored KV, or with sparse attention all of K (every key is
-    scored) and the ``sparse_attention`` share of V (only the kept positions' rows), FlexGen's sparse load."""
-    kv = stored_kv_bytes(model, num_seqs, tokens, heads, 1, comp)
-    if comp.sparse_attention >= 1:
-        return kv
-    k = kv // 2  # K and V are the same size
-    return k + math.ceil(k * comp.sparse_attention)
+    """Bytes a KV load for GPU attention moves: the stored KV, K and V whole -- with sparse attention too.
+
+    FlexGen's sparse mode loads K, scores it, and only then copies the kept positions' V rows from the host, a
+    synchronous gather inside the attention (its ``_sparse_attention_value``). offexec's KV loads are h2d ops that
+    run ahead of the compute (prefetched, on their own stream, a CUDA graph replaying the attention), before any score
+    exists: a V gather by score would be a device-to-host sync in the middle of the compute op, which the executor's
+    issue loop and graphs do not allow. So the plan prices what the executor does: the load moves the whole stored
+    KV, and sparse attention saves on the GPU -- the kept V rows gathered and multiplied (``costmodel.sparse_share``:
+    the HBM read and PV FLOPs of one-token decode attention) -- not on the link (docs/cost-model.md §4b)."""
+    return stored_kv_bytes(model, num_seqs, tokens, heads, 1, comp)
 
 
 def weight_stored_fraction(model: ModelSpec, comp: Compression = NO_COMPRESSION) -> float:

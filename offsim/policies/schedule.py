@@ -124,7 +124,7 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         return fp.stored_kv_bytes(model, gbs, tokens, heads, comp=compression)
 
     @functools.cache
-    def kv_load(heads: int, tokens: int) -> int:  # a KV h2d for GPU attention: with sparse attention, K and V's share
+    def kv_load(heads: int, tokens: int) -> int:  # a KV h2d for GPU attention: the stored KV (sparse too)
         return fp.kv_load_bytes(model, gbs, tokens, heads, compression)
 
     @functools.cache

@@ -312,7 +312,7 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
     b = PlanBuilder()
     add = b.add
 
-    def kvb(heads: int, tokens: int) -> int:  # a KV load for GPU attention (sparse: V's share)
+    def kvb(heads: int, tokens: int) -> int:  # a KV load for GPU attention (the stored KV, sparse too)
         return kv_load_bytes(model, gbs, heads, tokens, cz)
 
     def kv_stored(heads: int, tokens: int) -> int:  # KV as stored: a store, a disk read
