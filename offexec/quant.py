@@ -245,6 +245,11 @@ def keep_count(fraction: float, others: int) -> int:
     return max(1, int(fraction * others)) if others > 0 else 0
 
 
+# Score elements [B, n·G, T, C] a recompute block ranks per pass: its fp32 and int64 temporaries (scores, weights,
+# order, ranks) stay ~16-32 MiB each whatever the block, where one pass over a whole-context recompute would take GBs
+SPARSE_CHUNK_ELEMS = 1 << 22
+
+
 def sparse_sdpa(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, fraction: float, T: int,
                 keys: torch.Tensor | None = None, k_cap: int | None = None,
                 first: "int | torch.Tensor" = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,53 +262,83 @@ def sparse_sdpa(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, fraction: flo
     own position is the last it sees), or None (causal, aligned to the bottom right). ``first``: the first position
     (cache row) whose query is sparse -- a generated token's; a query at an earlier row (a prompt token that TightLLM
     recomputes) keeps every position it sees, as the dense prefill that made its KV did, so that recomputing KV gives
-    what loading it would (an int, or a 0-d tensor on the device that a CUDA graph reads per replay). QKᵀ is whole.
-    PV:
+    what loading it would (an int, or a 0-d tensor on the device that a CUDA graph reads per replay). QKᵀ is whole
+    (in the inputs' dtype, q scaled first, as SDPA does; scores and softmax in fp32). PV:
 
     - one query (T = 1, decode): the kept positions' V rows are gathered -- ``k_cap`` of them per head (default
       ``keep_count(fraction, C − 1)``, the most any query of this C keeps; a fixed size, so that a CUDA graph
       replays it: the graphs pass the count for the full-length buffer), the ranks past a query's own count weighted
       0 -- and only they are multiplied: the V read and PV FLOPs offsim prices (``costmodel.sparse_share``);
     - several (TightLLM's recompute, T > 1): a masked product, the weights of the dropped positions zeroed, over
-      every V row (per query the kept set differs; gathering T · keep rows per head would outgrow the op's memory).
+      every V row (per query the kept set differs; gathering T · keep rows per head would outgrow the op's memory),
+      ``SPARSE_CHUNK_ELEMS`` score elements at a time.
 
-    Returns (out [B, n·G, T, D] in q's dtype, the number of kept (query head, query, V row) entries as a 0-d
-    int64 tensor on q's device -- summed without a host sync)."""
+    No host sync (CUDA-graph safe). Returns (out [B, n·G, T, D] in q's dtype, the number of kept (query head, query,
+    V row) entries as a 0-d int64 tensor on q's device)."""
+    B, HG, _, D = q.shape
+    C = K.shape[2]
+    if keys is None:
+        cols = torch.arange(C, device=q.device)
+        keys = (cols.unsqueeze(0) <= (C - T + torch.arange(T, device=q.device)).unsqueeze(1)).view(1, 1, T, C)
+    if T == 1:
+        return _sparse_one(q, K, V, fraction, keys, k_cap)
+    step = max(1, SPARSE_CHUNK_ELEMS // max(1, B * HG * C))
+    outs, count = [], 0
+    for t0 in range(0, T, step):
+        o, c = _sparse_block(q[:, :, t0:t0 + step], K, V, fraction, keys[..., t0:t0 + step, :], first)
+        outs.append(o)
+        count = count + c
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)), count
+
+
+def _select(q, K, fraction: float, vis):
+    """Scores and the selection rule of ``sparse_sdpa`` for queries q [B, n·G, T, D] seeing ``vis`` [B|1, 1, T, C]
+    of K [B, n, C, D]: (softmax weights fp32 [B, n·G, T, C], the others' scores with the own position at −inf, own
+    position [B|1, 1, T, 1], positions each keeps [B|1, 1, T, 1], the other positions each sees [B|1, 1, T, 1])."""
+    B, HG, T, D = q.shape
+    n, C = K.shape[1], K.shape[2]
+    qs = (q * (1.0 / math.sqrt(D))).reshape(B, n, (HG // n) * T, D)
+    scores = (qs @ K.transpose(-1, -2)).float().view(B, HG, T, C).masked_fill_(~vis, float("-inf"))
+    w = torch.softmax(scores, dim=-1)
+    cols = torch.arange(C, device=q.device)
+    own = (vis.long() * (cols + 1)).argmax(-1, keepdim=True)  # the last position each query sees: its own
+    seen = vis.sum(-1, keepdim=True) - 1
+    keep = torch.where(seen > 0, (seen.double() * fraction).floor().long().clamp_(min=1), 0)  # keep_count
+    return w, scores.masked_fill_(cols == own, float("-inf")), own, keep, seen
+
+
+def _sparse_one(q, K, V, fraction: float, vis, k_cap):
+    """``sparse_sdpa`` for one query: gather the kept V rows (``k_cap`` per head, the ranks past each query's count
+    weighted 0) and multiply only them."""
     B, HG, _, D = q.shape
     n, C = K.shape[1], K.shape[2]
     G = HG // n
-    qg = q.float().reshape(B, n, G * T, D)
-    scores = (qg @ K.float().transpose(-1, -2)).view(B, HG, T, C) / math.sqrt(D)  # [B, n·G, T, C]
+    w, others, own, keep, _ = _select(q, K, fraction, vis)
+    kc = min(C, keep_count(fraction, C - 1) if k_cap is None else k_cap)
+    _, idx = others.topk(kc, dim=-1)  # [B, n·G, 1, kc], best first
+    tw = w.gather(-1, idx) * (torch.arange(kc, device=q.device) < keep)  # ranks past the count: weight 0
+    rows = torch.gather(V, 2, idx.reshape(B, n, G * kc, 1).expand(B, n, G * kc, D))  # the V rows read
+    out = (tw.to(V.dtype).view(B, HG, 1, 1, kc) @ rows.view(B, HG, 1, kc, D)).view(B, HG, 1, D).float()
+    ow = w.gather(-1, own.expand(B, HG, 1, 1))  # [B, n·G, 1, 1]
+    orow = torch.gather(V, 2, own.expand(B, n, 1, D)).float()  # [B, n, 1, D]: the own position's V row
+    out = out + ow * (orow.repeat_interleave(G, dim=1) if G > 1 else orow)
+    return out.to(q.dtype), (keep + 1).expand(B, HG, 1, 1).sum()
+
+
+def _sparse_block(q, K, V, fraction: float, vis, first):
+    """``sparse_sdpa`` for a block of queries: the dropped positions' weights zeroed, every V row multiplied; the
+    queries at rows before ``first`` keep everything they see."""
+    B, HG, T, D = q.shape
+    n, C = K.shape[1], K.shape[2]
+    w, others, own, keep, seen = _select(q, K, fraction, vis)
+    keep = torch.where(own >= first, keep, seen)
     cols = torch.arange(C, device=q.device)
-    if keys is None:
-        vis = (cols.unsqueeze(0) <= (C - T + torch.arange(T, device=q.device)).unsqueeze(1)).view(1, 1, T, C)
-    else:
-        vis = keys
-    scores = scores.masked_fill(~vis, float("-inf"))
-    w = torch.softmax(scores, dim=-1)  # [B, n·G, T, C]
-    own = (vis.long() * (cols + 1)).argmax(-1, keepdim=True)  # [B|1, 1, T, 1]: the last position each sees
-    seen = vis.sum(-1, keepdim=True) - 1  # other positions each query sees
-    keep = torch.where(seen > 0, (seen.double() * fraction).floor().long().clamp_(min=1), 0)  # keep_count
-    if T > 1:  # (one query is a generated token's: ``first`` matters only to recompute blocks)
-        keep = torch.where(own >= first, keep, seen)
-    others = scores.masked_fill(cols == own, float("-inf"))
-    if T == 1:
-        kc = min(C, keep_count(fraction, C - 1) if k_cap is None else k_cap)
-        _, idx = others.topk(kc, dim=-1)  # [B, n·G, 1, kc], best first
-        tw = w.gather(-1, idx) * (torch.arange(kc, device=q.device) < keep)  # ranks past the count: weight 0
-        rows = torch.gather(V.float(), 2, idx.reshape(B, n, G * kc, 1).expand(B, n, G * kc, D))  # V rows read
-        out = (tw.view(B, HG, 1, 1, kc) @ rows.view(B, HG, 1, kc, D)).view(B, HG, 1, D)
-        ow = w.gather(-1, own.expand(B, HG, 1, 1))  # [B, n·G, 1, 1]
-        orow = torch.gather(V.float(), 2, own.expand(B, n, 1, D))  # [B, n, 1, D]: the own position's V row
-        out = out + ow * orow.repeat_interleave(G, dim=1)
-    else:
-        order = others.argsort(dim=-1, descending=True, stable=True)
-        rank = torch.empty_like(order).scatter_(-1, order, cols.expand_as(order))
-        kept = (rank < keep) | (cols == own)  # [B, n·G, T, C]
-        wk = (w * kept).view(B, n, G * T, C)
-        out = (wk @ V.float()).view(B, HG, T, D)
-    count = (keep + 1).expand(B, HG, T, 1).sum()  # the kept positions and the own one, per query head and query
-    return out.to(q.dtype), count
+    order = others.argsort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(-1, order, cols.expand_as(order))
+    del order
+    wk = w.masked_fill_(~((rank < keep) | (cols == own)), 0.0).to(V.dtype).view(B, n, (HG // n) * T, C)
+    out = (wk @ V).view(B, HG, T, D)
+    return out.to(q.dtype), (keep + 1).expand(B, HG, T, 1).sum()
 
 
 # ----------------------------------------------------------------------------------------------------------------

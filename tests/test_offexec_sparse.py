@@ -124,7 +124,7 @@ def _expected_rows(plan, f: float) -> int:
 
 
 # ---- the kernel ----------------------------------------------------------------------------------------------------
-def test_sparse_sdpa_matches_the_one_token_reference_and_the_rule_for_blocks():
+def test_sparse_sdpa_matches_the_one_token_reference_and_the_rule_for_blocks(monkeypatch):
     g = torch.Generator().manual_seed(3)
     B, H, Hk, C, D = 2, 8, 2, 41, 32
     q = torch.randn(B, H, 1, D, generator=g)
@@ -149,6 +149,13 @@ def test_sparse_sdpa_matches_the_one_token_reference_and_the_rule_for_blocks():
         assert torch.allclose(out[b].transpose(0, 1).reshape(T, H * D), ref.float(), atol=1e-5)
         want += rows + H * sum(r + 1 for r in range(C - T, first))
     assert int(n) == want
+    # ranked a few queries at a time (``SPARSE_CHUNK_ELEMS``): the same result
+    monkeypatch.setattr(quant, "SPARSE_CHUNK_ELEMS", B * H * C * 2)
+    out2, n2 = quant.sparse_sdpa(q6, k, v, 0.25, T, first=first)
+    assert torch.equal(out2, out) and int(n2) == want
+    # fp16 inputs (scores and softmax in fp32): close to the fp32 result
+    h, _ = quant.sparse_sdpa(q.half(), k.half(), v.half(), 0.5, 1)
+    assert h.dtype == torch.float16 and (h.float() - quant.sparse_sdpa(q, k, v, 0.5, 1)[0]).abs().max() < 1e-2
 
 
 # ---- plans -----------------------------------------------------------------------------------------------------
