@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from offsim.core.footprint import quantized_bytes
+from offsim.core.footprint import SPARSE_CHUNK_ELEMS, quantized_bytes
 from offsim.core.specs import QUANT_BITS, QUANT_GROUP_SIZE, WEIGHT_GROUP_DIM
 
 LEVELS = (1 << QUANT_BITS) - 1  # 15: the largest 4-bit code
@@ -245,9 +245,9 @@ def keep_count(fraction: float, others: int) -> int:
     return max(1, int(fraction * others)) if others > 0 else 0
 
 
-# Score elements [B, n·G, T, C] a recompute block ranks per pass: its fp32 and int64 temporaries (scores, weights,
-# order, ranks) stay ~16-32 MiB each whatever the block, where one pass over a whole-context recompute would take GBs
-SPARSE_CHUNK_ELEMS = 1 << 22
+# ``SPARSE_CHUNK_ELEMS`` (offsim's, imported above): score elements [B, n·G, T, C] a recompute block ranks per
+# pass -- its fp32 and int64 temporaries (scores, weights, order, ranks) stay 4-8 MiB each whatever the block, where
+# one pass over a whole-context recompute would take GBs; offsim counts them (``footprint.sparse_attention_bytes``)
 
 
 def sparse_sdpa(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, fraction: float, T: int,
