@@ -321,3 +321,35 @@ def test_sparse_plans_move_the_whole_kv_and_save_decode_attention():
     m = sparse.model
     assert cm.attention_seconds(m, HW, 64, 1, 4096, c) < cm.attention_seconds(m, HW, 64, 1, 4096)
     assert simulate(sparse, HW).makespan_s <= simulate(dense, HW).makespan_s
+
+
+# ---- on a GPU (skipped without CUDA) --------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sparse_plans_on_cuda_within_the_plans_own_gpu_bytes():
+    """OPT-1.3B-sized random fp16 weights on CUDA (streams, CUDA graphs replaying the fixed-size gather, the
+    allocator capped at the plan's own GPU bytes): a sparse plan with KV on the host, plain and with a compressed
+    cache, and a TightLLM plan recomputing through graphs, give the eager run's tokens (fp16 ties may flip a few) and
+    V row counts. Written without a GPU in its session: it has not run on one yet."""
+    from offexec.weights import random_weights
+    from offsim import get_model
+
+    spec = get_model("opt-1.3b")
+    w = random_weights(spec, seed=0, device="cuda", pinned=True, progress=False)
+    try:
+        hw = get_hardware("h200", gpu_mem_gb=4)
+        wl = Workload(64, 16, 4, 2)
+        prompts = torch.randint(0, spec.vocab_size, (8, 64), generator=torch.Generator().manual_seed(0))
+        for policy, st in (("flexgen", {"percent": (20, 80, 0, 100, 100, 0)}),
+                           ("flexgen", {"percent": (20, 80, 0, 100, 100, 0), "compress_cache": True}),
+                           ("tightllm", {"percent": (20, 80, 0, 100, 100, 0), "kv_solver": "exact",
+                                         "max_recompute_tokens": 4})):
+            plan = build_plan(policy, spec, hw, wl, {**st, "sparse_attention": 0.2})
+            graphed = run_plan(plan, w, "cuda", prompts)
+            eager = run_plan(plan, w, "cuda", prompts, graphs="off")
+            assert graphed.stats["allocator"]["num_ooms"] == 0
+            assert graphed.stats["gpu_max_reserved_bytes"] <= graphed.stats["allocator_cap_bytes"]
+            assert graphed.stats["sparse_v_rows"] == eager.stats["sparse_v_rows"] == _expected_rows(plan, 0.2)
+            assert (graphed.tokens == eager.tokens).mean() > 0.9
+    finally:
+        w.close()
