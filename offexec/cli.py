@@ -128,7 +128,7 @@ def _build(args, hw):
         settings, policy = plan.settings, plan.policy
     from .executor import compression_of
 
-    compression_of(plan)  # compressed weights run; a compressed cache and sparse attention are refused here
+    compression_of(plan)  # compression and sparse attention run; CPU attention with compression is refused here
     warm = None
     if not args.no_warmup:
         warm = build_plan(policy, model, hw, plan.workload.with_(gen_len=min(WARMUP_GEN_LEN, plan.workload.gen_len)),

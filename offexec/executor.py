@@ -114,13 +114,9 @@ def op_transient_bytes(plan: Plan, prog: Program) -> int:
 
 def compression_of(plan: Plan) -> Compression:
     """The plan's compression (its settings are the contract), refused in one line where the executor does not run
-    it: sparse attention (``quant.top_k_sparse_attention`` exists; the executor does not call it, and a sparse KV
-    load moves only part of V, which its KV ops do not do yet), and CPU attention with compression (offsim refuses it
-    too: ``Compression.check_cpu_attention``). Compressed weights and a compressed cache run."""
+    it: CPU attention with compressed weights or cache (offsim refuses it too: ``Compression.check_cpu_attention``).
+    Compressed weights, a compressed cache and sparse attention (on the GPU and on the CPU, as offsim allows it) run."""
     comp = Compression.from_settings(plan.settings)
-    if comp.sparse_attention < 1:
-        raise ExecError(f"offexec does not run sparse attention yet (sparse_attention {comp.sparse_attention:g}; "
-                        "compress_weight and compress_cache run); simulate the plan with `offsim simulate` instead")
     comp.check_cpu_attention(any(op.kind == "cpu_compute" for op in plan.ops))
     return comp
 
@@ -450,11 +446,15 @@ class Executor:
                     buf.zero_()
         self.logits: list = []
         self.replayed = False
+        # sparse attention: kept V rows (query head x query x position), counted on the device and on the host
+        self.sparse_rows = torch.zeros((), dtype=torch.long, device=dev)
+        self.sparse_rows_host = torch.zeros((), dtype=torch.long)
+        self.sparse_first = torch.zeros((), dtype=torch.long, device=dev)  # a graphed op's batch prompt length
 
     def close(self) -> None:
         """Drop every buffer (GPU memory goes back to the allocator; the disk tier's files are removed)."""
         for attr in ("vals", "view_cache", "w_res", "w_deq", "kv_deq", "kv_gpu", "kv_host", "emb", "tokens", "rope",
-                     "val_events"):
+                     "val_events", "sparse_rows", "sparse_first"):
             if hasattr(self, attr):
                 setattr(self, attr, None)
         for pool in self.pools.values():
@@ -512,6 +512,8 @@ class Executor:
                  "host_kv_bytes": self.host_kv_bytes,
                  "budget_bytes": self.budget,
                  "graphs": self.graphs.stats() if self.graphs is not None else {"mode": "off"}}
+        if self.comp.sparse_attention < 1:  # V rows the sparse attention ops multiplied (``quant.sparse_sdpa``)
+            stats["sparse_v_rows"] = int(self.sparse_rows.item()) + int(self.sparse_rows_host.item())
         if self.cuda:
             ms = torch.cuda.memory_stats(self.device)
             stats["allocator"] = {k: ms.get(k, 0) for k in ("num_alloc_retries", "num_ooms", "num_sync_all_streams",
@@ -838,7 +840,8 @@ class Executor:
             for lo, hi, buf in self._kv_buffers(op, args):
                 quant.unpack_vectors_into(buf[:start], self.kv_deq[:start, :, :, lo:hi])
 
-    def _attend_packed(self, bufs, start: int, ctx: int, q, k_new, v_new, pos=None, mask=None) -> torch.Tensor:
+    def _attend_packed(self, bufs, start: int, ctx: int, q, k_new, v_new, pos=None, mask=None,
+                       sparse=None) -> torch.Tensor:
         """``_attend_gpu`` with a compressed cache: quantize the new tokens' K/V into each group's packed buffer
         (the store; d2h and disk ops then move packed bytes), put them fresh into the working copy beside the
         cached positions ``_load_kv`` dequantized, and attend over it -- rows [start, ctx), or with ``pos`` (the
@@ -858,7 +861,7 @@ class Executor:
                 work[:, i].index_copy_(0, pos, x)
         rows = work if pos is not None else work[:ctx]
         groups = [(0, self.spec.num_kv_heads, rows[:, 0].permute(1, 2, 0, 3), rows[:, 1].permute(1, 2, 0, 3))]
-        return M.attention(self.spec, q, groups, mask=mask)
+        return M.attention(self.spec, q, groups, mask=mask, sparse=sparse)
 
     def _start(self, op, device=None):
         """The positions of the op's tokens, cache rows [ctx - q, ctx): their first row (an int), or in a padded
@@ -882,12 +885,27 @@ class Executor:
         return M.visible(torch.arange(op.ctx_tokens - op.q_tokens, op.ctx_tokens, device=pad.device),
                          torch.arange(op.ctx_tokens, device=pad.device), pad)
 
+    def _sparse(self, op=None, host: bool = False):
+        """Top-k sparse attention for ``op`` (``model.Sparse``), or None (dense): the plan's ``sparse_attention``
+        below 1, in generation -- a decode op's queries at generated rows (``costmodel.sparse_share``; prefill is
+        dense, and so are the prompt rows a TightLLM recompute block holds, even one recomputing the whole context).
+        No ``op``: a graphed decode op. ``host``: counted on the host's counter (CPU attention's worker thread)."""
+        f = self.comp.sparse_attention
+        if f >= 1 or (op is not None and op.phase != "decode"):
+            return None
+        # queries at the batch's prompt rows (a TightLLM recompute of prompt tokens) stay dense, as their prefill
+        # was; a graph reads the row from a device tensor that ``_graphed`` writes before each replay
+        first = self.sparse_first if op is None else self.plan.workload.batch_prompt_lens[op.batch]
+        return M.Sparse(f, None, self.sparse_rows_host if host else self.sparse_rows, first)
+
     def _attend_gpu(self, op, args, q, k_new, v_new) -> torch.Tensor:
-        """Write the new tokens' K/V into each head group's buffer and attend over positions [0, ctx)."""
+        """Write the new tokens' K/V into each head group's buffer and attend over positions [0, ctx) (densely, or
+        top-k sparse: ``_sparse``)."""
         ctx, start = op.ctx_tokens, op.ctx_tokens - op.q_tokens
+        sparse = self._sparse(op)
         if self.comp.cache:
             return self._attend_packed(self._kv_buffers(op, args), start, ctx, q, k_new, v_new,
-                                       mask=self._mask(op))
+                                       mask=self._mask(op), sparse=sparse)
         groups = []
         for lo, hi, buf in self._kv_buffers(op, args):
             buf[start:ctx, 0] = k_new[:, :, lo:hi].transpose(0, 1)  # [T, B, n, D]
@@ -895,7 +913,7 @@ class Executor:
             K = buf[:ctx, 0].permute(1, 2, 0, 3)  # [B, n, C, D]
             V = buf[:ctx, 1].permute(1, 2, 0, 3)
             groups.append((lo, hi, K, V))
-        return M.attention(self.spec, q, groups, mask=self._mask(op))
+        return M.attention(self.spec, q, groups, mask=self._mask(op), sparse=sparse)
 
     # ---- op handlers: compute ---------------------------------------------------------------------------------
     def _op_embed(self, op, args, info):
@@ -965,6 +983,8 @@ class Executor:
         slot = self.vals[args["w"]].data_ptr() if "w" in args else None
         key = (op.part, op.q_tokens, op.layer, slot, tuple(b.data_ptr() for _, _, b in bufs))
         self.graphs.set_ctx(op.ctx_tokens, op.q_tokens, None if self.pad is None else self.pad_dev[op.batch])
+        if self.comp.sparse_attention < 1 and op.q_tokens > 1:  # sparse from the batch's first generated row on
+            self.sparse_first.fill_(self.plan.workload.batch_prompt_lens[op.batch])
         y = self.graphs.run(key, lambda *ins: body(*ins, bufs), *xs)
         if y is None:  # capture failed: eager from here on
             self.graphs = None
@@ -977,13 +997,15 @@ class Executor:
         """``_attend_gpu`` for the op's q tokens at the graphs' device-side positions: their K/V written with
         ``index_copy_`` at ``pos``, attention over each full-length buffer, each query's unseen keys masked."""
         pos, groups = self.graphs.pos, []
+        sparse = self._sparse()  # (a graphed op is a decode op: sparse when the plan is; V rows gathered per head:
+        # the most a query keeps over the full-length buffer, a fixed count every replay shares)
         if self.comp.cache:
-            return self._attend_packed(bufs, 0, 0, q, k_new, v_new, pos, self.graphs.keys)
+            return self._attend_packed(bufs, 0, 0, q, k_new, v_new, pos, self.graphs.keys, sparse)
         for lo, hi, buf in bufs:
             buf[:, 0].index_copy_(0, pos, k_new[:, :, lo:hi].transpose(0, 1))  # [q, B, n, D] at rows pos
             buf[:, 1].index_copy_(0, pos, v_new[:, :, lo:hi].transpose(0, 1))
             groups.append((lo, hi, buf[:, 0].permute(1, 2, 0, 3), buf[:, 1].permute(1, 2, 0, 3)))  # [B, n, M, D]
-        return M.attention(self.spec, q, groups, mask=self.graphs.keys)
+        return M.attention(self.spec, q, groups, mask=self.graphs.keys, sparse=sparse)
 
     def _op_pre_attn(self, op, args, info):
         x = self._val(args["x"])
@@ -1038,7 +1060,7 @@ class Executor:
                 new = torch.cat((stage, new), 0)
             groups.append((lo, hi, new[:, 0].permute(1, 2, 0, 3), new[:, 1].permute(1, 2, 0, 3)))
         out = host_tensor((qkv.shape[0], qkv.shape[1], H * s.head_dim), qkv.dtype, self.device)
-        M.attention(s, q, groups, out=out, mask=self._mask(op, "cpu"))
+        M.attention(s, q, groups, out=out, mask=self._mask(op, "cpu"), sparse=self._sparse(op, host=True))
         self.vals[args["out"]] = out
 
     # ---- op handlers: transfers -------------------------------------------------------------------------------

@@ -201,7 +201,8 @@ def pre_attn(spec: ModelSpec, w: dict, x: torch.Tensor, start: int, rope: Rope |
 
 
 def attention(spec: ModelSpec, q: torch.Tensor, groups: list[tuple[int, int, torch.Tensor, torch.Tensor]],
-              out: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+              sparse: "Sparse | None" = None) -> torch.Tensor:
     """Causal attention of T queries at the end of a C-token context.
 
     q: [B, T, H, D]; groups: (head_lo, head_hi, K, V) with K, V: [B, head_hi - head_lo, C, D] for KV heads
@@ -210,21 +211,48 @@ def attention(spec: ModelSpec, q: torch.Tensor, groups: list[tuple[int, int, tor
     recompute block (1 < T < C) are one function. Returns out [B, T, H·D] (written into ``out`` if given).
     ``mask`` (graphed ops): bool [1, 1, T, C], the key positions each query sees -- attention over a full-length buffer
     whose tail is not written yet (offexec/graphs.py); [B, 1, T, C] for left-padded mixed-length batches
-    (``visible``).
+    (``visible``). ``sparse``: top-k sparse attention (``Sparse``, ``quant.sparse_sdpa``) instead of dense SDPA; the
+    selection is per query head over all positions, so head groups in different buffers select alike.
     """
     B, T, H, D = q.shape
     G = H // spec.num_kv_heads
     if out is None and len(groups) == 1 and groups[0][:2] == (0, spec.num_kv_heads):
         _, _, K, V = groups[0]
-        o = _sdpa(q.transpose(1, 2), K, V, T, G, mask)  # [B, H, T, D], a transposed view of [B, T, H, D] memory
+        o = _attend(q.transpose(1, 2), K, V, T, G, mask, sparse)  # [B, H, T, D], a transposed view of [B, T, H, D]
         return o.transpose(1, 2).reshape(B, T, H * D)  # no copy when the kernel laid it out [B, T, H, D]
     if out is None:
         out = q.new_empty(B, T, H * D)
     o4 = out.view(B, T, H, D)
     for h0, h1, K, V in groups:
-        og = _sdpa(q[:, :, h0 * G:h1 * G].transpose(1, 2), K, V, T, G, mask)  # [B, n·G, T, D]
+        og = _attend(q[:, :, h0 * G:h1 * G].transpose(1, 2), K, V, T, G, mask, sparse)  # [B, n·G, T, D]
         o4[:, :, h0 * G:h1 * G] = og.transpose(1, 2)  # [B, T, n·G, D]
     return out
+
+
+@dataclass
+class Sparse:
+    """Top-k sparse attention for one attention call: ``fraction`` of the other positions each query keeps;
+    ``k_cap``: V rows gathered per head for one query (``quant.sparse_sdpa``; None: the most this context keeps);
+    ``rows``: a 0-d int64 tensor on the device that each call adds its count of kept V rows to, in place (so that a
+    CUDA graph's replay counts too; read once after the run); ``first``: the first cache row whose query is sparse
+    (``quant.sparse_sdpa``)."""
+
+    fraction: float
+    k_cap: int | None = None
+    rows: torch.Tensor | None = None
+    first: "int | torch.Tensor" = 0
+
+
+def _attend(q, K, V, T: int, G: int, mask, sparse: Sparse | None) -> torch.Tensor:
+    """``_sdpa``, or with ``sparse`` top-k sparse attention (``quant.sparse_sdpa``), counting its kept V rows."""
+    if sparse is None:
+        return _sdpa(q, K, V, T, G, mask)
+    from offexec.quant import sparse_sdpa
+
+    o, n = sparse_sdpa(q, K, V, sparse.fraction, T, mask, sparse.k_cap, sparse.first)
+    if sparse.rows is not None:
+        sparse.rows.add_(n)
+    return o
 
 
 def _sdpa(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, T: int, G: int,

@@ -2,8 +2,8 @@
 
 The executor runs compressed weights and KV with it (offexec/weights.py ``PackedLayers`` stores every layer with
 ``quantize_weight`` / ``to_bytes``, compute ops ``dequantize_into`` their fp16 working copy; KV buffers hold
-``pack_vectors``' form, attention ops ``unpack_vectors_into`` the working KV); ``top_k_sparse_attention`` is not
-wired into the executor yet (it refuses sparse plans).
+``pack_vectors``' form, attention ops ``unpack_vectors_into`` the working KV) and runs sparse attention with
+``sparse_sdpa`` (``model.attention``'s ``sparse``); ``top_k_sparse_attention`` is its one-token reference.
 
 **Format** (FlexGen, ICML'23 §5; its ``CompressionConfig(num_bits=4, group_size=64)``): a tensor is cut into groups
 of ``QUANT_GROUP_SIZE`` = 64 consecutive elements along one dim; each group keeps its min and its step
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from offsim.core.footprint import quantized_bytes
+from offsim.core.footprint import SPARSE_CHUNK_ELEMS, quantized_bytes
 from offsim.core.specs import QUANT_BITS, QUANT_GROUP_SIZE, WEIGHT_GROUP_DIM
 
 LEVELS = (1 << QUANT_BITS) - 1  # 15: the largest 4-bit code
@@ -251,6 +251,108 @@ def top_k_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fr
         rows = torch.gather(vx.float(), 2, top_i.squeeze(2).unsqueeze(-1).expand(B, H, keep, D))  # V rows loaded
         out = out + top_w @ rows
     return out.to(q.dtype)
+
+
+def keep_count(fraction: float, others: int) -> int:
+    """How many of ``others`` cached key positions a query keeps (FlexGen's ``int(attn_sparsity · (s − 1))``, at
+    least one where there is one): the V rows of the kept positions are the ones attention multiplies."""
+    return max(1, int(fraction * others)) if others > 0 else 0
+
+
+# ``SPARSE_CHUNK_ELEMS`` (offsim's, imported above): score elements [B, n·G, T, C] a recompute block ranks per
+# pass -- its fp32 and int64 temporaries (scores, weights, order, ranks) stay 4-8 MiB each whatever the block, where
+# one pass over a whole-context recompute would take GBs; offsim counts them (``footprint.sparse_attention_bytes``)
+
+
+def sparse_sdpa(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, fraction: float, T: int,
+                keys: torch.Tensor | None = None, k_cap: int | None = None,
+                first: "int | torch.Tensor" = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k sparse attention as the executor runs it (``model._sdpa``'s arguments; any T, masks, GQA): each query
+    keeps its own position and the top ``keep_count(fraction, n)`` of the n other key positions it sees, by score;
+    the softmax is over every key it sees and the kept weights are not renormalised (FlexGen's
+    ``_sparse_attention_value``, which ``top_k_sparse_attention`` spells out for one token).
+
+    q: [B, n·G, T, D]; K, V: [B, n, C, D]; ``keys``: bool [B or 1, 1, T, C], the positions each query sees (a query's
+    own position is the last it sees), or None (causal, aligned to the bottom right). ``first``: the first position
+    (cache row) whose query is sparse -- a generated token's; a query at an earlier row (a prompt token that TightLLM
+    recomputes) keeps every position it sees, as the dense prefill that made its KV did, so that recomputing KV gives
+    what loading it would (an int, or a 0-d tensor on the device that a CUDA graph reads per replay). QKᵀ is whole
+    (in the inputs' dtype, q scaled first, as SDPA does; scores and softmax in fp32). PV:
+
+    - one query (T = 1, decode): the kept positions' V rows are gathered -- ``k_cap`` of them per head (default
+      ``keep_count(fraction, C − 1)``, the most any query of this C keeps; a fixed size, so that a CUDA graph
+      replays it: the graphs pass the count for the full-length buffer), the ranks past a query's own count weighted
+      0 -- and only they are multiplied: the V read and PV FLOPs offsim prices (``costmodel.sparse_share``);
+    - several (TightLLM's recompute, T > 1): a masked product, the weights of the dropped positions zeroed, over
+      every V row (per query the kept set differs; gathering T · keep rows per head would outgrow the op's memory),
+      ``SPARSE_CHUNK_ELEMS`` score elements at a time.
+
+    No host sync (CUDA-graph safe). Returns (out [B, n·G, T, D] in q's dtype, the number of kept (query head, query,
+    V row) entries as a 0-d int64 tensor on q's device)."""
+    B, HG, _, D = q.shape
+    C = K.shape[2]
+    if keys is None:
+        cols = torch.arange(C, device=q.device)
+        keys = (cols.unsqueeze(0) <= (C - T + torch.arange(T, device=q.device)).unsqueeze(1)).view(1, 1, T, C)
+    if T == 1:
+        return _sparse_one(q, K, V, fraction, keys, k_cap)
+    step = max(1, SPARSE_CHUNK_ELEMS // max(1, B * HG * C))
+    outs, count = [], 0
+    for t0 in range(0, T, step):
+        o, c = _sparse_block(q[:, :, t0:t0 + step], K, V, fraction, keys[..., t0:t0 + step, :], first)
+        outs.append(o)
+        count = count + c
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)), count
+
+
+def _select(q, K, fraction: float, vis):
+    """Scores and the selection rule of ``sparse_sdpa`` for queries q [B, n·G, T, D] seeing ``vis`` [B|1, 1, T, C]
+    of K [B, n, C, D]: (softmax weights fp32 [B, n·G, T, C], the others' scores with the own position at −inf, own
+    position [B|1, 1, T, 1], positions each keeps [B|1, 1, T, 1], the other positions each sees [B|1, 1, T, 1])."""
+    B, HG, T, D = q.shape
+    n, C = K.shape[1], K.shape[2]
+    qs = (q * (1.0 / math.sqrt(D))).reshape(B, n, (HG // n) * T, D)
+    scores = (qs @ K.transpose(-1, -2)).float().view(B, HG, T, C).masked_fill_(~vis, float("-inf"))
+    w = torch.softmax(scores, dim=-1)
+    cols = torch.arange(C, device=q.device)
+    own = (vis.long() * (cols + 1)).argmax(-1, keepdim=True)  # the last position each query sees: its own
+    seen = vis.sum(-1, keepdim=True) - 1
+    keep = torch.where(seen > 0, (seen.double() * fraction).floor().long().clamp_(min=1), 0)  # keep_count
+    return w, scores.masked_fill_(cols == own, float("-inf")), own, keep, seen
+
+
+def _sparse_one(q, K, V, fraction: float, vis, k_cap):
+    """``sparse_sdpa`` for one query: gather the kept V rows (``k_cap`` per head, the ranks past each query's count
+    weighted 0) and multiply only them."""
+    B, HG, _, D = q.shape
+    n, C = K.shape[1], K.shape[2]
+    G = HG // n
+    w, others, own, keep, _ = _select(q, K, fraction, vis)
+    kc = min(C, keep_count(fraction, C - 1) if k_cap is None else k_cap)
+    _, idx = others.topk(kc, dim=-1)  # [B, n·G, 1, kc], best first
+    tw = w.gather(-1, idx) * (torch.arange(kc, device=q.device) < keep)  # ranks past the count: weight 0
+    rows = torch.gather(V, 2, idx.reshape(B, n, G * kc, 1).expand(B, n, G * kc, D))  # the V rows read
+    out = (tw.to(V.dtype).view(B, HG, 1, 1, kc) @ rows.view(B, HG, 1, kc, D)).view(B, HG, 1, D).float()
+    ow = w.gather(-1, own.expand(B, HG, 1, 1))  # [B, n·G, 1, 1]
+    orow = torch.gather(V, 2, own.expand(B, n, 1, D)).float()  # [B, n, 1, D]: the own position's V row
+    out = out + ow * (orow.repeat_interleave(G, dim=1) if G > 1 else orow)
+    return out.to(q.dtype), (keep + 1).expand(B, HG, 1, 1).sum()
+
+
+def _sparse_block(q, K, V, fraction: float, vis, first):
+    """``sparse_sdpa`` for a block of queries: the dropped positions' weights zeroed, every V row multiplied; the
+    queries at rows before ``first`` keep everything they see."""
+    B, HG, T, D = q.shape
+    n, C = K.shape[1], K.shape[2]
+    w, others, own, keep, seen = _select(q, K, fraction, vis)
+    keep = torch.where(own >= first, keep, seen)
+    cols = torch.arange(C, device=q.device)
+    order = others.argsort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(-1, order, cols.expand_as(order))
+    del order
+    wk = w.masked_fill_(~((rank < keep) | (cols == own)), 0.0).to(V.dtype).view(B, n, (HG // n) * T, C)
+    out = (wk @ V).view(B, HG, T, D)
+    return out.to(q.dtype), (keep + 1).expand(B, HG, T, 1).sum()
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -123,14 +123,18 @@ def test_compressed_plans_move_the_packed_share_of_the_bytes():
     assert p4.resident["cpu"] / p16.resident["cpu"] == pytest.approx(ratio, rel=1e-2)
 
 
-def test_sparse_attention_loads_all_of_k_and_its_share_of_v():
+def test_sparse_attention_loads_the_whole_kv_and_reads_k_and_its_share_of_v():
+    """offexec's KV loads run ahead of the attention, before any score exists, so they copy the stored KV whole
+    (``footprint.kv_load_bytes``); the decode attention on the GPU reads all of K and the kept share of V."""
     m = get_model("opt-6.7b")
     wl = Workload(256, 4, 8, 1)
     base = {"percent": (100, 0, 0, 100, 100, 0)}  # weights on the GPU: the h2d is KV loads only
     p1, m1 = _run(m, base, wl)
     p2, m2 = _run(m, {**base, "sparse_attention": 0.1}, wl)
-    assert p2.bytes_by_kind()["h2d"] / p1.bytes_by_kind()["h2d"] == pytest.approx((1 + 0.1) / 2, rel=1e-3)
-    assert m2["decode_tok_s"] > m1["decode_tok_s"]
+    assert p2.bytes_by_kind()["h2d"] == p1.bytes_by_kind()["h2d"]
+    assert m2["decode_tok_s"] >= m1["decode_tok_s"]
+    c = Compression(sparse_attention=0.1)
+    assert cm.attention_seconds(m, T4, 8, 1, 260, c) < cm.attention_seconds(m, T4, 8, 1, 260)
     # attention FLOPs: QK^T whole, PV at the share; prefill stays dense
     assert cm.attention_flops(m, 1, 1, 100, 0.1) == pytest.approx(cm.attention_flops(m, 1, 1, 100) * 0.55)
     assert cm.sparse_share(256, 256, Compression(sparse_attention=0.1)) == 1.0
@@ -218,9 +222,9 @@ def test_search_with_compression_beats_fp16_on_opt30b_t4():
     assert {bool(s.get("compress_cache", False)) for s in best.candidates["settings"]} == {False, True}
 
 
-def test_offexec_refuses_a_sparse_plan_in_one_line(tmp_path, capsys):
-    """The executor runs compressed weights and cache (tests/test_offexec_compression.py) but not sparse attention
-    yet: a saved sparse plan is refused, not run dense and mislabelled."""
+def test_offexec_runs_a_saved_sparse_plan(tmp_path, capsys):
+    """The executor runs sparse attention with a compressed cache (tests/test_offexec_sparse.py checks the
+    numerics): a saved plan runs from the CLI."""
     from offexec.cli import main as offexec_main
 
     plan = build_plan("flexgen", get_model("opt-125m"), T4, Workload(16, 2, 2, 1),
@@ -228,8 +232,7 @@ def test_offexec_refuses_a_sparse_plan_in_one_line(tmp_path, capsys):
     path = tmp_path / "c.json"
     plan.save(path)
     rc = offexec_main(["run", "--plan", str(path), "--device", "cpu", "--hardware", "t4"])
-    err = capsys.readouterr().err.strip()
-    assert rc == 2 and len(err.splitlines()) == 1 and "sparse attention" in err
+    assert rc == 0, capsys.readouterr().err
 
 
 def test_tightllm_recomputes_less_when_the_cache_is_compressed():

@@ -3,14 +3,13 @@ packed 4-bit form (offexec/weights.py ``PackedLayers``), copies move the plan's 
 dequantizes its tensors into an fp16 working copy. Checked on the CPU against an uncompressed run of "fake-quantized"
 weights -- every matrix replaced by dequantize(quantize(w)), the very values the compressed run computes with -- which
 must give the same tokens and bit-identical logits; the tiers' stored bytes against offsim's packed sizes; and the
-refusals (a compressed cache, sparse attention, CPU attention with compression)."""
+refusal of CPU attention with compression (sparse attention: tests/test_offexec_sparse.py)."""
 import numpy as np
 import pytest
 import torch
 
 from offexec import quant
 from offexec.executor import Executor, compression_of, gpu_need, run_plan
-from offexec.memory import ExecError
 from offexec.testing import tiny_hf
 from offexec.weights import from_state_dict
 from offsim import POLICIES, Workload, build_plan, get_hardware
@@ -148,12 +147,6 @@ def test_tiers_hold_the_packed_sizes_offsim_prices(family, policy, settings, gbs
 def test_bad_combinations_are_refused_in_one_line():
     spec, w, _, _ = _model("opt")
     wl = Workload(PROMPT, GEN, 2, 1)
-    for st in ({"sparse_attention": 0.5}, {"compress_weight": True, "compress_cache": True,
-                                           "sparse_attention": 0.25}):
-        plan = build_plan("flexgen", spec, HW, wl, {"percent": (50, 50, 0, 100, 100, 0), **st})
-        with pytest.raises(ExecError) as e:
-            run_plan(plan, w, "cpu")
-        assert len(str(e.value).splitlines()) == 1 and "sparse attention" in str(e.value)
     # CPU attention with compressed weights: offsim refuses to build it; a plan edited to say so is refused too
     plan = build_plan("flexgen", spec, HW, wl, {"percent": (50, 50, 0, 100, 100, 0), "cpu_attention": True})
     plan.settings = {**plan.settings, "compress_weight": True}

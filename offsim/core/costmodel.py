@@ -157,9 +157,11 @@ def attention_flops(model: ModelSpec, num_seqs, q_tokens: int, ctx_tokens: int, 
 
 
 def sparse_share(q_tokens: int, ctx_tokens: int, comp: Compression) -> float:
-    """The share of V an attention op reads: ``comp.sparse_attention`` in generation (queries after the prompt,
-    FlexGen's ``mha_gen``; also TightLLM's recompute), 1 at prefill (FlexGen's prefill attention is dense)."""
-    return comp.sparse_attention if q_tokens < ctx_tokens else 1.0
+    """The share of V an attention op reads and multiplies: ``comp.sparse_attention`` for one-token decode attention
+    (FlexGen's ``mha_gen``; offexec gathers the kept rows, ``quant.sparse_sdpa``), 1 at prefill (FlexGen's prefill
+    attention is dense) and for TightLLM's recompute blocks of several queries (offexec zeroes the dropped
+    positions' weights and multiplies every V row: each query keeps a different set)."""
+    return comp.sparse_attention if q_tokens == 1 < ctx_tokens else 1.0
 
 
 def attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_tokens: int, ctx_tokens: int,
@@ -314,7 +316,8 @@ def quant_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_tok
         compressed weights: dequantize the part's weight matrices to fp16 before its GEMMs, every op (FlexGen
                             decompresses in each batch's mha/mlp call): matrix elements = GEMM FLOPs per token / 2
         compressed cache:   dequantize the cached K and V the attention reads -- the ctx − q positions before the
-                            op's queries, V at its sparse share; the q new (or recomputed, TightLLM) tokens' K and
+                            op's queries, K and V whole (sparse attention too: the executor dequantizes the cached
+                            positions before the scores exist); the q new (or recomputed, TightLLM) tokens' K and
                             V are fresh fp16 -- and quantize the new tokens' K and V on store
         t = fp16 bytes / quant_bytes_per_s
 
@@ -328,7 +331,7 @@ def quant_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_tok
         kv_tok = model.kv_bytes_per_token()
         if part in _KV_READ_PARTS:
             cached = ctx_tokens - q_tokens
-            fp16_bytes += num_seqs * cached * kv_tok * (1 + sparse_share(q_tokens, ctx_tokens, comp)) / 2
+            fp16_bytes += num_seqs * cached * kv_tok
         if part in _KV_STORE_PARTS:
             fp16_bytes += num_seqs * q_tokens * kv_tok
     return fp16_bytes / quant_bytes_per_s(hw)

@@ -297,13 +297,16 @@ def stored_kv_bytes(model: ModelSpec, num_seqs: int, tokens: int, heads: int | N
 
 def kv_load_bytes(model: ModelSpec, num_seqs: int, tokens: int, heads: int | None = None,
                   comp: Compression = NO_COMPRESSION) -> int:
-    """Bytes a KV load for GPU attention moves: the stored KV, or with sparse attention all of K (every key is
-    scored) and the ``sparse_attention`` share of V (only the kept positions' rows), FlexGen's sparse load."""
-    kv = stored_kv_bytes(model, num_seqs, tokens, heads, 1, comp)
-    if comp.sparse_attention >= 1:
-        return kv
-    k = kv // 2  # K and V are the same size
-    return k + math.ceil(k * comp.sparse_attention)
+    """Bytes a KV load for GPU attention moves: the stored KV, K and V whole -- with sparse attention too.
+
+    FlexGen's sparse mode loads K, scores it, and only then copies the kept positions' V rows from the host, a
+    synchronous gather inside the attention (its ``_sparse_attention_value``). offexec's KV loads are h2d ops that
+    run ahead of the compute (prefetched, on their own stream, a CUDA graph replaying the attention), before any score
+    exists: a V gather by score would be a device-to-host sync in the middle of the compute op, which the executor's
+    issue loop and graphs do not allow. So the plan prices what the executor does: the load moves the whole stored
+    KV, and sparse attention saves on the GPU -- the kept V rows gathered and multiplied (``costmodel.sparse_share``:
+    the HBM read and PV FLOPs of one-token decode attention) -- not on the link (docs/cost-model.md §4b)."""
+    return stored_kv_bytes(model, num_seqs, tokens, heads, 1, comp)
 
 
 def weight_stored_fraction(model: ModelSpec, comp: Compression = NO_COMPRESSION) -> float:
@@ -329,6 +332,26 @@ def dequantized_copy_bytes(model: ModelSpec, gbs: int, max_len: int, comp: Compr
         w = max(hi - lo for lo, hi in units)
     kv = kv_buffer_bytes(model, gbs, max_len, model.num_kv_heads) if comp.cache else 0
     return w + kv
+
+
+# Score elements a sparse recompute block ranks per pass (offexec/quant.py ``SPARSE_CHUNK_ELEMS``, which must equal it)
+SPARSE_CHUNK_ELEMS = 1 << 20
+
+
+def sparse_attention_bytes(model: ModelSpec, gbs: int, max_len: int, comp: Compression) -> int:
+    """GPU bytes of top-k sparse attention's temporaries in one attention op (offexec/quant.py ``sparse_sdpa``),
+    beyond dense attention's, at the longest context M over every head (the graphs attend over full-length
+    buffers); 0 without sparse attention. The larger of a one-query op -- fp32 scores and weights [B, H, M], top-k
+    values, indices and kept weights [B, H, k] (4 + 8 + 4 + e bytes), the gathered V rows [B, H, k, D] -- and a
+    recompute block ranked ``SPARSE_CHUNK_ELEMS`` score elements at a time (at least one query's [B, H, M]): fp32
+    scores and weights, int64 order and ranks, and the masked weights in the model dtype."""
+    if comp.sparse_attention >= 1:
+        return 0
+    e, BH = model.dtype_bytes, gbs * model.num_heads
+    k = max(1, int(comp.sparse_attention * (max_len - 1)))
+    one = 8 * BH * max_len + BH * k * (16 + e + model.head_dim * e)
+    block = (24 + e) * max(SPARSE_CHUNK_ELEMS, BH * max_len)
+    return max(one, block)
 
 
 # -- activations ---------------------------------------------------------------------------------------------------
@@ -593,7 +616,8 @@ def tier_bytes(model: ModelSpec, wl: Workload, x: Mapping[str, Any], cpu_attenti
 
     Compression (``comp``): every stored weight and KV byte above is its stored size (W and the KV times
     ``weight_stored_fraction`` / ``kv_stored_fraction``, constants, so the LP stays affine), and the GPU also holds
-    the fp16 working copies of the op being computed (``dequantized_copy_bytes``)."""
+    the fp16 working copies of the op being computed (``dequantized_copy_bytes``) and, with sparse attention, its
+    top-k temporaries (``sparse_attention_bytes``)."""
     L, W = model.num_layers, layer_weight_bytes(model)
     gbs, P, M = wl.gpu_batch_size, wl.prompt_len, wl.max_len
     n_kv = model.num_kv_heads
@@ -624,6 +648,8 @@ def tier_bytes(model: ModelSpec, wl: Workload, x: Mapping[str, Any], cpu_attenti
            "op peak": op_peak}
     if comp.weight or comp.cache:
         gpu["dequantized copies"] = dequantized_copy_bytes(model, gbs, M, comp, sublayer)
+    if comp.sparse_attention < 1:
+        gpu["sparse attention"] = sparse_attention_bytes(model, gbs, M, comp)
     cpu = {"weights": x["wc"] * (L * W), "KV": x["cc"] * kv_all, "activations": x["hc"] * hidden_block,
            "disk staging": x["wd"] * (weight_buffers * W) + x["cd"] * (kv_buf + 2 * kv_prompt)}
     disk = {"weights": x["wd"] * (L * W), "KV": x["cd"] * kv_all}
@@ -726,7 +752,7 @@ def executor_gpu_bytes(model: ModelSpec, wl: Workload, weight_split, kv_split, p
     - with compression (``comp``): resident weights and slots (compressed weights), resident KV and KV work buffers
       (compressed cache) in their stored sizes (``stored_weight_bytes``, ``stored_slot_bytes``, ``stored_kv_bytes``)
       and the fp16 working copies a compute op dequantizes into (``dequantized_copy_bytes``; ``sublayer``: weight
-      units are sub-layers)."""
+      units are sub-layers); with sparse attention its top-k temporaries (``sparse_attention_bytes``)."""
     L, M, gbs, nb = model.num_layers, wl.max_len, wl.gpu_batch_size, wl.num_gpu_batches
     kg, kc, kd = _head_groups(model, kv_split)
     slot = max((stored_slot_bytes(model, g, None, comp) for g, _ in weight_split), default=0)
@@ -745,6 +771,8 @@ def executor_gpu_bytes(model: ModelSpec, wl: Workload, weight_split, kv_split, p
             "activations": activation_peak_bytes, "op transients": op_transient_bytes}
     if comp.weight or comp.cache:
         out["dequantized copies"] = dequantized_copy_bytes(model, gbs, M, comp, sublayer)
+    if comp.sparse_attention < 1:  # top-k sparse attention's temporaries (``sparse_attention_bytes``)
+        out["sparse attention"] = sparse_attention_bytes(model, gbs, M, comp)
     return out
 
 

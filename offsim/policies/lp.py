@@ -45,13 +45,13 @@ def flexgen_terms(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: 
     slot (at most one tensor), is left to ``check_fits`` on the rounded placement (``flexgen.fit_gpu_weights``).
     ``sublayer``: weights stream per sub-layer (FlexGen's code; TightLLM's loader streams whole layers).
     ``comp``: compression -- weights and KV move and sit at their stored sizes (``footprint.stored_*``), a decode
-    KV load moves all of K and the sparse share of V, and compute carries the dequantize / quantize passes and
-    sparse attention (``costmodel.compute_seconds``)."""
+    KV load moves the stored KV whole (sparse attention too: ``footprint.kv_load_bytes``), and compute carries the
+    dequantize / quantize passes and sparse attention (``costmodel.compute_seconds``)."""
     s, n = prompt_len, gen_len
     bls = gbs * nb
     W = fp.stored_layer_weight_bytes(model, comp)
     kv_tok = fp.stored_kv_bytes(model, bls, 1, comp=comp)  # the block's KV of one token, one layer, as stored
-    kv_load_tok = fp.kv_load_bytes(model, bls, 1, comp=comp)  # ... as a decode load moves it (sparse: V's share)
+    kv_load_tok = fp.kv_load_bytes(model, bls, 1, comp=comp)  # ... as a decode load moves it (= kv_tok)
     hid_tok = fp.hidden_bytes(model, bls, 1)  # the block's hidden state of one token
     ctx_avg = s + n / 2  # FlexGen's average decode context
     w_off, c_off, h_off = x["wc"] + x["wd"], x["cc"] + x["cd"], x["hc"]

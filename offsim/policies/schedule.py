@@ -124,7 +124,7 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         return fp.stored_kv_bytes(model, gbs, tokens, heads, comp=compression)
 
     @functools.cache
-    def kv_load(heads: int, tokens: int) -> int:  # a KV h2d for GPU attention: with sparse attention, K and V's share
+    def kv_load(heads: int, tokens: int) -> int:  # a KV h2d for GPU attention: the stored KV (sparse too)
         return fp.kv_load_bytes(model, gbs, tokens, heads, compression)
 
     @functools.cache
@@ -132,7 +132,8 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         return fp.stored_weight_bytes(model, lo, hi, compression)
 
     # the fp16 copies a decoder compute dequantizes into, beside the packed storage, while it runs
-    dq = fp.dequantized_copy_bytes(model, gbs, wl.max_len, compression, s.sublayer)
+    dq = fp.dequantized_copy_bytes(model, gbs, wl.max_len, compression, s.sublayer) + \
+        fp.sparse_attention_bytes(model, gbs, wl.max_len, compression)  # (and sparse attention's temporaries)
 
     @functools.cache
     def op_peak(part: str, q: int, ctx: int) -> int:

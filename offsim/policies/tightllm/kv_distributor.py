@@ -129,7 +129,7 @@ class Decision:
 def kv_load_bytes(model: ModelSpec, num_seqs: int, heads: int, tokens: int,
                   comp: Compression = NO_COMPRESSION) -> int:
     """Bytes of the KV of ``tokens`` tokens of ``num_seqs`` sequences over ``heads`` of the model's KV heads, one
-    layer, that one KV load of a TightLLM plan moves: K and V at their stored size, V at its sparse share
+    layer, that one KV load of a TightLLM plan moves: K and V at their stored size, whole with sparse attention too
     (``footprint.kv_load_bytes``)."""
     return fp.kv_load_bytes(model, num_seqs, tokens, heads, comp)
 
@@ -159,7 +159,7 @@ class KVDistributor:
         if transfer_model not in TRANSFER_MODELS:
             raise OffsimError(f"transfer_model must be one of {TRANSFER_MODELS}, got {transfer_model!r}")
         self.model, self.hw, self.transfer_model = model, hw, transfer_model
-        # compression: KV loads at their stored size (and sparse share), compute with its dequantize / quantize
+        # compression: KV loads at their stored size, compute with its dequantize / quantize
         # passes -- a compressed cache makes loading cheaper, so recompute pays off later (a smaller N_r)
         self.comp = comp
         self.bracket = PRESOLVE_BRACKET

@@ -176,7 +176,8 @@ def recompute_memory_cap(model: ModelSpec, wl: Workload, lay: Layout, free_gpu_b
     gbs = wl.gpu_batch_size
     groups = sum(1 for h in (lay.kv_gpu_heads, lay.kv_cpu_heads, lay.kv_disk_heads) if h)
     bufs = 2 * kv_work_buffers_bytes(model, wl, lay, comp) + fp.dequantized_copy_bytes(model, gbs, wl.max_len,
-                                                                                        comp, False)
+                                                                                        comp, False) + \
+        fp.sparse_attention_bytes(model, gbs, wl.max_len, comp)
     graphs_1 = fp.decode_graph_bytes(model, wl, 1)
 
     def need(n: int) -> int:
@@ -306,13 +307,14 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
     straddle = slot - fp.stored_weight_bytes(model, lay.weight_gpu, W, cz) if off else 0
     buf = {"cpu": fp.stored_kv_bytes(model, gbs, wl.max_len, kc, comp=cz),
            "disk": fp.stored_kv_bytes(model, gbs, wl.max_len, kd, comp=cz)}
-    dq = fp.dequantized_copy_bytes(model, gbs, wl.max_len, cz, False)  # a decoder compute's fp16 working copies
+    dq = fp.dequantized_copy_bytes(model, gbs, wl.max_len, cz, False) + \
+        fp.sparse_attention_bytes(model, gbs, wl.max_len, cz)  # a decoder compute's fp16 copies, top-k temporaries
     kv_groups = sum(1 for h in (kg, kc, kd) if h)
     pinned = st.pin_weights
     b = PlanBuilder()
     add = b.add
 
-    def kvb(heads: int, tokens: int) -> int:  # a KV load for GPU attention (sparse: V's share)
+    def kvb(heads: int, tokens: int) -> int:  # a KV load for GPU attention (the stored KV, sparse too)
         return kv_load_bytes(model, gbs, heads, tokens, cz)
 
     def kv_stored(heads: int, tokens: int) -> int:  # KV as stored: a store, a disk read
