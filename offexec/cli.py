@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     from .profile import add_profile_parser
 
     add_profile_parser(sub)  # `offexec profile`: the hardware-profile JSON offsim loads
+    from .job import add_job_parser
+    from .selectn import add_record_parser
+
+    add_job_parser(sub)  # `offexec job`: an offline job's blocks measured, offsim's prediction beside
+    add_record_parser(sub)  # `offexec selectn-record`: Select-N's performance record measured
     ap.subcommands = {"run": r}  # for given_options (only `run` takes --plan)
     return ap
 
@@ -243,7 +248,7 @@ def main(argv=None) -> int:
         if args.cmd == "run":
             args.given = given_options(build_parser, argv)
             cmd_run(args)
-        elif args.cmd == "profile":
+        else:  # profile, job, selectn-record
             args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at interpreter exit
         return 0
