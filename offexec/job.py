@@ -123,8 +123,9 @@ def settings_key(settings: dict) -> str:
 class DeviceJob:
     """The weights, the device and the budget, shared by every block of every policy of one ``offexec job``."""
 
-    def __init__(self, args, spec: J.JobSpec, model, hw, requests, out: Path | None):
+    def __init__(self, args, spec: J.JobSpec, model, hw, requests, out: Path | None, comparable: bool = True):
         self.args, self.spec, self.model, self.hw, self.requests = args, spec, model, hw, requests
+        self.comparable = comparable  # False: a CPU run against a GPU preset, no error is computed
         self.budget = int(hw.gpu_mem_bytes)
         self.device = args.device
         self.cuda = args.device == "cuda"
@@ -262,7 +263,7 @@ class DeviceJob:
                          "prompt_len": wl.prompt_len, "gen_len": wl.gen_len,
                          "batch_prompt_lens": " ".join(map(str, wl.batch_prompt_lens)),
                          "slot_tokens": wl.slot_tokens(), "measured_s": meas, "predicted_s": pred,
-                         "error": (pred - meas) / meas if meas > 0 else math.nan, "wall_s": d.get("wall_s"),
+                         "error": _err(pred, meas) if self.comparable else None, "wall_s": d.get("wall_s"),
                          "peak_gpu_bytes": d.get("peak_gpu_bytes"), "ops": d.get("ops"),
                          "issue_frac": d.get("issue_frac"), "resumed": i not in todo,
                          "tokens": d["tokens"]})
@@ -364,7 +365,7 @@ def cmd_job(args) -> list[dict]:
           f"{min(r.prompt_len for r in requests)}-{p_max} tokens, outputs {min(r.gen_len for r in requests)}-{g_max}; "
           f"{model.name} {args.dtype_name} on {args.device} (plans and prediction: {hw.name}, "
           f"{hw.gpu_mem_bytes / GiB:.1f} GiB GPU), {batching} batches; out {out}", flush=True)
-    dev = DeviceJob(args, spec, model, hw, requests, out)
+    dev = DeviceJob(args, spec, model, hw, requests, out, comparable)
     summaries, block_rows, req_rows = [], [], []
     t_start = time.perf_counter()
     try:
@@ -377,6 +378,13 @@ def cmd_job(args) -> list[dict]:
             except OffsimError as e:
                 print(f"{pol}: cannot run: {_short_reason(pol, str(e))}", flush=True)
                 summaries.append({"model": model.name, "hardware": hw.name, "policy": pol, "error": str(e)})
+                continue
+            except (RuntimeError, MemoryError) as e:  # the device failed mid-job (out of memory, a CUDA error):
+                # the other policies still run; the blocks measured so far stay in the journal
+                msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                print(f"{pol}: failed on the device: {msg}", flush=True)
+                summaries.append({"model": model.name, "hardware": hw.name, "policy": pol, "error": msg})
+                dev.tidy()
                 continue
             block_rows += [{k: v for k, v in r.items() if k != "tokens"} for r in rows]
             toks = {k: v for r in rows for k, v in r["tokens"].items()}
@@ -395,7 +403,8 @@ def cmd_job(args) -> list[dict]:
                     "predicted_output_tok_s": ps["output_tok_s"],
                     **{f"predicted_{k}_request_s": v for k, v in p_pct.items()},
                     **{f"{k}_request_error": _err(p_pct[k], m_pct[k]) if comparable else None for k in m_pct},
-                    "block_error_max": (max(abs(r["error"]) for r in rows) if comparable and rows else None),
+                    "block_error_max": max((abs(r["error"]) for r in rows if r["error"] is not None),
+                                           default=None),
                     "comparable": comparable, "decode_steps_predicted": spec.decode_steps,
                     "resumed_blocks": sum(r["resumed"] for r in rows), "wall_s": meas.wall_s}
             summaries.append(summ)
