@@ -44,6 +44,10 @@ WARMUP_GEN_LEN = 2
 JOURNAL = "blocks.jsonl"
 
 
+class TimeLimit(Exception):
+    """--time-limit-s passed between two blocks: the blocks measured so far are in the journal."""
+
+
 def request_prompt(index: int, length: int, vocab: int, seed: int = 0):
     """Request ``index``'s prompt ids (int64 [length]): seeded from (seed, index) alone."""
     import torch
@@ -139,6 +143,7 @@ class DeviceJob:
         self.key = job_key(spec, requests, model.name, hw.name, self.budget, args.batching or spec.batching,
                            args.device, args.dtype_name, args.seed, args.checkpoint)
         self.prov = {}
+        self.deadline = (time.monotonic() + args.time_limit_s) if args.time_limit_s else None
 
     # ---- the plan of a block, as ``offexec run`` builds it --------------------------------------------------------
     def plan(self, policy: str, wl: Workload, settings: dict):
@@ -239,6 +244,10 @@ class DeviceJob:
             key = (self.key, policy, skey, i)
             d = self.journal.get(key)
             wl = blk.workload
+            if d is None and self.deadline is not None and time.monotonic() > self.deadline:
+                done = sum(self.journal.get((self.key, policy, skey, k)) is not None for k in range(len(blocks)))
+                raise TimeLimit(f"--time-limit-s {self.args.time_limit_s:g} reached: {done} of {len(blocks)} "
+                                f"blocks measured; the same command again resumes")
             if d is None:
                 plan = self.plan(policy, wl, st)
                 t0 = time.perf_counter()
@@ -316,6 +325,9 @@ def add_job_parser(sub) -> None:
     j.add_argument("--no-cuda-graphs", action="store_true", help="as `offexec run --no-cuda-graphs`")
     j.add_argument("--disk-dir", default=None, metavar="DIR", help="where the disk tier's files go")
     j.add_argument("--disk-cache", action="store_true", help="as `offexec run --disk-cache`")
+    j.add_argument("--time-limit-s", type=float, default=None, metavar="S",
+                   help="start no new block after S seconds (the blocks measured are kept in the journal; the same "
+                        "command again resumes) -- for device sessions with a time limit")
     j.add_argument("--no-progress", action="store_true", help="no progress bar")
     j.set_defaults(func=cmd_job)
 
@@ -337,6 +349,8 @@ def cmd_job(args) -> list[dict]:
     spec = J.load_job_spec(args.spec)
     if args.max_requests is not None and args.max_requests <= 0:
         raise OffsimError(f"--max-requests must be a positive integer, got {args.max_requests}")
+    if args.time_limit_s is not None and not args.time_limit_s > 0:
+        raise OffsimError(f"--time-limit-s must be positive, got {args.time_limit_s}")
     requests = list(spec.requests[:args.max_requests] if args.max_requests else spec.requests)
     batching = args.batching or spec.batching
     policies = args.policies or list(spec.policies)
@@ -370,11 +384,23 @@ def cmd_job(args) -> list[dict]:
     t_start = time.perf_counter()
     try:
         for pol in policies:
+            if dev.deadline is not None and time.monotonic() > dev.deadline:
+                msg = (f"--time-limit-s {args.time_limit_s:g} reached before it started; the same command again "
+                       "runs it")
+                print(f"{pol}: {msg}", flush=True)
+                summaries.append({"model": model.name, "hardware": hw.name, "policy": pol, "error": msg,
+                                  "incomplete": True})
+                continue
             try:
                 best = J.best_for_job(pol, model, hw, requests, spec.max_sims, spec.max_batch, spec.decode_steps)
                 pred = J.run_job(pol, model, hw, requests, batching, best=best, decode_steps=spec.decode_steps)
                 rows: list = []
                 meas = dev.run_policy(pol, best, pred, batching, rows)
+            except TimeLimit as e:
+                print(f"{pol}: {e}", flush=True)
+                summaries.append({"model": model.name, "hardware": hw.name, "policy": pol, "error": str(e),
+                                  "incomplete": True})
+                continue
             except OffsimError as e:
                 print(f"{pol}: cannot run: {_short_reason(pol, str(e))}", flush=True)
                 summaries.append({"model": model.name, "hardware": hw.name, "policy": pol, "error": str(e)})
@@ -437,6 +463,8 @@ def cmd_job(args) -> list[dict]:
             "p99_s": o["p99_request_s"], "padding": f"{o['padding_waste']:.1%}"}))
     print(f"wrote {out / 'job.json'}, {out / 'blocks.csv'}, {out / 'requests.csv'}")
     _print_json(summaries)
+    if not feasible and all(o.get("incomplete") for o in summaries):
+        return summaries  # nothing failed: the time limit came first; the same command resumes
     if not feasible:
         raise OffsimError(f"no policy could run job {spec.name} ({model.name} on {args.device}): " + "; ".join(
             f"{o['policy']}: {_short_reason(o['policy'], o['error'])}" for o in summaries))

@@ -104,6 +104,35 @@ def test_job_resumes_from_its_journal_and_limits_requests(tiny, capsys):
     assert rc == 0 and json.loads(lines[-1])[0]["resumed_blocks"] == 0
 
 
+def test_time_limit_stops_between_blocks_and_the_same_command_resumes(tiny, capsys, monkeypatch):
+    d, _ = tiny
+    import offexec.job as OJ
+
+    calls = []
+    real = OJ.DeviceJob.run
+
+    def counted(self, plan, prompts, meta=None):
+        calls.append(meta)
+        if sum(m is not None for m in calls) == 2:  # the second measured block: the clock runs out after it
+            self.deadline = 0.0
+        return real(self, plan, prompts, meta)
+
+    monkeypatch.setattr(OJ.DeviceJob, "run", counted)
+    argv = ["job", str(d / "job.yaml"), "--device", "cpu", "--dtype", "float32", "--out", str(d / "out5"),
+            "--no-progress", "--time-limit-s", "3600"]
+    rc, lines, err = _run(capsys, argv)
+    assert rc == 0, err
+    res = json.loads(lines[-1])
+    assert all(r.get("incomplete") for r in res) and "2 of 3 blocks measured" in res[0]["error"]
+    assert "before it started" in res[1]["error"]
+    monkeypatch.setattr(OJ.DeviceJob, "run", real)
+    rc, lines, err = _run(capsys, argv)
+    res = json.loads(lines[-1])
+    assert rc == 0 and not any(r.get("incomplete") for r in res)
+    fg = next(r for r in res if r["policy"] == "flexgen")
+    assert fg["resumed_blocks"] == 2 and fg["blocks"] == 3
+
+
 def test_cpu_run_against_a_gpu_preset_is_not_compared(tiny, capsys):
     d, _ = tiny
     rc, lines, err = _run(capsys, ["job", str(d / "job.yaml"), "--device", "cpu", "--dtype", "float32",
