@@ -325,11 +325,44 @@ def add_job_parser(sub) -> None:
     j.add_argument("--no-cuda-graphs", action="store_true", help="as `offexec run --no-cuda-graphs`")
     j.add_argument("--disk-dir", default=None, metavar="DIR", help="where the disk tier's files go")
     j.add_argument("--disk-cache", action="store_true", help="as `offexec run --disk-cache`")
+    j.add_argument("--host-mem-gb", type=float, default=None, metavar="GB",
+                   help="host memory (GiB) the searched plans may hold, offsim's cpu_mem (default on cuda: this "
+                        "machine's MemAvailable minus the weights' host master copy -- offexec keeps every weight in "
+                        "host memory, offsim counts only the CPU-homed ones -- never above the hardware's; on the "
+                        "CPU: the hardware's)")
     j.add_argument("--time-limit-s", type=float, default=None, metavar="S",
                    help="start no new block after S seconds (the blocks measured are kept in the journal; the same "
                         "command again resumes) -- for device sessions with a time limit")
     j.add_argument("--no-progress", action="store_true", help="no progress bar")
     j.set_defaults(func=cmd_job)
+
+
+def host_memory_for_plans(hw, model, args):
+    """``hw`` with the host memory the searched plans may use: ``--host-mem-gb``, or on cuda what this machine has
+    available less the weights' host master (offexec holds every weight there; offsim's host tier counts only the
+    CPU-homed share, so this is conservative by the GPU-resident share), never above ``hw``'s."""
+    from .executor import _meminfo_available_bytes
+
+    if args.host_mem_gb is not None:
+        if not args.host_mem_gb > 0:
+            raise OffsimError(f"--host-mem-gb must be positive, got {args.host_mem_gb}")
+        cap = int(args.host_mem_gb * GiB)
+    elif args.device == "cuda":
+        avail = _meminfo_available_bytes()
+        if avail is None:
+            return hw
+        cap = avail - model.weight_bytes()
+        if cap <= 0:
+            raise OffsimError(f"{model.name}'s weights ({model.weight_bytes() / GiB:.1f} GiB) do not fit this machine's "
+                              f"available host memory ({avail / GiB:.1f} GiB)")
+    else:
+        return hw
+    cap = min(cap, int(hw.cpu_mem_bytes))
+    if cap != hw.cpu_mem_bytes:
+        print(f"host memory for the plans: {cap / GiB:.1f} GiB (the hardware says {hw.cpu_mem_bytes / GiB:.1f}; "
+              + ("--host-mem-gb" if args.host_mem_gb is not None else "available here, less the weights' host master")
+              + ")", flush=True)
+    return hw.with_(cpu_mem_bytes=cap)
 
 
 def _pct(a) -> dict:
@@ -367,6 +400,7 @@ def cmd_job(args) -> list[dict]:
     args.dtype_name = args.dtype or "float16"
     if args.dtype_name == "float32":
         model = dataclasses.replace(model, dtype_bytes=4)
+    hw = host_memory_for_plans(hw, model, args)
     comparable = args.device == "cuda" or str(hw_arg).lower() not in HARDWARE_PRESETS
     out = Path(args.out) if args.out else Path(f"offexec-job-{spec.name}")
     if out.exists() and not out.is_dir():

@@ -174,6 +174,8 @@ def read_requests_csv_rows(rows):
      ["--policies", "magic"], "unknown policy"),
     ({"model": "opt-125m", "hardware": "h200", "requests": {"distribution": "translation", "count": 4}},
      ["--max-requests", "0"], "--max-requests"),
+    ({"model": "opt-125m", "hardware": "h200", "requests": {"distribution": "translation", "count": 4}},
+     ["--host-mem-gb", "0"], "--host-mem-gb"),
     ({"model": "opt-125m", "hardware": "nowhere", "requests": {"distribution": "translation", "count": 4}},
      [], "nowhere"),
     (None, [], "cannot read"),
