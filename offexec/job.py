@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from offsim.core import footprint as fp
 from offsim.core.errors import OffsimError
 from offsim.core.io import write_commented_csv, write_text_atomic
 from offsim.core.provenance import provenance
@@ -215,6 +216,8 @@ class DeviceJob:
         per block."""
         from offsim.core.requests import make_blocks
 
+        from .executor import compression_of
+
         st = dict(best.settings)
         skey = settings_key(st)
         gbs, nb = best.workload.gpu_batch_size, best.workload.num_gpu_batches
@@ -222,9 +225,15 @@ class DeviceJob:
         todo = [i for i in range(len(blocks)) if self.journal.get((self.key, policy, skey, i)) is None]
         if todo:
             first = self.plan(policy, blocks[todo[0]].workload, st)
+            if self.kv_pool is not None:  # page-locked for another policy: freed, so that the check sees the room
+                self.kv_pool.close()
+                self.kv_pool = None
             self.check(first, weights_loaded=self.weights is not None)
-            kv = max((self.model.kv_bytes(b.workload.num_prompts, b.workload.max_len) // self.model.dtype_bytes
-                      for b in blocks), default=0) if first.kv_split[1] else 0
+            # the host-homed KV heads (the same split in every block of one policy), at each block's full length
+            kc = first.kv_split[1]
+            kv = max(self.model.num_layers * b.workload.num_gpu_batches
+                     * fp.kv_buffer_elems(self.model, b.workload.gpu_batch_size, b.workload.max_len, kc)
+                     for b in blocks) if kc and not compression_of(first).cache else 0
             self.ensure_weights(kv)
             if not self.args.no_warmup:  # once per policy: its first block for 2 tokens, unmeasured
                 t0 = time.perf_counter()

@@ -104,6 +104,36 @@ def test_job_resumes_from_its_journal_and_limits_requests(tiny, capsys):
     assert rc == 0 and json.loads(lines[-1])[0]["resumed_blocks"] == 0
 
 
+@pytest.mark.parametrize("policy, settings", [
+    ("flexgen", {"percent": (0, 100, 0, 100, 100, 0)}),  # weights and KV in host memory: the shared host KV pool
+    ("tightllm", {"percent": (30, 40, 25, 50, 100, 0), "kv_solver": "exact"}),  # KV recompute, every tier
+])
+def test_job_with_host_kv_reproduces_each_request(tiny, capsys, monkeypatch, policy, settings):
+    """Settings given (not searched): a policy keeping KV in host memory runs its blocks through the one page-locked
+    pool, and every request's tokens still equal transformers' of it alone."""
+    d, hf = tiny
+    import offexec.job as OJ
+    from offsim.core.specs import Workload
+    from offsim.search import job as J
+    from offsim.search.search import SearchResult
+
+    monkeypatch.setattr(J, "best_for_job", lambda pol, *a, **k: SearchResult(pol, dict(settings), Workload(12, 5, 2, 2),
+                                                                             {}, pd.DataFrame()))
+    pools = []
+    real = OJ.DeviceJob.ensure_weights
+    monkeypatch.setattr(OJ.DeviceJob, "ensure_weights", lambda self, kv: (pools.append(kv), real(self, kv))[1])
+    rc, lines, err = _run(capsys, ["job", str(d / "job.yaml"), "--device", "cpu", "--dtype", "float32",
+                                   "--checkpoint", str(d / "ck"), "--out", str(d / f"out-{policy}"), "--no-progress",
+                                   "--policies", policy])
+    assert rc == 0, err
+    r = json.loads(lines[-1])[0]
+    assert r["policy"] == policy and r["blocks"] == 3 and pools and pools[0] > 0
+    q = read_commented_csv(d / f"out-{policy}" / "requests.csv", "requests")[1]
+    for row in q.itertuples():
+        ref = hf_generate(hf, request_prompt(row.request, row.prompt_len, 128)[None], row.gen_len)[0][0].tolist()
+        assert [int(t) for t in str(row.tokens).split()] == ref, row.request
+
+
 def test_time_limit_stops_between_blocks_and_the_same_command_resumes(tiny, capsys, monkeypatch):
     d, _ = tiny
     import offexec.job as OJ

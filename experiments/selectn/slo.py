@@ -154,7 +154,8 @@ def run(args, argv) -> int:
     hw = get_hardware(args.hardware, gpu_mem_gb=args.gpu_mem_gb)
     measured = load_measured(args.measured_record, args.models, hw, args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3)
     order = POLICY_ORDER[:1] + (["selectn-measured"] if measured else []) + POLICY_ORDER[1:]
-    tag = f"{args.hardware}_{args.gpu_mem_gb:g}gib_p{args.prompt_len}"
+    hw_tag = args.hardware if "/" not in args.hardware and not args.hardware.endswith(".json") else hw.name
+    tag = f"{hw_tag}_{args.gpu_mem_gb:g}gib_p{args.prompt_len}"
     ttft_slo, tpot_slo = args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3
     prov = {**provenance(argv),
             "hardware": hw.name, "gpu_mem_bytes": hw.gpu_mem_bytes, "hardware_source": hw.source}
