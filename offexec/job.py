@@ -342,6 +342,9 @@ def add_job_parser(sub) -> None:
     j.add_argument("--time-limit-s", type=float, default=None, metavar="S",
                    help="start no new block after S seconds (the blocks measured are kept in the journal; the same "
                         "command again resumes) -- for device sessions with a time limit")
+    j.add_argument("--exact", action="store_true",
+                   help="offsim's prediction simulates every decode step of every block (default: the spec's "
+                        "decode_steps, long blocks in pieces; docs/jobs.md §6)")
     j.add_argument("--no-progress", action="store_true", help="no progress bar")
     j.set_defaults(func=cmd_job)
 
@@ -395,6 +398,7 @@ def cmd_job(args) -> list[dict]:
         raise OffsimError(f"--time-limit-s must be positive, got {args.time_limit_s}")
     requests = list(spec.requests[:args.max_requests] if args.max_requests else spec.requests)
     batching = args.batching or spec.batching
+    decode_steps = None if args.exact else spec.decode_steps
     policies = args.policies or list(spec.policies)
     for pol in policies:
         if pol not in POLICIES:
@@ -436,7 +440,7 @@ def cmd_job(args) -> list[dict]:
                 continue
             try:
                 best = J.best_for_job(pol, model, hw, requests, spec.max_sims, spec.max_batch, spec.decode_steps)
-                pred = J.run_job(pol, model, hw, requests, batching, best=best, decode_steps=spec.decode_steps)
+                pred = J.run_job(pol, model, hw, requests, batching, best=best, decode_steps=decode_steps)
                 rows: list = []
                 meas = dev.run_policy(pol, best, pred, batching, rows)
             except TimeLimit as e:
@@ -474,7 +478,7 @@ def cmd_job(args) -> list[dict]:
                     **{f"{k}_request_error": _err(p_pct[k], m_pct[k]) if comparable else None for k in m_pct},
                     "block_error_max": max((abs(r["error"]) for r in rows if r["error"] is not None),
                                            default=None),
-                    "comparable": comparable, "decode_steps_predicted": spec.decode_steps,
+                    "comparable": comparable, "decode_steps_predicted": decode_steps,
                     "resumed_blocks": sum(r["resumed"] for r in rows), "wall_s": meas.wall_s}
             summaries.append(summ)
             e = summ["completion_error"]

@@ -286,3 +286,19 @@ def test_bad_record_input_is_one_line_and_exit_2(tiny, capsys, tmp_path, extra, 
     rc, _, err = _run(capsys, ["selectn-record", "--model", str(d / "ck" / "config.json"), "--device", "cpu",
                                "--dtype", "float32", "--out", str(tmp_path / "r.csv")] + extra)
     assert rc == 2 and msg in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_the_h200_job_specs_load(monkeypatch):
+    """experiments/offexec/jobs/: the specs the GPU session runs parse, 256 requests each, from the repository root."""
+    from pathlib import Path
+
+    from offsim.search.job import load_job_spec
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    specs = sorted((root / "experiments" / "offexec" / "jobs").glob("*.yaml"))
+    assert len(specs) == 4
+    for p in specs:
+        s = load_job_spec(p.relative_to(root))
+        assert len(s.requests) >= 256 and s.policies == ("flexgen", "tightllm") and s.gpu_mem_gb == 16
+        assert get_hardware(s.hardware, s.gpu_mem_gb).name == "h200-offexec-v2"
