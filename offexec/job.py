@@ -223,18 +223,21 @@ class DeviceJob:
         gbs, nb = best.workload.gpu_batch_size, best.workload.num_gpu_batches
         blocks = make_blocks(self.requests, gbs, nb, batching)
         todo = [i for i in range(len(blocks)) if self.journal.get((self.key, policy, skey, i)) is None]
+        built = {}  # the first block's plan, checked before the weights are made: run as it is, not built again
         if todo:
             first = self.plan(policy, blocks[todo[0]].workload, st)
             if self.kv_pool is not None:  # page-locked for another policy: freed, so that the check sees the room
                 self.kv_pool.close()
                 self.kv_pool = None
             self.check(first, weights_loaded=self.weights is not None)
+            built[todo[0]] = first
             # the host-homed KV heads (the same split in every block of one policy), at each block's full length
             kc = first.kv_split[1]
             kv = max(self.model.num_layers * b.workload.num_gpu_batches
                      * fp.kv_buffer_elems(self.model, b.workload.gpu_batch_size, b.workload.max_len, kc)
                      for b in blocks) if kc and not compression_of(first).cache else 0
             self.ensure_weights(kv)
+            first = None
             if not self.args.no_warmup:  # once per policy: its first block for 2 tokens, unmeasured
                 t0 = time.perf_counter()
                 wblk = blocks[todo[0]]
@@ -258,7 +261,7 @@ class DeviceJob:
                 raise TimeLimit(f"--time-limit-s {self.args.time_limit_s:g} reached: {done} of {len(blocks)} "
                                 f"blocks measured; the same command again resumes")
             if d is None:
-                plan = self.plan(policy, wl, st)
+                plan = built.pop(i, None) or self.plan(policy, wl, st)
                 t0 = time.perf_counter()
                 res = self.run(plan, block_prompts(blk, self.lengths, self.model.vocab_size, self.args.seed),
                                meta={"hardware": self.hw.name, "job": self.spec.name, "block": i, **self.prov})
@@ -272,7 +275,7 @@ class DeviceJob:
                      "issue_frac": res.stats.get("issue_frac"), "graphs": res.stats.get("graphs", {}).get("mode"),
                      "provenance": self.prov}
                 self.journal.add(key, d)
-                res = None
+                res = plan = None
                 self.tidy()
             pred = predicted.block_s[i]
             meas = float(d["makespan_s"])
