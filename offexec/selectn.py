@@ -105,8 +105,8 @@ class MeasuredIterations:
                     lats.append(float(sl.loc[sl["step"] == DECODE_STEP, "latency_s"].iloc[0]))
                 peak = max(peak, int(tr.peak_bytes.get("gpu", 0)))
                 res = None
-        except torch.cuda.OutOfMemoryError as e:
-            return self._oom(model, interval, f"device out of memory: {e}")
+        except (torch.cuda.OutOfMemoryError, ExecError) as e:  # the device's allocator, or the executor's cap
+            return self._oom(model, interval, f"does not fit on the device: {e}")
         finally:
             gc.collect()
             if torch.device(self.device).type == "cuda":
