@@ -35,7 +35,7 @@ from offsim.core import footprint as fp
 from offsim.core.errors import OffsimError
 from offsim.core.io import write_commented_csv, write_text_atomic
 from offsim.core.provenance import provenance
-from offsim.core.requests import Block, Request
+from offsim.core.requests import Block
 from offsim.core.specs import HARDWARE_PRESETS, Workload, get_hardware, get_model
 from offsim.policies import POLICIES, build_plan
 from offsim.search import job as J
@@ -368,8 +368,8 @@ def host_memory_for_plans(hw, model, args):
             return hw
         cap = avail - model.weight_bytes()
         if cap <= 0:
-            raise OffsimError(f"{model.name}'s weights ({model.weight_bytes() / GiB:.1f} GiB) do not fit this machine's "
-                              f"available host memory ({avail / GiB:.1f} GiB)")
+            raise OffsimError(f"{model.name}'s weights ({model.weight_bytes() / GiB:.1f} GiB) do not fit this "
+                              f"machine's available host memory ({avail / GiB:.1f} GiB)")
     else:
         return hw
     cap = min(cap, int(hw.cpu_mem_bytes))

@@ -271,7 +271,8 @@ def run(args, argv) -> int:
     res = {"experiment": "selectn_slo", "hardware": hw.name, "gpu_mem_gib": args.gpu_mem_gb,
            "ttft_slo_ms": args.ttft_slo_ms, "tpot_slo_ms": args.tpot_slo_ms,
            "prompt_len": args.prompt_len, "gen_len": args.gen_len,
-           "summary": summ.round(4).astype(object).where(summ.notna(), None).to_dict(orient="records"), "flexgen_search": fsearch, "csv": str(csv),
+           "summary": summ.round(4).astype(object).where(summ.notna(), None).to_dict(orient="records"),
+           "flexgen_search": fsearch, "csv": str(csv),
            "measured_records": {k: v.meta.get("provenance", {}).get("gpu") or v.meta.get("device")
                                 for k, v in measured.items()},
            "commit": prov["commit"]}
