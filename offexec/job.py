@@ -125,6 +125,38 @@ def settings_key(settings: dict) -> str:
     return json.dumps(settings, sort_keys=True, default=_jsonable)
 
 
+BEST = "best.json"
+
+
+def _tuples(v):
+    return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
+
+
+def saved_best(out: Path, key: str, policy: str):
+    """The search result an earlier run of this job (``key``) used for ``policy`` (``OUT/best.json``), or None: a
+    resumed job runs the blocks it started with, whatever this machine's free memory says now."""
+    from offsim.search.search import SearchResult
+
+    try:
+        d = json.loads((out / BEST).read_text())[key][policy]
+        wl = Workload(d["prompt_len"], d["gen_len"], d["gpu_batch_size"], d["num_gpu_batches"])
+        return SearchResult(policy, {k: _tuples(v) for k, v in d["settings"].items()}, wl, {}, pd.DataFrame())
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None
+
+
+def save_best(out: Path, key: str, best) -> None:
+    try:
+        d = json.loads((out / BEST).read_text())
+    except (OSError, json.JSONDecodeError):
+        d = {}
+    wl = best.workload
+    d.setdefault(key, {})[best.policy] = {"settings": best.settings, "prompt_len": wl.prompt_len,
+                                          "gen_len": wl.gen_len, "gpu_batch_size": wl.gpu_batch_size,
+                                          "num_gpu_batches": wl.num_gpu_batches}
+    write_text_atomic(out / BEST, json.dumps(d, indent=1, default=_jsonable))
+
+
 class DeviceJob:
     """The weights, the device and the budget, shared by every block of every policy of one ``offexec job``."""
 
@@ -224,6 +256,9 @@ class DeviceJob:
         blocks = make_blocks(self.requests, gbs, nb, batching)
         todo = [i for i in range(len(blocks)) if self.journal.get((self.key, policy, skey, i)) is None]
         built = {}  # the first block's plan, checked before the weights are made: run as it is, not built again
+        if todo and self.args.report_only:
+            raise TimeLimit(f"{len(blocks) - len(todo)} of {len(blocks)} blocks measured in {self.journal.path} "
+                            "(--report-only: nothing runs); the command without --report-only measures the rest")
         if todo:
             first = self.plan(policy, blocks[todo[0]].workload, st)
             if self.kv_pool is not None:  # page-locked for another policy: freed, so that the check sees the room
@@ -345,6 +380,10 @@ def add_job_parser(sub) -> None:
     j.add_argument("--time-limit-s", type=float, default=None, metavar="S",
                    help="start no new block after S seconds (the blocks measured are kept in the journal; the same "
                         "command again resumes) -- for device sessions with a time limit")
+    j.add_argument("--report-only", action="store_true",
+                   help="no device: write the report from the blocks already in --out's journal (e.g. copied back "
+                        "from the GPU machine; give the --device they ran on); policies with blocks missing are "
+                        "reported incomplete")
     j.add_argument("--exact", action="store_true",
                    help="offsim's prediction simulates every decode step of every block (default: the spec's "
                         "decode_steps, long blocks in pieces; docs/jobs.md §6)")
@@ -408,7 +447,7 @@ def cmd_job(args) -> list[dict]:
             raise OffsimError(f"unknown policy {pol!r}; valid: {', '.join(POLICIES)}")
     if args.device not in ("cuda", "cpu"):
         raise OffsimError(f"--device must be 'cuda' or 'cpu', got {args.device!r}")
-    if args.device == "cuda" and not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available() and not args.report_only:
         raise OffsimError("--device cuda was asked but no CUDA device is available (use --device cpu)")
     hw_arg = args.hardware or spec.hardware
     hw = get_hardware(hw_arg, args.gpu_mem_gb if args.gpu_mem_gb is not None else spec.gpu_mem_gb)
@@ -416,7 +455,8 @@ def cmd_job(args) -> list[dict]:
     args.dtype_name = args.dtype or "float16"
     if args.dtype_name == "float32":
         model = dataclasses.replace(model, dtype_bytes=4)
-    hw = host_memory_for_plans(hw, model, args)
+    if not args.report_only:
+        hw = host_memory_for_plans(hw, model, args)
     comparable = args.device == "cuda" or str(hw_arg).lower() not in HARDWARE_PRESETS
     out = Path(args.out) if args.out else Path(f"offexec-job-{spec.name}")
     if out.exists() and not out.is_dir():
@@ -442,7 +482,16 @@ def cmd_job(args) -> list[dict]:
                                   "incomplete": True})
                 continue
             try:
-                best = J.best_for_job(pol, model, hw, requests, spec.max_sims, spec.max_batch, spec.decode_steps)
+                best = saved_best(out, dev.key, pol)
+                if best is None:
+                    if args.report_only:
+                        raise TimeLimit(f"no block measured in {out} (--report-only: nothing runs)")
+                    best = J.best_for_job(pol, model, hw, requests, spec.max_sims, spec.max_batch,
+                                          spec.decode_steps)
+                    save_best(out, dev.key, best)
+                else:
+                    print(f"{pol}: the settings of the earlier run in {out / BEST}: {best.settings}, "
+                          f"{best.workload.gpu_batch_size} x {best.workload.num_gpu_batches}", flush=True)
                 pred = J.run_job(pol, model, hw, requests, batching, best=best, decode_steps=decode_steps)
                 rows: list = []
                 meas = dev.run_policy(pol, best, pred, batching, rows)
@@ -492,7 +541,10 @@ def cmd_job(args) -> list[dict]:
     finally:
         dev.close()
     feasible = _rank(summaries, lambda o: o["completion_s"])
-    prov = {**(dev.prov or provenance(device=args.device)), "spec": str(args.spec), "job_key": dev.key}
+    measured_on = sorted({json.dumps(d.get("provenance", {}).get("gpu") or d.get("provenance", {}).get("device"))
+                          for d in dev.journal.lines.values() if d.get("job") == dev.key})
+    prov = {**(dev.prov or provenance(device=args.device)), "spec": str(args.spec), "job_key": dev.key,
+            "blocks_measured_on": [json.loads(x) for x in measured_on], "report_only": bool(args.report_only)}
     write_commented_csv(out / "blocks.csv", {"schema": "offexec.job_blocks/1", "provenance": prov},
                         pd.DataFrame(block_rows))
     write_commented_csv(out / "requests.csv", {"schema": "offexec.job_requests/1", "provenance": prov},

@@ -98,7 +98,16 @@ def test_job_resumes_from_its_journal_and_limits_requests(tiny, capsys):
     assert rc == 0 and again["resumed_blocks"] == first["blocks"]
     assert again["completion_s"] == pytest.approx(first["completion_s"])
     assert any("already measured" in line for line in lines) and not any("warm-up" in line for line in lines)
+    assert any("settings of the earlier run" in line for line in lines)  # best.json: no new search on resume
     assert len((out / "blocks.jsonl").read_text().splitlines()) == len(journal)
+    # the report from the journal alone (as on a machine without the device the blocks ran on)
+    rc, lines, err = _run(capsys, argv + ["--report-only"])
+    rep = json.loads(lines[-1])[0]
+    assert rc == 0 and rep["completion_s"] == pytest.approx(first["completion_s"]) and "incomplete" not in rep
+    assert json.loads((out / "job.json").read_text())["provenance"]["report_only"] is True
+    # blocks measured on another device are not this job's: nothing to report, nothing run, exit 0
+    rc, lines, err = _run(capsys, [a if a != "cpu" else "cuda" for a in argv] + ["--report-only"])
+    assert rc == 0 and json.loads(lines[-1])[0]["incomplete"] and "nothing runs" in lines[-1]
     # another job (other requests) in the same folder does not reuse those blocks
     rc, lines, _ = _run(capsys, argv[:-1] + ["4"])
     assert rc == 0 and json.loads(lines[-1])[0]["resumed_blocks"] == 0
