@@ -1,5 +1,6 @@
 """``offexec run``: run one policy's plan with real tensors on a GPU (or the CPU) and set the measurement beside
-offsim's prediction for the same plan.
+offsim's prediction for the same plan. (``offexec profile``: offexec/profile.py; ``offexec job``: offexec/job.py;
+``offexec selectn-record``: offexec/selectn.py.)
 
 Takes ``offsim simulate``'s model / hardware / policy / workload options (the same argparse helpers), or
 ``--plan FILE`` (a plan saved by ``offsim simulate --save-plan``), plus ``--device``, ``--trace``, ``--checkpoint``,
@@ -40,7 +41,10 @@ DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="offexec", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="offexec", description=(
+        "Run offsim's plans with real tensors on a GPU (or the CPU, for tests) and measure them: one plan beside "
+        "its prediction (run), the hardware profile offsim loads (profile), an offline job block after block "
+        "(job), Select-N's offline performance record (selectn-record)."))
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run a policy's plan with real tensors and compare with offsim's prediction")
     add_target_args(r)
@@ -81,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     from .profile import add_profile_parser
 
     add_profile_parser(sub)  # `offexec profile`: the hardware-profile JSON offsim loads
+    from .job import add_job_parser
+    from .selectn import add_record_parser
+
+    add_job_parser(sub)  # `offexec job`: an offline job's blocks measured, offsim's prediction beside
+    add_record_parser(sub)  # `offexec selectn-record`: Select-N's performance record measured
     ap.subcommands = {"run": r}  # for given_options (only `run` takes --plan)
     return ap
 
@@ -243,7 +252,7 @@ def main(argv=None) -> int:
         if args.cmd == "run":
             args.given = given_options(build_parser, argv)
             cmd_run(args)
-        elif args.cmd == "profile":
+        else:  # profile, job, selectn-record
             args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at interpreter exit
         return 0

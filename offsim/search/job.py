@@ -24,13 +24,13 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from offsim.core.errors import OffsimError
 from offsim.core.io import read_spec
-from offsim.core.requests import BATCHING, TASKS, Request, draw_requests, make_blocks, read_requests_csv, \
+from offsim.core.requests import BATCHING, TASKS, Block, Request, draw_requests, make_blocks, read_requests_csv, \
     sample_requests
 from offsim.core.sim import simulate
 from offsim.core.specs import HardwareSpec, ModelSpec, Workload, get_hardware, get_model
@@ -176,7 +176,13 @@ def _token_ends(policy: str, model: ModelSpec, hw: HardwareSpec, wl: Workload, s
     ``probe``: a timing instrument, not a plan anyone runs -- no memory checks (its prefill, at a longer prompt than
     the block's, may need more GPU memory than the block ever does; only its decode steps are read)."""
     plan = build_plan(policy, model, hw, wl, settings, validate=not probe, check_fits=not probe)
-    trace = simulate(plan, hw, check_memory=not probe)
+    return token_table(simulate(plan, hw, check_memory=not probe), wl)
+
+
+def token_table(trace, wl: Workload) -> tuple[float, np.ndarray]:
+    """A trace's makespan and ``[step, batch]`` -> end of that batch's last compute op of the step (its LM head):
+    when each GPU batch produced its token of each step. A simulated and a measured trace (``offexec job``) are
+    read the same way."""
     comp = trace.df[trace.df["kind"] == "compute"]
     ends = comp.groupby(["step", "batch"])["end_s"].max()
     table = np.zeros((wl.gen_len, wl.num_gpu_batches))
@@ -265,6 +271,7 @@ class JobResult:
     slot_tokens: int  # token positions computed, padding included
     wall_s: float
     extra: dict = field(default_factory=dict)
+    block_s: list = field(default_factory=list)  # each block's makespan, in job order (block i starts at their sum)
 
     @property
     def padding_waste(self) -> float:
@@ -309,11 +316,14 @@ def best_for_job(policy: str, model: ModelSpec, hw: HardwareSpec, requests: Sequ
 def run_job(policy: str, model: ModelSpec, hw: HardwareSpec, requests: Sequence[Request], batching: str = "padded",
             max_sims: int = 3, max_batch: int | None = None, progress: bool = False,
             best: SearchResult | None = None, cache: dict | None = None,
-            decode_steps: int | None = None) -> JobResult:
+            decode_steps: int | None = None,
+            run_block: Callable[[int, Block], BlockRun] | None = None, desc: str | None = None) -> JobResult:
     """Run the job's requests with ``policy`` at its best (``best``: a search result to reuse), block after block
     (module docstring). ``cache``: simulated blocks by (policy, settings, ``block_key``), shared across calls.
     ``decode_steps``: simulate at most that many decode steps of a block and extrapolate the rest
-    (``simulate_block``); None: exact."""
+    (``simulate_block``); None: exact. ``run_block(i, block)``: how block i runs instead of simulating it -- every
+    block, no cache (``offexec job`` measures each on the device); the blocks, the per-request times and the numbers
+    are the same code either way."""
     t0 = time.perf_counter()
     if not requests:
         raise OffsimError("a job needs at least one request")
@@ -325,26 +335,32 @@ def run_job(policy: str, model: ModelSpec, hw: HardwareSpec, requests: Sequence[
     by_index = {r.index: i for i, r in enumerate(requests)}
     gen_of = {r.index: r.gen_len for r in requests}
     start_s, slot_tokens, simulated = 0.0, 0, 0
+    block_s = []
     it = blocks
     if progress:
         from tqdm import tqdm
 
-        it = tqdm(blocks, desc=f"job {policy}", unit="block")
-    for blk in it:
+        it = tqdm(blocks, desc=desc or f"job {policy}", unit="block")
+    for i, blk in enumerate(it):
         wl = blk.workload
-        key = (policy, model.name, hw.name, repr(sorted(best.settings.items())), decode_steps, block_key(wl))
-        run = cache.get(key)
-        if run is None:
-            run = cache[key] = simulate_block(policy, model, hw, wl, best.settings, decode_steps)
+        if run_block is not None:
+            run = run_block(i, blk)
             simulated += 1
+        else:
+            key = (policy, model.name, hw.name, repr(sorted(best.settings.items())), decode_steps, block_key(wl))
+            run = cache.get(key)
+            if run is None:
+                run = cache[key] = simulate_block(policy, model, hw, wl, best.settings, decode_steps)
+                simulated += 1
         for slot, idx in enumerate(blk.slots):
             if idx is not None:
                 done[by_index[idx]] = start_s + run.token_end_s[gen_of[idx] - 1, slot // wl.gpu_batch_size]
         start_s += run.makespan_s
+        block_s.append(float(run.makespan_s))
         slot_tokens += wl.slot_tokens()
     return JobResult(policy=policy, settings=dict(best.settings), gpu_batch_size=gbs, num_gpu_batches=nb,
                      batching=batching, num_requests=len(requests), blocks=len(blocks), distinct_blocks=simulated,
                      completion_s=start_s, request_done_s=done,
                      prompt_tokens=sum(r.prompt_len for r in requests),
                      output_tokens=sum(r.gen_len for r in requests), slot_tokens=slot_tokens,
-                     wall_s=time.perf_counter() - t0, extra={"decode_steps": decode_steps})
+                     wall_s=time.perf_counter() - t0, extra={"decode_steps": decode_steps}, block_s=block_s)

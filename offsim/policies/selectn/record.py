@@ -41,6 +41,7 @@ link_share, ttft_slo_s, tpot_slo_s, batches, seq_lens, converge_tol, provenance)
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -297,14 +298,36 @@ def _check_slo(name: str, v: float) -> float:
     return float(v)
 
 
+def check_intervals(model: ModelSpec, intervals: Sequence[int] | None) -> list[int]:
+    """The intervals a build scans, least offloading first: all (``intervals_of``), or the given subset -- which
+    must hold 1 (every layer offloaded: N_min's lower end) and be within 1 .. num_layers + 1."""
+    if intervals is None:
+        return intervals_of(model)
+    out = sorted({int(n) for n in intervals}, reverse=True)
+    bad = [n for n in out if not 1 <= n <= model.num_layers + 1]
+    if bad:
+        raise OffsimError(f"intervals must be in 1..{model.num_layers + 1} for {model.name} ({model.num_layers} "
+                          f"layers; {model.num_layers + 1} = nothing offloaded), got {bad}")
+    if not out or out[-1] != 1:
+        raise OffsimError("intervals must include 1 (every layer offloaded): the scan ends there")
+    return out
+
+
 def build_record(model: ModelSpec, hw: HardwareSpec, ttft_slo_s: float, tpot_slo_s: float,
                  batches: Sequence[int] = DEFAULT_BATCHES, seq_lens: Sequence[int] | None = None,
                  phases: Iterable[str] = PHASES, converge_tol: float = 0.02, link_share: float = 1.0,
-                 progress: bool = False) -> PerformanceRecord:
+                 progress: bool = False, intervals: Sequence[int] | None = None,
+                 iteration=None, source: str = "offsim", deadline_s: float | None = None) -> PerformanceRecord:
     """Build the record by simulation (see the module docstring for the grid, early termination and convergence).
 
     ``link_share``: the share of the PCIe link this instance gets (``HardwareSpec.scaled_link``), for GPUs that
     share one link. ``converge_tol``: a point has converged when N = 1 is within this fraction of N_max's latency.
+    ``intervals``: scan only these N (with 1; default: every N) -- fewer points where each costs device time.
+    ``iteration(model, hw, phase, batch, seq_len, interval) -> IterationResult``: how one iteration is priced
+    (default ``iteration_latency``, simulated; ``offexec.selectn.measured_iteration`` measures it on the device),
+    ``source`` the rows' and metadata's label. ``deadline_s``: a ``time.monotonic()`` after which no new grid
+    point is started (the points not reached are left out, as early termination leaves them; the metadata's
+    ``stopped_at_deadline`` says so).
     """
     ttft_slo_s, tpot_slo_s = _check_slo("TTFT SLO", ttft_slo_s), _check_slo("TPOT SLO", tpot_slo_s)
     seq_lens = tuple(sorted(seq_lens or default_seq_lens(model)))
@@ -316,6 +339,15 @@ def build_record(model: ModelSpec, hw: HardwareSpec, ttft_slo_s: float, tpot_slo
         raise OffsimError(f"seq_len {seq_lens[-1]} exceeds {model.name}'s {model.max_positions} positions")
     if not 0 < link_share <= 1:
         raise OffsimError(f"link_share must be in (0, 1], got {link_share}")
+    phases = tuple(phases)
+    for ph in phases:
+        if ph not in PHASES:
+            raise OffsimError(f"phase must be one of {PHASES}, got {ph!r}")
+    if "decode" in phases and seq_lens[0] < 3:
+        raise OffsimError(f"decode iterations are priced at contexts >= 3 tokens, got seq_len {seq_lens[0]}")
+    cands = check_intervals(model, intervals)
+    iteration = iteration or iteration_latency
+    stopped = False
     phys = hw.scaled_link(link_share) if link_share != 1 else hw
     rows: list[dict] = []
     points = [(ph, s, b) for ph in phases for s in seq_lens for b in batches]
@@ -328,7 +360,11 @@ def build_record(model: ModelSpec, hw: HardwareSpec, ttft_slo_s: float, tpot_slo
         threshold = math.inf  # smallest batch·seq_len seen converged
         for s in seq_lens:
             for i, b in enumerate(batches):
-                res, converged = _scan_point(model, phys, ph, b, s, slo, b * s >= threshold, converge_tol)
+                if deadline_s is not None and time.monotonic() > deadline_s:
+                    stopped = True
+                    break
+                res, converged = _scan_point(model, phys, ph, b, s, slo, b * s >= threshold, converge_tol,
+                                             cands, iteration)
                 fit_ns = [n for n, r in res.items() if r.fits]
                 keep_oom = {max(fit_ns) + 1} if fit_ns else {1}  # the evidence for N_max (or that none fits)
                 for n, r in res.items():
@@ -337,7 +373,7 @@ def build_record(model: ModelSpec, hw: HardwareSpec, ttft_slo_s: float, tpot_slo
                     rows.append({"phase": ph, "batch": b, "seq_len": s, "interval": n,
                                  "offloaded_layers": r.offloaded_layers, "host_bytes": r.host_bytes,
                                  "gpu_peak_bytes": r.gpu_peak_bytes, "status": "ok" if r.fits else "oom",
-                                 "latency_s": r.latency_s, "source": "offsim"})
+                                 "latency_s": r.latency_s, "source": source})
                 if bar:
                     bar.update(1)
                 if converged:
@@ -353,20 +389,25 @@ def build_record(model: ModelSpec, hw: HardwareSpec, ttft_slo_s: float, tpot_slo
     meta = {"model": model.name, "hardware": hw.name, "gpu_mem_bytes": int(hw.gpu_mem_bytes),
             "link_share": link_share, "num_layers": model.num_layers, "ttft_slo_s": ttft_slo_s,
             "tpot_slo_s": tpot_slo_s, "batches": list(batches), "seq_lens": list(seq_lens),
-            "converge_tol": converge_tol, "source": "offsim", "provenance": provenance()}
+            "converge_tol": converge_tol, "source": source, "provenance": provenance()}
+    if intervals is not None:
+        meta["intervals"] = cands
+    if stopped:
+        meta["stopped_at_deadline"] = True
     return PerformanceRecord(df, meta)
 
 
-def _scan_point(model, hw, phase, batch, seq_len, slo, probe_converged: bool, tol: float
-                ) -> tuple[dict[int, IterationResult], bool]:
-    """Intervals from the least offloading down: 'oom' until one fits (N_max), then timed until the first that
-    misses the SLO. Past the convergence threshold, probe N = 1 and N_max first."""
+def _scan_point(model, hw, phase, batch, seq_len, slo, probe_converged: bool, tol: float, cands=None,
+                iteration=None) -> tuple[dict[int, IterationResult], bool]:
+    """Intervals from the least offloading down (``cands``, default every N): 'oom' until one fits (N_max), then
+    timed until the first that misses the SLO. Past the convergence threshold, probe N = 1 and N_max first."""
     res: dict[int, IterationResult] = {}
-    cands = intervals_of(model)
+    cands = cands or intervals_of(model)
+    iteration = iteration or iteration_latency
 
     def run(n):
         if n not in res:
-            res[n] = iteration_latency(model, hw, phase, batch, seq_len, n)
+            res[n] = iteration(model, hw, phase, batch, seq_len, n)
         return res[n]
 
     n_max = None
