@@ -80,6 +80,13 @@ run): `offsim validate DIR --hardware results/profiles/h200_offexec_v2.json --ou
   second host KV beside the pool and the host killed the process (fixed: the pool serves any dtype by its bytes).
 - A compressed cache quantized a prefill's K and V in one pass: OPT-30B, 24 x 1984 tokens needed GBs of fp32
   temporaries past the 16 GiB budget (fixed: `quant.pack_vectors_into`, bounded chunks inside the allocator slack).
+- With both fixes (commit 71b8699, 2026-12-01), `flexgen_4bit_p512_g32` (96 x 2, weights 40 % on the GPU, 4-bit KV
+  in host memory) ran its warm-up -- the same settings, one GPU batch of 96, two tokens -- in 32.1 s, where offsim
+  prices that prefill at a few seconds; the measured run did not finish within the call (the session's GPU time
+  ran out). Not profiled yet. The suspects: dequantizing in 2^20-element chunks (about 600 passes of several
+  kernels per layer of OPT-30B, every time a layer is used), and quantizing the prefill's KV the same way. The next
+  session profiles one layer and replaces the chunked passes with one fused kernel per tensor (Triton), or prices
+  them.
 """
     (ROOT / "README.md").write_text(text)
     print(f"wrote {ROOT / 'README.md'} ({len(df)} runs)")
