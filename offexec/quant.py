@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from offexec import quant_triton
 from offsim.core.footprint import SPARSE_CHUNK_ELEMS, quantized_bytes
 from offsim.core.specs import QUANT_BITS, QUANT_GROUP_SIZE, WEIGHT_GROUP_DIM
 
@@ -129,10 +130,14 @@ def _split_bytes(buf: torch.Tensor, shape: tuple[int, ...], dim: int) -> tuple[t
 def dequantize_into(buf: torch.Tensor, shape: tuple[int, ...], dim: int, out: torch.Tensor) -> torch.Tensor:
     """Dequantize ``to_bytes``'s form in ``buf`` (uint8, on ``out``'s device) into ``out`` (shape ``shape``, any
     float dtype) in place -- the same values as ``dequantize`` -- a bounded number of rows at a time
-    (``DEQUANT_CHUNK_ELEMS``), so the temporaries stay small. Returns ``out``."""
+    (``DEQUANT_CHUNK_ELEMS``), so the temporaries stay small; on CUDA with Triton one fused launch instead
+    (``quant_triton``). Returns ``out``."""
     data, scale = _split_bytes(buf, tuple(shape), dim)
     n = shape[dim % len(shape)]
     om = out.movedim(dim, -1)  # [..., n], the grouped dim last (a view)
+    if quant_triton.available(out) and om.dim() <= 5:  # one fused launch, no temporaries (offexec/quant_triton.py)
+        quant_triton.dequantize_rows(data, scale, om)
+        return out
     rows_d, rows_s, rows_o = data.reshape(-1, *data.shape[-2:]), scale.reshape(-1, *scale.shape[-2:]), \
         om.reshape(-1, n)
     if rows_o.untyped_storage().data_ptr() != out.untyped_storage().data_ptr():  # reshape copied: writes lost
@@ -196,7 +201,7 @@ def pack_vectors_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 def unpack_vectors_into(buf: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``pack_vectors``'s form ``buf`` [S, ..., stored] dequantized into ``out`` [S, ..., D] (any float dtype, any
     strides; on ``buf``'s device) -- the same values as ``dequantize`` -- a bounded number of leading rows at a time
-    (``DEQUANT_CHUNK_ELEMS``). Returns ``out``."""
+    (``DEQUANT_CHUNK_ELEMS``), or on CUDA with Triton one fused launch (``quant_triton``). Returns ``out``."""
     D = out.shape[-1]
     groups = -(-D // QUANT_GROUP_SIZE)
     nd = groups * (QUANT_GROUP_SIZE // 2)
@@ -204,6 +209,8 @@ def unpack_vectors_into(buf: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"packed KV of shape {list(buf.shape)} does not hold vectors of shape {list(out.shape)}")
     data = buf[..., :nd].unflatten(-1, (groups, QUANT_GROUP_SIZE // 2))
     scale = buf[..., nd:].view(torch.float16).unflatten(-1, (groups, 2))
+    if quant_triton.available(out) and out.dim() <= 5:  # one fused launch, no temporaries (offexec/quant_triton.py)
+        return quant_triton.dequantize_rows(data, scale, out)
     per_row = max(1, out[0].numel()) if out.shape[0] else 1
     step = max(1, DEQUANT_CHUNK_ELEMS // per_row)
     for r in range(0, out.shape[0], step):

@@ -300,3 +300,32 @@ def test_pack_vectors_into_in_chunks_equals_one_pass(monkeypatch):
     whole = quant.pack_vectors(x)
     monkeypatch.setattr(quant, "DEQUANT_CHUNK_ELEMS", 2000)  # many chunks
     assert torch.equal(quant.pack_vectors_into(x, torch.zeros_like(whole)), whole)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_dequantize_matches_the_pytorch_path_on_cuda(monkeypatch):
+    """The fused Triton kernel (offexec/quant_triton.py) writes what the chunked PyTorch path writes, within one fp16
+    ulp (the compiler may fuse code * step + min), for a weight (grouped along its output channel, 300 = not a
+    multiple of 64) and for KV vectors into a strided slice of a larger working buffer, as the executor's loads do."""
+    from offexec import quant_triton
+
+    if quant_triton.triton is None:
+        pytest.skip("no Triton here")
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(300, 130, generator=g).half().cuda()
+    buf = quant.to_bytes(quant.quantize_weight(w))
+    kv = torch.randn(7, 2, 3, 5, 128, generator=g).half().cuda()
+    packed = quant.pack_vectors(kv)
+    outs = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(quant_triton, "available", lambda out: False)
+        wo = torch.full_like(w, float("nan"))
+        quant.dequantize_into(buf, tuple(w.shape), 0, wo)
+        big = torch.full((7, 2, 3, 8, 128), float("nan"), dtype=torch.float16, device="cuda")
+        quant.unpack_vectors_into(packed, big[:, :, :, 1:6])
+        outs[fused] = (wo, big)
+    for a, b in zip(outs[True], outs[False]):
+        assert torch.isnan(a).sum() == torch.isnan(b).sum()  # the same elements written (the slice's outside: NaN)
+        torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -10, atol=1e-5, equal_nan=True)
