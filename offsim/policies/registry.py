@@ -40,7 +40,8 @@ def build_plan(policy: str, model: ModelSpec, hw: HardwareSpec, wl: Workload,
     arithmetic (``footprint.check_fits``: one line, each short tier and its shortfall in GiB), before any op is
     built -- so a block that fits nowhere fails in microseconds, not after minutes of emitting ops. ``validate``:
     the built plan is then checked op by op (``Plan.validate``). Turn both off only to rebuild the plan of a run
-    that already happened."""
+    that already happened; the search skips ``validate`` (it returns settings, whose plan is validated where built
+    for use)."""
     p = get_policy(policy)
     st = p.settings_from(settings)
     if check_fits:
