@@ -49,8 +49,8 @@ def link_bound(num_prompts: int, gen_len: int, decode_h2d_bytes: float, h2d_byte
 
 
 def kv_bytes_per_token(model) -> int:
-    """K and V of one token over all layers, fp16 (``ModelSpec.kv_bytes_per_token``)."""
-    return model.kv_bytes_per_token()
+    """K and V of one token over all layers (``ModelSpec.kv_bytes_per_token`` is one layer's)."""
+    return model.num_layers * model.kv_bytes_per_token()
 
 
 def emit(rec: dict, stream=None) -> None:

@@ -351,7 +351,8 @@ def _hardware(hardware: str | None, budget_gib: float, host_limit_gib: float):
 def candidates(model, prompt_len: int, gen_len: int, budget_gib: float, k: int = 4, compress: bool = False,
                host_limit_gib: float = FLEXGEN_HOST_LIMIT_GIB, hardware: str | None = None) -> list[FlexGenPolicy]:
     """At most ``k`` FlexGen policies to run for this point, most promising first: offsim's LP candidates that fit
-    FlexGen's own memory, then the anchor policy (docs/anchors.md §2) with and without CPU attention, then the grid
+    FlexGen's own memory (the best with and without CPU attention first), then the anchor policy (docs/anchors.md
+    §2) with and without CPU attention, then the rest of the LP's, then the grid
     (``policy_space``) by block size. [] for a model FlexGen does not implement (only OPT)."""
     if model.family != "opt":
         return []
@@ -369,12 +370,12 @@ def candidates(model, prompt_len: int, gen_len: int, budget_gib: float, k: int =
             if p.cpu_cache_compute == attn and fits(model, p, prompt_len, gen_len, budget_gib, host_limit_gib)[0]:
                 add(p)
                 break
-    for p in lp:
-        add(p)
     if not compress:
         for attn in (False, True):
             add(FlexGenPolicy(ANCHOR["gpu_batch_size"], ANCHOR["num_gpu_batches"], ANCHOR["percent"], attn,
                               source="anchor"))
+    for p in lp:
+        add(p)
     grid = policy_space(model, prompt_len, gen_len, budget_gib, host_limit_gib, compress)
     grid.sort(key=lambda p: (-p.num_prompts, -p.gpu_batch_size, -p.percent[0], p.cpu_cache_compute))
     for p in grid:
