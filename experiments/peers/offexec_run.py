@@ -1,0 +1,169 @@
+"""offexec's policies at their best for one workload point, as systems ``offexec-<policy>``: the existing experiment
+path (``experiments.common.best_settings``: ``offsim search`` on the H200 profile at the budget → plan →
+``offexec.executor.run_plan``), beside the peers in ``experiments.real_throughput``.
+
+One process: the seeded random weights once (pinned), then per policy a 2-token warm-up of the same plan and the
+measured run; offsim's prediction of the same plan beside it; the link bound from the run's own decode H2D bytes.
+The host tier offsim plans with is the host limit less the executor's master copy of the weights (as
+``experiments.memory.h200_sweep`` does). The largest block (``--max-batch``) is lowered until offsim predicts the run
+within ``--max-run-s`` (device time).
+
+    python -m experiments.peers.offexec_run --model opt-30b --prompt-len 512 --gen-len 32 --budget-gib 16 \\
+        [--policies flexgen flexgen-cpuattn tightllm static-zero static-accelerate]
+    python -m experiments.peers.offexec_run --model tiny.json --device cpu ...   # smoke test, no GPU
+
+Prints ``PEER_RESULT {json}`` per policy (``common.emit``) and ends with one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from experiments.peers.common import (GiB, HOST_LIMIT_GIB, base_record, emit, link_bound, measure_h2d,
+                                      peak_rss_bytes, versions)
+
+# system suffix -> (offsim policy, fixed settings)
+POLICIES = {"flexgen": ("flexgen", {}), "flexgen-cpuattn": ("flexgen", {"cpu_attention": True}),
+            "tightllm": ("tightllm", {}), "static-zero": ("static-zero", {}),
+            "static-accelerate": ("static-accelerate", {}), "selectn": ("selectn", {})}
+DEFAULT_POLICIES = ("flexgen", "tightllm", "static-zero", "static-accelerate")
+PROFILE = Path(__file__).resolve().parents[2] / "results/profiles/h200_offexec.json"
+MAX_BATCHES = (512, 256, 128, 64, 32, 16, 8)
+
+
+def hardware(model, budget_gib: float, host_limit_gib: float, profile: str | None = None):
+    """The H200 profile at ``budget_gib`` with the host tier offsim may plan: the limit less the executor's host
+    master copy of the weights."""
+    from offsim import get_hardware
+
+    prof = profile or (str(PROFILE) if PROFILE.exists() else "h200")
+    host = max(host_limit_gib * GiB - model.weight_bytes(), GiB)
+    return get_hardware(prof, budget_gib).with_(cpu_mem_bytes=int(host))
+
+
+def plan_point(name: str, model, hw, prompt_len: int, gen_len: int, max_batch: int, max_run_s: float):
+    """(settings, workload, plan, predicted metrics) of policy ``name`` at its best with at most ``max_batch``
+    prompts, the cap lowered until the predicted run takes at most ``max_run_s``. Raises OffsimError."""
+    from experiments.common import best_settings
+    from offsim import build_plan, simulate
+    from offsim.core.errors import OffsimError
+
+    pol, fixed = POLICIES[name]
+    why = None
+    for cap in [c for c in MAX_BATCHES if c <= max_batch] or [max_batch]:
+        try:
+            st, wl = best_settings(pol, fixed, model, hw, prompt_len, gen_len, cap)
+        except OffsimError as e:
+            why = e
+            continue
+        plan = build_plan(pol, model, hw, wl, st)
+        m = simulate(plan, hw).metrics()
+        if m["total_s"] <= max_run_s:
+            return st, wl, plan, m
+        why = OffsimError(f"predicted {m['total_s']:.0f} s at {wl.num_prompts} prompts, over {max_run_s:.0f} s")
+    raise why or OffsimError("no block fits")
+
+
+def run_point(model_name: str, prompt_len: int, gen_len: int, budget_gib: float, policies, device: str = "cuda",
+              host_limit_gib: float = HOST_LIMIT_GIB, max_batch: int = 256, max_run_s: float = 300.0,
+              profile: str | None = None, only_plan: bool = False) -> list[dict]:
+    """Every policy of ``policies`` at this point; one record each."""
+    import torch
+
+    from offexec.executor import check_plan, run_plan
+    from offexec.weights import random_weights
+    from offsim import build_plan, get_model
+    from offsim.core.errors import OffsimError
+
+    model = get_model(model_name)
+    cuda = device == "cuda"
+    hw = hardware(model, budget_gib, host_limit_gib, profile)
+    budget = int(hw.gpu_mem_bytes)
+    planned, recs = [], []
+    for name in policies:
+        rec = base_record(f"offexec-{name}", model_name, prompt_len, gen_len, budget_gib,
+                          versions=versions("torch", "offsim"))
+        try:
+            st, wl, plan, pm = plan_point(name, model, hw, prompt_len, gen_len, max_batch, max_run_s)
+            check_plan(plan, device, budget)
+            rec.update(batch=wl.num_prompts, gpu_batch_size=wl.gpu_batch_size, num_gpu_batches=wl.num_gpu_batches,
+                       settings=json.dumps({"policy": plan.policy, **st}, sort_keys=True, default=str),
+                       predicted_decode_tok_s=pm["decode_tok_s"], predicted_total_tok_s=pm["total_tok_s"])
+            planned.append((name, st, wl, plan, rec))
+        except (OffsimError, RuntimeError, ValueError) as e:
+            rec.update(status="skipped", reason=f"{type(e).__name__}: {str(e)[:300]}")
+            recs.append(rec)
+    if only_plan or not planned:
+        return recs + [p[4] for p in planned]
+    h2d = measure_h2d() if cuda else None
+    t0 = time.perf_counter()
+    weights = random_weights(model, seed=0, device=device, pinned=cuda, progress=False)
+    weights_s = time.perf_counter() - t0
+    try:
+        for name, st, wl, plan, rec in planned:
+            t1 = time.perf_counter()
+            try:
+                pol = POLICIES[name][0]
+                warm = build_plan(pol, model, hw, wl.with_(gen_len=2), st)
+                run_plan(warm, weights, device, seed=1, gpu_budget_bytes=budget)
+                res = run_plan(plan, weights, device, seed=1, gpu_budget_bytes=budget)
+                m = res.trace.metrics()
+                df = res.trace.df
+                dec = df[(df["step"] > 0) & (df["kind"] == "h2d")]
+                dec_bytes = int(dec["nbytes"].sum())
+                rec.update({k: m[k] for k in ("prefill_s", "decode_s", "prefill_tok_s", "decode_tok_s",
+                                              "total_tok_s")})
+                rec.update(decode_h2d_bytes=dec_bytes, h2d_bytes_per_s=h2d,
+                           link_bound_decode_tok_s=link_bound(wl.num_prompts, gen_len, dec_bytes, h2d) if h2d
+                           else None,
+                           peak_gpu_bytes=int(res.stats.get("gpu_max_reserved_bytes", 0)))
+            except Exception as e:  # noqa: BLE001 -- one policy's failure is a result
+                traceback.print_exc()
+                oom = cuda and isinstance(e, torch.OutOfMemoryError)
+                rec.update(status="oom" if oom else "error", reason=f"{type(e).__name__}: {str(e)[:300]}")
+            rec["peak_host_bytes"] = peak_rss_bytes()
+            rec["wall_s"] = time.perf_counter() - t1
+            rec["weights_s"] = weights_s
+            emit(rec)
+            recs.append(rec)
+            res = None
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+    finally:
+        weights.close()
+    return recs
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--model", default="opt-30b")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--gen-len", type=int, default=32)
+    ap.add_argument("--budget-gib", type=float, default=16.0)
+    ap.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES), choices=list(POLICIES))
+    ap.add_argument("--host-limit-gib", type=float, default=HOST_LIMIT_GIB)
+    ap.add_argument("--max-batch", type=int, default=256)
+    ap.add_argument("--max-run-s", type=float, default=300.0, help="lower the block until offsim predicts this")
+    ap.add_argument("--profile", default=None, help="hardware profile JSON (default results/profiles/h200_offexec)")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--only-plan", action="store_true", help="plan and print, run nothing")
+    args = ap.parse_args(argv)
+    recs = run_point(args.model, args.prompt_len, args.gen_len, args.budget_gib, args.policies, args.device,
+                     args.host_limit_gib, args.max_batch, args.max_run_s, args.profile, args.only_plan)
+    for r in recs:
+        if "wall_s" not in r:  # skipped or only planned (measured runs were printed as they finished)
+            emit(r)
+    print(json.dumps([{k: r.get(k) for k in ("system", "status", "batch", "decode_tok_s", "total_tok_s")}
+                      for r in recs], default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
