@@ -54,7 +54,7 @@ def point_key(system: str, model: str, prompt: int, gen: int, budget: float, tag
 
 
 def jobs_for_point(system: str, model: str, prompt: int, gen: int, budget: float, flexgen_k: int = 3,
-                   offexec_policies=None, cache: dict | None = None) -> list[dict]:
+                   offexec_policies=None, cache: dict | None = None, settings_cache: str | None = None) -> list[dict]:
     """The subprocess jobs of one system at one point: {key(s), argv, system}. FlexGen: one job per candidate
     policy (``flexgen_ref.candidates``, kept in ``cache`` by point so that every call of a resumed grid runs the
     same list and computes it once); an OPT-only peer on a Llama: one 'unsupported' record, no job."""
@@ -67,7 +67,8 @@ def jobs_for_point(system: str, model: str, prompt: int, gen: int, budget: float
 
         pols = list(offexec_policies or DEFAULT_POLICIES)
         return [{"system": system, "keys": [point_key(f"offexec-{p}", model, prompt, gen, budget) for p in pols],
-                 "argv": ["-m", "experiments.peers.offexec_run", *common, "--policies", *pols]}]
+                 "argv": ["-m", "experiments.peers.offexec_run", *common, "--policies", *pols,
+                          *(["--settings-cache", settings_cache] if settings_cache else [])]}]
     if system in ("flexgen-ref", "flexgen-4bit-ref"):
         spec = get_model(model)
         if spec.family != "opt":
@@ -352,6 +353,9 @@ def main(argv=None) -> int:
     ap.add_argument("--min-left-s", type=float, default=60.0, help="start no run with less than this left")
     ap.add_argument("--commit", default=None, help="the commit these runs are of (no .git on the GPU machine)")
     ap.add_argument("--dry-run", action="store_true", help="list the jobs (and which are answered), run nothing")
+    ap.add_argument("--plan-only", action="store_true", help="on any machine: plan every point -- FlexGen's "
+                    "candidate policies and offexec's searched settings -- into OUT's caches, run nothing (the GPU "
+                    "machine then needs no LP solver)")
     ap.add_argument("--report", action="store_true", help="only rewrite CSV, chart and README from the journal")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
@@ -369,12 +373,16 @@ def main(argv=None) -> int:
         return 0
     cpath = out / "flexgen_candidates.json"
     cache = json.loads(cpath.read_text()) if cpath.exists() else {}
+    spath = out / "offexec_settings.json"
+    if args.plan_only:
+        return plan_only(args, out, cache, cpath, spath, t_start)
 
     def all_jobs():
         for (m, p, g, b) in points(args.models, args.prompts, args.gens, args.budgets):
             for system in args.only:
                 n = len(cache)
-                yield from jobs_for_point(system, m, p, g, b, args.flexgen_k, args.offexec_policies, cache)
+                yield from jobs_for_point(system, m, p, g, b, args.flexgen_k, args.offexec_policies, cache,
+                                          str(spath) if spath.exists() else None)
                 if len(cache) != n:
                     cpath.write_text(json.dumps(cache, indent=1))
 
@@ -425,6 +433,33 @@ def main(argv=None) -> int:
     remaining = sum(1 for j in todo if not job_state(j, read_journal(jpath))[0])
     finish({"experiment": "real_throughput", "ran": ran, "answered_before": skipped, "remaining_jobs": remaining,
             "stopped": stopped, "elapsed_s": time.perf_counter() - t_start, **s})
+    return 0
+
+
+def plan_only(args, out: Path, cache: dict, cpath: Path, spath: Path, t_start: float) -> int:
+    """``--plan-only``: FlexGen's candidates and offexec's settings of every point into OUT's caches."""
+    from experiments.peers.offexec_run import DEFAULT_POLICIES, run_point
+
+    scache = json.loads(spath.read_text()) if spath.exists() else {}
+    n = 0
+    for (m, p, g, b) in points(args.models, args.prompts, args.gens, args.budgets):
+        for system in args.only:
+            if system == "offexec":
+                recs = run_point(m, p, g, b, list(args.offexec_policies or DEFAULT_POLICIES), device="cpu",
+                                 only_plan=True, cache=scache)
+                spath.write_text(json.dumps(scache, indent=1, default=str))
+                for r in recs:
+                    print(f"{r['system']} {m} {p}/{g} {b:g} GiB: {r['status']} batch {r.get('batch')} predicted "
+                          f"decode {_fmt(r.get('predicted_decode_tok_s'), 2)} {str(r.get('reason') or '')[:100]}",
+                          flush=True)
+            elif system in ("flexgen-ref", "flexgen-4bit-ref"):
+                jobs = jobs_for_point(system, m, p, g, b, args.flexgen_k, cache=cache)
+                cpath.write_text(json.dumps(cache, indent=1))
+                print(f"{system} {m} {p}/{g} {b:g} GiB: " + ", ".join(j["keys"][0].split("|")[-1] for j in jobs),
+                      flush=True)
+            n += 1
+    finish({"experiment": "real_throughput", "plan_only": True, "planned": n, "flexgen_candidates": str(cpath),
+            "offexec_settings": str(spath), "elapsed_s": time.perf_counter() - t_start})
     return 0
 
 
