@@ -17,10 +17,11 @@ grep -qx "/$DEST/" "$EXCL" 2>/dev/null || echo "/$DEST/" >> "$EXCL"
 mkdir -p "$DEST"
 plat=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any)
-# flexgen 0.1.8 imports attrs (flexgen/utils.py); pulp only in its experimental cost model (not imported)
+# flexgen 0.1.8 imports attrs (flexgen/utils.py); pulp only in its experimental cost model (not imported); simpy:
+# offsim simulates the cached plans (offexec_run) without the rest of device-wheels.sh (cvxpy, HiGHS: 23 MB)
 # deepspeed 0.19.8's requirements less what the image has (torch, numpy, packaging, psutil, tqdm, pydantic 2 --
 # pydantic and its core are fetched too in case the image lacks them: deepspeed's config is pydantic)
-pkgs=${PEER_PKGS:-"flexgen==0.1.8 attrs hjson msgpack ninja py-cpuinfo einops pydantic pydantic-core annotated-types typing-inspection"}
+pkgs=${PEER_PKGS:-"flexgen==0.1.8 attrs simpy hjson msgpack ninja py-cpuinfo einops pydantic pydantic-core annotated-types typing-inspection typing-extensions"}
 for p in $pkgs; do
   "$PY" -m pip download -q --no-deps "${plat[@]}" -d "$DEST" "$p"
 done

@@ -164,7 +164,7 @@ def run_point(model_name: str, prompt_len: int, gen_len: int, budget_gib: float,
                        settings=json.dumps({"policy": plan.policy, **st}, sort_keys=True, default=str),
                        predicted_decode_tok_s=pm["decode_tok_s"], predicted_total_tok_s=pm["total_tok_s"])
             planned.append((name, st, wl, plan, rec))
-        except (OffsimError, RuntimeError, ValueError) as e:
+        except (OffsimError, RuntimeError, ValueError, ImportError) as e:
             rec.update(status="skipped", reason=f"{type(e).__name__}: {str(e)[:300]}")
             recs.append(rec)
     if only_plan or not planned:
