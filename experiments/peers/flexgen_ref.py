@@ -352,14 +352,15 @@ def candidates(model, prompt_len: int, gen_len: int, budget_gib: float, k: int =
                host_limit_gib: float = FLEXGEN_HOST_LIMIT_GIB, hardware: str | None = None) -> list[FlexGenPolicy]:
     """At most ``k`` FlexGen policies to run for this point, most promising first: offsim's LP candidates that fit
     FlexGen's own memory (the best with and without CPU attention first), then the anchor policy (docs/anchors.md
-    §2) with and without CPU attention, then the rest of the LP's, then the grid
+    §2) with and without CPU attention, then (fp16) the grid's largest block of an attention placement still missing,
+    then the rest of the LP's, then the grid
     (``policy_space``) by block size. [] for a model FlexGen does not implement (only OPT)."""
     if model.family != "opt":
         return []
     out, seen = [], set()
 
     def add(p):
-        if p.tag() not in seen and fits(model, p, prompt_len, gen_len, budget_gib, host_limit_gib)[0]:
+        if p is not None and p.tag() not in seen and fits(model, p, prompt_len, gen_len, budget_gib, host_limit_gib)[0]:
             seen.add(p.tag())
             out.append(p)
 
@@ -374,10 +375,14 @@ def candidates(model, prompt_len: int, gen_len: int, budget_gib: float, k: int =
         for attn in (False, True):
             add(FlexGenPolicy(ANCHOR["gpu_batch_size"], ANCHOR["num_gpu_batches"], ANCHOR["percent"], attn,
                               source="anchor"))
-    for p in lp:
-        add(p)
     grid = policy_space(model, prompt_len, gen_len, budget_gib, host_limit_gib, compress)
     grid.sort(key=lambda p: (-p.num_prompts, -p.gpu_batch_size, -p.percent[0], p.cpu_cache_compute))
+    if not compress:  # both attention placements among the first: the grid's largest block where the LP has none
+        for attn in (False, True):
+            if not any(p.cpu_cache_compute == attn for p in out):
+                add(next((p for p in grid if p.cpu_cache_compute == attn), None))
+    for p in lp:
+        add(p)
     for p in grid:
         add(p)
     return out[:k]
