@@ -66,22 +66,24 @@ def jobs_for_point(system: str, model: str, prompt: int, gen: int, budget: float
         from experiments.peers.offexec_run import DEFAULT_POLICIES
 
         pols = list(offexec_policies or DEFAULT_POLICIES)
-        return [{"system": system, "keys": [point_key(f"offexec-{p}", model, prompt, gen, budget) for p in pols],
-                 "argv": ["-m", "experiments.peers.offexec_run", *common, "--policies", *pols,
-                          *(["--settings-cache", settings_cache] if settings_cache else [])]}]
+        # one job per policy: each makes the weights (~10 s for OPT-30B) and fits one run's timeout
+        return [{"system": system, "keys": [point_key(f"offexec-{p}", model, prompt, gen, budget)],
+                 "argv": ["-m", "experiments.peers.offexec_run", *common, "--policies", p,
+                          *(["--settings-cache", settings_cache] if settings_cache else [])]} for p in pols]
     if system in ("flexgen-ref", "flexgen-4bit-ref"):
         spec = get_model(model)
         if spec.family != "opt":
             return [{"system": system, "keys": [point_key(system, model, prompt, gen, budget)], "argv": None,
                      "record": {"status": "unsupported", "reason": "FlexGen 0.1.8 implements OPT models only"}}]
         comp = system == "flexgen-4bit-ref"
-        ck = f"{point_key(system, model, prompt, gen, budget)}|k{flexgen_k}"
-        if cache is not None and ck in cache:
-            pols = [flexgen_ref.FlexGenPolicy(**{**d, "percent": tuple(d["percent"])}) for d in cache[ck]]
+        ck = point_key(system, model, prompt, gen, budget)  # cached: the best k_asked, a prefix serves fewer
+        if cache is not None and ck in cache and cache[ck]["k"] >= flexgen_k:
+            pols = [flexgen_ref.FlexGenPolicy(**{**d, "percent": tuple(d["percent"])})
+                    for d in cache[ck]["policies"][:flexgen_k]]
         else:
             pols = flexgen_ref.candidates(spec, prompt, gen, budget, flexgen_k, compress=comp)
             if cache is not None:
-                cache[ck] = [{**p.settings(), "percent": list(p.percent)} for p in pols]
+                cache[ck] = {"k": flexgen_k, "policies": [{**p.settings(), "percent": list(p.percent)} for p in pols]}
         if not pols:
             return [{"system": system, "keys": [point_key(system, model, prompt, gen, budget)], "argv": None,
                      "record": {"status": "skipped", "reason": "no FlexGen policy fits host and GPU here"}}]

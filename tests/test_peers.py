@@ -262,10 +262,14 @@ def test_grid_and_jobs():
     j = rt.jobs_for_point("accelerate-ref", "opt-30b", 1984, 128, 24)
     assert j[0]["retry_batch"] and j[0]["argv"][:2] == ["-m", "experiments.peers.accelerate_ref"]
     assert j[0]["keys"] == ["accelerate-ref|opt-30b|p1984|g128|b24"]
-    j = rt.jobs_for_point("offexec", "opt-30b", 512, 32, 16, offexec_policies=["flexgen", "tightllm"])
-    assert j[0]["keys"] == ["offexec-flexgen|opt-30b|p512|g32|b16", "offexec-tightllm|opt-30b|p512|g32|b16"]
-    cache = {"flexgen-ref|opt-30b|p512|g32|b16|k2": [fr.FlexGenPolicy(16, 3, (20, 80, 0, 100, 100, 0)).settings()]}
-    j = rt.jobs_for_point("flexgen-ref", "opt-30b", 512, 32, 16, flexgen_k=2, cache=cache)
+    j = rt.jobs_for_point("offexec", "opt-30b", 512, 32, 16, offexec_policies=["flexgen", "tightllm"],
+                          settings_cache="s.json")
+    assert [x["keys"] for x in j] == [["offexec-flexgen|opt-30b|p512|g32|b16"], ["offexec-tightllm|opt-30b|p512|g32|b16"]]
+    assert j[1]["argv"][-4:] == ["--policies", "tightllm", "--settings-cache", "s.json"]
+    pols = [fr.FlexGenPolicy(16, 3, (20, 80, 0, 100, 100, 0)).settings(),
+            fr.FlexGenPolicy(8, 3, (20, 80, 0, 100, 100, 0), True).settings()]
+    cache = {"flexgen-ref|opt-30b|p512|g32|b16": {"k": 3, "policies": pols}}
+    j = rt.jobs_for_point("flexgen-ref", "opt-30b", 512, 32, 16, flexgen_k=1, cache=cache)
     assert len(j) == 1 and j[0]["keys"][0].endswith("gbs16x3_p20-80-0-100-100-0")
     assert "--percent" in j[0]["argv"] and "--cpu-cache-compute" not in j[0]["argv"]
 
