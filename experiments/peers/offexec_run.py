@@ -104,6 +104,19 @@ def plan_point(name: str, model, hw, prompt_len: int, gen_len: int, max_batch: i
     raise why or OffsimError("no block fits")
 
 
+def model_for(model_name: str, prompt_len: int, gen_len: int):
+    """offsim's model, its learned position table extended to prompt + gen when shorter (OPT's 2048 at 1984 + 128),
+    as the peers' harnesses extend theirs (random weights: the extra rows change no timing)."""
+    import dataclasses
+
+    from offsim import get_model
+
+    model = get_model(model_name)
+    if prompt_len + gen_len - 1 > model.max_positions:
+        model = dataclasses.replace(model, max_positions=prompt_len + gen_len)
+    return model
+
+
 def settings_key(name: str, model_name: str, prompt_len: int, gen_len: int, budget_gib: float) -> str:
     """The key of a policy's planned settings at a point (``experiments.real_throughput.point_key``'s form)."""
     return f"offexec-{name}|{model_name}|p{prompt_len}|g{gen_len}|b{budget_gib:g}"
@@ -142,7 +155,7 @@ def run_point(model_name: str, prompt_len: int, gen_len: int, budget_gib: float,
     from offsim import build_plan, get_model
     from offsim.core.errors import OffsimError
 
-    model = get_model(model_name)
+    model = model_for(model_name, prompt_len, gen_len)
     cuda = device == "cuda"
     hw = hardware(model, budget_gib, host_limit_gib, profile)
     budget = int(hw.gpu_mem_bytes)
@@ -161,7 +174,9 @@ def run_point(model_name: str, prompt_len: int, gen_len: int, budget_gib: float,
             if not only_plan:
                 check_plan(plan, device, budget)
             rec.update(batch=wl.num_prompts, gpu_batch_size=wl.gpu_batch_size, num_gpu_batches=wl.num_gpu_batches,
-                       settings=json.dumps({"policy": plan.policy, **st}, sort_keys=True, default=str),
+                       settings=json.dumps({"policy": plan.policy, **st, "extended_positions":
+                                            model.max_positions > get_model(model_name).max_positions},
+                                           sort_keys=True, default=str),
                        predicted_decode_tok_s=pm["decode_tok_s"], predicted_total_tok_s=pm["total_tok_s"])
             planned.append((name, st, wl, plan, rec))
         except (OffsimError, RuntimeError, ValueError, ImportError) as e:
