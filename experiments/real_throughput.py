@@ -238,6 +238,9 @@ def write_outputs(out: Path, journal: list[dict], prov: dict) -> dict:
     from offsim.core.provenance import write_csv
 
     if not journal:
+        (out / "README.md").write_text("\n".join(["# Real throughput: offexec beside the peers' own code (H200)", "",
+                                                  "No run yet: see experiments/peers/README.md for the commands.",
+                                                  ""] + _FILES))
         return {"rows": 0}
     df = table(journal)
     write_csv(df, out / "real_throughput.csv", prov)
@@ -300,7 +303,20 @@ def readme(df, b, prov: dict) -> str:
             lines.append(f"| {r['system']} | {r['model']} | {r['prompt_len']} | {r['gen_len']} | {r['budget_gib']} | "
                          f"{r.get('batch')} | {r['status']} | {str(r.get('reason') or '')[:160]} |")
     lines += ["", "![best decode tok/s per system and workload](real_throughput.png)", ""]
+    lines += _FILES
     return "\n".join(lines)
+
+
+_FILES = ["## Files", "",
+          "- `runs.jsonl`: the journal, one record per run (every field the worker printed); what the rest is made "
+          "from.",
+          "- `real_throughput.csv`: every run, provenance on the first line; `status` ok / oom / host_oom / timeout / "
+          "error / unsupported / skipped with `reason`; `settings` as JSON (FlexGen's policy, Accelerate's device map "
+          "tiers, DeepSpeed's ZeRO config, offexec's searched settings).",
+          "- `flexgen_candidates.json`, `offexec_settings.json`: the plans of every point, made with `--plan-only` on "
+          "a CPU machine (offsim's LP and search), so the GPU machine runs them without an LP solver and every call "
+          "of a resumed grid runs the same list.",
+          "- `logs/`: each run's stdout and stderr.", ""]
 
 
 def plot(b, path: Path) -> None:
