@@ -134,17 +134,19 @@ def append_journal(path: Path, recs: list[dict]) -> None:
         os.fsync(f.fileno())
 
 
-def job_state(job: dict, journal: list[dict]) -> tuple[bool, int | None]:
-    """(answered, the batch to retry with): a job is answered when each of its keys has a record in ``DONE``; an
-    Accelerate / DeepSpeed job whose runs ran out of memory is retried at half the smallest batch tried, up to
+def job_state(job: dict, journal: list[dict], retry: tuple[str, ...] = ()) -> tuple[bool, int | None]:
+    """(answered, the batch to retry with): a job is answered when each of its keys has a record in ``DONE`` (less
+    the statuses in ``retry``: ``--retry timeout`` reruns runs that timed out, e.g. with a longer ``--timeout-s``);
+    an Accelerate / DeepSpeed job whose runs ran out of memory is retried at half the smallest batch tried, up to
     ``MAX_ATTEMPTS`` runs."""
+    done = tuple(x for x in DONE if x not in retry)
     by_key: dict[str, list[dict]] = {}
     for r in journal:
         by_key.setdefault(r.get("key"), []).append(r)
     if not job.get("retry_batch"):
-        return all(any(r.get("status") in DONE for r in by_key.get(k, [])) for k in job["keys"]), None
+        return all(any(r.get("status") in done for r in by_key.get(k, [])) for k in job["keys"]), None
     recs = by_key.get(job["keys"][0], [])
-    if any(r.get("status") in ("ok", "unsupported", "skipped", "host_oom", "timeout") for r in recs):
+    if any(r.get("status") in done and r.get("status") != "oom" for r in recs):
         return True, None
     ooms = [r for r in recs if r.get("status") == "oom"]
     if not ooms:
@@ -370,6 +372,8 @@ def main(argv=None) -> int:
     ap.add_argument("--time-limit-s", type=float, default=560.0, help="start no run past this (one device call)")
     ap.add_argument("--min-left-s", type=float, default=60.0, help="start no run with less than this left")
     ap.add_argument("--commit", default=None, help="the commit these runs are of (no .git on the GPU machine)")
+    ap.add_argument("--retry", nargs="*", default=[], choices=["timeout", "oom", "host_oom", "skipped"],
+                    help="statuses to run again (e.g. timeout, with a longer --timeout-s)")
     ap.add_argument("--dry-run", action="store_true", help="list the jobs (and which are answered), run nothing")
     ap.add_argument("--plan-only", action="store_true", help="on any machine: plan every point -- FlexGen's "
                     "candidate policies and offexec's searched settings -- into OUT's caches, run nothing (the GPU "
@@ -410,7 +414,7 @@ def main(argv=None) -> int:
     for job in all_jobs():
         todo.append(job)
         journal = read_journal(jpath)
-        done, batch = job_state(job, journal)
+        done, batch = job_state(job, journal, tuple(args.retry))
         if args.dry_run:
             print(f"{'done' if done else 'todo'}  {job['keys'][0]}{'' if batch is None else f' (batch {batch})'}"
                   f"  {' '.join(job['argv'] or ['(no run)'])}")
@@ -423,7 +427,9 @@ def main(argv=None) -> int:
                    **{k: prov.get(k) for k in ("commit", "date", "machine")}}
             append_journal(jpath, [rec])
             continue
+        last_batch = None
         while True:
+            last_batch = batch
             left = args.time_limit_s - (time.perf_counter() - t_start)
             if left < args.min_left_s:
                 stopped = f"call time limit: {left:.0f} s left"
@@ -442,13 +448,13 @@ def main(argv=None) -> int:
                       f"{_fmt(r.get('decode_tok_s'), 2)} total {_fmt(r.get('total_tok_s'), 2)} tok/s "
                       f"{str(r.get('reason') or '')[:120]}", flush=True)
             write_outputs(out, read_journal(jpath), prov)
-            done, batch = job_state(job, read_journal(jpath))
-            if done or batch is None:
+            done, batch = job_state(job, read_journal(jpath), tuple(args.retry))
+            if done or batch is None or batch == last_batch:
                 break
         if stopped:
             break
     s = write_outputs(out, read_journal(jpath), prov) if not args.dry_run else {}
-    remaining = sum(1 for j in todo if not job_state(j, read_journal(jpath))[0])
+    remaining = sum(1 for j in todo if not job_state(j, read_journal(jpath), tuple(args.retry))[0])
     finish({"experiment": "real_throughput", "ran": ran, "answered_before": skipped, "remaining_jobs": remaining,
             "stopped": stopped, "elapsed_s": time.perf_counter() - t_start, **s})
     return 0

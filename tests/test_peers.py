@@ -287,6 +287,8 @@ def test_job_state_resume_and_oom_retry():
     assert rt.job_state(job, two + [{"key": k, "status": "oom", "batch": 3}])[0]
     assert rt.job_state(job, [{"key": k, "status": "oom", "batch": 1}])[0]
     assert rt.job_state(job, [{"key": k, "status": "ok"}]) == (True, None)
+    assert rt.job_state(job, [{"key": k, "status": "timeout"}]) == (True, None)
+    assert rt.job_state(job, [{"key": k, "status": "timeout"}], retry=("timeout",)) == (False, None)
     multi = {"keys": ["a", "b"]}
     assert not rt.job_state(multi, [{"key": "a", "status": "ok"}])[0]
     assert rt.job_state(multi, [{"key": "a", "status": "ok"}, {"key": "b", "status": "oom"}])[0]
