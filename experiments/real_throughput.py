@@ -1,0 +1,496 @@
+"""Real throughput on the H200 (issue 15 §2): offexec's policies at their best beside the peers' own code --
+FlexGen 0.1.8 (``flexgen-ref``, and its 4-bit mode ``flexgen-4bit-ref``), HF Accelerate (``accelerate-ref``) and
+DeepSpeed ZeRO-Inference (``deepspeed-ref``) -- on OPT-30B and Llama-2-13B, prompts 512 and 1984, gen 32 and 128,
+GPU budgets 16 and 24 GiB; prefill, decode and total tok/s (FlexGen's definitions) and each run's link bound.
+
+Every run is a subprocess (``experiments/peers/*``), so a GPU or host OOM, a hang or a crash of one leaves the rest;
+each has a timeout. Results are appended, one JSON record per run, to OUT/runs.jsonl (the journal); after every
+run OUT/real_throughput.csv is rewritten from it (provenance on its first line). Rerun the same command to resume:
+runs already answered are skipped (``error`` records are retried). ``--time-limit-s`` stops starting runs when
+the call's time is nearly spent, so the grid runs in pieces of one 10-minute device call each.
+
+    python -m experiments.real_throughput [--only offexec flexgen-ref ...] [--models opt-30b] [--prompts 512]
+        [--gens 32] [--budgets 16] [--quick] [--flexgen-k 3] [--timeout-s 480] [--time-limit-s 560] [--dry-run]
+    python -m experiments.real_throughput --report          # CSV, bar chart, README from the journal; no GPU
+
+Writes OUT (default results/real_throughput/): runs.jsonl, real_throughput.csv, real_throughput.png, README.md,
+logs/ (each run's output). Ends with one JSON line.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from experiments.common import RESULTS, argparser, finish, provenance
+from experiments.peers.common import RESULT_FIELDS, parse_results
+
+MODELS = ("opt-30b", "llama-2-13b")
+PROMPTS = (512, 1984)
+GENS = (32, 128)
+BUDGETS = (16, 24)
+SYSTEMS = ("offexec", "flexgen-ref", "flexgen-4bit-ref", "accelerate-ref", "deepspeed-ref")
+PEERS = ("flexgen-ref", "flexgen-4bit-ref", "accelerate-ref", "deepspeed-ref")
+DONE = ("ok", "oom", "host_oom", "timeout", "unsupported", "skipped")  # answered; 'error' is retried
+MAX_ATTEMPTS = 3  # Accelerate / DeepSpeed: the auto batch, then halved after each OOM
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the grid and its jobs
+# ---------------------------------------------------------------------------------------------------------------
+def points(models, prompts, gens, budgets) -> list[tuple[str, int, int, float]]:
+    """(model, prompt, gen, budget) of the grid, model-major."""
+    return [(m, p, g, float(b)) for m in models for p in prompts for g in gens for b in budgets]
+
+
+def point_key(system: str, model: str, prompt: int, gen: int, budget: float, tag: str = "") -> str:
+    return f"{system}|{model}|p{prompt}|g{gen}|b{budget:g}" + (f"|{tag}" if tag else "")
+
+
+def jobs_for_point(system: str, model: str, prompt: int, gen: int, budget: float, flexgen_k: int = 3,
+                   offexec_policies=None, cache: dict | None = None, settings_cache: str | None = None) -> list[dict]:
+    """The subprocess jobs of one system at one point: {key(s), argv, system}. FlexGen: one job per candidate
+    policy (``flexgen_ref.candidates``, kept in ``cache`` by point so that every call of a resumed grid runs the
+    same list and computes it once); an OPT-only peer on a Llama: one 'unsupported' record, no job."""
+    from experiments.peers import flexgen_ref
+    from offsim import get_model
+
+    common = ["--model", model, "--prompt-len", str(prompt), "--gen-len", str(gen), "--budget-gib", f"{budget:g}"]
+    if system == "offexec":
+        from experiments.peers.offexec_run import DEFAULT_POLICIES
+
+        pols = list(offexec_policies or DEFAULT_POLICIES)
+        # one job per policy: each makes the weights (~10 s for OPT-30B) and fits one run's timeout
+        return [{"system": system, "keys": [point_key(f"offexec-{p}", model, prompt, gen, budget)],
+                 "argv": ["-m", "experiments.peers.offexec_run", *common, "--policies", p,
+                          *(["--settings-cache", settings_cache] if settings_cache else [])]} for p in pols]
+    if system in ("flexgen-ref", "flexgen-4bit-ref"):
+        spec = get_model(model)
+        if spec.family != "opt":
+            return [{"system": system, "keys": [point_key(system, model, prompt, gen, budget)], "argv": None,
+                     "record": {"status": "unsupported", "reason": "FlexGen 0.1.8 implements OPT models only"}}]
+        comp = system == "flexgen-4bit-ref"
+        ck = point_key(system, model, prompt, gen, budget)  # cached: the best k_asked, a prefix serves fewer
+        if cache is not None and ck in cache and cache[ck]["k"] >= flexgen_k:
+            pols = [flexgen_ref.FlexGenPolicy(**{**d, "percent": tuple(d["percent"])})
+                    for d in cache[ck]["policies"][:flexgen_k]]
+        else:
+            pols = flexgen_ref.candidates(spec, prompt, gen, budget, flexgen_k, compress=comp)
+            if cache is not None:
+                cache[ck] = {"k": flexgen_k, "policies": [{**p.settings(), "percent": list(p.percent)} for p in pols]}
+        if not pols:
+            return [{"system": system, "keys": [point_key(system, model, prompt, gen, budget)], "argv": None,
+                     "record": {"status": "skipped", "reason": "no FlexGen policy fits host and GPU here"}}]
+        return [{"system": system, "keys": [point_key(system, model, prompt, gen, budget, p.tag())],
+                 "argv": ["-m", "experiments.peers.flexgen_ref", *common, *_policy_args(p)]} for p in pols]
+    if system in ("accelerate-ref", "deepspeed-ref"):
+        mod = "accelerate_ref" if system == "accelerate-ref" else "deepspeed_ref"
+        return [{"system": system, "keys": [point_key(system, model, prompt, gen, budget)],
+                 "argv": ["-m", f"experiments.peers.{mod}", *common], "retry_batch": True}]
+    raise ValueError(f"unknown system {system!r}; valid: {', '.join(SYSTEMS)}")
+
+
+def _policy_args(p) -> list[str]:
+    a = ["--gpu-batch-size", str(p.gpu_batch_size), "--num-gpu-batches", str(p.num_gpu_batches),
+         "--percent", *[str(x) for x in p.percent]]
+    if p.cpu_cache_compute:
+        a.append("--cpu-cache-compute")
+    if p.compress_weight:
+        a.append("--compress-weight")
+    if p.compress_cache:
+        a.append("--compress-cache")
+    return a
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# journal
+# ---------------------------------------------------------------------------------------------------------------
+def read_journal(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut by a kill: ignored
+    return out
+
+
+def append_journal(path: Path, recs: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        for r in recs:
+            f.write(json.dumps(r, default=str) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def job_state(job: dict, journal: list[dict], retry: tuple[str, ...] = ()) -> tuple[bool, int | None]:
+    """(answered, the batch to retry with): a job is answered when each of its keys has a record in ``DONE`` (less
+    the statuses in ``retry``: ``--retry timeout`` reruns runs that timed out, e.g. with a longer ``--timeout-s``);
+    an Accelerate / DeepSpeed job whose runs ran out of memory is retried at half the smallest batch tried, up to
+    ``MAX_ATTEMPTS`` runs."""
+    done = tuple(x for x in DONE if x not in retry)
+    by_key: dict[str, list[dict]] = {}
+    for r in journal:
+        by_key.setdefault(r.get("key"), []).append(r)
+    if not job.get("retry_batch"):
+        return all(any(r.get("status") in done for r in by_key.get(k, [])) for k in job["keys"]), None
+    recs = by_key.get(job["keys"][0], [])
+    if any(r.get("status") in done and r.get("status") != "oom" for r in recs):
+        return True, None
+    ooms = [r for r in recs if r.get("status") == "oom"]
+    if not ooms:
+        return False, None
+    if len(recs) >= MAX_ATTEMPTS:
+        return True, None
+    tried = [int(r["batch"]) for r in ooms if r.get("batch")]
+    nxt = min(tried) // 2 if tried else None
+    return (nxt is not None and nxt < 1), nxt
+
+
+def run_job(job: dict, out: Path, timeout_s: float, prov: dict, batch: int | None = None) -> tuple[list[dict], bool]:
+    """Run one job's subprocess; its records (with key, provenance; status timeout / host_oom / error when it
+    printed none), and whether it was cut by ``timeout_s``."""
+    argv = list(job["argv"])
+    if batch is not None:
+        argv += ["--batch", str(batch)]
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log_path = logs / (re.sub(r"[^A-Za-z0-9_.-]+", "_", job["keys"][0]) + ".log")
+    t0 = time.perf_counter()
+    cut = False
+    with open(log_path, "a") as log:
+        log.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {' '.join(argv)}\n")
+        log.flush()
+        p = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=log, text=True,
+                             start_new_session=True, cwd=str(Path(__file__).resolve().parents[1]))
+        try:
+            stdout, _ = p.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            cut = True
+            os.killpg(p.pid, signal.SIGKILL)
+            stdout, _ = p.communicate()
+        log.write(stdout or "")
+    wall = time.perf_counter() - t0
+    recs = parse_results(stdout or "")
+    keys = list(job["keys"])
+    for r in recs:  # match a record to its key by system (offexec: one job, several policies)
+        r.setdefault("key", next((k for k in keys if k.split("|")[0] == r.get("system")), keys[0]))
+    missing = [k for k in keys if not any(r["key"] == k for r in recs)]
+    for k in missing:
+        if cut:
+            st, why = "timeout", f"no result within {timeout_s:.0f} s"
+        elif p.returncode in (-9, 137):
+            st, why = "host_oom", "killed by SIGKILL (the kernel's OOM killer, most likely)"
+        else:
+            st, why = "error", f"exit {p.returncode}; see {log_path.relative_to(out)}"
+        sysname, model, pp, gg, bb = k.split("|")[:5]
+        recs.append({"system": sysname, "model": model, "prompt_len": int(pp[1:]), "gen_len": int(gg[1:]),
+                     "budget_gib": float(bb[1:]), "status": st, "reason": why, "key": k, "wall_s": wall,
+                     "batch": batch})
+    for r in recs:
+        r.setdefault("wall_s", wall)
+        for k in ("commit", "date", "machine"):
+            r[k] = prov.get(k)
+    return recs, cut
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# table, chart, README
+# ---------------------------------------------------------------------------------------------------------------
+def table(journal: list[dict]):
+    """Every record as a row, the issue's columns first; the last record of a key wins over earlier ones of the
+    same key and batch (a retried error)."""
+    import pandas as pd
+
+    seen = {}
+    for r in journal:
+        seen[(r.get("key"), r.get("batch"), r.get("status") == "ok")] = r
+    df = pd.DataFrame(list(seen.values()))
+    for c in RESULT_FIELDS:
+        if c not in df.columns:
+            df[c] = None
+    extra = [c for c in df.columns if c not in RESULT_FIELDS]
+    return df[list(RESULT_FIELDS) + extra]
+
+
+def best(df):
+    """Each system's best ok run (decode tok/s) per (model, prompt, gen, budget)."""
+    ok = df[df["status"] == "ok"].copy()
+    if ok.empty:
+        return ok
+    ok["decode_tok_s"] = ok["decode_tok_s"].astype(float)
+    idx = ok.groupby(["system", "model", "prompt_len", "gen_len", "budget_gib"])["decode_tok_s"].idxmax()
+    return ok.loc[idx].sort_values(["model", "prompt_len", "gen_len", "budget_gib", "system"])
+
+
+def write_outputs(out: Path, journal: list[dict], prov: dict) -> dict:
+    """real_throughput.csv (every run), README.md (the best of each system per point, offexec's best fp16 policy
+    against each fp16 peer, the link bound) and real_throughput.png (bar chart), all from the journal."""
+    from offsim.core.provenance import write_csv
+
+    if not journal:
+        (out / "README.md").write_text("\n".join(["# Real throughput: offexec beside the peers' own code (H200)", "",
+                                                  "No run yet: see experiments/peers/README.md for the commands.",
+                                                  ""] + _FILES))
+        return {"rows": 0}
+    df = table(journal)
+    write_csv(df, out / "real_throughput.csv", prov)
+    b = best(df)
+    plot(b, out / "real_throughput.png")
+    (out / "README.md").write_text(readme(df, b, prov))
+    return {"rows": len(df), "ok": int((df["status"] == "ok").sum()), "points_with_results": int(
+        b.groupby(["model", "prompt_len", "gen_len", "budget_gib"]).ngroups) if not b.empty else 0}
+
+
+def _fmt(x, nd=1):
+    try:
+        x = float(x)
+    except (TypeError, ValueError):
+        return "–"
+    return "–" if not math.isfinite(x) else f"{x:.{nd}f}"
+
+
+def readme(df, b, prov: dict) -> str:
+    lines = ["# Real throughput: offexec beside the peers' own code (H200)", "",
+             "Generated by `python -m experiments.real_throughput --report` from `runs.jsonl`; every run is a row "
+             "of `real_throughput.csv`. Throughputs follow FlexGen's definitions; `link bound` is each run's "
+             "decode H2D bytes over the measured pinned H2D rate. Provenance: "
+             f"commit {prov.get('commit')}, {prov.get('date')}.", ""]
+    if b.empty:
+        lines.append("No run has succeeded yet.")
+    else:
+        lines += ["## Best of each system per workload (decode tok/s)", "",
+                  "| model | prompt | gen | budget GiB | system | batch | prefill tok/s | decode tok/s | total tok/s | "
+                  "link bound | of bound |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for _, r in b.iterrows():
+            lb = r.get("link_bound_decode_tok_s")
+            frac = (float(r["decode_tok_s"]) / float(lb)) if lb not in (None, 0) and lb == lb else None
+            lines.append(f"| {r['model']} | {r['prompt_len']} | {r['gen_len']} | {r['budget_gib']:g} | {r['system']} "
+                         f"| {r['batch']} | {_fmt(r['prefill_tok_s'], 0)} | {_fmt(r['decode_tok_s'], 2)} | "
+                         f"{_fmt(r['total_tok_s'], 2)} | {_fmt(lb, 2)} | "
+                         f"{'–' if frac is None else f'{frac:.0%}'} |")
+        lines += ["", "## offexec's best fp16 policy against each fp16 peer's best (decode tok/s ratio; target ≥ 2)",
+                  "", "| model | prompt | gen | budget GiB | offexec best | " + " | ".join(
+                      p for p in PEERS if p != "flexgen-4bit-ref") + " |",
+                  "|---|---|---|---|---|" + "---|" * (len(PEERS) - 1)]
+        for (m, p, g, bud), grp in b.groupby(["model", "prompt_len", "gen_len", "budget_gib"]):
+            ox = grp[grp["system"].str.startswith("offexec-")]
+            if ox.empty:
+                continue
+            top = ox.loc[ox["decode_tok_s"].astype(float).idxmax()]
+            cells = []
+            for peer in PEERS:
+                if peer == "flexgen-4bit-ref":
+                    continue
+                pr = grp[grp["system"] == peer]
+                cells.append("–" if pr.empty else f"×{float(top['decode_tok_s']) / float(pr['decode_tok_s'].iloc[0]):.2f}")
+            lines.append(f"| {m} | {p} | {g} | {bud:g} | {top['system']} {_fmt(top['decode_tok_s'], 2)} | "
+                         + " | ".join(cells) + " |")
+    bad = df[df["status"] != "ok"]
+    if not bad.empty:
+        lines += ["", "## Runs without a result", "", "| system | model | prompt | gen | budget | batch | status | reason |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for _, r in bad.iterrows():
+            lines.append(f"| {r['system']} | {r['model']} | {r['prompt_len']} | {r['gen_len']} | {r['budget_gib']} | "
+                         f"{r.get('batch')} | {r['status']} | {str(r.get('reason') or '')[:160]} |")
+    lines += ["", "![best decode tok/s per system and workload](real_throughput.png)", ""]
+    lines += _FILES
+    return "\n".join(lines)
+
+
+_FILES = ["## Files", "",
+          "- `runs.jsonl`: the journal, one record per run (every field the worker printed); what the rest is made "
+          "from.",
+          "- `real_throughput.csv`: every run, provenance on the first line; `status` ok / oom / host_oom / timeout / "
+          "error / unsupported / skipped with `reason`; `settings` as JSON (FlexGen's policy, Accelerate's device map "
+          "tiers, DeepSpeed's ZeRO config, offexec's searched settings).",
+          "- `flexgen_candidates.json`, `offexec_settings.json`: the plans of every point, made with `--plan-only` on "
+          "a CPU machine (offsim's LP and search), so the GPU machine runs them without an LP solver and every call "
+          "of a resumed grid runs the same list.",
+          "- `logs/`: each run's stdout and stderr.", ""]
+
+
+def plot(b, path: Path) -> None:
+    """Grouped bars: per workload, each system's best decode tok/s, log scale; a tick at each bar's link bound."""
+    from experiments.common import pyplot
+
+    if b.empty:
+        return
+    plt = pyplot()
+    groups = list(b.groupby(["model", "prompt_len", "gen_len", "budget_gib"]))
+    systems = sorted(b["system"].unique())
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(groups) * max(1, len(systems)) / 3), 4.5))
+    w = 0.8 / max(len(systems), 1)
+    cmap = plt.get_cmap("tab10")
+    for si, s in enumerate(systems):
+        xs, ys, lbs = [], [], []
+        for gi, (_, grp) in enumerate(groups):
+            r = grp[grp["system"] == s]
+            if r.empty:
+                continue
+            xs.append(gi + (si - (len(systems) - 1) / 2) * w)
+            ys.append(float(r["decode_tok_s"].iloc[0]))
+            lb = r["link_bound_decode_tok_s"].iloc[0]
+            lbs.append(float(lb) if lb is not None and lb == lb else float("nan"))
+        ax.bar(xs, ys, width=w, label=s, color=cmap(si % 10))
+        ax.scatter(xs, lbs, marker="_", s=200, color="black", zorder=3)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([f"{m}\n{p}/{g}, {bud:g} GiB" for (m, p, g, bud), _ in groups], fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("decode tok/s (best run; – : link bound)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    ap = argparser(__doc__)
+    ap.add_argument("--out", default=str(RESULTS / "real_throughput"))
+    ap.add_argument("--only", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS), metavar="SYSTEM",
+                    help=f"systems to run ({', '.join(SYSTEMS)})")
+    ap.add_argument("--models", nargs="+", default=list(MODELS))
+    ap.add_argument("--prompts", nargs="+", type=int, default=list(PROMPTS))
+    ap.add_argument("--gens", nargs="+", type=int, default=list(GENS))
+    ap.add_argument("--budgets", nargs="+", type=float, default=list(BUDGETS))
+    ap.add_argument("--offexec-policies", nargs="+", default=None, help="default: experiments.peers.offexec_run's")
+    ap.add_argument("--quick", action="store_true", help="OPT-30B, 512/32, 16 GiB, one FlexGen policy per mode")
+    ap.add_argument("--flexgen-k", type=int, default=3, help="FlexGen policies run per point (best reported)")
+    ap.add_argument("--timeout-s", type=float, default=480.0, help="per run")
+    ap.add_argument("--time-limit-s", type=float, default=560.0, help="start no run past this (one device call)")
+    ap.add_argument("--min-left-s", type=float, default=60.0, help="start no run with less than this left")
+    ap.add_argument("--commit", default=None, help="the commit these runs are of (no .git on the GPU machine)")
+    ap.add_argument("--retry", nargs="*", default=[], choices=["timeout", "oom", "host_oom", "skipped"],
+                    help="statuses to run again (e.g. timeout, with a longer --timeout-s)")
+    ap.add_argument("--dry-run", action="store_true", help="list the jobs (and which are answered), run nothing")
+    ap.add_argument("--plan-only", action="store_true", help="on any machine: plan every point -- FlexGen's "
+                    "candidate policies and offexec's searched settings -- into OUT's caches, run nothing (the GPU "
+                    "machine then needs no LP solver)")
+    ap.add_argument("--report", action="store_true", help="only rewrite CSV, chart and README from the journal")
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    if args.quick:
+        args.models, args.prompts, args.gens, args.budgets, args.flexgen_k = ["opt-30b"], [512], [32], [16.0], 1
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    jpath = out / "runs.jsonl"
+    prov = provenance(argv)
+    if args.commit:
+        prov["commit"] = args.commit
+    if args.report:
+        s = write_outputs(out, read_journal(jpath), prov)
+        finish({"experiment": "real_throughput", "report": str(out), **s})
+        return 0
+    cpath = out / "flexgen_candidates.json"
+    cache = json.loads(cpath.read_text()) if cpath.exists() else {}
+    spath = out / "offexec_settings.json"
+    if args.plan_only:
+        return plan_only(args, out, cache, cpath, spath, t_start)
+
+    def all_jobs():
+        for (m, p, g, b) in points(args.models, args.prompts, args.gens, args.budgets):
+            for system in args.only:
+                n = len(cache)
+                yield from jobs_for_point(system, m, p, g, b, args.flexgen_k, args.offexec_policies, cache,
+                                          str(spath) if spath.exists() else None)
+                if len(cache) != n:
+                    cpath.write_text(json.dumps(cache, indent=1))
+
+    ran = skipped = 0
+    stopped = None
+    todo = []
+    for job in all_jobs():
+        todo.append(job)
+        journal = read_journal(jpath)
+        done, batch = job_state(job, journal, tuple(args.retry))
+        if args.dry_run:
+            print(f"{'done' if done else 'todo'}  {job['keys'][0]}{'' if batch is None else f' (batch {batch})'}"
+                  f"  {' '.join(job['argv'] or ['(no run)'])}")
+            continue
+        if done:
+            skipped += 1
+            continue
+        if job["argv"] is None:  # answered without a run (an OPT-only peer on a Llama, nothing fits)
+            rec = {"system": job["system"], **_point_fields(job["keys"][0]), "key": job["keys"][0], **job["record"],
+                   **{k: prov.get(k) for k in ("commit", "date", "machine")}}
+            append_journal(jpath, [rec])
+            continue
+        last_batch = None
+        while True:
+            last_batch = batch
+            left = args.time_limit_s - (time.perf_counter() - t_start)
+            if left < args.min_left_s:
+                stopped = f"call time limit: {left:.0f} s left"
+                break
+            print(f"run {job['keys'][0]}{'' if batch is None else f' --batch {batch}'} (timeout "
+                  f"{min(args.timeout_s, left):.0f} s)", flush=True)
+            recs, cut = run_job(job, out, min(args.timeout_s, left), prov, batch)
+            if cut and left < args.timeout_s:  # cut by this call's limit, not its own: leave it for the next call
+                print(f"  cut by the call's time limit; not recorded (rerun to resume)", flush=True)
+                stopped = "call time limit"
+                break
+            append_journal(jpath, recs)
+            ran += 1
+            for r in recs:
+                print(f"  {r.get('system')}: {r.get('status')} batch {r.get('batch')} decode "
+                      f"{_fmt(r.get('decode_tok_s'), 2)} total {_fmt(r.get('total_tok_s'), 2)} tok/s "
+                      f"{str(r.get('reason') or '')[:120]}", flush=True)
+            write_outputs(out, read_journal(jpath), prov)
+            done, batch = job_state(job, read_journal(jpath), tuple(args.retry))
+            if done or batch is None or batch == last_batch:
+                break
+        if stopped:
+            break
+    s = write_outputs(out, read_journal(jpath), prov) if not args.dry_run else {}
+    remaining = sum(1 for j in todo if not job_state(j, read_journal(jpath), tuple(args.retry))[0])
+    finish({"experiment": "real_throughput", "ran": ran, "answered_before": skipped, "remaining_jobs": remaining,
+            "stopped": stopped, "elapsed_s": time.perf_counter() - t_start, **s})
+    return 0
+
+
+def plan_only(args, out: Path, cache: dict, cpath: Path, spath: Path, t_start: float) -> int:
+    """``--plan-only``: FlexGen's candidates and offexec's settings of every point into OUT's caches."""
+    from experiments.peers.offexec_run import DEFAULT_POLICIES, run_point
+
+    scache = json.loads(spath.read_text()) if spath.exists() else {}
+    n = 0
+    for (m, p, g, b) in points(args.models, args.prompts, args.gens, args.budgets):
+        for system in args.only:
+            if system == "offexec":
+                recs = run_point(m, p, g, b, list(args.offexec_policies or DEFAULT_POLICIES), device="cpu",
+                                 only_plan=True, cache=scache)
+                spath.write_text(json.dumps(scache, indent=1, default=str))
+                for r in recs:
+                    print(f"{r['system']} {m} {p}/{g} {b:g} GiB: {r['status']} batch {r.get('batch')} predicted "
+                          f"decode {_fmt(r.get('predicted_decode_tok_s'), 2)} {str(r.get('reason') or '')[:100]}",
+                          flush=True)
+            elif system in ("flexgen-ref", "flexgen-4bit-ref"):
+                jobs = jobs_for_point(system, m, p, g, b, args.flexgen_k, cache=cache)
+                cpath.write_text(json.dumps(cache, indent=1))
+                print(f"{system} {m} {p}/{g} {b:g} GiB: " + ", ".join(j["keys"][0].split("|")[-1] for j in jobs),
+                      flush=True)
+            n += 1
+    finish({"experiment": "real_throughput", "plan_only": True, "planned": n, "flexgen_candidates": str(cpath),
+            "offexec_settings": str(spath), "elapsed_s": time.perf_counter() - t_start})
+    return 0
+
+
+def _point_fields(key: str) -> dict:
+    _, model, p, g, b = key.split("|")[:5]
+    return {"model": model, "prompt_len": int(p[1:]), "gen_len": int(g[1:]), "budget_gib": float(b[1:])}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
