@@ -18,6 +18,7 @@ clock. The result is a ``Trace`` in offsim's schema (``source='offexec'``) plus 
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import threading
 import time
@@ -211,7 +212,7 @@ def check_plan(plan: Plan, device, budget_bytes: int, disk_dir: str | None = Non
 class Executor:
     # flow control: ops the issuing thread may have outstanding on each stream. Waiting here is not issue time; it
     # keeps every CUDA call from blocking on a full launch or copy queue, so issue time measures only host work
-    RUN_AHEAD = {"compute": 16, "h2d": 6, "d2h": 16}
+    # (the plan's ``run_ahead``, offsim's ``RUN_AHEAD_OPS`` by default: the simulator models the same window)
     # Python's GIL switch interval during a run. The host workers (CPU attention, disk) and the issuing thread share
     # the GIL; each torch call releases it, and taking it back while another thread runs Python waits up to the
     # interval (5 ms by default) -- a CPU attention op of a few small torch calls then takes several intervals
@@ -638,6 +639,8 @@ class Executor:
         issue = issue_cpu = 0.0
         self.wait_s = 0.0
         windows = {st: deque() for st in GPU_STREAMS}
+        ra = self.plan.run_ahead
+        run_ahead = {st: (math.inf if ra is None else w) for st, w in zip(("compute", "h2d", "d2h"), ra or (0, 0, 0))}
         by_fn: dict[str, float] = {}
         self.issue_by_fn = by_fn
         cur = None
@@ -675,7 +678,7 @@ class Executor:
                         cond.notify_all()
                     continue
                 win = windows[op.stream]
-                if len(win) >= self.RUN_AHEAD[op.stream]:
+                if len(win) >= run_ahead[op.stream]:
                     wa = time.perf_counter()
                     win.popleft().synchronize()
                     self.wait_s += time.perf_counter() - wa

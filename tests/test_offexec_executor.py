@@ -128,6 +128,18 @@ def test_threaded_scheduler_reproduces_transformers(case):
     _check_against_transformers(hf, spec, plan, prompts, res)
 
 
+@pytest.mark.parametrize("run_ahead", [(1, 1, 1), None])
+def test_the_plans_run_ahead_window_is_the_executors(run_ahead):
+    """The executor's flow control is the plan's ``run_ahead`` (what offsim models): one op in flight per stream,
+    or no bound, still reproduces transformers through the threaded scheduler."""
+    hf, spec, w = _model("opt")
+    plan = build_plan(CASES[7][0], spec, HW, Workload(PROMPT, GEN, CASES[7][2], CASES[7][3]), CASES[7][1])
+    plan.run_ahead = run_ahead
+    prompts = _MODELS["opt"][3][:plan.workload.num_prompts]
+    res = run_plan(plan, w, "cpu", prompts, record_logits=True, keep_kv=True, threaded=True)
+    _check_against_transformers(hf, spec, plan, prompts, res)
+
+
 @pytest.mark.skipif("tightllm" not in POLICIES, reason="offsim.policies.tightllm not present")
 def test_tightllm_case_recomputes():
     """The tightllm cases above really recompute (N_r > 0: decode layer ops with more than one query token), and

@@ -153,3 +153,45 @@ def test_graphed_decode_ops_issue_at_the_graph_cost(tiny_opt, t4, cpu_attention)
     # the plan is host-bound at 2 ms an op: the graphed run saves about what its graphed ops' issue saved
     assert totals[(True, 1e-4)] < eager - 0.5 * len(graphed) * (2e-3 - 1e-4)
     assert totals[(True, 0.0)] == eager
+
+
+@pytest.mark.parametrize("costs", [False, True])
+def test_run_ahead_window_is_modelled_alike_in_both_engines(tiny_opt, t4, costs):
+    """``Plan.run_ahead`` (offexec's flow control): before issuing an op the runtime waits for the op that many
+    places earlier on its stream to finish, and issuing is one thread in plan order. Both engines model it alike,
+    with and without issue costs; no op starts before it could have been issued (its window predecessor ended);
+    a narrower window is never faster; None is the unbounded host of before."""
+    from offsim.core.sim import _window_preds
+
+    hw = dataclasses.replace(t4, issue_compute_s=2e-4, issue_copy_s=5e-5) if costs else t4
+    plan = build_plan("flexgen", tiny_opt, hw, Workload(16, 6, 2, 3), {"percent": (0, 100, 0, 100, 100, 0)})
+    totals = {}
+    for ra in (None, (16, 6, 16), (2, 1, 2), (1, 1, 1)):
+        plan.run_ahead = ra
+        tr = same(plan, hw)
+        df = tr.df
+        totals[ra] = tr.metrics()["total_s"]
+        preds = _window_preds(ra, [o.stream for o in plan.ops])
+        if preds is not None:
+            for i, p in enumerate(preds):
+                if p >= 0:
+                    assert df.at[i, "start_s"] >= df.at[p, "end_s"]
+    assert totals[None] <= totals[(16, 6, 16)] <= totals[(2, 1, 2)] <= totals[(1, 1, 1)]
+    assert totals[(1, 1, 1)] > totals[None]  # one op in flight per stream: the copies no longer run ahead
+
+
+def test_run_ahead_round_trips_and_old_plans_had_offexecs_window(tiny_opt, t4):
+    from offsim.core.plan import RUN_AHEAD_OPS, PlanError
+
+    plan = build_plan("flexgen", tiny_opt, t4, Workload(8, 3, 2, 1), {"percent": (100, 0, 100, 0, 100, 0)})
+    assert plan.run_ahead == RUN_AHEAD_OPS
+    for ra in (None, (3, 2, 1)):
+        plan.run_ahead = ra
+        assert Plan.from_dict(plan.to_dict()).run_ahead == ra
+    d = plan.to_dict()
+    del d["run_ahead"]  # a plan saved before the field: offexec ran it with its window
+    assert Plan.from_dict(d).run_ahead == RUN_AHEAD_OPS
+    for bad in ([0, 1, 1], [1, 2], "16"):
+        d["run_ahead"] = bad
+        with pytest.raises(PlanError, match="run_ahead"):
+            Plan.from_dict(d).validate()

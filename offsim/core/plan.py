@@ -54,6 +54,17 @@ class PlanError(OffsimError):
     """A plan breaks a rule; the message names the op and the rule."""
 
 
+# offexec's flow control (``Plan.run_ahead``): ops its issuing thread may have outstanding on compute, h2d, d2h. A
+# copy window of 6 keeps pinned-copy queues short (each queued copy holds a staging buffer)
+RUN_AHEAD_OPS = (16, 6, 16)
+
+
+def _run_ahead(v):
+    """A plan file's ``run_ahead`` (a list, or null) as the field holds it; a malformed value is left for
+    ``Plan.validate`` to name."""
+    return tuple(v) if isinstance(v, list) else v
+
+
 class Op:
     """One op of a plan. Fields not given take the class defaults below (plain attributes, not a dataclass: a plan
     of OPT-175B has ~2·10^5 ops and must build in about a second)."""
@@ -241,6 +252,11 @@ class Plan:
     # the longest decode op, in query tokens, that offexec replays as a graph (``costmodel.GRAPH_MAX_Q_TOKENS``):
     # TightLLM's short recomputes too. Plans and runs from before recompute graphs replayed one-token ops only (1)
     graph_max_q_tokens: int = GRAPH_MAX_Q_TOKENS
+    # the runtime's flow control: how many ops its single issuing thread may have outstanding on the compute, h2d and
+    # d2h streams (offexec's ``Executor`` reads it; before issuing an op it waits for the op this many places earlier
+    # on the same stream to finish). The simulator models it (offsim.core.sim: the issuer). None: unbounded (an
+    # ideal runtime). Plans from before the field ran with offexec's window, ``RUN_AHEAD_OPS``
+    run_ahead: tuple[int, int, int] | None = RUN_AHEAD_OPS
 
     @property
     def graph_q_tokens(self) -> int:
@@ -284,6 +300,7 @@ class Plan:
                 "resident": self.resident, "weight_split": [list(x) for x in self.weight_split], "kv_split": list(self.kv_split),
                 "hidden_home": self.hidden_home, "derived": self.derived, "disk_cached": self.disk_cached,
                 "cuda_graphs": self.cuda_graphs, "graph_max_q_tokens": self.graph_max_q_tokens,
+                "run_ahead": None if self.run_ahead is None else list(self.run_ahead),
                 "op_fields": OP_FIELDS, "ops": rows}
 
     @classmethod
@@ -309,7 +326,8 @@ class Plan:
                        weight_split=[tuple(x) for x in d["weight_split"]], kv_split=tuple(d["kv_split"]),
                        hidden_home=d["hidden_home"], ops=ops, derived=d.get("derived", {}),
                        disk_cached=d.get("disk_cached", False), cuda_graphs=d.get("cuda_graphs", True),
-                       graph_max_q_tokens=d.get("graph_max_q_tokens", 1))
+                       graph_max_q_tokens=d.get("graph_max_q_tokens", 1),
+                       run_ahead=_run_ahead(d.get("run_ahead", list(RUN_AHEAD_OPS))))
         except KeyError as e:
             raise PlanError(f"{where}: missing field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
@@ -358,6 +376,10 @@ class Plan:
         if isinstance(self.graph_max_q_tokens, bool) or not isinstance(self.graph_max_q_tokens, int) \
                 or self.graph_max_q_tokens < 1:
             raise PlanError(f"plan: graph_max_q_tokens must be a positive integer, got {self.graph_max_q_tokens!r}")
+        ra = self.run_ahead
+        if ra is not None and (not isinstance(ra, tuple) or len(ra) != 3
+                               or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in ra)):
+            raise PlanError(f"plan: run_ahead must be null or three positive integers (compute, h2d, d2h), got {ra!r}")
         if self.hidden_home not in ("gpu", "cpu"):
             raise PlanError(f"plan: hidden_home must be 'gpu' or 'cpu', got {self.hidden_home!r}")
         for t in TIERS:

@@ -50,6 +50,26 @@ def _host_gates(is_host, deps_of, cost) -> list[float]:
     return [cost(i) if not is_host[i] and any(is_host[d] for d in deps) else 0.0 for i, deps in enumerate(deps_of)]
 
 
+WINDOW_STREAMS = ("compute", "h2d", "d2h")  # the streams of ``Plan.run_ahead``, in its order
+
+
+def _window_preds(run_ahead, streams: list[str]) -> list[int] | None:
+    """Per op (plan order): the op ``run_ahead`` places earlier on its stream, which must have finished before the
+    runtime issues it (offexec's flow control), or -1; None without a window (``run_ahead`` None). Ops on the host
+    streams are handed to worker threads and have no window."""
+    if run_ahead is None:
+        return None
+    width = dict(zip(WINDOW_STREAMS, run_ahead))
+    seen: dict[str, list[int]] = {}
+    out = []
+    for i, st in enumerate(streams):
+        lst = seen.setdefault(st, [])
+        w = width.get(st)
+        out.append(lst[-w] if w is not None and len(lst) >= w else -1)
+        lst.append(i)
+    return out
+
+
 def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> Trace:
     """The reference engine: ``simulate`` written as SimPy processes, one per stream (slower; the tests check that
     both give identical traces)."""
@@ -83,21 +103,45 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
         return d
 
     # the host issues ops one after another in plan order (a single issuing thread); an op cannot start before
-    # it is issued. With an ideal runtime (zero issue cost) this is a no-op.
-    if hw.issue_compute_s or hw.issue_copy_s or hw.issue_graph_s:
-        issued_at = np.cumsum([costmodel.issue_seconds(o, hw, plan.graph_q_tokens, model) for o in ops])
-    else:
-        issued_at = None
+    # it is issued. With an ideal runtime (zero issue cost, no run-ahead window) this is a no-op.
+    has_cost = bool(hw.issue_compute_s or hw.issue_copy_s or hw.issue_graph_s)
+    costs = [costmodel.issue_seconds(o, hw, plan.graph_q_tokens, model) for o in ops] if has_cost else None
+    pred = _window_preds(plan.run_ahead, [op.stream for op in ops])  # None: no window
+    issued_at = np.cumsum(costs) if has_cost and pred is None else None
+    issued = [False] * n
+    issue_waiters: dict[int, simpy.Event] = {}
+
+    def issuer():
+        # the issuing thread with the runtime's window: before op i it waits for the op ``run_ahead`` places
+        # earlier on i's stream to finish, then spends i's issue cost; op i may start from then on
+        for i in range(n):
+            p = pred[i]
+            if p >= 0 and not finished[p]:
+                ev = waiters.get(p)
+                if ev is None:
+                    ev = waiters[p] = env.event()
+                yield ev
+            if costs is not None and costs[i] > 0.0:
+                yield env.timeout(costs[i])
+            issued[i] = True
+            ev = issue_waiters.pop(i, None)
+            if ev is not None:
+                ev.succeed()
 
     is_host = [op.stream in HOST_STREAMS for op in ops]
     gate_s = _host_gates(is_host, [op.deps for op in ops],
                          lambda i: costmodel.issue_seconds(ops[i], hw, plan.graph_q_tokens, model)) \
-        if issued_at is not None else None
+        if has_cost else None
 
     def stream(stream_ops):
         for op in stream_ops:
             if issued_at is not None and issued_at[op.id] > env.now:
                 yield env.timeout(issued_at[op.id] - env.now)
+            if pred is not None and not issued[op.id]:
+                ev = issue_waiters.get(op.id)
+                if ev is None:
+                    ev = issue_waiters[op.id] = env.event()
+                yield ev
             for d in op.deps:  # wait for each unfinished dependency in turn (cheaper than an AllOf condition)
                 if not finished[d]:
                     ev = waiters.get(d)
@@ -143,6 +187,8 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
     by_stream: dict[str, list] = {s: [] for s in STREAMS}
     for op in ops:
         by_stream[op.stream].append(op)
+    if pred is not None and n:
+        env.process(issuer())  # (first: the event loop's issuer takes the first event too)
     for s in STREAMS:
         if by_stream[s]:
             env.process(stream(by_stream[s]))
@@ -280,6 +326,9 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     # the host issues ops one after another in plan order (a single issuing thread); an op cannot start before
     # it is issued. With an ideal runtime (zero issue cost) this is a no-op.
     issued = None
+    gate_s = None
+    costs = None
+    pred = _window_preds(plan.run_ahead, [STREAMS[x] for x in sidx])  # the runtime's window (None: none)
     if hw.issue_compute_s or hw.issue_copy_s or hw.issue_graph_s:
         graph_q = plan.graph_q_tokens
         compute_s = costmodel.issue_seconds(_KindOnly("compute"), hw)
@@ -293,9 +342,11 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                 c = copy_s[k] = costmodel.issue_seconds(_KindOnly(k[0], tensor=k[1], nbytes=k[2]), hw, 0, model)
             return c
 
-        issued = np.cumsum([(graph_s if graph_q and costmodel.graphed(r[0], r[6].get("part", ""),
-                                                                      r[6].get("q_tokens", 0), r[2], graph_q)
-                             else compute_s) if r[0] == "compute" else copy_issue(r) for r in rows]).tolist()
+        costs = [(graph_s if graph_q and costmodel.graphed(r[0], r[6].get("part", ""), r[6].get("q_tokens", 0),
+                                                           r[2], graph_q)
+                  else compute_s) if r[0] == "compute" else copy_issue(r) for r in rows]
+        if pred is None:  # no window: op i is issued at the sum of the costs up to it
+            issued = np.cumsum(costs).tolist()
         host_idx = {_STREAM_INDEX[h] for h in HOST_STREAMS}
         is_host = [x in host_idx for x in sidx]
         gate_s = _host_gates(is_host, [r[1] for r in rows], lambda i: costmodel.issue_seconds(
@@ -335,6 +386,16 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     # releases the streams waiting for it with an event of its own, scheduled at that instant
     heap: list[tuple] = []
     seq = 0
+    # the issuer (``simulate_simpy``'s ``issuer``): a virtual stream ``ISS`` walking the ops in plan order, where
+    # the plan has a run-ahead window; ``issued_ok[i]``: op i is issued; ``iwaiting``: streams waiting for an issue
+    ISS = ns
+    itself_iss = [ISS]
+    iss_i, iss_busy = 0, False
+    issued_ok = [False] * n if pred is not None else None
+    iwaiting: dict[int, list[int]] = {}
+    if pred is not None and n:  # (SimPy creates the issuer's process first)
+        heap.append((0.0, seq, itself_iss))
+        seq += 1
     for s in range(ns):  # SimPy starts each process with an urgent event at time 0, in creation order
         if by_stream[s]:
             heap.append((0.0, seq, itself[s]))
@@ -353,6 +414,32 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
             now, _, resumed = pushpop(heap, nxt) if heap else nxt
             nxt = None
         for s in resumed:
+            if s == ISS:  # the issuer: after an op's issue cost, or once the op its next op waits for has ended
+                while iss_i < n:
+                    i = iss_i
+                    if iss_busy:  # op i's issue cost is spent
+                        iss_busy = False
+                    else:
+                        p = pred[i]
+                        if p >= 0 and end[p] is None:  # the window is full: wait for the op ``run_ahead`` back
+                            w = waiting.get(p)
+                            if w is None:
+                                waiting[p] = [ISS]
+                            else:
+                                w.append(ISS)
+                            break
+                        if costs is not None and costs[i] > 0.0:
+                            iss_busy = True
+                            push(heap, (now + costs[i], seq, itself_iss))
+                            seq += 1
+                            break
+                    issued_ok[i] = True
+                    w = iwaiting.pop(i, None)
+                    if w is not None:  # release the stream waiting for it
+                        push(heap, (now, seq, w))
+                        seq += 1
+                    iss_i += 1
+                continue
             i = cur[s]
             if running[s]:  # the op on this stream ends now
                 running[s] = False
@@ -377,6 +464,15 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                     push(heap, (now + (issued[i] - now), seq, itself[s]))
                     seq += 1
                     continue
+            elif issued_ok is not None and not issue_checked[s]:
+                if not issued_ok[i]:  # wait for the issuer to reach it
+                    w = iwaiting.get(i)
+                    if w is None:
+                        iwaiting[i] = [s]
+                    else:
+                        w.append(s)
+                    continue
+                issue_checked[s] = True
             deps = deps_of[i]
             k = dep_k[s]
             for d in (deps if k == 0 else deps[k:]):
@@ -392,14 +488,14 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                 d = None  # none unfinished
             if d is not None:
                 continue
-            if issued is not None and gate_s[i] and not gated[s]:  # issued once its host dependencies are done
+            if gate_s is not None and gate_s[i] and not gated[s]:  # issued once its host dependencies are done
                 gate = max(end[d] for d in deps if is_host[d]) + gate_s[i]
                 if gate > now:
                     gated[s] = True
                     push(heap, (now + (gate - now), seq, itself[s]))
                     seq += 1
                     continue
-            if issued is not None:
+            if gate_s is not None:
                 gated[s] = False
             start[i] = now
             a = allocs[i]
