@@ -481,6 +481,33 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def profile_quant(device, spec, reps: int) -> dict:
+    """FlexGen 4-bit dequantize rates as offexec runs them (``quant.dequantize_into`` for a weight,
+    ``quant.unpack_vectors_into`` for KV; on CUDA the fused kernel, offexec/quant_triton.py): fp16 bytes written per
+    second, for the model's largest matrix (fc1 / up: [ffn, d_model]) and a decode step's KV (16 sequences x 1024
+    positions x every KV head, K and V), and ``quant_bytes_per_s``, the slower of the two (``costmodel.quant_seconds``
+    prices every pass at one rate)."""
+    import torch
+
+    from offexec import quant
+
+    dt = torch.float16 if device.type == "cuda" else torch.float32
+    w = torch.randn(spec.ffn_dim, spec.d_model, dtype=dt, device=device)
+    buf = quant.to_bytes(quant.quantize_weight(w))
+    out = torch.empty_like(w)
+    t_w = _median_time(lambda: quant.dequantize_into(buf, tuple(w.shape), 0, out), device, reps)
+    weight_rate = out.numel() * 2 / t_w  # fp16 bytes (the cost model's unit), whatever the probe's dtype
+    ctx = 1024 if device.type == "cuda" else 64
+    kv = torch.randn(ctx, 2, 16, spec.num_kv_heads, spec.head_dim, dtype=dt, device=device)
+    packed = quant.pack_vectors(kv)
+    kv_out = torch.empty_like(kv)
+    t_kv = _median_time(lambda: quant.unpack_vectors_into(packed, kv_out), device, reps)
+    kv_rate = kv_out.numel() * 2 / t_kv
+    del w, buf, out, kv, packed, kv_out
+    return {"quant_bytes_per_s": float(min(weight_rate, kv_rate)), "quant_weight_bytes_per_s": float(weight_rate),
+            "quant_kv_bytes_per_s": float(kv_rate)}
+
+
 def run_profile(model: str = "opt-30b", device: str = "cuda", quick: bool = False, peak_tflops: float | None = None,
                 disk_dir: str | None = None, name: str | None = None) -> dict:
     """Measure this machine; return the profile dict (``HardwareSpec.from_dict`` accepts it)."""
@@ -503,7 +530,7 @@ def run_profile(model: str = "opt-30b", device: str = "cuda", quick: bool = Fals
     gpu_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     key = next((k for k in DATASHEET_PEAK_FLOPS if k in gpu_name), None)
     peak = peak_tflops * 1e12 if peak_tflops else DATASHEET_PEAK_FLOPS.get(key, 0.0)
-    steps = ["link", "gpu", "cpu attention", "disk"]
+    steps = ["link", "gpu", "4-bit", "cpu attention", "disk"]
     try:
         from tqdm import tqdm
 
@@ -521,6 +548,8 @@ def run_profile(model: str = "opt-30b", device: str = "cuda", quick: bool = Fals
     else:
         g = profile_gpu(dev, spec, reps, peak)
     bar and bar.update()
+    qr = profile_quant(dev, spec, reps)
+    bar and bar.update()
     cpu_flops = profile_cpu_attention(spec, reps)
     bar and bar.update()
     disk_dir = disk_dir or tempfile.gettempdir()
@@ -533,11 +562,12 @@ def run_profile(model: str = "opt-30b", device: str = "cuda", quick: bool = Fals
          "h2d_pinned": link["h2d_pinned"], "d2h_pinned": link["d2h_pinned"],
          "h2d_pageable": link["h2d_pageable"], "d2h_pageable": link["d2h_pageable"],
          "duplex_fraction": float(link["duplex_fraction"]), "cpu_mem_bytes": host_memory_bytes(),
-         "cpu_attention_flops": float(cpu_flops), "disk_bytes": int(shutil.disk_usage(disk_dir).free),
+         "cpu_attention_flops": float(cpu_flops), "quant_bytes_per_s": qr["quant_bytes_per_s"],
+         "disk_bytes": int(shutil.disk_usage(disk_dir).free),
          **{k: float(v) for k, v in disk.items()}, "link_latency_s": 0.0,
          "source": f"offexec profile on {gpu_name} ({'quick' if quick else 'full'}), model shapes of {model}"}
     HardwareSpec.from_dict(d)  # the profile must load
-    d["provenance"] = provenance(gpu=gpu_name, model_shapes=model, quick=quick,
+    d["provenance"] = provenance(gpu=gpu_name, model_shapes=model, quick=quick, quant_rates=qr,
                                  peak_flops_source="datasheet" if key or peak_tflops else "best measured GEMM")
     return d
 
@@ -569,6 +599,9 @@ def add_profile_parser(sub) -> None:
     p.add_argument("--capture-only", action="store_true",
                    help="with --ops: measure only the graph-capture rows (graphed decode ops at the first decode "
                         "step) and the copy-issue rows (host time per copy of each kind)")
+    p.add_argument("--quant-only", action="store_true",
+                   help="with --base: measure only the 4-bit dequantize rates (quant_bytes_per_s, at --model's shapes) "
+                        "and keep the rest of the base profile")
     p.add_argument("--op-batches", default="1,4,16,64", metavar="N,N,...",
                    help="sequences per GPU batch of the op-table runs (default: %(default)s)")
     p.set_defaults(func=cmd_profile)
@@ -629,8 +662,10 @@ def cmd_profile(args) -> dict:
     from offsim.core.errors import OffsimError
     from offsim.core.io import read_json_object
 
-    if args.base and not args.ops:
-        raise OffsimError("--base adds op tables to an existing profile: give --ops MODELS too")
+    if args.quant_only and not args.base:
+        raise OffsimError("--quant-only adds the 4-bit rates to an existing profile: give --base PROFILE too")
+    if args.base and not (args.ops or args.quant_only):
+        raise OffsimError("--base adds op tables to an existing profile: give --ops MODELS (or --quant-only) too")
     try:
         batches = tuple(int(b) for b in args.op_batches.split(","))
     except ValueError:
@@ -642,6 +677,20 @@ def cmd_profile(args) -> dict:
         d = read_json_object(args.base, "hardware profile")
     else:
         d = run_profile(args.model, args.device, args.quick, args.peak_tflops, args.disk_dir, args.name)
+    if args.quant_only:
+        import torch
+
+        from offsim.core.provenance import provenance
+        from offsim.core.specs import HardwareSpec, get_model
+
+        dev = torch.device(args.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise OffsimError("--device cuda was asked but no CUDA device is available (use --device cpu)")
+        qr = profile_quant(dev, get_model(args.model), 10)
+        d = {**d, "quant_bytes_per_s": qr["quant_bytes_per_s"]}
+        HardwareSpec.from_dict(d)
+        d["provenance"] = {**d.get("provenance", {}),
+                           "quant_rates": provenance(model_shapes=args.model, device=args.device, **qr)}
     if models:
         d = add_op_tables(d, models, args.device, batches, args.attention_only, args.recompute_only,
                           args.capture_only)
