@@ -388,7 +388,7 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
                 # a GPU-to-GPU copy on the sender's p2p stream
                 if j < 0:
                     recv = add("p2p", [last_out[k]], phase, i, j, k, tensor="token", lo=ctx - q, hi=ctx,
-                               nbytes=fp.token_ids_bytes(gbs, q), device=src, peer=dev)
+                               nbytes=gbs * q * fp.TOKEN_ID_BYTES, device=src, peer=dev)
                 else:
                     hin = act_bytes("hidden", q)
                     recv = add("p2p", [last_out[k]], phase, i, j, k, tensor="hidden", lo=ctx - q, hi=ctx,
