@@ -241,7 +241,7 @@ def main(argv=None) -> int:
 
         dt = dtype_of(plan.model)
         weights = load_checkpoint(args.checkpoint, plan.model, dt, progress=False) if args.checkpoint else \
-            random_weights(plan.model, args.seed, dt)
+            random_weights(plan.model, args.seed, dt, progress=False)
         res = run_pipeline(plan, weights, device, seed=args.seed, disk_dir=args.disk_dir)
     except OffsimError as e:  # ExecError too: one line, exit 2
         print(f"offexec.distributed: error: {e}", file=sys.stderr)
