@@ -236,6 +236,9 @@ def main(argv=None) -> int:
         plan = Plan.load(args.plan).validate()
         if not plan.stages:
             raise OffsimError(f"{args.plan} has no pipeline stages: run it with `offexec run --plan`")
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            raise OffsimError(f"launch with torchrun, one process per stage: `torchrun --nproc-per-node "
+                              f"{plan.num_devices} -m offexec.distributed --plan {args.plan}`")
         device = init_process_group(args.device)
         from .weights import dtype_of, load_checkpoint, random_weights
 

@@ -143,7 +143,8 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-gpus", type=positive_int, default=None, metavar="N",
                    help="flexgen: pipeline parallelism over N GPUs, each with the hardware's GPU memory: the layers "
                         "in N contiguous stages (balanced; --set stage_layers=[...] to choose), the GPU batches "
-                        "in micro-batch groups through them (--set micro_batches=M; default N) (the setting "
+                        "in micro-batch groups through them (--set micro_batches=M; default N, at most "
+                        "--num-gpu-batches) (the setting "
                         "num_stages)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any other policy setting, VALUE as JSON (e.g. --set offload=\"disk\", --set interval=4); "

@@ -165,3 +165,19 @@ def _gpu_worker(rank, world, init, out_dir):
             torch.save({"tokens": res.tokens}, os.path.join(out_dir, "gpu.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def test_entry_point_outside_torchrun_is_one_line(tmp_path, capsys, monkeypatch):
+    from offexec.distributed import main
+
+    hf, spec = tiny_hf("opt", seed=11, layers=LAYERS)
+    f = tmp_path / "pp.json"
+    build_plan("flexgen", spec, HW, Workload(PROMPT, 2, 2, 2), {"num_stages": 2}).save(f)
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["--plan", str(f), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "torchrun --nproc-per-node 2 -m offexec.distributed" in err
+    single = tmp_path / "one.json"
+    build_plan("flexgen", spec, HW, Workload(PROMPT, 2, 2, 2), {}).save(single)
+    assert main(["--plan", str(single), "--device", "cpu"]) == 2
+    assert "no pipeline stages" in capsys.readouterr().err
