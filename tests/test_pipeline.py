@@ -265,3 +265,19 @@ def test_cli_num_gpus_reports_each_gpu(capsys, tmp_path):
     assert "--num-gpus does not apply to policy static-zero" in err
     err = _one_line_error(capsys, argv + ["--num-gpus", "2", "--set", "micro_batches=5"])
     assert "micro_batches" in err
+
+
+def test_chrome_trace_has_a_track_per_gpu(tmp_path):
+    import json
+
+    t = simulate(_plan(_tiny(), 2), H200)
+    t.to_chrome(tmp_path / "t.json")
+    ev = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    ops = [e for e in ev if e["ph"] == "X"]
+    assert len(ops) == len(t.df) and {e["pid"] for e in ops} == {0, 1}
+    assert {e["args"]["name"] for e in ev if e["ph"] == "M"} >= {"p2p", "compute"}
+    # a single-GPU trace keeps its five stream tracks
+    t1 = simulate(build_plan("flexgen", _tiny(), H200, Workload(8, 4, 2, 2), OFFLOAD), H200)
+    t1.to_chrome(tmp_path / "t1.json")
+    ev1 = json.loads((tmp_path / "t1.json").read_text())["traceEvents"]
+    assert len([e for e in ev1 if e["ph"] == "M"]) == 5 and {e["pid"] for e in ev1} == {0}

@@ -17,7 +17,7 @@ import pandas as pd
 
 from offsim.core.errors import OffsimError
 from offsim.core.io import read_commented_csv, write_commented_csv, write_text_atomic
-from offsim.core.plan import SHARED_STREAMS, STREAMS, TIERS
+from offsim.core.plan import ALL_STREAMS, SHARED_STREAMS, STREAMS, TIERS
 
 TRACE_SCHEMA = "offsim.trace/1"
 COLUMNS = ["op_id", "kind", "stream", "phase", "step", "layer", "batch", "start_s", "end_s", "nbytes"]
@@ -91,11 +91,14 @@ class Trace:
     # ---- export -----------------------------------------------------------------------------------------------
     def to_chrome(self, path: str | Path) -> None:
         """Chrome/Perfetto trace JSON: one track per stream (open in ui.perfetto.dev or chrome://tracing)."""
-        tid = {s: i for i, s in enumerate(STREAMS)}
-        events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": s}}
-                  for s, i in tid.items()]
-        for r in self.df.itertuples(index=False):
-            events.append({"name": f"{r.kind} L{r.layer} b{r.batch}", "cat": r.kind, "ph": "X", "pid": 0,
+        # several GPUs: one process track per device (its streams as threads; the host's shared streams on GPU 0's)
+        tid = {s: i for i, s in enumerate(ALL_STREAMS if "device" in self.df else STREAMS)}
+        devices = sorted(set(self.df["device"])) if "device" in self.df else [0]
+        events = [{"name": "thread_name", "ph": "M", "pid": int(d), "tid": i, "args": {"name": s}}
+                  for d in devices for s, i in tid.items()]
+        dev = self.df["device"].tolist() if "device" in self.df else [0] * len(self.df)
+        for d, r in zip(dev, self.df.itertuples(index=False)):
+            events.append({"name": f"{r.kind} L{r.layer} b{r.batch}", "cat": r.kind, "ph": "X", "pid": int(d),
                            "tid": tid[r.stream], "ts": r.start_s * 1e6, "dur": (r.end_s - r.start_s) * 1e6,
                            "args": {"op": int(r.op_id), "step": int(r.step), "bytes": int(r.nbytes)}})
         write_text_atomic(path, json.dumps({"traceEvents": events, "otherData": _jsonable(self.meta)}))
