@@ -27,6 +27,9 @@ CASES = [
     ("llama", {"percent": (0, 50, 0, 50, 100, 0), "cpu_attention": True}, 2, 2),  # CPU attention, disk heads
     ("llama", {"percent": (100, 0, 100, 0, 100, 0), "sublayer": False, "micro_batches": 1}, 3, 2),
 ]
+# a mixed-length block (docs/jobs.md §4): left-padded prompts, each request's tokens those of it alone
+MIXED = ("opt", {"percent": (20, 80, 0, 100, 100, 0), "mixed": True}, 2, 3)
+PROMPT_LENS, GEN_LENS = (8, 3, 6, 2, 5, 5), (5, 5, 2, 4, 5, 1)
 
 
 def _prompts(n, vocab):
@@ -45,7 +48,9 @@ def _worker(rank, world, init, out_dir, cases):
                 hf, spec = tiny_hf(family, seed=11, layers=LAYERS)
                 models[family] = (spec, from_state_dict(spec, hf.state_dict()))
             spec, w = models[family]
-            wl = Workload(PROMPT, GEN, gbs, nb)
+            settings = dict(settings)
+            wl = Workload(PROMPT, GEN, gbs, nb, prompt_lens=PROMPT_LENS, gen_lens=GEN_LENS) \
+                if settings.pop("mixed", False) else Workload(PROMPT, GEN, gbs, nb)
             plan = build_plan("flexgen", spec, HW, wl, {**settings, "num_stages": world})
             res = run_pipeline(plan, w, "cpu", _prompts(wl.num_prompts, spec.vocab_size), record_logits=True,
                                disk_dir=out_dir)
@@ -63,15 +68,21 @@ def _spawn(world, tmp_path, cases):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_pipeline_tokens_equal_transformers(world, tmp_path):
-    cases = CASES if world == 2 else CASES[1:]  # (3 ranks: fewer cases, the machine is small)
+    cases = CASES + [MIXED] if world == 2 else CASES[1:]  # (3 ranks: fewer cases, the machine is small)
     results = _spawn(world, tmp_path, cases)
     refs = {}
     for (family, settings, gbs, nb), r in zip(cases, results):
         if family not in refs:
             hf, spec = tiny_hf(family, seed=11, layers=LAYERS)
-            refs[family] = (spec, hf_generate(hf, _prompts(6, spec.vocab_size), GEN))
-        spec, (tok, logits) = refs[family]
+            refs[family] = (hf, spec, hf_generate(hf, _prompts(6, spec.vocab_size), GEN))
+        hf, spec, (tok, logits) = refs[family]
         n = gbs * nb
+        if settings.get("mixed"):  # each request alone, unpadded: its first gen_lens tokens
+            prompts = _prompts(6, spec.vocab_size)
+            for i, (p, g) in enumerate(zip(PROMPT_LENS, GEN_LENS)):
+                alone = hf_generate(hf, prompts[i:i + 1, :p], g)[0][0]
+                np.testing.assert_array_equal(r["tokens"][i, :g], alone.numpy(), err_msg=f"request {i}")
+            continue
         np.testing.assert_array_equal(r["tokens"], tok[:n].numpy())
         assert len(r["logits"]) == GEN * nb
         for step, b, lg in r["logits"]:
