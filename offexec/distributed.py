@@ -20,9 +20,11 @@ Launch: ``torchrun --nproc-per-node N -m offexec.distributed --plan PLAN.json [-
 (NCCL on GPUs, each rank on GPU ``LOCAL_RANK``; gloo on the CPU), or, in tests, ``run_pipeline`` under
 ``torch.multiprocessing.spawn``.
 
-What is not done yet: every rank holds the whole model's host master of the weights (its stage's layers are copied
-out of it) and its own copy of the embeddings on its GPU (the footprint counts them on every stage); the stream
-scheduler on the CPU (``threaded``) is refused for a stage; one host only (ranks' clocks are compared).
+Weights: the launcher loads (or seeds) only the rank's layers (``random_weights`` / ``load_checkpoint`` with
+``layers``: host memory is shared by the ranks); ``run_pipeline`` also takes the whole model's and copies the
+stage's rows out. What is not done yet: every rank keeps its own copy of the embeddings on its GPU (the footprint
+counts them on every stage); the stream scheduler on the CPU (``threaded``) is refused for a stage; one host only
+(ranks' clocks are compared).
 """
 from __future__ import annotations
 
@@ -137,7 +139,15 @@ def run_stage(plan: Plan, weights: ModelWeights, rank: int, device: str = "cpu",
         raise ExecError(f"the plan has {len(plan.stages)} stages but {dist.get_world_size()} processes run it "
                         "(one per stage)")
     sp = stage_plan(plan, rank)
-    w = stage_weights(weights, *sp.layers) if weights.spec.num_layers != sp.plan.model.num_layers else weights
+    # the whole model's weights (this stage's rows are copied out) or already only this stage's
+    # (``random_weights`` / ``load_checkpoint`` with ``layers``)
+    if weights.spec.num_layers == plan.model.num_layers:
+        w = stage_weights(weights, *sp.layers)
+    elif weights.spec.num_layers == sp.plan.model.num_layers:
+        w = weights
+    else:
+        raise ExecError(f"rank {rank}: weights of {weights.spec.num_layers} layers, neither the model's "
+                        f"{plan.model.num_layers} nor the stage's {sp.plan.model.num_layers}")
     ex = Executor(sp.plan, w, device, prompts, seed, None, disk_dir, record_logits, False, False, "plan", graphs,
                   comm=StageComm(rank, sp.orig_ids))
     try:
@@ -243,8 +253,9 @@ def main(argv=None) -> int:
         from .weights import dtype_of, load_checkpoint, random_weights
 
         dt = dtype_of(plan.model)
-        weights = load_checkpoint(args.checkpoint, plan.model, dt, progress=False) if args.checkpoint else \
-            random_weights(plan.model, args.seed, dt, progress=False)
+        layers = tuple(plan.stages[dist.get_rank()]["layers"])  # this rank's layers only: host memory is shared
+        weights = load_checkpoint(args.checkpoint, plan.model, dt, progress=False, layers=layers) \
+            if args.checkpoint else random_weights(plan.model, args.seed, dt, progress=False, layers=layers)
         res = run_pipeline(plan, weights, device, seed=args.seed, disk_dir=args.disk_dir)
     except OffsimError as e:  # ExecError too: one line, exit 2
         print(f"offexec.distributed: error: {e}", file=sys.stderr)

@@ -192,3 +192,52 @@ def test_entry_point_outside_torchrun_is_one_line(tmp_path, capsys, monkeypatch)
     build_plan("flexgen", spec, HW, Workload(PROMPT, 2, 2, 2), {}).save(single)
     assert main(["--plan", str(single), "--device", "cpu"]) == 2
     assert "no pipeline stages" in capsys.readouterr().err
+
+
+def test_stage_weights_seeded_or_loaded_per_stage(tmp_path):
+    from offexec.weights import load_checkpoint, random_weights
+
+    hf, spec = tiny_hf("llama", seed=11, layers=LAYERS)
+    full = random_weights(spec, seed=3, progress=False)
+    part = random_weights(spec, seed=3, progress=False, layers=(1, 3))
+    assert part.spec.num_layers == 2 and torch.equal(part.layers, full.layers[1:3])
+    assert all(torch.equal(a, b) for a, b in zip(part.emb.fields().values(), full.emb.fields().values())
+               if a is not None)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    ck = load_checkpoint(tmp_path, spec, progress=False, layers=(2, 4))
+    ref = from_state_dict(spec, hf.state_dict())
+    assert torch.equal(ck.layers, ref.layers[2:4])
+    with pytest.raises(ExecError, match="not a range"):
+        random_weights(spec, layers=(3, 9), progress=False)
+
+
+def test_torchrun_launcher_on_the_cpu(tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    from offsim.core.trace import Trace
+
+    torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
+    if not os.path.exists(torchrun):
+        pytest.skip("no torchrun")
+    _, spec = tiny_hf("opt", seed=11, layers=LAYERS)
+    plan = build_plan("flexgen", spec, HW, Workload(PROMPT, 3, 2, 2),
+                      {"percent": (20, 80, 0, 100, 100, 0), "num_stages": 2})
+    plan.save(tmp_path / "pp.json")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    # (a session of its own: on a timeout the launcher and both ranks are ended together)
+    p = subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "offexec.distributed",
+                          "--plan", str(tmp_path / "pp.json"), "--device", "cpu", "--trace", str(tmp_path / "t.csv"),
+                          "--disk-dir", str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, 9)
+        p.communicate()
+        raise
+    assert p.returncode == 0, err[-2000:]
+    assert "flexgen on 2 GPUs: prefill" in out
+    t = Trace.from_csv(tmp_path / "t.csv")
+    assert len(t.df) == len(plan.ops) and set(t.df["device"]) == {0, 1} and t.meta["num_devices"] == 2
