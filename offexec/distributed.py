@@ -34,7 +34,6 @@ import datetime
 import json
 import os
 import sys
-import time
 
 import numpy as np
 import torch
@@ -131,10 +130,10 @@ class StageComm:
 
 def run_stage(plan: Plan, weights: ModelWeights, rank: int, device: str = "cpu", prompts: torch.Tensor | None = None,
               seed: int = 0, record_logits: bool = False, disk_dir: str | None = None,
-              graphs: str | None = None) -> tuple[StagePlan, RunResult, float]:
+              graphs: str | None = None) -> tuple[StagePlan, RunResult]:
     """Run rank ``rank``'s stage of ``plan`` (the process group must be initialised, one rank per stage). Returns
-    (its stage plan, its RunResult, its start offset) -- the times in its trace count from a barrier every rank
-    passes just before it starts."""
+    (its stage plan, its RunResult); the times in its trace count from a barrier every rank passes just before it
+    starts."""
     if dist.get_world_size() != len(plan.stages):
         raise ExecError(f"the plan has {len(plan.stages)} stages but {dist.get_world_size()} processes run it "
                         "(one per stage)")
@@ -155,7 +154,7 @@ def run_stage(plan: Plan, weights: ModelWeights, rank: int, device: str = "cpu",
         res = ex.run({"rank": rank, "stage_layers": list(sp.layers)})
     finally:
         ex.close()
-    return sp, res, 0.0
+    return sp, res
 
 
 def merge_traces(plan: Plan, parts: list[tuple[list[int], np.ndarray, np.ndarray, dict]], meta: dict) -> Trace:
@@ -195,7 +194,7 @@ def run_pipeline(plan: Plan, weights: ModelWeights, device: str = "cpu", prompts
     ``device`` per op), the generated tokens (from the last stage, which computes them), its logits when asked,
     and every rank's stats under ``stats['ranks']`` -- the other ranks return None."""
     rank = dist.get_rank()
-    sp, res, _ = run_stage(plan, weights, rank, device, prompts, seed, record_logits, disk_dir, graphs)
+    sp, res = run_stage(plan, weights, rank, device, prompts, seed, record_logits, disk_dir, graphs)
     df = res.trace.df
     mine = (sp.orig_ids, df["start_s"].to_numpy(), df["end_s"].to_numpy(), dict(res.trace.peak_bytes),
             res.tokens if rank == len(plan.stages) - 1 else None, res.logits, res.stats)

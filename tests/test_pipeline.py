@@ -2,9 +2,7 @@
 GPU to GPU, micro-batches flowing through the stages. Single-GPU plans are untouched (ops, JSON, fingerprints); a
 plan with stages round-trips, validates per GPU, simulates with per-GPU streams and memory and a shared disk, and is
 refused per stage, from arithmetic, when a stage does not fit its GPU."""
-import dataclasses
 
-import numpy as np
 import pytest
 
 from offsim import Plan, PlanError, Workload, build_plan, get_hardware, get_model, simulate
