@@ -122,6 +122,11 @@ class StageComm:
     def recv(self, op, out: torch.Tensor) -> None:
         dist.recv(out, src=op.device, tag=self.orig_ids[op.id])
 
+    def ready(self) -> None:
+        """Called by the executor after its setup, before its first op: every rank waits for the others, so that
+        their times count from one instant."""
+        dist.barrier()
+
     def finish(self) -> None:
         for work, _ in self.pending:
             work.wait()
@@ -132,8 +137,8 @@ def run_stage(plan: Plan, weights: ModelWeights, rank: int, device: str = "cpu",
               seed: int = 0, record_logits: bool = False, disk_dir: str | None = None,
               graphs: str | None = None) -> tuple[StagePlan, RunResult]:
     """Run rank ``rank``'s stage of ``plan`` (the process group must be initialised, one rank per stage). Returns
-    (its stage plan, its RunResult); the times in its trace count from a barrier every rank passes just before it
-    starts."""
+    (its stage plan, its RunResult); the times in its trace count from a barrier every rank passes after its setup,
+    just before its first op (``StageComm.ready``)."""
     if dist.get_world_size() != len(plan.stages):
         raise ExecError(f"the plan has {len(plan.stages)} stages but {dist.get_world_size()} processes run it "
                         "(one per stage)")
@@ -150,7 +155,6 @@ def run_stage(plan: Plan, weights: ModelWeights, rank: int, device: str = "cpu",
     ex = Executor(sp.plan, w, device, prompts, seed, None, disk_dir, record_logits, False, False, "plan", graphs,
                   comm=StageComm(rank, sp.orig_ids))
     try:
-        dist.barrier()
         res = ex.run({"rank": rank, "stage_layers": list(sp.layers)})
     finally:
         ex.close()

@@ -482,6 +482,8 @@ class Executor:
     # ---- the run ----------------------------------------------------------------------------------------------
     def run(self, meta: dict) -> RunResult:
         self._setup()
+        if self.comm is not None:
+            self.comm.ready()  # a pipeline's ranks start their clocks together, after every rank's setup
         ops = self.plan.ops
         n = len(ops)
         self.vals: dict[int, object] = {}
