@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
         if a.dest == "model":
             a.help = (f"model preset or a transformers config.json path (default: the --checkpoint's config.json, "
                       f"else {DEFAULT_MODEL})")
+        if a.dest == "num_gpus":  # a plan over several GPUs runs one process per GPU, not in `offexec run`
+            a.help += ("; offexec run refuses such a plan: save it with `offsim simulate --num-gpus N --save-plan "
+                       "FILE` and run `torchrun --nproc-per-node N -m offexec.distributed --plan FILE`")
         if a.dest == "hardware":
             a.help += ("; with --device cpu give a profile JSON written by `offexec profile --device cpu`, else the "
                        "comparison is skipped (a GPU preset says nothing about a CPU run)")

@@ -40,7 +40,7 @@ from . import quant
 from .graphs import GRAPH_MODES, DecodeGraphs
 from .memory import (BufferPool, DiskTier, ExecError, GpuArena, HostBuffer, apply_gpu_budget, check_disk_dir,
                      check_gpu_budget, configure_allocator, executor_streams, host_tensor, warm_library_workspace)
-from .program import GPU_STREAMS, HOST_STREAMS, Program, bind, pool_of
+from .program import GPU_STREAMS, HOST_STREAMS, P2P_STREAM, Program, bind, pool_of
 from .weights import ModelWeights
 
 GiB = fp.GiB
@@ -75,7 +75,12 @@ def run_plan(plan: Plan, weights: ModelWeights, device: str = "cuda", prompts: t
     layer ops as CUDA graphs ('cuda', the default on a GPU), their graph-ready kernels run eagerly ('static', for
     CPU tests of the graph path's numerics), or the plain eager kernels ('off', the default on the CPU)
     (offexec/graphs.py). ``switch_interval_s``: Python's thread switch interval during the run (default
-    ``Executor.SWITCH_INTERVAL_S``; see there)."""
+    ``Executor.SWITCH_INTERVAL_S``; see there). A plan over several GPUs (``Plan.stages``) runs one process per
+    GPU: ``offexec.distributed``."""
+    if plan.stages:
+        raise ExecError(f"the plan runs on {plan.num_devices} GPUs (pipeline stages): run it with one process per "
+                        f"GPU, `torchrun --nproc-per-node {plan.num_devices} -m offexec.distributed --plan FILE` "
+                        "(docs/architecture.md §7.1)")
     ex = Executor(plan, weights, device, prompts, seed, gpu_budget_bytes, disk_dir, record_logits, keep_kv,
                   threaded, allocator_cap, graphs)
     ex.host_kv_pool = host_kv_pool
@@ -212,7 +217,9 @@ def check_plan(plan: Plan, device, budget_bytes: int, disk_dir: str | None = Non
 class Executor:
     # flow control: ops the issuing thread may have outstanding on each stream. Waiting here is not issue time; it
     # keeps every CUDA call from blocking on a full launch or copy queue, so issue time measures only host work
-    # (the plan's ``run_ahead``, offsim's ``RUN_AHEAD_OPS`` by default: the simulator models the same window)
+    # (the plan's ``run_ahead`` for compute, h2d and d2h, offsim's ``RUN_AHEAD_OPS`` by default: the simulator
+    # models the same window; a pipeline stage's GPU-to-GPU stream: ``P2P_RUN_AHEAD``)
+    P2P_RUN_AHEAD = 16
     # Python's GIL switch interval during a run. The host workers (CPU attention, disk) and the issuing thread share
     # the GIL; each torch call releases it, and taking it back while another thread runs Python waits up to the
     # interval (5 ms by default) -- a CPU attention op of a few small torch calls then takes several intervals
@@ -221,8 +228,12 @@ class Executor:
     switch_interval_s = SWITCH_INTERVAL_S
     def __init__(self, plan: Plan, weights: ModelWeights, device: str, prompts, seed: int,
                  gpu_budget_bytes: int | None, disk_dir: str | None, record_logits: bool, keep_kv: bool,
-                 threaded: bool = False, allocator_cap: str = "plan", graphs: str | None = None):
+                 threaded: bool = False, allocator_cap: str = "plan", graphs: str | None = None, comm=None):
         self.plan, self.spec, self.wts = plan, plan.model, weights
+        self.comm = comm  # one stage of a pipeline: its sends and receives (offexec/distributed.py ``StageComm``)
+        if comm is not None and threaded:
+            raise ExecError("a pipeline stage on the CPU runs its ops in plan order (threaded=False): a receive "
+                            "would block the issuing thread")
         if weights.spec.layer_weight_bytes() != plan.model.layer_weight_bytes() or \
                 weights.spec.num_layers != plan.model.num_layers:
             raise ExecError(f"weights are for model {weights.spec.name}, the plan for {plan.model.name}")
@@ -240,7 +251,7 @@ class Executor:
         self.record_logits, self.keep_kv = record_logits, keep_kv
         self._disk_dir = disk_dir
         self.budget = int(gpu_budget_bytes if gpu_budget_bytes is not None else plan.capacity["gpu"])
-        self.prog: Program = bind(plan, weights.layout)
+        self.prog: Program = bind(plan, weights.layout, comm.rank if comm is not None else 0)
         self.comp = compression_of(plan)
         # compressed weights: GPU slots hold the stored bytes of their range (``footprint.stored_slot_bytes``)
         self.packed_slot_bytes = {pool_of(u): max((fp.stored_slot_bytes(plan.model, g, u, self.comp)
@@ -253,6 +264,8 @@ class Executor:
             (D, weights.dtype)
         self.kv_e = torch.empty(0, dtype=self.kv_dtype).element_size()
         self.gpu_need = gpu_need(self.prog, plan)
+        # a pipeline stage's GPU-to-GPU sends and receives get a stream of their own
+        self.gpu_streams = GPU_STREAMS + ((P2P_STREAM,) if any(o.kind == "p2p" for o in plan.ops) else ())
         if self.cuda:
             check_gpu_budget(self.gpu_need, self.budget)  # before any large allocation
         if allocator_cap not in ALLOCATOR_CAPS:
@@ -345,7 +358,7 @@ class Executor:
         if self.cuda:
             self.allocator_conf = configure_allocator()
             apply_gpu_budget(dev, self.cap_bytes)
-            self.streams = executor_streams(dev, GPU_STREAMS)
+            self.streams = executor_streams(dev, self.gpu_streams)
             warm_library_workspace(dev, self.streams["compute"])  # before the arena: see memory.py
         pinned = all(o.pinned for o in plan.ops) if plan.ops else True
         self.wts.set_pinned(pinned)
@@ -473,6 +486,8 @@ class Executor:
     # ---- the run ----------------------------------------------------------------------------------------------
     def run(self, meta: dict) -> RunResult:
         self._setup()
+        if self.comm is not None:
+            self.comm.ready()  # a pipeline's ranks start their clocks together, after every rank's setup
         ops = self.plan.ops
         n = len(ops)
         self.vals: dict[int, object] = {}
@@ -494,6 +509,8 @@ class Executor:
                 sys.setswitchinterval(old)
         else:
             self._run_sequential()
+        if self.comm is not None:
+            self.comm.finish()  # every send delivered before the buffers go
         wall_s = time.perf_counter() - t_wall
         wl = self.plan.workload
         # batch k's generated tokens start after its prompt length; a request of a mixed workload whose gen_lens entry
@@ -577,8 +594,9 @@ class Executor:
         dev = self.device
         cuda = self.cuda
         Event = (lambda: torch.cuda.Event(enable_timing=True)) if cuda else _HostEvent  # noqa: E731
-        streams = self.streams if cuda else {s: _HostStream(s) for s in GPU_STREAMS}
-        queues: dict[str, deque] = {s: deque() for s in GPU_STREAMS + HOST_STREAMS}
+        gpu_streams = self.gpu_streams
+        streams = self.streams if cuda else {s: _HostStream(s) for s in gpu_streams}
+        queues: dict[str, deque] = {s: deque() for s in gpu_streams + HOST_STREAMS}
         for op in ops:
             queues[op.stream].append(op.id)
         is_host = np.array([op.stream in HOST_STREAMS for op in ops])
@@ -638,9 +656,10 @@ class Executor:
         remaining = n
         issue = issue_cpu = 0.0
         self.wait_s = 0.0
-        windows = {st: deque() for st in GPU_STREAMS}
+        windows = {st: deque() for st in gpu_streams}
         ra = self.plan.run_ahead
         run_ahead = {st: (math.inf if ra is None else w) for st, w in zip(("compute", "h2d", "d2h"), ra or (0, 0, 0))}
+        run_ahead[P2P_STREAM] = self.P2P_RUN_AHEAD
         by_fn: dict[str, float] = {}
         self.issue_by_fn = by_fn
         cur = None
@@ -1192,6 +1211,23 @@ class Executor:
     def _op_h2d_attn_out(self, op, args, info):
         src = self.vals[args["src"]]
         self._put(args["out"], src.to(self.device, non_blocking=True))
+
+    # ---- op handlers: a pipeline stage's GPU-to-GPU copies (offexec/distributed.py) ----------------------------
+    def _op_send_hidden(self, op, args, info):
+        self.comm.send(op, self._val(args["src"]).contiguous())
+
+    def _op_recv_hidden(self, op, args, info):
+        out = torch.empty((self.gbs, op.hi - op.lo, self.spec.d_model), dtype=self.dtype, device=self.device)
+        self.comm.recv(op, out)
+        self._put(args["out"], out)
+
+    def _op_send_token(self, op, args, info):
+        self.comm.send(op, self.tokens[op.batch, :, op.lo:op.hi].contiguous())
+
+    def _op_recv_token(self, op, args, info):
+        out = torch.empty((self.gbs, op.hi - op.lo), dtype=self.tokens.dtype, device=self.device)
+        self.comm.recv(op, out)
+        self.tokens[op.batch, :, op.lo:op.hi] = out
 
 
 def part_reads(name: str, part: str) -> bool:

@@ -19,6 +19,10 @@ Values (``Value.kind``), all per GPU batch ``k`` and layer ``j``:
   (d2h) of those heads read it;
 - ``wstage``, ``kvread``, ``kvout`` (host staging): data on its way between disk and the GPU.
 
+One stage of a pipeline (offexec/distributed.py): ``rank`` is this process's GPU; a ``p2p`` op whose ``peer`` is
+``rank`` receives (a hidden state: a new ``hidden`` value of its batch; token ids: into the token table), any other
+sends (the batch's current ``hidden`` value, or the ids from the token table).
+
 Homes (never values; the executor allocates them once): resident weight bytes [0, gpu) per layer, host weight bytes,
 disk weight bytes, the KV of GPU-homed heads on the GPU, of host-homed heads in host memory, of disk-homed heads on
 disk, the token ids of every sequence.
@@ -33,6 +37,7 @@ from offsim.core.plan import Op, Plan
 from .memory import ExecError
 
 GPU_STREAMS = ("compute", "h2d", "d2h")
+P2P_STREAM = "p2p"  # a pipeline stage's sends and receives (offexec/distributed.py)
 HOST_STREAMS = ("cpu", "disk")
 POOL_KINDS = ("wslot", "wslot_attn", "wslot_mlp", "kvwork_cpu", "kvwork_disk")
 SUBLAYER_PARTS = ("attn_layer", "attn_out", "mlp")  # compute parts of a plan that streams weights per sub-layer
@@ -85,8 +90,9 @@ def weight_slot_base(layout, g_elems: int) -> int:
     return g_elems
 
 
-def bind(plan: Plan, layout) -> Program:
-    """Resolve every op's inputs and outputs; raise ExecError naming the first op the executor cannot run."""
+def bind(plan: Plan, layout, rank: int = 0) -> Program:
+    """Resolve every op's inputs and outputs; raise ExecError naming the first op the executor cannot run.
+    ``rank``: this process's GPU in a pipeline (which p2p ops receive)."""
     m, wl = plan.model, plan.workload
     e = m.dtype_bytes
     Wn = layout[-1].hi
@@ -189,7 +195,23 @@ def bind(plan: Plan, layout) -> Program:
         kind, j, k, i = op.kind, op.layer, op.batch, op.step
         if kind in ("compute", "cpu_compute") and op.num_seqs != gbs:
             fail(op, f"computes {op.num_seqs} sequences; the executor runs GPU batches of {gbs}")
-        if kind == "compute":
+        if kind == "p2p":
+            recv = op.peer == rank
+            if op.tensor == "hidden":
+                if recv:
+                    fn = "recv_hidden"
+                    args["out"] = use(new("hidden", (k,), op), op)
+                    hidden[k] = args["out"]
+                else:
+                    if k not in hidden:
+                        fail(op, f"sends activations of batch {k} that do not exist yet")
+                    fn = "send_hidden"
+                    args["src"] = use(hidden[k], op)
+            elif op.tensor == "token":
+                fn = "recv_token" if recv else "send_token"
+            else:
+                fail(op, f"a p2p op moves 'hidden' or 'token', not {op.tensor!r}")
+        elif kind == "compute":
             part = op.part
             if part == "embed":
                 fn = "embed"

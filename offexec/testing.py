@@ -12,14 +12,16 @@ from offsim.core.specs import ModelSpec, _hf_config
 TINY = {"opt": dict(layers=2, h=64, heads=4, kv=4, ffn=128), "llama": dict(layers=2, h=64, heads=4, kv=2, ffn=128)}
 
 
-def tiny_hf(family: str, seed: int = 0, vocab: int = 128, max_pos: int = 64, std: float = 0.15):
-    """A tiny transformers OPTForCausalLM / LlamaForCausalLM (2 layers, d_model 64; Llama with GQA) with random
-    weights large enough for logits of order one (so greedy tokens vary), fp32, EOS disabled (transformers' generate
-    would otherwise pad after OPT's EOS id 2). Returns (model, ModelSpec with 4-byte elements)."""
+def tiny_hf(family: str, seed: int = 0, vocab: int = 128, max_pos: int = 64, std: float = 0.15,
+            layers: int | None = None):
+    """A tiny transformers OPTForCausalLM / LlamaForCausalLM (2 layers, or ``layers``, d_model 64; Llama with GQA)
+    with random weights large enough for logits of order one (so greedy tokens vary), fp32, EOS disabled
+    (transformers' generate would otherwise pad after OPT's EOS id 2). Returns (model, ModelSpec with 4-byte
+    elements)."""
     from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
     t = TINY[family]
-    d = _hf_config(family, t["layers"], t["h"], t["heads"], t["kv"], t["ffn"], vocab, max_pos)
+    d = _hf_config(family, layers or t["layers"], t["h"], t["heads"], t["kv"], t["ffn"], vocab, max_pos)
     d.pop("model_type")
     torch.manual_seed(seed)
     m = (OPTForCausalLM(OPTConfig(**d)) if family == "opt" else LlamaForCausalLM(LlamaConfig(**d))).eval()

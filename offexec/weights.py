@@ -14,6 +14,7 @@ copied to the GPU, host-homed bytes are views of it, disk-homed bytes are writte
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -180,12 +181,13 @@ def _check_shapes(spec: ModelSpec, shapes: dict[str, tuple], where: str) -> str:
     return prefix
 
 
-def _fill(w: ModelWeights, get, prefix: str, progress: bool) -> None:
+def _fill(w: ModelWeights, get, prefix: str, progress: bool, first_layer: int = 0) -> None:
+    """Fill ``w``'s rows from the model's layers ``first_layer``, ``first_layer + 1``, ... and the embeddings."""
     spec = w.spec
     for j in tqdm(range(spec.num_layers), desc="weights", disable=not progress, leave=False):
         row = w.layers[j]
         for t in w.layout:
-            row[t.lo:t.hi].copy_(get(hf_layer_name(spec, prefix, j, t.name)).reshape(-1))
+            row[t.lo:t.hi].copy_(get(hf_layer_name(spec, prefix, first_layer + j, t.name)).reshape(-1))
     emb = {}
     for field, ks in hf_embedding_names(spec, prefix).items():
         emb[field] = None if ks is None else get(ks[0]).to(w.dtype).clone()
@@ -204,8 +206,9 @@ def from_state_dict(spec: ModelSpec, sd: dict, dtype: torch.dtype | None = None,
 
 
 def load_checkpoint(path: str | Path, spec: ModelSpec | None = None, dtype: torch.dtype | None = None,
-                    pinned: bool = False, progress: bool = True) -> ModelWeights:
-    """From a local transformers checkpoint directory (config.json and one or more .safetensors files)."""
+                    pinned: bool = False, progress: bool = True, layers: tuple[int, int] | None = None) -> ModelWeights:
+    """From a local transformers checkpoint directory (config.json and one or more .safetensors files).
+    ``layers`` [lo, hi): only those decoder layers (and the embeddings), as one pipeline stage holds them."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -234,10 +237,20 @@ def load_checkpoint(path: str | Path, spec: ModelSpec | None = None, dtype: torc
     if spec.tie_word_embeddings is False and "lm_head.weight" not in shapes:
         raise ExecError(f"checkpoint {path} lacks lm_head.weight (the model's LM head is not tied)")
     prefix = _check_shapes(spec, shapes, f"checkpoint {path}")  # before the large allocation
-    w = ModelWeights(spec, dtype or dtype_of(spec), pinned)
-    _fill(w, lambda k: where[k].get_tensor(k), prefix, progress)
+    lo, hi = _layer_range(spec, layers)
+    w = ModelWeights(dataclasses.replace(spec, num_layers=hi - lo), dtype or dtype_of(spec), pinned)
+    _fill(w, lambda k: where[k].get_tensor(k), prefix, progress, lo)
     w.source = f"checkpoint {path}"
     return w
+
+
+def _layer_range(spec: ModelSpec, layers) -> tuple[int, int]:
+    if layers is None:
+        return 0, spec.num_layers
+    lo, hi = layers
+    if not 0 <= lo < hi <= spec.num_layers:
+        raise ExecError(f"layers [{lo}, {hi}) are not a range of {spec.name}'s {spec.num_layers} layers")
+    return lo, hi
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -253,14 +266,17 @@ def _init_tensor(name: str, shape, gen: torch.Generator, device, dtype) -> torch
 
 
 def random_weights(spec: ModelSpec, seed: int = 0, dtype: torch.dtype | None = None, device: str = "cpu",
-                   pinned: bool = False, progress: bool = True) -> ModelWeights:
-    """Seeded random weights at the model's real size, generated on ``device`` and parked in host memory."""
+                   pinned: bool = False, progress: bool = True, layers: tuple[int, int] | None = None) -> ModelWeights:
+    """Seeded random weights at the model's real size, generated on ``device`` and parked in host memory.
+    ``layers`` [lo, hi): only those decoder layers (the same values as in the whole model's) and the embeddings,
+    as one pipeline stage holds them."""
     dtype = dtype or dtype_of(spec)
     dev = torch.device(device)
-    w = ModelWeights(spec, dtype, pinned)
+    lo, hi = _layer_range(spec, layers)
+    w = ModelWeights(dataclasses.replace(spec, num_layers=hi - lo), dtype, pinned)
     nb = dev.type == "cuda" and w.pinned
-    for j in tqdm(range(spec.num_layers), desc="random weights", disable=not progress, leave=False):
-        gen = torch.Generator(device=dev).manual_seed(seed * 1_000_003 + j)
+    for j in tqdm(range(hi - lo), desc="random weights", disable=not progress, leave=False):
+        gen = torch.Generator(device=dev).manual_seed(seed * 1_000_003 + lo + j)  # (the layer's seed in the model)
         row = w.layers[j]
         for t in w.layout:
             row[t.lo:t.hi].copy_(_init_tensor(t.name, (t.hi - t.lo,), gen, dev, dtype), non_blocking=nb)

@@ -140,6 +140,12 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                    help="tightllm ablation: never recompute KV (N_r = 0)")
     p.add_argument("--no-weight-loader", action="store_true",
                    help="tightllm ablation: load each layer's weights whole with the first batch")
+    p.add_argument("--num-gpus", type=positive_int, default=None, metavar="N",
+                   help="flexgen: pipeline parallelism over N GPUs, each with the hardware's GPU memory: the layers "
+                        "in N contiguous stages (balanced; --set stage_layers=[...] to choose), the GPU batches "
+                        "in micro-batch groups through them (--set micro_batches=M; default N, at most "
+                        "--num-gpu-batches) (the setting "
+                        "num_stages)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any other policy setting, VALUE as JSON (e.g. --set offload=\"disk\", --set interval=4); "
                         "repeatable")
@@ -167,7 +173,9 @@ def policy_settings(args) -> dict:
         given["compress_cache"] = True
     if getattr(args, "sparse_attention", None) is not None:
         given["sparse_attention"] = args.sparse_attention
-    flag = {"percent": "--percent", "cpu_attention": "--cpu-attention", "overlap": "--no-overlap",
+    if getattr(args, "num_gpus", None) is not None:
+        given["num_stages"] = args.num_gpus
+    flag = {"num_stages": "--num-gpus", "percent": "--percent", "cpu_attention": "--cpu-attention", "overlap": "--no-overlap",
             "sublayer": "--whole-layers", "kv_distributor": "--no-kv-distributor", "weight_loader": "--no-weight-loader",
             "compress_weight": "--compress-weight", "compress_cache": "--compress-cache",
             "sparse_attention": "--sparse-attention"}
@@ -319,6 +327,12 @@ def cmd_simulate(args) -> None:
     print(_fmt_table([m]))
     busy = ", ".join(f"{s} {m[f'busy_{s}_s']:.2f} s" for s in ("compute", "h2d", "d2h", "disk", "cpu"))
     print(f"makespan {m['total_s']:.2f} s; stream busy: {busy}")
+    if plan.stages:  # several GPUs: each one's layers and peak (its budget is the hardware's GPU memory)
+        per = "; ".join(f"GPU {d} layers {st['layers'][0]}-{st['layers'][1] - 1} peak "
+                        f"{m[f'peak_gpu{d}_bytes'] / GiB:.3f} GiB of {st['gpu_capacity'] / GiB:.1f}"
+                        for d, st in enumerate(plan.stages))
+        print(f"{plan.num_devices} GPUs (pipeline; GPU stream busy times are per-GPU means, p2p "
+              f"{m['busy_p2p_s']:.2f} s): {per}")
     lat = latency_and_bottleneck(m)
     print(f"time to first token {lat['ttft_s']:.2f} s; decode {_ms(lat['decode_ms_per_token'])} per token; "
           f"bottleneck: {lat['bottleneck_stream']} busy {lat['bottleneck_busy_frac']:.0%} of the makespan")

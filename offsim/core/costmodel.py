@@ -85,6 +85,20 @@ def transfer_seconds(hw: HardwareSpec, nbytes, direction: str, pinned: bool = Tr
     return hw.link_latency_s + nbytes / bw
 
 
+def gpu_link_bytes_per_s(hw: HardwareSpec) -> float:
+    """Bytes/s of a GPU-to-GPU copy: the profile's ``gpu_link_bytes_per_s``, or where it was not measured the best
+    rate of the pinned host-to-device curve (a PCIe peer copy crosses one PCIe link each way at about that rate)."""
+    return hw.gpu_link_bytes_per_s or max(y for _, y in hw.h2d_pinned)
+
+
+def p2p_seconds(hw: HardwareSpec, nbytes) -> float:
+    """Seconds of one GPU-to-GPU copy (pipeline parallelism's hidden states and token ids): latency + bytes /
+    ``gpu_link_bytes_per_s``. Each sending GPU has a link of its own (no switch shared between GPUs is modelled)."""
+    if _is_number(nbytes) and nbytes <= 0:
+        return 0.0
+    return hw.link_latency_s + nbytes / gpu_link_bytes_per_s(hw)
+
+
 def disk_seconds(hw: HardwareSpec, nbytes, direction: str, cached: bool = False):
     """Seconds to read ('read': disk -> host) or write ('write': host -> disk) ``nbytes``: past the page cache
     (offexec's default O_DIRECT disk tier) at the disk's cold rates, or, for a plan whose disk tier is page-cached
@@ -447,6 +461,8 @@ def op_seconds(op, model: ModelSpec, hw: HardwareSpec, other_busy_s: float = 0.0
             if curve is not None:
                 return table_seconds(curve, op.nbytes)
         return transfer_seconds(hw, op.nbytes, k, pinned=op.pinned, other_busy_s=other_busy_s)
+    if k == "p2p":
+        return p2p_seconds(hw, op.nbytes)
     if k == "disk_read":
         return disk_seconds(hw, op.nbytes, "read", disk_cached)
     if k == "disk_write":

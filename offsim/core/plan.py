@@ -22,6 +22,15 @@ What an op touches, in terms the executor can act on without policy logic:
 Memory: ``Plan.resident`` bytes per tier are held for the whole run; an op allocates ``alloc`` bytes per tier
 (gpu, cpu, disk) when it starts and frees ``free`` when it ends. ``validate`` checks capacity along plan order; the
 simulator reports the true peak under its timing.
+
+Several GPUs (pipeline parallelism, docs/architecture.md §2.1): a plan with ``Plan.stages`` spans one GPU per
+stage. Every op then carries ``device`` (the stage's GPU; its GPU streams and GPU memory are that device's) and the
+hidden states (and the generated token ids, back to the first stage) move between GPUs by ``p2p`` ops on the
+sending device's ``p2p`` stream, ``peer`` naming the receiving device: ``tensor='hidden'`` (positions ``[lo, hi)``
+of batch ``batch``, received for layer ``layer``) or ``tensor='token'`` (the ids at positions ``[lo, hi)``, for
+the embedding). Host memory, the disk and the host CPU are one machine's, shared by all stages. A single-GPU plan
+has no stages, every op on device 0, and serialises exactly as before (``device`` and ``peer`` are left out of
+its JSON and its fingerprint).
 """
 from __future__ import annotations
 
@@ -39,14 +48,21 @@ from offsim.core.specs import ModelSpec, Workload
 
 PLAN_SCHEMA = "offsim.plan/1"
 KINDS = ("compute", "cpu_compute", "h2d", "d2h", "disk_read", "disk_write")
+# a GPU-to-GPU copy (pipeline parallelism): only in plans with stages, so not among the KINDS that single-GPU
+# summaries list
+P2P_KIND = "p2p"
+ALL_KINDS = KINDS + (P2P_KIND,)
 STREAM_OF_KIND = {"compute": "compute", "cpu_compute": "cpu", "h2d": "h2d", "d2h": "d2h", "disk_read": "disk",
-                  "disk_write": "disk"}
+                  "disk_write": "disk", "p2p": "p2p"}
 STREAMS = ("compute", "cpu", "h2d", "d2h", "disk")
+ALL_STREAMS = STREAMS + ("p2p",)  # with the sending device's GPU-to-GPU stream (plans with stages)
+# streams of one host that every device shares (the host CPU's attention, the disk); the others are per device
+SHARED_STREAMS = ("cpu", "disk")
 TIERS = ("gpu", "cpu", "disk")
 TIER_INDEX = {t: i for i, t in enumerate(TIERS)}
 ROUTE_OF_KIND = {"h2d": ("cpu", "gpu"), "d2h": ("gpu", "cpu"), "disk_read": ("disk", "cpu"),
                  "disk_write": ("cpu", "disk")}
-TENSORS = ("weight", "kv", "hidden", "qkv", "attn_out")
+TENSORS = ("weight", "kv", "hidden", "qkv", "attn_out", "token")
 PHASES = ("prefill", "decode")
 
 
@@ -94,6 +110,10 @@ class Op:
     # memory: bytes per tier (gpu, cpu, disk) allocated at start and freed at end
     alloc: tuple[int, int, int] = (0, 0, 0)
     free: tuple[int, int, int] = (0, 0, 0)
+    # several GPUs (plans with stages; ``DEVICE_FIELDS``): the GPU whose streams run the op and whose memory its
+    # gpu bytes count against; a p2p op's receiving GPU
+    device: int = 0
+    peer: int = -1
 
     def __init__(self, id, kind, deps, phase, step, layer, batch, stream="", **kw):
         self.id, self.kind, self.deps, self.phase, self.step, self.layer, self.batch = \
@@ -105,10 +125,10 @@ class Op:
             self.__dict__.update(kw)
 
     def __eq__(self, other):
-        return isinstance(other, Op) and all(getattr(self, f) == getattr(other, f) for f in OP_FIELDS)
+        return isinstance(other, Op) and all(getattr(self, f) == getattr(other, f) for f in _EQ_FIELDS)
 
     def __repr__(self):
-        return "Op(" + ", ".join(f"{f}={getattr(self, f)!r}" for f in OP_FIELDS
+        return "Op(" + ", ".join(f"{f}={getattr(self, f)!r}" for f in _EQ_FIELDS
                                  if f in self.__dict__ or f in _REQUIRED) + ")"
 
     @property
@@ -121,13 +141,18 @@ class Op:
 
     def describe(self) -> str:
         what = f"{self.part}" if self.kind in ("compute", "cpu_compute") else f"{self.tensor}[{self.lo}:{self.hi})"
-        return f"op {self.id} ({self.kind} {what} step {self.step} layer {self.layer} batch {self.batch})"
+        dev = f" device {self.device}" if self.device else ""
+        return f"op {self.id} ({self.kind} {what} step {self.step} layer {self.layer} batch {self.batch}{dev})"
 
 
-OP_FIELDS = list(Op.__annotations__)
+# the fields a plan with stages adds to each op row (after OP_FIELDS): left out of single-GPU plans' JSON, so
+# their saved files and fingerprints are what they were
+DEVICE_FIELDS = ["device", "peer"]
+OP_FIELDS = [f for f in Op.__annotations__ if f not in DEVICE_FIELDS]
+_EQ_FIELDS = OP_FIELDS + DEVICE_FIELDS
 _REQUIRED = OP_FIELDS[:7]
-_OPTIONAL = set(OP_FIELDS[7:])
-_ROW_FIELDS = set(OP_FIELDS[8:])  # what a builder row may hold: not id (its position) or stream (its kind's)
+_OPTIONAL = set(OP_FIELDS[7:]) | set(DEVICE_FIELDS)
+_ROW_FIELDS = set(OP_FIELDS[8:]) | set(DEVICE_FIELDS)  # what a builder row may hold: not id or stream
 _DEFAULTS = {f: getattr(Op, f) for f in OP_FIELDS[8:]}  # the optional fields' class defaults (stream: set always)
 _new_op = object.__new__
 
@@ -257,6 +282,27 @@ class Plan:
     # on the same stream to finish). The simulator models it (offsim.core.sim: the issuer). None: unbounded (an
     # ideal runtime). Plans from before the field ran with offexec's window, ``RUN_AHEAD_OPS``
     run_ahead: tuple[int, int, int] | None = RUN_AHEAD_OPS
+    # pipeline parallelism (docs/architecture.md §2.1): one dict per stage, stage s on GPU s -- 'layers' [lo, hi)
+    # (contiguous; the first stage also runs the embedding, the last the LM head), 'gpu_capacity' and
+    # 'gpu_resident' (that GPU's budget and the bytes it holds for the whole run; ``capacity['gpu']`` and
+    # ``resident['gpu']`` are then the sums over the GPUs). Empty: one GPU, as every plan before stages
+    stages: list[dict] = field(default_factory=list)
+
+    @property
+    def num_devices(self) -> int:
+        """GPUs the plan runs on: one per stage (1 without stages)."""
+        return max(1, len(self.stages))
+
+    def device_of_layer(self, layer: int) -> int:
+        """The GPU that runs decoder layer ``layer`` (-1, the embedding: the first; num_layers, the head: the last)."""
+        if not self.stages:
+            return 0
+        if layer < 0:
+            return 0
+        for d, st in enumerate(self.stages):
+            if st["layers"][0] <= layer < st["layers"][1]:
+                return d
+        return len(self.stages) - 1
 
     @property
     def graph_q_tokens(self) -> int:
@@ -270,15 +316,18 @@ class Plan:
         self.derived = json.loads(json.dumps(self.derived, default=str))
 
     # ---- summaries ----------------------------------------------------------------------------------------
+    def _kinds(self) -> tuple:
+        return ALL_KINDS if self.stages else KINDS  # (p2p only where there are stages: summaries keep their keys)
+
     def bytes_by_kind(self) -> dict[str, int]:
-        out = {k: 0 for k in KINDS if k not in ("compute", "cpu_compute")}
+        out = {k: 0 for k in self._kinds() if k not in ("compute", "cpu_compute")}
         for r in op_rows(self.ops):
             if r[0] in out:
                 out[r[0]] += r[6].get("nbytes", 0)
         return out
 
     def count_by_kind(self) -> dict[str, int]:
-        out = {k: 0 for k in KINDS}
+        out = {k: 0 for k in self._kinds()}
         for r in op_rows(self.ops):
             out[r[0]] += 1
         return out
@@ -286,6 +335,7 @@ class Plan:
     # ---- serialisation ------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         opt = list(_DEFAULTS.items())  # the fields after stream, in OP_FIELDS order (alloc and free last)
+        multi = bool(self.stages)
         rows = []
         for i, (kind, deps, phase, step, layer, batch, kw) in enumerate(op_rows(self.ops)):
             get = kw.get
@@ -294,14 +344,17 @@ class Plan:
                  STREAM_OF_KIND[kind] if stream is None else stream]
             r += [get(f, v) for f, v in opt]
             r[-2], r[-1] = list(r[-2]), list(r[-1])
+            if multi:  # (after alloc and free: a single-GPU row is unchanged)
+                r += [get("device", 0), get("peer", -1)]
             rows.append(r)
+        extra = {"stages": [dict(st) for st in self.stages]} if multi else {}
         return {"schema": PLAN_SCHEMA, "model": self.model.to_dict(), "workload": self.workload.to_dict(),
                 "policy": self.policy, "settings": self.settings, "capacity": self.capacity,
                 "resident": self.resident, "weight_split": [list(x) for x in self.weight_split], "kv_split": list(self.kv_split),
                 "hidden_home": self.hidden_home, "derived": self.derived, "disk_cached": self.disk_cached,
                 "cuda_graphs": self.cuda_graphs, "graph_max_q_tokens": self.graph_max_q_tokens,
                 "run_ahead": None if self.run_ahead is None else list(self.run_ahead),
-                "op_fields": OP_FIELDS, "ops": rows}
+                "op_fields": OP_FIELDS + DEVICE_FIELDS if multi else OP_FIELDS, "ops": rows, **extra}
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "plan") -> "Plan":
@@ -310,13 +363,15 @@ class Plan:
         if d.get("schema") != PLAN_SCHEMA:
             raise PlanError(f"{where}: field 'schema' is {d.get('schema')!r}; this offsim reads {PLAN_SCHEMA!r}")
         try:
-            if d["op_fields"] != OP_FIELDS:
-                raise PlanError(f"{where}: field 'op_fields' does not match this offsim's op schema {OP_FIELDS}")
+            stages = d.get("stages", [])
+            fields = OP_FIELDS + DEVICE_FIELDS if stages else OP_FIELDS
+            if d["op_fields"] != fields:
+                raise PlanError(f"{where}: field 'op_fields' does not match this offsim's op schema {fields}")
             ops = []
             for i, r in enumerate(d["ops"]):
-                if len(r) != len(OP_FIELDS):
-                    raise PlanError(f"{where}: op row {i} has {len(r)} values, expected {len(OP_FIELDS)}")
-                kw = dict(zip(OP_FIELDS, r))
+                if len(r) != len(fields):
+                    raise PlanError(f"{where}: op row {i} has {len(r)} values, expected {len(fields)}")
+                kw = dict(zip(fields, r))
                 kw["deps"] = tuple(kw["deps"])
                 kw["alloc"] = tuple(kw["alloc"])
                 kw["free"] = tuple(kw["free"])
@@ -327,7 +382,8 @@ class Plan:
                        hidden_home=d["hidden_home"], ops=ops, derived=d.get("derived", {}),
                        disk_cached=d.get("disk_cached", False), cuda_graphs=d.get("cuda_graphs", True),
                        graph_max_q_tokens=d.get("graph_max_q_tokens", 1),
-                       run_ahead=_run_ahead(d.get("run_ahead", list(RUN_AHEAD_OPS))))
+                       run_ahead=_run_ahead(d.get("run_ahead", list(RUN_AHEAD_OPS))),
+                       stages=[dict(st) for st in stages])
         except KeyError as e:
             raise PlanError(f"{where}: missing field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
@@ -344,6 +400,8 @@ class Plan:
         body = {k: d[k] for k in ("model", "workload", "weight_split", "kv_split", "hidden_home", "op_fields", "ops")}
         if self.disk_cached:  # (only when set, so plans from before the field keep their fingerprints)
             body["disk_cached"] = True
+        if self.stages:  # (likewise: single-GPU plans keep theirs)
+            body["stages"] = d["stages"]
         return hashlib.sha256(json.dumps(body, separators=(",", ":")).encode()).hexdigest()
 
     def save(self, path: str | Path) -> None:
@@ -382,6 +440,12 @@ class Plan:
             raise PlanError(f"plan: run_ahead must be null or three positive integers (compute, h2d, d2h), got {ra!r}")
         if self.hidden_home not in ("gpu", "cpu"):
             raise PlanError(f"plan: hidden_home must be 'gpu' or 'cpu', got {self.hidden_home!r}")
+        multi = bool(self.stages)
+        ndev = self.num_devices
+        if multi:
+            self._validate_stages()
+            guse = [int(st["gpu_resident"]) for st in self.stages]
+            gcap = [int(st["gpu_capacity"]) for st in self.stages]
         for t in TIERS:
             if self.resident.get(t, 0) > self.capacity.get(t, 0):
                 raise PlanError(f"plan: resident {t} bytes {self.resident[t]} exceed the {t} capacity "
@@ -397,8 +461,21 @@ class Plan:
             get = kw.get
             if get("id", i) != i:
                 raise PlanError(f"op at position {i} has id {get('id')}: ids must be 0..n-1 in plan order")
-            if kind not in KINDS:
-                raise PlanError(f"{self._describe(i)}: unknown kind; valid: {KINDS}")
+            if kind not in KINDS and not (multi and kind == P2P_KIND):
+                raise PlanError(f"{self._describe(i)}: unknown kind; valid: {self._kinds()}")
+            if multi:
+                dev = get("device", 0)
+                if not (isinstance(dev, int) and 0 <= dev < ndev):
+                    raise PlanError(f"{self._describe(i)}: device must be in [0, {ndev}) (one per stage)")
+                if kind == P2P_KIND:
+                    peer = get("peer", -1)
+                    if not (isinstance(peer, int) and 0 <= peer < ndev and peer != dev):
+                        raise PlanError(f"{self._describe(i)}: a p2p op needs a peer device in [0, {ndev}) other "
+                                        f"than its own, got {peer}")
+                    if get("tensor", "") not in ("hidden", "token"):
+                        raise PlanError(f"{self._describe(i)}: a p2p op moves 'hidden' or 'token', not "
+                                        f"{get('tensor', '')!r}")
+                use[0], cap[0] = guse[dev], gcap[dev]  # this op's GPU is its device's
             stream = get("stream")
             if stream is not None and stream != STREAM_OF_KIND[kind]:
                 raise PlanError(f"{self._describe(i)}: a {kind} op must be on stream "
@@ -480,7 +557,30 @@ class Plan:
                 use[0] -= free[0]
                 use[1] -= free[1]
                 use[2] -= free[2]
+            if multi:
+                guse[dev] = use[0]
         return self
+
+    def _validate_stages(self) -> None:
+        """The stages tile the decoder layers in order, each non-empty, with a GPU budget that holds its resident
+        bytes."""
+        L, at = self.model.num_layers, 0
+        for d, st in enumerate(self.stages):
+            try:
+                lo, hi = st["layers"]
+                cap, res = int(st["gpu_capacity"]), int(st["gpu_resident"])
+            except (KeyError, TypeError, ValueError):
+                raise PlanError(f"plan: stage {d} must have 'layers' [lo, hi), 'gpu_capacity' and 'gpu_resident'; "
+                                f"got {st!r}") from None
+            if lo != at or hi <= lo:
+                raise PlanError(f"plan: stage {d} has layers [{lo}, {hi}); stages must tile layers [0, {L}) in "
+                                "order, each with at least one layer")
+            if res > cap:
+                raise PlanError(f"plan: stage {d}'s resident GPU bytes {res} exceed its GPU capacity {cap} by "
+                                f"{res - cap} bytes")
+            at = hi
+        if at != L:
+            raise PlanError(f"plan: the stages cover layers [0, {at}) of the model's {L}")
 
     def _describe(self, i: int) -> str:
         """``Op.describe`` of op ``i`` (for a message: makes that one Op from its row)."""

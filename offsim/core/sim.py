@@ -12,6 +12,11 @@ Duplex: a PCIe copy that starts while the opposite direction is busy runs at ``d
 for the overlap (see ``costmodel.transfer_seconds``); the copy already in flight keeps its duration. That is a
 first-order model of the shared link, not a fluid one.
 
+Several GPUs (a plan with ``Plan.stages``, pipeline parallelism): every device has its own compute, h2d, d2h and
+p2p streams, its own GPU memory (peaks reported per device: ``peak_bytes['gpu0']``, ... and their largest as
+``'gpu'``) and its own issuing thread (offexec runs one process per GPU); the host CPU's stream and the disk are
+one each, shared by all devices, as are host memory and disk space. Only ``simulate`` runs such plans.
+
 Two engines, one model. ``simulate`` is a hand-written event loop over the plan's rows (``plan.op_rows``): a heap
 of (time, sequence number, what to resume) that takes events in exactly the order SimPy would -- by time, then
 by the order they were scheduled, the five stream processes' start first -- so that duplex slow-downs and memory
@@ -31,7 +36,8 @@ import simpy
 
 from offsim.core import costmodel
 from offsim.core.errors import OffsimError
-from offsim.core.plan import STREAM_OF_KIND, STREAMS, TIERS, Plan, PlanError, _op_from_row, op_rows
+from offsim.core.plan import (ALL_STREAMS, SHARED_STREAMS, STREAM_OF_KIND, STREAMS, TIERS, Plan, PlanError,
+                               _op_from_row, op_rows)
 from offsim.core.specs import Compression, HardwareSpec
 from offsim.core.trace import COLUMNS, Trace
 
@@ -72,7 +78,10 @@ def _window_preds(run_ahead, streams: list[str]) -> list[int] | None:
 
 def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> Trace:
     """The reference engine: ``simulate`` written as SimPy processes, one per stream (slower; the tests check that
-    both give identical traces)."""
+    both give identical traces). One GPU only."""
+    if plan.stages:
+        raise OffsimError("the SimPy reference engine runs single-GPU plans; simulate a plan with stages with "
+                          "`simulate` (the default engine)")
     model = plan.model
     ops = plan.ops
     n = len(ops)
@@ -208,8 +217,9 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
 # ---------------------------------------------------------------------------------------------------------------
 # the event loop
 # ---------------------------------------------------------------------------------------------------------------
-_STREAM_INDEX = {s: i for i, s in enumerate(STREAMS)}
-_OTHER_INDEX = [_STREAM_INDEX.get(_OPPOSITE.get(s), -1) for s in STREAMS]  # h2d <-> d2h, others -1
+_STREAM_INDEX = {s: i for i, s in enumerate(ALL_STREAMS)}  # (p2p last: a single-GPU plan has none)
+_OTHER_INDEX = [_STREAM_INDEX.get(_OPPOSITE.get(s), -1) for s in ALL_STREAMS]  # h2d <-> d2h, others -1
+_SHARED_INDEX = frozenset(_STREAM_INDEX[s] for s in SHARED_STREAMS)
 _KIND_STREAM_INDEX = {k: _STREAM_INDEX[s] for k, s in STREAM_OF_KIND.items()}
 
 
@@ -290,6 +300,17 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                 raise PlanError(f"op at position {i} has id {kw['id']}: ids must be 0..n-1 in plan order")
             st = kw.get("stream")
             sidx.append(kind_stream[r[0]] if not st else _STREAM_INDEX[st])
+    # several GPUs: each op's device, and its resource -- stream s of device d is s + d * ns_local, except for the
+    # host's shared streams (one for all devices, at their own index)
+    ndev = plan.num_devices
+    multi = ndev > 1
+    ns_local = len(ALL_STREAMS)
+    stream_name_idx = sidx  # (what the trace's stream column shows)
+    odev = None
+    if multi:
+        odev = [r[6].get("device", 0) for r in rows]
+        shared = _SHARED_INDEX
+        sidx = [s if s in shared else s + ns_local * d for s, d in zip(sidx, odev)]
     allocs = [None] * n
     frees = [None] * n
     dur0 = [0.0] * n
@@ -320,7 +341,8 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
         dur0[i] += extra
     # each stream's ops in plan order (numpy: a tenth of the time of appending op by op)
     sarr = np.asarray(sidx, dtype=np.intp)
-    by_stream: list[list[int]] = [np.flatnonzero(sarr == s).tolist() for s in range(len(STREAMS))]
+    ns = ns_local * ndev
+    by_stream: list[list[int]] = [np.flatnonzero(sarr == s).tolist() for s in range(ns)]
     deps_of = [r[1] for r in rows]
 
     # the host issues ops one after another in plan order (a single issuing thread); an op cannot start before
@@ -328,7 +350,9 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     issued = None
     gate_s = None
     costs = None
-    pred = _window_preds(plan.run_ahead, [STREAMS[x] for x in sidx])  # the runtime's window (None: none)
+    # the runtime's window (None: none). Pipeline plans: each device's issuer runs ahead unbounded (its window is
+    # not modelled yet)
+    pred = None if multi else _window_preds(plan.run_ahead, [ALL_STREAMS[x] for x in stream_name_idx])
     if hw.issue_compute_s or hw.issue_copy_s or hw.issue_graph_s:
         graph_q = plan.graph_q_tokens
         compute_s = costmodel.issue_seconds(_KindOnly("compute"), hw)
@@ -345,14 +369,22 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
         costs = [(graph_s if graph_q and costmodel.graphed(r[0], r[6].get("part", ""), r[6].get("q_tokens", 0),
                                                            r[2], graph_q)
                   else compute_s) if r[0] == "compute" else copy_issue(r) for r in rows]
-        if pred is None:  # no window: op i is issued at the sum of the costs up to it
+        if multi:  # one issuing thread per device (offexec: a process per GPU), each in plan order
+            dev_arr = np.asarray(odev, dtype=np.intp)
+            carr = np.asarray(costs, dtype=float)
+            issued_arr = np.zeros(n)
+            for d in range(ndev):
+                mask = dev_arr == d
+                issued_arr[mask] = np.cumsum(carr[mask])
+            issued = issued_arr.tolist()
+        elif pred is None:  # no window: op i is issued at the sum of the costs up to it
             issued = np.cumsum(costs).tolist()
         host_idx = {_STREAM_INDEX[h] for h in HOST_STREAMS}
-        is_host = [x in host_idx for x in sidx]
+        is_host = [x in host_idx for x in stream_name_idx]
         gate_s = _host_gates(is_host, [r[1] for r in rows], lambda i: costmodel.issue_seconds(
             _KindOnly(rows[i][0], rows[i][6].get("part", ""), rows[i][6].get("q_tokens", 0), rows[i][2],
                       rows[i][6].get("tensor", ""), rows[i][6].get("nbytes", 0)), hw, graph_q, model))
-        gated = [False] * len(STREAMS)  # the stream's next op waits out its host gate (scheduled once)
+        gated = [False] * ns  # the stream's next op waits out its host gate (scheduled once)
 
     start = [0.0] * n
     end: list = [None] * n  # None until the op has finished (what a dependency waits on)
@@ -360,15 +392,20 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     mem_g, mem_c, mem_d = (plan.resident.get(t, 0) for t in TIERS)
     peak_g, peak_c, peak_d = mem_g, mem_c, mem_d
     cap_g, cap_c, cap_d = (plan.capacity.get(t, 0) for t in TIERS)
+    if multi:  # GPU memory per device (mem_g, peak_g, cap_g unused)
+        gmem = [int(st["gpu_resident"]) for st in plan.stages]
+        gpeak = list(gmem)
+        gcap = [int(st["gpu_capacity"]) for st in plan.stages]
 
     def overflow(i: int, now: float, t: int, m: int) -> OffsimError:
-        cap = (cap_g, cap_c, cap_d)[t]
-        return OffsimError(f"{op_at(i).describe()} at t={now:.4f}s: {TIERS[t]} memory reaches {m} bytes, over the "
+        cap = (gcap[odev[i]] if multi else cap_g, cap_c, cap_d)[t]
+        what = f"GPU {odev[i]}'s gpu" if multi and t == 0 else TIERS[t]
+        return OffsimError(f"{op_at(i).describe()} at t={now:.4f}s: {what} memory reaches {m} bytes, over the "
                            f"capacity {cap} by {m - cap} bytes")
 
-    ns = len(STREAMS)
     busy_until = [0.0] * ns
-    other_of = _OTHER_INDEX
+    other_of = [o + (r // ns_local) * ns_local if (o := _OTHER_INDEX[r % ns_local]) >= 0 else -1
+                for r in range(ns)]
     waiting: dict[int, list[int]] = {}  # op -> streams waiting for it, in the order they started waiting
     # each stream's current op (the one it runs or waits to start; -1 when it has none left) and whether it runs
     # it; ``next_on[i]``: the op after i on its stream (-1 for the last)
@@ -446,7 +483,10 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                 end[i] = now
                 f = frees[i]
                 if f is not None:
-                    mem_g -= f[0]
+                    if multi:
+                        gmem[odev[i]] -= f[0]
+                    else:
+                        mem_g -= f[0]
                     mem_c -= f[1]
                     mem_d -= f[2]
                 w = waiting.pop(i, None)
@@ -501,7 +541,14 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
             a = allocs[i]
             if a is not None:  # tier by tier, gpu first: an overflow names the first tier over
                 x = a[0]
-                if x:
+                if x and multi:
+                    dv = odev[i]
+                    m = gmem[dv] = gmem[dv] + x
+                    if m > gpeak[dv]:
+                        gpeak[dv] = m
+                        if check_memory and m > gcap[dv]:
+                            raise overflow(i, now, 0, m)
+                elif x:
                     mem_g += x
                     if mem_g > peak_g:
                         peak_g = mem_g
@@ -538,14 +585,20 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
         stuck = end.index(None)
         raise OffsimError(f"{op_at(stuck).describe()} never ran: it waits on an op that is behind it on its own "
                           "stream (deadlock in the plan)")
-    peak = (peak_g, peak_c, peak_d)
+    peak = (max(gpeak) if multi else peak_g, peak_c, peak_d)
     meta = {"model": model.name, "hardware": hw.name, "policy": plan.policy, "workload": plan.workload.to_dict(),
             "settings": plan.settings, "derived": plan.derived,
             "source": "offsim"}
     if plan.disk_cached:
         meta["disk_cached"] = True
-    return Trace(df=_trace_frame(rows, sidx, nbytes, start, end), meta=meta,
-                 peak_bytes={t: int(peak[i]) for i, t in enumerate(TIERS)})
+    peak_bytes = {t: int(peak[i]) for i, t in enumerate(TIERS)}
+    if multi:
+        meta["num_devices"] = ndev
+        peak_bytes.update({f"gpu{d}": int(p) for d, p in enumerate(gpeak)})
+    df = _trace_frame(rows, stream_name_idx, nbytes, start, end)
+    if multi:
+        df["device"] = np.asarray(odev, dtype=np.int64)
+    return Trace(df=df, meta=meta, peak_bytes=peak_bytes)
 
 
 def _trace_frame(rows: list[tuple], sidx: list[int], nbytes: list[int], start: list[float],
@@ -553,7 +606,7 @@ def _trace_frame(rows: list[tuple], sidx: list[int], nbytes: list[int], start: l
     """The trace table (``trace.COLUMNS``, with the dtypes of ``Trace.from_arrays``) from the plan's rows."""
     n = len(rows)
     # one list comprehension per column: a third of the time of transposing a tuple per row with zip(*...)
-    streams = np.array(STREAMS, dtype=object)[np.asarray(sidx, dtype=np.intp)] if n else []
+    streams = np.array(ALL_STREAMS, dtype=object)[np.asarray(sidx, dtype=np.intp)] if n else []
     df = pd.DataFrame({
         "op_id": np.arange(n), "kind": [r[0] for r in rows], "stream": list(streams), "phase": [r[2] for r in rows],
         "step": np.fromiter([r[3] for r in rows], dtype=np.int64, count=n),

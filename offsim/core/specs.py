@@ -444,6 +444,10 @@ class HardwareSpec:
     # from ``offexec profile`` may measure it
     quant_bytes_per_s: float = 0.0
     source: str = ""  # provenance: where the numbers come from
+    # bytes/s of one GPU-to-GPU copy (pipeline parallelism: hidden states between stages; NVLink or PCIe peer).
+    # 0: not measured, then the pinned host-to-device link's best rate (``costmodel.gpu_link_bytes_per_s``): a
+    # PCIe peer copy through the root complex runs at about one PCIe link's rate
+    gpu_link_bytes_per_s: float = 0.0
 
     def __post_init__(self):
         for f in ("gpu_mem_bytes", "gpu_peak_flops", "gpu_hbm_bytes_per_s", "cpu_mem_bytes", "cpu_attention_flops",
@@ -451,7 +455,8 @@ class HardwareSpec:
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or not v > 0:
                 raise OffsimError(f"hardware {self.name}: {f} must be a positive number, got {v!r}")
-        for f in ("disk_cached_read_bytes_per_s", "disk_cached_write_bytes_per_s", "quant_bytes_per_s"):
+        for f in ("disk_cached_read_bytes_per_s", "disk_cached_write_bytes_per_s", "quant_bytes_per_s",
+                  "gpu_link_bytes_per_s"):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or not v >= 0:
                 raise OffsimError(f"hardware {self.name}: {f} must be a non-negative number (0: not measured), "
@@ -496,6 +501,8 @@ class HardwareSpec:
         d = {"schema": HARDWARE_SCHEMA}
         for f in fields(self):
             v = getattr(self, f.name)
+            if f.name == "gpu_link_bytes_per_s" and not v:
+                continue  # (not measured: left out, so profiles written before the field read back the same)
             if f.name == "op_times":
                 v = [[k, m, p, [list(q) for q in c]] for k, m, p, c in v]
             d[f.name] = [list(p) for p in v] if isinstance(v, tuple) else v

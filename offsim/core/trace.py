@@ -17,7 +17,7 @@ import pandas as pd
 
 from offsim.core.errors import OffsimError
 from offsim.core.io import read_commented_csv, write_commented_csv, write_text_atomic
-from offsim.core.plan import STREAMS, TIERS
+from offsim.core.plan import ALL_STREAMS, SHARED_STREAMS, STREAMS, TIERS
 
 TRACE_SCHEMA = "offsim.trace/1"
 COLUMNS = ["op_id", "kind", "stream", "phase", "step", "layer", "batch", "start_s", "end_s", "nbytes"]
@@ -48,6 +48,12 @@ class Trace:
         decode_s = makespan - prefill_s
         dur = df["end_s"] - df["start_s"]
         busy = {s: float(dur[df["stream"] == s].sum()) for s in STREAMS}
+        # several GPUs (a trace with a 'device' column): a GPU stream's busy time is the mean over the devices (so
+        # that idle fractions stay per GPU); the host's shared streams are one each
+        ndev = int(df["device"].max()) + 1 if "device" in df and len(df) else 1
+        if ndev > 1:
+            busy = {s: b if s in SHARED_STREAMS else b / ndev for s, b in busy.items()}
+            busy["p2p"] = float(dur[df["stream"] == "p2p"].sum()) / ndev
         out = {
             "model": self.meta.get("model"), "hardware": self.meta.get("hardware"),
             "policy": self.meta.get("policy"), "source": self.meta.get("source"),
@@ -64,6 +70,11 @@ class Trace:
             out[f"busy_{s}_s"] = busy[s]
         for t in TIERS:
             out[f"peak_{t}_bytes"] = int(self.peak_bytes.get(t, 0))
+        if ndev > 1:  # (peak_gpu_bytes is then the largest device's)
+            out["num_devices"] = ndev
+            out["busy_p2p_s"] = busy["p2p"]
+            for d in range(ndev):
+                out[f"peak_gpu{d}_bytes"] = int(self.peak_bytes.get(f"gpu{d}", 0))
         return out
 
     def step_latency(self) -> pd.DataFrame:
@@ -80,11 +91,14 @@ class Trace:
     # ---- export -----------------------------------------------------------------------------------------------
     def to_chrome(self, path: str | Path) -> None:
         """Chrome/Perfetto trace JSON: one track per stream (open in ui.perfetto.dev or chrome://tracing)."""
-        tid = {s: i for i, s in enumerate(STREAMS)}
-        events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": s}}
-                  for s, i in tid.items()]
-        for r in self.df.itertuples(index=False):
-            events.append({"name": f"{r.kind} L{r.layer} b{r.batch}", "cat": r.kind, "ph": "X", "pid": 0,
+        # several GPUs: one process track per device (its streams as threads; the host's shared streams on GPU 0's)
+        tid = {s: i for i, s in enumerate(ALL_STREAMS if "device" in self.df else STREAMS)}
+        devices = sorted(set(self.df["device"])) if "device" in self.df else [0]
+        events = [{"name": "thread_name", "ph": "M", "pid": int(d), "tid": i, "args": {"name": s}}
+                  for d in devices for s, i in tid.items()]
+        dev = self.df["device"].tolist() if "device" in self.df else [0] * len(self.df)
+        for d, r in zip(dev, self.df.itertuples(index=False)):
+            events.append({"name": f"{r.kind} L{r.layer} b{r.batch}", "cat": r.kind, "ph": "X", "pid": int(d),
                            "tid": tid[r.stream], "ts": r.start_s * 1e6, "dur": (r.end_s - r.start_s) * 1e6,
                            "args": {"op": int(r.op_id), "step": int(r.step), "bytes": int(r.nbytes)}})
         write_text_atomic(path, json.dumps({"traceEvents": events, "otherData": _jsonable(self.meta)}))
@@ -102,7 +116,8 @@ class Trace:
         missing = [c for c in COLUMNS if c not in df.columns]
         if missing:
             raise OffsimError(f"trace {path}: missing columns {missing}")
-        return cls(df=df[COLUMNS], meta=info.get("meta", {}), peak_bytes=info.get("peak_bytes", {}))
+        cols = COLUMNS + ["device"] if "device" in df.columns else COLUMNS  # (several GPUs: each op's device)
+        return cls(df=df[cols], meta=info.get("meta", {}), peak_bytes=info.get("peak_bytes", {}))
 
     @classmethod
     def from_arrays(cls, plan, start: np.ndarray, end: np.ndarray, meta: dict, peak_bytes: dict) -> "Trace":
@@ -115,6 +130,8 @@ class Trace:
             "step": np.asarray(cols[3], dtype=np.int64), "layer": np.asarray(cols[4], dtype=np.int64),
             "batch": np.asarray(cols[5], dtype=np.int64), "start_s": start, "end_s": end,
             "nbytes": np.asarray(cols[6], dtype=np.int64)})
+        if getattr(plan, "stages", None):  # several GPUs: each op's device
+            df["device"] = np.asarray([o.device for o in ops], dtype=np.int64)
         return cls(df=df, meta=meta, peak_bytes=peak_bytes)
 
 

@@ -50,6 +50,9 @@ class Policy:
     # its candidate generator takes ``compression=`` and ranks under it (FlexGen's LP); for the other policies that
     # model compression (their settings have ``specs.COMPRESSION_KEYS``) the search adds it to each candidate
     ranks_compression: bool = False
+    # pipeline parallelism: settings with ``num_stages`` > 1 are checked by this instead of the whole-model
+    # placement (every stage against one GPU; host and disk shared): (model, hardware, workload, settings, what)
+    check_stages: Callable[[ModelSpec, HardwareSpec, Workload, Any, str], None] | None = None
 
     @property
     def compressible(self) -> bool:

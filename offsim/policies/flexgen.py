@@ -15,7 +15,7 @@ from offsim.core.specs import NO_COMPRESSION, Compression, HardwareSpec, ModelSp
 from offsim.policies.base import (Candidate, Policy, capacity_of, compression_of, kv_split_from_percent,
                                   weight_split_from_percent)
 from offsim.policies.lp import flexgen_candidates
-from offsim.policies.schedule import Schedule, build_block_plan
+from offsim.policies.schedule import Schedule, balanced_stages, build_block_plan, check_stages_fit
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,13 @@ class FlexGenSettings:
     compress_weight: bool = False
     compress_cache: bool = False
     sparse_attention: float = 1.0
+    # pipeline parallelism (FlexGen's multi-GPU mode; docs/architecture.md §2.1): the layers split into
+    # ``num_stages`` contiguous stages, one GPU each (every GPU with the hardware's GPU budget); ``stage_layers``:
+    # layers per stage (default: balanced); ``micro_batches``: groups of GPU batches that flow through the stages
+    # (0: num_stages, at most num_gpu_batches). The percentages apply within every stage
+    num_stages: int = 1
+    stage_layers: tuple = ()
+    micro_batches: int = 0
 
     def __post_init__(self):
         p = tuple(self.percent)
@@ -44,22 +51,51 @@ class FlexGenSettings:
             raise OffsimError(f"--percent: activations GPU + CPU must sum to 100 (activations never go to disk), "
                               f"got {p[4]} + {p[5]}")
         object.__setattr__(self, "percent", p)
+        object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
+        for name in ("num_stages", "micro_batches"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "num_stages" else 0):
+                raise OffsimError(f"{name} must be an integer >= {1 if name == 'num_stages' else 0}, got {v!r}")
+        if self.stage_layers and len(self.stage_layers) != self.num_stages:
+            raise OffsimError(f"stage_layers {list(self.stage_layers)} needs one layer count per stage "
+                              f"(num_stages {self.num_stages})")
         compression_of(self)
 
 
-def flexgen_schedule(model: ModelSpec, st: FlexGenSettings) -> Schedule:
-    """FlexGen's placement percentages as a block schedule."""
+_STAGE_DEFAULTS = {"num_stages": 1, "stage_layers": (), "micro_batches": 0}
+
+
+def flexgen_schedule(model: ModelSpec, st: FlexGenSettings, wl: Workload | None = None) -> Schedule:
+    """FlexGen's placement percentages as a block schedule (with stages, for workload ``wl``'s GPU batches)."""
     wg, wc, cg, cc, ag, ac = st.percent
     split = weight_split_from_percent(model, wg, wc)
     kv = kv_split_from_percent(model, cg, cc)
+    # the pipeline's settings are recorded only when set, so that single-GPU plans record what they always did
+    recorded = tuple((k, v) for k, v in dataclasses.asdict(st).items()
+                     if k not in _STAGE_DEFAULTS or v != _STAGE_DEFAULTS[k])
+    stages, micro = (), 1
+    if st.num_stages > 1:
+        stages = balanced_stages(model.num_layers, st.num_stages, st.stage_layers)
+        nb = wl.num_gpu_batches if wl is not None else st.num_stages
+        micro = st.micro_batches or min(st.num_stages, nb)
+        if micro > nb:
+            raise OffsimError(f"micro_batches {micro} exceeds the block's {nb} GPU batches")
+    elif st.stage_layers and tuple(st.stage_layers) != (model.num_layers,):
+        raise OffsimError(f"stage_layers {list(st.stage_layers)} with one stage must be [{model.num_layers}]")
     return Schedule(policy="flexgen", weight_split=(split,) * model.num_layers, kv_split=kv,
                     hidden_home="gpu" if ag >= ac else "cpu", prefetch=True, overlap=st.overlap,
                     cpu_attention=st.cpu_attention, pinned=st.pin_weights, sublayer=st.sublayer,
-                    compression=compression_of(st), settings=tuple(dataclasses.asdict(st).items()))
+                    compression=compression_of(st), settings=recorded, stages=stages, micro_batches=micro)
 
 
 def flexgen_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: FlexGenSettings) -> Plan:
-    return build_block_plan(model, wl, flexgen_schedule(model, st), capacity_of(hw))
+    return build_block_plan(model, wl, flexgen_schedule(model, st, wl), capacity_of(hw))
+
+
+def check_flexgen_stages(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: FlexGenSettings,
+                         what: str = "plan") -> None:
+    """Every stage of a pipeline on one GPU's budget, host memory and disk shared (``check_stages_fit``)."""
+    check_stages_fit(model, wl, flexgen_schedule(model, st, wl), capacity_of(hw), what)
 
 
 def fit_gpu_weights(model: ModelSpec, hw: HardwareSpec, wl: Workload, percent: tuple, cpu_attention: bool,
@@ -103,4 +139,4 @@ def candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int
 FLEXGEN = Policy("flexgen", FlexGenSettings, flexgen_plan, candidates,
                  "FlexGen: zig-zag block schedule, LP placement of weights/KV/activations, optional CPU attention",
                  lambda m, hw, wl, st: flexgen_schedule(m, st).placement(),
-                 before_inputs={"sublayer": False}, ranks_compression=True)
+                 before_inputs={"sublayer": False}, ranks_compression=True, check_stages=check_flexgen_stages)

@@ -70,6 +70,9 @@ def check_plan_fits(policy: str, model: ModelSpec, hw: HardwareSpec, wl: Workloa
     st = p.settings_from(settings)
     what = (f"{policy} for {model.name} with {wl.num_gpu_batches} x {wl.gpu_batch_size} sequences of "
             f"{wl.prompt_len} + {wl.gen_len} tokens on {hw.name}")
+    if getattr(st, "num_stages", 1) > 1 and p.check_stages is not None:
+        p.check_stages(model, hw, wl, st, what)
+        return
     fp.check_fits(model, capacity_of(hw), wl, p.placement(model, hw, wl, st), what)
 
 

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import functools
 
+import dataclasses
+from bisect import bisect_right
 from dataclasses import dataclass
 
 from offsim.core import footprint as fp
@@ -55,6 +57,12 @@ class Schedule:
     derived: tuple = ()  # (key, value) pairs: what the policy chose from them (e.g. Accelerate's GPU layers)
     sublayer: bool = False  # stream weights per sub-layer (attention, MLP) as FlexGen's code does; needs prefetch
     compression: Compression = NO_COMPRESSION  # 4-bit weights / KV and sparse attention (FlexGen's approximations)
+    # pipeline parallelism (FlexGen's multi-GPU mode; docs/architecture.md §2.1): the decoder layers [lo, hi) of
+    # each stage, one GPU per stage in order (the first also runs the embedding, the last the LM head); () = one GPU.
+    # ``micro_batches``: the block's GPU batches in that many contiguous groups that flow through the stages one
+    # after another (FlexGen's inner iterations), so that stage s works on group t while stage s+1 works on t-1
+    stages: tuple[tuple[int, int], ...] = ()
+    micro_batches: int = 1
 
     def placement(self) -> fp.Placement:
         """What this schedule puts where, for the footprint (``offsim.core.footprint``)."""
@@ -65,8 +73,68 @@ class Schedule:
 
 
 def resident_bytes(model: ModelSpec, wl: Workload, s: Schedule) -> dict[str, int]:
-    """Bytes held for the whole run on each tier (``footprint.resident_bytes`` of the schedule's placement)."""
+    """Bytes held for the whole run on each tier (``footprint.resident_bytes`` of the schedule's placement; with
+    stages, the sums over the stages' own: ``stage_resident_bytes``)."""
+    if len(s.stages) > 1:
+        per = [fp.resident_bytes(m, wl, pl) for m, pl in stage_placements(model, s)]
+        return {t: sum(r[t] for r in per) for t in ("gpu", "cpu", "disk")}
     return fp.resident_bytes(model, wl, s.placement())
+
+
+def stage_model(model: ModelSpec, lo: int, hi: int) -> ModelSpec:
+    """The model as one stage holds it: its decoder layers [lo, hi) (and, as offexec keeps them on every stage,
+    the embeddings), so that the footprint's arithmetic of a whole model is a stage's."""
+    return dataclasses.replace(model, num_layers=hi - lo)
+
+
+def stage_placements(model: ModelSpec, s: Schedule) -> list[tuple[ModelSpec, fp.Placement]]:
+    """(stage model, stage placement) of each stage of ``s``: what one GPU of a pipeline holds."""
+    pl = s.placement()
+    return [(stage_model(model, lo, hi), dataclasses.replace(pl, weight_split=tuple(pl.weight_split[lo:hi])))
+            for lo, hi in s.stages]
+
+
+def balanced_stages(num_layers: int, num_stages: int, layers: tuple = ()) -> tuple[tuple[int, int], ...]:
+    """Contiguous layer ranges of ``num_stages`` stages: ``layers`` (layers per stage, summing to ``num_layers``)
+    when given, else balanced (the first ``num_layers % num_stages`` stages one layer more)."""
+    if num_stages < 1:
+        raise OffsimError(f"num_stages must be at least 1, got {num_stages}")
+    if num_stages > num_layers:
+        raise OffsimError(f"num_stages {num_stages} exceeds the model's {num_layers} layers (a stage needs one)")
+    if layers:
+        layers = tuple(int(x) for x in layers)
+        if len(layers) != num_stages or any(x < 1 for x in layers) or sum(layers) != num_layers:
+            raise OffsimError(f"stage_layers {list(layers)} must be {num_stages} positive layer counts summing to "
+                              f"the model's {num_layers} layers")
+    else:
+        q, r = divmod(num_layers, num_stages)
+        layers = tuple(q + (1 if d < r else 0) for d in range(num_stages))
+    out, at = [], 0
+    for x in layers:
+        out.append((at, at + x))
+        at += x
+    return tuple(out)
+
+
+def check_stages_fit(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict[str, int],
+                     what: str = "plan") -> None:
+    """``footprint.check_fits`` for a pipeline: every stage's GPU against one GPU's budget, host memory and disk
+    against the sums over the stages (one host, shared). One line (``PlanError``) naming the first short stage."""
+    per = [fp.placement_tier_bytes(m, wl, pl) for m, pl in stage_placements(model, s)]
+    for d, t in enumerate(per):
+        need, cap = sum(t["gpu"].values()), int(capacity.get("gpu", 0))
+        if need > cap:
+            parts = sorted(((v, k) for k, v in t["gpu"].items() if v), reverse=True)[:3]
+            lo, hi = s.stages[d]
+            raise fp.PlanError(f"{what}: stage {d} (layers {lo}-{hi - 1}) does not fit on its GPU: short by "
+                               f"{fp.gib(need - cap)} (needs {fp.gib(need)}: "
+                               f"{', '.join(f'{k} {fp.gib(v)}' for v, k in parts)}; capacity {fp.gib(cap)}); use "
+                               "more stages, fewer or smaller GPU batches or place less on the GPU")
+    for tier, name in (("cpu", "host memory"), ("disk", "disk")):
+        need, cap = sum(sum(t[tier].values()) for t in per), int(capacity.get(tier, 0))
+        if need > cap:
+            raise fp.PlanError(f"{what}: the {len(per)} stages do not fit: {name} (shared by all stages) short by "
+                               f"{fp.gib(need - cap)} (needs {fp.gib(need)}; capacity {fp.gib(cap)})")
 
 
 class DiskStoreBuffers:
@@ -117,6 +185,32 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
     add = b.add
     pinned = s.pinned
 
+    # pipeline parallelism: stage d on GPU d runs its decoder layers (stage 0 also the embedding, the last the head);
+    # the block's GPU batches flow through the stages in ``micro_batches`` contiguous groups. One stage and one group:
+    # exactly the single-GPU schedule (the same ops in the same order, with no device field)
+    stages = tuple(tuple(x) for x in s.stages) or ((0, L),)
+    S = len(stages)
+    multi = S > 1
+    G = s.micro_batches
+    if not 1 <= G <= nb:
+        raise OffsimError(f"micro_batches must be in [1, num_gpu_batches = {nb}], got {G}")
+    if stages[0][0] != 0 or stages[-1][1] != L or any(a[1] != b_[0] or a[1] <= a[0]
+                                                      for a, b_ in zip(stages, stages[1:])):
+        raise OffsimError(f"stages {[list(x) for x in stages]} must tile the layers [0, {L}) in order")
+    dev_of = {-1: 0, L: S - 1}  # layer -> its stage's GPU
+    for d, (lo, hi) in enumerate(stages):
+        for j in range(lo, hi):
+            dev_of[j] = d
+    groups = [range(t * nb // G, (t + 1) * nb // G) for t in range(G)]
+    group_of = {k: t for t, g in enumerate(groups) for k in g}
+    if multi:
+        cur_dev = [0]  # the GPU the ops being emitted run on (p2p ops name theirs)
+        plain_add = add
+
+        def add(kind, deps, phase, step, layer, batch, **kw):  # noqa: F811  (every op of a pipeline: its device)
+            kw.setdefault("device", cur_dev[0])
+            return plain_add(kind, deps, phase, step, layer, batch, **kw)
+
     # sizes by shape (offsim.core.footprint), memoized for this build: a block asks the same few shapes ~10^5 times;
     # every stored KV or weight byte is its stored size (4-bit with compression)
     @functools.cache
@@ -163,18 +257,24 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         return unit_slot(j, sub) - w_bytes(max(g, unit_range[sub][0]), unit_range[sub][1])
 
     streamed = [(j, sub) for j in range(L) for sub in subs if s.weight_split[j][0] < unit_range[sub][1]]
-    instances = [(i, j, sub) for i in range(wl.gen_len) for j, sub in streamed]
-    inst_index = {ij: u for u, ij in enumerate(instances)}
-    loaded: dict[int, list[int]] = {}  # instance -> ids of its h2d ops
-    free_op: dict[int, int] = {}  # instance -> id of the last compute that used it
-    cursor = [0]
+    # per GPU, its streamed units in execution order: one instance per (step, group, layer, sub-layer) -- a stage
+    # streams its layers once per micro-batch group, as FlexGen's pipeline does -- loaded ahead by its own cursor and
+    # buffered in its own slots; instance keys are (device, index)
+    instances = [[(i, t, j, sub) for i in range(wl.gen_len) for t in range(G) for j, sub in streamed
+                  if dev_of[j] == d] for d in range(S)]
+    inst_index = {key: (d, u) for d in range(S) for u, key in enumerate(instances[d])}
+    loaded: dict[tuple, list[int]] = {}  # instance -> ids of its h2d ops
+    free_op: dict[tuple, int] = {}  # instance -> id of the last compute that used it
+    cursor = [0] * S
 
-    def issue_weight_load(u: int) -> None:
-        i, j, sub = instances[u]
+    def issue_weight_load(d: int, u: int) -> None:
+        i, _, j, sub = instances[d][u]
+        if multi:
+            cur_dev[0] = d
         g, c = s.weight_split[j]
         u_lo, u_hi = unit_range[sub]
         back = 2 if s.prefetch else 1  # double or single buffering of streamed weights (units)
-        dep = free_op.get(u - back)
+        dep = free_op.get((d, u - back))
         phase = "prefill" if i == 0 else "decode"
         ids = []
         straddle = unit_straddle(j, sub)  # the slot's first load takes the whole slot
@@ -190,29 +290,42 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
                      alloc=(0, n, 0))
             ids.append(add("h2d", [rd], phase, i, j, 0, tensor="weight", lo=d_lo, hi=u_hi, nbytes=n, pinned=pinned,
                            alloc=(n + (0 if h_hi > h_lo else straddle), 0, 0), free=(0, n, 0)))
-        loaded[u] = ids
+        loaded[(d, u)] = ids
 
-    def ensure_loaded(upto: int) -> None:
-        while cursor[0] <= min(upto, len(instances) - 1):
-            issue_weight_load(cursor[0])
-            cursor[0] += 1
+    def ensure_loaded(d: int, upto: int) -> None:
+        while cursor[d] <= min(upto, len(instances[d]) - 1):
+            issue_weight_load(d, cursor[d])
+            cursor[d] += 1
 
     # --- per batch state --------------------------------------------------------------------------------------
     last_out: dict[int, int] = {}  # batch -> op that produced its current hidden (on GPU)
     hidden_store: dict[int, int] = {}  # batch -> d2h op that parked its hidden on the CPU
     kv_stored: dict[tuple[int, int], list[int]] = {}  # (layer, batch) -> ops that made the last KV durable
-    disk_stores = DiskStoreBuffers()
+    disk_stores = [DiskStoreBuffers() for _ in range(S)]  # per GPU (and its rank's host staging)
+    last_dev: dict[int, int] = {}  # batch -> the GPU that holds its current hidden state (or token ids)
 
     # positions (step, layer, sub-layer, batch) in FlexGen's order: the zig-zag over batches for every layer of
-    # [embedding, decoder layers (or their attention and MLP), head]
-    positions = [(i, j, sub, k) for i in range(wl.gen_len) for j in range(-1, L + 1)
-                 for sub in (subs if 0 <= j < L else (None,)) for k in range(nb)]
+    # [embedding, decoder layers (or their attention and MLP), head]; with stages, per step each micro-batch group
+    # through every stage in turn (each stage's positions a zig-zag over the group's batches)
+    positions = [(i, j, sub, k) for i in range(wl.gen_len) for grp in groups for d, (lo, hi) in enumerate(stages)
+                 for j in ([-1] if d == 0 else []) + list(range(lo, hi)) + ([L] if d == S - 1 else [])
+                 for sub in (subs if 0 <= j < L else (None,)) for k in grp]
     # KV positions: the decoder layers' attention (not the embedding, the head or an MLP: they touch no KV); their
-    # index orders the reuse of the KV work buffers
+    # index orders the reuse of the KV work buffers of their GPU: the n-th KV position of GPU d has index n·S + d
     kv_index: dict[int, int] = {}
+    kv_count = [0] * S
     for p, (_, j, sub, _) in enumerate(positions):
         if 0 <= j < L and sub != "mlp":
-            kv_index[p] = len(kv_index)
+            d = dev_of[j]
+            kv_index[p] = kv_count[d] * S + d
+            kv_count[d] += 1
+    # per GPU, the position that first uses each of its streamed instances (increasing): the embedding and the head
+    # prefetch the next one
+    first_use = [[] for _ in range(S)]
+    for p, (i, j, sub, k) in enumerate(positions):
+        key = (i, group_of[k], j, sub)
+        if 0 <= j < L and k == groups[group_of[k]][0] and key in inst_index:
+            first_use[dev_of[j]].append(p)
     pending_kv_loads: dict[int, list[int]] = {}  # position -> its KV h2d ops
     pending_kv_bufs: dict[int, tuple[bool, bool]] = {}  # position -> (host group loaded, disk group loaded)
 
@@ -220,7 +333,7 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
     # as offexec's pool of that many buffers hands it out (the stream waits for those stores' end). Two with GPU
     # attention (a load runs ahead of the compute that stores the previous position); one with CPU attention, whose
     # only work buffers are prefill's (``footprint.tier_bytes``' KV work buffers).
-    kv_reuse = 1 if s.cpu_attention else 2
+    kv_reuse = (1 if s.cpu_attention else 2) * S  # (in KV indices: S apart on one GPU)
     # KV index -> the stores that free its work buffers; KV position a takes the buffers of a - kv_reuse
     buf_frees: dict[int, list[int]] = {}
 
@@ -233,6 +346,8 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         i, j, sub, k = positions[p]
         if i == 0 or not 0 <= j < L or sub == "mlp":
             return
+        if multi:
+            cur_dev[0] = dev_of[j]
         ctx_prev = batch_prompt_len[k] + i - 1  # tokens whose KV exists before this step
         # the load takes the work buffer that the stores two KV positions back give up (double buffering)
         deps = buf_frees.get(kv_index[p] - kv_reuse, []) + kv_stored.get((j, k), [])
@@ -262,12 +377,29 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         q = prompt_len if i == 0 else 1
         ctx = prompt_len + i
         decoder = 0 <= j < L
+        dev = dev_of[j]
+        grp = groups[group_of[k]]
+        hin = 0  # GPU bytes of a hidden copy loaded (or received) for this compute: counted while the compute runs
+        recv = None
+        if multi:
+            cur_dev[0] = dev
+            src = last_dev.get(k)
+            if src is not None and src != dev:
+                # the batch's activations (or, for the next step's embedding, its new token ids) are on another GPU:
+                # a GPU-to-GPU copy on the sender's p2p stream
+                if j < 0:
+                    recv = add("p2p", [last_out[k]], phase, i, j, k, tensor="token", lo=ctx - q, hi=ctx,
+                               nbytes=gbs * q * fp.TOKEN_ID_BYTES, device=src, peer=dev)
+                else:
+                    hin = act_bytes("hidden", q)
+                    recv = add("p2p", [last_out[k]], phase, i, j, k, tensor="hidden", lo=ctx - q, hi=ctx,
+                               nbytes=hin, device=src, peer=dev)
+            last_dev[k] = dev
         # hidden input: from the CPU if parked there. Issued before this position's prefetches: the H2D stream is
         # in order, and this batch's compute needs its few-KB hidden state now, the next layer's weights and the
         # next batch's KV only later (FlexGen's load_hidden(k+1) likewise runs ahead of compute(k+1), not behind
         # a whole layer's weights)
-        deps = [last_out.get(k)]
-        hin = 0  # GPU bytes of a hidden copy loaded for this compute: counted while the compute runs
+        deps = [last_out.get(k) if recv is None else recv]
         if hidden_cpu and k in hidden_store and j >= 0:
             hin = act_bytes("hidden", q)
             # (the block's activations are reserved on their home tier in `resident`; the GPU copy is scratch)
@@ -275,26 +407,28 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
                      pinned=pinned)
             deps = [hl]
         # weights: the current unit's (first batch only), then, when prefetching, the next streamed unit's
-        u = inst_index.get((i, j, sub)) if decoder else None  # this position's streamed unit, if any
-        if k == 0 and u is not None:
-            ensure_loaded(u + (1 if prefetch else 0))
-        elif k == 0 and prefetch and not decoder:
-            # embedding / head: prefetch the next streamed decoder unit
-            nxt = next((inst_index[(ii, jj, ss)] for ii, jj in ([(i, x) for x in range(max(j, 0), L)] +
-                                                                [(i + 1, x) for x in range(L)])
-                        for ss in subs if (ii, jj, ss) in inst_index), None)
-            if nxt is not None:
-                ensure_loaded(nxt)
+        # this position's streamed unit (device, index), if any
+        u = inst_index.get((i, group_of[k], j, sub)) if decoder else None
+        first_k = k == grp[0]
+        if first_k and u is not None:
+            ensure_loaded(dev, u[1] + (1 if prefetch else 0))
+        elif first_k and prefetch and not decoder:
+            # embedding / head: prefetch the next streamed decoder unit of this GPU
+            nxt = bisect_right(first_use[dev], p)
+            if nxt < len(instances[dev]):
+                ensure_loaded(dev, nxt)
         if loads_kv:
             if p == 0:
                 emit_kv_loads(0)
             if p + 1 in kv_index:  # (only a decoder attention position has KV to load)
                 emit_kv_loads(p + 1)  # prefetch the next batch's cache (FlexGen: load_cache(k+1))
+        if multi:
+            cur_dev[0] = dev  # (the loads above may have been another GPU's: the next stage's first KV)
         if u is not None:
             deps += loaded[u]
         if pending_kv_loads:
             deps += pending_kv_loads.pop(p, [])
-        last_k = k == nb - 1
+        last_k = k == grp[-1]
         w_free = unit_slot(j, sub) if (decoder and last_k) else 0
         loaded_c, loaded_d = pending_kv_bufs.pop(p, (False, False)) if pending_kv_bufs else (False, False)
         part = _PART_OF_SUB[sub] if decoder else ("embed" if j < 0 else "head")
@@ -336,7 +470,7 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         else:
             # (the embedding of step i waits for the LM head of step i-1 through last_out: the next token)
             if decoder and kd:
-                deps += disk_stores.compute_deps()
+                deps += disk_stores[dev].compute_deps()
             # work buffers of off-GPU heads that no load brought: this compute creates them (the stores free them)
             new_bufs = (0 if loaded_c else buf_c) + (0 if loaded_d else buf_d) if decoder else 0
             if new_bufs:
@@ -355,24 +489,32 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
                     buf_frees.setdefault(kv_index[p], []).append(stores[-1])
                 if kd:
                     nbytes = kv_bytes(kd, q)
-                    st = add("d2h", [comp] + disk_stores.d2h_deps(), phase, i, j, k, tensor="kv", lo=ctx - q,
+                    st = add("d2h", [comp] + disk_stores[dev].d2h_deps(), phase, i, j, k, tensor="kv", lo=ctx - q,
                              hi=ctx, head_lo=kg + kc, head_hi=n_kv, nbytes=nbytes, pinned=pinned,
                              alloc=(0, nbytes, 0), free=(buf_d, 0, 0))
                     buf_frees.setdefault(kv_index[p], []).append(st)
                     stores.append(add("disk_write", [st], phase, i, j, k, tensor="kv", lo=ctx - q, hi=ctx,
                                       head_lo=kg + kc, head_hi=n_kv, nbytes=nbytes, free=(0, nbytes, 0)))
-                    disk_stores.record(st, stores[-1])
+                    disk_stores[dev].record(st, stores[-1])
                 kv_stored[(j, k)] = stores
         last_out[k] = comp
         if last_k and u is not None:
             free_op[u] = comp
-        if hidden_cpu and j < L:
+        # (the last layer of a stage sends its output to the next GPU from the GPU: nothing parked)
+        if hidden_cpu and j < L and not (multi and j == stages[dev][1] - 1 and dev < S - 1 and sub != "attn"):
             hb = act_bytes("hidden", q)
             hidden_store[k] = add("d2h", [comp], phase, i, j, k, tensor="hidden", lo=ctx - q, hi=ctx, nbytes=hb,
                                   pinned=pinned)
     cap = dict(capacity)
     settings = dict(s.settings)
+    plan_stages = []
+    if multi:  # every GPU has the budget ``capacity['gpu']``; the plan's gpu capacity and residents are the sums
+        per = [fp.resident_bytes(m, wl, pl) for m, pl in stage_placements(model, s)]
+        plan_stages = [{"layers": [lo, hi], "gpu_capacity": int(capacity["gpu"]), "gpu_resident": int(r["gpu"])}
+                       for (lo, hi), r in zip(stages, per)]
+        cap["gpu"] = int(capacity["gpu"]) * S
     return Plan(model=model, workload=wl, policy=s.policy, settings=settings, capacity=cap,
                 resident=resident_bytes(model, wl, s), weight_split=[tuple(x) for x in s.weight_split],
-                kv_split=tuple(s.kv_split), hidden_home=s.hidden_home, ops=b.ops, derived=dict(s.derived))
+                kv_split=tuple(s.kv_split), hidden_home=s.hidden_home, ops=b.ops, derived=dict(s.derived),
+                stages=plan_stages)
 

@@ -1,0 +1,280 @@
+"""Pipeline parallelism in offexec: one process per GPU (a *rank*), each running its stage of the same plan, the
+hidden states and token ids moving with ``torch.distributed`` send / recv (docs/architecture.md §7.1).
+
+A plan over several GPUs (``Plan.stages``, built by ``offsim`` with ``num_stages`` > 1) holds every op of every
+stage, each with its ``device``; the GPU-to-GPU copies are ``p2p`` ops, on the sender's device, naming the
+receiver as ``peer``. Rank r runs ``stage_plan(plan, r)``: the ops of device r and the p2p ops it sends or
+receives, in plan order, with the model cut to its stage's layers (renumbered from 0; the embedding and the head
+keep their indices -1 and num_layers) -- a plan the single-GPU executor runs unchanged but for its p2p handlers
+(``Executor._op_send_hidden`` and the rest; a p2p op whose peer is this rank receives, any other sends). Sends are
+non-blocking (``isend``, awaited at the end); receives block. Every rank walks its ops in plan order and a receive's
+send comes earlier in plan order on its sender, so the ranks cannot deadlock: the first op in plan order that any
+rank is blocked on would be a receive whose send its sender has already posted.
+
+Each p2p message is tagged with the op's id in the whole plan (gloo matches tags; NCCL matches in order, which plan
+order makes the same on both sides). Timing: every rank times its ops from a barrier-aligned start; rank 0 gathers
+them into one trace of the whole plan in offsim's schema, with a ``device`` column (a p2p op from its send's start
+to its receive's end).
+
+Launch: ``torchrun --nproc-per-node N -m offexec.distributed --plan PLAN.json [--device cuda|cpu] [--trace F]``
+(NCCL on GPUs, each rank on GPU ``LOCAL_RANK``; gloo on the CPU), or, in tests, ``run_pipeline`` under
+``torch.multiprocessing.spawn``.
+
+Weights: the launcher loads (or seeds) only the rank's layers (``random_weights`` / ``load_checkpoint`` with
+``layers``: host memory is shared by the ranks); ``run_pipeline`` also takes the whole model's and copies the
+stage's rows out. What is not done yet: every rank keeps its own copy of the embeddings on its GPU (the footprint
+counts them on every stage); the stream scheduler on the CPU (``threaded``) is refused for a stage; one host only
+(ranks' clocks are compared).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from offsim.core.errors import OffsimError
+from offsim.core.plan import Op, Plan
+from offsim.core.trace import Trace
+from offsim.policies.schedule import stage_model
+
+from .executor import Executor, RunResult
+from .memory import ExecError
+from .weights import ModelWeights
+
+
+@dataclasses.dataclass
+class StagePlan:
+    """Rank ``rank``'s share of a pipeline plan: ``plan`` (its ops renumbered 0..n-1, its stage's model and layers),
+    ``orig_ids`` (each op's id in the whole plan) and ``layers`` [lo, hi) of the whole model."""
+
+    plan: Plan
+    orig_ids: list[int]
+    layers: tuple[int, int]
+    rank: int
+
+
+def stage_plan(plan: Plan, rank: int) -> StagePlan:
+    """The plan that rank ``rank`` runs (see the module docstring); ``ExecError`` for a rank the plan lacks."""
+    if not plan.stages:
+        raise ExecError("the plan has no pipeline stages: run it with `offexec run` (one process)")
+    if not 0 <= rank < len(plan.stages):
+        raise ExecError(f"rank {rank}: the plan has {len(plan.stages)} stages (run one process per stage)")
+    lo, hi = plan.stages[rank]["layers"]
+    L = plan.model.num_layers
+    keep: dict[int, int] = {}
+    ops: list[Op] = []
+    orig: list[int] = []
+    for op in plan.ops:
+        mine = op.device == rank if op.kind != "p2p" else rank in (op.device, op.peer)
+        if not mine:
+            continue
+        new_id = len(ops)
+        keep[op.id] = new_id
+        recv = op.kind == "p2p" and op.peer == rank
+        # a receive waits for its message, not for the sender's ops; any other op's dependencies are on this rank
+        deps = () if recv else tuple(keep[d] for d in op.deps if d in keep)
+        if not recv and len(deps) != len(op.deps):
+            missing = [d for d in op.deps if d not in keep]
+            raise ExecError(f"{op.describe()}: depends on ops {missing} of another GPU other than through a p2p op")
+        layer = op.layer if op.layer < 0 else (hi - lo if op.layer >= L else op.layer - lo)
+        kw = {f: v for f, v in op.__dict__.items() if f not in ("id", "kind", "deps", "phase", "step", "layer",
+                                                              "batch", "stream")}
+        ops.append(Op(new_id, op.kind, deps, op.phase, op.step, layer, op.batch, op.stream, **kw))
+        orig.append(op.id)
+    st = plan.stages[rank]
+    sp = Plan(model=stage_model(plan.model, lo, hi), workload=plan.workload, policy=plan.policy,
+              settings=plan.settings, capacity={**plan.capacity, "gpu": int(st["gpu_capacity"])},
+              resident={**plan.resident, "gpu": int(st["gpu_resident"])},
+              weight_split=list(plan.weight_split[lo:hi]), kv_split=plan.kv_split, hidden_home=plan.hidden_home,
+              ops=ops, derived=plan.derived, disk_cached=plan.disk_cached, cuda_graphs=plan.cuda_graphs,
+              graph_max_q_tokens=plan.graph_max_q_tokens)
+    return StagePlan(sp, orig, (lo, hi), rank)
+
+
+def stage_weights(weights: ModelWeights, lo: int, hi: int) -> ModelWeights:
+    """The weights of decoder layers [lo, hi) (a copy of those rows of the host master) and the embeddings."""
+    w = ModelWeights(stage_model(weights.spec, lo, hi), weights.dtype)
+    w.layers.copy_(weights.layers[lo:hi])
+    w.emb = weights.emb
+    w.source = weights.source
+    return w
+
+
+class StageComm:
+    """One rank's sends and receives: ``torch.distributed`` point-to-point, each message tagged with its op's id in
+    the whole plan. Sends are non-blocking and kept (with their tensors) until ``finish``."""
+
+    def __init__(self, rank: int, orig_ids: list[int]):
+        self.rank = rank
+        self.orig_ids = orig_ids
+        self.pending: list = []
+
+    def send(self, op, tensor: torch.Tensor) -> None:
+        self.pending.append((dist.isend(tensor, dst=op.peer, tag=self.orig_ids[op.id]), tensor))
+
+    def recv(self, op, out: torch.Tensor) -> None:
+        dist.recv(out, src=op.device, tag=self.orig_ids[op.id])
+
+    def ready(self) -> None:
+        """Called by the executor after its setup, before its first op: every rank waits for the others, so that
+        their times count from one instant."""
+        dist.barrier()
+
+    def finish(self) -> None:
+        for work, _ in self.pending:
+            work.wait()
+        self.pending.clear()
+
+
+def run_stage(plan: Plan, weights: ModelWeights, rank: int, device: str = "cpu", prompts: torch.Tensor | None = None,
+              seed: int = 0, record_logits: bool = False, disk_dir: str | None = None,
+              graphs: str | None = None) -> tuple[StagePlan, RunResult]:
+    """Run rank ``rank``'s stage of ``plan`` (the process group must be initialised, one rank per stage). Returns
+    (its stage plan, its RunResult); the times in its trace count from a barrier every rank passes after its setup,
+    just before its first op (``StageComm.ready``)."""
+    if dist.get_world_size() != len(plan.stages):
+        raise ExecError(f"the plan has {len(plan.stages)} stages but {dist.get_world_size()} processes run it "
+                        "(one per stage)")
+    sp = stage_plan(plan, rank)
+    # the whole model's weights (this stage's rows are copied out) or already only this stage's
+    # (``random_weights`` / ``load_checkpoint`` with ``layers``)
+    if weights.spec.num_layers == plan.model.num_layers:
+        w = stage_weights(weights, *sp.layers)
+    elif weights.spec.num_layers == sp.plan.model.num_layers:
+        w = weights
+    else:
+        raise ExecError(f"rank {rank}: weights of {weights.spec.num_layers} layers, neither the model's "
+                        f"{plan.model.num_layers} nor the stage's {sp.plan.model.num_layers}")
+    ex = Executor(sp.plan, w, device, prompts, seed, None, disk_dir, record_logits, False, False, "plan", graphs,
+                  comm=StageComm(rank, sp.orig_ids))
+    try:
+        res = ex.run({"rank": rank, "stage_layers": list(sp.layers)})
+    finally:
+        ex.close()
+    return sp, res
+
+
+def merge_traces(plan: Plan, parts: list[tuple[list[int], np.ndarray, np.ndarray, dict]], meta: dict) -> Trace:
+    """One trace of the whole plan from every rank's (orig_ids, start, end, peak bytes): each op's times from the
+    rank that ran it; a p2p op from its send's start to the later of the send's and the receive's ends. Peaks: each
+    GPU's as ``gpu{d}`` (``gpu`` the largest), host memory and disk summed over the ranks (one host)."""
+    n = len(plan.ops)
+    start = np.full(n, np.nan)
+    end = np.full(n, np.nan)
+    ops = plan.ops
+    for rank, (orig, s, e, _) in enumerate(parts):
+        for i, oid in enumerate(orig):
+            op = ops[oid]
+            if op.kind == "p2p" and op.peer == rank:  # the receive: where the copy ends
+                end[oid] = max(end[oid], e[i]) if not np.isnan(end[oid]) else e[i]
+                if np.isnan(start[oid]):
+                    start[oid] = s[i]
+            elif op.kind == "p2p":  # the send: where it starts
+                start[oid] = s[i]
+                end[oid] = max(end[oid], e[i]) if not np.isnan(end[oid]) else e[i]
+            else:
+                start[oid], end[oid] = s[i], e[i]
+    if np.isnan(start).any() or np.isnan(end).any():
+        missing = int(np.isnan(start).sum() + np.isnan(end).sum())
+        raise ExecError(f"merging the ranks' traces: {missing} op times missing (a rank ran a different plan?)")
+    peaks = {f"gpu{d}": int(p[3].get("gpu", 0)) for d, p in enumerate(parts)}
+    peaks["gpu"] = max(peaks.values())
+    for t in ("cpu", "disk"):
+        peaks[t] = int(sum(p[3].get(t, 0) for p in parts))
+    return Trace.from_arrays(plan, start, end, {**meta, "num_devices": len(parts)}, peaks)
+
+
+def run_pipeline(plan: Plan, weights: ModelWeights, device: str = "cpu", prompts: torch.Tensor | None = None,
+                 seed: int = 0, record_logits: bool = False, disk_dir: str | None = None,
+                 graphs: str | None = None, meta: dict | None = None) -> RunResult | None:
+    """Run this rank's stage and gather: rank 0 returns the whole run -- the merged trace (offsim's schema, one
+    ``device`` per op), the generated tokens (from the last stage, which computes them), its logits when asked,
+    and every rank's stats under ``stats['ranks']`` -- the other ranks return None."""
+    rank = dist.get_rank()
+    sp, res = run_stage(plan, weights, rank, device, prompts, seed, record_logits, disk_dir, graphs)
+    df = res.trace.df
+    mine = (sp.orig_ids, df["start_s"].to_numpy(), df["end_s"].to_numpy(), dict(res.trace.peak_bytes),
+            res.tokens if rank == len(plan.stages) - 1 else None, res.logits, res.stats)
+    parts = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(mine, parts, dst=0)
+    if rank != 0:
+        return None
+    last = parts[-1]
+    m = {k: v for k, v in res.trace.meta.items() if k not in ("rank", "stage_layers")}
+    m.update(meta or {})
+    trace = merge_traces(plan, [p[:4] for p in parts], m)
+    stats = {"ranks": [p[6] for p in parts], "wall_s": max(p[6]["wall_s"] for p in parts)}
+    return RunResult(trace, last[4], stats, last[5] if record_logits else None)
+
+
+def init_process_group(device: str, rank: int | None = None, world: int | None = None,
+                       init_method: str | None = None) -> str:
+    """Join the process group: NCCL on GPUs (each rank on GPU ``LOCAL_RANK``), gloo on the CPU. Under torchrun the
+    rank and world size come from the environment. Returns the device of this rank."""
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ExecError("--device cuda was asked but no CUDA device is available (use --device cpu)")
+        local = int(os.environ.get("LOCAL_RANK", rank or 0))
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    kw = {} if init_method is None else {"init_method": init_method, "rank": rank, "world_size": world}
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10), **kw)
+    return device
+
+
+def main(argv=None) -> int:
+    """``torchrun --nproc-per-node N -m offexec.distributed --plan PLAN.json``: run a pipeline plan, one process
+    per stage; rank 0 prints the measured throughput (and, as the last line, one JSON object) and writes the
+    merged trace."""
+    ap = argparse.ArgumentParser(prog="offexec.distributed", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--plan", required=True, metavar="FILE",
+                    help="a plan with stages, written by `offsim simulate --num-gpus N --save-plan FILE`")
+    ap.add_argument("--device", default="cuda", help="'cuda' (NCCL, GPU LOCAL_RANK per rank) or 'cpu' (gloo)")
+    ap.add_argument("--checkpoint", default=None, metavar="DIR",
+                    help="local transformers checkpoint instead of random weights")
+    ap.add_argument("--seed", type=int, default=0, help="seed of random weights and prompts (default: %(default)s)")
+    ap.add_argument("--disk-dir", default=None, metavar="DIR", help="where each rank's disk tier goes")
+    ap.add_argument("--trace", default=None, metavar="FILE",
+                    help="write the merged trace: .csv (offsim's schema, with a device column) or Chrome JSON")
+    args = ap.parse_args(argv)
+    try:
+        plan = Plan.load(args.plan).validate()
+        if not plan.stages:
+            raise OffsimError(f"{args.plan} has no pipeline stages: run it with `offexec run --plan`")
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            raise OffsimError(f"launch with torchrun, one process per stage: `torchrun --nproc-per-node "
+                              f"{plan.num_devices} -m offexec.distributed --plan {args.plan}`")
+        device = init_process_group(args.device)
+        from .weights import dtype_of, load_checkpoint, random_weights
+
+        dt = dtype_of(plan.model)
+        layers = tuple(plan.stages[dist.get_rank()]["layers"])  # this rank's layers only: host memory is shared
+        weights = load_checkpoint(args.checkpoint, plan.model, dt, progress=False, layers=layers) \
+            if args.checkpoint else random_weights(plan.model, args.seed, dt, progress=False, layers=layers)
+        res = run_pipeline(plan, weights, device, seed=args.seed, disk_dir=args.disk_dir)
+    except OffsimError as e:  # ExecError too: one line, exit 2
+        print(f"offexec.distributed: error: {e}", file=sys.stderr)
+        return 2
+    if res is not None:
+        m = res.trace.metrics()
+        if args.trace:
+            (res.trace.to_csv if str(args.trace).endswith(".csv") else res.trace.to_chrome)(args.trace)
+        print(f"{plan.policy} on {plan.num_devices} GPUs: prefill {m['prefill_tok_s']:.1f} tok/s, decode "
+              f"{m['decode_tok_s']:.1f} tok/s, total {m['total_tok_s']:.1f} tok/s")
+        print(json.dumps({k: m[k] for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s", "peak_gpu_bytes")}
+                         | {"peaks": res.trace.peak_bytes}, default=str))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
