@@ -86,9 +86,12 @@ def build(progress: bool = True) -> str:
               "with each model's heads, CPU attention's fixed cost and FLOP rate through the executor's CPU path over "
               "a cache larger than the CPU's, CPU attention's small copies, and the GEMM rate held under sustained "
               "load (the clocks drop under the 700 W cap), and TightLLM's decode ops of 2 to 8 query tokens replayed as CUDA "
-              "graphs (`--recompute-only`, by rows = sequences x tokens). The simulator also issues a GPU op that waits on a host "
-              "op only once that op is done, as offexec does. The tables were measured by microbenchmarks, not "
-              "fitted to any case.", ""]
+              "graphs (`--recompute-only`, by rows = sequences x tokens), the first decode step's graph captures and the host "
+              "time offexec spends issuing each kind of copy, by bytes (`--capture-only`; flat past the largest copy "
+              "measured). The simulator also issues a GPU op that waits on a host op only once that op is done, and "
+              "models offexec's run-ahead window (one issuing thread in plan order, at most 16 compute, 6 H2D and 16 "
+              "D2H ops outstanding: `Plan.run_ahead`), as offexec does. The tables were measured by microbenchmarks, "
+              "not fitted to any case.", ""]
     for s in SPLITS:
         lines += [f"### {s}, profile v2, by policy", ""] + _policy_table(res[s, "v2"]) + [""]
         worst = res[s, "v2"].assign(a=res[s, "v2"]["err_total_tok_s"].abs()).sort_values("a", ascending=False)
