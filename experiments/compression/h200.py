@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import gzip
 import json
-import shutil
 import sys
 import time
 import traceback
@@ -122,7 +120,7 @@ def plan_configs(args) -> int:
 def run_configs(args) -> int:
     import torch
 
-    from experiments.offexec.h200 import link_bandwidth, summarize
+    from experiments.offexec.h200 import link_bandwidth, save_trace_gz, summarize
     from offexec.executor import check_plan, run_plan
     from offexec.memory import HostBuffer
     from offexec.weights import random_weights
@@ -211,11 +209,7 @@ def run_configs(args) -> int:
                        predicted_at_plan_time=c["predicted"], fingerprint=plan.fingerprint(),
                        tokens_head=res.tokens[:2, :8].tolist())
             runs.append(row)
-            tr = out / f"trace_{name}.csv"
-            res.trace.to_csv(tr)
-            with open(tr, "rb") as f, gzip.open(str(tr) + ".gz", "wb") as g:
-                shutil.copyfileobj(f, g)
-            tr.unlink()
+            save_trace_gz(res.trace, out / f"trace_{name}.csv")
             save_case(case_from_trace(res.trace), out / f"case_{name}.json")
             m = row["measured"]
             print(f"{name}: prefill {m['prefill_tok_s']:.0f} decode {m['decode_tok_s']:.2f} total "

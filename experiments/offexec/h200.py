@@ -101,6 +101,15 @@ def link_bandwidth(host: torch.Tensor, nbytes: int = GiB, reps: int = 5) -> dict
     return out
 
 
+def save_trace_gz(trace, csv_path: Path) -> Path:
+    """``trace`` as gzip CSV at ``csv_path`` + '.gz' (the trace CSV written first, then compressed and removed)."""
+    trace.to_csv(csv_path)
+    with open(csv_path, "rb") as f, gzip.open(str(csv_path) + ".gz", "wb") as g:
+        shutil.copyfileobj(f, g)
+    csv_path.unlink()
+    return Path(str(csv_path) + ".gz")
+
+
 def summarize(name: str, plan, res, pred: dict, bw: dict, budget: int) -> dict:
     m = res.trace.metrics()
     wl = plan.workload
@@ -232,11 +241,7 @@ def main(argv=None) -> int:
             row["run_wall_s"] = time.perf_counter() - t0
             row["tokens_head"] = res.tokens[:2, :8].tolist()
             runs.append(row)
-            tr = out / f"trace_{name}.csv"
-            res.trace.to_csv(tr)
-            with open(tr, "rb") as f, gzip.open(str(tr) + ".gz", "wb") as g:
-                shutil.copyfileobj(f, g)
-            tr.unlink()
+            save_trace_gz(res.trace, out / f"trace_{name}.csv")
             if not args.no_cases:
                 save_case(case_from_trace(res.trace), out / f"case_{name}.json")
             m = row["measured"]

@@ -24,14 +24,13 @@ Prints ``PEER_RESULT {json}`` (``common.emit``) and ends with one JSON line.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
-import traceback
 
-from experiments.peers.common import (GiB, HOST_LIMIT_GIB, base_record, emit, env_offline, flexgen_metrics,
-                                      link_bound, measure_h2d, peak_rss_bytes, set_gpu_budget, versions)
+from experiments.peers.common import (GiB, HOST_LIMIT_GIB, base_record, emit, env_offline, finish_record,
+                                      flexgen_metrics, link_bound, measure_h2d, point_parser,
+                                      record_failure, set_gpu_budget, versions)
 
 SYSTEM = "accelerate-ref"
 BATCHES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -179,6 +178,26 @@ def prompts(batch: int, prompt_len: int, vocab: int, device):
     return ids.to(device), torch.ones_like(ids).to(device)
 
 
+def measure_generate(model, rec: dict, b: int, prompt_len: int, gen_len: int, vocab: int, warmup: bool,
+                     cuda: bool) -> None:
+    """transformers' ``generate`` of ``b`` seeded prompts, after an unmeasured two-token warm-up (its peak memory
+    then reset), timed as prefill and decode; FlexGen's throughputs into ``rec``. Accelerate's and DeepSpeed's
+    harnesses measure the same way."""
+    import torch
+
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if warmup:
+        ids, mask = prompts(b, prompt_len, vocab, dev)
+        timed_generate(model, ids, mask, 2, cuda)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+    ids, mask = prompts(b, prompt_len, vocab, dev)
+    prefill_s, decode_s, out = timed_generate(model, ids, mask, gen_len, cuda)
+    if out.shape[1] != prompt_len + gen_len:
+        raise RuntimeError(f"generate returned {out.shape[1] - prompt_len} new tokens, asked for {gen_len}")
+    rec.update(flexgen_metrics(b, prompt_len, gen_len, prefill_s, decode_s))
+
+
 def run(model_name: str, prompt_len: int, gen_len: int, budget_gib: float, batch: int | None = None,
         host_limit_gib: float = HOST_LIMIT_GIB, device: str = "cuda", warmup: bool = True) -> dict:
     """One Accelerate run; the result record."""
@@ -223,39 +242,18 @@ def run(model_name: str, prompt_len: int, gen_len: int, budget_gib: float, batch
             offloaded = max(spec.weight_bytes() - on_gpu, 0)
             st["gpu_weight_bytes"] = int(on_gpu)
         rec["settings"] = json.dumps(st, sort_keys=True, default=str)
-        dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
-        if warmup:
-            ids, mask = prompts(b, prompt_len, spec.vocab_size, dev)
-            timed_generate(model, ids, mask, 2, cuda)
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-        ids, mask = prompts(b, prompt_len, spec.vocab_size, dev)
-        prefill_s, decode_s, out = timed_generate(model, ids, mask, gen_len, cuda)
-        if out.shape[1] != prompt_len + gen_len:
-            raise RuntimeError(f"generate returned {out.shape[1] - prompt_len} new tokens, asked for {gen_len}")
-        rec.update(flexgen_metrics(b, prompt_len, gen_len, prefill_s, decode_s))
+        measure_generate(model, rec, b, prompt_len, gen_len, spec.vocab_size, warmup, cuda)
         dec = offloaded * (gen_len - 1)
         rec.update(decode_h2d_bytes=dec, h2d_bytes_per_s=h2d or None,
                    link_bound_decode_tok_s=link_bound(b, gen_len, dec, h2d) if h2d else None)
-    except torch.OutOfMemoryError as e:
-        rec.update(status="oom", reason=str(e).split("\n")[0][:300])
     except Exception as e:  # noqa: BLE001 -- a failure is a result
-        traceback.print_exc()
-        rec.update(status="error", reason=f"{type(e).__name__}: {str(e)[:300]}")
+        record_failure(rec, e)
     rec["settings"] = json.dumps(st, sort_keys=True, default=str)
-    rec["peak_gpu_bytes"] = int(torch.cuda.max_memory_reserved()) if cuda else 0
-    rec["peak_host_bytes"] = peak_rss_bytes()
-    rec["wall_s"] = time.perf_counter() - t0
-    return rec
+    return finish_record(rec, t0, cuda)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--model", default="opt-30b")
-    ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--gen-len", type=int, default=32)
-    ap.add_argument("--budget-gib", type=float, default=16.0)
+    ap = point_parser(__doc__)
     ap.add_argument("--batch", default="auto", help="'auto' (the largest that fits) or a number")
     ap.add_argument("--host-limit-gib", type=float, default=HOST_LIMIT_GIB)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="'cpu': smoke test on a tiny model")

@@ -241,3 +241,42 @@ def env_offline() -> None:
     """Make the hub libraries refuse the network at once instead of timing out (the GPU machine has none)."""
     for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
         os.environ.setdefault(k, "1")
+
+
+def point_parser(doc: str):
+    """The command line every harness shares: one point of the grid (model, prompt and generation lengths, GPU
+    budget); each harness adds its own options."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=doc)
+    ap.add_argument("--model", default="opt-30b")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--gen-len", type=int, default=32)
+    ap.add_argument("--budget-gib", type=float, default=16.0)
+    return ap
+
+
+def record_failure(rec: dict, e: BaseException) -> None:
+    """A run's exception as its record's result: 'oom' for a CUDA out-of-memory, else 'error' (with the traceback
+    on stderr): a failure is a result, and the grid goes on."""
+    import traceback
+
+    import torch
+
+    if isinstance(e, torch.OutOfMemoryError):
+        rec.update(status="oom", reason=str(e).split("\n")[0][:300])
+    else:
+        traceback.print_exc()
+        rec.update(status="error", reason=f"{type(e).__name__}: {str(e)[:300]}")
+
+
+def finish_record(rec: dict, t0: float, cuda: bool = True) -> dict:
+    """The run's peaks and wall time, added to ``rec`` (returned)."""
+    import torch
+
+    rec["peak_gpu_bytes"] = int(torch.cuda.max_memory_reserved()) if cuda else 0
+    rec["peak_host_bytes"] = peak_rss_bytes()
+    rec["wall_s"] = time.perf_counter() - t0
+    return rec
+

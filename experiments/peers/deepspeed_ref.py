@@ -26,17 +26,16 @@ import) and ends with one JSON line.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
-import traceback
 
-from experiments.peers.accelerate_ref import (BATCHES, hf_model_on_meta, materialise, prompts, reserve_bytes,
-                                              timed_generate)
-from experiments.peers.common import (GiB, HOST_LIMIT_GIB, base_record, emit, env_offline, flexgen_metrics,
-                                      link_bound, measure_h2d, peak_rss_bytes, set_gpu_budget, versions)
+from experiments.peers.accelerate_ref import (BATCHES, hf_model_on_meta, materialise, measure_generate,
+                                              reserve_bytes)
+from experiments.peers.common import (GiB, HOST_LIMIT_GIB, base_record, emit, env_offline, finish_record,
+                                      link_bound, measure_h2d, point_parser,
+                                      record_failure, set_gpu_budget, versions)
 
 SYSTEM = "deepspeed-ref"
 
@@ -132,41 +131,20 @@ def run(model_name: str, prompt_len: int, gen_len: int, budget_gib: float, batch
         engine = deepspeed.initialize(model=model, config=cfg)[0]
         st["zero_init_s"] = time.perf_counter() - t1
         model = engine.module.eval()
-        dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
-        if warmup:
-            ids, mask = prompts(b, prompt_len, spec.vocab_size, dev)
-            timed_generate(model, ids, mask, 2, cuda)
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-        ids, mask = prompts(b, prompt_len, spec.vocab_size, dev)
-        prefill_s, decode_s, out = timed_generate(model, ids, mask, gen_len, cuda)
-        if out.shape[1] != prompt_len + gen_len:
-            raise RuntimeError(f"generate returned {out.shape[1] - prompt_len} new tokens, asked for {gen_len}")
-        rec.update(flexgen_metrics(b, prompt_len, gen_len, prefill_s, decode_s))
+        measure_generate(model, rec, b, prompt_len, gen_len, spec.vocab_size, warmup, cuda)
         persistent = sum(p.numel() * 2 for p in model.parameters()
                          if p.numel() <= cfg["zero_optimization"]["stage3_param_persistence_threshold"])
         dec = (spec.weight_bytes() - persistent) * (gen_len - 1)  # ZeRO-3 fetches every other parameter each step
         rec.update(decode_h2d_bytes=dec, h2d_bytes_per_s=h2d,
                    link_bound_decode_tok_s=link_bound(b, gen_len, dec, h2d) if h2d else None)
-    except torch.OutOfMemoryError as e:
-        rec.update(status="oom", reason=str(e).split("\n")[0][:300])
     except Exception as e:  # noqa: BLE001 -- a failure is a result
-        traceback.print_exc()
-        rec.update(status="error", reason=f"{type(e).__name__}: {str(e)[:300]}")
+        record_failure(rec, e)
     rec["settings"] = json.dumps(st, sort_keys=True, default=str)
-    rec["peak_gpu_bytes"] = int(torch.cuda.max_memory_reserved()) if cuda else 0
-    rec["peak_host_bytes"] = peak_rss_bytes()
-    rec["wall_s"] = time.perf_counter() - t0
-    return rec
+    return finish_record(rec, t0, cuda)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--model", default="opt-30b")
-    ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--gen-len", type=int, default=32)
-    ap.add_argument("--budget-gib", type=float, default=16.0)
+    ap = point_parser(__doc__)
     ap.add_argument("--batch", default="auto", help="'auto' (the largest that fits) or a number")
     ap.add_argument("--host-limit-gib", type=float, default=HOST_LIMIT_GIB)
     ap.add_argument("--no-warmup", action="store_true")

@@ -42,12 +42,11 @@ import os
 import sys
 import tempfile
 import time
-import traceback
 import warnings
 
-from experiments.peers.common import (GiB, StandInTokenizer, base_record, emit, env_offline,
-                                      flexgen_metrics, link_bound, measure_h2d, peak_rss_bytes, pow2ceil,
-                                      set_gpu_budget, versions)
+from experiments.peers.common import (GiB, StandInTokenizer, base_record, emit, env_offline, finish_record,
+                                      flexgen_metrics, link_bound, measure_h2d, point_parser,
+                                      pow2ceil, record_failure, set_gpu_budget, versions)
 
 SYSTEM = "flexgen-ref"
 SYSTEM_4BIT = "flexgen-4bit-ref"
@@ -423,8 +422,6 @@ def flexgen_argv(model_name: str, pol: FlexGenPolicy, prompt_len: int, gen_len: 
 def run_policy(model_name: str, pol: FlexGenPolicy, prompt_len: int, gen_len: int, budget_gib: float,
                offload_dir: str | None = None, cut_gen_len: int | None = None) -> dict:
     """Run FlexGen's ``run_flexgen`` for one policy in this process; the result record (``common.base_record``)."""
-    import torch
-
     from offsim import get_model
 
     model = get_model(model_name)
@@ -472,24 +469,13 @@ def run_policy(model_name: str, pol: FlexGenPolicy, prompt_len: int, gen_len: in
                 rec["flexgen_log"] = f.read().strip().replace("\n", " | ")
         except OSError:
             pass
-    except torch.OutOfMemoryError as e:
-        rec.update(status="oom", reason=str(e).split("\n")[0][:300])
     except Exception as e:  # noqa: BLE001 -- one policy's failure is a result, not a crash
-        traceback.print_exc()
-        rec.update(status="error", reason=f"{type(e).__name__}: {str(e)[:300]}")
-    rec["peak_gpu_bytes"] = int(torch.cuda.max_memory_reserved())
-    rec["peak_host_bytes"] = peak_rss_bytes()
-    rec["wall_s"] = time.perf_counter() - t0
-    return rec
+        record_failure(rec, e)
+    return finish_record(rec, t0)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--model", default="opt-30b")
-    ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--gen-len", type=int, default=32)
-    ap.add_argument("--budget-gib", type=float, default=16.0)
+    ap = point_parser(__doc__)
     ap.add_argument("--gpu-batch-size", type=int)
     ap.add_argument("--num-gpu-batches", type=int, default=1)
     ap.add_argument("--percent", type=int, nargs=6)

@@ -16,7 +16,6 @@ Prints ``PEER_RESULT {json}`` per policy (``common.emit``) and ends with one JSO
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import sys
@@ -24,8 +23,8 @@ import time
 import traceback
 from pathlib import Path
 
-from experiments.peers.common import (GiB, HOST_LIMIT_GIB, base_record, emit, link_bound, measure_h2d,
-                                      peak_rss_bytes, versions)
+from experiments.peers.common import (GiB, HOST_LIMIT_GIB, base_record, emit, link_bound, measure_h2d, peak_rss_bytes,
+                                      point_parser, versions)
 
 # system suffix -> (offsim policy, fixed settings); the searched best (experiments.common.best_settings) under
 # those settings. offsim's search picks small blocks on this profile (OPT-30B 512/32 16 GiB: 16 prompts), where
@@ -225,12 +224,7 @@ def run_point(model_name: str, prompt_len: int, gen_len: int, budget_gib: float,
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--model", default="opt-30b")
-    ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--gen-len", type=int, default=32)
-    ap.add_argument("--budget-gib", type=float, default=16.0)
+    ap = point_parser(__doc__)
     ap.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES), choices=list(POLICIES))
     ap.add_argument("--host-limit-gib", type=float, default=HOST_LIMIT_GIB)
     ap.add_argument("--max-batch", type=int, default=256)
