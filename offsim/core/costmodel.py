@@ -415,7 +415,8 @@ def capture_extra_seconds(model: ModelSpec, hw: HardwareSpec, part: str, rows: i
     eagerly (issued kernel by kernel) and then records it as a CUDA graph (offexec/graphs.py). From the profile's
     'capture' rows (``offexec profile --ops``: the probe's step-1 ops, by sequences) less its 'graph' row; ``first``:
     the run's first capture, which also creates the graphs' pool and context (row 'capture', 'first'). 0 where the
-    profile has no such rows. ``rows``: sequences x query tokens."""
+    profile has no such rows. ``rows``: sequences x query tokens. The simulator charges it to the host (issue time:
+    ``sim._capture_extras``)."""
     cap = op_table(hw, model, "capture", "first" if first else part)
     rep = op_table(hw, model, "graph", part)
     if cap is None or rep is None:

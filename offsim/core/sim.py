@@ -115,6 +115,10 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
     # it is issued. With an ideal runtime (zero issue cost, no run-ahead window) this is a no-op.
     has_cost = bool(hw.issue_compute_s or hw.issue_copy_s or hw.issue_graph_s)
     costs = [costmodel.issue_seconds(o, hw, plan.graph_q_tokens, model) for o in ops] if has_cost else None
+    if costs is not None:  # a capture is host work: the issuing thread records the graph (as ``simulate``)
+        for i, extra in captures.items():
+            costs[i] += extra
+        captures = {}
     pred = _window_preds(plan.run_ahead, [op.stream for op in ops])  # None: no window
     issued_at = np.cumsum(costs) if has_cost and pred is None else None
     issued = [False] * n
@@ -227,7 +231,10 @@ def _capture_extras(plan: Plan, rows: list, hw: HardwareSpec) -> dict[int, float
     """{op index: extra seconds} of the ops at which offexec captures a CUDA graph (``costmodel.capture_extra_seconds``):
     the first op in plan order of each graph key -- part, query tokens, layer, and for parts that attend over the GPU
     KV buffers the batch (offexec keys a graph by the addresses it reads: weights, KV buffers). Empty without graphs
-    or without the profile's 'capture' rows. Both engines add these to the ops' durations."""
+    or without the profile's 'capture' rows. Both engines add these to the ops' issue costs -- a capture is host work
+    (the static body's launches, recording, instantiating), which the host overlaps with the GPU's earlier ops --
+    or, for a runtime without issue costs, to the ops' durations. (On the calibration set the first decode step then
+    comes out within a few ms of offexec's, where priced as GPU time it was 10-20 ms long.)"""
     gq = plan.graph_q_tokens
     if not gq or not hw.op_times or costmodel.op_table(hw, plan.model, "capture", "first") is None:
         return {}
@@ -337,8 +344,13 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
             d = cache[key] = costmodel.op_seconds(op_at(i), model, hw, disk_cached=disk_cached,
                                                   graph_q_tokens=plan.graph_q_tokens, comp=comp)
         dur0[i] = d
-    for i, extra in _capture_extras(plan, rows, hw).items():  # graphed ops offexec captures where they first run
-        dur0[i] += extra
+    # graphed ops offexec captures where they first run: host work (the issuing thread runs the static body's
+    # launches and records the graph), so with a runtime that has issue costs it is issue time; else op time
+    captures = _capture_extras(plan, rows, hw)
+    if not (hw.issue_compute_s or hw.issue_copy_s or hw.issue_graph_s):
+        for i, extra in captures.items():
+            dur0[i] += extra
+        captures = {}
     # each stream's ops in plan order (numpy: a tenth of the time of appending op by op)
     sarr = np.asarray(sidx, dtype=np.intp)
     ns = ns_local * ndev
@@ -369,6 +381,8 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
         costs = [(graph_s if graph_q and costmodel.graphed(r[0], r[6].get("part", ""), r[6].get("q_tokens", 0),
                                                            r[2], graph_q)
                   else compute_s) if r[0] == "compute" else copy_issue(r) for r in rows]
+        for i, extra in captures.items():  # a capture is host work: the issuing thread records the graph
+            costs[i] += extra
         if multi:  # one issuing thread per device (offexec: a process per GPU), each in plan order
             dev_arr = np.asarray(odev, dtype=np.intp)
             carr = np.asarray(costs, dtype=float)
