@@ -354,7 +354,8 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     # each stream's ops in plan order (numpy: a tenth of the time of appending op by op)
     sarr = np.asarray(sidx, dtype=np.intp)
     ns = ns_local * ndev
-    by_stream: list[list[int]] = [np.flatnonzero(sarr == s).tolist() for s in range(ns)]
+    by_pos = [np.flatnonzero(sarr == s) for s in range(ns)]
+    by_stream: list[list[int]] = [b.tolist() for b in by_pos]
     deps_of = [r[1] for r in rows]
 
     # the host issues ops one after another in plan order (a single issuing thread); an op cannot start before
@@ -364,7 +365,14 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     costs = None
     # the runtime's window (None: none). Pipeline plans: each device's issuer runs ahead unbounded (its window is
     # not modelled yet)
-    pred = None if multi else _window_preds(plan.run_ahead, [ALL_STREAMS[x] for x in stream_name_idx])
+    pred = None
+    if plan.run_ahead is not None and not multi:  # ``_window_preds``, per stream at once
+        parr = np.full(n, -1, dtype=np.intp)
+        for name, w in zip(WINDOW_STREAMS, plan.run_ahead):
+            b = by_pos[_STREAM_INDEX[name]]
+            if len(b) > w:
+                parr[b[w:]] = b[:-w]
+        pred = parr.tolist()
     if hw.issue_compute_s or hw.issue_copy_s or hw.issue_graph_s:
         graph_q = plan.graph_q_tokens
         compute_s = costmodel.issue_seconds(_KindOnly("compute"), hw)
@@ -485,10 +493,11 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                             seq += 1
                             break
                     issued_ok[i] = True
-                    w = iwaiting.pop(i, None)
-                    if w is not None:  # release the stream waiting for it
-                        push(heap, (now, seq, w))
-                        seq += 1
+                    if iwaiting:
+                        w = iwaiting.pop(i, None)
+                        if w is not None:  # release the stream waiting for it
+                            push(heap, (now, seq, w))
+                            seq += 1
                     iss_i += 1
                 continue
             i = cur[s]
