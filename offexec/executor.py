@@ -54,6 +54,9 @@ class RunResult:
     stats: dict  # memory peaks, issue overhead, pool sizes
     logits: list | None = None  # per (step, batch): [gbs, V] float32 CPU tensors, when asked
     kv: dict = field(default_factory=dict)  # home-tier KV caches after the run, when asked (tests)
+    # host seconds the issuing thread spent on each op (by op id; 0 for host-stream ops, which it hands to a worker):
+    # what ``offexec profile`` reads for its per-part issue rows
+    issue_s_by_op: np.ndarray | None = None
 
 
 def run_plan(plan: Plan, weights: ModelWeights, device: str = "cuda", prompts: torch.Tensor | None = None,
@@ -499,6 +502,7 @@ class Executor:
         self.end = np.zeros(n)
         self.issue_s = self.issue_cpu_s = self.wait_s = 0.0
         self.issue_by_fn: dict = {}
+        self.issue_by_op = [0.0] * n  # (the plan-order path on the CPU leaves it 0: no issuing thread there)
         t_wall = time.perf_counter()
         if self.cuda or self.threaded:
             old = sys.getswitchinterval()
@@ -560,7 +564,8 @@ class Executor:
             kv = {"gpu": None if self.kv_gpu is None else self.kv_gpu.cpu(),
                   "cpu": None if self.kv_host is None else self.kv_host.clone(),
                   "disk": self._read_disk_kv() if self.disk_kv_stride else None}
-        return RunResult(trace, toks.cpu().numpy(), stats, self.logits if self.record_logits else None, kv)
+        return RunResult(trace, toks.cpu().numpy(), stats, self.logits if self.record_logits else None, kv,
+                         np.asarray(self.issue_by_op))
 
     def _host_weight_tier_bytes(self) -> int:
         """Bytes of the host-homed weight ranges h2d ops read: fp16 bytes, or their stored size when compressed."""
@@ -655,6 +660,7 @@ class Executor:
             t.start()
         remaining = n
         issue = issue_cpu = 0.0
+        by_op = self.issue_by_op = [0.0] * n
         self.wait_s = 0.0
         windows = {st: deque() for st in gpu_streams}
         ra = self.plan.run_ahead
@@ -723,6 +729,7 @@ class Executor:
                 win.append(ev1)
                 dt = time.perf_counter() - a
                 issue += dt
+                by_op[best] = dt
                 issue_cpu += time.thread_time() - ca
                 fn = b.fn + " (graph)" if self.replayed else b.fn  # per handler, graphed apart (the profile's
                 by_fn[fn] = by_fn.get(fn, 0.0) + dt  # issue_graph_s: experiments/validation/calibrate_issue.py)

@@ -199,6 +199,8 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
     - ('issue', KIND_TENSOR, [[bytes, s], ...]): the host time offexec spends issuing one copy of a handler
       (``issue_s_by_handler`` over the plan's copies of it), by their median size; an extra form with the KV cache
       and the activations in host memory adds the copies of offloaded runs;
+    - ('issue', 'graph:PART' | 'eager:PART', [[num_seqs, s], ...]): the host time of one decode compute op, replayed
+      or eager (``RunResult.issue_s_by_op``, median over the steps after the captures);
     - ('capture', part, [[num_seqs, s], ...]): a graphed decode op at the first decode step, where offexec runs its
       static body eagerly and captures it; ('capture', 'first', ...): the run's first such op (it also sets up the
       graphs' memory pool);
@@ -289,6 +291,10 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
                 elif op.step >= 2 and p == prompts[0]:  # step 1 captures the graphs
                     mode = "graph" if g == "cuda" and op.part in GRAPHED_PARTS else "eager"
                     samples.setdefault((mode, op.part, op.num_seqs), []).append(dur)
+                    if cuda and res.issue_s_by_op is not None and form is not _ISSUE_FORM:
+                        # the issuing thread's own time on this op (a replay, or an eager op's launches)
+                        samples.setdefault(("issue", f"{mode}:{op.part}", op.num_seqs), []).append(
+                            float(res.issue_s_by_op[op.id]))
                 elif op.step == 1 and p == prompts[0] and g == "cuda" and op.part in GRAPHED_PARTS:
                     # every graph key is new at the first decode step: the static body eagerly, then the capture
                     samples.setdefault(("capture", "first" if first else op.part, op.num_seqs), []).append(dur)

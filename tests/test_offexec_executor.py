@@ -138,6 +138,11 @@ def test_the_plans_run_ahead_window_is_the_executors(run_ahead):
     prompts = _MODELS["opt"][3][:plan.workload.num_prompts]
     res = run_plan(plan, w, "cpu", prompts, record_logits=True, keep_kv=True, threaded=True)
     _check_against_transformers(hf, spec, plan, prompts, res)
+    # the issuing thread's time per op (offexec profile's per-part issue rows): every GPU-stream op has some
+    by_op = res.issue_s_by_op
+    gpu_ops = [o.id for o in plan.ops if o.stream in ("compute", "h2d", "d2h")]
+    assert by_op.shape == (len(plan.ops),) and (by_op[gpu_ops] > 0).all()
+    assert by_op.sum() == pytest.approx(res.stats["issue_s"], rel=1e-6)
 
 
 @pytest.mark.skipif("tightllm" not in POLICIES, reason="offsim.policies.tightllm not present")

@@ -631,3 +631,27 @@ def test_copy_issue_costs_follow_the_profiles_issue_rows():
 
     assert C.issue_seconds(_KindOnly("h2d", tensor="kv", nbytes=int(1e10)), fast, 0, M) == pytest.approx(2e-5)
     assert C.table_seconds(curve(fast, "issue", "h2d_kv"), 1e10) == pytest.approx(2e-5 * 100)
+
+
+def test_compute_issue_costs_follow_the_profiles_part_rows():
+    """A compute op whose part has an 'issue' row ('graph:PART' replayed, 'eager:PART' not) costs that row at its
+    sequences to issue (flat past the largest measured), in both engines; parts without one keep the flat costs."""
+    from offsim.core.sim import _KindOnly
+
+    slow = H200.with_(op_times=ROWS, issue_compute_s=1e-3, issue_copy_s=1e-5, issue_graph_s=1e-3)
+    fast = slow.with_(op_times=ROWS + ((KEY, "issue", "graph:layer", ((1.0, 1e-5), (16.0, 2e-5))),))
+    plan = build_plan("flexgen", M, fast, Workload(16, 4, 2, 2), {"percent": [100, 0, 100, 0, 100, 0],
+                                                                   "sublayer": False})
+    layer = [op for op in plan.ops if op.kind == "compute" and op.part == "layer" and op.step > 0]
+    assert layer and all(C.graphed(o.kind, o.part, o.q_tokens, o.phase) for o in layer)
+    for op in layer:
+        assert C.issue_seconds(op, fast, plan.graph_q_tokens, M) == pytest.approx(
+            C.table_seconds(curve(fast, "issue", "graph:layer"), op.num_seqs), rel=1e-12)
+    big = _KindOnly("compute", "layer", 1, "decode", num_seqs=1000)
+    assert C.issue_seconds(big, fast, plan.graph_q_tokens, M) == pytest.approx(2e-5)  # flat past 16 sequences
+    head = next(o for o in plan.ops if o.kind == "compute" and o.part == "head")
+    assert C.issue_seconds(head, fast, plan.graph_q_tokens, M) == fast.issue_compute_s  # no row for it
+    prefill = next(o for o in plan.ops if o.kind == "compute" and o.part == "layer" and o.step == 0)
+    assert C.issue_seconds(prefill, fast, plan.graph_q_tokens, M) == fast.issue_compute_s  # eager: no eager row
+    t_fast, t_slow = same_traces(plan, fast), same_traces(plan, slow)
+    assert t_fast.metrics()["decode_s"] < t_slow.metrics()["decode_s"]  # host-bound at 1 ms a layer op

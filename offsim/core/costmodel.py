@@ -428,7 +428,8 @@ def issue_seconds(op, hw: HardwareSpec, graph_q_tokens: int = 0, model: ModelSpe
     """Host time the runtime spends issuing ``op`` (see ``HardwareSpec.issue_compute_s``); a decode op that the plan
     replays as a graph (``graph_q_tokens``: the plan's ``graph_q_tokens``) costs ``issue_graph_s`` where the profile
     measured it. A copy costs its handler's row ('issue', KIND_TENSOR, by bytes: ``offexec profile --ops``, offexec's
-    own issue time per handler) where ``model``'s layer shape has one, else ``issue_copy_s``."""
+    own issue time per handler) where ``model``'s layer shape has one, else ``issue_copy_s``; a compute op its part's
+    row ('issue', 'graph:PART' or 'eager:PART', by sequences) where there is one."""
     if op.kind != "compute":
         if model is not None and hw.op_times:
             curve = op_table(hw, model, "issue", f"{op.kind}_{getattr(op, 'tensor', '')}")
@@ -437,8 +438,15 @@ def issue_seconds(op, hw: HardwareSpec, graph_q_tokens: int = 0, model: ModelSpe
                 # no more: the bytes move on the copy engine, not in the issuing thread
                 return table_seconds(curve, getattr(op, "nbytes", 0), flat_past_largest=True)
         return hw.issue_copy_s
-    if graph_q_tokens and hw.issue_graph_s and graphed(op.kind, getattr(op, "part", ""), getattr(op, "q_tokens", 0),
-                                                       getattr(op, "phase", ""), graph_q_tokens):
+    g = bool(graph_q_tokens) and graphed(op.kind, getattr(op, "part", ""), getattr(op, "q_tokens", 0),
+                                         getattr(op, "phase", ""), graph_q_tokens)
+    if model is not None and hw.op_times:
+        # the part's own row ('issue', 'graph:PART' | 'eager:PART', by sequences: offexec profile --ops), flat past
+        # the largest batch measured: a replay, or an eager op's launches, costs the host the same whatever its size
+        curve = op_table(hw, model, "issue", ("graph:" if g else "eager:") + getattr(op, "part", ""))
+        if curve is not None:
+            return table_seconds(curve, max(getattr(op, "num_seqs", 1), 1), flat_past_largest=True)
+    if g and hw.issue_graph_s:
         return hw.issue_graph_s
     return hw.issue_compute_s
 

@@ -257,15 +257,15 @@ def _capture_extras(plan: Plan, rows: list, hw: HardwareSpec) -> dict[int, float
 
 
 class _KindOnly:
-    """Stands for an op where a cost function reads only its kind, part, query length, phase, tensor and bytes
-    (``costmodel.issue_seconds``)."""
+    """Stands for an op where a cost function reads only its kind, part, query length, phase, tensor, bytes and
+    sequences (``costmodel.issue_seconds``)."""
 
-    __slots__ = ("kind", "part", "q_tokens", "phase", "tensor", "nbytes")
+    __slots__ = ("kind", "part", "q_tokens", "phase", "tensor", "nbytes", "num_seqs")
 
     def __init__(self, kind: str, part: str = "", q_tokens: int = 0, phase: str = "", tensor: str = "",
-                 nbytes: int = 0):
+                 nbytes: int = 0, num_seqs: int = 1):
         self.kind, self.part, self.q_tokens, self.phase = kind, part, q_tokens, phase
-        self.tensor, self.nbytes = tensor, nbytes
+        self.tensor, self.nbytes, self.num_seqs = tensor, nbytes, num_seqs
 
 
 def simulate(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> Trace:
@@ -386,9 +386,24 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                 c = copy_s[k] = costmodel.issue_seconds(_KindOnly(k[0], tensor=k[1], nbytes=k[2]), hw, 0, model)
             return c
 
-        costs = [(graph_s if graph_q and costmodel.graphed(r[0], r[6].get("part", ""), r[6].get("q_tokens", 0),
-                                                           r[2], graph_q)
-                  else compute_s) if r[0] == "compute" else copy_issue(r) for r in rows]
+        part_rows = any(m == "issue" and ":" in part for _, m, part, _ in (hw.op_times or ()))
+        comp_s: dict[tuple, float] = {}  # (part, q, phase, sequences) -> a compute op's cost (its part's row)
+
+        def compute_issue(r) -> float:
+            g = r[6].get
+            k = (g("part", ""), g("q_tokens", 0), r[2], g("num_seqs", 1))
+            c = comp_s.get(k)
+            if c is None:
+                c = comp_s[k] = costmodel.issue_seconds(_KindOnly("compute", k[0], k[1], k[2], num_seqs=k[3]), hw,
+                                                        graph_q, model)
+            return c
+
+        if part_rows:  # the profile prices each part's compute ops apart ('issue', 'graph:PART' / 'eager:PART')
+            costs = [compute_issue(r) if r[0] == "compute" else copy_issue(r) for r in rows]
+        else:
+            costs = [(graph_s if graph_q and costmodel.graphed(r[0], r[6].get("part", ""),
+                                                               r[6].get("q_tokens", 0), r[2], graph_q)
+                      else compute_s) if r[0] == "compute" else copy_issue(r) for r in rows]
         for i, extra in captures.items():  # a capture is host work: the issuing thread records the graph
             costs[i] += extra
         if multi:  # one issuing thread per device (offexec: a process per GPU), each in plan order
@@ -405,7 +420,8 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
         is_host = [x in host_idx for x in stream_name_idx]
         gate_s = _host_gates(is_host, [r[1] for r in rows], lambda i: costmodel.issue_seconds(
             _KindOnly(rows[i][0], rows[i][6].get("part", ""), rows[i][6].get("q_tokens", 0), rows[i][2],
-                      rows[i][6].get("tensor", ""), rows[i][6].get("nbytes", 0)), hw, graph_q, model))
+                      rows[i][6].get("tensor", ""), rows[i][6].get("nbytes", 0), rows[i][6].get("num_seqs", 1)),
+            hw, graph_q, model))
         gated = [False] * ns  # the stream's next op waits out its host gate (scheduled once)
 
     start = [0.0] * n
