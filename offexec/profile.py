@@ -604,7 +604,7 @@ def add_profile_parser(sub) -> None:
                         "query tokens as CUDA graphs)")
     p.add_argument("--capture-only", action="store_true",
                    help="with --ops: measure only the graph-capture rows (graphed decode ops at the first decode "
-                        "step) and the copy-issue rows (host time per copy of each kind)")
+                        "step) and the issue rows (host time per copy of each kind, and per replayed decode op of each part)")
     p.add_argument("--quant-only", action="store_true",
                    help="with --base: measure only the 4-bit dequantize rates (quant_bytes_per_s, at --model's shapes) "
                         "and keep the rest of the base profile")
