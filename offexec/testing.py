@@ -97,3 +97,22 @@ TIER_CASES = [
     ("flexgen", {"percent": (50, 25, 25, 25, 0, 100), "sublayer": False}, 2, 2),  # every tier, activations parked
     ("flexgen", {"percent": (0, 50, 0, 50, 100, 0), "cpu_attention": True, "sublayer": False}, 2, 2),
 ]
+
+
+def fake_quantized_store(monkeypatch):
+    """Make an uncompressed run store what a compressed cache stores: after each attention (over the fresh fp16
+    new tokens, as the compressed run attends), the new positions' K/V in the buffers become
+    dequantize(quantize(kv)); loads, stores and later attention then see the 4-bit values."""
+    from offexec import quant
+    from offexec.executor import Executor
+
+    orig = Executor._attend_gpu
+
+    def attend(self, op, args, q, k_new, v_new):
+        out = orig(self, op, args, q, k_new, v_new)
+        start, ctx = op.ctx_tokens - op.q_tokens, op.ctx_tokens
+        for _, _, buf in self._kv_buffers(op, args):
+            buf[start:ctx] = quant.dequantize(quant.quantize_kv(buf[start:ctx]), buf.dtype)
+        return out
+
+    monkeypatch.setattr(Executor, "_attend_gpu", attend)

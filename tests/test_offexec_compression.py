@@ -10,7 +10,7 @@ import torch
 
 from offexec import quant
 from offexec.executor import Executor, compression_of, gpu_need, run_plan
-from offexec.testing import tiny_hf
+from offexec.testing import fake_quantized_store, tiny_hf
 from offexec.weights import from_state_dict
 from offsim import POLICIES, Workload, build_plan, get_hardware
 from offsim.core import footprint as fp
@@ -179,22 +179,6 @@ KV_CASES = [
 ]
 
 
-def _fake_quantized_store(monkeypatch):
-    """Make an uncompressed run store what a compressed cache stores: after each attention (over the fresh fp16
-    new tokens, as the compressed run attends), the new positions' K/V in the buffers become
-    dequantize(quantize(kv)); loads, stores and later attention then see the 4-bit values."""
-    orig = Executor._attend_gpu
-
-    def attend(self, op, args, q, k_new, v_new):
-        out = orig(self, op, args, q, k_new, v_new)
-        start, ctx = op.ctx_tokens - op.q_tokens, op.ctx_tokens
-        for _, _, buf in self._kv_buffers(op, args):
-            buf[start:ctx] = quant.dequantize(quant.quantize_kv(buf[start:ctx]), buf.dtype)
-        return out
-
-    monkeypatch.setattr(Executor, "_attend_gpu", attend)
-
-
 @pytest.mark.parametrize("policy,settings,gbs,nb", KV_CASES, ids=[_case_id(c) for c in KV_CASES])
 @pytest.mark.parametrize("family", ["opt", "llama"])
 def test_compressed_cache_equals_an_fp16_run_storing_fake_quantized_kv(family, policy, settings, gbs, nb,
@@ -209,7 +193,7 @@ def test_compressed_cache_equals_an_fp16_run_storing_fake_quantized_kv(family, p
     n = wl.num_prompts
     res = run_plan(plan, w, "cpu", prompts[:n], record_logits=True, keep_kv=True)
     exact = run_plan(plain, w, "cpu", prompts[:n], record_logits=True, keep_kv=True)
-    _fake_quantized_store(monkeypatch)
+    fake_quantized_store(monkeypatch)
     ref = run_plan(plain, w, "cpu", prompts[:n], record_logits=True)
     np.testing.assert_array_equal(res.tokens, ref.tokens)
     for (s, b, a), (_, _, r), (_, _, x) in zip(res.logits, ref.logits, exact.logits):

@@ -15,8 +15,8 @@ import torch
 
 from offexec import model as M
 from offexec import quant
-from offexec.executor import Executor, compression_of, run_plan
-from offexec.testing import tiny_hf
+from offexec.executor import compression_of, run_plan
+from offexec.testing import fake_quantized_store, tiny_hf
 from offexec.weights import from_state_dict
 from offsim import POLICIES, Workload, build_plan, get_hardware, simulate
 from offsim.core import costmodel as cm
@@ -242,16 +242,7 @@ def test_sparse_with_a_compressed_cache(family, monkeypatch):
     both = run_plan(build_plan("flexgen", spec, HW, wl, {**st, "compress_cache": True, "compress_weight": True}), w,
                     "cpu", prompts[:4, :PROMPT])
     assert both.stats["sparse_v_rows"] == res.stats["sparse_v_rows"]
-    orig = Executor._attend_gpu
-
-    def attend(self, op, args, q, k_new, v_new):
-        out = orig(self, op, args, q, k_new, v_new)
-        start, ctx = op.ctx_tokens - op.q_tokens, op.ctx_tokens
-        for _, _, buf in self._kv_buffers(op, args):
-            buf[start:ctx] = quant.dequantize(quant.quantize_kv(buf[start:ctx]), buf.dtype)
-        return out
-
-    monkeypatch.setattr(Executor, "_attend_gpu", attend)
+    fake_quantized_store(monkeypatch)
     ref = run_plan(build_plan("flexgen", spec, HW, wl, st), w, "cpu", prompts[:4, :PROMPT], record_logits=True)
     np.testing.assert_array_equal(res.tokens, ref.tokens)
     assert res.stats["sparse_v_rows"] == ref.stats["sparse_v_rows"]
