@@ -160,12 +160,11 @@ def cmd_run(args) -> dict:
     import torch  # imported here so that `offexec --help` and argument errors stay fast
 
     from .executor import check_plan, run_plan
+    from .memory import require_device
     from .weights import load_checkpoint, random_weights
 
     check_output_path(args.trace, "--trace")
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise OffsimError("--device cuda was asked but no CUDA device is available (use --device cpu)")
+    device = require_device(args.device)
     if device.type not in ("cuda", "cpu"):
         raise OffsimError(f"--device must be 'cuda' or 'cpu', got {args.device!r}")
     hw = get_hardware(args.hardware, args.gpu_mem_gb)

@@ -39,7 +39,8 @@ from . import model as M
 from . import quant
 from .graphs import GRAPH_MODES, DecodeGraphs
 from .memory import (BufferPool, DiskTier, ExecError, GpuArena, HostBuffer, apply_gpu_budget, check_disk_dir,
-                     check_gpu_budget, configure_allocator, executor_streams, host_tensor, warm_library_workspace)
+                     check_gpu_budget, configure_allocator, executor_streams, host_tensor, require_device,
+                     warm_library_workspace)
 from .program import GPU_STREAMS, HOST_STREAMS, P2P_STREAM, Program, bind, pool_of
 from .weights import ModelWeights
 
@@ -240,9 +241,7 @@ class Executor:
         if weights.spec.layer_weight_bytes() != plan.model.layer_weight_bytes() or \
                 weights.spec.num_layers != plan.model.num_layers:
             raise ExecError(f"weights are for model {weights.spec.name}, the plan for {plan.model.name}")
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ExecError("--device cuda was asked but no CUDA device is available (use --device cpu)")
+        self.device = require_device(device)
         if self.device.type not in ("cuda", "cpu"):
             raise ExecError(f"--device must be 'cuda' or 'cpu', got {device!r}")
         self.cuda = self.device.type == "cuda"

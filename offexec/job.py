@@ -429,8 +429,6 @@ def _err(pred: float, meas: float):
 
 
 def cmd_job(args) -> list[dict]:
-    import torch
-
     from offsim.cli import _print_json, _rank, _ranked_table, _short_reason
 
     spec = J.load_job_spec(args.spec)
@@ -447,8 +445,10 @@ def cmd_job(args) -> list[dict]:
             raise OffsimError(f"unknown policy {pol!r}; valid: {', '.join(POLICIES)}")
     if args.device not in ("cuda", "cpu"):
         raise OffsimError(f"--device must be 'cuda' or 'cpu', got {args.device!r}")
-    if args.device == "cuda" and not torch.cuda.is_available() and not args.report_only:
-        raise OffsimError("--device cuda was asked but no CUDA device is available (use --device cpu)")
+    if not args.report_only:
+        from .memory import require_device
+
+        require_device(args.device)
     hw_arg = args.hardware or spec.hardware
     hw = get_hardware(hw_arg, args.gpu_mem_gb if args.gpu_mem_gb is not None else spec.gpu_mem_gb)
     model = get_model(spec.model)

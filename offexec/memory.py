@@ -46,6 +46,15 @@ class ExecError(OffsimError):
     """The executor cannot run this plan here (budget, device, disk room, checkpoint): the message says why."""
 
 
+def require_device(name) -> "torch.device":
+    """``name`` as a torch device, refused in one line when it asks for CUDA on a machine without it (every
+    offexec command and the executor check it the same way)."""
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ExecError("--device cuda was asked but no CUDA device is available (use --device cpu)")
+    return dev
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # host memory
 # ----------------------------------------------------------------------------------------------------------------

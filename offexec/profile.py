@@ -519,13 +519,12 @@ def run_profile(model: str = "opt-30b", device: str = "cuda", quick: bool = Fals
     """Measure this machine; return the profile dict (``HardwareSpec.from_dict`` accepts it)."""
     import torch
 
-    from offsim.core.errors import OffsimError
     from offsim.core.provenance import provenance
     from offsim.core.specs import HARDWARE_SCHEMA, HardwareSpec, get_model
 
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise OffsimError("--device cuda was asked but no CUDA device is available (use --device cpu)")
+    from .memory import require_device
+
+    dev = require_device(device)
     spec = get_model(model)
     if quick:  # CI: tiny shapes, few repetitions, small disk file
         import dataclasses
@@ -684,15 +683,12 @@ def cmd_profile(args) -> dict:
     else:
         d = run_profile(args.model, args.device, args.quick, args.peak_tflops, args.disk_dir, args.name)
     if args.quant_only:
-        import torch
-
         from offsim.core.provenance import provenance
         from offsim.core.specs import HardwareSpec, get_model
 
-        dev = torch.device(args.device)
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise OffsimError("--device cuda was asked but no CUDA device is available (use --device cpu)")
-        qr = profile_quant(dev, get_model(args.model), 10)
+        from .memory import require_device
+
+        qr = profile_quant(require_device(args.device), get_model(args.model), 10)
         d = {**d, "quant_bytes_per_s": qr["quant_bytes_per_s"]}
         HardwareSpec.from_dict(d)
         d["provenance"] = {**d.get("provenance", {}),

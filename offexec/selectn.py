@@ -208,8 +208,9 @@ def cmd_record(args) -> dict:
     check_output_path(args.out, "--out")
     if args.device not in ("cuda", "cpu"):
         raise OffsimError(f"--device must be 'cuda' or 'cpu', got {args.device!r}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise OffsimError("--device cuda was asked but no CUDA device is available (use --device cpu)")
+    from .memory import require_device
+
+    require_device(args.device)
     if args.repeats < 1:
         raise OffsimError(f"--repeats must be at least 1, got {args.repeats}")
     if args.time_limit_s is not None and not args.time_limit_s > 0:

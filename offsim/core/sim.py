@@ -59,21 +59,20 @@ def _host_gates(is_host, deps_of, cost) -> list[float]:
 WINDOW_STREAMS = ("compute", "h2d", "d2h")  # the streams of ``Plan.run_ahead``, in its order
 
 
-def _window_preds(run_ahead, streams: list[str]) -> list[int] | None:
+def _window_preds(run_ahead, streams) -> list[int] | None:
     """Per op (plan order): the op ``run_ahead`` places earlier on its stream, which must have finished before the
-    runtime issues it (offexec's flow control), or -1; None without a window (``run_ahead`` None). Ops on the host
-    streams are handed to worker threads and have no window."""
+    runtime issues it (offexec's flow control), or -1; None without a window (``run_ahead`` None). ``streams``: each
+    op's stream name (a sequence or a numpy array). Ops on the host streams are handed to worker threads and have no
+    window. Both engines take their windows from here."""
     if run_ahead is None:
         return None
-    width = dict(zip(WINDOW_STREAMS, run_ahead))
-    seen: dict[str, list[int]] = {}
-    out = []
-    for i, st in enumerate(streams):
-        lst = seen.setdefault(st, [])
-        w = width.get(st)
-        out.append(lst[-w] if w is not None and len(lst) >= w else -1)
-        lst.append(i)
-    return out
+    names = np.asarray(streams)
+    pred = np.full(len(names), -1, dtype=np.intp)
+    for name, w in zip(WINDOW_STREAMS, run_ahead):
+        b = np.flatnonzero(names == name)
+        if len(b) > w:
+            pred[b[w:]] = b[:-w]
+    return pred.tolist()
 
 
 def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> Trace:
@@ -354,8 +353,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     # each stream's ops in plan order (numpy: a tenth of the time of appending op by op)
     sarr = np.asarray(sidx, dtype=np.intp)
     ns = ns_local * ndev
-    by_pos = [np.flatnonzero(sarr == s) for s in range(ns)]
-    by_stream: list[list[int]] = [b.tolist() for b in by_pos]
+    by_stream: list[list[int]] = [np.flatnonzero(sarr == s).tolist() for s in range(ns)]
     deps_of = [r[1] for r in rows]
 
     # the host issues ops one after another in plan order (a single issuing thread); an op cannot start before
@@ -365,14 +363,8 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     costs = None
     # the runtime's window (None: none). Pipeline plans: each device's issuer runs ahead unbounded (its window is
     # not modelled yet)
-    pred = None
-    if plan.run_ahead is not None and not multi:  # ``_window_preds``, per stream at once
-        parr = np.full(n, -1, dtype=np.intp)
-        for name, w in zip(WINDOW_STREAMS, plan.run_ahead):
-            b = by_pos[_STREAM_INDEX[name]]
-            if len(b) > w:
-                parr[b[w:]] = b[:-w]
-        pred = parr.tolist()
+    pred = None if multi else _window_preds(plan.run_ahead,
+                                            np.asarray(ALL_STREAMS)[np.asarray(stream_name_idx, dtype=np.intp)])
     if hw.issue_compute_s or hw.issue_copy_s or hw.issue_graph_s:
         graph_q = plan.graph_q_tokens
         compute_s = costmodel.issue_seconds(_KindOnly("compute"), hw)
