@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--trace", default=None, metavar="FILE",
                    help="write the measured trace: .csv (offsim's trace schema) or Chrome/Perfetto JSON otherwise")
     r.add_argument("--progress", action="store_true", help="show progress bars while weights are prepared")
+    r.add_argument("--host-profile", default=None, metavar="FILE",
+                   help="profile the measured run's issuing thread with cProfile (where host issue time goes): "
+                        "pstats to FILE, the 25 costliest functions printed")
     from .profile import add_profile_parser
 
     add_profile_parser(sub)  # `offexec profile`: the hardware-profile JSON offsim loads
@@ -164,6 +167,7 @@ def cmd_run(args) -> dict:
     from .weights import load_checkpoint, random_weights
 
     check_output_path(args.trace, "--trace")
+    check_output_path(args.host_profile, "--host-profile")
     device = require_device(args.device)
     if device.type not in ("cuda", "cpu"):
         raise OffsimError(f"--device must be 'cuda' or 'cpu', got {args.device!r}")
@@ -193,9 +197,18 @@ def cmd_run(args) -> dict:
             run_plan(warm, weights, args.device, seed=args.seed, gpu_budget_bytes=budget, disk_dir=args.disk_dir,
                      allocator_cap=args.allocator_cap)
             warmup_s = time.perf_counter() - t0
+        prof = None
+        if args.host_profile:  # the issuing thread is this one (host-stream workers are not profiled)
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
         res = run_plan(plan, weights, args.device, seed=args.seed, gpu_budget_bytes=budget, disk_dir=args.disk_dir,
                        allocator_cap=args.allocator_cap,
                        meta={"hardware": hw.name, "warmup": warm is not None, **prov})
+        if prof is not None:
+            prof.disable()
+            prof.dump_stats(args.host_profile)
     finally:
         weights.close()
     measured = res.trace.metrics()
@@ -227,7 +240,13 @@ def cmd_run(args) -> dict:
           f"(pre-check {sum(need.values()) / GiB:.3f} GiB; offsim {predicted['peak_gpu_bytes'] / GiB:.3f}); "
           f"host {measured['peak_cpu_bytes'] / GiB:.3f} GiB (+ {st['host_weights_master_bytes'] / GiB:.3f} GiB "
           f"host master of all weights); disk {measured['peak_disk_bytes'] / GiB:.3f} GiB")
-    print(f"host time issuing ops: {st['issue_s']:.3f} s = {st['issue_frac']:.1%} of the run")
+    print(f"host time issuing ops: {st['issue_s']:.3f} s = {st['issue_frac']:.1%} of the run; by handler: "
+          + ", ".join(f"{k} {v:.3f} s" for k, v in sorted(st["issue_s_by_handler"].items(), key=lambda kv: -kv[1])))
+    if args.host_profile:
+        import pstats
+
+        print(f"cProfile of the issuing thread ({args.host_profile}), by own time:")
+        pstats.Stats(args.host_profile, stream=sys.stdout).sort_stats("tottime").print_stats(25)
     g = st["graphs"]
     if g["mode"] == "cuda":
         print(f"CUDA graphs: {g['graphs']} decode ops captured in {g['capture_s']:.2f} s, {g['replays']} replays"
@@ -239,7 +258,8 @@ def cmd_run(args) -> dict:
                                                    "peak_gpu_bytes")},
            "error": {r["phase"]: r["error"] if comparable else None for r in rows}, "comparable": comparable,
            "warmup": None if warm is None else {"gen_len": warm.workload.gen_len, "wall_s": warmup_s},
-           "issue_s": st["issue_s"], "issue_frac": st["issue_frac"], "graphs": st["graphs"],
+           "issue_s": st["issue_s"], "issue_frac": st["issue_frac"], "issue_s_by_handler": st["issue_s_by_handler"],
+           "run_ahead_wait_s": st["run_ahead_wait_s"], "graphs": st["graphs"],
            "budget_bytes": budget, "within_budget": measured["peak_gpu_bytes"] <= budget,
            "policy": plan.policy, "settings": plan.settings, "model": model.name, "workload": wl.to_dict(),
            "plan_file": args.plan, "provenance": prov}
