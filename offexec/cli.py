@@ -259,7 +259,7 @@ def cmd_run(args) -> dict:
            "error": {r["phase"]: r["error"] if comparable else None for r in rows}, "comparable": comparable,
            "warmup": None if warm is None else {"gen_len": warm.workload.gen_len, "wall_s": warmup_s},
            "issue_s": st["issue_s"], "issue_frac": st["issue_frac"], "issue_s_by_handler": st["issue_s_by_handler"],
-           "run_ahead_wait_s": st["run_ahead_wait_s"], "graphs": st["graphs"],
+           "run_ahead_wait_s": st["run_ahead_wait_s"], "graphs": st["graphs"], "allocator": st.get("allocator"),
            "budget_bytes": budget, "within_budget": measured["peak_gpu_bytes"] <= budget,
            "policy": plan.policy, "settings": plan.settings, "model": model.name, "workload": wl.to_dict(),
            "plan_file": args.plan, "provenance": prov}
