@@ -242,6 +242,9 @@ def cmd_run(args) -> dict:
           f"host master of all weights); disk {measured['peak_disk_bytes'] / GiB:.3f} GiB")
     print(f"host time issuing ops: {st['issue_s']:.3f} s = {st['issue_frac']:.1%} of the run; by handler: "
           + ", ".join(f"{k} {v:.3f} s" for k, v in sorted(st["issue_s_by_handler"].items(), key=lambda kv: -kv[1])))
+    if "host_bound_idle_s" in st:
+        print(f"GPU compute idle waiting for the host to issue: {st['host_bound_idle_s']:.3f} s = "
+              f"{st['host_bound_idle_frac']:.1%} of the run (issue time that overlapped GPU work is not counted)")
     if args.host_profile:
         import pstats
 
@@ -259,6 +262,7 @@ def cmd_run(args) -> dict:
            "error": {r["phase"]: r["error"] if comparable else None for r in rows}, "comparable": comparable,
            "warmup": None if warm is None else {"gen_len": warm.workload.gen_len, "wall_s": warmup_s},
            "issue_s": st["issue_s"], "issue_frac": st["issue_frac"], "issue_s_by_handler": st["issue_s_by_handler"],
+           "host_bound_idle_s": st.get("host_bound_idle_s"), "host_bound_idle_frac": st.get("host_bound_idle_frac"),
            "run_ahead_wait_s": st["run_ahead_wait_s"], "graphs": st["graphs"], "allocator": st.get("allocator"),
            "budget_bytes": budget, "within_budget": measured["peak_gpu_bytes"] <= budget,
            "policy": plan.policy, "settings": plan.settings, "model": model.name, "workload": wl.to_dict(),

@@ -218,6 +218,25 @@ def check_plan(plan: Plan, device, budget_bytes: int, disk_dir: str | None = Non
     return need
 
 
+
+def host_bound_idle_s(plan: Plan, start: np.ndarray, end: np.ndarray, issued_at: np.ndarray,
+                      stream: str = "compute") -> float:
+    """Seconds the GPU's ``stream`` sat idle because the host had not issued its next op yet: for each op on the
+    stream (in start order), the part of the gap after the previous op's end that passed before the op's issue ended
+    on the host (``issued_at``, the host clock from the run's start, which the GPU times share: both count from the
+    reference event the host waited for). Host issue time that overlaps GPU work (the host ahead, or blocked in a
+    launch or an allocator sync while the GPU is busy) is not counted: this is the host's cost the run really paid.
+    GPU clock and host clock agree to the few microseconds between the reference event's end and the host's wake-up."""
+    ids = np.array([op.id for op in plan.ops if op.stream == stream], dtype=np.int64)
+    if len(ids) < 2:
+        return 0.0
+    ids = ids[np.argsort(start[ids], kind="stable")]
+    prev_end = np.maximum.accumulate(end[ids])[:-1]
+    nxt = ids[1:]
+    lost = np.minimum(start[nxt], issued_at[nxt]) - prev_end
+    return float(np.clip(np.nan_to_num(lost, nan=0.0), 0.0, None).sum())
+
+
 class Executor:
     # flow control: ops the issuing thread may have outstanding on each stream. Waiting here is not issue time; it
     # keeps every CUDA call from blocking on a full launch or copy queue, so issue time measures only host work
@@ -502,6 +521,7 @@ class Executor:
         self.issue_s = self.issue_cpu_s = self.wait_s = 0.0
         self.issue_by_fn: dict = {}
         self.issue_by_op = [0.0] * n  # (the plan-order path on the CPU leaves it 0: no issuing thread there)
+        self.dispatch_s = 0.0
         t_wall = time.perf_counter()
         if self.cuda or self.threaded:
             old = sys.getswitchinterval()
@@ -522,6 +542,7 @@ class Executor:
         toks = toks.reshape(wl.num_prompts, wl.gen_len)
         peaks = {"gpu": 0, "cpu": 0, "disk": self.disk.size_bytes if self.disk else 0}
         stats = {"wall_s": wall_s, "issue_s": self.issue_s, "issue_cpu_s": self.issue_cpu_s,
+                 "dispatch_s": self.dispatch_s, "dispatch_s_per_op": self.dispatch_s / n if n else 0.0,
                  "run_ahead_wait_s": self.wait_s, "switch_interval_s": self.switch_interval_s,
                  "issue_s_by_handler": dict(self.issue_by_fn), "gpu_need_bytes": self.gpu_need,
                  "pool_buffers": {k: p.count for k, p in self.pools.items()},
@@ -548,6 +569,9 @@ class Executor:
         peaks["cpu"] = stats["host_weights_tier_bytes"] + stats["host_kv_bytes"] + self.prog.host_peak_bytes
         makespan = float(self.end.max()) if n else 0.0
         stats["issue_frac"] = self.issue_s / makespan if makespan > 0 else 0.0
+        if self.cuda and n:
+            stats["host_bound_idle_s"] = host_bound_idle_s(self.plan, self.start, self.end, self.issued_at)
+            stats["host_bound_idle_frac"] = stats["host_bound_idle_s"] / makespan if makespan > 0 else 0.0
         m = {"model": self.spec.name, "hardware": meta.get("hardware", self.device.type), "policy": self.plan.policy,
              "workload": wl.to_dict(), "settings": self.plan.settings,
              "derived": self.plan.derived, "source": "offexec", "device": str(self.device),
@@ -660,6 +684,7 @@ class Executor:
         remaining = n
         issue = issue_cpu = 0.0
         by_op = self.issue_by_op = [0.0] * n
+        issued_at = self.issued_at = np.full(n, np.nan)  # host clock (s from t0) when each GPU op's issue ended
         self.wait_s = 0.0
         windows = {st: deque() for st in gpu_streams}
         ra = self.plan.run_ahead
@@ -668,6 +693,8 @@ class Executor:
         by_fn: dict[str, float] = {}
         self.issue_by_fn = by_fn
         cur = None
+        idle = 0.0  # the loop waiting for a host op to finish (nothing issuable)
+        t_loop = time.perf_counter()
         try:
             while remaining:
                 best = None
@@ -685,12 +712,14 @@ class Executor:
                     if ok:
                         best = oid
                 if best is None:
+                    wi = time.perf_counter()
                     with cond:
                         if errors:
                             raise errors[0]
                         cond.wait(timeout=0.05)
                         if errors:
                             raise errors[0]
+                    idle += time.perf_counter() - wi
                     continue
                 op = ops[best]
                 queues[op.stream].popleft()
@@ -726,12 +755,17 @@ class Executor:
                 self.ev_start[best], self.ev_end[best] = ev0, ev1
                 self._done(b, (ev1,))
                 win.append(ev1)
-                dt = time.perf_counter() - a
+                z = time.perf_counter()
+                dt = z - a
                 issue += dt
                 by_op[best] = dt
+                issued_at[best] = z - self.t0
                 issue_cpu += time.thread_time() - ca
                 fn = b.fn + " (graph)" if self.replayed else b.fn  # per handler, graphed apart (the profile's
                 by_fn[fn] = by_fn.get(fn, 0.0) + dt  # issue_graph_s: experiments/validation/calibrate_issue.py)
+            # the loop's own time per op, outside the handlers: finding the next op, its dependencies, the window's
+            # bookkeeping (offsim prices it beside each handler's issue time: the profile's ('issue', 'dispatch') rows)
+            self.dispatch_s = max(0.0, time.perf_counter() - t_loop - issue - self.wait_s - idle)
             for sname in HOST_STREAMS:
                 with cond:
                     host_q[sname].append(-1)

@@ -260,6 +260,8 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
             run_plan(plan, weights, device, graphs=g, allocator_cap="budget")
             res = run_plan(plan, weights, device, graphs=g, allocator_cap="budget")
             if g == "cuda" and p == prompts[0]:
+                # the issuing loop's own time per op between handlers (Executor.dispatch_s): the 'dispatch' row
+                samples.setdefault(("issue", "dispatch", b), []).append(res.stats["dispatch_s_per_op"])
                 # a copy handler's host issue time per op (offexec times each handler: issue_s_by_handler), by the
                 # median size of its copies
                 for fn, (count, nbytes) in _copy_handlers(plan).items():

@@ -32,7 +32,8 @@ except ImportError:  # pragma: no cover
 from offsim.core.specs import QUANT_GROUP_SIZE
 
 HALF = QUANT_GROUP_SIZE // 2  # bytes of codes per group (two 4-bit codes a byte)
-BLOCK_ROWS = 32
+BLOCK_ROWS = 64  # rows per program
+ALIGN_BYTES = 16  # the widest vector access claimed (and checked) when the layout allows it
 
 
 def available(out: torch.Tensor) -> bool:
@@ -44,30 +45,64 @@ if triton is not None:  # pragma: no cover - compiled and run on the GPU machine
     @triton.jit(do_not_specialize=list(range(3, 24)))  # every integer argument (rows ... on), by position
     def _dequant_kernel(d_ptr, s_ptr, o_ptr, rows, groups, n, r1, r2, r3,
                         d0, d1, d2, d3, dg, s0, s1, s2, s3, sg, o0, o1, o2, o3, on,
-                        BLOCK_R: tl.constexpr, HALF_G: tl.constexpr):
-        r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+                        BLOCK_R: tl.constexpr, HALF_G: tl.constexpr, ROW_RUN: tl.constexpr,
+                        OUT_CONTIG: tl.constexpr, D_ALIGN: tl.constexpr, O_ALIGN: tl.constexpr):
+        # Memory-bound: what matters is wide, coalesced accesses. The integer strides are not specialised on (a
+        # graph capture must never compile), so the layout facts the compiler would otherwise infer come in as
+        # constexpr flags the host checked (``dequantize_rows``):
+        # - ROW_RUN: a program's BLOCK_R rows are consecutive in the innermost row dim and contiguous in the output
+        #   (o3 == 1, r3 a multiple of BLOCK_R) -- a weight grouped along its output channel, whose grouped dim has
+        #   the large stride: each of a group's 64 values is stored as one contiguous run over the rows.
+        # - OUT_CONTIG: the grouped dim is contiguous in the output (on == 1) -- KV vectors: the high and low nibbles
+        #   are interleaved in registers and a group's 64 values stored as one contiguous run.
+        # - D_ALIGN / O_ALIGN: every row's first code byte / output element is a multiple of this (bytes / elements),
+        #   so loads and stores may be vectorised that wide.
+        pid = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1).to(tl.int64)
-        live = r < rows
-        i3 = r % r3
-        t = r // r3
-        i2 = t % r2
-        t = t // r2
-        i1 = t % r1
-        i0 = t // r1
-        d_off = i0 * d0 + i1 * d1 + i2 * d2 + i3 * d3 + g * dg
-        s_off = i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3 + g * sg
-        o_off = i0 * o0 + i1 * o1 + i2 * o2 + i3 * o3
+        k = tl.arange(0, BLOCK_R).to(tl.int64)
+        if ROW_RUN:
+            r0 = pid * BLOCK_R
+            i3 = r0 % r3
+            t = r0 // r3
+            i2 = t % r2
+            t = t // r2
+            i1 = t % r1
+            i0 = t // r1
+            live = (r0 + k) < rows
+            d_off = i0 * d0 + i1 * d1 + i2 * d2 + i3 * d3 + g * dg + k * d3
+            s_off = i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3 + g * sg + k * s3
+            o_off = i0 * o0 + i1 * o1 + i2 * o2 + i3 + k  # o3 == 1
+        else:
+            r = pid * BLOCK_R + k
+            live = r < rows
+            i3 = r % r3
+            t = r // r3
+            i2 = t % r2
+            t = t // r2
+            i1 = t % r1
+            i0 = t // r1
+            d_off = i0 * d0 + i1 * d1 + i2 * d2 + i3 * d3 + g * dg
+            s_off = i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3 + g * sg
+            o_off = i0 * o0 + i1 * o1 + i2 * o2 + i3 * o3
+        d_off = tl.multiple_of(d_off, D_ALIGN)
         j = tl.arange(0, HALF_G).to(tl.int64)
         b = tl.load(d_ptr + d_off[:, None] + j[None, :], mask=live[:, None], other=0)
         mn = tl.load(s_ptr + s_off, mask=live, other=0.0).to(tl.float32)
         st = tl.load(s_ptr + s_off + 1, mask=live, other=0.0).to(tl.float32)
-        e_hi = g * (2 * HALF_G) + 2 * j  # the even element sits in the high nibble
-        v_hi = (b >> 4).to(tl.float32) * st[:, None] + mn[:, None]
+        v_hi = (b >> 4).to(tl.float32) * st[:, None] + mn[:, None]  # the even element sits in the high nibble
         v_lo = (b & 15).to(tl.float32) * st[:, None] + mn[:, None]
         ty = o_ptr.dtype.element_ty
-        tl.store(o_ptr + o_off[:, None] + e_hi[None, :] * on, v_hi.to(ty), mask=live[:, None] & (e_hi < n)[None, :])
-        tl.store(o_ptr + o_off[:, None] + (e_hi + 1)[None, :] * on, v_lo.to(ty),
-                 mask=live[:, None] & (e_hi + 1 < n)[None, :])
+        if OUT_CONTIG:
+            v = tl.interleave(v_hi, v_lo)  # [BLOCK_R, 2 * HALF_G]: element 2j from the high nibble, 2j + 1 low
+            e = g * (2 * HALF_G) + tl.arange(0, 2 * HALF_G).to(tl.int64)
+            o_off = tl.multiple_of(o_off, O_ALIGN)
+            tl.store(o_ptr + o_off[:, None] + e[None, :], v.to(ty), mask=live[:, None] & (e < n)[None, :])
+        else:
+            e_hi = g * (2 * HALF_G) + 2 * j
+            tl.store(o_ptr + o_off[:, None] + e_hi[None, :] * on, v_hi.to(ty),
+                     mask=live[:, None] & (e_hi < n)[None, :])
+            tl.store(o_ptr + o_off[:, None] + (e_hi + 1)[None, :] * on, v_lo.to(ty),
+                     mask=live[:, None] & (e_hi + 1 < n)[None, :])
 
 
 def _four(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[list[int], list[int]]:
@@ -76,6 +111,27 @@ def _four(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[list[int], 
         raise ValueError(f"the fused dequantize takes at most 4 row dims, got {len(shape)}")
     pad = 4 - len(shape)
     return [1] * pad + list(shape), [0] * pad + list(strides)
+
+
+def _alignment(base: int, strides, widest: int) -> int:
+    """The largest power of two up to ``widest`` dividing ``base`` and every stride (1 at least)."""
+    a = widest
+    while a > 1 and (base % a or any(x % a for x in strides)):
+        a //= 2
+    return a
+
+
+def layout_flags(data: torch.Tensor, out: torch.Tensor, rows_shape, ds, os_, on: int) -> dict:
+    """The kernel's constexpr layout facts for these tensors (see ``_dequant_kernel``), checked here."""
+    es = out.element_size()
+    row_run = os_[3] == 1 and on != 1 and rows_shape[-1] % BLOCK_ROWS == 0 if rows_shape else False
+    contig = on == 1
+    d_align = _alignment(data.data_ptr(), [x for x in ds] + [data.stride(-2)], ALIGN_BYTES)
+    o_align = _alignment(out.data_ptr() // es if out.data_ptr() % es == 0 else 1, list(os_), ALIGN_BYTES // es) \
+        if contig else 1
+    if contig and QUANT_GROUP_SIZE % o_align:
+        o_align = 1
+    return {"ROW_RUN": bool(row_run), "OUT_CONTIG": bool(contig), "D_ALIGN": d_align, "O_ALIGN": o_align}
 
 
 def dequantize_rows(data: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -99,8 +155,9 @@ def dequantize_rows(data: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) 
     size, ds = _four(rows_shape, data.stride()[:-2])
     _, ss = _four(rows_shape, scale.stride()[:-2])
     _, os_ = _four(rows_shape, out.stride()[:-1])
+    flags = layout_flags(data, out, size, ds, os_, out.stride(-1))
     grid = (triton.cdiv(rows, BLOCK_ROWS), groups)
     _dequant_kernel[grid](data, scale, out, rows, groups, n, size[1], size[2], size[3],
                           *ds, data.stride(-2), *ss, scale.stride(-2), *os_, out.stride(-1),
-                          BLOCK_R=BLOCK_ROWS, HALF_G=HALF)
+                          BLOCK_R=BLOCK_ROWS, HALF_G=HALF, **flags)
     return out

@@ -277,3 +277,24 @@ def test_disk_tier_roundtrip(tmp_path, cached):
     assert torch.equal(a, b)
     t.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_host_bound_idle_counts_only_gaps_the_host_caused():
+    """Compute ops at [0,1], [1.5,2], [4,5] (GPU clock): the first gap (0.5 s) passed with the op issued at 1.2 s
+    (0.2 s on the host's account); the second gap (2 s) with the op issued early (0 s: a dependency held it). Host
+    issue that overlapped GPU work never counts."""
+    from offexec.executor import host_bound_idle_s
+
+    _, _, w = _model("opt")
+    plan = build_plan("flexgen", _MODELS["opt"][1], HW, Workload(PROMPT, 2, 1, 1), {})
+    comp = [op.id for op in plan.ops if op.stream == "compute"][:3]
+    n = len(plan.ops)
+    start, end, issued = np.zeros(n), np.zeros(n), np.full(n, np.nan)
+    for oid, (a, z, i) in zip(comp, ((0.0, 1.0, 0.0), (1.5, 2.0, 1.2), (4.0, 5.0, 0.5))):
+        start[oid], end[oid], issued[oid] = a, z, i
+    others = [op.id for op in plan.ops if op.stream == "compute"][3:]
+    start[others] = end[others] = 5.0  # the rest back to back after: no gaps
+    issued[others] = 0.0
+    assert host_bound_idle_s(plan, start, end, issued) == pytest.approx(0.2)
+    issued[comp[2]] = 4.5  # issued late: the whole 2 s gap is the host's (never more than the gap itself)
+    assert host_bound_idle_s(plan, start, end, issued) == pytest.approx(0.2 + 2.0)

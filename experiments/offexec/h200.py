@@ -137,6 +137,9 @@ def summarize(name: str, plan, res, pred: dict, bw: dict, budget: int) -> dict:
         "decode_h2d_stream_busy_frac": busy / m["decode_s"] if m["decode_s"] > 0 else None,
         "issue_s": st["issue_s"], "issue_cpu_s": st["issue_cpu_s"], "issue_frac": st["issue_frac"],
         "run_ahead_wait_s": st["run_ahead_wait_s"], "wall_s": st["wall_s"],
+        # the host issue the run paid: GPU compute idle before the host issued (offexec.executor.host_bound_idle_s)
+        "host_bound_idle_s": st.get("host_bound_idle_s"), "host_bound_idle_frac": st.get("host_bound_idle_frac"),
+        "issue_s_by_handler": st["issue_s_by_handler"], "allocator": st.get("allocator"),
         "budget_bytes": budget, "peak_gpu_reserved_bytes": st.get("gpu_max_reserved_bytes", 0),
         "peak_gpu_allocated_bytes": st.get("gpu_max_allocated_bytes", 0),
         "within_budget": st.get("gpu_max_reserved_bytes", 0) <= budget, "gpu_need_bytes": st["gpu_need_bytes"],
@@ -247,7 +250,8 @@ def main(argv=None) -> int:
             m = row["measured"]
             print(f"{name}: prefill {m['prefill_tok_s']:.0f} decode {m['decode_tok_s']:.2f} total "
                   f"{m['total_tok_s']:.2f} tok/s; link bound {row['decode_link_bound_tok_s']:.2f} "
-                  f"({row['decode_link_bound_frac']:.1%}); issue {row['issue_frac']:.2%}; GPU peak "
+                  f"({row['decode_link_bound_frac']:.1%}); issue {row['issue_frac']:.2%} (GPU idle on the host "
+                  f"{row['host_bound_idle_frac'] or 0:.2%}); GPU peak "
                   f"{row['peak_gpu_reserved_bytes'] / GiB:.2f} GiB", flush=True)
         except Exception as e:  # keep the other configurations' evidence
             traceback.print_exc()

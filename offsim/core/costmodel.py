@@ -429,7 +429,23 @@ def issue_seconds(op, hw: HardwareSpec, graph_q_tokens: int = 0, model: ModelSpe
     replays as a graph (``graph_q_tokens``: the plan's ``graph_q_tokens``) costs ``issue_graph_s`` where the profile
     measured it. A copy costs its handler's row ('issue', KIND_TENSOR, by bytes: ``offexec profile --ops``, offexec's
     own issue time per handler) where ``model``'s layer shape has one, else ``issue_copy_s``; a compute op its part's
-    row ('issue', 'graph:PART' or 'eager:PART', by sequences) where there is one."""
+    row ('issue', 'graph:PART' or 'eager:PART', by sequences) where there is one. Where the profile has the issuing
+    loop's own time per op ('issue', 'dispatch': finding the next op, its dependencies, the window's bookkeeping,
+    between handlers), every op costs that too."""
+    return _handler_issue_seconds(op, hw, graph_q_tokens, model) + dispatch_seconds(op, hw, model)
+
+
+def dispatch_seconds(op, hw: HardwareSpec, model: ModelSpec | None) -> float:
+    """The issuing loop's time per op outside its handler (``offexec profile``'s ('issue', 'dispatch') row, by the
+    probe's sequences per batch, flat past the largest); 0 where the profile has none."""
+    if model is None or not hw.op_times:
+        return 0.0
+    curve = op_table(hw, model, "issue", "dispatch")
+    return 0.0 if curve is None else table_seconds(curve, max(getattr(op, "num_seqs", 1) or 1, 1),
+                                                   flat_past_largest=True)
+
+
+def _handler_issue_seconds(op, hw: HardwareSpec, graph_q_tokens: int, model: ModelSpec | None) -> float:
     if op.kind != "compute":
         if model is not None and hw.op_times:
             curve = op_table(hw, model, "issue", f"{op.kind}_{getattr(op, 'tensor', '')}")
