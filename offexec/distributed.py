@@ -34,6 +34,7 @@ import datetime
 import json
 import os
 import sys
+import time
 
 import numpy as np
 import torch
@@ -244,6 +245,11 @@ def main(argv=None) -> int:
     ap.add_argument("--disk-dir", default=None, metavar="DIR", help="where each rank's disk tier goes")
     ap.add_argument("--trace", default=None, metavar="FILE",
                     help="write the merged trace: .csv (offsim's schema, with a device column) or Chrome JSON")
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="skip the unmeasured warm-up (the whole plan once before the measured run: kernel loading, "
+                         "NCCL's first connections, CUDA-graph captures)")
+    ap.add_argument("--out", default=None, metavar="FILE",
+                    help="rank 0 writes the measured metrics, each rank's stats and provenance here (JSON)")
     args = ap.parse_args(argv)
     try:
         plan = Plan.load(args.plan).validate()
@@ -257,9 +263,17 @@ def main(argv=None) -> int:
 
         dt = dtype_of(plan.model)
         layers = tuple(plan.stages[dist.get_rank()]["layers"])  # this rank's layers only: host memory is shared
-        weights = load_checkpoint(args.checkpoint, plan.model, dt, progress=False, layers=layers) \
-            if args.checkpoint else random_weights(plan.model, args.seed, dt, progress=False, layers=layers)
-        res = run_pipeline(plan, weights, device, seed=args.seed, disk_dir=args.disk_dir)
+        pinned = device.startswith("cuda")  # page-locked: the weights' copies run at the link's pinned rate
+        weights = load_checkpoint(args.checkpoint, plan.model, dt, progress=False, layers=layers, pinned=pinned) \
+            if args.checkpoint else random_weights(plan.model, args.seed, dt, device=device, progress=False,
+                                                   layers=layers, pinned=pinned)
+        warmup_s = None
+        if not args.no_warmup:  # unmeasured; every rank runs it, so the ranks stay in step
+            t0 = time.perf_counter()
+            run_pipeline(plan, weights, device, seed=args.seed, disk_dir=args.disk_dir)
+            warmup_s = time.perf_counter() - t0
+        res = run_pipeline(plan, weights, device, seed=args.seed, disk_dir=args.disk_dir,
+                           meta={"warmup": warmup_s is not None})
     except OffsimError as e:  # ExecError too: one line, exit 2
         print(f"offexec.distributed: error: {e}", file=sys.stderr)
         return 2
@@ -269,8 +283,18 @@ def main(argv=None) -> int:
             (res.trace.to_csv if str(args.trace).endswith(".csv") else res.trace.to_chrome)(args.trace)
         print(f"{plan.policy} on {plan.num_devices} GPUs: prefill {m['prefill_tok_s']:.1f} tok/s, decode "
               f"{m['decode_tok_s']:.1f} tok/s, total {m['total_tok_s']:.1f} tok/s")
-        print(json.dumps({k: m[k] for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s", "peak_gpu_bytes")}
-                         | {"peaks": res.trace.peak_bytes}, default=str))
+        doc = {k: m[k] for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s", "prefill_s", "decode_s",
+                                 "peak_gpu_bytes")} | {"peaks": res.trace.peak_bytes, "warmup_s": warmup_s}
+        if args.out:
+            from offsim.core.provenance import provenance
+
+            full = {**doc, "plan": args.plan, "policy": plan.policy, "settings": plan.settings,
+                    "workload": plan.workload.to_dict(), "num_gpus": plan.num_devices, "stages": plan.stages,
+                    "ranks": res.stats["ranks"], "provenance": provenance(
+                        gpu=torch.cuda.get_device_name(0) if device.startswith("cuda") else "")}
+            with open(args.out, "w") as f:
+                json.dump(full, f, indent=1, default=str)
+        print(json.dumps(doc, default=str))
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
