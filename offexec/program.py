@@ -291,6 +291,11 @@ def bind(plan: Plan, layout, rank: int = 0) -> Program:
                     fail(op, f"one weight load spans layer {j}'s attention and MLP (split at byte "
                              f"{units[unit][1] * e}), which stream separately")
                 vid = wslot.get((i, j, unit))
+                if vid is not None and any(a < hi and lo < b for a, b in values[vid].covered):
+                    # bytes this slot already holds: a reload for a later group of batches (a pipeline's micro-batch
+                    # groups each load the layer), not another slice of the same load -- a fresh slot, so the first
+                    # is freed after its own group's ops instead of staying live for the whole step
+                    vid = None
                 if vid is None:
                     vid = wslot[(i, j, unit)] = new(pool_of(unit), (i, j, unit), op)
                     info["init"] = True  # first load of this slot: bring the straddling tensor's resident head
