@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from offsim.core import footprint as fp
 from offsim.core.errors import OffsimError
 from offsim.core.plan import Op, Plan
 from offsim.core.trace import Trace
@@ -116,7 +117,7 @@ class StageComm:
     and the first two-GPU run ran out of its 16 GiB. Plan order on every rank makes the wait safe: the receive of an
     older send comes earlier on its receiver than anything that receiver waits for from this rank."""
 
-    SENDS_IN_FLIGHT = 2
+    SENDS_IN_FLIGHT = fp.P2P_SENDS_IN_FLIGHT  # one number for the plan's bytes and the runtime
 
     def __init__(self, rank: int, orig_ids: list[int]):
         self.rank = rank

@@ -142,7 +142,8 @@ def gpu_need(prog: Program, plan: Plan) -> dict[str, int]:
                                                                                op.phase, gq)), default=1)
     return fp.executor_gpu_bytes(plan.model, plan.workload, plan.weight_split, plan.kv_split, prog.pool_peak,
                                  prog.gpu_value_peak_bytes, op_transient_bytes(plan, prog), longest,
-                                 compression_of(plan), None not in prog.units)
+                                 compression_of(plan), None not in prog.units,
+                                 sends_hidden=any(b.fn == "send_hidden" for b in prog.bound))
 
 
 def disk_need(plan: Plan, layout=None) -> int:

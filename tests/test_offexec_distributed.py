@@ -253,7 +253,8 @@ def test_each_stage_of_a_streamed_pipeline_binds_within_offsims_stage_budget():
     from offexec.distributed import stage_plan
     from offexec.executor import gpu_need
     from offexec.program import bind
-    from offsim import Workload, build_plan, get_hardware, get_model
+    from offsim import PlanError, Workload, build_plan, get_hardware, get_model
+    from offsim.core import footprint as fp
 
     m = get_model("opt-30b")
     hw = get_hardware("h200", gpu_mem_gb=16)
@@ -263,4 +264,10 @@ def test_each_stage_of_a_streamed_pipeline_binds_within_offsims_stage_budget():
         sp = stage_plan(plan, r).plan
         prog = bind(sp, M.layer_layout(sp.model), rank=r)
         assert prog.pool_peak["wslot_mlp"] <= 2
-        assert sum(gpu_need(prog, sp).values()) <= st["gpu_capacity"]
+        need = gpu_need(prog, sp)
+        assert sum(need.values()) <= st["gpu_capacity"]
+        # the sender holds its sends in flight (offexec.distributed.StageComm); the last stage sends only tokens
+        assert need.get("p2p sends in flight", 0) == (fp.p2p_send_bytes(m, plan.workload) if r == 0 else 0)
+    # offsim's per-stage check counts the same bytes: at 41 % of the weights stage 0 fits only without them
+    with pytest.raises(PlanError, match="stage 0 .*does not fit"):
+        build_plan("flexgen", m, hw, Workload(512, 4, 16, 8), {"percent": (41, 59, 0, 100, 100, 0), "num_stages": 2})

@@ -338,6 +338,18 @@ def dequantized_copy_bytes(model: ModelSpec, gbs: int, max_len: int, comp: Compr
 SPARSE_CHUNK_ELEMS = 1 << 20
 
 
+# A pipeline stage sends each GPU batch's hidden states to the next GPU without waiting (offexec.distributed's
+# ``StageComm``): at most this many sends are outstanding, each holding its tensor until the peer has received it.
+P2P_SENDS_IN_FLIGHT = 2
+
+
+def p2p_send_bytes(model: ModelSpec, wl: Workload) -> int:
+    """GPU bytes a pipeline stage that sends holds in messages not yet received: ``P2P_SENDS_IN_FLIGHT`` hidden
+    states of the largest send, a GPU batch's whole prompt (prefill). Without them the first 2-GPU OPT-30B run on the
+    H200 ran out of its 16 GiB in prefill, 112 MiB per send past the plan."""
+    return P2P_SENDS_IN_FLIGHT * hidden_bytes(model, wl.gpu_batch_size, wl.prompt_len)
+
+
 def sparse_attention_bytes(model: ModelSpec, gbs: int, max_len: int, comp: Compression) -> int:
     """GPU bytes of top-k sparse attention's temporaries in one attention op (offexec/quant.py ``sparse_sdpa``),
     beyond dense attention's, at the longest context M over every head (the graphs attend over full-length
@@ -734,7 +746,8 @@ def _head_groups(model: ModelSpec, kv_split) -> tuple[int, int, int]:
 # ================================================================================================================
 def executor_gpu_bytes(model: ModelSpec, wl: Workload, weight_split, kv_split, pool_buffers: Mapping[str, int],
                        activation_peak_bytes: int, op_transient_bytes: int, graph_q_tokens: int = 1,
-                       comp: Compression = NO_COMPRESSION, sublayer: bool = False) -> dict[str, int]:
+                       comp: Compression = NO_COMPRESSION, sublayer: bool = False,
+                       sends_hidden: bool = False) -> dict[str, int]:
     """GPU bytes offexec holds for a plan, by purpose (offexec/executor.py ``Executor._setup`` and the op handlers):
 
     - embeddings (``emb``), token ids [nb, gbs, max_len + 1] int64 and RoPE tables (``tokens``, ``rope``);
@@ -752,7 +765,9 @@ def executor_gpu_bytes(model: ModelSpec, wl: Workload, weight_split, kv_split, p
     - with compression (``comp``): resident weights and slots (compressed weights), resident KV and KV work buffers
       (compressed cache) in their stored sizes (``stored_weight_bytes``, ``stored_slot_bytes``, ``stored_kv_bytes``)
       and the fp16 working copies a compute op dequantizes into (``dequantized_copy_bytes``; ``sublayer``: weight
-      units are sub-layers); with sparse attention its top-k temporaries (``sparse_attention_bytes``)."""
+      units are sub-layers); with sparse attention its top-k temporaries (``sparse_attention_bytes``);
+    - a pipeline stage that sends hidden states to the next GPU (``sends_hidden``): its sends in flight
+      (``p2p_send_bytes``)."""
     L, M, gbs, nb = model.num_layers, wl.max_len, wl.gpu_batch_size, wl.num_gpu_batches
     kg, kc, kd = _head_groups(model, kv_split)
     slot = max((stored_slot_bytes(model, g, None, comp) for g, _ in weight_split), default=0)
@@ -773,6 +788,8 @@ def executor_gpu_bytes(model: ModelSpec, wl: Workload, weight_split, kv_split, p
         out["dequantized copies"] = dequantized_copy_bytes(model, gbs, M, comp, sublayer)
     if comp.sparse_attention < 1:  # top-k sparse attention's temporaries (``sparse_attention_bytes``)
         out["sparse attention"] = sparse_attention_bytes(model, gbs, M, comp)
+    if sends_hidden:
+        out["p2p sends in flight"] = p2p_send_bytes(model, wl)
     return out
 
 

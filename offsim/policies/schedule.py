@@ -121,6 +121,8 @@ def check_stages_fit(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
     """``footprint.check_fits`` for a pipeline: every stage's GPU against one GPU's budget, host memory and disk
     against the sums over the stages (one host, shared). One line (``PlanError``) naming the first short stage."""
     per = [fp.placement_tier_bytes(m, wl, pl) for m, pl in stage_placements(model, s)]
+    for t in per[:-1]:  # every stage but the last sends its hidden states on (offexec.distributed's StageComm)
+        t["gpu"]["p2p sends in flight"] = fp.p2p_send_bytes(model, wl)
     for d, t in enumerate(per):
         need, cap = sum(t["gpu"].values()), int(capacity.get("gpu", 0))
         if need > cap:
