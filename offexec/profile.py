@@ -328,6 +328,65 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
             if not capture_only or mode in ("capture", "issue")]
 
 
+CPU_ATTN_CONTEXTS = (16, 128, 512, 2048)  # the probe's prompt lengths: short (fixed cost) to long (past the LLC)
+
+
+def profile_cpu_attention_ctx(spec, device: str = "cuda", batches=(1, 4, 16, 64), contexts=CPU_ATTN_CONTEXTS,
+                              gen_len: int = 4, progress: bool = True) -> list:
+    """Op-table rows ('cpu', 'attn_ctx:B', [[context, s], ...]): a decode CPU-attention op (one new token per
+    sequence, B sequences, every head of the model, through offexec's own CPU path) by its context, for each
+    B in ``batches``. The time is measured, not split into a fixed cost and a FLOP rate: at long contexts the
+    host's caches no longer hold a GPU batch's KV and its rate falls (the matrix v2 cases at 2048 ran ~1.3 x
+    slower than the rate measured up to 512 predicted), and the fixed part depends on the heads. Two-layer
+    flexgen plans of the model, the KV cache in host memory, as many GPU batches as keep even one sequence's cache
+    past the last-level cache (``profile_ops``' rule); each run once unmeasured; the median over the decode steps
+    after the first. ``costmodel.cpu_attention_seconds`` interpolates in B and the context where a profile has
+    these rows."""
+    import dataclasses
+
+    import torch
+
+    from offexec.executor import run_plan
+    from offexec.weights import random_weights
+    from offsim.core.specs import Workload, layer_key, load_hardware_preset
+    from offsim.policies.registry import build_plan
+
+    small = dataclasses.replace(spec, num_layers=2)
+    dt = torch.float16 if spec.dtype_bytes == 2 else torch.float32
+    cuda = device == "cuda"
+    weights = random_weights(small, 0, dt, device=device, pinned=cuda, progress=False)
+    hw = load_hardware_preset("h200")
+    runs = [(c, b) for b in batches for c in contexts if c + gen_len <= spec.max_positions]
+    try:
+        from tqdm import tqdm
+
+        it = tqdm(runs, desc=f"CPU attention {spec.name}", unit="run", file=sys.stderr, disable=not progress)
+    except ImportError:  # pragma: no cover
+        it = runs
+    curves: dict[int, list] = {}
+    try:
+        for c, b in it:
+            settings = {"percent": [100, 0, 0, 100, 100, 0], "overlap": True, "pin_weights": True,
+                        "sublayer": True, "cpu_attention": True}
+            plan = build_plan("flexgen", small, hw, Workload(c, gen_len, b, max(1, 16 // b)), settings)
+            run_plan(plan, weights, device, graphs="cuda" if cuda else "off", allocator_cap="budget")
+            res = run_plan(plan, weights, device, graphs="cuda" if cuda else "off", allocator_cap="budget")
+            df = res.trace.df
+            xs, ts = [], []
+            for r in df.itertuples():
+                op = plan.ops[r.op_id]
+                if op.kind == "cpu_compute" and op.q_tokens == 1 and op.step >= 2:
+                    xs.append(op.ctx_tokens)
+                    ts.append(r.end_s - r.start_s)
+            if ts:
+                curves.setdefault(b, []).append([float(statistics.median(xs)), float(statistics.median(ts))])
+            del res
+    finally:
+        weights.close()
+    key = layer_key(spec)
+    return [[key, "cpu", f"attn_ctx:{b}", sorted(pts)] for b, pts in sorted(curves.items())]
+
+
 def profile_graph_recompute(spec, device: str = "cuda", batches=(1, 4, 16, 64), q_tokens=(2, 4, 8),
                             gen_len: int = 8, progress: bool = True) -> list:
     """Op-table rows ('graph_tokens', part, [[rows, s], ...]) of TightLLM's decode ops that recompute N_r tokens
@@ -606,6 +665,10 @@ def add_profile_parser(sub) -> None:
     p.add_argument("--capture-only", action="store_true",
                    help="with --ops: measure only the graph-capture rows (graphed decode ops at the first decode "
                         "step) and the issue rows (host time per copy of each kind, and per replayed decode op of each part)")
+    p.add_argument("--cpu-attention-only", action="store_true",
+                   help="with --ops: measure only CPU attention by context (decode ops at contexts "
+                        f"{', '.join(map(str, CPU_ATTN_CONTEXTS))}, each GPU batch size), which offsim prefers to "
+                        "its fixed cost + FLOP rate")
     p.add_argument("--quant-only", action="store_true",
                    help="with --base: measure only the 4-bit dequantize rates (quant_bytes_per_s, at --model's shapes) "
                         "and keep the rest of the base profile")
@@ -615,7 +678,7 @@ def add_profile_parser(sub) -> None:
 
 
 def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64), attention_only: bool = False,
-                  recompute_only: bool = False, capture_only: bool = False) -> dict:
+                  recompute_only: bool = False, capture_only: bool = False, cpu_attention_only: bool = False) -> dict:
     """Profile dict ``d`` with op tables for ``models`` (replacing rows of the same layer shapes and modes), CPU
     attention re-measured through the executor's path and the sustained compute fraction; ``attention_only``: the
     GPU attention rows and the sustained fraction alone; ``recompute_only``: the graphed recompute rows alone (the
@@ -627,6 +690,9 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
     specs = [get_model(m) for m in models]
     rows = []
     for spec in specs:
+        if cpu_attention_only:
+            rows += profile_cpu_attention_ctx(spec, device, batches=batches)
+            continue
         if capture_only:
             rows += profile_ops(spec, device, batches=batches, capture_only=True)
             continue
@@ -639,9 +705,12 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
     keys = {(r[0], r[1], r[2]) for r in rows}
     d["op_times"] = [r for r in d.get("op_times", []) if tuple(r[:3]) not in keys] + rows
     prov = dict(d.get("provenance", {}))
-    if not (recompute_only or capture_only):
+    if not (recompute_only or capture_only or cpu_attention_only):
         d["sustained_compute_fraction"] = float(profile_sustained(device))
-    if capture_only:
+    if cpu_attention_only:
+        prov["cpu_attention_ctx_tables"] = provenance(models=models, batches=list(batches),
+                                                      contexts=list(CPU_ATTN_CONTEXTS), device=device)
+    elif capture_only:
         prov["capture_tables"] = provenance(models=models, batches=list(batches), device=device)
     elif recompute_only:
         prov["recompute_graph_tables"] = provenance(models=models, batches=list(batches), device=device)
@@ -697,7 +766,7 @@ def cmd_profile(args) -> dict:
                            "quant_rates": provenance(model_shapes=args.model, device=args.device, **qr)}
     if models:
         d = add_op_tables(d, models, args.device, batches, args.attention_only, args.recompute_only,
-                          args.capture_only)
+                          args.capture_only, args.cpu_attention_only)
         if args.name:
             d["name"] = args.name
     out = Path(args.out)

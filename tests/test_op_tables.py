@@ -655,3 +655,48 @@ def test_compute_issue_costs_follow_the_profiles_part_rows():
     assert C.issue_seconds(prefill, fast, plan.graph_q_tokens, M) == fast.issue_compute_s  # eager: no eager row
     t_fast, t_slow = same_traces(plan, fast), same_traces(plan, slow)
     assert t_fast.metrics()["decode_s"] < t_slow.metrics()["decode_s"]  # host-bound at 1 ms a layer op
+
+
+def test_cpu_attention_by_context_rows_price_decode_cpu_attention():
+    """Where the profile has ('cpu', 'attn_ctx:B') rows for the model (offexec profile --cpu-attention-only), a
+    decode CPU-attention op is priced from them: linear in the context between measured contexts, proportional past
+    the longest, linear in B between batch sizes; without them, the fixed cost + FLOP rate as before."""
+    from offsim import get_hardware, get_model
+    from offsim.core import costmodel as cm
+    from offsim.core.specs import layer_key
+
+    m = get_model("opt-6.7b")
+    hw = get_hardware("h200")
+    before = cm.cpu_attention_seconds(m, hw, 8, 1, 300)
+    key = layer_key(m)
+    rows = [[key, "cpu", "attn_ctx:4", [[16.0, 0.001], [512.0, 0.005]]],
+            [key, "cpu", "attn_ctx:16", [[16.0, 0.002], [512.0, 0.014]]]]
+    hw2 = dataclasses.replace(hw, op_times=(hw.op_times or []) + rows)
+    assert cm.cpu_attention_seconds(m, hw2, 4, 1, 264) == pytest.approx(0.003)
+    assert cm.cpu_attention_seconds(m, hw2, 16, 1, 1024) == pytest.approx(0.028)  # proportional past 512
+    assert cm.cpu_attention_seconds(m, hw2, 10, 1, 16) == pytest.approx(0.0015)  # halfway in B
+    assert cm.cpu_attention_seconds(m, hw2, 32, 1, 512) == pytest.approx(0.028)  # proportional past B = 16
+    assert cm.cpu_attention_seconds(m, hw2, 8, 2, 300) == cm.cpu_attention_seconds(m, hw, 8, 2, 300)  # q > 1: as before
+    assert cm.cpu_attention_seconds(get_model("opt-13b"), hw2, 8, 1, 300) == \
+        cm.cpu_attention_seconds(get_model("opt-13b"), hw, 8, 1, 300)  # another model's shape: as before
+    assert before == cm.cpu_attention_seconds(m, hw, 8, 1, 300)
+
+
+def test_profile_cpu_attention_by_context_on_the_cpu():
+    """``offexec profile --cpu-attention-only``'s probe runs offexec's CPU attention on a tiny model at each (batch,
+    context) and writes one ('cpu', 'attn_ctx:B') row per batch, by context, that the cost model then reads."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from offexec.profile import profile_cpu_attention_ctx
+    from offexec.testing import tiny_hf
+
+    _, spec = tiny_hf("opt")
+    rows = profile_cpu_attention_ctx(spec, "cpu", batches=(1, 4), contexts=(8, 32), gen_len=4, progress=False)
+    assert [r[2] for r in rows] == ["attn_ctx:1", "attn_ctx:4"]
+    for r in rows:
+        assert r[0] == layer_key(spec) and r[1] == "cpu" and r[1] in OP_TABLE_MODES
+        ctxs = [x for x, _ in r[3]]
+        assert ctxs == sorted(ctxs) and len(ctxs) == 2 and ctxs[0] > 8 and ctxs[1] > 32  # decode steps past the prompt
+        assert all(t > 0 for _, t in r[3])
+    hw = H200.with_(op_times=rows)
+    assert C.cpu_attention_seconds(spec, hw, 4, 1, 20) == pytest.approx(C.table_seconds(rows[1][3], 20))

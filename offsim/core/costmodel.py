@@ -384,10 +384,49 @@ def cpu_attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_tokens
     flops = attention_flops(model, num_seqs, q_tokens, ctx_tokens, sparse_share(q_tokens, ctx_tokens, comp))
     if not _is_number(num_seqs):
         return flops / hw.cpu_attention_flops
+    if q_tokens == 1 and comp.sparse_attention >= 1:
+        t = _cpu_attention_by_context(model, hw, num_seqs, ctx_tokens)
+        if t is not None:
+            return t
     rate = op_table(hw, model, "cpu", "attn_flops")
     t = flops / (interp(rate, num_seqs) if rate else hw.cpu_attention_flops)
     fixed = op_table(hw, model, "cpu", "attn")
     return t if fixed is None else t + table_seconds(fixed, num_seqs)
+
+
+def _cpu_attention_by_context(model: ModelSpec, hw: HardwareSpec, num_seqs: float, ctx_tokens: int) -> float | None:
+    """A decode CPU-attention op from the profile's ('cpu', 'attn_ctx:B') rows (``offexec profile --ops M
+    --cpu-attention-only``: measured by context for each batch size B), or None where the model has none:
+    linear in the context between measured contexts, proportional to it past the longest (the work is linear in it),
+    the shortest's time below; linear in B between measured batch sizes, proportional to B past the largest."""
+    if not hw.op_times:
+        return None
+    by_b = _CTX_INDEX.get((id(hw.op_times), _layer_key(model)))
+    if by_b is None:
+        if len(_CTX_INDEX) > 256:
+            _CTX_INDEX.clear()
+        key = _layer_key(model)
+        by_b = sorted((int(p.split(":")[1]), c) for k, m, p, c in hw.op_times
+                      if k == key and m == "cpu" and p.startswith("attn_ctx:"))
+        _CTX_INDEX[(id(hw.op_times), key)] = by_b
+    if not by_b:
+        return None
+
+    def at(curve) -> float:
+        return table_seconds(curve, ctx_tokens)
+
+    bs = [b for b, _ in by_b]
+    if num_seqs >= bs[-1]:
+        return at(by_b[-1][1]) * num_seqs / bs[-1]
+    if num_seqs <= bs[0]:
+        return at(by_b[0][1])
+    i = next(i for i, b in enumerate(bs) if b >= num_seqs)
+    (b0, c0), (b1, c1) = by_b[i - 1], by_b[i]
+    w = (num_seqs - b0) / (b1 - b0)
+    return (1 - w) * at(c0) + w * at(c1)
+
+
+_CTX_INDEX: dict = {}  # (id of a profile's op_times, layer key) -> [(B, curve by context)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
