@@ -575,6 +575,47 @@ def profile_quant(device, spec, reps: int) -> dict:
             "quant_kv_bytes_per_s": float(kv_rate)}
 
 
+def profile_multi_gpu(nbytes: int = 256 << 20, reps: int = 5) -> dict:
+    """On a host with several GPUs (issue 18): ``gpu_link_bytes_per_s``, a GPU-to-GPU copy from GPU 0 to GPU 1
+    (``Tensor.copy_`` between devices: NVLink or PCIe peer, what a pipeline's hidden states cross; NCCL's send/recv
+    rides the same link), and ``link_concurrent_fraction``, the pinned host-to-device rate each GPU keeps while every
+    GPU copies from host memory at once (one stream and one pinned buffer per GPU, all started together), over its
+    rate alone -- whether the host sustains every link at once (1: it does). Medians of ``reps`` timings of
+    ``nbytes`` copies. {} with fewer than two GPUs."""
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n < 2:
+        return {}
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+    p2p = nbytes / _median_time(lambda: dst.copy_(src), torch.device("cuda:0"), reps)
+    del src, dst
+    hosts = [torch.empty(nbytes, dtype=torch.uint8).pin_memory() for _ in range(n)]
+    devs = [torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{i}") for i in range(n)]
+    streams = [torch.cuda.Stream(device=f"cuda:{i}") for i in range(n)]
+
+    def copy(ids) -> float:
+        """Seconds until every GPU in ``ids`` has its copy (host clock, all issued back to back)."""
+        times = []
+        for _ in range(reps + 1):
+            for i in ids:
+                torch.cuda.synchronize(i)
+            t = time.perf_counter()
+            for i in ids:
+                with torch.cuda.stream(streams[i]):
+                    devs[i].copy_(hosts[i], non_blocking=True)
+            for i in ids:
+                streams[i].synchronize()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times[1:])
+
+    alone = min(copy([i]) for i in range(n))
+    together = copy(list(range(n)))
+    del hosts, devs
+    return {"gpu_link_bytes_per_s": float(p2p), "link_concurrent_fraction": float(min(1.0, alone / together))}
+
+
 def run_profile(model: str = "opt-30b", device: str = "cuda", quick: bool = False, peak_tflops: float | None = None,
                 disk_dir: str | None = None, name: str | None = None) -> dict:
     """Measure this machine; return the profile dict (``HardwareSpec.from_dict`` accepts it)."""
@@ -632,8 +673,11 @@ def run_profile(model: str = "opt-30b", device: str = "cuda", quick: bool = Fals
          "disk_bytes": int(shutil.disk_usage(disk_dir).free),
          **{k: float(v) for k, v in disk.items()}, "link_latency_s": 0.0,
          "source": f"offexec profile on {gpu_name} ({'quick' if quick else 'full'}), model shapes of {model}"}
+    multi = profile_multi_gpu() if dev.type == "cuda" else {}
+    d.update(multi)  # several GPUs on this host: their peer link and whether the host feeds every link at once
     HardwareSpec.from_dict(d)  # the profile must load
     d["provenance"] = provenance(gpu=gpu_name, model_shapes=model, quick=quick, quant_rates=qr,
+                                 gpus=torch.cuda.device_count() if dev.type == "cuda" else 0,
                                  peak_flops_source="datasheet" if key or peak_tflops else "best measured GEMM")
     return d
 
@@ -669,6 +713,9 @@ def add_profile_parser(sub) -> None:
                    help="with --ops: measure only CPU attention by context (decode ops at contexts "
                         f"{', '.join(map(str, CPU_ATTN_CONTEXTS))}, each GPU batch size), which offsim prefers to "
                         "its fixed cost + FLOP rate")
+    p.add_argument("--multi-gpu-only", action="store_true",
+                   help="with --base: measure only the GPU-to-GPU link and whether the host feeds every GPU's link "
+                        "at once (gpu_link_bytes_per_s, link_concurrent_fraction; needs two or more GPUs)")
     p.add_argument("--quant-only", action="store_true",
                    help="with --base: measure only the 4-bit dequantize rates (quant_bytes_per_s, at --model's shapes) "
                         "and keep the rest of the base profile")
@@ -738,10 +785,13 @@ def cmd_profile(args) -> dict:
     from offsim.core.errors import OffsimError
     from offsim.core.io import read_json_object
 
+    if args.multi_gpu_only and not args.base:
+        raise OffsimError("--multi-gpu-only adds the multi-GPU rates to an existing profile: give --base PROFILE too")
     if args.quant_only and not args.base:
         raise OffsimError("--quant-only adds the 4-bit rates to an existing profile: give --base PROFILE too")
-    if args.base and not (args.ops or args.quant_only):
-        raise OffsimError("--base adds op tables to an existing profile: give --ops MODELS (or --quant-only) too")
+    if args.base and not (args.ops or args.quant_only or args.multi_gpu_only):
+        raise OffsimError("--base adds op tables to an existing profile: give --ops MODELS (or --quant-only, "
+                          "--multi-gpu-only) too")
     try:
         batches = tuple(int(b) for b in args.op_batches.split(","))
     except ValueError:
@@ -764,6 +814,16 @@ def cmd_profile(args) -> dict:
         HardwareSpec.from_dict(d)
         d["provenance"] = {**d.get("provenance", {}),
                            "quant_rates": provenance(model_shapes=args.model, device=args.device, **qr)}
+    if args.multi_gpu_only:
+        from offsim.core.provenance import provenance
+        from offsim.core.specs import HardwareSpec
+
+        mg = profile_multi_gpu()
+        if not mg:
+            raise OffsimError("--multi-gpu-only needs two or more CUDA GPUs on this host")
+        d = {**d, **mg}
+        HardwareSpec.from_dict(d)
+        d["provenance"] = {**d.get("provenance", {}), "multi_gpu": provenance(**mg)}
     if models:
         d = add_op_tables(d, models, args.device, batches, args.attention_only, args.recompute_only,
                           args.capture_only, args.cpu_attention_only)

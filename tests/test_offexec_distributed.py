@@ -271,3 +271,13 @@ def test_each_stage_of_a_streamed_pipeline_binds_within_offsims_stage_budget():
     # offsim's per-stage check counts the same bytes: at 41 % of the weights stage 0 fits only without them
     with pytest.raises(PlanError, match="stage 0 .*does not fit"):
         build_plan("flexgen", m, hw, Workload(512, 4, 16, 8), {"percent": (41, 59, 0, 100, 100, 0), "num_stages": 2})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_multi_gpu_profile_measures_the_peer_link_and_the_shared_host_links():
+    """``offexec profile`` on a host with two GPUs: a GPU-to-GPU rate and each link's share under concurrency."""
+    from offexec.profile import profile_multi_gpu
+
+    mg = profile_multi_gpu(64 << 20, reps=3)
+    assert mg["gpu_link_bytes_per_s"] > 1e9 and 0 < mg["link_concurrent_fraction"] <= 1

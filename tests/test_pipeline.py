@@ -279,3 +279,27 @@ def test_chrome_trace_has_a_track_per_gpu(tmp_path):
     t1.to_chrome(tmp_path / "t1.json")
     ev1 = json.loads((tmp_path / "t1.json").read_text())["traceEvents"]
     assert len([e for e in ev1 if e["ph"] == "M"]) == 5 and {e["pid"] for e in ev1} == {0}
+
+
+def test_link_concurrent_fraction_prices_a_pipelines_links_at_their_shared_rate():
+    """A host that feeds every GPU's link at half rate at once (``link_concurrent_fraction`` 0.5, measured by
+    ``offexec profile`` on a host with several GPUs) slows a link-bound 2-GPU plan, leaves a 1-GPU plan alone, and
+    round-trips through the profile JSON (left out at 1.0, so older profiles read back the same)."""
+    from offexec.profile import profile_multi_gpu
+
+    m = get_model("opt-30b")
+    hw = get_hardware("h200", gpu_mem_gb=16)
+    shared = hw.with_(link_concurrent_fraction=0.5)
+    assert "link_concurrent_fraction" not in hw.to_dict()
+    assert type(shared).from_dict(shared.to_dict()).link_concurrent_fraction == 0.5
+    with pytest.raises(OffsimError, match="link_concurrent_fraction"):
+        hw.with_(link_concurrent_fraction=1.5)
+    st = {"percent": (20, 80, 0, 100, 100, 0)}
+    two = build_plan("flexgen", m, hw, Workload(512, 4, 16, 4), {**st, "num_stages": 2})
+    one = build_plan("flexgen", m, hw, Workload(512, 4, 16, 4), st)
+    assert simulate(two, shared).makespan_s > 1.5 * simulate(two, hw).makespan_s  # link-bound: ~2x
+    assert simulate(one, shared).makespan_s == simulate(one, hw).makespan_s
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        assert profile_multi_gpu() == {}  # measured only where there are two GPUs

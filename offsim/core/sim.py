@@ -273,6 +273,10 @@ def simulate(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> Trace:
     # The cyclic garbage collector is paused while the loop runs: it makes no reference cycles, and with the
     # ~10^6 live objects of a large plan each of the collector's full passes costs ~50 ms, so a run of
     # OPT-175B's plan paid ~0.3 s for passes that free nothing.
+    if plan.num_devices > 1 and hw.link_concurrent_fraction < 1:
+        # every GPU of a pipeline streams over its link at the same time, and the host does not feed all links at
+        # full rate at once (``HardwareSpec.link_concurrent_fraction``, measured): each link at its measured share
+        hw = hw.scaled_link(hw.link_concurrent_fraction)
     was_enabled = gc.isenabled()
     gc.disable()
     try:

@@ -448,6 +448,10 @@ class HardwareSpec:
     # 0: not measured, then the pinned host-to-device link's best rate (``costmodel.gpu_link_bytes_per_s``): a
     # PCIe peer copy through the root complex runs at about one PCIe link's rate
     gpu_link_bytes_per_s: float = 0.0
+    # each GPU's share of its pinned host link rate while every GPU of the host copies from host memory at once
+    # (``offexec profile`` on a host with several GPUs); 1: independent links (or not measured). A pipeline's
+    # stages stream their weights at the same time, so the simulator prices a multi-GPU plan's copies at this share
+    link_concurrent_fraction: float = 1.0
 
     def __post_init__(self):
         for f in ("gpu_mem_bytes", "gpu_peak_flops", "gpu_hbm_bytes_per_s", "cpu_mem_bytes", "cpu_attention_flops",
@@ -464,6 +468,9 @@ class HardwareSpec:
         if not 0 < self.sustained_compute_fraction <= 1:
             raise OffsimError(f"hardware {self.name}: sustained_compute_fraction must be in (0, 1], got "
                               f"{self.sustained_compute_fraction}")
+        if not 0 < self.link_concurrent_fraction <= 1:
+            raise OffsimError(f"hardware {self.name}: link_concurrent_fraction must be in (0, 1], got "
+                              f"{self.link_concurrent_fraction}")
         if not 0 < self.duplex_fraction <= 1:
             raise OffsimError(f"hardware {self.name}: duplex_fraction must be in (0, 1], got {self.duplex_fraction}")
         for row in self.op_times:
@@ -501,7 +508,7 @@ class HardwareSpec:
         d = {"schema": HARDWARE_SCHEMA}
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name == "gpu_link_bytes_per_s" and not v:
+            if (f.name == "gpu_link_bytes_per_s" and not v) or (f.name == "link_concurrent_fraction" and v == 1.0):
                 continue  # (not measured: left out, so profiles written before the field read back the same)
             if f.name == "op_times":
                 v = [[k, m, p, [list(q) for q in c]] for k, m, p, c in v]
