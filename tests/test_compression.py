@@ -377,3 +377,83 @@ def test_fused_dequantize_kernel_in_triton_interpreter():
     r = subprocess.run([sys.executable, "-c", _INTERPRETED_KERNEL_CHECK], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert float(r.stdout.split()[-1]) <= 1e-6
+
+
+_INTERPRETED_QUANTIZE_CHECK = r"""
+import os
+os.environ["TRITON_INTERPRET"] = "1"
+import torch
+from offexec import quant, quant_triton
+g = torch.Generator().manual_seed(2)
+ties = torch.cat([torch.tensor([0.0, 15.0]), torch.arange(31.0) / 2, torch.arange(31.0) / 2])  # k + 1/2 on the grid
+big = torch.randn(7, 2, 3, 8, 128, generator=g).half()
+cases = {
+    "D=128": torch.randn(5, 3, 128, generator=g).half(),
+    "D=100 tail": torch.randn(4, 3, 100, generator=g) * 3 + 1,  # fp32: the fp16 min may round above the group's
+    "D=200 bf16": torch.randn(2, 9, 200, generator=g).bfloat16(),
+    "strided slice": big[:, 1, :, 1:6],  # [7, 3, 5, 128] of a larger buffer
+    "D not contiguous": torch.randn(100, 6, generator=g).half().t(),
+    "ties to even": ties.view(1, 64),
+    "constant groups": torch.full((3, 130), 1.5).half(),
+    "tiny steps": torch.randn(4, 128, generator=g) * 1e-6,  # the fp16 step subnormal or 0
+    "one vector": torch.randn(70, generator=g).half(),
+}
+for name, x in cases.items():
+    want = quant.pack_vectors(x)  # the PyTorch path (CPU tensors)
+    got = quant_triton.quantize_rows(x, torch.zeros_like(want))
+    assert torch.equal(got, want), name
+# into a strided slice of a larger packed buffer (the executor's buf[start:ctx, i]), through pack_vectors_into with
+# the fused path switched on for CPU tensors; nothing outside the slice written
+x = torch.randn(7, 2, 3, 128, generator=g).half()
+want = quant.pack_vectors(x)
+buf = torch.zeros(9, 2, 2, 3, want.shape[-1], dtype=torch.uint8)
+quant_triton.available = lambda out: True
+quant.pack_vectors_into(x, buf[1:8, 1])
+assert torch.equal(buf[1:8, 1], want)
+buf[1:8, 1] = 0
+assert not buf.any()
+print("ok", len(cases) + 1)
+"""
+
+
+def test_fused_quantize_kernel_in_triton_interpreter():
+    """The fused KV quantize (offexec/quant_triton.py ``quantize_rows``) writes exactly ``pack_vectors``' bytes --
+    codes and fp16 (min, step) -- for D = 128, a D = 100 tail group, bf16 and fp32 input, a strided input slice, a
+    non-contiguous D, ties on the grid (round half to even), constant groups, tiny steps, and into a strided slice of
+    a larger packed buffer through ``pack_vectors_into``; run by Triton's interpreter on the CPU, where Triton is
+    installed (the GPU test below covers the compiled kernel)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    r = subprocess.run([sys.executable, "-c", _INTERPRETED_QUANTIZE_CHECK], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[0] == "ok"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_quantize_matches_the_pytorch_path_on_cuda(monkeypatch):
+    """On CUDA the fused quantize (``pack_vectors`` / ``pack_vectors_into``, as the executor's KV store runs them)
+    writes the bytes the PyTorch path writes on the GPU and on the CPU: a prefill's K into a strided slice of a
+    packed buffer, a D = 100 tail, a decode token's vectors."""
+    from offexec import quant_triton
+
+    if quant_triton.triton is None:
+        pytest.skip("no Triton here")
+    g = torch.Generator().manual_seed(3)
+    kt = torch.randn(3, 40, 5, 128, generator=g).half().cuda().transpose(0, 1)  # [T, B, Hk, D] as the store gets it
+    x100 = torch.randn(6, 2, 100, generator=g).cuda()
+    tok = torch.randn(1, 3, 4, 128, generator=g).bfloat16().cuda()
+    outs = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(quant_triton, "available", lambda out: False)
+        buf = torch.zeros(50, 2, 3, 5, quant.stored_nbytes((128,), 0), dtype=torch.uint8, device="cuda")
+        quant.pack_vectors_into(kt[:, :, 1:4], buf[5:45, 1])
+        outs[fused] = (buf, quant.pack_vectors(x100), quant.pack_vectors(tok))
+    for a, b in zip(outs[True], outs[False]):
+        assert torch.equal(a, b)
+    assert torch.equal(outs[True][0][5:45, 1].cpu(), quant.pack_vectors(kt[:, :, 1:4].cpu()))
+    assert torch.equal(outs[True][1].cpu(), quant.pack_vectors(x100.cpu()))
