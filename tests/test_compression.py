@@ -153,6 +153,32 @@ def test_dequantize_passes_are_priced_from_the_profiled_rate():
     assert cm.quant_bytes_per_s(T4.with_(quant_bytes_per_s=0.0)) == T4.gpu_hbm_bytes_per_s / cm.QUANT_HBM_PASSES
 
 
+
+def test_kv_store_is_priced_at_the_profiled_store_rate():
+    """A profile's ``quant_store_bytes_per_s`` prices the new tokens' K/V quantize (the store) and nothing else; a
+    profile without it prices the store at ``quant_bytes_per_s``, exactly as before the key existed."""
+    m = get_model("opt-6.7b")
+    kv_tok = m.kv_bytes_per_token()
+    hw = T4.with_(quant_bytes_per_s=1e11)
+    assert hw.quant_store_bytes_per_s == 0.0 and "quant_store_bytes_per_s" not in hw.to_dict()
+    slow = hw.with_(quant_store_bytes_per_s=1e10)
+    assert slow.to_dict()["quant_store_bytes_per_s"] == 1e10
+    for part, seqs, q, ctx in (("layer", 8, 512, 512), ("attn_layer", 8, 1, 300), ("pre_attn", 4, 3, 40)):
+        before = cm.quant_seconds(m, hw, part, seqs, q, ctx, C4)
+        w_bytes = cm.gemm_flops_per_token(m, part) / 2 * 2
+        read = seqs * (ctx - q) * kv_tok if part != "pre_attn" else 0
+        assert before == (w_bytes + read + seqs * q * kv_tok) / 1e11  # one rate, one division: as before
+        assert cm.quant_seconds(m, slow, part, seqs, q, ctx, C4) == pytest.approx(
+            (w_bytes + read) / 1e11 + seqs * q * kv_tok / 1e10)
+    # parts that store no KV, and weight-only compression, do not see the store rate
+    for part in ("mlp", "attn"):
+        assert cm.quant_seconds(m, slow, part, 8, 1, 300, C4) == cm.quant_seconds(m, hw, part, 8, 1, 300, C4)
+    w_only = Compression(weight=True)
+    assert cm.quant_seconds(m, slow, "layer", 8, 512, 512, w_only) == cm.quant_seconds(m, hw, "layer", 8, 512, 512,
+                                                                                        w_only)
+    with pytest.raises(OffsimError, match="quant_store_bytes_per_s"):
+        T4.with_(quant_store_bytes_per_s=-1.0)
+
 def test_compression_fits_what_fp16_does_not():
     m = get_model("opt-13b")
     wl = Workload(512, 8, 8, 1)
