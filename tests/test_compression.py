@@ -476,7 +476,7 @@ def test_fused_quantize_matches_the_pytorch_path_on_cuda(monkeypatch):
     for fused in (True, False):
         if not fused:
             monkeypatch.setattr(quant_triton, "available", lambda out: False)
-        buf = torch.zeros(50, 2, 3, 5, quant.stored_nbytes((128,), 0), dtype=torch.uint8, device="cuda")
+        buf = torch.zeros(50, 2, 3, 3, quant.stored_nbytes((128,), 0), dtype=torch.uint8, device="cuda")
         quant.pack_vectors_into(kt[:, :, 1:4], buf[5:45, 1])
         outs[fused] = (buf, quant.pack_vectors(x100), quant.pack_vectors(tok))
     for a, b in zip(outs[True], outs[False]):
