@@ -553,7 +553,11 @@ def profile_quant(device, spec, reps: int) -> dict:
     ``quant.unpack_vectors_into`` for KV; on CUDA the fused kernel, offexec/quant_triton.py): fp16 bytes written per
     second, for the model's largest matrix (fc1 / up: [ffn, d_model]) and a decode step's KV (16 sequences x 1024
     positions x every KV head, K and V), and ``quant_bytes_per_s``, the slower of the two (``costmodel.quant_seconds``
-    prices every pass at one rate)."""
+    prices every dequantize at one rate); and the KV store's quantize as offexec runs it (``quant.pack_vectors_into``
+    of a prefill's new K and V -- 16 sequences x 512 tokens x every KV head -- into a slice of a packed buffer, as
+    the executor's ``_attend_packed``; on CUDA the fused kernel): ``quant_store_bytes_per_s``, fp16 bytes quantized
+    per second, which ``quant_seconds`` prices the store with (a quantize is not a dequantize: the H200's prefill
+    ran at a third of the rate predicted with the store at the dequantize's rate)."""
     import torch
 
     from offexec import quant
@@ -571,8 +575,16 @@ def profile_quant(device, spec, reps: int) -> dict:
     t_kv = _median_time(lambda: quant.unpack_vectors_into(packed, kv_out), device, reps)
     kv_rate = kv_out.numel() * 2 / t_kv
     del w, buf, out, kv, packed, kv_out
+    tokens, seqs = (512, 16) if device.type == "cuda" else (64, 2)
+    # the store's operands as the executor has them: the new K and V [tokens, seqs, heads, D] (transposed from the
+    # projections' [seqs, tokens, ...]) into rows of its packed buffer [capacity, K/V, seqs, heads, stored]
+    new = torch.randn(2, seqs, tokens, spec.num_kv_heads, spec.head_dim, dtype=dt, device=device).transpose(1, 2)
+    store = torch.empty(tokens, 2, seqs, spec.num_kv_heads, quant.stored_nbytes((spec.head_dim,), 0),
+                        dtype=torch.uint8, device=device)
+    t_st = _median_time(lambda: [quant.pack_vectors_into(new[i], store[:, i]) for i in (0, 1)], device, reps)
+    store_rate = new.numel() * 2 / t_st
     return {"quant_bytes_per_s": float(min(weight_rate, kv_rate)), "quant_weight_bytes_per_s": float(weight_rate),
-            "quant_kv_bytes_per_s": float(kv_rate)}
+            "quant_kv_bytes_per_s": float(kv_rate), "quant_store_bytes_per_s": float(store_rate)}
 
 
 def profile_multi_gpu(nbytes: int = 256 << 20, reps: int = 5) -> dict:
@@ -670,6 +682,7 @@ def run_profile(model: str = "opt-30b", device: str = "cuda", quick: bool = Fals
          "h2d_pageable": link["h2d_pageable"], "d2h_pageable": link["d2h_pageable"],
          "duplex_fraction": float(link["duplex_fraction"]), "cpu_mem_bytes": host_memory_bytes(),
          "cpu_attention_flops": float(cpu_flops), "quant_bytes_per_s": qr["quant_bytes_per_s"],
+         "quant_store_bytes_per_s": qr["quant_store_bytes_per_s"],
          "disk_bytes": int(shutil.disk_usage(disk_dir).free),
          **{k: float(v) for k, v in disk.items()}, "link_latency_s": 0.0,
          "source": f"offexec profile on {gpu_name} ({'quick' if quick else 'full'}), model shapes of {model}"}
@@ -717,8 +730,9 @@ def add_profile_parser(sub) -> None:
                    help="with --base: measure only the GPU-to-GPU link and whether the host feeds every GPU's link "
                         "at once (gpu_link_bytes_per_s, link_concurrent_fraction; needs two or more GPUs)")
     p.add_argument("--quant-only", action="store_true",
-                   help="with --base: measure only the 4-bit dequantize rates (quant_bytes_per_s, at --model's shapes) "
-                        "and keep the rest of the base profile")
+                   help="with --base: measure only the 4-bit rates (quant_bytes_per_s: dequantize; "
+                        "quant_store_bytes_per_s: the KV store's quantize; at --model's shapes) and keep the rest of "
+                        "the base profile")
     p.add_argument("--op-batches", default="1,4,16,64", metavar="N,N,...",
                    help="sequences per GPU batch of the op-table runs (default: %(default)s)")
     p.set_defaults(func=cmd_profile)
@@ -810,7 +824,8 @@ def cmd_profile(args) -> dict:
         from .memory import require_device
 
         qr = profile_quant(require_device(args.device), get_model(args.model), 10)
-        d = {**d, "quant_bytes_per_s": qr["quant_bytes_per_s"]}
+        d = {**d, "quant_bytes_per_s": qr["quant_bytes_per_s"],
+             "quant_store_bytes_per_s": qr["quant_store_bytes_per_s"]}
         HardwareSpec.from_dict(d)
         d["provenance"] = {**d.get("provenance", {}),
                            "quant_rates": provenance(model_shapes=args.model, device=args.device, **qr)}

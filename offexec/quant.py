@@ -19,7 +19,9 @@ Error bound per group: rounding to the grid is at most step / 2 = (max − min) 
 and the output (``round_trip_bound``).
 
 Device-agnostic: plain tensor ops, computed in fp32 and stored in fp16/uint8. Tested on the CPU; the CUDA check
-(tests/test_compression.py, marked gpu) compares the packed bytes with the CPU's and has not run on a GPU yet.
+(tests/test_compression.py, marked gpu) compares the packed bytes with the CPU's and has not run on a GPU yet. On
+CUDA with Triton the KV loads and stores run fused kernels instead (offexec/quant_triton.py): the dequantize within
+an fp16 ulp of ``_values``, the quantize (``pack_vectors``, ``pack_vectors_into``) byte for byte ``quantize``'s.
 """
 from __future__ import annotations
 
@@ -179,7 +181,11 @@ def round_trip_bound(x: torch.Tensor, dim: int) -> torch.Tensor:
 def pack_vectors(x: torch.Tensor) -> torch.Tensor:
     """K or V ``x`` [..., D] (head dimension last) packed per vector along D: uint8 [..., stored_nbytes((D,), 0)],
     each vector's codes then its groups' (min, step) bytes -- how the executor's compressed KV buffers hold a token's
-    head (``footprint.stored_kv_bytes`` per vector)."""
+    head (``footprint.stored_kv_bytes`` per vector). On CUDA with Triton one fused launch into a fresh buffer (the
+    same bytes: ``quant_triton.quantize_rows``; the decode store inside the CUDA graphs runs it)."""
+    if quant_triton.available(x) and 0 < x.dim() <= 5 and x.shape[-1]:
+        out = torch.empty(*x.shape[:-1], stored_nbytes((x.shape[-1],), 0), dtype=torch.uint8, device=x.device)
+        return quant_triton.quantize_rows(x, out)
     p = quantize_kv(x)
     return torch.cat([p.data.flatten(-2), p.scale.flatten(-2).view(torch.uint8)], dim=-1)
 
@@ -187,10 +193,14 @@ def pack_vectors(x: torch.Tensor) -> torch.Tensor:
 def pack_vectors_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``pack_vectors(x)`` written into ``out`` [S, ..., stored] (uint8, any strides) a bounded number of leading
     rows at a time (``DEQUANT_CHUNK_ELEMS``): quantizing takes several fp32 temporaries per element, so a prefill's
-    K or V in one pass (OPT-30B, 24 x 1984 tokens: 0.3 G elements) would need GBs the plan does not have. Returns
-    ``out``."""
+    K or V in one pass (OPT-30B, 24 x 1984 tokens: 0.3 G elements) would need GBs the plan does not have. On CUDA
+    with Triton one fused launch instead, no temporaries (``quant_triton.quantize_rows``: the chunks' dozen small
+    kernels each made the H200's 4-bit prefill store-bound). Returns ``out``."""
     if out.shape[:-1] != x.shape[:-1]:
         raise ValueError(f"packed KV of shape {list(out.shape)} cannot hold vectors of shape {list(x.shape)}")
+    if quant_triton.available(out) and x.device == out.device and x.dim() <= 5 and out.stride(-1) == 1 \
+            and x.shape[-1]:
+        return quant_triton.quantize_rows(x, out)
     per_row = max(1, x[0].numel()) if x.shape[0] else 1
     step = max(1, DEQUANT_CHUNK_ELEMS // per_row)
     for r in range(0, x.shape[0], step):

@@ -18,6 +18,18 @@ rounding to fp16 that is at most one fp16 ulp, tests/test_compression.py checks 
 Used where ``available(out)``: a CUDA output and Triton importable (the GPU machine's torch ships it; the CPU CI has
 none and keeps the PyTorch path). Integer arguments are not specialised on (``do_not_specialize``), so a new row
 count never compiles a new kernel inside a CUDA-graph capture.
+
+The KV store has its own kernel (``quantize_rows``, used by ``quant.pack_vectors`` / ``pack_vectors_into`` on CUDA):
+``quant.quantize``'s PyTorch passes make ~24 bytes of fp32 temporaries an element, so a prefill's K or V went
+through ``pack_vectors_into`` in 2^20-element chunks of a dozen kernels each -- the H200's 4-bit OPT-30B prefill ran
+at 2730 tok/s where offsim, pricing the store at the fused dequantize's rate, predicted 8721. Here one launch reads
+each vector's group of 64 values (any strides) and writes its 32 code bytes and its (min, step) fp16 bytes in
+``pack_vectors``' layout. Its bytes are ``quant.quantize``'s exactly: the same fp32 operations in the same order, each
+correctly rounded (``tl.div_rn``, not Triton's approximate fp32 division; round half to even done with ``floor`` and
+a parity fix, exact on [0, 15]; no multiply-add the compiler could fuse), the tail group padded by repeating the
+vector's last element. One exception: a group whose min is a zero that appears as both +0 and -0 may store the other
+sign of zero (which of two equal values a min reduction returns is unspecified, in PyTorch too); its codes, its step
+and every dequantized value are the same.
 """
 from __future__ import annotations
 
@@ -29,7 +41,7 @@ try:  # pragma: no cover - exercised on the GPU machine only
 except ImportError:  # pragma: no cover
     triton = None
 
-from offsim.core.specs import QUANT_GROUP_SIZE
+from offsim.core.specs import QUANT_BITS, QUANT_GROUP_SIZE
 
 HALF = QUANT_GROUP_SIZE // 2  # bytes of codes per group (two 4-bit codes a byte)
 BLOCK_ROWS = 64  # rows per program
@@ -105,6 +117,58 @@ if triton is not None:  # pragma: no cover - compiled and run on the GPU machine
                      mask=live[:, None] & (e_hi + 1 < n)[None, :])
 
 
+    @triton.jit(do_not_specialize=list(range(2, 17)))  # every integer argument (rows ... on), by position
+    def _quant_kernel(x_ptr, o_ptr, rows, groups, n, r1, r2, r3, x0, x1, x2, x3, xn, o0, o1, o2, o3,
+                      BLOCK_R: tl.constexpr, HALF_G: tl.constexpr, LEVELS: tl.constexpr, X_CONTIG: tl.constexpr,
+                      FULL: tl.constexpr, X_ALIGN: tl.constexpr, O_ALIGN: tl.constexpr):
+        # One program: BLOCK_R vectors x one group of 2 * HALF_G values. ``quant.quantize``'s arithmetic, in its
+        # order, in fp32 (see the module docstring for why each step is bit-exact). Layout facts the host checked
+        # (``quantize_rows``), as constexpr because the integer strides are not specialised on:
+        # - X_CONTIG: the vector dim is contiguous in the input (xn == 1): a group is one contiguous 64-value load;
+        # - FULL: D is a multiple of 64 (no tail group to pad);
+        # - X_ALIGN / O_ALIGN: every vector's first value (elements) / first byte is a multiple of this.
+        pid = tl.program_id(0).to(tl.int64)
+        g = tl.program_id(1).to(tl.int64)
+        r = pid * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+        live = r < rows
+        i3 = r % r3
+        t = r // r3
+        i2 = t % r2
+        t = t // r2
+        i1 = t % r1
+        i0 = t // r1
+        x_off = i0 * x0 + i1 * x1 + i2 * x2 + i3 * x3
+        o_off = tl.multiple_of(i0 * o0 + i1 * o1 + i2 * o2 + i3 * o3, O_ALIGN)
+        e = g * (2 * HALF_G) + tl.arange(0, 2 * HALF_G).to(tl.int64)
+        if not FULL:  # the tail group: padded by repeating the vector's last value (quant._groups)
+            e = tl.minimum(e, n - 1)
+        if X_CONTIG:
+            ptrs = x_ptr + tl.multiple_of(x_off, X_ALIGN)[:, None] + e[None, :]
+        else:
+            ptrs = x_ptr + x_off[:, None] + e[None, :] * xn
+        v = tl.load(ptrs, mask=live[:, None], other=0.0).to(tl.float32)  # [BLOCK_R, 64]
+        mn = tl.min(v, axis=1).to(tl.float16)  # stored in fp16: quantize against the stored values
+        mnf = mn.to(tl.float32)
+        st = tl.div_rn(tl.max(v, axis=1) - mnf, LEVELS * 1.0).to(tl.float16)
+        s = st.to(tl.float32)
+        pos = s > 0
+        q = tl.div_rn(v - mnf[:, None], tl.where(pos, s, 1.0)[:, None])
+        q = tl.minimum(tl.maximum(q, 0.0), LEVELS * 1.0)  # clamping first: the same codes as round then clamp
+        f = tl.floor(q + 0.5)  # exact on [0, 15]; a tie (q + 0.5 an integer) rounds up ...
+        f = tl.where((f - q == 0.5) & ((f.to(tl.int32) & 1) == 1), f - 1.0, f)  # ... so to even: torch.round
+        c = tl.where(pos[:, None], f.to(tl.int32), 0)
+        hi, lo = tl.split(tl.reshape(c, [BLOCK_R, HALF_G, 2]))  # the even element in the high nibble
+        j = tl.arange(0, HALF_G).to(tl.int64)
+        tl.store(o_ptr + o_off[:, None] + g * HALF_G + j[None, :], ((hi << 4) | lo).to(tl.uint8),
+                 mask=live[:, None])
+        # the group's (min, step) fp16 pair as 4 little-endian bytes after the vector's codes (``pack_vectors``:
+        # ``scale.view(torch.uint8)``); bytes, so the output needs no 2-byte alignment
+        w = mn.to(tl.uint16, bitcast=True).to(tl.uint32) | (st.to(tl.uint16, bitcast=True).to(tl.uint32) << 16)
+        k = tl.arange(0, 4).to(tl.uint32)
+        sb = ((w[:, None] >> (8 * k[None, :])) & 255).to(tl.uint8)
+        tl.store(o_ptr + o_off[:, None] + groups * HALF_G + g * 4 + k[None, :].to(tl.int64), sb, mask=live[:, None])
+
+
 def _four(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[list[int], list[int]]:
     """Row sizes and strides padded in front to four dims (a row dim of size 1 has stride 0)."""
     if len(shape) > 4:
@@ -160,4 +224,37 @@ def dequantize_rows(data: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) 
     _dequant_kernel[grid](data, scale, out, rows, groups, n, size[1], size[2], size[3],
                           *ds, data.stride(-2), *ss, scale.stride(-2), *os_, out.stride(-1),
                           BLOCK_R=BLOCK_ROWS, HALF_G=HALF, **flags)
+    return out
+
+
+def quantize_rows(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out[...] = quant.pack_vectors(x)`` for ``x`` [*rows, n] (fp16, bf16 or fp32, any strides, up to four row
+    dims) and ``out`` uint8 [*rows, stored] (``quant.stored_nbytes((n,), 0)`` bytes a vector, the last dim contiguous,
+    any other strides; on ``x``'s device), in one launch. Returns ``out``."""
+    rows_shape = tuple(x.shape[:-1])
+    n = x.shape[-1] if x.dim() else 0
+    groups = -(-n // QUANT_GROUP_SIZE)
+    if n == 0 or tuple(out.shape[:-1]) != rows_shape or out.shape[-1] != groups * (HALF + 4) \
+            or out.dtype != torch.uint8 or out.device != x.device:
+        raise ValueError(f"packed KV {list(out.shape)} ({out.dtype}, {out.device}) cannot hold vectors "
+                         f"{list(x.shape)} ({x.device})")
+    if out.stride(-1) != 1:
+        raise ValueError("the fused quantize needs each packed vector's bytes contiguous")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"the fused quantize takes fp16, bf16 or fp32 vectors, not {x.dtype}")
+    rows = 1
+    for d in rows_shape:
+        rows *= d
+    if rows == 0:
+        return out
+    size, xs = _four(rows_shape, x.stride()[:-1])
+    _, os_ = _four(rows_shape, out.stride()[:-1])
+    es = x.element_size()
+    contig = x.stride(-1) == 1 or n == 1
+    x_align = _alignment(x.data_ptr() // es if x.data_ptr() % es == 0 else 1, xs, ALIGN_BYTES // es) if contig else 1
+    o_align = _alignment(out.data_ptr(), os_, ALIGN_BYTES)
+    grid = (triton.cdiv(rows, BLOCK_ROWS), groups)
+    _quant_kernel[grid](x, out, rows, groups, n, size[1], size[2], size[3], *xs, x.stride(-1), *os_,
+                        BLOCK_R=BLOCK_ROWS, HALF_G=HALF, LEVELS=(1 << QUANT_BITS) - 1, X_CONTIG=bool(contig),
+                        FULL=n % QUANT_GROUP_SIZE == 0, X_ALIGN=x_align, O_ALIGN=o_align)
     return out

@@ -153,6 +153,32 @@ def test_dequantize_passes_are_priced_from_the_profiled_rate():
     assert cm.quant_bytes_per_s(T4.with_(quant_bytes_per_s=0.0)) == T4.gpu_hbm_bytes_per_s / cm.QUANT_HBM_PASSES
 
 
+
+def test_kv_store_is_priced_at_the_profiled_store_rate():
+    """A profile's ``quant_store_bytes_per_s`` prices the new tokens' K/V quantize (the store) and nothing else; a
+    profile without it prices the store at ``quant_bytes_per_s``, exactly as before the key existed."""
+    m = get_model("opt-6.7b")
+    kv_tok = m.kv_bytes_per_token()
+    hw = T4.with_(quant_bytes_per_s=1e11)
+    assert hw.quant_store_bytes_per_s == 0.0 and "quant_store_bytes_per_s" not in hw.to_dict()
+    slow = hw.with_(quant_store_bytes_per_s=1e10)
+    assert slow.to_dict()["quant_store_bytes_per_s"] == 1e10
+    for part, seqs, q, ctx in (("layer", 8, 512, 512), ("attn_layer", 8, 1, 300), ("pre_attn", 4, 3, 40)):
+        before = cm.quant_seconds(m, hw, part, seqs, q, ctx, C4)
+        w_bytes = cm.gemm_flops_per_token(m, part) / 2 * 2
+        read = seqs * (ctx - q) * kv_tok if part != "pre_attn" else 0
+        assert before == (w_bytes + read + seqs * q * kv_tok) / 1e11  # one rate, one division: as before
+        assert cm.quant_seconds(m, slow, part, seqs, q, ctx, C4) == pytest.approx(
+            (w_bytes + read) / 1e11 + seqs * q * kv_tok / 1e10)
+    # parts that store no KV, and weight-only compression, do not see the store rate
+    for part in ("mlp", "attn"):
+        assert cm.quant_seconds(m, slow, part, 8, 1, 300, C4) == cm.quant_seconds(m, hw, part, 8, 1, 300, C4)
+    w_only = Compression(weight=True)
+    assert cm.quant_seconds(m, slow, "layer", 8, 512, 512, w_only) == cm.quant_seconds(m, hw, "layer", 8, 512, 512,
+                                                                                        w_only)
+    with pytest.raises(OffsimError, match="quant_store_bytes_per_s"):
+        T4.with_(quant_store_bytes_per_s=-1.0)
+
 def test_compression_fits_what_fp16_does_not():
     m = get_model("opt-13b")
     wl = Workload(512, 8, 8, 1)
@@ -377,3 +403,83 @@ def test_fused_dequantize_kernel_in_triton_interpreter():
     r = subprocess.run([sys.executable, "-c", _INTERPRETED_KERNEL_CHECK], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert float(r.stdout.split()[-1]) <= 1e-6
+
+
+_INTERPRETED_QUANTIZE_CHECK = r"""
+import os
+os.environ["TRITON_INTERPRET"] = "1"
+import torch
+from offexec import quant, quant_triton
+g = torch.Generator().manual_seed(2)
+ties = torch.cat([torch.tensor([0.0, 15.0]), torch.arange(31.0) / 2, torch.arange(31.0) / 2])  # k + 1/2 on the grid
+big = torch.randn(7, 2, 3, 8, 128, generator=g).half()
+cases = {
+    "D=128": torch.randn(5, 3, 128, generator=g).half(),
+    "D=100 tail": torch.randn(4, 3, 100, generator=g) * 3 + 1,  # fp32: the fp16 min may round above the group's
+    "D=200 bf16": torch.randn(2, 9, 200, generator=g).bfloat16(),
+    "strided slice": big[:, 1, :, 1:6],  # [7, 3, 5, 128] of a larger buffer
+    "D not contiguous": torch.randn(100, 6, generator=g).half().t(),
+    "ties to even": ties.view(1, 64),
+    "constant groups": torch.full((3, 130), 1.5).half(),
+    "tiny steps": torch.randn(4, 128, generator=g) * 1e-6,  # the fp16 step subnormal or 0
+    "one vector": torch.randn(70, generator=g).half(),
+}
+for name, x in cases.items():
+    want = quant.pack_vectors(x)  # the PyTorch path (CPU tensors)
+    got = quant_triton.quantize_rows(x, torch.zeros_like(want))
+    assert torch.equal(got, want), name
+# into a strided slice of a larger packed buffer (the executor's buf[start:ctx, i]), through pack_vectors_into with
+# the fused path switched on for CPU tensors; nothing outside the slice written
+x = torch.randn(7, 2, 3, 128, generator=g).half()
+want = quant.pack_vectors(x)
+buf = torch.zeros(9, 2, 2, 3, want.shape[-1], dtype=torch.uint8)
+quant_triton.available = lambda out: True
+quant.pack_vectors_into(x, buf[1:8, 1])
+assert torch.equal(buf[1:8, 1], want)
+buf[1:8, 1] = 0
+assert not buf.any()
+print("ok", len(cases) + 1)
+"""
+
+
+def test_fused_quantize_kernel_in_triton_interpreter():
+    """The fused KV quantize (offexec/quant_triton.py ``quantize_rows``) writes exactly ``pack_vectors``' bytes --
+    codes and fp16 (min, step) -- for D = 128, a D = 100 tail group, bf16 and fp32 input, a strided input slice, a
+    non-contiguous D, ties on the grid (round half to even), constant groups, tiny steps, and into a strided slice of
+    a larger packed buffer through ``pack_vectors_into``; run by Triton's interpreter on the CPU, where Triton is
+    installed (the GPU test below covers the compiled kernel)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    r = subprocess.run([sys.executable, "-c", _INTERPRETED_QUANTIZE_CHECK], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[0] == "ok"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_quantize_matches_the_pytorch_path_on_cuda(monkeypatch):
+    """On CUDA the fused quantize (``pack_vectors`` / ``pack_vectors_into``, as the executor's KV store runs them)
+    writes the bytes the PyTorch path writes on the GPU and on the CPU: a prefill's K into a strided slice of a
+    packed buffer, a D = 100 tail, a decode token's vectors."""
+    from offexec import quant_triton
+
+    if quant_triton.triton is None:
+        pytest.skip("no Triton here")
+    g = torch.Generator().manual_seed(3)
+    kt = torch.randn(3, 40, 5, 128, generator=g).half().cuda().transpose(0, 1)  # [T, B, Hk, D] as the store gets it
+    x100 = torch.randn(6, 2, 100, generator=g).cuda()
+    tok = torch.randn(1, 3, 4, 128, generator=g).bfloat16().cuda()
+    outs = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(quant_triton, "available", lambda out: False)
+        buf = torch.zeros(50, 2, 3, 3, quant.stored_nbytes((128,), 0), dtype=torch.uint8, device="cuda")
+        quant.pack_vectors_into(kt[:, :, 1:4], buf[5:45, 1])
+        outs[fused] = (buf, quant.pack_vectors(x100), quant.pack_vectors(tok))
+    for a, b in zip(outs[True], outs[False]):
+        assert torch.equal(a, b)
+    assert torch.equal(outs[True][0][5:45, 1].cpu(), quant.pack_vectors(kt[:, :, 1:4].cpu()))
+    assert torch.equal(outs[True][1].cpu(), quant.pack_vectors(x100.cpu()))

@@ -26,6 +26,8 @@ def test_profile_cpu_quick_roundtrip(tmp_path):
     # the 4-bit dequantize rate through offexec's own kernels: the slower of the weight and KV paths
     q = d["provenance"]["quant_rates"]
     assert hw.quant_bytes_per_s == min(q["quant_weight_bytes_per_s"], q["quant_kv_bytes_per_s"]) > 0
+    # and the KV store's quantize (pack_vectors_into, a prefill's K and V), its own rate
+    assert hw.quant_store_bytes_per_s == q["quant_store_bytes_per_s"] > 0
     # --quant-only re-measures just that on a base profile, the rest kept
     out2 = tmp_path / "cpu2.json"
     assert main(["profile", "--device", "cpu", "--base", str(out), "--quant-only", "--model", "opt-125m",
@@ -33,6 +35,8 @@ def test_profile_cpu_quick_roundtrip(tmp_path):
     d2 = json.loads(out2.read_text())
     assert d2["quant_bytes_per_s"] > 0 and d2["h2d_pinned"] == d["h2d_pinned"]
     assert d2["provenance"]["quant_rates"]["quant_bytes_per_s"] == d2["quant_bytes_per_s"]
+    assert d2["quant_store_bytes_per_s"] > 0
+    assert d2["provenance"]["quant_rates"]["quant_store_bytes_per_s"] == d2["quant_store_bytes_per_s"]
 
 
 def test_profile_disk_times_the_disk_tier_itself(tmp_path, monkeypatch):

@@ -318,6 +318,14 @@ def quant_bytes_per_s(hw: HardwareSpec) -> float:
     return hw.quant_bytes_per_s or hw.gpu_hbm_bytes_per_s / QUANT_HBM_PASSES
 
 
+def quant_store_bytes_per_s(hw: HardwareSpec) -> float:
+    """fp16 bytes per second quantized on the KV store: the profile's ``quant_store_bytes_per_s`` where measured
+    (the store is its own kernel -- a quantize, not the dequantize the other rate times -- and the H200's 4-bit
+    prefill ran at a third of the rate offsim predicted with the store priced as a dequantize), else
+    ``quant_bytes_per_s`` (profiles without it predict as before)."""
+    return hw.quant_store_bytes_per_s or quant_bytes_per_s(hw)
+
+
 # parts that read a decoder layer's KV cache (attention) and that store new KV (the Q/K/V projections)
 _KV_READ_PARTS = ("layer", "attn_layer", "attn")
 _KV_STORE_PARTS = ("layer", "attn_layer", "pre_attn")
@@ -333,12 +341,14 @@ def quant_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_tok
                             op's queries, K and V whole (sparse attention too: the executor dequantizes the cached
                             positions before the scores exist); the q new (or recomputed, TightLLM) tokens' K and
                             V are fresh fp16 -- and quantize the new tokens' K and V on store
-        t = fp16 bytes / quant_bytes_per_s
+        t = dequantized fp16 bytes / quant_bytes_per_s + stored fp16 bytes / quant_store_bytes_per_s
 
-    0 for the embedding and the head (kept fp16 on the GPU)."""
+    (the store's rate is the dequantize's unless a profile measured it). 0 for the embedding and the head (kept fp16
+    on the GPU)."""
     if part in ("embed", "head"):
         return 0.0
     fp16_bytes = 0.0
+    store_bytes = 0.0
     if comp.weight:
         fp16_bytes += gemm_flops_per_token(model, part) / 2 * model.dtype_bytes
     if comp.cache:
@@ -347,8 +357,10 @@ def quant_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_tok
             cached = ctx_tokens - q_tokens
             fp16_bytes += num_seqs * cached * kv_tok
         if part in _KV_STORE_PARTS:
-            fp16_bytes += num_seqs * q_tokens * kv_tok
-    return fp16_bytes / quant_bytes_per_s(hw)
+            store_bytes = num_seqs * q_tokens * kv_tok
+    if not hw.quant_store_bytes_per_s:  # not measured: one rate, one division -- bit for bit the prices from before
+        return (fp16_bytes + store_bytes) / quant_bytes_per_s(hw)
+    return fp16_bytes / quant_bytes_per_s(hw) + store_bytes / quant_store_bytes_per_s(hw)
 
 
 def _sustained(hw: HardwareSpec, t, tokens):

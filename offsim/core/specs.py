@@ -443,6 +443,11 @@ class HardwareSpec:
     # then gpu_hbm_bytes_per_s / QUANT_HBM_PASSES (costmodel); the presets give it with that source, and a profile
     # from ``offexec profile`` may measure it
     quant_bytes_per_s: float = 0.0
+    # fp16 bytes per second the GPU quantizes into that format on the KV store (the new tokens' K and V: the
+    # executor's fused store kernel, or PyTorch chunks, differs in speed from the fused dequantize; ``offexec profile``
+    # measures it). 0: not measured, then the store is priced at quant_bytes_per_s like every other pass (so profiles
+    # without the key predict as before)
+    quant_store_bytes_per_s: float = 0.0
     source: str = ""  # provenance: where the numbers come from
     # bytes/s of one GPU-to-GPU copy (pipeline parallelism: hidden states between stages; NVLink or PCIe peer).
     # 0: not measured, then the pinned host-to-device link's best rate (``costmodel.gpu_link_bytes_per_s``): a
@@ -460,7 +465,7 @@ class HardwareSpec:
             if not isinstance(v, (int, float)) or not v > 0:
                 raise OffsimError(f"hardware {self.name}: {f} must be a positive number, got {v!r}")
         for f in ("disk_cached_read_bytes_per_s", "disk_cached_write_bytes_per_s", "quant_bytes_per_s",
-                  "gpu_link_bytes_per_s"):
+                  "quant_store_bytes_per_s", "gpu_link_bytes_per_s"):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or not v >= 0:
                 raise OffsimError(f"hardware {self.name}: {f} must be a non-negative number (0: not measured), "
@@ -508,7 +513,8 @@ class HardwareSpec:
         d = {"schema": HARDWARE_SCHEMA}
         for f in fields(self):
             v = getattr(self, f.name)
-            if (f.name == "gpu_link_bytes_per_s" and not v) or (f.name == "link_concurrent_fraction" and v == 1.0):
+            if (f.name in ("gpu_link_bytes_per_s", "quant_store_bytes_per_s") and not v) \
+                    or (f.name == "link_concurrent_fraction" and v == 1.0):
                 continue  # (not measured: left out, so profiles written before the field read back the same)
             if f.name == "op_times":
                 v = [[k, m, p, [list(q) for q in c]] for k, m, p, c in v]
