@@ -19,7 +19,7 @@ import pandas as pd
 from offsim.core.errors import OffsimError
 from offsim.core.latency import latency_and_bottleneck
 from offsim.core.plan import Plan
-from offsim.policies import POLICIES, build_plan, get_policy
+from offsim.policies import DEFAULT_POLICIES, POLICIES, build_plan, get_policy
 from offsim.core.sim import simulate
 from offsim.core.specs import HARDWARE_PRESETS, MODEL_PRESETS, Workload, get_hardware, get_model
 
@@ -406,7 +406,7 @@ def cmd_compare(args) -> None:
 
     hw = get_hardware(args.hardware, args.gpu_mem_gb)
     model = get_model(args.model)
-    policies = args.policies or list(POLICIES)
+    policies = args.policies or list(DEFAULT_POLICIES)
     for pol in policies:
         if pol not in POLICIES:
             raise OffsimError(f"unknown policy {pol!r}; valid: {', '.join(POLICIES)}")
