@@ -29,7 +29,11 @@ Nothing is fitted to a measured throughput.
   module runs; the next module's parameters are prefetched (one bucket of hidden² elements ahead: about one module,
   streamed here per attention / MLP as FlexGen streams them) only once the module trace is complete
   (``is_complete_trace()``), i.e. from the second forward on: the first forward (the prefill) fetches each module's
-  parameters when it runs.
+  parameters when it runs. Each fetch gathers the parameters through a flat GPU buffer on the fetch stream
+  (``all_gather_coalesced``: ``torch.cat`` of the copied partitions into the flat buffer, an all-gather that is in
+  place with one rank, then ``AllGatherCoalescedHandle.wait``'s ``torch.cat`` out of it for each parameter): two
+  device copies of every fetched byte, priced at the profile's HBM rate (``Plan.weight_gather_copies``), before the
+  next fetch's copy (each ``ds_tensor.to(device)`` is a blocking copy on that stream).
 
 What they leave out is in ``docs/architecture.md`` ("The peers as implemented").
 """
@@ -81,7 +85,7 @@ def accelerate_ref_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: Ac
 # ---- DeepSpeed ZeRO-Inference as its parameter coordinator runs it ----------------------------------------------
 def zero_ref_schedule(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: ZeroSettings) -> Schedule:
     return dataclasses.replace(_zero_schedule(model, hw, wl, st), policy="static-zero-ref", sublayer=True,
-                               weight_copies="tensor", prefetch_from_step=1)
+                               weight_copies="tensor", prefetch_from_step=1, weight_gather_copies=2)
 
 
 def zero_ref_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: ZeroSettings) -> Plan:

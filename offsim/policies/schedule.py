@@ -78,6 +78,7 @@ class Schedule:
     sync_positions: bool = False
     weight_copies: str = "unit"
     prefetch_from_step: int = 0
+    weight_gather_copies: int = 0  # device copies after each weight copy (``Plan.weight_gather_copies``)
 
     def placement(self) -> fp.Placement:
         """What this schedule puts where, for the footprint (``offsim.core.footprint``)."""
@@ -601,5 +602,5 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
     return Plan(model=model, workload=wl, policy=s.policy, settings=settings, capacity=cap,
                 resident=resident_bytes(model, wl, s), weight_split=[tuple(x) for x in s.weight_split],
                 kv_split=tuple(s.kv_split), hidden_home=s.hidden_home, ops=b.ops, derived=dict(s.derived),
-                stages=plan_stages)
+                stages=plan_stages, weight_gather_copies=s.weight_gather_copies)
 

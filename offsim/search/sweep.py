@@ -18,7 +18,7 @@ from offsim.core.errors import OffsimError
 from offsim.core.sim import simulate
 from offsim.core.specs import HardwareSpec, ModelSpec, Workload
 from offsim.core.trace import Trace
-from offsim.policies import DEFAULT_POLICIES, POLICIES, build_plan, get_policy
+from offsim.policies import DEFAULT_POLICIES, build_plan, get_policy
 from offsim.policies.lp import flexgen_lp
 
 
