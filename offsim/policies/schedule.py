@@ -337,8 +337,10 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
                 first = False
             for lo, hi in tensor_pieces(d_lo, u_hi):
                 n = w_bytes(lo, hi)
-                rd = add("disk_read", [dep], phase, i, j, 0, tensor="weight", lo=lo, hi=hi, nbytes=n,
-                         alloc=(0, n, 0))
+                # without prefetch the copies are synchronous, one tensor at a time (Accelerate's hooks read a
+                # tensor of the offload folder and copy it before the next): each read waits for the last copy
+                rd = add("disk_read", [dep] + (ids[-1:] if not s.prefetch else []), phase, i, j, 0, tensor="weight",
+                         lo=lo, hi=hi, nbytes=n, alloc=(0, n, 0))
                 ids.append(add("h2d", [rd], phase, i, j, 0, tensor="weight", lo=lo, hi=hi, nbytes=n, pinned=pinned,
                                alloc=((w_bytes(d_lo, u_hi) + straddle) if first else 0, 0, 0), free=(0, n, 0)))
                 first = False
