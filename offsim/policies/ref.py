@@ -74,8 +74,10 @@ class AccelerateRefSettings(AccelerateSettings):
 
 
 def accelerate_ref_schedule(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: AccelerateRefSettings) -> Schedule:
+    # overlap off: the hooks' copies are synchronous and on the compute stream, so every op (the embedding's and the
+    # head's computes too) waits for the one before it -- and nothing else moves (the KV cache is on the GPU)
     return dataclasses.replace(_accelerate_schedule(model, hw, wl, st), policy="static-accelerate-ref",
-                               prefetch=False, pinned=False, weight_copies="tensor")
+                               prefetch=False, overlap=False, pinned=False, weight_copies="tensor")
 
 
 def accelerate_ref_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: AccelerateRefSettings) -> Plan:
