@@ -120,7 +120,9 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
 
 def add_policy_args(p: argparse.ArgumentParser) -> None:
     """One policy with its settings (``simulate``; ``offexec run``)."""
-    p.add_argument("--policy", default="flexgen", help=f"policy: {', '.join(POLICIES)} (default: %(default)s)")
+    p.add_argument("--policy", default="flexgen", help=f"policy: {', '.join(POLICIES)} (default: %(default)s); a "
+                   "*-ref policy runs its ideal policy's schedule as that system's code does, same settings "
+                   "(docs/architecture.md §5.1)")
     p.add_argument("--gpu-batch-size", type=positive_int, default=16, metavar="SEQS",
                    help="sequences per GPU batch (default: %(default)s)")
     p.add_argument("--num-gpu-batches", type=positive_int, default=1, metavar="N",

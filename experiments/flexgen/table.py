@@ -200,9 +200,10 @@ def main() -> None:
     for i, r, rr in zip(x, pub["ratio"], pub["ref_ratio"]):
         top = max(pub["published_tok_s"].iloc[i], pub["predicted_tok_s"].iloc[i], pub["ref_predicted_tok_s"].iloc[i])
         ax.text(i, top * 1.15, f"x{r:.2f}\nx{rr:.2f}", ha="center", fontsize=6)
+    ax.set_ylim(top=float(pub[["published_tok_s", "predicted_tok_s", "ref_predicted_tok_s"]].max().max()) * 20)
     ax.set_ylabel("total tok/s (prompt 512, gen 32)")
     ax.set_title("FlexGen's T4 table: published vs offsim (ratios above: ideal, as implemented)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper right", ncol=3)
     fig.tight_layout()
     fig.savefig(OUT / "table.png", dpi=120)
 
