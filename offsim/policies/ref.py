@@ -26,8 +26,9 @@ Nothing is fitted to a measured throughput.
   ``partition_parameters.py``; FlexGen's ``hf_opt.py`` config: stage 3, ``offload_param`` to pinned CPU memory,
   ``stage3_param_persistence_threshold`` 0, ``stage3_prefetch_bucket_size`` hidden²): every parameter, biases and
   norms too, is fetched on its own (``ds_tensor.to(device)``, one copy each, with its per-copy latency) when its
-  module runs; the next module's parameters are prefetched (one bucket of hidden² elements ahead: about one module,
-  streamed here per attention / MLP as FlexGen streams them) only once the module trace is complete
+  module runs; the next module's parameters are prefetched (one bucket of hidden² elements ahead, about one
+  module; approximated here by one sub-layer -- attention or MLP -- ahead, which is more than the bucket holds but
+  changes little while the link is the bottleneck) only once the module trace is complete
   (``is_complete_trace()``), i.e. from the second forward on: the first forward (the prefill) fetches each module's
   parameters when it runs. Each fetch gathers the parameters through a flat GPU buffer on the fetch stream
   (``all_gather_coalesced``: ``torch.cat`` of the copied partitions into the flat buffer, an all-gather that is in
