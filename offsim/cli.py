@@ -19,7 +19,7 @@ import pandas as pd
 from offsim.core.errors import OffsimError
 from offsim.core.latency import latency_and_bottleneck
 from offsim.core.plan import Plan
-from offsim.policies import POLICIES, build_plan, get_policy
+from offsim.policies import DEFAULT_POLICIES, POLICIES, build_plan, get_policy
 from offsim.core.sim import simulate
 from offsim.core.specs import HARDWARE_PRESETS, MODEL_PRESETS, Workload, get_hardware, get_model
 
@@ -120,7 +120,9 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
 
 def add_policy_args(p: argparse.ArgumentParser) -> None:
     """One policy with its settings (``simulate``; ``offexec run``)."""
-    p.add_argument("--policy", default="flexgen", help=f"policy: {', '.join(POLICIES)} (default: %(default)s)")
+    p.add_argument("--policy", default="flexgen", help=f"policy: {', '.join(POLICIES)} (default: %(default)s); a "
+                   "*-ref policy runs its ideal policy's schedule as that system's code does, same settings "
+                   "(docs/architecture.md §5.1)")
     p.add_argument("--gpu-batch-size", type=positive_int, default=16, metavar="SEQS",
                    help="sequences per GPU batch (default: %(default)s)")
     p.add_argument("--num-gpu-batches", type=positive_int, default=1, metavar="N",
@@ -406,7 +408,7 @@ def cmd_compare(args) -> None:
 
     hw = get_hardware(args.hardware, args.gpu_mem_gb)
     model = get_model(args.model)
-    policies = args.policies or list(POLICIES)
+    policies = args.policies or list(DEFAULT_POLICIES)
     for pol in policies:
         if pol not in POLICIES:
             raise OffsimError(f"unknown policy {pol!r}; valid: {', '.join(POLICIES)}")

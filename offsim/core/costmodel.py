@@ -518,13 +518,24 @@ def _handler_issue_seconds(op, hw: HardwareSpec, graph_q_tokens: int, model: Mod
     return hw.issue_compute_s
 
 
+def gather_seconds(hw: HardwareSpec, nbytes, copies: int) -> float:
+    """Seconds of ``copies`` device-to-device copies of ``nbytes`` (DeepSpeed ZeRO-3's gather of a fetched
+    parameter through a flat buffer): each reads and writes every byte at the HBM rate, plus one kernel's overhead."""
+    if not copies or (_is_number(nbytes) and nbytes <= 0):
+        return 0.0
+    return copies * (hw.kernel_overhead_s + 2 * nbytes / hw.gpu_hbm_bytes_per_s)
+
+
 def op_seconds(op, model: ModelSpec, hw: HardwareSpec, other_busy_s: float = 0.0, disk_cached: bool = False,
-               graph_q_tokens: int = GRAPH_MAX_Q_TOKENS, comp: Compression = NO_COMPRESSION) -> float:
+               graph_q_tokens: int = GRAPH_MAX_Q_TOKENS, comp: Compression = NO_COMPRESSION,
+               gather_copies: int = 0) -> float:
     """Duration of one plan op (see ``offsim.core.plan.Op``). ``other_busy_s``: for PCIe copies, how long the opposite
     direction stays busy from this op's start (duplex). ``disk_cached``: the plan's disk tier is page-cached.
     ``graph_q_tokens``: the plan's ``graph_q_tokens`` (decode ops of up to this many query tokens replayed as CUDA
     graphs; 0: none). ``comp``: the plan's compression (``Compression.from_settings(plan.settings)``): a copy's bytes
-    are already its stored size; a compute op adds its dequantize / quantize passes and sparse attention."""
+    are already its stored size; a compute op adds its dequantize / quantize passes and sparse attention.
+    ``gather_copies``: the plan's ``weight_gather_copies``: a weight copy to the GPU is followed, on its stream, by
+    that many device copies of its bytes (``gather_seconds``)."""
     k = op.kind
     if k == "compute":
         g = bool(graph_q_tokens) and graphed(k, op.part, op.q_tokens, op.phase, graph_q_tokens)
@@ -536,7 +547,10 @@ def op_seconds(op, model: ModelSpec, hw: HardwareSpec, other_busy_s: float = 0.0
             curve = op_table(hw, model, "copy", f"{k}_{op.tensor}")
             if curve is not None:
                 return table_seconds(curve, op.nbytes)
-        return transfer_seconds(hw, op.nbytes, k, pinned=op.pinned, other_busy_s=other_busy_s)
+        t = transfer_seconds(hw, op.nbytes, k, pinned=op.pinned, other_busy_s=other_busy_s)
+        if gather_copies and k == "h2d" and getattr(op, "tensor", "") == "weight":
+            t += gather_seconds(hw, op.nbytes, gather_copies)
+        return t
     if k == "p2p":
         return p2p_seconds(hw, op.nbytes)
     if k == "disk_read":

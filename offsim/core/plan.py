@@ -287,6 +287,11 @@ class Plan:
     # 'gpu_resident' (that GPU's budget and the bytes it holds for the whole run; ``capacity['gpu']`` and
     # ``resident['gpu']`` are then the sums over the GPUs). Empty: one GPU, as every plan before stages
     stages: list[dict] = field(default_factory=list)
+    # device-side copies of its bytes that follow every weight copy to the GPU on the same stream, before the next
+    # copy starts: DeepSpeed ZeRO-3 gathers each fetched parameter through a flat buffer (``torch.cat`` into the
+    # partition, then ``torch.cat`` out of it in the gather handle's ``wait``: 2; ``offsim.policies.ref``). The
+    # simulator prices each at 2 bytes of HBM traffic per byte (a read and a write). 0: none, as every plan before it
+    weight_gather_copies: int = 0
 
     @property
     def num_devices(self) -> int:
@@ -348,6 +353,8 @@ class Plan:
                 r += [get("device", 0), get("peer", -1)]
             rows.append(r)
         extra = {"stages": [dict(st) for st in self.stages]} if multi else {}
+        if self.weight_gather_copies:  # (only when set, so plans from before the field read and hash the same)
+            extra["weight_gather_copies"] = self.weight_gather_copies
         return {"schema": PLAN_SCHEMA, "model": self.model.to_dict(), "workload": self.workload.to_dict(),
                 "policy": self.policy, "settings": self.settings, "capacity": self.capacity,
                 "resident": self.resident, "weight_split": [list(x) for x in self.weight_split], "kv_split": list(self.kv_split),
@@ -383,7 +390,8 @@ class Plan:
                        disk_cached=d.get("disk_cached", False), cuda_graphs=d.get("cuda_graphs", True),
                        graph_max_q_tokens=d.get("graph_max_q_tokens", 1),
                        run_ahead=_run_ahead(d.get("run_ahead", list(RUN_AHEAD_OPS))),
-                       stages=[dict(st) for st in stages])
+                       stages=[dict(st) for st in stages],
+                       weight_gather_copies=d.get("weight_gather_copies", 0))
         except KeyError as e:
             raise PlanError(f"{where}: missing field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
@@ -402,6 +410,8 @@ class Plan:
             body["disk_cached"] = True
         if self.stages:  # (likewise: single-GPU plans keep theirs)
             body["stages"] = d["stages"]
+        if self.weight_gather_copies:  # (likewise)
+            body["weight_gather_copies"] = self.weight_gather_copies
         return hashlib.sha256(json.dumps(body, separators=(",", ":")).encode()).hexdigest()
 
     def save(self, path: str | Path) -> None:
@@ -429,6 +439,9 @@ class Plan:
                             f"{m.num_kv_heads}")
         if not isinstance(self.disk_cached, bool):
             raise PlanError(f"plan: disk_cached must be true or false, got {self.disk_cached!r}")
+        g = self.weight_gather_copies
+        if isinstance(g, bool) or not isinstance(g, int) or g < 0:
+            raise PlanError(f"plan: weight_gather_copies must be a non-negative integer, got {g!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise PlanError(f"plan: cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         if isinstance(self.graph_max_q_tokens, bool) or not isinstance(self.graph_max_q_tokens, int) \

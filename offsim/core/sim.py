@@ -95,6 +95,7 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
     cap = [plan.capacity.get(t, 0) for t in TIERS]
     duration_cache: dict[tuple, float] = {}
     disk_cached = plan.disk_cached  # the plan's disk tier goes through the page cache: priced at its rates
+    gather = plan.weight_gather_copies  # device copies after each weight copy (DeepSpeed's gather)
     comp = Compression.from_settings(plan.settings)  # 4-bit passes and sparse attention of compute ops
     captures = _capture_extras(plan, op_rows(ops), hw)  # graphed ops offexec captures where they first run
 
@@ -102,12 +103,13 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
         other = _OPPOSITE.get(op.kind)
         other_busy = max(0.0, busy_until[other] - now) if other else 0.0
         if other_busy > 0.0:
-            return costmodel.op_seconds(op, model, hw, other_busy, disk_cached, plan.graph_q_tokens, comp)
+            return costmodel.op_seconds(op, model, hw, other_busy, disk_cached, plan.graph_q_tokens, comp, gather)
         key = (op.kind, op.part, op.num_seqs, op.q_tokens, op.ctx_tokens, op.nbytes, op.pinned, op.tensor)
         d = duration_cache.get(key)
         if d is None:
             d = duration_cache[key] = costmodel.op_seconds(op, model, hw, disk_cached=disk_cached,
-                                                           graph_q_tokens=plan.graph_q_tokens, comp=comp)
+                                                           graph_q_tokens=plan.graph_q_tokens, comp=comp,
+                                                           gather_copies=gather)
         return d
 
     # the host issues ops one after another in plan order (a single issuing thread); an op cannot start before
@@ -183,7 +185,8 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
                 dt = duration_cache.get(key)
                 if dt is None:
                     dt = duration_cache[key] = costmodel.op_seconds(op, model, hw, disk_cached=disk_cached,
-                                                                    graph_q_tokens=plan.graph_q_tokens, comp=comp)
+                                                                    graph_q_tokens=plan.graph_q_tokens, comp=comp,
+                                                                    gather_copies=gather)
                 dt += captures.get(op.id, 0.0)
             busy_until[op.stream] = now + dt
             yield env.timeout(dt)
@@ -292,6 +295,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     rows = op_rows(ops)
     n = len(rows)
     disk_cached = plan.disk_cached  # the plan's disk tier goes through the page cache: priced at its rates
+    gather = plan.weight_gather_copies  # device copies after each weight copy (DeepSpeed's gather)
     comp = Compression.from_settings(plan.settings)  # 4-bit passes and sparse attention of compute ops
     from_builder = getattr(ops, "rows", None) is not None
 
@@ -345,7 +349,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
         d = cache.get(key)
         if d is None:
             d = cache[key] = costmodel.op_seconds(op_at(i), model, hw, disk_cached=disk_cached,
-                                                  graph_q_tokens=plan.graph_q_tokens, comp=comp)
+                                                  graph_q_tokens=plan.graph_q_tokens, comp=comp, gather_copies=gather)
         dur0[i] = d
     # graphed ops offexec captures where they first run: host work (the issuing thread runs the static body's
     # launches and records the graph), so with a runtime that has issue costs it is issue time; else op time
@@ -606,7 +610,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
             o = other_of[s]
             if o >= 0 and busy_until[o] > now:  # the opposite direction is busy: priced for the overlap
                 dt = costmodel.op_seconds(op_at(i), model, hw, busy_until[o] - now, disk_cached,
-                                          plan.graph_q_tokens, comp)
+                                          plan.graph_q_tokens, comp, gather)
             else:
                 dt = dur0[i]
             busy_until[s] = now + dt

@@ -53,6 +53,9 @@ class Policy:
     # pipeline parallelism: settings with ``num_stages`` > 1 are checked by this instead of the whole-model
     # placement (every stage against one GPU; host and disk shared): (model, hardware, workload, settings, what)
     check_stages: Callable[[ModelSpec, HardwareSpec, Workload, Any, str], None] | None = None
+    # a ``*-ref`` policy (``offsim.policies.ref``): the name of the ideal policy whose schedule it runs as that
+    # system's code does; left out of the default policy sets (compare, sweeps, jobs' 'all'), asked for by name
+    implements: str = ""
 
     @property
     def compressible(self) -> bool:

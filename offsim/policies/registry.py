@@ -16,11 +16,16 @@ from offsim.core.plan import Plan
 from offsim.core.specs import HardwareSpec, ModelSpec, Workload
 from offsim.policies.base import Policy, capacity_of
 from offsim.policies.flexgen import FLEXGEN
+from offsim.policies.ref import ACCELERATE_REF, FLEXGEN_REF, ZERO_REF
 from offsim.policies.selectn.policy import SELECTN
 from offsim.policies.static import ACCELERATE, ZERO
 from offsim.policies.tightllm.policy import TIGHTLLM
 
-POLICIES: dict[str, Policy] = {p.name: p for p in (ACCELERATE, ZERO, FLEXGEN, TIGHTLLM, SELECTN)}
+POLICIES: dict[str, Policy] = {p.name: p for p in (ACCELERATE, ZERO, FLEXGEN, TIGHTLLM, SELECTN, ACCELERATE_REF,
+                                                    ZERO_REF, FLEXGEN_REF)}
+# the policies that compare, sweeps and jobs run when none are named: the ideal ones (a ``*-ref`` policy models a
+# peer's implementation of one of them: ``offsim.policies.ref``)
+DEFAULT_POLICIES: tuple[str, ...] = tuple(n for n, p in POLICIES.items() if not p.implements)
 
 
 def get_policy(name: str) -> Policy:

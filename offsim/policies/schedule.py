@@ -63,6 +63,22 @@ class Schedule:
     # after another (FlexGen's inner iterations), so that stage s works on group t while stage s+1 works on t-1
     stages: tuple[tuple[int, int], ...] = ()
     micro_batches: int = 1
+    # --- how a system's implementation executes the schedule (the ``*-ref`` policies; the defaults are the ideal
+    # executor of the schedule, every earlier plan's). ``kv_pinned``: host-homed KV copies from pinned memory (None:
+    # as ``pinned``; False: pageable, priced at the profile's pageable rates -- FlexGen allocates its CPU cache with
+    # pin_memory=False). ``sync_positions``: a barrier after every (step, layer, batch) position -- FlexGen's
+    # ``sync()`` (torch.cuda.synchronize) at the end of each iteration of its loop: no op of a position starts
+    # before every op issued in the previous one has ended, except the KV and hidden-state stores, which FlexGen
+    # issues one position later (store_cache(k-1), store_hidden(k-1)) and so must end by the next barrier but one.
+    # ``weight_copies``: 'unit' (one copy per streamed unit and tier) or 'tensor' (one copy per weight tensor, each
+    # paying the link's per-copy latency: Accelerate's per-module hooks, DeepSpeed's per-parameter fetches).
+    # ``prefetch_from_step``: prefetch only from this generation step on (DeepSpeed prefetches once its module trace
+    # is complete, after the first forward)
+    kv_pinned: bool | None = None
+    sync_positions: bool = False
+    weight_copies: str = "unit"
+    prefetch_from_step: int = 0
+    weight_gather_copies: int = 0  # device copies after each weight copy (``Plan.weight_gather_copies``)
 
     def placement(self) -> fp.Placement:
         """What this schedule puts where, for the footprint (``offsim.core.footprint``)."""
@@ -165,6 +181,18 @@ class DiskStoreBuffers:
 _PART_OF_SUB = {None: "layer", "attn": "attn_layer", "mlp": "mlp"}  # a decoder position's compute part
 
 
+def _is_store(ops, i: int) -> bool:
+    """Whether op ``i`` of a plan being built is a store (a KV or hidden-state copy to the host, or a KV write to
+    disk): what FlexGen issues one position after the compute that made it (``Schedule.sync_positions``)."""
+    rows = ops.rows
+    if rows is not None:
+        kind, kw = rows[i][0], rows[i][6]
+        tensor = kw.get("tensor", "")
+    else:
+        kind, tensor = ops[i].kind, ops[i].tensor
+    return (kind == "d2h" and tensor in ("kv", "hidden")) or (kind == "disk_write" and tensor == "kv")
+
+
 def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict[str, int]) -> Plan:
     """Emit the ops of one block (``num_gpu_batches`` × ``gpu_batch_size`` prompts, all generation steps). Each GPU
     batch runs at its own prompt length, padded to its longest prompt (``Workload.batch_prompt_lens``; all
@@ -183,9 +211,25 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
     if wl.max_len > model.max_positions:
         raise OffsimError(f"prompt-len + gen-len - 1 = {wl.max_len} exceeds {model.name}'s {model.max_positions} "
                           "positions")
+    if s.weight_copies not in ("unit", "tensor"):
+        raise OffsimError(f"weight_copies must be 'unit' or 'tensor', got {s.weight_copies!r}")
+    if s.sync_positions and len(s.stages) > 1:
+        raise OffsimError("a barrier after every position (sync_positions) is a single-GPU schedule: use one stage")
     b = PlanBuilder(serial=not s.overlap)
     add = b.add
     pinned = s.pinned
+    kv_pinned = pinned if s.kv_pinned is None else s.kv_pinned
+    if s.sync_positions:
+        # FlexGen's sync() between positions: every op of a position waits for the ops of the previous position
+        # (``barrier``) and for the stores issued two positions back (``deferred``); see ``Schedule``
+        barrier: list[int] = []
+        deferred: list[int] = []
+        plain_add_sync = add
+
+        def add(kind, deps, phase, step, layer, batch, **kw):  # noqa: F811
+            if barrier:
+                deps = [*deps, *barrier]
+            return plain_add_sync(kind, deps, phase, step, layer, batch, **kw)
 
     # pipeline parallelism: stage d on GPU d runs its decoder layers (stage 0 also the embedding, the last the head);
     # the block's GPU batches flow through the stages in ``micro_batches`` contiguous groups. One stage and one group:
@@ -282,6 +326,26 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         straddle = unit_straddle(j, sub)  # the slot's first load takes the whole slot
         h_lo, h_hi = max(g, u_lo), min(g + c, u_hi)  # the unit's host-homed bytes
         d_lo = max(g + c, u_lo)  # ... and its disk-homed bytes [d_lo, u_hi)
+        if per_tensor:
+            # one copy per weight tensor (each with its own per-copy latency), in buffer order; the unit's first
+            # copy allocates its whole slot on the GPU, as the single copy does
+            first = True
+            for lo, hi in tensor_pieces(h_lo, h_hi):
+                n = w_bytes(lo, hi)
+                ids.append(add("h2d", [dep], phase, i, j, 0, tensor="weight", lo=lo, hi=hi, nbytes=n, pinned=pinned,
+                               alloc=((w_bytes(h_lo, h_hi) + straddle) if first else 0, 0, 0)))
+                first = False
+            for lo, hi in tensor_pieces(d_lo, u_hi):
+                n = w_bytes(lo, hi)
+                # without prefetch the copies are synchronous, one tensor at a time (Accelerate's hooks read a
+                # tensor of the offload folder and copy it before the next): each read waits for the last copy
+                rd = add("disk_read", [dep] + (ids[-1:] if not s.prefetch else []), phase, i, j, 0, tensor="weight",
+                         lo=lo, hi=hi, nbytes=n, alloc=(0, n, 0))
+                ids.append(add("h2d", [rd], phase, i, j, 0, tensor="weight", lo=lo, hi=hi, nbytes=n, pinned=pinned,
+                               alloc=((w_bytes(d_lo, u_hi) + straddle) if first else 0, 0, 0), free=(0, n, 0)))
+                first = False
+            loaded[(d, u)] = ids
+            return
         if h_hi > h_lo:
             n = w_bytes(h_lo, h_hi)
             ids.append(add("h2d", [dep], phase, i, j, 0, tensor="weight", lo=h_lo, hi=h_hi, nbytes=n,
@@ -293,6 +357,16 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
             ids.append(add("h2d", [rd], phase, i, j, 0, tensor="weight", lo=d_lo, hi=u_hi, nbytes=n, pinned=pinned,
                            alloc=(n + (0 if h_hi > h_lo else straddle), 0, 0), free=(0, n, 0)))
         loaded[(d, u)] = ids
+
+    per_tensor = s.weight_copies == "tensor"
+    tensor_bounds = sorted({x for _, lo, hi in fp.weight_tensor_ranges_bytes(model) for x in (lo, hi)})
+
+    def tensor_pieces(lo: int, hi: int) -> list[tuple[int, int]]:
+        """[lo, hi) cut at the weight tensors' boundaries (empty when hi <= lo)."""
+        if hi <= lo:
+            return []
+        cuts = [lo] + [x for x in tensor_bounds if lo < x < hi] + [hi]
+        return list(zip(cuts, cuts[1:]))
 
     def ensure_loaded(d: int, upto: int) -> None:
         while cursor[d] <= min(upto, len(instances[d]) - 1):
@@ -358,7 +432,7 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         if kc:  # the load allocates the position's full-length work buffer; its store frees it
             nbytes = kv_load(kc, ctx_prev)
             ids.append(add("h2d", deps, phase, i, j, k, tensor="kv", lo=0, hi=ctx_prev, head_lo=kg, head_hi=kg + kc,
-                           nbytes=nbytes, pinned=pinned, alloc=(buf_c, 0, 0)))
+                           nbytes=nbytes, pinned=kv_pinned, alloc=(buf_c, 0, 0)))
         if kd:
             nbytes = kv_bytes(kd, ctx_prev)
             rd = add("disk_read", deps, phase, i, j, k, tensor="kv", lo=0, hi=ctx_prev, head_lo=kg + kc,
@@ -372,8 +446,19 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
     # (the loop below runs once per position, ~10^5 times for OPT-175B: the settings it reads are locals)
     hidden_cpu = s.hidden_home == "cpu"
     prefetch = s.prefetch
+    prefetch_from = s.prefetch_from_step
     cpu_attention = s.cpu_attention
+    sync = s.sync_positions
+    pos_start = 0  # (sync) the id of the previous position's first op
     for p, (i, j, sub, k) in enumerate(positions):
+        if sync:
+            # FlexGen's sync() after the previous position: its ops, but for its stores, which join the next
+            # barrier (they run beside this position, as FlexGen issues store_cache(k-1) here)
+            end = len(b.ops)
+            stores = [x for x in range(pos_start, end) if _is_store(b.ops, x)]
+            barrier[:] = [x for x in range(pos_start, end) if not _is_store(b.ops, x)] + deferred
+            deferred[:] = stores
+            pos_start = end
         phase = "prefill" if i == 0 else "decode"
         prompt_len = batch_prompt_len[k]
         q = prompt_len if i == 0 else 1
@@ -412,9 +497,10 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         # this position's streamed unit (device, index), if any
         u = inst_index.get((i, group_of[k], j, sub)) if decoder else None
         first_k = k == grp[0]
+        pf = prefetch and i >= prefetch_from
         if first_k and u is not None:
-            ensure_loaded(dev, u[1] + (1 if prefetch else 0))
-        elif first_k and prefetch and not decoder:
+            ensure_loaded(dev, u[1] + (1 if pf else 0))
+        elif first_k and pf and not decoder:
             # embedding / head: prefetch the next streamed decoder unit of this GPU
             nxt = bisect_right(first_use[dev], p)
             if nxt < len(instances[dev]):
@@ -487,7 +573,7 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
                 if kc:
                     nbytes = kv_bytes(kc, q)
                     stores.append(add("d2h", [comp], phase, i, j, k, tensor="kv", lo=ctx - q, hi=ctx, head_lo=kg,
-                                      head_hi=kg + kc, nbytes=nbytes, pinned=pinned, free=(buf_c, 0, 0)))
+                                      head_hi=kg + kc, nbytes=nbytes, pinned=kv_pinned, free=(buf_c, 0, 0)))
                     buf_frees.setdefault(kv_index[p], []).append(stores[-1])
                 if kd:
                     nbytes = kv_bytes(kd, q)
@@ -518,5 +604,5 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
     return Plan(model=model, workload=wl, policy=s.policy, settings=settings, capacity=cap,
                 resident=resident_bytes(model, wl, s), weight_split=[tuple(x) for x in s.weight_split],
                 kv_split=tuple(s.kv_split), hidden_home=s.hidden_home, ops=b.ops, derived=dict(s.derived),
-                stages=plan_stages)
+                stages=plan_stages, weight_gather_copies=s.weight_gather_copies)
 

@@ -34,7 +34,7 @@ from offsim.core.requests import BATCHING, TASKS, Block, Request, draw_requests,
     sample_requests
 from offsim.core.sim import simulate
 from offsim.core.specs import HardwareSpec, ModelSpec, Workload, get_hardware, get_model
-from offsim.policies import POLICIES, build_plan
+from offsim.policies import DEFAULT_POLICIES, POLICIES, build_plan
 from offsim.policies.registry import check_plan_fits, same_placement
 from offsim.search.grid import check_gpu_mem_gb, check_spec_keys
 from offsim.search.search import SearchResult, search
@@ -96,7 +96,7 @@ def parse_job_spec(d: Any, where: str = "job spec", base: Path = Path(".")) -> J
     gpu_mem_gb = d.get("gpu_mem_gb")
     check_gpu_mem_gb(where, "gpu_mem_gb", gpu_mem_gb)
     pols = d.get("policies", "all")
-    pols = list(POLICIES) if pols == "all" else ([pols] if isinstance(pols, str) else pols)
+    pols = list(DEFAULT_POLICIES) if pols == "all" else ([pols] if isinstance(pols, str) else pols)
     if not isinstance(pols, list) or not pols:
         raise OffsimError(f"{where}: policies takes a list of names or 'all'")
     for p in pols:

@@ -18,7 +18,7 @@ from offsim.core.errors import OffsimError
 from offsim.core.sim import simulate
 from offsim.core.specs import HardwareSpec, ModelSpec, Workload
 from offsim.core.trace import Trace
-from offsim.policies import POLICIES, build_plan, get_policy
+from offsim.policies import DEFAULT_POLICIES, build_plan, get_policy
 from offsim.policies.lp import flexgen_lp
 
 
@@ -43,7 +43,7 @@ def throughput_sweep(model: ModelSpec, hw: HardwareSpec, policies: Sequence[str]
                      progress: bool = False) -> pd.DataFrame:
     """One row per (policy, prompt_len, batch): settings, block shape and the simulated metrics (FlexGen's
     throughput definitions); ``error`` says why a cell has no numbers (usually: does not fit memory)."""
-    policies = list(POLICIES) if policies is None else list(policies)
+    policies = list(DEFAULT_POLICIES) if policies is None else list(policies)
     grid = [(p, s, b) for p in policies for s in prompt_lens for b in batches]
     if progress:
         from tqdm.auto import tqdm

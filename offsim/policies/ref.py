@@ -1,0 +1,109 @@
+"""The peers as implemented (issue 15, part 3): each ``*-ref`` policy runs the same schedule as its ideal policy
+(``static-accelerate``, ``static-zero``, ``flexgen``), with the settings of that policy, but executed the way the
+system's released code executes it. The ideal policies model an ideal executor of each system's schedule; these
+model the implementation -- every difference below is read from the system's public source (the versions FlexGen's
+paper benchmarked: FlexGen's own code, and its ``benchmark/hf_ds`` scripts with transformers 4.24, accelerate 0.15
+and DeepSpeed 0.7.7, vendored under ``benchmark/third_party``), and every rate comes from the hardware profile.
+Nothing is fitted to a measured throughput.
+
+- ``flexgen-ref`` (FMInference/FlexLLMGen, ``flexllmgen/flex_opt.py``, ``flexllmgen/pytorch_backend.py``):
+  its loop calls ``sync()`` (``torch.cuda.synchronize`` and the disk threads' join) after every (layer, batch)
+  position, so nothing of one position overlaps the next, except the stores it issues one position late
+  (``store_cache(k-1)``, ``store_hidden(k-1)``); the next layer's weights are loaded beside the first batch only
+  (``load_weight`` copies when ``k == 0``: as the ideal schedule); and its CPU KV cache is allocated with
+  ``pin_memory=False`` (``init_cache_one_gpu_batch``: "disable pin_memory due to high memory overhead"), so each
+  cache copy goes through a pinned relay (``general_copy``: ``src.pin_memory()`` before the H2D, the copy threads'
+  pinned buffer for D2H): KV copies are priced at the profile's pageable rates. Its CPU attention path is the ideal
+  policy's (QKV on the GPU, attention on the CPU over the host cache, inside the position).
+- ``static-accelerate-ref`` (huggingface/accelerate 0.15 ``hooks.py``, ``big_modeling.py``; FlexGen's
+  ``benchmark/hf_ds/hf_opt.py``): FlexGen's benchmark maps every decoder layer to "cpu" (or "disk") with only the
+  embeddings and the LM head on the GPU (its own ``device_map``, not ``"auto"``), so ``gpu_layers`` defaults to 0;
+  an ``AlignDevicesHook`` on each leaf module copies that module's tensors one by one
+  (``set_module_tensor_to_device``: ``value.to(device)`` from the pageable state dict) in its ``pre_forward``, on
+  the compute stream: one synchronous copy per tensor from pageable memory, none overlapping a compute, no
+  prefetch.
+- ``static-zero-ref`` (DeepSpeed 0.7.7 ``runtime/zero/partitioned_param_coordinator.py``,
+  ``partition_parameters.py``; FlexGen's ``hf_opt.py`` config: stage 3, ``offload_param`` to pinned CPU memory,
+  ``stage3_param_persistence_threshold`` 0, ``stage3_prefetch_bucket_size`` hidden²): every parameter, biases and
+  norms too, is fetched on its own (``ds_tensor.to(device)``, one copy each, with its per-copy latency) when its
+  module runs; the next module's parameters are prefetched (one bucket of hidden² elements ahead, about one
+  module; approximated here by one sub-layer -- attention or MLP -- ahead, which is more than the bucket holds but
+  changes little while the link is the bottleneck) only once the module trace is complete
+  (``is_complete_trace()``), i.e. from the second forward on: the first forward (the prefill) fetches each module's
+  parameters when it runs. Each fetch gathers the parameters through a flat GPU buffer on the fetch stream
+  (``all_gather_coalesced``: ``torch.cat`` of the copied partitions into the flat buffer, an all-gather that is in
+  place with one rank, then ``AllGatherCoalescedHandle.wait``'s ``torch.cat`` out of it for each parameter): two
+  device copies of every fetched byte, priced at the profile's HBM rate (``Plan.weight_gather_copies``), before the
+  next fetch's copy (each ``ds_tensor.to(device)`` is a blocking copy on that stream).
+
+What they leave out is in ``docs/architecture.md`` ("The peers as implemented").
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from offsim.core.errors import OffsimError
+from offsim.core.plan import Plan
+from offsim.core.specs import HardwareSpec, ModelSpec, Workload
+from offsim.policies.base import Policy, capacity_of
+from offsim.policies.flexgen import FlexGenSettings, candidates as flexgen_candidates, flexgen_schedule
+from offsim.policies.schedule import Schedule, build_block_plan
+from offsim.policies.static import (AccelerateSettings, ZeroSettings, _accelerate_schedule, _zero_schedule,
+                                    accelerate_candidates, zero_candidates)
+
+
+# ---- FlexGen as its code runs it ------------------------------------------------------------------------------
+def flexgen_ref_schedule(model: ModelSpec, st: FlexGenSettings, wl: Workload | None = None) -> Schedule:
+    if st.num_stages > 1:
+        raise OffsimError("flexgen-ref models FlexGen's single-GPU loop: use num_stages 1")
+    return dataclasses.replace(flexgen_schedule(model, st, wl), policy="flexgen-ref", kv_pinned=False,
+                               sync_positions=True)
+
+
+def flexgen_ref_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: FlexGenSettings) -> Plan:
+    return build_block_plan(model, wl, flexgen_ref_schedule(model, st, wl), capacity_of(hw))
+
+
+# ---- HF Accelerate as FlexGen's benchmark ran it ----------------------------------------------------------------
+@dataclass(frozen=True)
+class AccelerateRefSettings(AccelerateSettings):
+    """As ``static-accelerate``'s, but ``gpu_layers`` defaults to 0: FlexGen's benchmark (``hf_opt.py``) maps all
+    decoder layers to the offload tier (None: as many as fit, as ``device_map='auto'`` would)."""
+
+    gpu_layers: int | None = 0
+
+
+def accelerate_ref_schedule(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: AccelerateRefSettings) -> Schedule:
+    # overlap off: the hooks' copies are synchronous and on the compute stream, so every op (the embedding's and the
+    # head's computes too) waits for the one before it -- and nothing else moves (the KV cache is on the GPU)
+    return dataclasses.replace(_accelerate_schedule(model, hw, wl, st), policy="static-accelerate-ref",
+                               prefetch=False, overlap=False, pinned=False, weight_copies="tensor")
+
+
+def accelerate_ref_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: AccelerateRefSettings) -> Plan:
+    return build_block_plan(model, wl, accelerate_ref_schedule(model, hw, wl, st), capacity_of(hw))
+
+
+# ---- DeepSpeed ZeRO-Inference as its parameter coordinator runs it ----------------------------------------------
+def zero_ref_schedule(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: ZeroSettings) -> Schedule:
+    return dataclasses.replace(_zero_schedule(model, hw, wl, st), policy="static-zero-ref", sublayer=True,
+                               weight_copies="tensor", prefetch_from_step=1, weight_gather_copies=2)
+
+
+def zero_ref_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: ZeroSettings) -> Plan:
+    return build_block_plan(model, wl, zero_ref_schedule(model, hw, wl, st), capacity_of(hw))
+
+
+FLEXGEN_REF = Policy("flexgen-ref", FlexGenSettings, flexgen_ref_plan, flexgen_candidates,
+                     "FlexGen as its code runs: flexgen's schedule with a sync after every layer x batch and the "
+                     "CPU KV cache in pageable memory", lambda m, hw, wl, st: flexgen_ref_schedule(m, st).placement(),
+                     ranks_compression=True, implements="flexgen")
+ACCELERATE_REF = Policy("static-accelerate-ref", AccelerateRefSettings, accelerate_ref_plan, accelerate_candidates,
+                        "HF Accelerate as FlexGen's benchmark ran it: all decoder layers offloaded, one synchronous "
+                        "pageable copy per tensor before each module", lambda m, hw, wl, st:
+                        accelerate_ref_schedule(m, hw, wl, st).placement(), implements="static-accelerate")
+ZERO_REF = Policy("static-zero-ref", ZeroSettings, zero_ref_plan, zero_candidates,
+                  "DeepSpeed ZeRO-Inference as its coordinator runs: one fetch per parameter, prefetch only after "
+                  "the first forward", lambda m, hw, wl, st: zero_ref_schedule(m, hw, wl, st).placement(),
+                  implements="static-zero")
