@@ -72,11 +72,14 @@ def best_settings(policy: str, fixed: dict, model, hw, prompt_len: int, gen_len:
     OffsimError when nothing fits."""
     from offsim import build_plan, simulate
     from offsim.core.errors import OffsimError
+    from offsim.core.specs import Compression
     from offsim.policies import get_policy
     from offsim.search import search
 
-    if not fixed:
-        r = search(policy, model, hw, prompt_len, gen_len, max_sims=2, max_batch=max_batch)
+    comp_keys = ("compress_weight", "compress_cache", "sparse_attention")
+    if not set(fixed) - set(comp_keys):  # nothing fixed but (maybe) compression: the search, under it
+        comp = Compression.from_settings(fixed)
+        r = search(policy, model, hw, prompt_len, gen_len, max_sims=2, max_batch=max_batch, compression=(comp,))
         return r.settings, r.workload
     why = "no candidate"
     for st, wl, _ in get_policy(policy).candidates(model, hw, prompt_len, gen_len, None):

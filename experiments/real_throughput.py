@@ -285,7 +285,7 @@ def readme(df, b, prov: dict) -> str:
                       p for p in PEERS if p != "flexgen-4bit-ref") + " |",
                   "|---|---|---|---|---|" + "---|" * (len(PEERS) - 1)]
         for (m, p, g, bud), grp in b.groupby(["model", "prompt_len", "gen_len", "budget_gib"]):
-            ox = grp[grp["system"].str.startswith("offexec-")]
+            ox = grp[grp["system"].str.startswith("offexec-") & ~grp["system"].str.endswith("+4bit")]
             if ox.empty:
                 continue
             top = ox.loc[ox["decode_tok_s"].astype(float).idxmax()]
@@ -297,6 +297,18 @@ def readme(df, b, prov: dict) -> str:
                 cells.append("–" if pr.empty else f"×{float(top['decode_tok_s']) / float(pr['decode_tok_s'].iloc[0]):.2f}")
             lines.append(f"| {m} | {p} | {g} | {bud:g} | {top['system']} {_fmt(top['decode_tok_s'], 2)} | "
                          + " | ".join(cells) + " |")
+        lines += ["", "## offexec's best 4-bit policy against FlexGen's own 4-bit mode (decode tok/s ratio; target ≥ 2)",
+                  "", "| model | prompt | gen | budget GiB | offexec best 4-bit | flexgen-4bit-ref | ratio |",
+                  "|---|---|---|---|---|---|---|"]
+        for (m, p, g, bud), grp in b.groupby(["model", "prompt_len", "gen_len", "budget_gib"]):
+            ox = grp[grp["system"].str.startswith("offexec-") & grp["system"].str.endswith("+4bit")]
+            pr = grp[grp["system"] == "flexgen-4bit-ref"]
+            if ox.empty or pr.empty:
+                continue
+            top = ox.loc[ox["decode_tok_s"].astype(float).idxmax()]
+            ref = float(pr["decode_tok_s"].iloc[0])
+            lines.append(f"| {m} | {p} | {g} | {bud:g} | {top['system']} {_fmt(top['decode_tok_s'], 2)} | "
+                         f"{_fmt(ref, 2)} | ×{float(top['decode_tok_s']) / ref:.2f} |")
     bad = df[df["status"] != "ok"]
     if not bad.empty:
         lines += ["", "## Runs without a result", "", "| system | model | prompt | gen | budget | batch | status | reason |",

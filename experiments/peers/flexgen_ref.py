@@ -341,7 +341,7 @@ def _hardware(hardware: str | None, budget_gib: float, host_limit_gib: float):
     from offsim import get_hardware
 
     root = Path(__file__).resolve().parents[2]
-    prof = hardware or str(root / "results/profiles/h200_offexec.json")
+    prof = hardware or str(root / "results/profiles/h200_offexec_v2.json")
     if not Path(prof).exists():
         prof = "h200"
     return get_hardware(prof, budget_gib).with_(cpu_mem_bytes=int(host_limit_gib * GiB))

@@ -36,7 +36,10 @@ POLICIES = {"flexgen": ("flexgen", {}), "flexgen-cpuattn": ("flexgen", {"cpu_att
             "tightllm": ("tightllm", {}),
             "tightllm-anchor": ("tightllm", {"percent": (20, 80, 0, 100, 100, 0)}),
             "static-zero": ("static-zero", {}), "static-accelerate": ("static-accelerate", {}),
-            "selectn": ("selectn", {})}
+            "selectn": ("selectn", {}),
+            # FlexGen's 4-bit group-wise weights and KV (issue 16), beside FlexGen's own 4-bit mode
+            "flexgen+4bit": ("flexgen", {"compress_weight": True, "compress_cache": True}),
+            "tightllm+4bit": ("tightllm", {"compress_weight": True, "compress_cache": True})}
 ANCHORED = ("flexgen-anchor", "tightllm-anchor")
 ANCHOR_SHAPES = ((48, 3), (32, 3), (16, 3), (8, 3), (4, 3), (2, 3), (1, 3))
 # settings put on the searched best before the plan is built: TightLLM's N_r by its certified 'exact' path (no
@@ -44,9 +47,10 @@ ANCHOR_SHAPES = ((48, 3), (32, 3), (16, 3), (8, 3), (4, 3), (2, 3), (1, 3))
 OVERRIDES = {"tightllm": {"kv_solver": "exact"}}
 # static-zero and static-accelerate (offexec's runs of the peers' schedules) are predicted at > 25 min for OPT-30B
 # even at 8 prompts: ask for them with --policies
-DEFAULT_POLICIES = ("flexgen", "flexgen-anchor", "tightllm", "tightllm-anchor")
-PROFILE = Path(__file__).resolve().parents[2] / "results/profiles/h200_offexec.json"
-MAX_BATCHES = (512, 256, 128, 64, 32, 16, 8)
+DEFAULT_POLICIES = ("flexgen", "flexgen-anchor", "tightllm", "tightllm-anchor", "flexgen+4bit", "tightllm+4bit")
+# profile v2: op tables, issue rows and the fused 4-bit kernels' rates (results/profiles/README.md)
+PROFILE = Path(__file__).resolve().parents[2] / "results/profiles/h200_offexec_v2.json"
+MAX_BATCHES = (512, 384, 256, 192, 128, 96, 64, 48, 32, 16, 8)
 
 
 def hardware(model, budget_gib: float, host_limit_gib: float, profile: str | None = None):
@@ -69,6 +73,15 @@ def plan_point(name: str, model, hw, prompt_len: int, gen_len: int, max_batch: i
     from offsim.core.errors import OffsimError
 
     pol, fixed = POLICIES[name]
+    host_limit = hw.cpu_mem_bytes + hw.gpu_mem_bytes  # (``hardware``: the host tier is the limit − the budget)
+    if fixed.get("compress_weight"):
+        # with 4-bit weights the executor also holds every layer packed (footprint.executor_host_bytes): the host
+        # tier offsim may plan shrinks by that much
+        from offsim.core import footprint as fp
+        from offsim.core.specs import Compression
+
+        packed = model.num_layers * fp.stored_layer_weight_bytes(model, Compression.from_settings(fixed))
+        hw = hw.with_(cpu_mem_bytes=max(int(hw.cpu_mem_bytes - packed), GiB))
     why = None
     if name in ANCHORED:
         from offsim import Workload
@@ -96,11 +109,25 @@ def plan_point(name: str, model, hw, prompt_len: int, gen_len: int, max_batch: i
             continue
         st = {**st, **OVERRIDES.get(pol, {})}
         plan = build_plan(pol, model, hw, wl, st)
+        held = _executor_host_bytes(plan)
+        if held > host_limit:  # the master, a packed copy and the host KV as the executor holds them
+            why = OffsimError(f"{wl.num_prompts} prompts need {held / GiB:.1f} GiB of host memory in offexec "
+                              f"(> {host_limit / GiB:.1f})")
+            continue
         m = simulate(plan, hw).metrics()
         if m["total_s"] <= max_run_s:
             return st, wl, plan, m
         why = OffsimError(f"predicted {m['total_s']:.0f} s at {wl.num_prompts} prompts, over {max_run_s:.0f} s")
     raise why or OffsimError("no block fits")
+
+
+def _executor_host_bytes(plan) -> int:
+    """Host bytes offexec holds for ``plan`` (``executor.host_need``: weights master, packed copy, host KV,
+    staging)."""
+    from offexec import model as M
+    from offexec.executor import bind, host_need
+
+    return sum(host_need(bind(plan, M.layer_layout(plan.model)), plan).values())
 
 
 def model_for(model_name: str, prompt_len: int, gen_len: int):
