@@ -175,7 +175,8 @@ def stage_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_le
     GPU weight share trimmed until every stage fits its GPU (``schedule.stages_fit_gpus``), and with the activations
     on the other tier. One candidate per block shape and CPU attention (the best of its micro-batch counts and
     splits), so that the few the search screens are different blocks; one on an unbalanced split is followed by
-    the balanced one of the same block and micro-batches, so that the search screens both."""
+    the balanced one of the same block and micro-batches, so that the search screens both. Candidates that still do
+    not fit (``check_stages_fit``) come after all the others: they give the search its reasons when none fits."""
     extra = compression.settings() if compression.any else {}
     rs = flexgen_stage_candidates(model, hw, prompt_len, gen_len, num_stages, batch=batch, comp=compression)
     balanced, even = {}, stage_splits(model.num_layers, num_stages)[0]
@@ -197,15 +198,21 @@ def stage_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_le
             yield Candidate({"percent": q, "cpu_attention": r.cpu_attention, **extra, **pipe}, wl,
                             r.seconds_per_token)
 
-    blocks = set()
+    blocks, unfit = set(), []
     for r in rs:
         if (r.gpu_batch_size, r.num_gpu_batches, r.cpu_attention) in blocks:
             continue
         blocks.add((r.gpu_batch_size, r.num_gpu_batches, r.cpu_attention))
-        yield from emit(r)
         b = balanced.get((r.gpu_batch_size, r.num_gpu_batches, r.cpu_attention, r.micro_batches))
-        if b is not None:
-            yield from emit(b)
+        for c in list(emit(r)) + (list(emit(b)) if b is not None else []):
+            try:
+                check_stages_fit(model, c.workload, flexgen_schedule(model, FlexGenSettings(**c.settings), c.workload),
+                                 capacity_of(hw))
+            except OffsimError:
+                unfit.append(c)  # listed last: the search's reasons when nothing fits
+                continue
+            yield c
+    yield from unfit
 
 
 FLEXGEN = Policy("flexgen", FlexGenSettings, flexgen_plan, candidates,

@@ -340,7 +340,7 @@ def flexgen_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_
     return sorted(out, key=lambda r: r.seconds_per_token)
 
 
-SPLIT_REFINE_TOP = 8  # the pipeline search tries other stage splits for this many best balanced LP optima
+SPLIT_REFINE_TOP = 6  # the pipeline search tries other splits and micro-batches for this many best LP optima
 
 
 def flexgen_stage_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int, num_stages: int,
@@ -350,10 +350,10 @@ def flexgen_stage_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int
                              sublayer: bool = True, comp: Compression = NO_COMPRESSION,
                              refine: int = SPLIT_REFINE_TOP) -> list[LPResult]:
     """``flexgen_candidates`` for a pipeline of ``num_stages`` GPUs (``flexgen_stage_lp``): the LP optimum of every
-    block shape on the balanced split, then, for the ``refine`` best of them, on each other split of
-    ``stage_splits``; all of them, best (lowest seconds per token) first. Micro-batch groups: min(S, nb), FlexGen's
-    (the stages overlap; each streams its weights once per group and step), and 1 (the stages take turns; weights
-    stream once per step: what a shared disk that streams the weights favours)."""
+    block shape on the balanced split with FlexGen's min(S, nb) micro-batch groups (the stages overlap; each streams
+    its weights once per group and step), then, for the ``refine`` best of them, on every split of
+    ``stage_splits`` with those groups and with one group (the stages take turns; weights stream once per step: what
+    a shared disk that streams the weights favours); all of them, best (lowest seconds per token) first."""
     splits = stage_splits(model.num_layers, num_stages)
     out = []
     for ca in cpu_attention:
@@ -363,20 +363,21 @@ def flexgen_stage_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int
         for gbs, nb in block_shapes(batch, gpu_batch_sizes, num_gpu_batches):
             if nb in too_big:
                 continue
-            rs = [flexgen_stage_lp(model, hw, prompt_len, gen_len, gbs, nb, splits[0], g, ca, sublayer, comp)
-                  for g in sorted({min(num_stages, nb), 1}, reverse=True)]
-            if all(r is None for r in rs):
+            r = flexgen_stage_lp(model, hw, prompt_len, gen_len, gbs, nb, splits[0], None, ca, sublayer, comp)
+            if r is None:
                 too_big.add(nb)
                 continue
-            out += [r for r in rs if r is not None]
+            out.append(r)
     out.sort(key=lambda r: r.seconds_per_token)
     more = []
     for r in out[:refine]:
-        for split in splits[1:]:
-            r2 = flexgen_stage_lp(model, hw, prompt_len, gen_len, r.gpu_batch_size, r.num_gpu_batches, split,
-                                  r.micro_batches, r.cpu_attention, sublayer, comp)
-            if r2 is not None:
-                more.append(r2)
+        for g in sorted({r.micro_batches, 1}, reverse=True):
+            for split in splits:
+                if (g, split) != (r.micro_batches, splits[0]):
+                    r2 = flexgen_stage_lp(model, hw, prompt_len, gen_len, r.gpu_batch_size, r.num_gpu_batches,
+                                          split, g, r.cpu_attention, sublayer, comp)
+                    if r2 is not None:
+                        more.append(r2)
     return sorted(out + more, key=lambda r: r.seconds_per_token)
 
 
