@@ -73,15 +73,15 @@ def main() -> None:
              "one host, the best candidates verified by simulation. Simulated only; the presets' GPU-to-GPU link "
              "is PCIe peer at the host link's rate.", "",
              "| model | hardware | GPU GiB | GPUs | batch | micro | layers per stage | percent | decode tok/s | "
-             "speedup | total tok/s | search s | published decode |",
-             "| --- | --- | ---: | ---: | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+             "speedup | total tok/s | published decode |",
+             "| --- | --- | ---: | ---: | --- | ---: | --- | --- | ---: | ---: | ---: | ---: |"]
     for r in rows:
         pub = "" if r["published_decode_tok_s"] is None else f"{r['published_decode_tok_s']:.2f}"
         pct = " ".join(map(str, json.loads(r["settings"])["percent"]))
         lines.append(f"| {r['model']} | {r['hardware']} | {r['gpu_budget_gib']:.0f} | {r['gpus']} | "
                      f"{r['gpu_batch_size']}x{r['num_gpu_batches']} | {r['micro_batches']} | "
                      f"{'/'.join(map(str, json.loads(r['stage_layers'])))} | {pct} | {r['decode_tok_s']:.2f} | "
-                     f"x{r['decode_speedup']:.2f} | {r['total_tok_s']:.2f} | {r['search_s']:.1f} | {pub} |")
+                     f"x{r['decode_speedup']:.2f} | {r['total_tok_s']:.2f} | {pub} |")
     gains = "; ".join(f"{m} on {h}: " + ", ".join(f"x{r['decode_speedup']:.2f} on {r['gpus']}" for r in rows
                                                    if (r["model"], r["hardware"]) == (m, h) and r["gpus"] > 1)
                       for m, h in dict.fromkeys((r["model"], r["hardware"]) for r in rows))
