@@ -157,7 +157,8 @@ def add_search_gpus_arg(p: argparse.ArgumentParser) -> None:
                    help="flexgen: search FlexGen's pipeline over N GPUs of one host, each with the hardware's GPU "
                         "memory (host memory and disk shared): block shape, micro-batch groups, placement and "
                         "layers per stage (balanced, or the last stage with a few layers more or fewer), each stage "
-                        "checked against its GPU (default: %(default)s; other policies run on one GPU)")
+                        "checked against its GPU (default: %(default)s; the other policies have no pipeline and are "
+                        "refused with N > 1)")
 
 
 def policy_settings(args) -> dict:
