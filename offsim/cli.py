@@ -153,6 +153,16 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                         "repeatable")
 
 
+def add_search_gpus_arg(p: argparse.ArgumentParser) -> None:
+    """``--num-gpus`` of ``search`` and ``compare``: the pipeline's GPU count, chosen with the rest."""
+    p.add_argument("--num-gpus", type=positive_int, default=1, metavar="N",
+                   help="flexgen: search FlexGen's pipeline over N GPUs of one host, each with the hardware's GPU "
+                        "memory (host memory and disk shared): block shape, micro-batch groups, placement and "
+                        "layers per stage (balanced, or the last stage with a few layers more or fewer), each stage "
+                        "checked against its GPU (default: %(default)s; the other policies have no pipeline and are "
+                        "refused with N > 1)")
+
+
 def policy_settings(args) -> dict:
     """Settings dict for ``args.policy`` from the flags; a flag that the policy does not take is an error."""
     names = set(get_policy(args.policy).input_names())
@@ -273,7 +283,9 @@ def search_command(args, policy: str, model_arg: str) -> str:
     """The ``offsim search`` command line for the same model, hardware and lengths."""
     cmd = (f"offsim search --policy {policy} --model {model_arg} --hardware {args.hardware} "
            f"--prompt-len {args.prompt_len} --gen-len {args.gen_len}")
-    return cmd + (f" --gpu-mem-gb {args.gpu_mem_gb:g}" if args.gpu_mem_gb is not None else "")
+    cmd += f" --gpu-mem-gb {args.gpu_mem_gb:g}" if args.gpu_mem_gb is not None else ""
+    gpus = getattr(args, "num_gpus", None) or 1
+    return cmd + (f" --num-gpus {gpus}" if gpus > 1 else "")
 
 
 def build_fitting_plan(args, model, hw, wl: Workload, model_arg: str | None = None) -> Plan:
@@ -351,16 +363,23 @@ def cmd_search(args) -> None:
     hw = get_hardware(args.hardware, args.gpu_mem_gb)
     model = get_model(args.model)
     res = search(args.policy, model, hw, args.prompt_len, args.gen_len, max_sims=args.max_sims,
-                 progress=args.progress, compression=compression_choices(args))
-    print(f"best {args.policy} for {model.name} on {hw.name}: gpu_batch_size {res.workload.gpu_batch_size}, "
+                 progress=args.progress, compression=compression_choices(args), num_gpus=args.num_gpus)
+    on = hw.name if args.num_gpus == 1 else f"{args.num_gpus} GPUs of {hw.name}"
+    print(f"best {args.policy} for {model.name} on {on}: gpu_batch_size {res.workload.gpu_batch_size}, "
           f"num_gpu_batches {res.workload.num_gpu_batches}, settings {res.settings}")
     print(_fmt_table([res.metrics]))
+    if res.stages:  # a pipeline: each GPU's layers and peak
+        m = res.metrics
+        print("stages: " + "; ".join(f"GPU {d} layers {lo}-{hi - 1} peak {m[f'peak_gpu{d}_bytes'] / GiB:.3f} GiB of "
+                                     f"{hw.gpu_mem_bytes / GiB:.1f}" for d, (lo, hi) in enumerate(res.stages)))
     cols = [c for c in ("gpu_batch_size", "num_gpu_batches", "settings", "lp_s_per_token", "screen_total_tok_s",
                         "total_tok_s", "error")
             if c in res.candidates]
     print(f"\ncandidates evaluated ({len(res.candidates)}; best first):")
     print(res.candidates[cols].head(args.show).to_string(index=False))
     out = summary(res.metrics, res.settings)
+    if res.stages:
+        out["num_gpus"], out["stages"] = args.num_gpus, [list(x) for x in res.stages]
     by_comp = res.best_by_compression()
     if len(compression_choices(args)) > 1:  # the user asked to compare: the best of each choice
         print("\nbest screened total tok/s by compression: " +
@@ -416,16 +435,19 @@ def cmd_compare(args) -> None:
     for pol in policies:
         try:
             res = search(pol, model, hw, args.prompt_len, args.gen_len, max_sims=args.max_sims,
-                         progress=args.progress, compression=compression_choices(args))
+                         progress=args.progress, compression=compression_choices(args), num_gpus=args.num_gpus)
         except OffsimError as e:
             print(f"{pol}: infeasible: {_short_reason(pol, str(e))}", flush=True)
             out.append({"policy": pol, "error": str(e)})
             continue
         out.append(summary(res.metrics, res.settings))
+        if res.stages:
+            out[-1]["stages"] = [list(x) for x in res.stages]
         print(f"{pol}: gpu_batch_size {res.workload.gpu_batch_size} x {res.workload.num_gpu_batches}, "
               f"settings {res.settings}", flush=True)
     feasible = _rank(out, lambda o: -o["total_tok_s"])  # the objective (total tok/s, FlexGen's) decides
-    print(f"\n{model.name} on {hw.name} ({hw.gpu_mem_bytes / GiB:.1f} GiB GPU), prompt {args.prompt_len}, "
+    gpus = "" if args.num_gpus == 1 else f"{args.num_gpus} x "
+    print(f"\n{model.name} on {hw.name} ({gpus}{hw.gpu_mem_bytes / GiB:.1f} GiB GPU), prompt {args.prompt_len}, "
           f"gen {args.gen_len}, each policy at its best simulated settings, best total tok/s first (*):")
     if feasible:
         print(_compare_table(out))
@@ -638,6 +660,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     q.add_argument("--show", type=positive_int, default=8, help="candidates to list (default: %(default)s)")
     q.add_argument("--progress", action="store_true", help="show a progress bar")
+    add_search_gpus_arg(q)
     add_compression_args(q, choice=True)
     q.set_defaults(func=cmd_search)
     c = sub.add_parser("compare", help="every policy at its best settings, side by side",
@@ -649,6 +672,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-sims", type=positive_int, default=3,
                    help="LP-ranked candidates to simulate per policy (default: %(default)s)")
     c.add_argument("--progress", action="store_true", help="show a progress bar per policy")
+    add_search_gpus_arg(c)
     add_compression_args(c, choice=True)
     c.set_defaults(func=cmd_compare)
     v = sub.add_parser("validate", help="re-simulate measured runs and report the prediction error",

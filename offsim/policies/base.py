@@ -51,7 +51,9 @@ class Policy:
     # model compression (their settings have ``specs.COMPRESSION_KEYS``) the search adds it to each candidate
     ranks_compression: bool = False
     # pipeline parallelism: settings with ``num_stages`` > 1 are checked by this instead of the whole-model
-    # placement (every stage against one GPU; host and disk shared): (model, hardware, workload, settings, what)
+    # placement (every stage against one GPU; host and disk shared): (model, hardware, workload, settings, what).
+    # A policy with it also takes ``num_gpus=N`` in its candidate generator (``offsim search --num-gpus N``:
+    # pipeline candidates, their stages in their settings)
     check_stages: Callable[[ModelSpec, HardwareSpec, Workload, Any, str], None] | None = None
     # a ``*-ref`` policy (``offsim.policies.ref``): the name of the ideal policy whose schedule it runs as that
     # system's code does; left out of the default policy sets (compare, sweeps, jobs' 'all'), asked for by name

@@ -14,8 +14,9 @@ from offsim.core.plan import Plan
 from offsim.core.specs import NO_COMPRESSION, Compression, HardwareSpec, ModelSpec, Workload
 from offsim.policies.base import (Candidate, Policy, capacity_of, compression_of, kv_split_from_percent,
                                   weight_split_from_percent)
-from offsim.policies.lp import flexgen_candidates
-from offsim.policies.schedule import Schedule, balanced_stages, build_block_plan, check_stages_fit
+from offsim.policies.lp import flexgen_candidates, flexgen_stage_candidates, stage_splits
+from offsim.policies.schedule import (Schedule, balanced_stages, build_block_plan, check_stages_fit, stage_tier_bytes,
+                                     stages_fit_gpus)
 
 
 @dataclass(frozen=True)
@@ -122,11 +123,16 @@ def fit_gpu_weights(model: ModelSpec, hw: HardwareSpec, wl: Workload, percent: t
 
 
 def candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
-               batch: int | None = None, compression: Compression = NO_COMPRESSION) -> Iterable[Candidate]:
+               batch: int | None = None, compression: Compression = NO_COMPRESSION,
+               num_gpus: int = 1) -> Iterable[Candidate]:
     """FlexGen's LP optimum for every block shape (with ``batch`` sequences when given), with and without CPU
     attention, best LP time first, its GPU weight share trimmed to fit exactly (``fit_gpu_weights``); each also with
     the activations on the other tier (a near-tie in the LP, whose activation traffic is small, but not in a real
-    schedule). ``compression``: the LP, the fit and every candidate run with it (its settings in each candidate)."""
+    schedule). ``compression``: the LP, the fit and every candidate run with it (its settings in each candidate).
+    ``num_gpus`` > 1: pipeline candidates (``stage_candidates``)."""
+    if num_gpus > 1:
+        yield from stage_candidates(model, hw, prompt_len, gen_len, num_gpus, batch, compression)
+        return
     extra = compression.settings() if compression.any else {}
     for r in flexgen_candidates(model, hw, prompt_len, gen_len, batch=batch, comp=compression):
         wl = Workload(prompt_len, gen_len, r.gpu_batch_size, r.num_gpu_batches)
@@ -134,6 +140,79 @@ def candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int
         yield Candidate({"percent": p, "cpu_attention": r.cpu_attention, **extra}, wl, r.seconds_per_token)
         yield Candidate({"percent": p[:4] + (p[5], p[4]), "cpu_attention": r.cpu_attention, **extra}, wl,
                         r.seconds_per_token)
+
+
+def fit_stages(model: ModelSpec, hw: HardwareSpec, wl: Workload, percent: tuple, cpu_attention: bool, pipe: dict,
+               comp: Compression = NO_COMPRESSION) -> tuple:
+    """``percent`` of a pipeline (``pipe``: its num_stages, stage_layers, micro_batches) made to fit by the exact
+    arithmetic of ``check_stages_fit``, where the LP's rounded optimum does not: the GPU share of the weights lowered
+    until every stage fits its GPU (``fit_gpu_weights``), then, while the stages' host bytes together exceed host
+    memory, host-homed weights, then host-homed KV, moved to disk one point at a time."""
+    cap = capacity_of(hw)
+
+    def schedule(p):
+        return flexgen_schedule(model, FlexGenSettings(percent=p, cpu_attention=cpu_attention, **pipe,
+                                                       **comp.settings()), wl)
+
+    p = fit_gpu_weights(model, hw, wl, percent, cpu_attention, comp=comp,
+                        fits=lambda q: stages_fit_gpus(model, wl, schedule(q), cap["gpu"]))
+    while sum(sum(t["cpu"].values()) for t in stage_tier_bytes(model, wl, schedule(p))) > cap["cpu"]:
+        wg, wc, cg, cc = p[:4]
+        if wc > 0:
+            p = (wg, wc - 1, cg, cc) + p[4:]
+        elif cc > 0:
+            p = (wg, wc, cg, cc - 1) + p[4:]
+        else:
+            break
+    return p
+
+
+def stage_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int, num_stages: int,
+                     batch: int | None = None, compression: Compression = NO_COMPRESSION) -> Iterable[Candidate]:
+    """Pipeline candidates over ``num_stages`` GPUs, each with ``hw``'s GPU budget: the LP optimum of every block
+    shape and stage split (``lp.flexgen_stage_candidates``: balanced, and the last stage's layers moved for the best
+    block shapes), best LP time first, each with its layers per stage and micro-batch groups in its settings and its
+    GPU weight share trimmed until every stage fits its GPU (``schedule.stages_fit_gpus``), and with the activations
+    on the other tier. One candidate per block shape and CPU attention (the best of its micro-batch counts and
+    splits), so that the few the search screens are different blocks; one on an unbalanced split is followed by
+    the balanced one of the same block and micro-batches, so that the search screens both. Candidates that still do
+    not fit (``check_stages_fit``) come after all the others: they give the search its reasons when none fits."""
+    extra = compression.settings() if compression.any else {}
+    rs = flexgen_stage_candidates(model, hw, prompt_len, gen_len, num_stages, batch=batch, comp=compression)
+    balanced, even = {}, stage_splits(model.num_layers, num_stages)[0]
+    for r in rs:
+        if r.stage_layers == even:
+            balanced.setdefault((r.gpu_batch_size, r.num_gpu_batches, r.cpu_attention, r.micro_batches), r)
+    done = set()
+
+    def emit(r):
+        key = (r.gpu_batch_size, r.num_gpu_batches, r.cpu_attention, r.micro_batches, r.stage_layers)
+        if key in done:
+            return
+        done.add(key)
+        wl = Workload(prompt_len, gen_len, r.gpu_batch_size, r.num_gpu_batches)
+        pipe = {"num_stages": num_stages, "stage_layers": r.stage_layers, "micro_batches": r.micro_batches}
+        p = r.percent
+        for q in (p, p[:4] + (p[5], p[4])):
+            q = fit_stages(model, hw, wl, q, r.cpu_attention, pipe, compression)
+            yield Candidate({"percent": q, "cpu_attention": r.cpu_attention, **extra, **pipe}, wl,
+                            r.seconds_per_token)
+
+    blocks, unfit = set(), []
+    for r in rs:
+        if (r.gpu_batch_size, r.num_gpu_batches, r.cpu_attention) in blocks:
+            continue
+        blocks.add((r.gpu_batch_size, r.num_gpu_batches, r.cpu_attention))
+        b = balanced.get((r.gpu_batch_size, r.num_gpu_batches, r.cpu_attention, r.micro_batches))
+        for c in list(emit(r)) + (list(emit(b)) if b is not None else []):
+            try:
+                check_stages_fit(model, c.workload, flexgen_schedule(model, FlexGenSettings(**c.settings), c.workload),
+                                 capacity_of(hw))
+            except OffsimError:
+                unfit.append(c)  # listed last: the search's reasons when nothing fits
+                continue
+            yield c
+    yield from unfit
 
 
 FLEXGEN = Policy("flexgen", FlexGenSettings, flexgen_plan, candidates,

@@ -141,13 +141,16 @@ class LPResult:
     seconds_per_token: float  # objective: T / block size
     percent: tuple[int, ...]  # rounded to FlexGen's six integers
     binding: list[str] = field(default_factory=list)  # memory constraints at their limit
+    # pipeline parallelism (``flexgen_stage_lp``): layers per stage and micro-batch groups; () and 1 on one GPU
+    stage_layers: tuple[int, ...] = ()
+    micro_batches: int = 1
 
 
 class _ParamLP:
     """FlexGen's LP, compiled once (cvxpy DPP): min (L·t_pre + L·(n−1)·t_gen) / bls over the fractions, with
     t_pre, t_gen above every per-layer term and memory per tier (normalised by capacity) at most 1."""
 
-    def __init__(self):
+    def __init__(self, mem_rows: int = 3):
         import cvxpy as cp  # imported when the first LP is solved: ~1 s that a refused or LP-free command skips
 
         n = len(VARS)
@@ -155,7 +158,7 @@ class _ParamLP:
         self.t = cp.Variable(2, nonneg=True)  # t_pre, t_gen
         self.A = {k: cp.Parameter((4, n)) for k in ("pre", "gen")}
         self.b = {k: cp.Parameter(4) for k in ("pre", "gen")}
-        self.M, self.m = cp.Parameter((3, n)), cp.Parameter(3)
+        self.M, self.m = cp.Parameter((mem_rows, n)), cp.Parameter(mem_rows)  # (rows: tiers, or stages' tiers)
         self.w = cp.Parameter(2, nonneg=True)  # objective weights L/bls, L(n-1)/bls
         self.cg_max = cp.Parameter(nonneg=True)
         i = {k: j for j, k in enumerate(VARS)}
@@ -171,6 +174,7 @@ class _ParamLP:
 
 
 _LP: _ParamLP | None = None
+_STAGE_LP: _ParamLP | None = None  # with pipeline stages: four memory rows (``flexgen_stage_lp``)
 
 
 def flexgen_lp(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int, gbs: int, nb: int,
@@ -178,22 +182,30 @@ def flexgen_lp(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int
                comp: Compression = NO_COMPRESSION) -> LPResult | None:
     """Solve FlexGen's LP for one block shape; None if no placement fits memory (or the solver gives up)."""
     global _LP
-    import cvxpy as cp
 
     if _LP is None:
         _LP = _ParamLP()
-    lp = _LP
     terms = flexgen_terms(model, hw, prompt_len, gen_len, gbs, nb, Affine.basis(), cpu_attention, sublayer, comp)
+    cap = {"gpu": hw.gpu_mem_bytes, "cpu": hw.cpu_mem_bytes, "disk": hw.disk_bytes}
+    mem = [(t, terms["mem"][t], cap[t]) for t in cap]
+    L, bls = model.num_layers, gbs * nb
+    return _solve(_LP, terms, mem, np.array([L / bls, L * (gen_len - 1) / bls]), gbs, nb, cpu_attention)
+
+
+def _solve(lp: _ParamLP, terms: dict, mem: list, w: np.ndarray, gbs: int, nb: int, cpu_attention: bool,
+           **extra) -> LPResult | None:
+    """Solve ``lp`` for the time ``terms`` (``flexgen_terms``' 'pre' and 'gen'), the memory rows ``mem`` ((name,
+    bytes, capacity): bytes affine in the fractions) and the objective weights ``w`` (of t_pre, t_gen)."""
+    import cvxpy as cp
+
     for k in ("pre", "gen"):
         rows = [_affine(e) for e in terms[k]]
         lp.A[k].value = np.array([r[0] for r in rows])
         lp.b[k].value = np.array([r[1] for r in rows])
-    cap = {"gpu": hw.gpu_mem_bytes, "cpu": hw.cpu_mem_bytes, "disk": hw.disk_bytes}
-    rows = [_affine(terms["mem"][t]) for t in cap]
-    lp.M.value = np.array([r[0] / cap[t] for r, t in zip(rows, cap)])
-    lp.m.value = np.array([r[1] / cap[t] for r, t in zip(rows, cap)])
-    L, bls = model.num_layers, gbs * nb
-    lp.w.value = np.array([L / bls, L * (gen_len - 1) / bls])
+    rows = [_affine(e) for _, e, _ in mem]
+    lp.M.value = np.array([r[0] / c for r, (_, _, c) in zip(rows, mem)])
+    lp.m.value = np.array([r[1] / c for r, (_, _, c) in zip(rows, mem)])
+    lp.w.value = w
     lp.cg_max.value = 0.0 if cpu_attention else 1.0
     lp.tie.value = TIE_BREAK * lp.w.value.sum() * (lp.A["pre"].value.sum(0) + lp.A["gen"].value.sum(0))
     try:
@@ -204,9 +216,84 @@ def flexgen_lp(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int
         return None
     fr = {k: float(np.clip(lp.x.value[j], 0, 1)) for j, k in enumerate(VARS)}
     use = lp.M.value @ lp.x.value + lp.m.value
-    binding = [t for t, u in zip(cap, use) if u > 1 - 1e-4]
+    binding = [t for (t, _, _), u in zip(mem, use) if u > 1 - 1e-4]
     sec_per_tok = float(lp.w.value @ lp.t.value)
-    return LPResult(gbs, nb, cpu_attention, fr, sec_per_tok, round_percent(fr), binding)
+    return LPResult(gbs, nb, cpu_attention, fr, sec_per_tok, round_percent(fr), binding, **extra)
+
+
+def stage_splits(num_layers: int, num_stages: int, spread: int = 2) -> list[tuple[int, ...]]:
+    """Layers per stage that the pipeline search tries: the balanced split first (``schedule.balanced_stages``'
+    default), then the last stage with up to ``spread`` layers fewer or more than L // S, the other stages
+    balanced. Only the last stage differs in memory -- it sends nothing on (``footprint.p2p_send_bytes``); every
+    stage holds the embeddings, as offexec keeps them -- and in time (it also runs the LM head, the first stage the
+    embedding: small beside a stage's layers), so these are the splits that can gain."""
+    from offsim.policies.schedule import balanced_stages
+
+    def layers(n: int, k: int) -> tuple[int, ...]:
+        return tuple(hi - lo for lo, hi in balanced_stages(n, k))
+
+    if num_stages == 1:
+        return [(num_layers,)]
+    out = [layers(num_layers, num_stages)]
+    q = num_layers // num_stages
+    for last in range(q - spread, q + spread + 1):
+        if last >= 1 and num_layers - last >= num_stages - 1:
+            split = layers(num_layers - last, num_stages - 1) + (last,)
+            if split not in out:
+                out.append(split)
+    return out
+
+
+def flexgen_stage_lp(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int, gbs: int, nb: int,
+                     layers: tuple[int, ...], micro_batches: int | None = None, cpu_attention: bool = False,
+                     sublayer: bool = True, comp: Compression = NO_COMPRESSION) -> LPResult | None:
+    """FlexGen's LP for a pipeline of ``len(layers)`` stages, one GPU each (``layers``: decoder layers per stage),
+    the block's ``nb`` GPU batches in ``micro_batches`` groups (default min(S, nb), the plan's). The placement
+    fractions apply within every stage, as the plan's percentages do.
+
+    Time: a stage computes one group at a time, so the per-layer terms are ``flexgen_terms``' for a group's GPU
+    batches (⌈nb / G⌉: a stage streams its weights once per group and step). A decode step keeps every stage busy
+    with its G groups when G >= S, else each group's step crosses the S stages before its next: max(G, S) group
+    passes of the longest stage (l_max layers); prefill fills and drains the pipeline, G + S − 1 of them. So
+    T = (G + S − 1) · l_max · t_pre + max(G, S) · l_max · (n − 1) · t_gen per block (S = G = 1: FlexGen's). Each
+    GPU has its own links, but the disk and the host CPU are one for all stages: their terms (disk traffic, CPU
+    attention) count every stage's and group's layers, G · L per step, scaled into t_pre and t_gen so that the
+    objective prices them at that. Memory (``footprint.tier_bytes`` of a stage's layers with the whole block's KV
+    and activations): two GPU rows, the largest sending stage (with its sends in flight) and the last stage, each
+    at most one GPU's budget; host memory and disk summed over the stages (one host)."""
+    global _STAGE_LP
+    from offsim.policies.schedule import stage_model
+
+    if _STAGE_LP is None:
+        _STAGE_LP = _ParamLP(mem_rows=4)
+    S, L = len(layers), sum(layers)
+    G = micro_batches or min(S, nb)
+    nb_g = -(-nb // G)
+    x = Affine.basis()
+    terms = flexgen_terms(model, hw, prompt_len, gen_len, gbs, nb_g, x, cpu_attention, sublayer, comp)
+    l_max, bls = max(layers), gbs * nb
+    passes = {"pre": G + S - 1, "gen": max(G, S)}
+    for k, i_disk in (("pre", 2), ("gen", 2)):  # shared disk: G · L layers' traffic per step, not the longest stage's
+        terms[k][i_disk] = terms[k][i_disk] * (G * L / (passes[k] * l_max))
+    if cpu_attention:  # shared host CPU: its attention (in the compute row, as FlexGen's) for G · L layers too
+        ctx_avg = prompt_len + gen_len / 2
+        cpu = (x["cc"] + x["cd"]) * (nb_g * cm.cpu_attention_seconds(model, hw, gbs, 1, ctx_avg, comp))
+        terms["gen"][3] = terms["gen"][3] + cpu * (G * L / (passes["gen"] * l_max) - 1)
+    wl = Workload(prompt_len, gen_len, gbs, nb)
+    peak = _op_peak(model, prompt_len, gen_len, gbs, cpu_attention, sublayer)
+    tiers: dict[int, dict] = {}
+    for n_layers in set(layers):
+        t = fp.tier_bytes(stage_model(model, 0, n_layers), wl, x, cpu_attention, weight_buffers=2, op_peak=peak,
+                          sublayer=sublayer, comp=comp)
+        tiers[n_layers] = {k: sum(v.values()) for k, v in t.items()}
+    sending = max(layers[:-1]) if S > 1 else layers[-1]
+    mem = [("gpu (sending stage)", tiers[sending]["gpu"] + (fp.p2p_send_bytes(model, wl) if S > 1 else 0),
+            hw.gpu_mem_bytes),
+           ("gpu (last stage)", tiers[layers[-1]]["gpu"], hw.gpu_mem_bytes),
+           ("cpu", sum(tiers[n]["cpu"] for n in layers), hw.cpu_mem_bytes),
+           ("disk", sum(tiers[n]["disk"] for n in layers), hw.disk_bytes)]
+    w = np.array([passes["pre"] * l_max / bls, passes["gen"] * l_max * (gen_len - 1) / bls])
+    return _solve(_STAGE_LP, terms, mem, w, gbs, nb, cpu_attention, stage_layers=tuple(layers), micro_batches=G)
 
 
 def round_percent(fr: dict[str, float]) -> tuple[int, int, int, int, int, int]:
@@ -251,6 +338,47 @@ def flexgen_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_
                 continue
             out.append(r)
     return sorted(out, key=lambda r: r.seconds_per_token)
+
+
+SPLIT_REFINE_TOP = 6  # the pipeline search tries other splits and micro-batches for this many best LP optima
+
+
+def flexgen_stage_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int, num_stages: int,
+                             gpu_batch_sizes: Iterable[int] = GPU_BATCH_SIZES,
+                             num_gpu_batches: Iterable[int] = NUM_GPU_BATCHES,
+                             cpu_attention: Iterable[bool] = (False, True), batch: int | None = None,
+                             sublayer: bool = True, comp: Compression = NO_COMPRESSION,
+                             refine: int = SPLIT_REFINE_TOP) -> list[LPResult]:
+    """``flexgen_candidates`` for a pipeline of ``num_stages`` GPUs (``flexgen_stage_lp``): the LP optimum of every
+    block shape on the balanced split with FlexGen's min(S, nb) micro-batch groups (the stages overlap; each streams
+    its weights once per group and step), then, for the ``refine`` best of them, on every split of
+    ``stage_splits`` with those groups and with one group (the stages take turns; weights stream once per step: what
+    a shared disk that streams the weights favours); all of them, best (lowest seconds per token) first."""
+    splits = stage_splits(model.num_layers, num_stages)
+    out = []
+    for ca in cpu_attention:
+        if ca and (comp.weight or comp.cache):
+            continue
+        too_big: set[int] = set()
+        for gbs, nb in block_shapes(batch, gpu_batch_sizes, num_gpu_batches):
+            if nb in too_big:
+                continue
+            r = flexgen_stage_lp(model, hw, prompt_len, gen_len, gbs, nb, splits[0], None, ca, sublayer, comp)
+            if r is None:
+                too_big.add(nb)
+                continue
+            out.append(r)
+    out.sort(key=lambda r: r.seconds_per_token)
+    more = []
+    for r in out[:refine]:
+        for g in sorted({r.micro_batches, 1}, reverse=True):
+            for split in splits:
+                if (g, split) != (r.micro_batches, splits[0]):
+                    r2 = flexgen_stage_lp(model, hw, prompt_len, gen_len, r.gpu_batch_size, r.num_gpu_batches,
+                                          split, g, r.cpu_attention, sublayer, comp)
+                    if r2 is not None:
+                        more.append(r2)
+    return sorted(out + more, key=lambda r: r.seconds_per_token)
 
 
 def _silence_cvxpy():

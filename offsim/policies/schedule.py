@@ -132,13 +132,25 @@ def balanced_stages(num_layers: int, num_stages: int, layers: tuple = ()) -> tup
     return tuple(out)
 
 
+def stage_tier_bytes(model: ModelSpec, wl: Workload, s: Schedule) -> list[dict[str, dict[str, int]]]:
+    """``footprint.placement_tier_bytes`` of each stage of ``s`` (its own layers; the embeddings on every stage, as
+    offexec keeps them), with the sends in flight of every stage but the last (``footprint.p2p_send_bytes``)."""
+    per = [fp.placement_tier_bytes(m, wl, pl) for m, pl in stage_placements(model, s)]
+    for t in per[:-1]:  # every stage but the last sends its hidden states on (offexec.distributed's StageComm)
+        t["gpu"]["p2p sends in flight"] = fp.p2p_send_bytes(model, wl)
+    return per
+
+
+def stages_fit_gpus(model: ModelSpec, wl: Workload, s: Schedule, gpu_capacity: int) -> bool:
+    """Whether every stage of ``s`` fits one GPU of ``gpu_capacity`` bytes (the GPU half of ``check_stages_fit``)."""
+    return all(sum(t["gpu"].values()) <= gpu_capacity for t in stage_tier_bytes(model, wl, s))
+
+
 def check_stages_fit(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict[str, int],
                      what: str = "plan") -> None:
     """``footprint.check_fits`` for a pipeline: every stage's GPU against one GPU's budget, host memory and disk
     against the sums over the stages (one host, shared). One line (``PlanError``) naming the first short stage."""
-    per = [fp.placement_tier_bytes(m, wl, pl) for m, pl in stage_placements(model, s)]
-    for t in per[:-1]:  # every stage but the last sends its hidden states on (offexec.distributed's StageComm)
-        t["gpu"]["p2p sends in flight"] = fp.p2p_send_bytes(model, wl)
+    per = stage_tier_bytes(model, wl, s)
     for d, t in enumerate(per):
         need, cap = sum(t["gpu"].values()), int(capacity.get("gpu", 0))
         if need > cap:

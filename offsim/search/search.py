@@ -17,6 +17,7 @@ from offsim.core.sim import simulate
 from offsim.core.specs import NO_COMPRESSION, Compression, HardwareSpec, ModelSpec, Workload
 from offsim.policies import build_plan, get_policy
 from offsim.policies.registry import check_plan_fits, same_placement
+from offsim.policies.schedule import balanced_stages
 
 
 @dataclass
@@ -26,6 +27,7 @@ class SearchResult:
     workload: Workload
     metrics: dict[str, Any]
     candidates: pd.DataFrame  # every candidate evaluated (simulated or not), best first
+    stages: tuple = ()  # a pipeline's decoder layers [lo, hi) per GPU (``num_gpus`` > 1); () on one GPU
 
     def best_by_compression(self) -> dict[str, float]:
         """The best screened total tok/s of each compression choice the search tried ('fp16', '4-bit cache', ...),
@@ -38,9 +40,12 @@ class SearchResult:
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
     def summary(self) -> dict:
-        return {"policy": self.policy, "settings": self.settings, "gpu_batch_size": self.workload.gpu_batch_size,
-                "num_gpu_batches": self.workload.num_gpu_batches, **{k: self.metrics[k] for k in (
-                    "prefill_tok_s", "decode_tok_s", "total_tok_s")}}
+        out = {"policy": self.policy, "settings": self.settings, "gpu_batch_size": self.workload.gpu_batch_size,
+               "num_gpu_batches": self.workload.num_gpu_batches, **{k: self.metrics[k] for k in (
+                   "prefill_tok_s", "decode_tok_s", "total_tok_s")}}
+        if self.stages:
+            out["stages"] = [list(x) for x in self.stages]
+        return out
 
 
 SCREEN_DECODE_STEPS = 2  # decode steps simulated when screening candidates (then extrapolated)
@@ -58,7 +63,7 @@ def _try(fn, row: dict, reasons: list):
 def search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
            max_sims: int = 3, progress: bool = False, max_batch: int | None = None,
            compression: tuple[Compression, ...] = (NO_COMPRESSION,),
-           verify_decode_steps: int | None = None) -> SearchResult:
+           verify_decode_steps: int | None = None, num_gpus: int = 1) -> SearchResult:
     """The best settings and block shape of ``policy`` for this model, hardware and lengths, by simulated total
     throughput.
 
@@ -73,7 +78,13 @@ def search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen
     shows both. ``verify_decode_steps`` (``offsim job``'s fast mode): stage (2) checks the full-length plan's fit
     from arithmetic (``registry.check_plan_fits``) and simulates only prefill and that many decode steps, decode
     extrapolated as in screening -- no memory check under the full plan's timing -- where the shortened plan places
-    weights and cache as the full one does (``registry.same_placement``); None: the full plan, as above."""
+    weights and cache as the full one does (``registry.same_placement``); None: the full plan, as above.
+
+    ``num_gpus`` > 1 (FlexGen): a pipeline over that many GPUs of one host, each with ``hw``'s GPU budget, host
+    memory and disk shared -- the policy's pipeline candidates (FlexGen's: the LP per block shape and stage split,
+    ``lp.flexgen_stage_lp``), each with its layers per stage and micro-batch groups in its settings, screened and
+    verified by simulation as above; the result's ``stages`` are the chosen layers per GPU. 1: the single-GPU
+    search, exactly."""
     # The cyclic garbage collector is paused for the search (``build_plan`` and ``simulate`` pause it while they
     # run, but between them its young-generation passes would walk the ~10^6 objects of a large plan, which form no
     # cycles); what the search makes is freed by reference counting when it returns.
@@ -81,7 +92,7 @@ def search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen
     gc.disable()
     try:
         return _search(policy, model, hw, prompt_len, gen_len, max_sims, progress, max_batch, tuple(compression),
-                       verify_decode_steps)
+                       verify_decode_steps, num_gpus)
     finally:
         if was_enabled:
             gc.enable()
@@ -89,13 +100,14 @@ def search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen
 
 def _search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int, max_sims: int,
             progress: bool, max_batch: int | None, compression: tuple[Compression, ...],
-            verify_decode_steps: int | None = None) -> SearchResult:
+            verify_decode_steps: int | None = None, num_gpus: int = 1) -> SearchResult:
     pol = get_policy(policy)
     Workload(prompt_len, gen_len)  # validates the lengths
+    check_num_gpus(pol, model, num_gpus)
     rows, reasons = [], []
     cands = []
     for comp in compression:
-        cands += _candidates(pol, model, hw, prompt_len, gen_len, max_sims, max_batch, comp)
+        cands += _candidates(pol, model, hw, prompt_len, gen_len, max_sims, max_batch, comp, num_gpus)
     short_gen = min(gen_len, SCREEN_DECODE_STEPS + 1)
     it = cands
     if progress:
@@ -135,15 +147,36 @@ def _search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, ge
             best = (row["settings"], wl, m)
             break
     if best is None:
-        raise OffsimError(infeasibility_reason(policy, model, hw, prompt_len, gen_len, reasons))
+        raise OffsimError(infeasibility_reason(policy, model, hw, prompt_len, gen_len, reasons, num_gpus))
     df = pd.DataFrame([{k: v for k, v in r.items() if k != "_wl"} for r in rows])
     df = df.sort_values("screen_total_tok_s", ascending=False, na_position="last").reset_index(drop=True)
-    return SearchResult(policy, best[0], best[1], best[2], df)
+    stages = ()
+    if num_gpus > 1:
+        stages = balanced_stages(model.num_layers, num_gpus, best[0].get("stage_layers", ()))
+    return SearchResult(policy, best[0], best[1], best[2], df, stages)
+
+
+def check_num_gpus(pol, model: ModelSpec, num_gpus: int) -> None:
+    """Refuse a GPU count the policy cannot use: below 1, above the model's layers (a stage needs one), or more
+    than one GPU for a policy without pipeline stages (those with: the policies with ``check_stages``)."""
+    if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
+        raise OffsimError(f"num_gpus must be a positive integer, got {num_gpus!r}")
+    if num_gpus > 1 and pol.check_stages is None:
+        from offsim.policies import POLICIES
+
+        can = ", ".join(p for p, rec in POLICIES.items() if rec.check_stages is not None)
+        raise OffsimError(f"policy {pol.name} runs on one GPU (pipeline parallelism over several: {can}); drop "
+                          "--num-gpus for it")
+    if num_gpus > model.num_layers:
+        raise OffsimError(f"--num-gpus {num_gpus} exceeds {model.name}'s {model.num_layers} layers (a stage needs "
+                          "one)")
 
 
 def _candidates(pol, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int, max_sims: int,
-                max_batch: int | None, comp: Compression) -> list:
-    """The candidates of one compression choice: a ranked policy's 2 · max_sims best, else all of them."""
+                max_batch: int | None, comp: Compression, num_gpus: int = 1) -> list:
+    """The candidates of one compression choice: a ranked policy's 2 · max_sims best, else all of them (with
+    ``num_gpus`` > 1, the policy's pipeline candidates: ``check_num_gpus`` has checked that it has them)."""
+    gpus = {"num_gpus": num_gpus} if num_gpus > 1 else {}
     if comp.any and not pol.compressible:
         from offsim.policies import POLICIES
 
@@ -151,11 +184,11 @@ def _candidates(pol, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_le
         raise OffsimError(f"policy {pol.name} does not model compression or sparse attention (those that do: {can}); "
                           "drop --compress-weight, --compress-cache and --sparse-attention for it")
     if pol.ranks_compression:
-        drawn = pol.candidates(model, hw, prompt_len, gen_len, None, compression=comp)
+        drawn = pol.candidates(model, hw, prompt_len, gen_len, None, compression=comp, **gpus)
     else:
         extra = comp.settings() if comp.any else {}
         drawn = (c._replace(settings={**c.settings, **extra})
-                 for c in pol.candidates(model, hw, prompt_len, gen_len, None))
+                 for c in pol.candidates(model, hw, prompt_len, gen_len, None, **gpus))
     cands = []
     for c in drawn:
         if max_batch is not None and c[1].num_prompts > max_batch:  # a cap on prompts per block (latency, host
@@ -182,24 +215,26 @@ def extrapolated_metrics(m: dict, wl: Workload) -> dict:
 
 
 def infeasibility_reason(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
-                         reasons: list[str]) -> str:
+                         reasons: list[str], num_gpus: int = 1) -> str:
     """Which constraint binds when nothing fits: the smallest block (one sequence) against each tier. On the GPU the
     least any policy needs (``footprint.tier_bytes`` with every weight and all the KV off the GPU: embeddings, two
-    weight slots, two KV work buffers, one sequence's activations and its largest op peak); across tiers, the
-    weights and one sequence's KV."""
+    weight slots, two KV work buffers, one sequence's activations and its largest op peak: the same on each GPU of
+    a pipeline); across tiers, the weights and one sequence's KV (against ``num_gpus`` GPUs, host and disk)."""
     wl = Workload(prompt_len, gen_len)
     GiB = fp.GiB
     off = {"wg": 0, "wc": 1, "wd": 0, "cg": 0, "cc": 1, "cd": 0, "hg": 1, "hc": 0}
     need_gpu = int(sum(fp.tier_bytes(model, wl, off)["gpu"].values()))
     total = model.weight_bytes() + fp.kv_bytes(model, 1, wl.max_len, layers=model.num_layers)
-    have = hw.gpu_mem_bytes + hw.cpu_mem_bytes + hw.disk_bytes
+    have = num_gpus * hw.gpu_mem_bytes + hw.cpu_mem_bytes + hw.disk_bytes
     if need_gpu > hw.gpu_mem_bytes:
         why = (f"GPU memory: even one sequence needs {need_gpu / GiB:.2f} GiB on the GPU (embeddings, two streamed "
                f"layers, KV work buffers, activations), has {hw.gpu_mem_bytes / GiB:.2f} GiB, short by "
                f"{(need_gpu - hw.gpu_mem_bytes) / GiB:.2f} GiB")
     elif total > have:
-        why = (f"total memory: weights + KV need {total / GiB:.2f} GiB, GPU + CPU + disk hold {have / GiB:.2f} GiB, "
-               f"short by {(total - have) / GiB:.2f} GiB")
+        gpus = "GPU" if num_gpus == 1 else f"{num_gpus} GPUs"
+        why = (f"total memory: weights + KV need {total / GiB:.2f} GiB, {gpus} + CPU + disk hold {have / GiB:.2f} "
+               f"GiB, short by {(total - have) / GiB:.2f} GiB")
     else:
         why = reasons[0] if reasons else "no candidate"
-    return f"no feasible {policy} setting for {model.name} on {hw.name}: {why}"
+    on = hw.name if num_gpus == 1 else f"{num_gpus} GPUs of {hw.name}"
+    return f"no feasible {policy} setting for {model.name} on {on}: {why}"
