@@ -54,6 +54,15 @@ def available(out: torch.Tensor) -> bool:
 
 
 if triton is not None:  # pragma: no cover - compiled and run on the GPU machine only
+    @triton.jit
+    def _row_index(r, r1, r2, r3):
+        """A flat row number (or a block's first) -> its four row dims' indices (sizes r0 x r1 x r2 x r3)."""
+        i3 = r % r3
+        t = r // r3
+        i2 = t % r2
+        t = t // r2
+        return t // r1, t % r1, i2, i3
+
     @triton.jit(do_not_specialize=list(range(3, 24)))  # every integer argument (rows ... on), by position
     def _dequant_kernel(d_ptr, s_ptr, o_ptr, rows, groups, n, r1, r2, r3,
                         d0, d1, d2, d3, dg, s0, s1, s2, s3, sg, o0, o1, o2, o3, on,
@@ -74,12 +83,7 @@ if triton is not None:  # pragma: no cover - compiled and run on the GPU machine
         k = tl.arange(0, BLOCK_R).to(tl.int64)
         if ROW_RUN:
             r0 = pid * BLOCK_R
-            i3 = r0 % r3
-            t = r0 // r3
-            i2 = t % r2
-            t = t // r2
-            i1 = t % r1
-            i0 = t // r1
+            i0, i1, i2, i3 = _row_index(r0, r1, r2, r3)
             live = (r0 + k) < rows
             d_off = i0 * d0 + i1 * d1 + i2 * d2 + i3 * d3 + g * dg + k * d3
             s_off = i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3 + g * sg + k * s3
@@ -87,12 +91,7 @@ if triton is not None:  # pragma: no cover - compiled and run on the GPU machine
         else:
             r = pid * BLOCK_R + k
             live = r < rows
-            i3 = r % r3
-            t = r // r3
-            i2 = t % r2
-            t = t // r2
-            i1 = t % r1
-            i0 = t // r1
+            i0, i1, i2, i3 = _row_index(r, r1, r2, r3)
             d_off = i0 * d0 + i1 * d1 + i2 * d2 + i3 * d3 + g * dg
             s_off = i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3 + g * sg
             o_off = i0 * o0 + i1 * o1 + i2 * o2 + i3 * o3
@@ -131,12 +130,7 @@ if triton is not None:  # pragma: no cover - compiled and run on the GPU machine
         g = tl.program_id(1).to(tl.int64)
         r = pid * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
         live = r < rows
-        i3 = r % r3
-        t = r // r3
-        i2 = t % r2
-        t = t // r2
-        i1 = t % r1
-        i0 = t // r1
+        i0, i1, i2, i3 = _row_index(r, r1, r2, r3)
         x_off = i0 * x0 + i1 * x1 + i2 * x2 + i3 * x3
         o_off = tl.multiple_of(i0 * o0 + i1 * o1 + i2 * o2 + i3 * o3, O_ALIGN)
         e = g * (2 * HALF_G) + tl.arange(0, 2 * HALF_G).to(tl.int64)
