@@ -59,17 +59,18 @@ def _host_gates(is_host, deps_of, cost) -> list[float]:
 WINDOW_STREAMS = ("compute", "h2d", "d2h")  # the streams of ``Plan.run_ahead``, in its order
 
 
-def _window_preds(run_ahead, streams) -> list[int] | None:
+def _window_preds(run_ahead, streams, index: dict[str, int] | None = None) -> list[int] | None:
     """Per op (plan order): the op ``run_ahead`` places earlier on its stream, which must have finished before the
     runtime issues it (offexec's flow control), or -1; None without a window (``run_ahead`` None). ``streams``: each
-    op's stream name (a sequence or a numpy array). Ops on the host streams are handed to worker threads and have no
-    window. Both engines take their windows from here."""
+    op's stream name (a sequence or a numpy array), or with ``index`` ({stream name: code}) each op's stream code (an
+    integer array: comparing integers, not strings, is what keeps this cheap for a plan of 10^5 ops). Ops on the host
+    streams are handed to worker threads and have no window. Both engines take their windows from here."""
     if run_ahead is None:
         return None
     names = np.asarray(streams)
     pred = np.full(len(names), -1, dtype=np.intp)
     for name, w in zip(WINDOW_STREAMS, run_ahead):
-        b = np.flatnonzero(names == name)
+        b = np.flatnonzero(names == (name if index is None else index[name]))
         if len(b) > w:
             pred[b[w:]] = b[:-w]
     return pred.tolist()
@@ -343,6 +344,21 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
             d = cache[key] = costmodel.op_seconds(op_at(i), model, hw, disk_cached=disk_cached,
                                                   graph_q_tokens=plan.graph_q_tokens, comp=comp)
         dur0[i] = d
+    # a copy that starts while the opposite direction is busy is priced for the overlap: ``op_seconds`` with that
+    # overlap is ``duplex_seconds`` at the copy's full rate, looked up once per copy shape (the key of ``cache``)
+    # rather than making the op and pricing it from scratch at every overlap (~10^4 of them in OPT-175B's plan)
+    duplex_seconds = costmodel.duplex_seconds
+    rates: dict[tuple, float | None] = {}
+
+    def duplex_rate(i: int) -> float | None:
+        r = rows[i]
+        get = r[6].get
+        key = (r[0], get("nbytes", 0), get("pinned", True), get("tensor", ""))
+        x = rates.get(key, rates)
+        if x is rates:
+            x = rates[key] = costmodel.duplex_rate(op_at(i), model, hw)
+        return x
+
     # graphed ops offexec captures where they first run: host work (the issuing thread runs the static body's
     # launches and records the graph), so with a runtime that has issue costs it is issue time; else op time
     captures = _capture_extras(plan, rows, hw)
@@ -351,7 +367,8 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
             dur0[i] += extra
         captures = {}
     # each stream's ops in plan order (numpy: a tenth of the time of appending op by op)
-    sarr = np.asarray(sidx, dtype=np.intp)
+    sname = np.asarray(stream_name_idx, dtype=np.intp)
+    sarr = np.asarray(sidx, dtype=np.intp) if multi else sname
     ns = ns_local * ndev
     by_stream: list[list[int]] = [np.flatnonzero(sarr == s).tolist() for s in range(ns)]
     deps_of = [r[1] for r in rows]
@@ -363,8 +380,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     costs = None
     # the runtime's window (None: none). Pipeline plans: each device's issuer runs ahead unbounded (its window is
     # not modelled yet)
-    pred = None if multi else _window_preds(plan.run_ahead,
-                                            np.asarray(ALL_STREAMS)[np.asarray(stream_name_idx, dtype=np.intp)])
+    pred = None if multi else _window_preds(plan.run_ahead, sname, _STREAM_INDEX)
     if hw.issue_compute_s or hw.issue_copy_s or hw.issue_graph_s:
         graph_q = plan.graph_q_tokens
         compute_s = costmodel.issue_seconds(_KindOnly("compute"), hw)
@@ -454,11 +470,10 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     heap: list[tuple] = []
     seq = 0
     # the issuer (``simulate_simpy``'s ``issuer``): a virtual stream ``ISS`` walking the ops in plan order, where
-    # the plan has a run-ahead window; ``issued_ok[i]``: op i is issued; ``iwaiting``: streams waiting for an issue
+    # the plan has a run-ahead window; ops before ``iss_i`` are issued; ``iwaiting``: streams waiting for an issue
     ISS = ns
     itself_iss = [ISS]
     iss_i, iss_busy = 0, False
-    issued_ok = [False] * n if pred is not None else None
     iwaiting: dict[int, list[int]] = {}
     if pred is not None and n:  # (SimPy creates the issuer's process first)
         heap.append((0.0, seq, itself_iss))
@@ -482,6 +497,23 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
             nxt = None
         for s in resumed:
             if s == ISS:  # the issuer: after an op's issue cost, or once the op its next op waits for has ended
+                if costs is None:  # (no issue costs: it only waits for its window; the loop below, pared down)
+                    while iss_i < n:
+                        p = pred[iss_i]
+                        if p >= 0 and end[p] is None:
+                            w = waiting.get(p)
+                            if w is None:
+                                waiting[p] = [ISS]
+                            else:
+                                w.append(ISS)
+                            break
+                        if iwaiting:
+                            w = iwaiting.pop(iss_i, None)
+                            if w is not None:
+                                push(heap, (now, seq, w))
+                                seq += 1
+                        iss_i += 1
+                    continue
                 while iss_i < n:
                     i = iss_i
                     if iss_busy:  # op i's issue cost is spent
@@ -495,12 +527,11 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                             else:
                                 w.append(ISS)
                             break
-                        if costs is not None and costs[i] > 0.0:
+                        if costs[i] > 0.0:
                             iss_busy = True
                             push(heap, (now + costs[i], seq, itself_iss))
                             seq += 1
                             break
-                    issued_ok[i] = True
                     if iwaiting:
                         w = iwaiting.pop(i, None)
                         if w is not None:  # release the stream waiting for it
@@ -535,8 +566,8 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                     push(heap, (now + (issued[i] - now), seq, itself[s]))
                     seq += 1
                     continue
-            elif issued_ok is not None and not issue_checked[s]:
-                if not issued_ok[i]:  # wait for the issuer to reach it
+            elif pred is not None and not issue_checked[s]:
+                if i >= iss_i:  # not issued yet: wait for the issuer to reach it
                     w = iwaiting.get(i)
                     if w is None:
                         iwaiting[i] = [s]
@@ -601,8 +632,8 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                             raise overflow(i, now, 2, mem_d)
             o = other_of[s]
             if o >= 0 and busy_until[o] > now:  # the opposite direction is busy: priced for the overlap
-                dt = costmodel.op_seconds(op_at(i), model, hw, busy_until[o] - now, disk_cached,
-                                          plan.graph_q_tokens, comp)
+                r = duplex_rate(i)
+                dt = dur0[i] if r is None else duplex_seconds(hw, nbytes[i], r, busy_until[o] - now)
             else:
                 dt = dur0[i]
             busy_until[s] = now + dt
