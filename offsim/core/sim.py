@@ -36,7 +36,7 @@ import simpy
 
 from offsim.core import costmodel
 from offsim.core.errors import OffsimError
-from offsim.core.plan import (ALL_STREAMS, SHARED_STREAMS, STREAM_OF_KIND, STREAMS, TIERS, Plan, PlanError,
+from offsim.core.plan import (ALL_KINDS, ALL_STREAMS, SHARED_STREAMS, STREAM_OF_KIND, STREAMS, TIERS, Plan, PlanError,
                                _op_from_row, op_rows)
 from offsim.core.specs import Compression, HardwareSpec
 from offsim.core.trace import COLUMNS, Trace
@@ -225,6 +225,8 @@ _STREAM_INDEX = {s: i for i, s in enumerate(ALL_STREAMS)}  # (p2p last: a single
 _OTHER_INDEX = [_STREAM_INDEX.get(_OPPOSITE.get(s), -1) for s in ALL_STREAMS]  # h2d <-> d2h, others -1
 _SHARED_INDEX = frozenset(_STREAM_INDEX[s] for s in SHARED_STREAMS)
 _KIND_STREAM_INDEX = {k: _STREAM_INDEX[s] for k, s in STREAM_OF_KIND.items()}
+_KIND_INDEX = {k: i for i, k in enumerate(ALL_KINDS)}
+_KIND_STREAM_CODES = np.array([_KIND_STREAM_INDEX[k] for k in ALL_KINDS], dtype=np.intp)  # kind index -> stream's
 
 
 def _capture_extras(plan: Plan, rows: list, hw: HardwareSpec) -> dict[int, float]:
@@ -297,8 +299,12 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
 
     # ---- per op: stream, memory, and its duration when the link is not shared (cached by what prices it) ------
     kind_stream = _KIND_STREAM_INDEX
+    kidx = None  # each op's kind as its index in ALL_KINDS (the builder's rows): the trace's kind column takes it
     if from_builder:  # (the builder's rows hold neither id nor stream: both follow from position and kind)
-        sidx = [kind_stream[r[0]] for r in rows]
+        kind_index = _KIND_INDEX
+        kidx = np.array([kind_index[r[0]] for r in rows], dtype=np.intp)
+        sname = _KIND_STREAM_CODES[kidx]
+        sidx = sname.tolist()
     else:  # an Op list (a loaded plan): the engine indexes ops by position and runs each on its stream
         sidx = []
         for i, r in enumerate(rows):
@@ -307,6 +313,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                 raise PlanError(f"op at position {i} has id {kw['id']}: ids must be 0..n-1 in plan order")
             st = kw.get("stream")
             sidx.append(kind_stream[r[0]] if not st else _STREAM_INDEX[st])
+        sname = np.asarray(sidx, dtype=np.intp)
     # several GPUs: each op's device, and its resource -- stream s of device d is s + d * ns_local, except for the
     # host's shared streams (one for all devices, at their own index)
     ndev = plan.num_devices
@@ -367,7 +374,6 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
             dur0[i] += extra
         captures = {}
     # each stream's ops in plan order (numpy: a tenth of the time of appending op by op)
-    sname = np.asarray(stream_name_idx, dtype=np.intp)
     sarr = np.asarray(sidx, dtype=np.intp) if multi else sname
     ns = ns_local * ndev
     by_stream: list[list[int]] = [np.flatnonzero(sarr == s).tolist() for s in range(ns)]
@@ -657,20 +663,32 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     if multi:
         meta["num_devices"] = ndev
         peak_bytes.update({f"gpu{d}": int(p) for d, p in enumerate(gpeak)})
-    df = _trace_frame(rows, stream_name_idx, nbytes, start, end)
+    df = _trace_frame(rows, kidx, sname, nbytes, start, end)
     if multi:
         df["device"] = np.asarray(odev, dtype=np.int64)
     return Trace(df=df, meta=meta, peak_bytes=peak_bytes)
 
 
-def _trace_frame(rows: list[tuple], sidx: list[int], nbytes: list[int], start: list[float],
-                 end: list[float]) -> pd.DataFrame:
-    """The trace table (``trace.COLUMNS``, with the dtypes of ``Trace.from_arrays``) from the plan's rows."""
+def _names(names: tuple[str, ...], codes: np.ndarray):
+    """The column pandas makes of the list ``[names[c] for c in codes]`` (its dtype for strings: ``str`` since pandas
+    3, ``object`` before), taken from the few names: making a string column out of 10^5 Python strings costs ~20 ns
+    a string, taking from a few ~1 ns."""
+    return pd.Series(list(names)).array.take(codes)
+
+
+def _trace_frame(rows: list[tuple], kidx: np.ndarray | None, sidx: np.ndarray, nbytes: list[int],
+                 start: list[float], end: list[float]) -> pd.DataFrame:
+    """The trace table (``trace.COLUMNS``, with the dtypes of ``Trace.from_arrays``) from the plan's rows, each op's
+    kind index in ``ALL_KINDS`` (None: read the kinds from the rows) and stream index in ``ALL_STREAMS``."""
     n = len(rows)
+    if not n:  # (an empty plan: the columns as pandas makes them from empty lists)
+        kinds, streams = [], []
+    else:
+        kinds = [r[0] for r in rows] if kidx is None else _names(ALL_KINDS, kidx)
+        streams = _names(ALL_STREAMS, sidx)
     # one list comprehension per column: a third of the time of transposing a tuple per row with zip(*...)
-    streams = np.array(ALL_STREAMS, dtype=object)[np.asarray(sidx, dtype=np.intp)] if n else []
     df = pd.DataFrame({
-        "op_id": np.arange(n), "kind": [r[0] for r in rows], "stream": list(streams), "phase": [r[2] for r in rows],
+        "op_id": np.arange(n), "kind": kinds, "stream": streams, "phase": [r[2] for r in rows],
         "step": np.fromiter([r[3] for r in rows], dtype=np.int64, count=n),
         "layer": np.fromiter([r[4] for r in rows], dtype=np.int64, count=n),
         "batch": np.fromiter([r[5] for r in rows], dtype=np.int64, count=n), "start_s": np.array(start, dtype=float),
