@@ -303,7 +303,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     kidx = None  # each op's kind as its index in ALL_KINDS (the builder's rows): the trace's kind column takes it
     if from_builder:  # (the builder's rows hold neither id nor stream: both follow from position and kind)
         kind_index = _KIND_INDEX
-        kidx = np.array([kind_index[r[0]] for r in rows], dtype=np.intp)
+        kidx = np.fromiter(map(kind_index.__getitem__, map(itemgetter(0), rows)), dtype=np.intp, count=n)
         sname = _KIND_STREAM_CODES[kidx]
         sidx = sname.tolist()
     else:  # an Op list (a loaded plan): the engine indexes ops by position and runs each on its stream
@@ -459,7 +459,9 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     busy_until = [0.0] * ns
     other_of = [o + (r // ns_local) * ns_local if (o := _OTHER_INDEX[r % ns_local]) >= 0 else -1
                 for r in range(ns)]
-    waiting: dict[int, list[int]] = {}  # op -> streams waiting for it, in the order they started waiting
+    # per op, the streams waiting for it to end, in the order they started waiting (None: none). A list indexed by op
+    # rather than a dict: every op's end looks here, and an op that has ended is never waited for again
+    waiting: list[list[int] | None] = [None] * n
     # each stream's current op (the one it runs or waits to start; -1 when it has none left) and whether it runs
     # it; ``next_on[i]``: the op after i on its stream (-1 for the last)
     cur = [b[0] if b else -1 for b in by_stream]
@@ -511,7 +513,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                     while iss_i < n:
                         p = pred[iss_i]
                         if p >= 0 and end[p] is None:
-                            w = waiting.get(p)
+                            w = waiting[p]
                             if w is None:
                                 waiting[p] = [ISS]
                             else:
@@ -531,7 +533,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                     else:
                         p = pred[i]
                         if p >= 0 and end[p] is None:  # the window is full: wait for the op ``run_ahead`` back
-                            w = waiting.get(p)
+                            w = waiting[p]
                             if w is None:
                                 waiting[p] = [ISS]
                             else:
@@ -561,7 +563,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                         mem_g -= f[0]
                     mem_c -= f[1]
                     mem_d -= f[2]
-                w = waiting.pop(i, None)
+                w = waiting[i]
                 if w is not None:  # release its waiters
                     push(heap, (now, seq, w))
                     seq += 1
@@ -591,7 +593,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
             for d in (deps if k == 0 else deps[k:]):
                 if end[d] is None:  # wait for it; resume at the dependency after it (its first position from k:
                     dep_k[s] = deps.index(d, k) + 1  # an earlier copy of d would have stopped the scan there)
-                    w = waiting.get(d)
+                    w = waiting[d]
                     if w is None:
                         waiting[d] = [s]
                     else:
