@@ -701,6 +701,7 @@ def _trace_frame(rows: list[tuple], kidx: np.ndarray | None, sidx: np.ndarray, n
         "op_id": np.arange(n), "kind": kinds, "stream": streams, "phase": [r[2] for r in rows],
         "step": np.fromiter(map(itemgetter(3), rows), dtype=np.int64, count=n),
         "layer": np.fromiter(map(itemgetter(4), rows), dtype=np.int64, count=n),
-        "batch": np.fromiter(map(itemgetter(5), rows), dtype=np.int64, count=n), "start_s": np.array(start, dtype=float),
-        "end_s": np.array(end, dtype=float), "nbytes": np.asarray(nbytes, dtype=np.int64)}, copy=False)
+        "batch": np.fromiter(map(itemgetter(5), rows), dtype=np.int64, count=n),
+        "start_s": np.array(start, dtype=float), "end_s": np.array(end, dtype=float),
+        "nbytes": np.asarray(nbytes, dtype=np.int64)}, copy=False)
     return df[COLUMNS]
