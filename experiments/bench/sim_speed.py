@@ -196,13 +196,20 @@ validate {b['validate_s']:.2f} s (now {head['validate_s']:.2f} s); `offsim searc
     text += """
 What changed (docs/architecture.md §6): `PlanBuilder` keeps one row per op and makes `Op` objects only when one is
 asked for (`OpList`); `simulate` is an event loop over those rows that takes events in SimPy's order, with the
-garbage collector paused. Then (this round): the event loop keeps memory in locals, walks each stream by a
+garbage collector paused. Then (round 2, 2f127dd): the event loop keeps memory in locals, walks each stream by a
 next-op table, marks an op finished by its end time and hands the event an op's start schedules straight back when
 it is the earliest (`heappushpop`); the trace table is built column by column; the block schedule reads its settings
 once, looks up a position's streamed unit once and calls the KV-load emitter only at attention positions;
 `PlanBuilder.add` merges two dependencies without a set; `Plan.validate` inlines its per-op prefix and memory
 updates; `offsim search` draws only the candidates it screens (FlexGen's GPU-weight trim runs for those alone) and
-pauses the collector for the whole search. What is left is the per-op Python itself -- the `add(**kw)` call, the
+pauses the collector for the whole search. Round 3 (this one: the run-ahead window's issuer, 63a3d8d, had put OPT-175B
+back over 1 s): `simulate` finds each op's window predecessor from integer stream codes (not strings), prices a copy
+that overlaps the opposite direction from a rate looked up once per copy shape (`costmodel.duplex_rate` /
+`duplex_seconds`) instead of making the op and pricing it afresh (~10^4 times), runs the issuer of a runtime without
+issue costs in a pared-down loop, keeps an op's waiters in a list indexed by op, and tests one flag per resumption
+for the issue check; the trace table takes its kind and stream columns from their few names by code and keeps its
+new columns uncopied (traces identical: the golden trace, both engines, the validation errors). What is left is the
+per-op Python itself -- the `add(**kw)` call, the
 schedule's per-position bookkeeping, the event loop's per-event work (~0.8 us an event in CPython 3.11) -- and, for
 the command, its imports (cvxpy ~0.75 s, pandas) and FlexGen's 168 LPs (~0.4 s). The machine is a shared 2-core VM
 whose speed varies by tens of percent from run to run; the load average above says how busy it was.

@@ -78,11 +78,19 @@ def transfer_seconds(hw: HardwareSpec, nbytes, direction: str, pinned: bool = Tr
     if _is_number(nbytes) and nbytes <= 0:
         return 0.0
     if other_busy_s > 0 and _is_number(nbytes):
-        slow_bw = bw * hw.duplex_fraction
-        if nbytes <= slow_bw * other_busy_s:
-            return hw.link_latency_s + nbytes / slow_bw
-        return hw.link_latency_s + other_busy_s + (nbytes - slow_bw * other_busy_s) / bw
+        return duplex_seconds(hw, nbytes, bw, other_busy_s)
     return hw.link_latency_s + nbytes / bw
+
+
+def duplex_seconds(hw: HardwareSpec, nbytes: float, bw: float, other_busy_s: float) -> float:
+    """``transfer_seconds`` of a copy of ``nbytes`` > 0 whose full rate is ``bw`` (``link_bytes_per_s``) while the
+    opposite direction stays busy for its first ``other_busy_s`` > 0 seconds. Apart so that the simulator, which
+    prices such a copy afresh at every overlap, can pass a rate it looked up once per copy shape
+    (``duplex_rate``)."""
+    slow_bw = bw * hw.duplex_fraction
+    if nbytes <= slow_bw * other_busy_s:
+        return hw.link_latency_s + nbytes / slow_bw
+    return hw.link_latency_s + other_busy_s + (nbytes - slow_bw * other_busy_s) / bw
 
 
 def gpu_link_bytes_per_s(hw: HardwareSpec) -> float:
@@ -524,6 +532,20 @@ def gather_seconds(hw: HardwareSpec, nbytes, copies: int) -> float:
     if not copies or (_is_number(nbytes) and nbytes <= 0):
         return 0.0
     return copies * (hw.kernel_overhead_s + 2 * nbytes / hw.gpu_hbm_bytes_per_s)
+
+
+def duplex_rate(op, model: ModelSpec, hw: HardwareSpec) -> float | None:
+    """For an op whose ``op_seconds`` depends on how long the opposite PCIe direction stays busy (a non-empty h2d or
+    d2h copy priced by ``transfer_seconds``): its full rate, so that ``duplex_seconds(hw, op.nbytes, rate,
+    other_busy_s)`` is ``op_seconds(op, ..., other_busy_s)`` for any ``other_busy_s`` > 0. None for any other op (its
+    price does not depend on the other direction: a copy priced from the op tables, an empty copy, not a copy)."""
+    k = op.kind
+    if k not in DIRECTIONS or not (_is_number(op.nbytes) and op.nbytes > 0):
+        return None
+    if hw.op_times and getattr(op, "tensor", None) in COPY_TABLE_TENSORS \
+            and op_table(hw, model, "copy", f"{k}_{op.tensor}") is not None:
+        return None
+    return link_bytes_per_s(hw, op.nbytes, k, op.pinned)
 
 
 def op_seconds(op, model: ModelSpec, hw: HardwareSpec, other_busy_s: float = 0.0, disk_cached: bool = False,

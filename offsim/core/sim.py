@@ -29,6 +29,7 @@ from __future__ import annotations
 import gc
 import heapq
 import math
+from operator import itemgetter
 
 import numpy as np
 import pandas as pd
@@ -36,7 +37,7 @@ import simpy
 
 from offsim.core import costmodel
 from offsim.core.errors import OffsimError
-from offsim.core.plan import (ALL_STREAMS, SHARED_STREAMS, STREAM_OF_KIND, STREAMS, TIERS, Plan, PlanError,
+from offsim.core.plan import (ALL_KINDS, ALL_STREAMS, SHARED_STREAMS, STREAM_OF_KIND, STREAMS, TIERS, Plan, PlanError,
                                _op_from_row, op_rows)
 from offsim.core.specs import Compression, HardwareSpec
 from offsim.core.trace import COLUMNS, Trace
@@ -59,17 +60,18 @@ def _host_gates(is_host, deps_of, cost) -> list[float]:
 WINDOW_STREAMS = ("compute", "h2d", "d2h")  # the streams of ``Plan.run_ahead``, in its order
 
 
-def _window_preds(run_ahead, streams) -> list[int] | None:
+def _window_preds(run_ahead, streams, index: dict[str, int] | None = None) -> list[int] | None:
     """Per op (plan order): the op ``run_ahead`` places earlier on its stream, which must have finished before the
     runtime issues it (offexec's flow control), or -1; None without a window (``run_ahead`` None). ``streams``: each
-    op's stream name (a sequence or a numpy array). Ops on the host streams are handed to worker threads and have no
-    window. Both engines take their windows from here."""
+    op's stream name (a sequence or a numpy array), or with ``index`` ({stream name: code}) each op's stream code (an
+    integer array: comparing integers, not strings, is what keeps this cheap for a plan of 10^5 ops). Ops on the host
+    streams are handed to worker threads and have no window. Both engines take their windows from here."""
     if run_ahead is None:
         return None
     names = np.asarray(streams)
     pred = np.full(len(names), -1, dtype=np.intp)
     for name, w in zip(WINDOW_STREAMS, run_ahead):
-        b = np.flatnonzero(names == name)
+        b = np.flatnonzero(names == (name if index is None else index[name]))
         if len(b) > w:
             pred[b[w:]] = b[:-w]
     return pred.tolist()
@@ -227,6 +229,8 @@ _STREAM_INDEX = {s: i for i, s in enumerate(ALL_STREAMS)}  # (p2p last: a single
 _OTHER_INDEX = [_STREAM_INDEX.get(_OPPOSITE.get(s), -1) for s in ALL_STREAMS]  # h2d <-> d2h, others -1
 _SHARED_INDEX = frozenset(_STREAM_INDEX[s] for s in SHARED_STREAMS)
 _KIND_STREAM_INDEX = {k: _STREAM_INDEX[s] for k, s in STREAM_OF_KIND.items()}
+_KIND_INDEX = {k: i for i, k in enumerate(ALL_KINDS)}
+_KIND_STREAM_CODES = np.array([_KIND_STREAM_INDEX[k] for k in ALL_KINDS], dtype=np.intp)  # kind index -> stream's
 
 
 def _capture_extras(plan: Plan, rows: list, hw: HardwareSpec) -> dict[int, float]:
@@ -304,8 +308,12 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
 
     # ---- per op: stream, memory, and its duration when the link is not shared (cached by what prices it) ------
     kind_stream = _KIND_STREAM_INDEX
+    kidx = None  # each op's kind as its index in ALL_KINDS (the builder's rows): the trace's kind column takes it
     if from_builder:  # (the builder's rows hold neither id nor stream: both follow from position and kind)
-        sidx = [kind_stream[r[0]] for r in rows]
+        kind_index = _KIND_INDEX
+        kidx = np.fromiter(map(kind_index.__getitem__, map(itemgetter(0), rows)), dtype=np.intp, count=n)
+        sname = _KIND_STREAM_CODES[kidx]
+        sidx = sname.tolist()
     else:  # an Op list (a loaded plan): the engine indexes ops by position and runs each on its stream
         sidx = []
         for i, r in enumerate(rows):
@@ -314,6 +322,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                 raise PlanError(f"op at position {i} has id {kw['id']}: ids must be 0..n-1 in plan order")
             st = kw.get("stream")
             sidx.append(kind_stream[r[0]] if not st else _STREAM_INDEX[st])
+        sname = np.asarray(sidx, dtype=np.intp)
     # several GPUs: each op's device, and its resource -- stream s of device d is s + d * ns_local, except for the
     # host's shared streams (one for all devices, at their own index)
     ndev = plan.num_devices
@@ -351,6 +360,26 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
             d = cache[key] = costmodel.op_seconds(op_at(i), model, hw, disk_cached=disk_cached,
                                                   graph_q_tokens=plan.graph_q_tokens, comp=comp, gather_copies=gather)
         dur0[i] = d
+    # a copy that starts while the opposite direction is busy is priced for the overlap: ``op_seconds`` with that
+    # overlap is ``duplex_seconds`` at the copy's full rate, looked up once per copy shape (the key of ``cache``)
+    # rather than making the op and pricing it from scratch at every overlap (~10^4 of them in OPT-175B's plan)
+    duplex_seconds = costmodel.duplex_seconds
+    rates: dict[tuple, tuple[float, float] | None] = {}
+
+    def duplex_rate(i: int) -> tuple[float, float] | None:
+        """(full rate, seconds the copy's stream spends after it: DeepSpeed's gather copies of a weight) or None."""
+        r = rows[i]
+        get = r[6].get
+        key = (r[0], get("nbytes", 0), get("pinned", True), get("tensor", ""))
+        x = rates.get(key, rates)
+        if x is rates:
+            op = op_at(i)
+            bw = costmodel.duplex_rate(op, model, hw)
+            extra = costmodel.gather_seconds(hw, op.nbytes, gather) \
+                if gather and op.kind == "h2d" and getattr(op, "tensor", "") == "weight" else 0.0
+            x = rates[key] = None if bw is None else (bw, extra)
+        return x
+
     # graphed ops offexec captures where they first run: host work (the issuing thread runs the static body's
     # launches and records the graph), so with a runtime that has issue costs it is issue time; else op time
     captures = _capture_extras(plan, rows, hw)
@@ -359,7 +388,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
             dur0[i] += extra
         captures = {}
     # each stream's ops in plan order (numpy: a tenth of the time of appending op by op)
-    sarr = np.asarray(sidx, dtype=np.intp)
+    sarr = np.asarray(sidx, dtype=np.intp) if multi else sname
     ns = ns_local * ndev
     by_stream: list[list[int]] = [np.flatnonzero(sarr == s).tolist() for s in range(ns)]
     deps_of = [r[1] for r in rows]
@@ -371,8 +400,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     costs = None
     # the runtime's window (None: none). Pipeline plans: each device's issuer runs ahead unbounded (its window is
     # not modelled yet)
-    pred = None if multi else _window_preds(plan.run_ahead,
-                                            np.asarray(ALL_STREAMS)[np.asarray(stream_name_idx, dtype=np.intp)])
+    pred = None if multi else _window_preds(plan.run_ahead, sname, _STREAM_INDEX)
     if hw.issue_compute_s or hw.issue_copy_s or hw.issue_graph_s:
         graph_q = plan.graph_q_tokens
         compute_s = costmodel.issue_seconds(_KindOnly("compute"), hw)
@@ -444,7 +472,9 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     busy_until = [0.0] * ns
     other_of = [o + (r // ns_local) * ns_local if (o := _OTHER_INDEX[r % ns_local]) >= 0 else -1
                 for r in range(ns)]
-    waiting: dict[int, list[int]] = {}  # op -> streams waiting for it, in the order they started waiting
+    # per op, the streams waiting for it to end, in the order they started waiting (None: none). A list indexed by op
+    # rather than a dict: every op's end looks here, and an op that has ended is never waited for again
+    waiting: list[list[int] | None] = [None] * n
     # each stream's current op (the one it runs or waits to start; -1 when it has none left) and whether it runs
     # it; ``next_on[i]``: the op after i on its stream (-1 for the last)
     cur = [b[0] if b else -1 for b in by_stream]
@@ -454,7 +484,10 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
         next_on[b[:-1]] = b[1:]
     next_on = next_on.tolist()
     dep_k = [0] * ns  # the next dependency of that op to check
-    issue_checked = [False] * ns
+    # whether the stream's op has been checked for its issue: from the start where nothing is issued (no issue costs,
+    # no window), so that the loop tests one flag per resumption
+    no_issue = issued is None and pred is None
+    issue_checked = [no_issue] * ns
     itself = [[s] for s in range(ns)]  # what a stream's own event resumes: itself
     # the event queue: (time, sequence number, streams to resume), taken in time order, then in the order the events
     # were scheduled (SimPy's order): a stream's own event (its op ends, or it is issued) resumes it; an op's end
@@ -462,11 +495,10 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     heap: list[tuple] = []
     seq = 0
     # the issuer (``simulate_simpy``'s ``issuer``): a virtual stream ``ISS`` walking the ops in plan order, where
-    # the plan has a run-ahead window; ``issued_ok[i]``: op i is issued; ``iwaiting``: streams waiting for an issue
+    # the plan has a run-ahead window; ops before ``iss_i`` are issued; ``iwaiting``: streams waiting for an issue
     ISS = ns
     itself_iss = [ISS]
     iss_i, iss_busy = 0, False
-    issued_ok = [False] * n if pred is not None else None
     iwaiting: dict[int, list[int]] = {}
     if pred is not None and n:  # (SimPy creates the issuer's process first)
         heap.append((0.0, seq, itself_iss))
@@ -490,6 +522,23 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
             nxt = None
         for s in resumed:
             if s == ISS:  # the issuer: after an op's issue cost, or once the op its next op waits for has ended
+                if costs is None:  # (no issue costs: it only waits for its window; the loop below, pared down)
+                    while iss_i < n:
+                        p = pred[iss_i]
+                        if p >= 0 and end[p] is None:
+                            w = waiting[p]
+                            if w is None:
+                                waiting[p] = [ISS]
+                            else:
+                                w.append(ISS)
+                            break
+                        if iwaiting:
+                            w = iwaiting.pop(iss_i, None)
+                            if w is not None:
+                                push(heap, (now, seq, w))
+                                seq += 1
+                        iss_i += 1
+                    continue
                 while iss_i < n:
                     i = iss_i
                     if iss_busy:  # op i's issue cost is spent
@@ -497,18 +546,17 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                     else:
                         p = pred[i]
                         if p >= 0 and end[p] is None:  # the window is full: wait for the op ``run_ahead`` back
-                            w = waiting.get(p)
+                            w = waiting[p]
                             if w is None:
                                 waiting[p] = [ISS]
                             else:
                                 w.append(ISS)
                             break
-                        if costs is not None and costs[i] > 0.0:
+                        if costs[i] > 0.0:
                             iss_busy = True
                             push(heap, (now + costs[i], seq, itself_iss))
                             seq += 1
                             break
-                    issued_ok[i] = True
                     if iwaiting:
                         w = iwaiting.pop(i, None)
                         if w is not None:  # release the stream waiting for it
@@ -528,7 +576,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                         mem_g -= f[0]
                     mem_c -= f[1]
                     mem_d -= f[2]
-                w = waiting.pop(i, None)
+                w = waiting[i]
                 if w is not None:  # release its waiters
                     push(heap, (now, seq, w))
                     seq += 1
@@ -536,28 +584,29 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                 if i < 0:
                     continue
                 dep_k[s] = 0
-                issue_checked[s] = False
-            if issued is not None and not issue_checked[s]:
-                issue_checked[s] = True
-                if issued[i] > now:
-                    push(heap, (now + (issued[i] - now), seq, itself[s]))
-                    seq += 1
-                    continue
-            elif issued_ok is not None and not issue_checked[s]:
-                if not issued_ok[i]:  # wait for the issuer to reach it
-                    w = iwaiting.get(i)
-                    if w is None:
-                        iwaiting[i] = [s]
-                    else:
-                        w.append(s)
-                    continue
-                issue_checked[s] = True
+                issue_checked[s] = no_issue
+            if not issue_checked[s]:
+                if issued is not None:
+                    issue_checked[s] = True
+                    if issued[i] > now:
+                        push(heap, (now + (issued[i] - now), seq, itself[s]))
+                        seq += 1
+                        continue
+                else:  # (the issuer with a window)
+                    if i >= iss_i:  # not issued yet: wait for the issuer to reach it
+                        w = iwaiting.get(i)
+                        if w is None:
+                            iwaiting[i] = [s]
+                        else:
+                            w.append(s)
+                        continue
+                    issue_checked[s] = True
             deps = deps_of[i]
             k = dep_k[s]
             for d in (deps if k == 0 else deps[k:]):
                 if end[d] is None:  # wait for it; resume at the dependency after it (its first position from k:
                     dep_k[s] = deps.index(d, k) + 1  # an earlier copy of d would have stopped the scan there)
-                    w = waiting.get(d)
+                    w = waiting[d]
                     if w is None:
                         waiting[d] = [s]
                     else:
@@ -567,32 +616,33 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                 d = None  # none unfinished
             if d is not None:
                 continue
-            if gate_s is not None and gate_s[i] and not gated[s]:  # issued once its host dependencies are done
-                gate = max(end[d] for d in deps if is_host[d]) + gate_s[i]
-                if gate > now:
-                    gated[s] = True
-                    push(heap, (now + (gate - now), seq, itself[s]))
-                    seq += 1
-                    continue
             if gate_s is not None:
+                if gate_s[i] and not gated[s]:  # issued once its host dependencies are done
+                    gate = max(end[d] for d in deps if is_host[d]) + gate_s[i]
+                    if gate > now:
+                        gated[s] = True
+                        push(heap, (now + (gate - now), seq, itself[s]))
+                        seq += 1
+                        continue
                 gated[s] = False
             start[i] = now
             a = allocs[i]
             if a is not None:  # tier by tier, gpu first: an overflow names the first tier over
                 x = a[0]
-                if x and multi:
-                    dv = odev[i]
-                    m = gmem[dv] = gmem[dv] + x
-                    if m > gpeak[dv]:
-                        gpeak[dv] = m
-                        if check_memory and m > gcap[dv]:
-                            raise overflow(i, now, 0, m)
-                elif x:
-                    mem_g += x
-                    if mem_g > peak_g:
-                        peak_g = mem_g
-                        if check_memory and mem_g > cap_g:
-                            raise overflow(i, now, 0, mem_g)
+                if x:
+                    if multi:
+                        dv = odev[i]
+                        m = gmem[dv] = gmem[dv] + x
+                        if m > gpeak[dv]:
+                            gpeak[dv] = m
+                            if check_memory and m > gcap[dv]:
+                                raise overflow(i, now, 0, m)
+                    else:
+                        mem_g += x
+                        if mem_g > peak_g:
+                            peak_g = mem_g
+                            if check_memory and mem_g > cap_g:
+                                raise overflow(i, now, 0, mem_g)
                 x = a[1]
                 if x:
                     mem_c += x
@@ -609,8 +659,8 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                             raise overflow(i, now, 2, mem_d)
             o = other_of[s]
             if o >= 0 and busy_until[o] > now:  # the opposite direction is busy: priced for the overlap
-                dt = costmodel.op_seconds(op_at(i), model, hw, busy_until[o] - now, disk_cached,
-                                          plan.graph_q_tokens, comp, gather)
+                r = duplex_rate(i)
+                dt = dur0[i] if r is None else duplex_seconds(hw, nbytes[i], r[0], busy_until[o] - now) + r[1]
             else:
                 dt = dur0[i]
             busy_until[s] = now + dt
@@ -634,22 +684,37 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     if multi:
         meta["num_devices"] = ndev
         peak_bytes.update({f"gpu{d}": int(p) for d, p in enumerate(gpeak)})
-    df = _trace_frame(rows, stream_name_idx, nbytes, start, end)
+    df = _trace_frame(rows, kidx, sname, nbytes, start, end)
     if multi:
         df["device"] = np.asarray(odev, dtype=np.int64)
     return Trace(df=df, meta=meta, peak_bytes=peak_bytes)
 
 
-def _trace_frame(rows: list[tuple], sidx: list[int], nbytes: list[int], start: list[float],
-                 end: list[float]) -> pd.DataFrame:
-    """The trace table (``trace.COLUMNS``, with the dtypes of ``Trace.from_arrays``) from the plan's rows."""
+def _names(names: tuple[str, ...], codes: np.ndarray):
+    """The column pandas makes of the list ``[names[c] for c in codes]`` (its dtype for strings: ``str`` since pandas
+    3, ``object`` before), taken from the few names: making a string column out of 10^5 Python strings costs ~20 ns
+    a string, taking from a few ~1 ns."""
+    return pd.Series(list(names)).array.take(codes)
+
+
+def _trace_frame(rows: list[tuple], kidx: np.ndarray | None, sidx: np.ndarray, nbytes: list[int],
+                 start: list[float], end: list[float]) -> pd.DataFrame:
+    """The trace table (``trace.COLUMNS``, with the dtypes of ``Trace.from_arrays``) from the plan's rows, each op's
+    kind index in ``ALL_KINDS`` (None: read the kinds from the rows) and stream index in ``ALL_STREAMS``."""
     n = len(rows)
-    # one list comprehension per column: a third of the time of transposing a tuple per row with zip(*...)
-    streams = np.array(ALL_STREAMS, dtype=object)[np.asarray(sidx, dtype=np.intp)] if n else []
+    if not n:  # (an empty plan: the columns as pandas makes them from empty lists)
+        kinds, streams = [], []
+    else:
+        kinds = [r[0] for r in rows] if kidx is None else _names(ALL_KINDS, kidx)
+        streams = _names(ALL_STREAMS, sidx)
+    # one pass per column (``map(itemgetter)``): a third of the time of transposing a tuple per row with zip(*...).
+    # ``copy=False``: every column is a new array made here, which the frame may keep as it is (copying them into
+    # consolidated blocks took ~10 ms for OPT-175B's plan)
     df = pd.DataFrame({
-        "op_id": np.arange(n), "kind": [r[0] for r in rows], "stream": list(streams), "phase": [r[2] for r in rows],
-        "step": np.fromiter([r[3] for r in rows], dtype=np.int64, count=n),
-        "layer": np.fromiter([r[4] for r in rows], dtype=np.int64, count=n),
-        "batch": np.fromiter([r[5] for r in rows], dtype=np.int64, count=n), "start_s": np.array(start, dtype=float),
-        "end_s": np.array(end, dtype=float), "nbytes": np.asarray(nbytes, dtype=np.int64)})
+        "op_id": np.arange(n), "kind": kinds, "stream": streams, "phase": [r[2] for r in rows],
+        "step": np.fromiter(map(itemgetter(3), rows), dtype=np.int64, count=n),
+        "layer": np.fromiter(map(itemgetter(4), rows), dtype=np.int64, count=n),
+        "batch": np.fromiter(map(itemgetter(5), rows), dtype=np.int64, count=n),
+        "start_s": np.array(start, dtype=float), "end_s": np.array(end, dtype=float),
+        "nbytes": np.asarray(nbytes, dtype=np.int64)}, copy=False)
     return df[COLUMNS]
