@@ -66,6 +66,15 @@ def finish(summary: dict | list, default=str) -> None:
     print(json.dumps(summary, default=default), flush=True)
 
 
+def executor_host_bytes(plan) -> dict[str, int]:
+    """Host bytes offexec holds for ``plan``, by purpose (``executor.host_need``: weights master, packed copy, host
+    KV, staging; what its ``check_plan`` refuses on)."""
+    from offexec import model as M
+    from offexec.executor import bind, host_need
+
+    return host_need(bind(plan, M.layer_layout(plan.model)), plan)
+
+
 def best_settings(policy: str, fixed: dict, model, hw, prompt_len: int, gen_len: int, max_batch: int):
     """A policy's best (settings, workload) by offsim's search at ``hw``'s full budget, at most ``max_batch``
     sequences; ``fixed`` settings forced (FlexGen with CPU attention: its best candidate that has it). Raises

@@ -29,7 +29,7 @@ import time
 import traceback
 from pathlib import Path
 
-from experiments.common import finish, provenance
+from experiments.common import executor_host_bytes as host_bytes, finish, provenance
 
 GiB = 1 << 30
 PROFILE = "results/profiles/h200_offexec_v2.json"
@@ -48,14 +48,6 @@ def _parse_wl(text: str) -> tuple[int, int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"a workload is PROMPTxGEN, e.g. 512x32; got {text!r}") from None
     return p, g
-
-
-def host_bytes(plan) -> dict[str, int]:
-    """Host bytes offexec holds for ``plan``, by purpose (what its ``check_plan`` refuses on)."""
-    from offexec import model as M
-    from offexec.executor import bind, host_need
-
-    return host_need(bind(plan, M.layer_layout(plan.model)), plan)
 
 
 def plan_configs(args) -> int:

@@ -68,7 +68,7 @@ def hardware(model, budget_gib: float, host_limit_gib: float, profile: str | Non
 def plan_point(name: str, model, hw, prompt_len: int, gen_len: int, max_batch: int, max_run_s: float):
     """(settings, workload, plan, predicted metrics) of policy ``name`` at its best with at most ``max_batch``
     prompts, the cap lowered until the predicted run takes at most ``max_run_s``. Raises OffsimError."""
-    from experiments.common import best_settings
+    from experiments.common import best_settings, executor_host_bytes
     from offsim import build_plan, simulate
     from offsim.core.errors import OffsimError
 
@@ -109,7 +109,7 @@ def plan_point(name: str, model, hw, prompt_len: int, gen_len: int, max_batch: i
             continue
         st = {**st, **OVERRIDES.get(pol, {})}
         plan = build_plan(pol, model, hw, wl, st)
-        held = _executor_host_bytes(plan)
+        held = sum(executor_host_bytes(plan).values())
         if held > host_limit:  # the master, a packed copy and the host KV as the executor holds them
             why = OffsimError(f"{wl.num_prompts} prompts need {held / GiB:.1f} GiB of host memory in offexec "
                               f"(> {host_limit / GiB:.1f})")
@@ -119,15 +119,6 @@ def plan_point(name: str, model, hw, prompt_len: int, gen_len: int, max_batch: i
             return st, wl, plan, m
         why = OffsimError(f"predicted {m['total_s']:.0f} s at {wl.num_prompts} prompts, over {max_run_s:.0f} s")
     raise why or OffsimError("no block fits")
-
-
-def _executor_host_bytes(plan) -> int:
-    """Host bytes offexec holds for ``plan`` (``executor.host_need``: weights master, packed copy, host KV,
-    staging)."""
-    from offexec import model as M
-    from offexec.executor import bind, host_need
-
-    return sum(host_need(bind(plan, M.layer_layout(plan.model)), plan).values())
 
 
 def model_for(model_name: str, prompt_len: int, gen_len: int):

@@ -522,23 +522,6 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
             nxt = None
         for s in resumed:
             if s == ISS:  # the issuer: after an op's issue cost, or once the op its next op waits for has ended
-                if costs is None:  # (no issue costs: it only waits for its window; the loop below, pared down)
-                    while iss_i < n:
-                        p = pred[iss_i]
-                        if p >= 0 and end[p] is None:
-                            w = waiting[p]
-                            if w is None:
-                                waiting[p] = [ISS]
-                            else:
-                                w.append(ISS)
-                            break
-                        if iwaiting:
-                            w = iwaiting.pop(iss_i, None)
-                            if w is not None:
-                                push(heap, (now, seq, w))
-                                seq += 1
-                        iss_i += 1
-                    continue
                 while iss_i < n:
                     i = iss_i
                     if iss_busy:  # op i's issue cost is spent
@@ -552,7 +535,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                             else:
                                 w.append(ISS)
                             break
-                        if costs[i] > 0.0:
+                        if costs is not None and costs[i] > 0.0:  # (no issue costs: it only waits for its window)
                             iss_busy = True
                             push(heap, (now + costs[i], seq, itself_iss))
                             seq += 1
