@@ -49,7 +49,7 @@ def _markdown(df: pd.DataFrame) -> str:
                      + ["| " + " | ".join(cell(v) for v in r) + " |" for r in df.itertuples(index=False)])
 
 
-def _findings(df: pd.DataFrame, four: pd.DataFrame, best4) -> tuple[str, str, str, str, str]:
+def _findings(df: pd.DataFrame, four: pd.DataFrame, best4) -> tuple[str, str, str, list, str]:
     """The prose's figures, each from the runs' own files (cases, validation CSVs, compression_h200.json, the
     profile's provenance)."""
     targets = (f"- 4-bit runs measured: {len(four)}. Best 4-bit decode: {best4:.2f} tok/s, "
@@ -62,21 +62,48 @@ def _findings(df: pd.DataFrame, four: pd.DataFrame, best4) -> tuple[str, str, st
                    f"{q['quant_kv_bytes_per_s'] / 1e12:.2f} TB/s for KV (fp16 bytes written; commit {q.get('commit')})"
                    if q else "(not measured)")
     if not len(four):
-        return targets, quant_rates, "n/a", "no 4-bit run yet", "n/a"
+        return targets, quant_rates, "n/a", ["no 4-bit run yet"], ""
     dec = [float(x.rstrip("%")) for x in four["decode error"]]
     dec_range = f"{min(dec):+.1f} % to {max(dec):+.1f} %"
-    worst = four.assign(ratio=four["prefill tok/s"] / four["offsim prefill"]).sort_values("ratio").iloc[0]
-    prefill_text = (f"measured {four['prefill tok/s'].min():.0f}-{four['prefill tok/s'].max():.0f} tok/s where "
-                    f"offsim predicts {four['offsim prefill'].min():.0f}-{four['offsim prefill'].max():.0f} (worst: "
-                    f"{worst['policy']} {worst['prompt/gen']}, {worst['ratio']:.2f} of the prediction), so total "
-                    f"throughput misses by {', '.join(four['total error'])}")
-    n_retries = []
-    for run in sorted(ROOT.glob("h200_*/compression_h200.json")):
-        for r in json.loads(run.read_text()).get("runs", []):
-            if r.get("compression") == "4bit" and r.get("allocator"):
-                n_retries.append(r["allocator"]["num_alloc_retries"])
-    retries = f"{min(n_retries)}-{max(n_retries)} per run" if n_retries else "(not recorded)"
-    return targets, quant_rates, dec_range, prefill_text, retries
+    store = (f"{q['quant_store_bytes_per_s'] / 1e12:.2f} TB/s (commit {q.get('commit')})"
+             if q.get("quant_store_bytes_per_s") else "(not measured)")
+    prefill = []  # one line per 4-bit run folder, oldest first: how its prefill compared with offsim's
+    for run, g in four.groupby("run", sort=False):
+        worst = g.assign(ratio=g["prefill tok/s"] / g["offsim prefill"]).sort_values("ratio").iloc[0]
+        retries = [r["allocator"]["num_alloc_retries"]
+                   for r in json.loads((ROOT / run / "compression_h200.json").read_text()).get("runs", [])
+                   if r.get("compression") == "4bit" and r.get("allocator")]
+        prefill.append(f"`{run}` (commit {g['commit'].iloc[0]}): prefill measured {g['prefill tok/s'].min():.0f}-"
+                       f"{g['prefill tok/s'].max():.0f} tok/s where offsim predicts {g['offsim prefill'].min():.0f}-"
+                       f"{g['offsim prefill'].max():.0f} (worst: {worst['policy']} {worst['prompt/gen']}, "
+                       f"{worst['ratio']:.2f} of the prediction); total error {', '.join(g['total error'])}; "
+                       f"caching-allocator retries "
+                       + (f"{min(retries)}-{max(retries)} per run" if retries else "(not recorded)"))
+    return targets, quant_rates, dec_range, prefill, store
+
+
+def _slow_activation_copies(four: pd.DataFrame) -> str:
+    """A sentence on the latest 4-bit run's prefill activation copies (the host-to-GPU copies of the most common
+    size in its flexgen 512-token trace): how many ran at under half the link's pinned rate, and their median time
+    beside the others'."""
+    if not len(four):
+        return ""
+    run = four.sort_values("date").iloc[-1]["run"]
+    trace = ROOT / run / "trace_flexgen_4bit_p512_g32.csv.gz"
+    if not trace.exists():
+        return ""
+    t = pd.read_csv(trace, comment="#")
+    h = t[(t["phase"] == "prefill") & (t["kind"] == "h2d")]
+    size = int(h["nbytes"].mode().iloc[0])
+    c = h[h["nbytes"] == size].assign(dt=lambda d: d["end_s"] - d["start_s"])
+    prof = json.loads(Path("results/profiles/h200_offexec_v2.json").read_text())
+    link = prof["h2d_pinned"][-1][1]  # bytes/s at the largest measured size
+    slow = c[size / c["dt"] < link / 2]
+    fast = c.drop(slow.index)
+    return (f"In `{run}`'s flexgen 512/32 trace, {len(slow)} of the prefill's {len(c)} host-to-GPU copies of "
+            f"{size / 1e6:.0f} MB (a GPU batch's activations) ran at under half the link's pinned rate "
+            f"({link / 1e9:.1f} GB/s): median {slow['dt'].median() * 1e3:.0f} ms against "
+            f"{fast['dt'].median() * 1e3:.0f} ms for the others.")
 
 
 def main() -> int:
@@ -85,7 +112,9 @@ def main() -> int:
     table = _markdown(df.drop(columns=["run"])) if len(df) else "(no runs yet)"
     four = df[df["compression"] == "4-bit"] if len(df) else df
     best4 = four["decode tok/s"].max() if len(four) else None
-    targets, quant_rates, dec_range, prefill_text, retries = _findings(df, four, best4)
+    targets, quant_rates, dec_range, prefill, store = _findings(df, four, best4)
+    slow = _slow_activation_copies(four)
+    prefill_lines = "\n".join(f"  - {x}." for x in prefill)
     text = f"""# FlexGen's 4-bit compression on the H200: OPT-30B at a 16 GiB GPU budget
 
 Generated by `python -m experiments.compression.write_readme` (commit {prov['commit']}, {prov['date'][:10]}) from the
@@ -114,13 +143,20 @@ run): `offsim validate DIR --hardware results/profiles/h200_offexec_v2.json --ou
 - `offexec/quant_triton.py` dequantizes each weight or KV load in one fused Triton launch (layout-aware: each
   group's 64 values stored as one contiguous run). `offexec profile --quant-only` measured it at
   {quant_rates} (the profile's `quant_bytes_per_s` is the slower, KV); offsim's plans and predictions above use it.
-- Decode with 4-bit weights and KV runs where offsim puts it (decode error {dec_range}). Prefill does not:
-  {prefill_text}. offsim prices quantizing the prefill's K and V at the fused dequantize rate, but offexec still
-  quantizes them through PyTorch in bounded chunks (`quant.pack_vectors_into`; several fp32 temporaries per
-  element), and those temporaries push the caching allocator into its retry path (a device-wide synchronisation
-  each time; the runs counted {retries} of them). A fused quantize kernel (and its rate in the profile) is next.
-- FlexGen's own fp16 and 4-bit code have not been run here yet (issue 15's harnesses): the 2x-FlexGen-4-bit target
-  needs them.
+- Decode with 4-bit weights and KV runs where offsim puts it (decode error {dec_range}). Prefill does not, run by
+  run:
+{prefill_lines}
+- In the first runs offexec quantized the prefill's K and V through PyTorch in bounded chunks (several fp32
+  temporaries per element) while offsim priced the fused rate. Since commit a45e8a9 a fused Triton quantize
+  (`offexec/quant_triton.py`, `quantize_rows`) stores them; `offexec profile --quant-only` measured it at
+  {store} (the profile's `quant_store_bytes_per_s`), and the prefill more than doubled.
+- What is left of the prefill miss is not the 4-bit kernels. {slow} The likely cause (not yet
+  profiled op by op): the caching allocator still retries hundreds of times per run, and a retry frees cached
+  blocks after a device-wide synchronisation; where it happens inside `.to(device)` of the activation copy, the
+  trace counts the wait as copy time. GPU activations come from the caching allocator, not the plan's arena; putting them in
+  pooled arena buffers is the next step (issue 14).
+- FlexGen's own 4-bit mode (`flexgen-4bit-ref`) did not finish within 240 s on this machine at its planned
+  setting (`results/real_throughput/`); the 2x-FlexGen-4-bit target still needs its number.
 """
     (ROOT / "README.md").write_text(text)
     print(f"wrote {ROOT / 'README.md'} ({len(df)} runs)")
