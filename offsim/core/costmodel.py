@@ -264,13 +264,13 @@ def _graph_tokens_curve(hw: HardwareSpec, model: ModelSpec, part: str) -> Curve 
         return g or t
     key = (id(g), id(t))
     c = _GRAPH_TOKENS.get(key)
-    if c is None or c[0] is not g:
+    if c is None or c[0] is not g or c[1] is not t:
         top = max(x for x, _ in g)
         merged = sorted(g) + [p for p in sorted(t) if p[0] > top and p[0] >= GPU_BOUND_TOKENS]
         if len(_GRAPH_TOKENS) > 256:
             _GRAPH_TOKENS.clear()
-        c = _GRAPH_TOKENS[key] = (g, merged)
-    return c[1]
+        c = _GRAPH_TOKENS[key] = (g, t, merged)
+    return c[2]
 
 
 def _table_compute_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_tokens: int,
@@ -421,14 +421,15 @@ def _cpu_attention_by_context(model: ModelSpec, hw: HardwareSpec, num_seqs: floa
     the shortest's time below; linear in B between measured batch sizes, proportional to B past the largest."""
     if not hw.op_times:
         return None
-    by_b = _CTX_INDEX.get((id(hw.op_times), _layer_key(model)))
-    if by_b is None:
+    key = _layer_key(model)
+    e = _CTX_INDEX.get((id(hw.op_times), key))
+    if e is None or e[0] is not hw.op_times:  # (the entry holds the tables, so their id is not reused while cached)
         if len(_CTX_INDEX) > 256:
             _CTX_INDEX.clear()
-        key = _layer_key(model)
-        by_b = sorted((int(p.split(":")[1]), c) for k, m, p, c in hw.op_times
-                      if k == key and m == "cpu" and p.startswith("attn_ctx:"))
-        _CTX_INDEX[(id(hw.op_times), key)] = by_b
+        e = _CTX_INDEX[(id(hw.op_times), key)] = (hw.op_times, sorted(
+            (int(p.split(":")[1]), c) for k, m, p, c in hw.op_times if k == key and m == "cpu"
+            and p.startswith("attn_ctx:")))
+    by_b = e[1]
     if not by_b:
         return None
 
@@ -446,7 +447,7 @@ def _cpu_attention_by_context(model: ModelSpec, hw: HardwareSpec, num_seqs: floa
     return (1 - w) * at(c0) + w * at(c1)
 
 
-_CTX_INDEX: dict = {}  # (id of a profile's op_times, layer key) -> [(B, curve by context)]
+_CTX_INDEX: dict = {}  # (id of a profile's op_times, layer key) -> (op_times, [(B, curve by context)])
 
 
 # ----------------------------------------------------------------------------------------------------------------
