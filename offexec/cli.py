@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--progress", action="store_true", help="show progress bars while weights are prepared")
     r.add_argument("--host-profile", default=None, metavar="FILE",
                    help="profile the measured run's issuing thread with cProfile (where host issue time goes): "
-                        "pstats to FILE, the 25 costliest functions printed")
+                        "pstats to FILE, the 25 costliest functions printed; on CUDA also the caching allocator's "
+                        "retries (device-wide synchronisations) by the op handler that caused them")
     from .profile import add_profile_parser
 
     add_profile_parser(sub)  # `offexec profile`: the hardware-profile JSON offsim loads
@@ -204,7 +205,7 @@ def cmd_run(args) -> dict:
             prof = cProfile.Profile()
             prof.enable()
         res = run_plan(plan, weights, args.device, seed=args.seed, gpu_budget_bytes=budget, disk_dir=args.disk_dir,
-                       allocator_cap=args.allocator_cap,
+                       allocator_cap=args.allocator_cap, trace_allocator=bool(args.host_profile),
                        meta={"hardware": hw.name, "warmup": warm is not None, **prov})
         if prof is not None:
             prof.disable()
@@ -248,6 +249,10 @@ def cmd_run(args) -> dict:
     if args.host_profile:
         import pstats
 
+        if st.get("allocator_retries_by_handler") is not None:
+            r = st["allocator_retries_by_handler"]
+            print("caching-allocator retries by handler (phase): "
+                  + (", ".join(f"{k} {v}" for k, v in sorted(r.items(), key=lambda kv: -kv[1])) or "none"))
         print(f"cProfile of the issuing thread ({args.host_profile}), by own time:")
         pstats.Stats(args.host_profile, stream=sys.stdout).sort_stats("tottime").print_stats(25)
     g = st["graphs"]

@@ -65,7 +65,7 @@ def run_plan(plan: Plan, weights: ModelWeights, device: str = "cuda", prompts: t
              record_logits: bool = False, keep_kv: bool = False, meta: dict | None = None,
              threaded: bool = False, host_kv_pool: HostBuffer | None = None,
              allocator_cap: str = "plan", graphs: str | None = None,
-             switch_interval_s: float | None = None) -> RunResult:
+             switch_interval_s: float | None = None, trace_allocator: bool = False) -> RunResult:
     """Run ``plan`` with ``weights`` on ``device``; return the measured trace and the generated tokens.
 
     ``prompts``: [num_prompts, prompt_len] token ids (default: seeded random ids); in a mixed-length workload prompt
@@ -79,7 +79,9 @@ def run_plan(plan: Plan, weights: ModelWeights, device: str = "cuda", prompts: t
     layer ops as CUDA graphs ('cuda', the default on a GPU), their graph-ready kernels run eagerly ('static', for
     CPU tests of the graph path's numerics), or the plain eager kernels ('off', the default on the CPU)
     (offexec/graphs.py). ``switch_interval_s``: Python's thread switch interval during the run (default
-    ``Executor.SWITCH_INTERVAL_S``; see there). A plan over several GPUs (``Plan.stages``) runs one process per
+    ``Executor.SWITCH_INTERVAL_S``; see there). ``trace_allocator``: on CUDA, attribute the caching allocator's
+    retries (each a device-wide synchronisation) to the op handler that was issuing when they happened
+    (``stats['allocator_retries_by_handler']``; reading the counters costs ~0.1 ms per op, so it is a diagnostic). A plan over several GPUs (``Plan.stages``) runs one process per
     GPU: ``offexec.distributed``."""
     if plan.stages:
         raise ExecError(f"the plan runs on {plan.num_devices} GPUs (pipeline stages): run it with one process per "
@@ -88,6 +90,7 @@ def run_plan(plan: Plan, weights: ModelWeights, device: str = "cuda", prompts: t
     ex = Executor(plan, weights, device, prompts, seed, gpu_budget_bytes, disk_dir, record_logits, keep_kv,
                   threaded, allocator_cap, graphs)
     ex.host_kv_pool = host_kv_pool
+    ex.trace_allocator = trace_allocator
     if switch_interval_s is not None:
         if not switch_interval_s > 0:
             raise ExecError(f"switch interval must be a positive number of seconds, got {switch_interval_s!r}")
@@ -303,6 +306,7 @@ class Executor:
         self.disk: DiskTier | None = None
         self.host_kv: HostBuffer | None = None
         self.host_kv_pool: HostBuffer | None = None
+        self.trace_allocator = False  # run_plan's trace_allocator
         self.pools: dict[str, BufferPool] = {}
         wl = plan.workload
         self.nb, self.gbs, self.cap = wl.num_gpu_batches, wl.gpu_batch_size, wl.max_len
@@ -521,6 +525,7 @@ class Executor:
         self.end = np.zeros(n)
         self.issue_s = self.issue_cpu_s = self.wait_s = 0.0
         self.issue_by_fn: dict = {}
+        self.retries_by_fn: dict = {}
         self.issue_by_op = [0.0] * n  # (the plan-order path on the CPU leaves it 0: no issuing thread there)
         self.dispatch_s = 0.0
         t_wall = time.perf_counter()
@@ -546,6 +551,8 @@ class Executor:
                  "dispatch_s": self.dispatch_s, "dispatch_s_per_op": self.dispatch_s / n if n else 0.0,
                  "run_ahead_wait_s": self.wait_s, "switch_interval_s": self.switch_interval_s,
                  "issue_s_by_handler": dict(self.issue_by_fn), "gpu_need_bytes": self.gpu_need,
+                 "allocator_retries_by_handler": (dict(self.retries_by_fn) if self.trace_allocator and self.cuda
+                                                  else None),
                  "pool_buffers": {k: p.count for k, p in self.pools.items()},
                  "pool_buffers_plan_order": dict(self.prog.pool_peak),
                  "host_staging_peak_bytes_plan_order": self.prog.host_peak_bytes,
@@ -693,6 +700,9 @@ class Executor:
         run_ahead[P2P_STREAM] = self.P2P_RUN_AHEAD
         by_fn: dict[str, float] = {}
         self.issue_by_fn = by_fn
+        trace_alloc = cuda and self.trace_allocator
+        by_retry = self.retries_by_fn = {}
+        retries = torch.cuda.memory_stats(dev).get("num_alloc_retries", 0) if trace_alloc else 0
         cur = None
         idle = 0.0  # the loop waiting for a host op to finish (nothing issuable)
         t_loop = time.perf_counter()
@@ -764,6 +774,12 @@ class Executor:
                 issue_cpu += time.thread_time() - ca
                 fn = b.fn + " (graph)" if self.replayed else b.fn  # per handler, graphed apart (the profile's
                 by_fn[fn] = by_fn.get(fn, 0.0) + dt  # issue_graph_s: experiments/validation/calibrate_issue.py)
+                if trace_alloc:  # retries since the last op: made by this handler's allocations (this thread's)
+                    r = torch.cuda.memory_stats(dev).get("num_alloc_retries", 0)
+                    if r > retries:
+                        key = f"{fn} ({op.phase})"
+                        by_retry[key] = by_retry.get(key, 0) + r - retries
+                        retries = r
             # the loop's own time per op, outside the handlers: finding the next op, its dependencies, the window's
             # bookkeeping (offsim prices it beside each handler's issue time: the profile's ('issue', 'dispatch') rows)
             self.dispatch_s = max(0.0, time.perf_counter() - t_loop - issue - self.wait_s - idle)

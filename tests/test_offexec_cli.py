@@ -61,6 +61,41 @@ def test_run_no_warmup_and_cpu_profile_comparison(checkpoint, tmp_path, capsys):
     assert any(line.startswith("decode") and line.rstrip().endswith("%") for line in out)
 
 
+def test_run_host_profile_writes_pstats(checkpoint, tmp_path, capsys):
+    """--host-profile: cProfile of the issuing thread to FILE and its costliest functions printed; the allocator's
+    retries by handler are a CUDA diagnostic (absent on the CPU, where there is no caching allocator)."""
+    import pstats
+
+    prof = tmp_path / "issue.prof"
+    rc = main(["run", "--model", str(checkpoint / "config.json"), "--policy", "flexgen", "--no-warmup",
+               "--host-profile", str(prof)] + TINY_ARGS)
+    out = capsys.readouterr().out
+    assert rc == 0 and prof.exists()
+    assert pstats.Stats(str(prof)).total_calls > 0
+    assert "cProfile of the issuing thread" in out and "caching-allocator retries" not in out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_trace_allocator_attributes_retries_on_cuda(checkpoint):
+    """On CUDA, run_plan(trace_allocator=True) reports the allocator's retries by handler (a dict, possibly empty:
+    a run that never hits the cap retries nowhere), and None without it."""
+    from offexec.executor import run_plan
+    from offexec.weights import random_weights
+
+    spec = get_model(str(checkpoint / "config.json"))
+    wl = Workload(prompt_len=8, gen_len=4, gpu_batch_size=2, num_gpu_batches=2)
+    plan = build_plan("flexgen", spec, get_hardware("h200"), wl)
+    w = random_weights(spec, 0, torch.float16, device="cuda", pinned=True, progress=False)
+    try:
+        on = run_plan(plan, w, "cuda", trace_allocator=True).stats["allocator_retries_by_handler"]
+        off = run_plan(plan, w, "cuda").stats["allocator_retries_by_handler"]
+    finally:
+        w.close()
+    assert isinstance(on, dict) and all(isinstance(v, int) and v > 0 for v in on.values())
+    assert off is None
+
+
 def test_run_plan_file(checkpoint, tmp_path, capsys):
     model = dataclasses.replace(get_model(checkpoint / "config.json"), dtype_bytes=4)
     plan = build_plan("flexgen", model, get_hardware("h200"), Workload(8, 3, 2, 2),
