@@ -14,8 +14,6 @@ Values (``Value.kind``), all per GPU batch ``k`` and layer ``j``:
   read by that step's compute ops of layer j; with sub-layer streaming (FlexGen's granularity: compute parts
   ``attn_layer`` / ``attn_out`` and ``mlp``) one ``wslot_attn`` and one ``wslot_mlp`` per (step, layer) instead, each
   holding that sub-layer's streamed tensors;
-- ``hidden_in`` (GPU pool): a batch's parked activations loaded back by an h2d (``footprint.landing_buffer_bytes``);
-  then the batch's current hidden state like a ``hidden``;
 - ``kvwork_cpu`` / ``kvwork_disk`` (GPU pool): a working KV buffer of the heads homed on the host / on disk, holding
   positions [0, ctx): the prefix delivered by KV h2d ops plus the tokens the next compute of (j, k) adds; stores
   (d2h) of those heads read it;
@@ -41,7 +39,7 @@ from .memory import ExecError
 GPU_STREAMS = ("compute", "h2d", "d2h")
 P2P_STREAM = "p2p"  # a pipeline stage's sends and receives (offexec/distributed.py)
 HOST_STREAMS = ("cpu", "disk")
-POOL_KINDS = ("wslot", "wslot_attn", "wslot_mlp", "kvwork_cpu", "kvwork_disk", "hidden_in")
+POOL_KINDS = ("wslot", "wslot_attn", "wslot_mlp", "kvwork_cpu", "kvwork_disk")
 SUBLAYER_PARTS = ("attn_layer", "attn_out", "mlp")  # compute parts of a plan that streams weights per sub-layer
 GPU_VALUE_KINDS = ("hidden", "pre", "attn")  # GPU activations, sized by offsim.core.footprint
 HOST_VALUE_KINDS = ("wstage", "kvread", "kvout", "qkv_host", "attn_host")  # host staging
@@ -81,7 +79,6 @@ class Program:
     slot_numel: dict[str, int]  # weight pool kind -> elements of one slot
     groups: dict[str, tuple[int, int]]  # home group -> KV heads [lo, hi)
     units: dict  # unit (None: whole layer; 'attn', 'mlp') -> its elements [lo, hi) of a layer's flat buffer
-    landing_tokens: int = 0  # positions of the plan's longest activation load (h2d hidden): a landing buffer's size
 
 
 def weight_slot_base(layout, g_elems: int) -> int:
@@ -119,7 +116,6 @@ def bind(plan: Plan, layout, rank: int = 0) -> Program:
 
     values: list[Value] = []
     bound: list[Bound] = []
-    landing_tokens = max((op.hi - op.lo for op in plan.ops if op.tensor == "hidden" and op.kind == "h2d"), default=0)
 
     def new(kind, key, op, nbytes=0) -> int:
         if kind in GPU_VALUE_KINDS or kind in ("qkv_host", "attn_host"):
@@ -387,7 +383,7 @@ def bind(plan: Plan, layout, rank: int = 0) -> Program:
                 if k not in hidden_host:
                     fail(op, f"loads parked activations of batch {k} but none were parked")
                 args["src"] = use(hidden_host[k], op)
-                args["out"] = use(new("hidden_in", (k,), op, nbytes=value_bytes(m, "hidden", gbs, op.hi - op.lo)), op)
+                args["out"] = use(new("hidden", (k,), op), op)
                 hidden[k] = args["out"]
             else:
                 fail(op, f"unsupported activation transfer {kind}")
@@ -438,8 +434,7 @@ def bind(plan: Plan, layout, rank: int = 0) -> Program:
                 host_live -= v.nbytes
             elif v.kind in GPU_VALUE_KINDS:
                 gpu_live -= v.nbytes
-    return Program(plan, bound, values, peak, host_peak, gpu_peak, slot_base, slot_numel, groups, units,
-                   landing_tokens)
+    return Program(plan, bound, values, peak, host_peak, gpu_peak, slot_base, slot_numel, groups, units)
 
 
 def pool_of(unit) -> str:
