@@ -153,8 +153,9 @@ run): `offsim validate DIR --hardware results/profiles/h200_offexec_v2.json --ou
 - What is left of the prefill miss is not the 4-bit kernels. {slow} The likely cause (not yet
   profiled op by op): the caching allocator still retries hundreds of times per run, and a retry frees cached
   blocks after a device-wide synchronisation; where it happens inside `.to(device)` of the activation copy, the
-  trace counts the wait as copy time. GPU activations come from the caching allocator, not the plan's arena; putting them in
-  pooled arena buffers is the next step (issue 14).
+  trace counts the wait as copy time. Activations loaded back from the host come from the caching allocator's H2D-stream blocks,
+  which compute cannot reuse; pooling them in the plan's arena needs the schedule to bound how many are loaded
+  ahead (offsim loads a layer's every batch ahead of its compute today) -- the next step (issue 14).
 - FlexGen's own 4-bit mode (`flexgen-4bit-ref`) did not finish within 240 s on this machine at its planned
   setting (`results/real_throughput/`); the 2x-FlexGen-4-bit target still needs its number.
 """
