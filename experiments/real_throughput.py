@@ -280,6 +280,14 @@ def readme(df, b, prov: dict) -> str:
                          f"| {r['batch']} | {_fmt(r['prefill_tok_s'], 0)} | {_fmt(r['decode_tok_s'], 2)} | "
                          f"{_fmt(r['total_tok_s'], 2)} | {_fmt(lb, 2)} | "
                          f"{'–' if frac is None else f'{frac:.0%}'} |")
+        over = [r for _, r in b.iterrows() if r.get("link_bound_decode_tok_s") == r.get("link_bound_decode_tok_s")
+                and r.get("link_bound_decode_tok_s") and float(r["decode_tok_s"]) > float(r["link_bound_decode_tok_s"])]
+        if over:  # a run cannot beat the link: its bound's denominator (measured in that run) came out low
+            lines += ["", "Above 100 % of its bound: " + ", ".join(
+                f"{r['system']} ({float(r['h2d_bytes_per_s']) / 1e9:.1f} GB/s measured in its run)" for r in over)
+                + ". No run can move its bytes faster than the link, so that run's rate measurement came out low: "
+                "`experiments/peers/common.py` `measure_h2d` took the median of five 256 MB copies until commit "
+                "bdcfc66, and takes the fastest of ten since."]
         lines += ["", "## offexec's best fp16 policy against each fp16 peer's best (decode tok/s ratio; target ≥ 2)",
                   "", "| model | prompt | gen | budget GiB | offexec best | " + " | ".join(
                       p for p in PEERS if p != "flexgen-4bit-ref") + " |",
