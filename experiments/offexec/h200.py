@@ -5,9 +5,12 @@ One process: measure the pinned PCIe bandwidth, make the seeded random weights o
 one host KV pool, then run each configuration (FlexGen's placement with GPU attention, TightLLM, FlexGen with CPU
 attention) with a fresh GPU budget. For each: measured and predicted prefill / decode / total tok/s, the plan's link
 bound (its decode H2D bytes over the measured H2D bandwidth), host issue time, peak memory per tier; a trace CSV
-(gzip) and an offsim validation case per run.
+(gzip) and an offsim validation case per run. Every plan and prediction is made on ``--hardware`` (default: the
+measured profile v2), never on the run's own measurements -- except ``tightllm_calibrated``, re-planned on the GEMM
+rate its 'tightllm' run measured: a fit, run only when asked, kept out of the targets (``fit`` in its case's meta).
 
     python -m experiments.offexec.h200 [--out results/offexec] [--configs flexgen_gpu_attn tightllm ...]
+        [--prompt-len 1984 --gpu-batch-size 4 --num-gpu-batches 4]   # the long-prompt workload of issue 14
 
 Writes OUT/offexec_h200.json (+ traces, cases), prints a table, and ends with one JSON line.
 """
@@ -44,8 +47,11 @@ CONFIGS = {
     "tightllm_calibrated": ("tightllm", {"percent": TARGET_PERCENT, "kv_solver": "exact"}),
     "flexgen_cpu_attn": ("flexgen", {"percent": TARGET_PERCENT, "cpu_attention": True}),
 }
+# (tightllm_calibrated is re-planned on its own run's measurement: a fit, kept out of the targets and of accuracy claims)
 TARGETS = {"flexgen_gpu_attn": {"decode_tok_s": 19.5, "link_bound_frac": 0.90}, "tightllm": {"decode_tok_s": 39.0},
-           "tightllm_calibrated": {"decode_tok_s": 39.0}, "all": {"issue_frac": 0.05}}
+           "all": {"issue_frac": 0.05}}
+FITS = ("tightllm_calibrated",)
+DEFAULT_PROFILE = "results/profiles/h200_offexec_v2.json"  # offexec profile's measurements: plans from them alone
 
 
 def compute_scale(plan, trace, hw) -> float:
@@ -146,7 +152,6 @@ def summarize(name: str, plan, res, pred: dict, bw: dict, budget: int) -> dict:
         "peak_host_tier_bytes": m["peak_cpu_bytes"], "host_weights_master_bytes": st["host_weights_master_bytes"],
         "peak_disk_bytes": m["peak_disk_bytes"], "pool_buffers": st["pool_buffers"],
         "pool_buffers_plan_order": st["pool_buffers_plan_order"],
-        "issue_s_by_handler": st.get("issue_s_by_handler"), "allocator": st.get("allocator"),
         "recompute_tokens_min_max": recompute_tokens(plan),
     }
     return out
@@ -161,7 +166,10 @@ def main(argv=None) -> int:
     ap.add_argument("--gen-len", type=int, default=32)
     ap.add_argument("--gpu-batch-size", type=int, default=16)
     ap.add_argument("--num-gpu-batches", type=int, default=3)
-    ap.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--hardware", default=DEFAULT_PROFILE,
+                    help=f"profile JSON (or preset) every plan and prediction is made on (default: {DEFAULT_PROFILE})")
+    ap.add_argument("--configs", nargs="*", default=[c for c in CONFIGS if c not in FITS], choices=list(CONFIGS),
+                    help="default: all but the fits (" + ", ".join(FITS) + ")")
     ap.add_argument("--time-limit-s", type=float, default=1e9, help="skip configurations that would start after this")
     ap.add_argument("--no-cases", action="store_true", help="skip the offsim validation cases (make them later from "
                     "the trace CSVs)")
@@ -177,7 +185,7 @@ def main(argv=None) -> int:
     prov = provenance(gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
                       cpu_count=__import__("os").cpu_count())
     model = get_model(args.model)
-    hw = get_hardware("h200", gpu_mem_gb=args.budget_gb)
+    hw = get_hardware(args.hardware, gpu_mem_gb=args.budget_gb)
     budget = int(hw.gpu_mem_bytes)
     wl = Workload(args.prompt_len, args.gen_len, args.gpu_batch_size, args.num_gpu_batches)
     plans = {}
@@ -219,7 +227,7 @@ def main(argv=None) -> int:
                     print(f"skip {name}: no 'tightllm' run to calibrate from", flush=True)
                     continue
                 hw_pred = hw.with_(gemm_efficiency=tuple((x, y / scale) for x, y in hw.gemm_efficiency),
-                                   name="h200")
+                                   name=f"{hw.name}-fit")
                 plan = build_plan(CONFIGS[name][0], model, hw_pred, wl, CONFIGS[name][1])
                 check_plan(plan, args.device, budget)
             t0 = time.perf_counter()
@@ -229,7 +237,7 @@ def main(argv=None) -> int:
             warm = build_plan(pol, model, hw_pred, wl.with_(gen_len=2), st)
             run_plan(warm, weights, args.device, seed=1, gpu_budget_bytes=budget, host_kv_pool=kv_pool)
             warm_s = time.perf_counter() - t0
-            meta = {"hardware": "h200", "gpu_mem_gb": args.budget_gb, **prov}
+            meta = {"hardware": args.hardware, "gpu_mem_gb": args.budget_gb, "fit": name in FITS, **prov}
             res = run_plan(plan, weights, args.device, seed=1, gpu_budget_bytes=budget, meta=meta, host_kv_pool=kv_pool)
             pred = simulate(plan, hw_pred).metrics()
             row = summarize(name, plan, res, pred, bw, budget)
@@ -264,7 +272,7 @@ def main(argv=None) -> int:
     weights.close()
     checks = {}
     for r in runs:
-        if "failed" in r:
+        if "failed" in r or r["config"] in FITS:
             continue
         t = TARGETS.get(r["config"], {})
         c = {"within_budget": r["within_budget"], "issue_frac<=0.05": r["issue_frac"] <= TARGETS["all"]["issue_frac"]}
@@ -273,7 +281,8 @@ def main(argv=None) -> int:
         if "link_bound_frac" in t:
             c[f"link_bound_frac>={t['link_bound_frac']}"] = r["decode_link_bound_frac"] >= t["link_bound_frac"]
         checks[r["config"]] = c
-    doc = {"experiment": "offexec_h200", "provenance": prov, "model": model.name, "workload": wl.to_dict(),
+    doc = {"experiment": "offexec_h200", "provenance": prov, "hardware": args.hardware, "fits": list(FITS),
+           "model": model.name, "workload": wl.to_dict(),
            "budget_gib": args.budget_gb, "weights_s": weights_s, "kv_pool_s": kv_pool_s, "link": bw, "runs": runs,
            "checks": checks, "elapsed_s": time.perf_counter() - t_start}
     (out / "offexec_h200.json").write_text(json.dumps(doc, indent=1, default=str))
