@@ -316,7 +316,7 @@ def cpu_attention_many_batches(c: Case) -> list[str]:
         "thread is busy all the time (thousands of GPU ops a step) and shares the GIL with the CPU-attention "
         "worker (offexec shortens Python's switch interval for this, `Executor.SWITCH_INTERVAL_S`), and the weight copies read host memory beside the attention's reads. The "
         "rest of the gap is per batch: after each CPU op offexec issues the ops queued behind it on the compute "
-        "stream one by one (the next section), where the simulator had issued them in advance. With that modelled "
+        "stream one by one (last section), where the simulator had issued them in advance. With that modelled "
         f"(`sim.STREAM_ORDER_ISSUE`) this case's error goes from {_pct(c.err())} to {_pct(on)}; the remainder is "
         "the CPU op's own price and the hand-off between threads (the worker waits for the Q/K/V copy, the "
         "issuing thread on a condition variable for the CPU op: a thread wake-up that neither the simulator nor "
@@ -444,7 +444,7 @@ def main(argv: list[str] | None = None) -> None:
     verdict = {"opt-6.7b_flexgen-cpuattn_b32_p128_g16": ("CPU-attention profile row at 64 sequences: too slow, "
                                                          "one point most", "no"),
                "opt-13b_tightllm_b32_p128_g32": ("graph captures of recomputes: extrapolated in rows, and the first "
-                                                 "op of a new shape unpriced", "no"),
+                                                 "capture at a new query count unpriced", "no"),
                "opt-30b_flexgen-cpuattn_b8_p128_g32": ("host load on CPU attention; issue in stream order behind "
                                                        "each CPU op (implemented, off)", "no"),
                "opt-30b_tightllm_b40_p2048_g64": ("recompute attention efficiency read at 64 queries", "yes")}
