@@ -449,7 +449,7 @@ def profile_attention(spec, device: str, peak_flops: float, reps: int = 10) -> l
     import torch
 
     from offexec import model as M
-    from offsim.core.costmodel import attention_flops
+    from offsim.core.costmodel import ATTN_RECOMPUTE_QUERIES, attention_flops
     from offsim.core.specs import layer_key
 
     dev = torch.device(device)
@@ -458,7 +458,7 @@ def profile_attention(spec, device: str, peak_flops: float, reps: int = 10) -> l
     ctxs = [c for c in (128, 512, 2048, 4096) if c <= spec.max_positions] if dev.type == "cuda" else [32, 64]
     rows = {"prefill": [], "recompute": []}
     for ctx in ctxs:
-        for kind, T in (("prefill", ctx), ("recompute", min(64, ctx // 2))):
+        for kind, T in (("prefill", ctx), ("recompute", min(ATTN_RECOMPUTE_QUERIES, ctx // 2))):
             b = max(1, (16384 if dev.type == "cuda" else 256) // ctx)
             buf = torch.randn(ctx, 2, b, Hk, D, dtype=dt, device=dev)
             q = torch.randn(b, T, H, D, dtype=dt, device=dev)

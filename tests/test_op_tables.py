@@ -235,10 +235,19 @@ def test_attention_rows_for_many_queries():
     assert pre == pytest.approx(C.attention_flops(M, n, ctx, ctx) / (peak * C.interp(
         curve(HW, "attn", "prefill"), ctx)), rel=1e-12)
     assert pre != pytest.approx(C.attention_seconds(M, H200, n, ctx, ctx), rel=1e-3)
-    q = 65
+    q = C.ATTN_RECOMPUTE_QUERIES  # the recompute row's own query count: the row as measured
+    e_rec = C.interp(curve(HW, "attn", "recompute"), ctx)
     rec = C.attention_seconds(M, HW, n, q, ctx)
-    assert rec == pytest.approx(C.attention_flops(M, n, q, ctx) / (peak * C.interp(
-        curve(HW, "attn", "recompute"), ctx)), rel=1e-12)
+    assert rec == pytest.approx(C.attention_flops(M, n, q, ctx) / (peak * e_rec), rel=1e-12)
+    assert C.attention_seconds(M, HW, n, 5, ctx) == pytest.approx(
+        C.attention_flops(M, n, 5, ctx) / (peak * e_rec), rel=1e-12)
+    # more queries: linear in log q from the recompute row (64 queries) to the prefill row (q = ctx)
+    e_pre = C.interp(curve(HW, "attn", "prefill"), ctx)
+    q = 256
+    w = math.log(q / 64) / math.log(ctx / 64)
+    mid = C.attention_seconds(M, HW, n, q, ctx)
+    assert mid == pytest.approx(C.attention_flops(M, n, q, ctx) / (peak * (e_rec + w * (e_pre - e_rec))), rel=1e-12)
+    assert C.attention_flops(M, n, q, ctx) / (peak * e_pre) < mid < C.attention_flops(M, n, q, ctx) / (peak * e_rec)
     # the KV-read term still bounds it from below
     kv = n * ctx * M.kv_bytes_per_token() / (HW.gpu_hbm_bytes_per_s * C.interp(HW.attn_decode_efficiency, ctx))
     assert rec > kv and pre > kv

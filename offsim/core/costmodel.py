@@ -195,15 +195,43 @@ def attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_tokens: in
     PV."""
     sparse = sparse_share(q_tokens, ctx_tokens, comp)
     flops = attention_flops(model, num_seqs, q_tokens, ctx_tokens, sparse)
-    curve = None
+    eff = None
     if q_tokens > 1 and hw.op_times:
-        curve = op_table(hw, model, "attn", "prefill" if q_tokens == ctx_tokens else "recompute")
-    t_flops = flops / (hw.gpu_peak_flops * interp(curve or hw.attn_prefill_efficiency, ctx_tokens))
+        eff = _attention_table_efficiency(hw, model, q_tokens, ctx_tokens)
+    t_flops = flops / (hw.gpu_peak_flops * (eff if eff is not None else interp(hw.attn_prefill_efficiency,
+                                                                                ctx_tokens)))
     kv_read = num_seqs * ctx_tokens * model.kv_bytes_per_token() * (1 + sparse) / 2  # K whole, V's kept share
     t_mem = kv_read / (hw.gpu_hbm_bytes_per_s * interp(hw.attn_decode_efficiency, ctx_tokens))
     if _is_number(t_flops) and _is_number(t_mem):
         return max(t_flops, t_mem)
     return t_flops + t_mem  # an upper bound that stays linear (expressions only)
+
+
+# the query tokens of the profile's ('attn', 'recompute') rows: ``offexec profile`` times a recompute block of the
+# last min(ATTN_RECOMPUTE_QUERIES, ctx // 2) queries of each context (``offexec.profile.profile_attention``)
+ATTN_RECOMPUTE_QUERIES = 64
+
+
+def _attention_table_efficiency(hw: HardwareSpec, model: ModelSpec, q_tokens: int, ctx_tokens: int) -> float | None:
+    """GPU attention's FLOP efficiency for ``q_tokens`` > 1 queries at the end of a ``ctx_tokens`` context from the
+    profile's ('attn', ...) rows, or None without them. The rows measure two query counts at each context: the
+    whole context ('prefill', q = ctx, the causal kernel) and a recompute block of ``ATTN_RECOMPUTE_QUERIES``
+    queries ('recompute', the bottom-right causal mask). A block between them is one kernel over more queries: its
+    FLOPs per KV byte read grow with q, so its efficiency lies between the two measured points; it is interpolated
+    linearly in log q between them (as ``interp`` does between a curve's points). Up to the recompute row's query
+    count, that row as measured."""
+    pre = op_table(hw, model, "attn", "prefill")
+    if q_tokens >= ctx_tokens:
+        return None if pre is None else interp(pre, ctx_tokens)
+    rec = op_table(hw, model, "attn", "recompute")
+    if rec is None:
+        return None
+    e_rec = interp(rec, ctx_tokens)
+    q_rec = min(ATTN_RECOMPUTE_QUERIES, ctx_tokens // 2)
+    if pre is None or q_tokens <= q_rec or not _is_number(q_tokens):
+        return e_rec
+    w = math.log(q_tokens / q_rec) / math.log(ctx_tokens / q_rec)
+    return e_rec + w * (interp(pre, ctx_tokens) - e_rec)
 
 
 # ----------------------------------------------------------------------------------------------------------------

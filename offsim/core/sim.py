@@ -46,7 +46,14 @@ _OPPOSITE = {"h2d": "d2h", "d2h": "h2d"}
 _NONE = (0, 0, 0)
 
 
-HOST_STREAMS = ("cpu", "disk")  # ops the runtime's host threads run (offexec: one worker thread per stream)
+HOST_STREAMS = ("cpu", "disk")
+# Off by default (experimental, the event loop only; ``simulate_simpy`` refuses it): the issuer picks its next op as
+# offexec's issuing loop does -- each stream's ops in plan order, of the streams' next ops the first in plan order
+# whose dependencies are issued and whose host dependencies have finished -- instead of walking every op in plan
+# order. So the ops queued behind a GPU op that waits for a host op (CPU attention's output copy) are issued only
+# after that host op, as in offexec; a host op costs the issuing loop's dispatch time only (handed to its worker, no
+# handler). results/validation/calib_misses.md gives its effect on the calibration cases (why it is not on yet)
+STREAM_ORDER_ISSUE = False  # ops the runtime's host threads run (offexec: one worker thread per stream)
 
 
 def _host_gates(is_host, deps_of, cost) -> list[float]:
@@ -83,6 +90,9 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
     if plan.stages:
         raise OffsimError("the SimPy reference engine runs single-GPU plans; simulate a plan with stages with "
                           "`simulate` (the default engine)")
+    if STREAM_ORDER_ISSUE:
+        raise OffsimError("the SimPy reference engine issues ops in plan order; STREAM_ORDER_ISSUE is the event "
+                          "loop's alone (experimental)")
     model = plan.model
     ops = plan.ops
     n = len(ops)
@@ -434,6 +444,13 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                       else compute_s) if r[0] == "compute" else copy_issue(r) for r in rows]
         for i, extra in captures.items():  # a capture is host work: the issuing thread records the graph
             costs[i] += extra
+        if STREAM_ORDER_ISSUE and pred is not None:
+            # a host op is handed to its worker thread, no handler: the issuing loop's own time per op only
+            host_idx0 = {_STREAM_INDEX[h] for h in HOST_STREAMS}
+            for i, x in enumerate(sidx):
+                if x in host_idx0:
+                    costs[i] = costmodel.dispatch_seconds(_KindOnly(rows[i][0], num_seqs=rows[i][6].get("num_seqs", 1)),
+                                                          hw, model)
         if multi:  # one issuing thread per device (offexec: a process per GPU), each in plan order
             dev_arr = np.asarray(odev, dtype=np.intp)
             carr = np.asarray(costs, dtype=float)
@@ -500,6 +517,15 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     itself_iss = [ISS]
     iss_i, iss_busy = 0, False
     iwaiting: dict[int, list[int]] = {}
+    # offexec's issuing loop (``Executor``): each stream's ops in plan order; of the streams' next ops, the first in
+    # plan order whose dependencies are all issued and whose host dependencies have finished
+    iss_done = [False] * n  # issued
+    iss_ptr = [0] * ns  # per stream: its next op to issue (an index into ``by_stream``)
+    iss_cur = -1  # the op chosen, waiting for its window or spending its issue cost
+    iss_host_wait = False  # nothing issuable: resumed by the next host op's end
+    host_codes = {_STREAM_INDEX[h] for h in HOST_STREAMS}
+    on_host = [x in host_codes for x in sidx]
+    host_stream = [s_ in host_codes for s_ in range(ns)]
     if pred is not None and n:  # (SimPy creates the issuer's process first)
         heap.append((0.0, seq, itself_iss))
         seq += 1
@@ -521,6 +547,54 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
             now, _, resumed = pushpop(heap, nxt) if heap else nxt
             nxt = None
         for s in resumed:
+            if s == ISS and STREAM_ORDER_ISSUE:  # the issuer, as offexec's issuing loop picks its next op
+                while True:
+                    i = iss_cur
+                    if i >= 0:
+                        if iss_busy:  # op i's issue cost is spent
+                            iss_busy = False
+                        else:
+                            p = pred[i]
+                            if p >= 0 and end[p] is None:  # the window is full: wait for the op ``run_ahead`` back
+                                w = waiting[p]
+                                if w is None:
+                                    waiting[p] = [ISS]
+                                else:
+                                    w.append(ISS)
+                                break
+                            if costs is not None and costs[i] > 0.0:
+                                iss_busy = True
+                                push(heap, (now + costs[i], seq, itself_iss))
+                                seq += 1
+                                break
+                        iss_done[i] = True
+                        iss_cur = -1
+                        if iwaiting:
+                            w = iwaiting.pop(i, None)
+                            if w is not None:  # release the stream waiting for it
+                                push(heap, (now, seq, w))
+                                seq += 1
+                        continue
+                    best = -1
+                    for st in range(ns):
+                        b = by_stream[st]
+                        k = iss_ptr[st]
+                        if k >= len(b):
+                            continue
+                        o = b[k]
+                        if best >= 0 and o > best:
+                            continue
+                        for d in deps_of[o]:
+                            if not iss_done[d] or (on_host[d] and end[d] is None):
+                                break
+                        else:
+                            best = o
+                    if best < 0:  # every stream's next op waits for a host op (or none is left)
+                        iss_host_wait = any(iss_ptr[st] < len(by_stream[st]) for st in range(ns))
+                        break
+                    iss_ptr[sidx[best]] += 1
+                    iss_cur = best  # (a host op: no window, ``pred`` is -1; its cost is the dispatch time)
+                continue
             if s == ISS:  # the issuer: after an op's issue cost, or once the op its next op waits for has ended
                 while iss_i < n:
                     i = iss_i
@@ -563,6 +637,10 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                 if w is not None:  # release its waiters
                     push(heap, (now, seq, w))
                     seq += 1
+                if iss_host_wait and host_stream[s]:  # the issuer waits for a host op: rescan
+                    iss_host_wait = False
+                    push(heap, (now, seq, itself_iss))
+                    seq += 1
                 i = cur[s] = next_on[i]
                 if i < 0:
                     continue
@@ -576,7 +654,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                         seq += 1
                         continue
                 else:  # (the issuer with a window)
-                    if i >= iss_i:  # not issued yet: wait for the issuer to reach it
+                    if (not iss_done[i]) if STREAM_ORDER_ISSUE else i >= iss_i:  # not issued yet: wait for it
                         w = iwaiting.get(i)
                         if w is None:
                             iwaiting[i] = [s]

@@ -1,0 +1,463 @@
+"""Write results/validation/calib_misses.md: where the time goes in the calibration cases that the baseline report
+(``results/validation/h200_v2_report/calib``) puts beyond 10 %, measured against predicted, and the mechanism behind
+each miss. Every number in the file is computed here from the committed cases, their plans, the profile and the
+baseline CSV; the predictions are today's cost model (so a case the model now fixes shows its new error beside the
+baseline's). Only calibration cases are read: the held-out split is never looked at here.
+
+    python -m experiments.validation.calib_misses [--out results/validation/calib_misses.md]
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import pandas as pd
+
+from offsim.analysis.validate import aggregate, load_case, resimulate, run_setup
+from offsim.core import costmodel as cm
+from offsim.core import sim as S
+from offsim.core.io import write_text_atomic
+from offsim.core.plan import Plan
+from offsim.core.provenance import provenance
+from offsim.core.specs import get_hardware
+
+ROOT = Path(__file__).resolve().parents[2]
+CALIB = ROOT / "results" / "validation" / "h200_calib"
+BASELINE = ROOT / "results" / "validation" / "h200_v2_report" / "calib" / "validation.csv"
+PROFILE = ROOT / "results" / "profiles" / "h200_offexec_v2.json"
+OUT = ROOT / "results" / "validation" / "calib_misses.md"
+CASES = ("opt-6.7b_flexgen-cpuattn_b32_p128_g16", "opt-13b_tightllm_b32_p128_g32",
+         "opt-30b_flexgen-cpuattn_b8_p128_g32", "opt-30b_tightllm_b40_p2048_g64")
+COLS = ["step", "layer", "kind", "count", "sum_s"]
+KINDS = ("compute", "cpu_compute", "h2d", "d2h")
+
+
+def _ms(x: float) -> str:
+    return f"{1e3 * x:.2f}"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:+.1f} %"
+
+
+class Case:
+    """One measured case beside its prediction (today's model) and its plan."""
+
+    def __init__(self, name: str, hw_path: Path = PROFILE):
+        self.name = name
+        self.c = load_case(CALIB / f"{name}.case.json")
+        self.plan = Plan.load(CALIB / self.c["meta"]["plan_file"])
+        self.model, self.hw, _, self.wl = run_setup(self.c["meta"], str(CALIB / name), str(hw_path))
+        self.pred_trace = resimulate(self.c, str(hw_path))
+        self.pred = aggregate(self.pred_trace)
+        self.mo = pd.DataFrame(self.c["ops_by_kind"], columns=COLS)
+        self.po = pd.DataFrame(self.pred["ops_by_kind"], columns=COLS)
+        self.ms = pd.DataFrame(self.c["steps"], columns=["step", "start_s", "end_s", "lat"])
+        self.ps = pd.DataFrame(self.pred["steps"], columns=["step", "start_s", "end_s", "lat"])
+        ops = self.plan.ops
+        self.ops = pd.DataFrame({"op_id": [o.id for o in ops], "kind": [o.kind for o in ops],
+                                 "phase": [o.phase for o in ops], "step": [o.step for o in ops],
+                                 "layer": [o.layer for o in ops], "part": [o.part for o in ops],
+                                 "q": [o.q_tokens for o in ops], "ctx": [o.ctx_tokens for o in ops],
+                                 "seqs": [o.num_seqs for o in ops]})
+
+    def metric(self, which: str, k: str) -> float:
+        return (self.c["metrics"] if which == "m" else self.pred["metrics"])[k]
+
+    def err(self) -> float:
+        return (self.metric("p", "total_tok_s") - self.metric("m", "total_tok_s")) / self.metric("m", "total_tok_s")
+
+    def kind_table(self) -> list[str]:
+        rows = ["| phase | op kind | ops | measured op time (s) | predicted (s) | predicted / measured |",
+                "| --- | --- | --- | --- | --- | --- |"]
+        for phase, sel in (("prefill", lambda d: d.step == 0), ("decode", lambda d: d.step > 0)):
+            a = self.mo[sel(self.mo)].groupby("kind")[["count", "sum_s"]].sum()
+            b = self.po[sel(self.po)].groupby("kind")[["count", "sum_s"]].sum()
+            for k in KINDS:
+                if k in a.index:
+                    m, p = a.loc[k, "sum_s"], b.loc[k, "sum_s"] if k in b.index else float("nan")
+                    rows.append(f"| {phase} | {k} | {int(a.loc[k, 'count'])} | {m:.3f} | {p:.3f} | {p / m:.2f} |")
+        return rows
+
+    def summary_rows(self, base_err: float) -> list[str]:
+        m, p = self.ms, self.ps
+        dm, dp = m[m.step > 0].lat, p[p.step > 0].lat
+        return [f"| total tok/s | {self.metric('m', 'total_tok_s'):.1f} | {self.metric('p', 'total_tok_s'):.1f} | "
+                f"{_pct(self.err())} (baseline report {_pct(base_err)}) |",
+                f"| prefill (s) | {self.metric('m', 'prefill_s'):.3f} | {self.metric('p', 'prefill_s'):.3f} | "
+                f"{_pct(self.metric('p', 'prefill_s') / self.metric('m', 'prefill_s') - 1)} in time |",
+                f"| decode (s) | {self.metric('m', 'decode_s'):.3f} | {self.metric('p', 'decode_s'):.3f} | "
+                f"{_pct(self.metric('p', 'decode_s') / self.metric('m', 'decode_s') - 1)} in time |",
+                f"| decode step, median (ms) | {_ms(dm.median())} | {_ms(dp.median())} | |",
+                f"| GPU idle (share of run) | {self.metric('m', 'gpu_idle_frac'):.1%} | "
+                f"{self.metric('p', 'gpu_idle_frac'):.1%} | |"]
+
+    def decode_per_op(self, kind: str) -> tuple[float, float, pd.Series]:
+        """Mean measured and predicted seconds per decode op of ``kind``, and the measured per-(step, layer) means."""
+        m = self.mo[(self.mo.kind == kind) & (self.mo.step > 0)]
+        p = self.po[(self.po.kind == kind) & (self.po.step > 0)]
+        return m.sum_s.sum() / m["count"].sum(), p.sum_s.sum() / p["count"].sum(), m.sum_s / m["count"]
+
+
+def _header(c: Case, base_err: float) -> list[str]:
+    meta = c.c["meta"]
+    wl = c.wl
+    return [f"## {c.name}", "",
+            f"{meta['policy']} {meta['settings'].get('percent')} on {meta['model']}, prompt {wl.prompt_len}, gen "
+            f"{wl.gen_len}, {wl.num_gpu_batches} GPU batch(es) of {wl.gpu_batch_size}, measured at offexec "
+            f"{meta.get('commit')} ({meta.get('date', '')[:10]}).", "",
+            "| | measured | predicted | error |", "| --- | --- | --- | --- |", *c.summary_rows(base_err), "",
+            *c.kind_table(), ""]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the four cases
+# ---------------------------------------------------------------------------------------------------------------
+
+def cpu_attention_small_batch_many(c: Case) -> list[str]:
+    """opt-6.7b flexgen-cpuattn: one GPU batch of 64 sequences, CPU attention over a short context."""
+    m_op, p_op, per = c.decode_per_op("cpu_compute")
+    cpu = c.ops[(c.ops.kind == "cpu_compute") & (c.ops.step > 0)]
+    b = int(cpu.seqs.iloc[0])
+    ctx_mean = float(cpu.ctx.mean())
+    key = cm._layer_key(c.model)
+    rows = {p: curve for k, m, p, curve in c.hw.op_times if k == key and m == "cpu" and p.startswith("attn_ctx:")}
+    row = rows[f"attn_ctx:{b}"]
+    (x0, y0), (x1, y1), (x2, y2) = row[0], row[1], row[2]
+    lin = y0 + (ctx_mean - x0) * (y2 - y0) / (x2 - x0)  # the row's two outer points, linear in the context
+    slope_lo, slope_hi = (y1 - y0) / (x1 - x0), (y2 - y1) / (x2 - x1)
+    # what the probe timed at this batch: CPU-attention ops of decode steps >= 2 of a two-layer plan
+    sig = inspect.signature(__import__("offexec.profile", fromlist=["x"]).profile_cpu_attention_ctx).parameters
+    gen = sig["gen_len"].default
+    samples = 2 * (gen - 2) * max(1, 16 // b)
+    # every other OPT shape's row at the same batch: the per-token slope below and above the middle point
+    others = []
+    for k, m, p, curve in c.hw.op_times:
+        if m == "cpu" and p == f"attn_ctx:{b}" and k.startswith("opt/") and k != key and len(curve) >= 3:
+            (a0, b0), (a1, b1), (a2, b2) = curve[:3]
+            heads = int(k.split("/q")[1].split("/")[0])
+            others.append(f"`{k}`: {1e6 * (b1 - b0) / (a1 - a0) / heads:.2f} then "
+                          f"{1e6 * (b2 - b1) / (a2 - a1) / heads:.2f} us per token and head")
+    dec_m = c.metric("m", "decode_s")
+    dec_p = c.metric("p", "decode_s")
+    cpu_gap = (p_op - m_op) * len(cpu)
+    return [
+        "**Where the time goes.** Decode is the CPU's: one GPU batch, so every layer waits for its CPU attention, "
+        f"and the GPU idles {c.metric('m', 'gpu_idle_frac'):.0%} of the run. A decode CPU-attention op ({b} "
+        f"sequences, context {int(cpu.ctx.min())}-{int(cpu.ctx.max())}) took {_ms(m_op)} ms on average "
+        f"(per step and layer from {_ms(per.min())} to {_ms(per.max())} ms); the model prices it at {_ms(p_op)} ms "
+        f"from the profile's row ('cpu', 'attn_ctx:{b}'). Over the {len(cpu)} decode CPU ops that is "
+        f"{cpu_gap:.3f} s of the {dec_p - dec_m:.3f} s by which predicted decode exceeds measured decode.", "",
+        f"**Mechanism: the profile row, not the model's reading of it.** The row is {_fmt_curve(row)} (context, "
+        f"ms). Its middle point lies above the straight line through its outer points: the per-token slope is "
+        f"{1e6 * slope_lo:.1f} us below it and {1e6 * slope_hi:.1f} us above it, where CPU attention's work is "
+        f"linear in the context and every other OPT shape's row at {b} sequences is flat or convex (per token and "
+        f"head: {'; '.join(others)}). The straight line through the outer points gives {_ms(lin)} ms at the case's "
+        f"mean context {ctx_mean:.0f}, against {_ms(m_op)} ms measured. The probe "
+        f"(`offexec profile --cpu-attention-only`) times {samples} ops at {b} sequences (decode steps 2 to "
+        f"{gen - 1} of a two-layer plan, {max(1, 16 // b)} GPU batch) and keeps their median, so one slow "
+        "measurement sets the point. The other calibration cases with 64 sequences per GPU batch also run their "
+        "CPU ops faster than their rows price them, by less (table at the end): the probe's conditions differ "
+        "from a run's as well. Fix: re-measure the rows with more steps at large batches (the probe's `gen_len`) "
+        "and under a run's host load. Not changed here (no GPU; a profile point must not be edited by hand).", ""]
+
+
+def _fmt_curve(curve) -> str:
+    return ", ".join(f"({x:g}, {_ms(y)})" for x, y in curve)
+
+
+def tightllm_captures(c: Case) -> list[str]:
+    """opt-13b tightllm: short graphed recomputes whose query count changes twice during decode."""
+    lay = c.ops[(c.ops.kind == "compute") & (c.ops.part == "layer") & (c.ops.phase == "decode")]
+    qs = lay.groupby("step").q.first()
+    new_q = [int(s) for s, q in qs.items() if s == qs.index.min() or q != qs.get(s - 1)]
+    steady = [s for s in qs.index if s not in new_q]
+    mc = c.mo[c.mo.kind == "compute"].pivot_table(index="layer", columns="step", values="sum_s")
+    ms, ps = c.ms.set_index("step").lat, c.ps.set_index("step").lat
+    seqs = int(lay.seqs.iloc[0])
+    first_layer = int(lay.layer.min())
+    rows = ["| step | query tokens | measured step (ms) | predicted (ms) | measured first layer's op (ms) | measured "
+            "other layers' op, mean (ms) | predicted capture extra per layer, host (ms) |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    extra_prop, extra_flat = {}, {}
+    for s in new_q:
+        q = int(qs[s])
+        rows_x = seqs * q
+        extra_prop[s] = cm.capture_extra_seconds(c.model, c.hw, "layer", rows_x, False)
+        cap, rep = cm.op_table(c.hw, c.model, "capture", "layer"), cm.op_table(c.hw, c.model, "graph", "layer")
+        extra_flat[s] = max(0.0, cm.table_seconds(cap, rows_x, True) - cm.table_seconds(rep, rows_x, True))
+        others = mc[s].drop(index=[first_layer, -1, mc.index.max()], errors="ignore")
+        rows.append(f"| {s} | {q} | {_ms(ms[s])} | {_ms(ps[s])} | {_ms(mc.loc[first_layer, s])} | "
+                    f"{_ms(others.mean())} | {_ms(extra_prop[s])} |")
+    st_other = mc[steady].drop(index=[first_layer, -1, mc.index.max()], errors="ignore").stack().mean()
+    excess_m = sum(ms[s] for s in new_q) - len(new_q) * ms[steady].median()
+    excess_p = sum(ps[s] for s in new_q) - len(new_q) * ps[steady].median()
+    steady_err = (ps[steady].sum() - ms[steady].sum()) / ms[steady].sum()
+    cap_tab = cm.op_table(c.hw, c.model, "capture", "layer")
+    largest = max(x for x, _ in cap_tab)
+    # the counterfactual: a capture's extra flat past the largest size measured (the host's work does not grow with
+    # the op's rows), everything else as today
+    flat = _with_flat_captures(c)
+    warm_q = _warmup_q(c)
+    first_costs = [mc.loc[first_layer, s] for s in new_q]
+    return [
+        f"**Where the time goes.** Decode steps run {_ms(ms[steady].median())} ms measured and "
+        f"{_ms(ps[steady].median())} ms predicted ({_pct(steady_err)} over the steady steps) -- except at the steps "
+        f"where the recompute's query count changes ({', '.join(map(str, new_q))}: q = "
+        f"{', '.join(str(int(qs[s])) for s in new_q)}). There offexec meets new graph keys and captures every "
+        "layer's op again (`offexec/graphs.py`: a key is part, query tokens, layer). Those steps cost "
+        f"{_ms(excess_m)} ms beyond steady steps measured and {_ms(excess_p)} ms predicted; the rest of the "
+        "decode error is small.", "", *rows, "",
+        f"Measured, the first layer's op at each new q takes {', '.join(_ms(x) for x in first_costs)} ms (an op "
+        "is timed by CUDA events around its handler, so host work the GPU waits for shows as op time), and each "
+        f"other layer's op about {_ms(float(np.mean([mc[s].drop(index=[first_layer, -1, mc.index.max()], errors='ignore').mean() for s in new_q])))} ms "
+        f"against {_ms(st_other)} ms in steady steps.", "",
+        "**Mechanism 1, mispriced: a recompute's capture is extrapolated in rows.** The simulator adds "
+        "`capture_extra_seconds` = capture(x) - replay(x) from the profile's ('capture', 'layer') row to the issuing "
+        f"thread. That row was measured on one-token ops, by sequences up to {largest:g}; a recompute op is "
+        f"priced at x = sequences x query tokens = {seqs} x q, past the row, where `table_seconds` extrapolates "
+        f"proportionally: {_ms(extra_prop[new_q[0]])} ms per layer at q = {int(qs[new_q[0]])}, "
+        f"{_ms(extra_prop[new_q[-1]])} ms at q = {int(qs[new_q[-1]])}. What a capture adds to a replay is the "
+        "issuing thread's work (the static body's launches, recording and instantiating the graph): its kernel "
+        "count does not grow with the rows, as the profile's host-issue rows are read flat past their largest "
+        f"size. Read flat, the extra is {_ms(extra_flat[new_q[0]])} ms per layer.", "",
+        "**Mechanism 2, missing: the first capture at a new query count.** The measured first-layer cost at each "
+        f"new q ({', '.join(_ms(x) for x in first_costs)} ms) is not the first-call cost of a fresh shape "
+        "(kernel loading, cuBLAS heuristics) that `offexec profile` and the validation runs' warm-up take out: the "
+        f"warm-up (the same policy and settings for 2 tokens, rebuilt here as the matrix runs build it) runs q = "
+        f"{', '.join(map(str, warm_q))} at its decode step, so q = {int(qs[new_q[0]])} at step {new_q[0]} was "
+        "warm, and still cost as much. It comes with the run's first capture at that query count; a likely "
+        "cause (not shown by these data) is that offexec's graphs share one private memory pool "
+        "(`offexec/graphs.py`), which the larger intermediates of a longer recompute must grow. The profile's ('capture', 'first') row measures the run's first capture of one-token ops only "
+        f"({_ms(cm.table_seconds(cm.op_table(c.hw, c.model, 'capture', 'first'), seqs))} ms at {seqs} sequences), "
+        "and the recompute probe (`profile_graph_recompute`) drops the step that captures; neither the profile nor "
+        "the simulator has this cost. The profile could: time the first op at each new q in that probe.", "",
+        f"**Why not fixed here.** With the capture read flat (mechanism 1 alone) this case goes from "
+        f"{_pct(c.err())} to {_pct(flat)}: the proportional extrapolation had been standing in for the missing "
+        "first-op cost, and fixing one without the other overshoots, beyond the regression slack of "
+        "`tests/test_validate.py`. Mechanism 1 should land with a measurement of mechanism 2.", ""]
+
+
+def _warmup_q(c: Case) -> list[int]:
+    """The decode query counts of the run's unmeasured warm-up: the same policy and settings for 2 tokens, built on
+    the case's own profile as ``experiments/validation/matrix.py --warmup`` builds it (today's code; the case's own
+    plan rebuilds identically, checked against its fingerprint)."""
+    from offsim.policies import build_plan
+
+    meta = c.c["meta"]
+    hw = get_hardware(str(ROOT / meta["hardware_profile"]), meta.get("gpu_mem_gb"))
+    full = build_plan(meta["policy"], c.model, hw, c.wl, meta["settings"])
+    if full.fingerprint() != meta["plan_sha256"]:
+        raise SystemExit(f"{c.name}: today's code rebuilds a different plan; the warm-up cannot be rebuilt")
+    warm = build_plan(meta["policy"], c.model, hw, c.wl.with_(gen_len=2), meta["settings"])
+    return sorted({o.q_tokens for o in warm.ops if o.kind == "compute" and o.phase == "decode" and o.part == "layer"})
+
+
+def _with_flat_captures(c: Case) -> float:
+    """The case's total error with a capture's extra read flat past the capture row's largest size."""
+    orig = cm.table_seconds
+
+    def flat_capture(model, hw, part, rows, first):
+        cap = cm.op_table(hw, model, "capture", "first" if first else part)
+        rep = cm.op_table(hw, model, "graph", part)
+        if cap is None or rep is None:
+            return 0.0
+        return max(0.0, orig(cap, rows, True) - orig(rep, rows, True))
+
+    with mock.patch.object(cm, "capture_extra_seconds", flat_capture):
+        tr = resimulate(c.c, str(PROFILE))
+    p = tr.metrics()["total_tok_s"]
+    m = c.metric("m", "total_tok_s")
+    return (p - m) / m
+
+
+def cpu_attention_many_batches(c: Case) -> list[str]:
+    """opt-30b flexgen-cpuattn: 16 GPU batches of one sequence, weights streamed, CPU attention per batch."""
+    m_op, p_op, per = c.decode_per_op("cpu_compute")
+    mg, pg, _ = c.decode_per_op("compute")
+    cpu = c.ops[(c.ops.kind == "cpu_compute") & (c.ops.step > 0)]
+    b = int(cpu.seqs.iloc[0])
+    n_cpu_step = int(len(cpu) / cpu.step.nunique())
+    ms, ps = c.ms[c.ms.step > 0].lat, c.ps[c.ps.step > 0].lat
+    gap = ms.mean() - ps.mean()
+    cpu_part = (m_op - p_op) * n_cpu_step
+    issue_m = c.c["meta"]["issue_frac"] * c.metric("m", "total_s")
+    gpu_ops = [o for o in c.plan.ops if o.stream not in ("cpu", "disk")]
+    issue_p = sum(cm._handler_issue_seconds(o, c.hw, c.plan.graph_q_tokens, c.model) for o in gpu_ops)
+    disp_p = sum(cm.dispatch_seconds(o, c.hw, c.model) for o in gpu_ops)
+    h2d_m = c.metric("m", "busy_h2d_s") / c.metric("m", "total_s")
+    row = cm.op_table(c.hw, c.model, "cpu", f"attn_ctx:{b}")
+    with mock.patch.object(S, "STREAM_ORDER_ISSUE", True):
+        tr = resimulate(c.c, str(PROFILE))
+    on = (tr.metrics()["total_tok_s"] - c.metric("m", "total_tok_s")) / c.metric("m", "total_tok_s")
+    return [
+        f"**Where the time goes.** The host is the limit: the GPU idles {c.metric('m', 'gpu_idle_frac'):.0%}, the "
+        f"link is busy {h2d_m:.0%} of the run (the weights stream from host memory every step), and each of the "
+        f"{c.wl.num_gpu_batches} batches of a layer runs QKV on the GPU, its CPU attention on the host worker, "
+        "then the rest of the layer, with the GPU op after the CPU op issued only once the CPU op is done. A "
+        f"decode step takes {_ms(ms.mean())} ms measured and {_ms(ps.mean())} ms predicted; the model is short by "
+        f"{_ms(gap)} ms a step.", "",
+        f"- CPU attention ({b} sequence, context {int(cpu.ctx.min())}-{int(cpu.ctx.max())}): {_ms(m_op)} ms per op "
+        f"measured (median over steps and layers {_ms(per.median())}, fastest {_ms(per.min())}), {_ms(p_op)} ms "
+        f"predicted from the row ('cpu', 'attn_ctx:{b}') = {_fmt_curve(row)}. Over the {n_cpu_step} CPU ops a step "
+        f"that accounts for {_ms(cpu_part)} ms of the {_ms(gap)} ms.",
+        f"- GPU compute ops: {1e6 * mg:.0f} us per decode op measured, {1e6 * pg:.0f} us predicted (an op's "
+        "measured time runs from the event before its handler to the one after, so where the GPU waits on the "
+        "host it includes the handler's own host time).",
+        f"- Host issue: offexec's handlers spent {issue_m:.1f} s issuing GPU ops in this run (`issue_frac` x run "
+        f"time); the model charges {issue_p:.1f} s of handler time plus {disp_p:.1f} s of dispatch.", "",
+        "**Mechanism: the host's threads slow each other, which the profile does not see.** The fastest "
+        f"(step, layer) of CPU ops ({_ms(per.min())} ms) is at the profile row's level; the typical one is "
+        f"{m_op / p_op - 1:.0%} slower. The rows were measured on a two-layer plan "
+        "with every weight on the GPU: no weight stream and little for the issuing thread to do. Here the issuing "
+        "thread is busy all the time (thousands of GPU ops a step) and shares the GIL with the CPU-attention "
+        "worker (offexec shortens Python's switch interval for this, `Executor.SWITCH_INTERVAL_S`), and the weight copies read host memory beside the attention's reads. The "
+        "rest of the gap is per batch: after each CPU op offexec issues the ops queued behind it on the compute "
+        "stream one by one (last section), where the simulator had issued them in advance. With that modelled "
+        f"(`sim.STREAM_ORDER_ISSUE`) this case's error goes from {_pct(c.err())} to {_pct(on)}; the remainder is "
+        "the CPU op's own price and the hand-off between threads (the worker waits for the Q/K/V copy, the "
+        "issuing thread on a condition variable for the CPU op: a thread wake-up that neither the simulator nor "
+        "the profile prices). Fix: a profile probe that runs CPU attention with the issuing thread loaded and the "
+        "weights streamed, then the stream-order issuer on. Not changed here: no such measurement exists, and a "
+        "constant would be fitted to this case.", ""]
+
+
+def tightllm_long_recompute(c: Case) -> list[str]:
+    """opt-30b tightllm p2048: decode ops recompute hundreds of tokens of a 2k context."""
+    lay = c.ops[(c.ops.kind == "compute") & (c.ops.part == "layer") & (c.ops.phase == "decode")]
+    q_med, ctx_med, b = int(lay.q.median()), int(lay.ctx.median()), int(lay.seqs.iloc[0])
+    m = c.mo[(c.mo.kind == "compute") & (c.mo.step > 0) & (c.mo.layer >= 0)
+             & (c.mo.layer < c.model.num_layers)]
+    m_op = m.sum_s.sum() / m["count"].sum()
+    p = c.po[(c.po.kind == "compute") & (c.po.step > 0) & (c.po.layer >= 0) & (c.po.layer < c.model.num_layers)]
+    p_op = p.sum_s.sum() / p["count"].sum()
+    hw = c.hw
+    table = cm._table_compute_seconds(c.model, hw, "layer", b, q_med, False)
+    flops = cm.attention_flops(c.model, b, q_med, ctx_med)
+    rec = cm.op_table(hw, c.model, "attn", "recompute")
+    pre = cm.op_table(hw, c.model, "attn", "prefill")
+    e64 = cm.interp(rec, ctx_med)
+    e_now = cm._attention_table_efficiency(hw, c.model, q_med, ctx_med)
+    t64, t_now = flops / (hw.gpu_peak_flops * e64), cm.attention_seconds(c.model, hw, b, q_med, ctx_med)
+    f = hw.sustained_compute_fraction
+    old = (table + t64) / f
+    new = cm.compute_seconds(c.model, hw, "layer", b, q_med, ctx_med, False)
+    busy = 1 - c.metric("m", "gpu_idle_frac")
+    return [
+        f"**Where the time goes.** GPU compute: the GPU is busy {busy:.1%} of the run, and decode compute is the "
+        "whole difference (the copies are within a few per cent). Each decode layer op recomputes the last "
+        f"~{q_med - 1} tokens of a ~{ctx_med}-token context for {b} sequences (q = {q_med} query tokens, "
+        f"{b * q_med} rows): {_ms(m_op)} ms per decode layer op measured.", "",
+        "| term of one decode layer op | seconds (ms) |", "| --- | --- |",
+        f"| op table ('tokens', 'layer') at {b * q_med} rows | {_ms(table)} |",
+        f"| attention at the ('attn', 'recompute') row's efficiency {e64:.3f} (measured with "
+        f"{cm.ATTN_RECOMPUTE_QUERIES} queries) | {_ms(t64)} |",
+        f"| attention at the efficiency interpolated in log q to the prefill row ({cm.interp(pre, ctx_med):.3f} at "
+        f"q = ctx): {e_now:.3f} | {_ms(t_now)} |",
+        f"| sustained-clock divisor (`sustained_compute_fraction`) | 1/{f:.3f} |",
+        f"| the op, baseline model: (table + attention at 64 queries) / fraction | {_ms(old)} |",
+        f"| the op, today's model | {_ms(new)} |",
+        f"| the op, measured (mean over decode layer ops) | {_ms(m_op)} |",
+        f"| the op, predicted by today's simulation (mean) | {_ms(p_op)} |", "",
+        "**Mechanism: attention efficiency read at the wrong query count (fixed).** The profile's "
+        f"('attn', 'recompute') row is measured with a block of the last {cm.ATTN_RECOMPUTE_QUERIES} queries "
+        "(`offexec.profile.profile_attention`), and the model used it for a recompute block of any length. "
+        f"Here the block is {q_med} queries: the same kernel (SDPA with a bottom-right causal mask, "
+        f"`offexec/model.py: _sdpa`) over ~{q_med / cm.ATTN_RECOMPUTE_QUERIES:.0f}x more queries per KV byte, so far more efficient than at 64. The "
+        "profile brackets it: the 'prefill' row is the same attention at q = ctx. The cost model now interpolates "
+        "the efficiency linearly in log q between the two measured points "
+        "(`costmodel._attention_table_efficiency`); up to 64 queries nothing changes. No constant is fitted: both "
+        "ends are the profile's.", ""]
+
+
+def cpu_attention_calibration() -> tuple[list[str], dict[str, float]]:
+    """Every calibration case with CPU attention: its CPU ops' predicted over measured time, by GPU batch size, and
+    its total error with the issuer in offexec's stream order (``sim.STREAM_ORDER_ISSUE``) off (today) and on."""
+    base = pd.read_csv(BASELINE, comment="#").set_index("case")
+    rows = ["| case | sequences per GPU batch | GPU batches | CPU op, measured mean (ms) | predicted / measured "
+            "| total error today | with the issuer in stream order |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    on = {}
+    for name in base.index:
+        c = load_case(CALIB / f"{name}.case.json")
+        if not c["meta"]["settings"].get("cpu_attention"):
+            continue
+        k = Case(name)
+        m_op, p_op, _ = k.decode_per_op("cpu_compute")
+        with mock.patch.object(S, "STREAM_ORDER_ISSUE", True):
+            tr = resimulate(k.c, str(PROFILE))
+        on[name] = (tr.metrics()["total_tok_s"] - k.metric("m", "total_tok_s")) / k.metric("m", "total_tok_s")
+        rows.append(f"| {name} | {k.wl.gpu_batch_size} | {k.wl.num_gpu_batches} | {_ms(m_op)} | {p_op / m_op:.2f} | "
+                    f"{_pct(k.err())} | {_pct(on[name])} |")
+    return rows, on
+
+
+def _stream_order_section(cpu_rows: list[str], on: dict[str, float]) -> list[str]:
+    base = pd.read_csv(BASELINE, comment="#").set_index("case")["err_total_tok_s"].abs()
+    worse = [n for n, e in on.items() if abs(e) > base[n] + 0.02]
+    return [
+        "## CPU attention across the calibration set", "",
+        "The two CPU-attention misses point in opposite directions. This table puts every calibration case with "
+        "CPU attention side by side: how the profile's rows price its CPU ops against the run, and its total "
+        "error today and with the issuer modelled in offexec's stream order (below).", "", *cpu_rows, "",
+        "**The rows misprice the CPU op in a direction that depends on the batch.** With one sequence per GPU "
+        "batch the run's CPU ops are slower than the rows, with 48-64 sequences faster: the probe "
+        "(two layers, every weight on the GPU, 16 / B GPU batches) does not load the host as a run does.", "",
+        "**The issuer's stream order (implemented, off: `offsim.core.sim.STREAM_ORDER_ISSUE`).** offexec's "
+        "issuing loop (`Executor`, `offexec/executor.py`) considers only each stream's next op, takes the first in "
+        "plan order whose dependencies are issued and whose host dependencies have finished, and hands host ops "
+        "to their workers without a handler. The simulator's issuer walks every op in plan order and never waits "
+        "for a host op: a GPU op that follows a CPU op is held back by its host gate, but the ops queued behind it "
+        "on its stream -- the rest of the layer and the next batch's QKV and its copy to the host -- were issued "
+        "long before. In offexec they are issued only after the CPU op ends, one after another, so each CPU op "
+        "adds their issue time to the chain. The event loop models this when the switch is on (the SimPy "
+        "reference refuses it). It moves the host-bound many-batch case toward the run and pushes the 64-sequence "
+        f"cases, whose CPU ops are already priced too slow, further off: {len(worse)} case(s) "
+        f"({', '.join(worse) if worse else 'none'}) would grow beyond the regression slack of "
+        "`tests/test_validate.py`, so it stays off until the CPU-attention rows are measured under a run's load "
+        "(see `opt-30b_flexgen-cpuattn_b8_p128_g32` above).", ""]
+
+
+HANDLERS = {"opt-6.7b_flexgen-cpuattn_b32_p128_g16": cpu_attention_small_batch_many,
+            "opt-13b_tightllm_b32_p128_g32": tightllm_captures,
+            "opt-30b_flexgen-cpuattn_b8_p128_g32": cpu_attention_many_batches,
+            "opt-30b_tightllm_b40_p2048_g64": tightllm_long_recompute}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(OUT))
+    args = ap.parse_args(argv)
+    base = pd.read_csv(BASELINE, comment="#").set_index("case")["err_total_tok_s"]
+    prov = provenance(command="python -m experiments.validation.calib_misses")
+    lines = ["# The calibration cases beyond 10 %: where the time goes", "",
+             f"Written by `python -m experiments.validation.calib_misses` (commit {prov.get('commit')}, "
+             f"{prov.get('date')}); every number below is computed there from the cases in `h200_calib/`, their "
+             f"stored plans, the profile `{PROFILE.relative_to(ROOT)}` and the baseline report "
+             f"`{BASELINE.relative_to(ROOT)}`. Predictions are today's model. Error = (predicted - measured) / "
+             "measured; an op kind's time is the sum of its ops' durations (`case['ops_by_kind']`). Only the "
+             "calibration split is read here.", "",
+             "| case | baseline error | today's error | mechanism | fixed |", "| --- | --- | --- | --- | --- |"]
+    cases = {n: Case(n) for n in CASES}
+    verdict = {"opt-6.7b_flexgen-cpuattn_b32_p128_g16": ("CPU-attention profile row at 64 sequences: too slow, "
+                                                         "one point most", "no"),
+               "opt-13b_tightllm_b32_p128_g32": ("graph captures of recomputes: extrapolated in rows, and the first "
+                                                 "capture at a new query count unpriced", "no"),
+               "opt-30b_flexgen-cpuattn_b8_p128_g32": ("host load on CPU attention; issue in stream order behind "
+                                                       "each CPU op (implemented, off)", "no"),
+               "opt-30b_tightllm_b40_p2048_g64": ("recompute attention efficiency read at 64 queries", "yes")}
+    for n, c in cases.items():
+        lines.append(f"| {n} | {_pct(base[n])} | {_pct(c.err())} | {verdict[n][0]} | {verdict[n][1]} |")
+    lines.append("")
+    for n, c in cases.items():
+        lines += _header(c, base[n]) + HANDLERS[n](c)
+    lines += _stream_order_section(*cpu_attention_calibration())
+    text = "\n".join(lines).rstrip() + "\n"
+    write_text_atomic(args.out, text)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
