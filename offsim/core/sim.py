@@ -33,7 +33,6 @@ from operator import itemgetter
 
 import numpy as np
 import pandas as pd
-import simpy
 
 from offsim.core import costmodel
 from offsim.core.errors import OffsimError
@@ -83,6 +82,8 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
     if plan.stages:
         raise OffsimError("the SimPy reference engine runs single-GPU plans; simulate a plan with stages with "
                           "`simulate` (the default engine)")
+    import simpy  # only the reference engine runs on SimPy: the commands (``simulate``) do not import it
+
     model = plan.model
     ops = plan.ops
     n = len(ops)
