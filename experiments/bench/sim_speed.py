@@ -202,16 +202,24 @@ it is the earliest (`heappushpop`); the trace table is built column by column; t
 once, looks up a position's streamed unit once and calls the KV-load emitter only at attention positions;
 `PlanBuilder.add` merges two dependencies without a set; `Plan.validate` inlines its per-op prefix and memory
 updates; `offsim search` draws only the candidates it screens (FlexGen's GPU-weight trim runs for those alone) and
-pauses the collector for the whole search. Round 3 (this one: the run-ahead window's issuer, 63a3d8d, had put OPT-175B
+pauses the collector for the whole search. Round 3 (2f7d717; the run-ahead window's issuer, 63a3d8d, had put OPT-175B
 back over 1 s): `simulate` finds each op's window predecessor from integer stream codes (not strings), prices a copy
 that overlaps the opposite direction from a rate looked up once per copy shape (`costmodel.duplex_rate` /
 `duplex_seconds`) instead of making the op and pricing it afresh (~10^4 times), runs the issuer of a runtime without
 issue costs in a pared-down loop, keeps an op's waiters in a list indexed by op, and tests one flag per resumption
 for the issue check; the trace table takes its kind and stream columns from their few names by code and keeps its
-new columns uncopied (traces identical: the golden trace, both engines, the validation errors). What is left is the
-per-op Python itself -- the `add(**kw)` call, the
-schedule's per-position bookkeeping, the event loop's per-event work (~0.8 us an event in CPython 3.11) -- and, for
-the command, its imports (cvxpy ~0.75 s, pandas) and FlexGen's 168 LPs (~0.4 s). The machine is a shared 2-core VM
+new columns uncopied (traces identical: the golden trace, both engines, the validation errors). Round 4 (this one,
+for the command): an `offsim` command no longer pays the interpreter's final garbage collections over the objects of
+every module it imported (`offsim.cli.main` freezes them at exit: ~0.3 s with cvxpy, scipy and pandas loaded);
+`Trace.metrics` picks each stream's ops by numpy's compare of the stream column rather than the string column's own
+(~25 ms a stream on OPT-175B's trace; the same ops summed in the same order); SimPy is imported by the reference
+engine only. What is left is the per-op Python itself -- the `add(**kw)` call, the schedule's per-position
+bookkeeping, the simulator's per-op setup and per-event work (~0.8 us an event in CPython 3.11) -- and, for the
+command, its imports: cvxpy ~0.8 s, of which scipy.stats ~0.5 s (cvxpy's atoms import it; deferred to the first LP
+already, and nothing short of not using cvxpy avoids it), pandas ~0.25 s, and ~0.06 s compiling offsim's own modules
+where bytecode is not cached (PYTHONDONTWRITEBYTECODE is set on this VM); then FlexGen's 168 LPs (~0.3 s, mostly
+cvxpy's per-solve work), the two screened short plans (~0.25 s) and the chosen plan's full build and simulation
+(~1.2 s). The machine is a shared 2-core VM
 whose speed varies by tens of percent from run to run; the load average above says how busy it was.
 """
     (csv.parent / "README.md").write_text(text)

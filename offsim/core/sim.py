@@ -33,7 +33,6 @@ from operator import itemgetter
 
 import numpy as np
 import pandas as pd
-import simpy
 
 from offsim.core import costmodel
 from offsim.core.errors import OffsimError
@@ -93,6 +92,8 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
     if STREAM_ORDER_ISSUE:
         raise OffsimError("the SimPy reference engine issues ops in plan order; STREAM_ORDER_ISSUE is the event "
                           "loop's alone (experimental)")
+    import simpy  # only the reference engine runs on SimPy: the commands (``simulate``) do not import it
+
     model = plan.model
     ops = plan.ops
     n = len(ops)
