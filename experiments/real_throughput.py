@@ -14,7 +14,7 @@ the call's time is nearly spent, so the grid runs in pieces of one 10-minute dev
     python -m experiments.real_throughput --report          # CSV, bar chart, README from the journal; no GPU
 
 Writes OUT (default results/real_throughput/): runs.jsonl, real_throughput.csv, real_throughput.png, README.md,
-logs/ (each run's output). Ends with one JSON line.
+logs/ (each run's output), traces/ (each offexec run's measured trace). Ends with one JSON line.
 """
 from __future__ import annotations
 
@@ -54,7 +54,8 @@ def point_key(system: str, model: str, prompt: int, gen: int, budget: float, tag
 
 
 def jobs_for_point(system: str, model: str, prompt: int, gen: int, budget: float, flexgen_k: int = 3,
-                   offexec_policies=None, cache: dict | None = None, settings_cache: str | None = None) -> list[dict]:
+                   offexec_policies=None, cache: dict | None = None, settings_cache: str | None = None,
+                   trace_dir: str | None = None) -> list[dict]:
     """The subprocess jobs of one system at one point: {key(s), argv, system}. FlexGen: one job per candidate
     policy (``flexgen_ref.candidates``, kept in ``cache`` by point so that every call of a resumed grid runs the
     same list and computes it once); an OPT-only peer on a Llama: one 'unsupported' record, no job."""
@@ -69,7 +70,8 @@ def jobs_for_point(system: str, model: str, prompt: int, gen: int, budget: float
         # one job per policy: each makes the weights (~10 s for OPT-30B) and fits one run's timeout
         return [{"system": system, "keys": [point_key(f"offexec-{p}", model, prompt, gen, budget)],
                  "argv": ["-m", "experiments.peers.offexec_run", *common, "--policies", p,
-                          *(["--settings-cache", settings_cache] if settings_cache else [])]} for p in pols]
+                          *(["--settings-cache", settings_cache] if settings_cache else []),
+                          *(["--trace-dir", trace_dir] if trace_dir else [])]} for p in pols]
     if system in ("flexgen-ref", "flexgen-4bit-ref"):
         spec = get_model(model)
         if spec.family != "opt":
@@ -424,7 +426,7 @@ def main(argv=None) -> int:
             for system in args.only:
                 n = len(cache)
                 yield from jobs_for_point(system, m, p, g, b, args.flexgen_k, args.offexec_policies, cache,
-                                          str(spath) if spath.exists() else None)
+                                          str(spath) if spath.exists() else None, str(out / "traces"))
                 if len(cache) != n:
                     cpath.write_text(json.dumps(cache, indent=1))
 

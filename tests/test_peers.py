@@ -241,14 +241,18 @@ def test_deepspeed_ref_runs_zero3_on_a_tiny_model_on_the_cpu(tiny_cfg):
     assert recs[0]["system"] == "deepspeed-ref" and recs[0]["decode_tok_s"] > 0
 
 
-def test_offexec_run_on_a_tiny_model_on_the_cpu(tiny_cfg):
+def test_offexec_run_on_a_tiny_model_on_the_cpu(tiny_cfg, tmp_path):
     from experiments.peers.offexec_run import run_point
+    from offsim.core.trace import Trace
 
-    recs = run_point(tiny_cfg(TINY_OPT, "opt"), 16, 4, 16, ["flexgen", "static-zero"], device="cpu", max_batch=8)
+    recs = run_point(tiny_cfg(TINY_OPT, "opt"), 16, 4, 16, ["flexgen", "static-zero"], device="cpu", max_batch=8,
+                     trace_dir=str(tmp_path))
     assert [r["system"] for r in recs] == ["offexec-flexgen", "offexec-static-zero"]
     for r in recs:
         assert r["status"] == "ok", r["reason"]
         assert r["decode_tok_s"] > 0 and r["predicted_decode_tok_s"] > 0 and r["batch"] <= 8
+        t = Trace.from_csv(tmp_path / r["trace"])  # the measured trace, kept for offsim validate
+        assert t.meta["source"] == "offexec" and t.metrics()["decode_tok_s"] == pytest.approx(r["decode_tok_s"])
 
 
 # -- the driver: grid, journal, resume --------------------------------------------------------------------------------
@@ -266,6 +270,8 @@ def test_grid_and_jobs():
                           settings_cache="s.json")
     assert [x["keys"] for x in j] == [["offexec-flexgen|opt-30b|p512|g32|b16"], ["offexec-tightllm|opt-30b|p512|g32|b16"]]
     assert j[1]["argv"][-4:] == ["--policies", "tightllm", "--settings-cache", "s.json"]
+    j = rt.jobs_for_point("offexec", "opt-30b", 512, 32, 16, offexec_policies=["tightllm"], trace_dir="T")
+    assert j[0]["argv"][-2:] == ["--trace-dir", "T"]  # each offexec run's measured trace is kept
     pols = [fr.FlexGenPolicy(16, 3, (20, 80, 0, 100, 100, 0)).settings(),
             fr.FlexGenPolicy(8, 3, (20, 80, 0, 100, 100, 0), True).settings()]
     cache = {"flexgen-ref|opt-30b|p512|g32|b16": {"k": 3, "policies": pols}}

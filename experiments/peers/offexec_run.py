@@ -162,9 +162,12 @@ def plan_or_cached(name: str, model, hw, prompt_len: int, gen_len: int, max_batc
 
 def run_point(model_name: str, prompt_len: int, gen_len: int, budget_gib: float, policies, device: str = "cuda",
               host_limit_gib: float = HOST_LIMIT_GIB, max_batch: int = 256, max_run_s: float = 300.0,
-              profile: str | None = None, only_plan: bool = False, cache: dict | None = None) -> list[dict]:
+              profile: str | None = None, only_plan: bool = False, cache: dict | None = None,
+              trace_dir: str | None = None) -> list[dict]:
     """Every policy of ``policies`` at this point; one record each. ``cache``: planned settings by
-    ``settings_key`` (read, and filled with what is planned here)."""
+    ``settings_key`` (read, and filled with what is planned here). ``trace_dir``: each run's measured trace goes
+    there as gzip CSV (offsim's trace schema: ``offsim validate`` re-simulates it), named in the record's
+    ``trace`` field."""
     import torch
 
     from offexec.executor import check_plan, run_plan
@@ -222,7 +225,15 @@ def run_point(model_name: str, prompt_len: int, gen_len: int, budget_gib: float,
                 rec.update(decode_h2d_bytes=dec_bytes, h2d_bytes_per_s=h2d,
                            link_bound_decode_tok_s=link_bound(wl.num_prompts, gen_len, dec_bytes, h2d) if h2d
                            else None,
-                           peak_gpu_bytes=int(res.stats.get("gpu_max_reserved_bytes", 0)))
+                           peak_gpu_bytes=int(res.stats.get("gpu_max_reserved_bytes", 0)),
+                           issue_frac=res.stats.get("issue_frac"), allocator=res.stats.get("allocator"))
+                if trace_dir:
+                    from experiments.offexec.h200 import save_trace_gz
+
+                    d = Path(trace_dir)
+                    d.mkdir(parents=True, exist_ok=True)
+                    tag = f"offexec-{name}_{Path(model.name).name}_p{prompt_len}_g{gen_len}_b{budget_gib:g}"
+                    rec["trace"] = save_trace_gz(res.trace, d / f"{tag}.trace.csv").name
             except Exception as e:  # noqa: BLE001 -- one policy's failure is a result
                 traceback.print_exc()
                 oom = cuda and isinstance(e, torch.OutOfMemoryError)
@@ -250,6 +261,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default=None, help="hardware profile JSON (default results/profiles/h200_offexec)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--only-plan", action="store_true", help="plan and print, run nothing")
+    ap.add_argument("--trace-dir", default=None, help="write each run's measured trace there (gzip CSV)")
     ap.add_argument("--settings-cache", default=None, help="JSON of planned settings by point and policy "
                     "(experiments.real_throughput --plan-only writes it): skip the search where it has them")
     args = ap.parse_args(argv)
@@ -257,7 +269,8 @@ def main(argv=None) -> int:
     if args.settings_cache and Path(args.settings_cache).exists():
         cache = json.loads(Path(args.settings_cache).read_text())
     recs = run_point(args.model, args.prompt_len, args.gen_len, args.budget_gib, args.policies, args.device,
-                     args.host_limit_gib, args.max_batch, args.max_run_s, args.profile, args.only_plan, cache)
+                     args.host_limit_gib, args.max_batch, args.max_run_s, args.profile, args.only_plan, cache,
+                     args.trace_dir)
     for r in recs:
         if "wall_s" not in r:  # skipped or only planned (measured runs were printed as they finished)
             emit(r)
