@@ -524,6 +524,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     iss_ptr = [0] * ns  # per stream: its next op to issue (an index into ``by_stream``)
     iss_cur = -1  # the op chosen, waiting for its window or spending its issue cost
     iss_host_wait = False  # nothing issuable: resumed by the next host op's end
+    stream_order = STREAM_ORDER_ISSUE  # (read once: the issuer tests it per op)
     host_codes = {_STREAM_INDEX[h] for h in HOST_STREAMS}
     on_host = [x in host_codes for x in sidx]
     host_stream = [s_ in host_codes for s_ in range(ns)]
@@ -548,57 +549,33 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
             now, _, resumed = pushpop(heap, nxt) if heap else nxt
             nxt = None
         for s in resumed:
-            if s == ISS and STREAM_ORDER_ISSUE:  # the issuer, as offexec's issuing loop picks its next op
-                while True:
-                    i = iss_cur
-                    if i >= 0:
-                        if iss_busy:  # op i's issue cost is spent
-                            iss_busy = False
-                        else:
-                            p = pred[i]
-                            if p >= 0 and end[p] is None:  # the window is full: wait for the op ``run_ahead`` back
-                                w = waiting[p]
-                                if w is None:
-                                    waiting[p] = [ISS]
-                                else:
-                                    w.append(ISS)
-                                break
-                            if costs is not None and costs[i] > 0.0:
-                                iss_busy = True
-                                push(heap, (now + costs[i], seq, itself_iss))
-                                seq += 1
-                                break
-                        iss_done[i] = True
-                        iss_cur = -1
-                        if iwaiting:
-                            w = iwaiting.pop(i, None)
-                            if w is not None:  # release the stream waiting for it
-                                push(heap, (now, seq, w))
-                                seq += 1
-                        continue
-                    best = -1
-                    for st in range(ns):
-                        b = by_stream[st]
-                        k = iss_ptr[st]
-                        if k >= len(b):
-                            continue
-                        o = b[k]
-                        if best >= 0 and o > best:
-                            continue
-                        for d in deps_of[o]:
-                            if not iss_done[d] or (on_host[d] and end[d] is None):
-                                break
-                        else:
-                            best = o
-                    if best < 0:  # every stream's next op waits for a host op (or none is left)
-                        iss_host_wait = any(iss_ptr[st] < len(by_stream[st]) for st in range(ns))
-                        break
-                    iss_ptr[sidx[best]] += 1
-                    iss_cur = best  # (a host op: no window, ``pred`` is -1; its cost is the dispatch time)
-                continue
             if s == ISS:  # the issuer: after an op's issue cost, or once the op its next op waits for has ended
-                while iss_i < n:
-                    i = iss_i
+                while True:
+                    if stream_order:  # as offexec's issuing loop picks its next op
+                        i = iss_cur
+                        if i < 0:
+                            for st in range(ns):
+                                b = by_stream[st]
+                                k = iss_ptr[st]
+                                if k >= len(b):
+                                    continue
+                                o = b[k]
+                                if i >= 0 and o > i:
+                                    continue
+                                for d in deps_of[o]:
+                                    if not iss_done[d] or (on_host[d] and end[d] is None):
+                                        break
+                                else:
+                                    i = o
+                            if i < 0:  # every stream's next op waits for a host op (or none is left)
+                                iss_host_wait = any(iss_ptr[st] < len(by_stream[st]) for st in range(ns))
+                                break
+                            iss_ptr[sidx[i]] += 1
+                            iss_cur = i  # (a host op: no window, ``pred`` is -1; its cost is the dispatch time)
+                    elif iss_i < n:  # in plan order
+                        i = iss_i
+                    else:
+                        break
                     if iss_busy:  # op i's issue cost is spent
                         iss_busy = False
                     else:
@@ -615,12 +592,16 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                             push(heap, (now + costs[i], seq, itself_iss))
                             seq += 1
                             break
+                    if stream_order:
+                        iss_done[i] = True
+                        iss_cur = -1
+                    else:
+                        iss_i += 1
                     if iwaiting:
                         w = iwaiting.pop(i, None)
                         if w is not None:  # release the stream waiting for it
                             push(heap, (now, seq, w))
                             seq += 1
-                    iss_i += 1
                 continue
             i = cur[s]
             if running[s]:  # the op on this stream ends now
@@ -655,7 +636,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                         seq += 1
                         continue
                 else:  # (the issuer with a window)
-                    if (not iss_done[i]) if STREAM_ORDER_ISSUE else i >= iss_i:  # not issued yet: wait for it
+                    if (not iss_done[i]) if stream_order else i >= iss_i:  # not issued yet: wait for it
                         w = iwaiting.get(i)
                         if w is None:
                             iwaiting[i] = [s]
