@@ -146,7 +146,8 @@ def gpu_need(prog: Program, plan: Plan) -> dict[str, int]:
     return fp.executor_gpu_bytes(plan.model, plan.workload, plan.weight_split, plan.kv_split, prog.pool_peak,
                                  prog.gpu_value_peak_bytes, op_transient_bytes(plan, prog), longest,
                                  compression_of(plan), None not in prog.units,
-                                 sends_hidden=any(b.fn == "send_hidden" for b in prog.bound))
+                                 sends_hidden=any(b.fn == "send_hidden" for b in prog.bound),
+                                 landing_tokens=prog.landing_tokens)
 
 
 def disk_need(plan: Plan, layout=None) -> int:
@@ -366,11 +367,13 @@ class Executor:
 
     def _pool_buffer(self, name: str) -> tuple[tuple[int], torch.dtype]:
         """(shape, dtype) of one buffer of pool ``name``: a weight slot (elements, or stored bytes with compressed
-        weights) or a KV work buffer."""
+        weights), a landing buffer of parked activations, or a KV work buffer."""
         if name.startswith("wslot"):
             if self.comp.weight:
                 return (self.packed_slot_bytes.get(name, 0),), torch.uint8
             return (self.prog.slot_numel.get(name, 0),), self.dtype
+        if name == "hidden_in":
+            return (fp.landing_buffer_bytes(self.spec, self.gbs, self.prog.landing_tokens) // self.e,), self.dtype
         return (self._kv_elems(self.kv_heads_of(name.removeprefix("kvwork_"))),), self.kv_dtype
 
     def kv_heads_of(self, group: str) -> int:
@@ -469,7 +472,7 @@ class Executor:
                 self.disk.create("kv.bin", self.disk_kv_stride * L * self.nb)
         # pools, from the arena, as many buffers as plan order has live at once
         p = self.prog
-        for name in ("wslot", "wslot_attn", "wslot_mlp"):
+        for name in ("wslot", "wslot_attn", "wslot_mlp", "hidden_in"):
             (numel,), pdt = self._pool_buffer(name)
             self.pools[name] = BufferPool(name, numel, pdt, dev)
         for g in ("cpu", "disk"):
@@ -519,6 +522,7 @@ class Executor:
         self.vals: dict[int, object] = {}
         self.val_left = [v.users for v in self.prog.values]
         self.val_stream: dict[int, object] = {}
+        self.pool_flat: dict[int, object] = {}  # value -> the whole pool buffer it was given (``_pool_get``)
         self.val_events: dict[int, list] = {}
         self.val_lock = threading.Lock()
         self.start = np.zeros(n)
@@ -822,6 +826,7 @@ class Executor:
         t = self.vals.pop(vid, None)
         evs = self.val_events.pop(vid, ())
         self.val_stream.pop(vid, None)
+        t = self.pool_flat.pop(vid, t)  # a pool buffer goes back whole, not the view its handler shaped
         if v.kind in self.pools and t is not None:
             self.pools[v.kind].release(t, _last_per_stream(evs))
 
@@ -853,7 +858,7 @@ class Executor:
         """The pool buffer of value ``vid``, taken from its pool at the value's first use."""
         t = self.vals.get(vid)
         if t is None:
-            t = self.vals[vid] = self.pools[self.prog.values[vid].kind].acquire(self.stream)
+            t = self.vals[vid] = self.pool_flat[vid] = self.pools[self.prog.values[vid].kind].acquire(self.stream)
         return t
 
     def _unit(self, part: str):
@@ -1256,7 +1261,10 @@ class Executor:
 
     def _op_h2d_hidden(self, op, args, info):
         src = self.vals[args["src"]]
-        self._put(args["out"], src.to(self.device, non_blocking=True))
+        buf = self._pool_get(args["out"])  # a landing buffer (``footprint.landing_buffer_bytes``)
+        x = buf[:src.numel()].view(src.shape)
+        x.copy_(src, non_blocking=True)
+        self.vals[args["out"]] = x
 
     def _op_d2h_qkv(self, op, args, info):
         _, q, k, v = self._val(args["src"])

@@ -14,6 +14,10 @@ Values (``Value.kind``), all per GPU batch ``k`` and layer ``j``:
   read by that step's compute ops of layer j; with sub-layer streaming (FlexGen's granularity: compute parts
   ``attn_layer`` / ``attn_out`` and ``mlp``) one ``wslot_attn`` and one ``wslot_mlp`` per (step, layer) instead, each
   holding that sub-layer's streamed tensors;
+- ``hidden_in`` (GPU pool): a batch's parked activations loaded back by an h2d (``footprint.landing_buffer_bytes``);
+  then the batch's current hidden state like a ``hidden``. The schedule bounds these loads to
+  ``footprint.LANDING_BUFFERS`` in flight (``offsim.policies.schedule.LandingBuffers``), the pool holds that many;
+  with CPU attention the landed tensor is also ``pre``'s residual, so ``attn_out`` / ``post_attn`` use it too;
 - ``kvwork_cpu`` / ``kvwork_disk`` (GPU pool): a working KV buffer of the heads homed on the host / on disk, holding
   positions [0, ctx): the prefix delivered by KV h2d ops plus the tokens the next compute of (j, k) adds; stores
   (d2h) of those heads read it;
@@ -39,7 +43,7 @@ from .memory import ExecError
 GPU_STREAMS = ("compute", "h2d", "d2h")
 P2P_STREAM = "p2p"  # a pipeline stage's sends and receives (offexec/distributed.py)
 HOST_STREAMS = ("cpu", "disk")
-POOL_KINDS = ("wslot", "wslot_attn", "wslot_mlp", "kvwork_cpu", "kvwork_disk")
+POOL_KINDS = ("wslot", "wslot_attn", "wslot_mlp", "kvwork_cpu", "kvwork_disk", "hidden_in")
 SUBLAYER_PARTS = ("attn_layer", "attn_out", "mlp")  # compute parts of a plan that streams weights per sub-layer
 GPU_VALUE_KINDS = ("hidden", "pre", "attn")  # GPU activations, sized by offsim.core.footprint
 HOST_VALUE_KINDS = ("wstage", "kvread", "kvout", "qkv_host", "attn_host")  # host staging
@@ -79,6 +83,7 @@ class Program:
     slot_numel: dict[str, int]  # weight pool kind -> elements of one slot
     groups: dict[str, tuple[int, int]]  # home group -> KV heads [lo, hi)
     units: dict  # unit (None: whole layer; 'attn', 'mlp') -> its elements [lo, hi) of a layer's flat buffer
+    landing_tokens: int = 0  # positions of the plan's longest activation load (h2d hidden): a landing buffer's size
 
 
 def weight_slot_base(layout, g_elems: int) -> int:
@@ -116,6 +121,7 @@ def bind(plan: Plan, layout, rank: int = 0) -> Program:
 
     values: list[Value] = []
     bound: list[Bound] = []
+    landing_tokens = max((op.hi - op.lo for op in plan.ops if op.tensor == "hidden" and op.kind == "h2d"), default=0)
 
     def new(kind, key, op, nbytes=0) -> int:
         if kind in GPU_VALUE_KINDS or kind in ("qkv_host", "attn_host"):
@@ -144,6 +150,7 @@ def bind(plan: Plan, layout, rank: int = 0) -> Program:
     hidden: dict[int, int] = {}
     hidden_host: dict[int, int] = {}
     pre: dict[tuple, int] = {}
+    pre_landing: dict[tuple, int] = {}  # (j, k) -> the landing buffer value that pre_attn's residual is a view of
     qkv_host: dict[tuple, int] = {}
     attn_host: dict[tuple, int] = {}
     attn_gpu: dict[tuple, int] = {}
@@ -238,6 +245,8 @@ def bind(plan: Plan, layout, rank: int = 0) -> Program:
                         fn = "pre_attn"
                         args["out"] = use(new("pre", (j, k), op), op)
                         pre[(j, k)] = args["out"]
+                        if values[args["x"]].kind == "hidden_in":
+                            pre_landing[(j, k)] = args["x"]
             elif part == "attn":
                 fn = "attn_gpu"
                 if (j, k) not in pre:
@@ -254,6 +263,8 @@ def bind(plan: Plan, layout, rank: int = 0) -> Program:
                     fail(op, f"{part} in a plan that streams weights per {'sub-layer' if sublayer else 'layer'}")
                 args["pre"] = use(pre[(j, k)], op)
                 args["attn"] = use(attn_gpu[(j, k)], op)
+                if (j, k) in pre_landing:  # the residual in ``pre`` is the landing buffer: held until here
+                    args["landing"] = use(pre_landing.pop((j, k)), op)
                 weights_of(op, args, "attn" if sublayer else None)
                 args["out"] = use(new("hidden", (k,), op), op)
                 hidden[k] = args["out"]
@@ -383,7 +394,8 @@ def bind(plan: Plan, layout, rank: int = 0) -> Program:
                 if k not in hidden_host:
                     fail(op, f"loads parked activations of batch {k} but none were parked")
                 args["src"] = use(hidden_host[k], op)
-                args["out"] = use(new("hidden", (k,), op), op)
+                args["out"] = use(new("hidden_in", (k,), op, nbytes=value_bytes(m, "hidden", gbs, op.hi - op.lo)),
+                                  op)
                 hidden[k] = args["out"]
             else:
                 fail(op, f"unsupported activation transfer {kind}")
@@ -434,7 +446,10 @@ def bind(plan: Plan, layout, rank: int = 0) -> Program:
                 host_live -= v.nbytes
             elif v.kind in GPU_VALUE_KINDS:
                 gpu_live -= v.nbytes
-    return Program(plan, bound, values, peak, host_peak, gpu_peak, slot_base, slot_numel, groups, units)
+    if peak["hidden_in"]:  # loads run ahead of plan order up to the schedule's bound (``LandingBuffers``)
+        peak["hidden_in"] = max(peak["hidden_in"], fp.LANDING_BUFFERS)
+    return Program(plan, bound, values, peak, host_peak, gpu_peak, slot_base, slot_numel, groups, units,
+                   landing_tokens)
 
 
 def pool_of(unit) -> str:

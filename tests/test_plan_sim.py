@@ -238,6 +238,43 @@ def test_hidden_load_is_issued_before_the_prefetches(tiny_opt, t4):
             assert not between, (o.describe(), [x.describe() for x in between])
 
 
+@pytest.mark.parametrize("policy,settings", [("flexgen", {"percent": (100, 0, 0, 100, 0, 100)}),
+                                             ("flexgen", {"percent": (100, 0, 0, 100, 0, 100), "cpu_attention": True}),
+                                             ("tightllm", {"percent": (100, 0, 0, 100, 0, 100),
+                                                           "kv_solver": "exact"})])
+def test_landing_copies_are_bounded_and_counted(tiny_opt, t4, policy, settings):
+    """Activations parked on the host land back on the GPU at most ``LANDING_BUFFERS`` at a time (the pool offexec
+    holds): each load waits for the compute that consumed the load that many back -- with CPU attention the
+    ``attn_out`` that still reads the landed residual -- and the simulated GPU memory counts the copy from its load
+    to that compute's end, so however many batches a layer has, no more copies are in flight."""
+    from offsim.core import footprint as fp
+
+    peaks = []
+    for nb in (4, 16):
+        plan = build_plan(policy, tiny_opt, t4, Workload(16, 3, 2, nb), settings)
+        ops = plan.ops
+        loads = [o for o in ops if o.kind == "h2d" and o.tensor == "hidden"]
+        assert len(loads) > fp.LANDING_BUFFERS
+        consumer = {}  # load -> the compute that frees its copy: the one that reads it (pre_attn: its attn_out)
+        for ld in loads:
+            c = next(o for o in ops if o.kind == "compute" and ld.id in o.deps)
+            if c.part == "pre_attn":
+                c = next(o for o in ops[c.id:] if o.kind == "compute" and o.part in ("attn_out", "post_attn"))
+            consumer[ld.id] = c.id
+        for n, ld in enumerate(loads):
+            assert ld.alloc[0] == fp.hidden_bytes(tiny_opt, 2, ld.hi - ld.lo)
+            back = n - fp.LANDING_BUFFERS
+            if back >= 0:
+                assert consumer[loads[back].id] in ld.deps, ld.describe()
+        tr = simulate(plan, t4)
+        start, end = tr.df.set_index("op_id")["start_s"], tr.df.set_index("op_id")["end_s"]
+        for ld in loads:  # copies landed and not yet consumed when this one starts
+            live = sum(1 for x in loads if start[x.id] <= start[ld.id] < end[consumer[x.id]])
+            assert live <= fp.LANDING_BUFFERS, ld.describe()
+        peaks.append(tr.metrics()["peak_gpu_bytes"] - plan.resident["gpu"])
+    assert peaks[1] <= peaks[0]  # four times the batches, no more GPU memory above the resident bytes
+
+
 def test_sublayer_schedule(tiny_opt, t4):
     """FlexGen's granularity: per step, each decoder layer runs as an attention and an MLP op per batch, every weight
     load stays inside one sub-layer, and the GPU holds one layer's worth of streamed weights where whole-layer

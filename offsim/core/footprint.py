@@ -372,6 +372,21 @@ def hidden_bytes(model: ModelSpec, num_seqs: int, q_tokens: int) -> int:
     return model.hidden_bytes(num_seqs * q_tokens)
 
 
+# activations parked on the host that may be loaded back (landed on the GPU) at once: a load waits for the compute
+# that consumed the load two back (``offsim.policies.schedule.LandingBuffers``), so the next batch's copy overlaps
+# the current batch's compute, and offexec's ``hidden_in`` pool holds this many landing buffers
+LANDING_BUFFERS = 2
+
+
+def landing_buffer_bytes(model: ModelSpec, num_seqs: int, tokens: int) -> int:
+    """One buffer that activations parked on the host land in when loaded back (offexec's ``hidden_in`` pool): the
+    largest hidden state the plan's h2d ops move, ``tokens`` positions of a GPU batch (a prefill's prompt, or
+    TightLLM's recomputed positions). A pool of these, reused through events on the H2D stream, keeps the landing
+    copies out of the caching allocator, whose per-stream caches would otherwise hold them where compute cannot
+    reuse them (and retry, with a device-wide synchronisation, when it needs memory)."""
+    return hidden_bytes(model, num_seqs, tokens)
+
+
 def q_bytes(model: ModelSpec, num_seqs: int, q_tokens: int) -> int:
     """Q of the new tokens [B, T, H, D]: B·T·H·D·e (= the attention output [B, T, H·D])."""
     return num_seqs * q_tokens * model.q_dim * model.dtype_bytes
@@ -747,7 +762,7 @@ def _head_groups(model: ModelSpec, kv_split) -> tuple[int, int, int]:
 def executor_gpu_bytes(model: ModelSpec, wl: Workload, weight_split, kv_split, pool_buffers: Mapping[str, int],
                        activation_peak_bytes: int, op_transient_bytes: int, graph_q_tokens: int = 1,
                        comp: Compression = NO_COMPRESSION, sublayer: bool = False,
-                       sends_hidden: bool = False) -> dict[str, int]:
+                       sends_hidden: bool = False, landing_tokens: int = 0) -> dict[str, int]:
     """GPU bytes offexec holds for a plan, by purpose (offexec/executor.py ``Executor._setup`` and the op handlers):
 
     - embeddings (``emb``), token ids [nb, gbs, max_len + 1] int64 and RoPE tables (``tokens``, ``rope``);
@@ -759,8 +774,10 @@ def executor_gpu_bytes(model: ModelSpec, wl: Workload, weight_split, kv_split, p
     - weight slots: ``pool_buffers['wslot']`` slots of the largest ``weight_slot_bytes`` (whole layers), or
       ``pool_buffers['wslot_attn' / 'wslot_mlp']`` of the largest ``sublayer_slot_bytes`` (sub-layers);
     - KV work buffers: ``pool_buffers['kvwork_cpu' / 'kvwork_disk']`` full-length buffers of each off-GPU group;
-    - activations: the most GPU values (hidden states, pre_attn's Q/K/V, attention outputs) alive at once in plan
-      order (``activation_peak_bytes``, from offexec/program.py);
+    - activation landing buffers: ``pool_buffers['hidden_in']`` buffers of ``landing_buffer_bytes`` (the plan's
+      longest activation load: ``landing_tokens`` positions) that parked activations are loaded back into;
+    - activations: the most other GPU values (hidden states made on the GPU, pre_attn's Q/K/V, attention outputs)
+      alive at once in plan order (``activation_peak_bytes``, from offexec/program.py);
     - op transients: the largest op peak beyond its output (``op_transient_bytes``);
     - with compression (``comp``): resident weights and slots (compressed weights), resident KV and KV work buffers
       (compressed cache) in their stored sizes (``stored_weight_bytes``, ``stored_slot_bytes``, ``stored_kv_bytes``)
@@ -783,6 +800,8 @@ def executor_gpu_bytes(model: ModelSpec, wl: Workload, weight_split, kv_split, p
             + sum(pool_buffers.get(f"wslot_{sub}", 0) * sub_slots[sub] for sub in SUBLAYERS),
             "KV work buffers": pool_buffers.get("kvwork_cpu", 0) * stored_kv_bytes(model, gbs, M, kc, comp=comp)
             + pool_buffers.get("kvwork_disk", 0) * stored_kv_bytes(model, gbs, M, kd, comp=comp),
+            "activation landing buffers": pool_buffers.get("hidden_in", 0) * landing_buffer_bytes(model, gbs,
+                                                                                                 landing_tokens),
             "activations": activation_peak_bytes, "op transients": op_transient_bytes}
     if comp.weight or comp.cache:
         out["dequantized copies"] = dequantized_copy_bytes(model, gbs, M, comp, sublayer)

@@ -23,9 +23,9 @@ that last uses it frees the slot; a position's KV of off-GPU heads lives in one 
 group, allocated by its load (or, with nothing to load, by its compute) and freed by its store (or its compute); a
 compute allocates and frees its op peak (``footprint.op_peak_bytes``), its output included -- the block's
 activations between layers are resident -- and with activations parked on the host the hidden copy loaded for a
-compute counts while it runs. (Not modelled: a hidden copy loaded ahead of its compute, or a parked output waiting
-on the GPU for its d2h: nothing bounds how many queue, and a static plan would need a dependency like
-``DiskStoreBuffers`` to bound them.)
+compute counts from its load to the end of the compute that consumes it, and at most ``fp.LANDING_BUFFERS`` such
+copies are in flight (``LandingBuffers``: a load waits for the consumer of the load that many back, as offexec's
+landing pool hands its buffers out). (Not modelled: a parked output waiting on the GPU for its d2h.)
 """
 from __future__ import annotations
 
@@ -188,6 +188,24 @@ class DiskStoreBuffers:
     def record(self, d2h: int, write: int) -> None:
         self.d2h.append(d2h)
         self.writes.append(write)
+
+
+class LandingBuffers:
+    """The GPU buffers that activations parked on the host are loaded back into (``fp.LANDING_BUFFERS``). Without a
+    bound a layer's loads of every batch run ahead of its computes (each waits only for its own store from the layer
+    before) and hold a whole hidden state each; with it, a load waits for the compute that consumed the load
+    ``depth`` loads back (the one that frees the buffer it reuses), so the next batch's load overlaps the current
+    batch's compute."""
+
+    def __init__(self, depth: int = fp.LANDING_BUFFERS):
+        self.depth = depth
+        self.consumers: list[int] = []
+
+    def load_deps(self) -> list[int]:
+        return [self.consumers[-self.depth]] if len(self.consumers) >= self.depth else []
+
+    def record(self, consumer: int) -> None:
+        self.consumers.append(consumer)
 
 
 _PART_OF_SUB = {None: "layer", "attn": "attn_layer", "mlp": "mlp"}  # a decoder position's compute part
@@ -390,6 +408,7 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
     hidden_store: dict[int, int] = {}  # batch -> d2h op that parked its hidden on the CPU
     kv_stored: dict[tuple[int, int], list[int]] = {}  # (layer, batch) -> ops that made the last KV durable
     disk_stores = [DiskStoreBuffers() for _ in range(S)]  # per GPU (and its rank's host staging)
+    landings = [LandingBuffers() for _ in range(S)]  # per GPU
     last_dev: dict[int, int] = {}  # batch -> the GPU that holds its current hidden state (or token ids)
 
     # positions (step, layer, sub-layer, batch) in FlexGen's order: the zig-zag over batches for every layer of
@@ -478,7 +497,8 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         decoder = 0 <= j < L
         dev = dev_of[j]
         grp = groups[group_of[k]]
-        hin = 0  # GPU bytes of a hidden copy loaded (or received) for this compute: counted while the compute runs
+        hin = 0  # GPU bytes of a hidden copy received for this compute: counted while the compute runs
+        land = 0  # GPU bytes of a hidden copy loaded from the host: counted from its load to this compute's end
         recv = None
         if multi:
             cur_dev[0] = dev
@@ -500,10 +520,10 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         # a whole layer's weights)
         deps = [last_out.get(k) if recv is None else recv]
         if hidden_cpu and k in hidden_store and j >= 0:
-            hin = act_bytes("hidden", q)
+            land = act_bytes("hidden", q)
             # (the block's activations are reserved on their home tier in `resident`; the GPU copy is scratch)
-            hl = add("h2d", [hidden_store.pop(k)], phase, i, j, k, tensor="hidden", lo=ctx - q, hi=ctx, nbytes=hin,
-                     pinned=pinned)
+            hl = add("h2d", [hidden_store.pop(k)] + landings[dev].load_deps(), phase, i, j, k, tensor="hidden",
+                     lo=ctx - q, hi=ctx, nbytes=land, pinned=pinned, alloc=(land, 0, 0))
             deps = [hl]
         # weights: the current unit's (first batch only), then, when prefetching, the next streamed unit's
         # this position's streamed unit (device, index), if any
@@ -541,7 +561,7 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
             ws += dq
         if sub == "mlp":
             comp = add("compute", deps, phase, i, j, k, part="mlp", num_seqs=gbs, q_tokens=q, ctx_tokens=ctx,
-                       frees_weights=last_k, alloc=(ws + hin, 0, 0), free=(ws + hin + w_free, 0, 0))
+                       frees_weights=last_k, alloc=(ws + hin, 0, 0), free=(ws + hin + land + w_free, 0, 0))
         elif cpu_attn:
             # FlexGen's CPU delegation: QKV on the GPU, attention on the CPU over the host cache, rest on the GPU
             pre = add("compute", deps + kv_stored.get((j, k), []), phase, i, j, k, part="pre_attn", num_seqs=gbs,
@@ -560,7 +580,7 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
             back = add("h2d", [att], phase, i, j, k, tensor="attn_out", lo=ctx - q, hi=ctx, nbytes=ob, pinned=pinned)
             comp = add("compute", [back, pre], phase, i, j, k, part="attn_out" if sub else "post_attn",
                        num_seqs=gbs, q_tokens=q, ctx_tokens=ctx, frees_weights=last_k,
-                       free=(ws + hin + w_free, 0, 0))
+                       free=(ws + hin + land + w_free, 0, 0))
             stores = [att]
             if kd:  # append the new token's KV to the disk copy
                 nb_new = kv_bytes(kd, q)
@@ -577,7 +597,7 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
                 deps += buf_frees.get(kv_index[p] - kv_reuse, [])
             comp = add("compute", deps, phase, i, j, k, part=part, num_seqs=gbs, q_tokens=q, ctx_tokens=ctx,
                        frees_weights=decoder and last_k, alloc=(ws + hin + new_bufs, 0, 0),
-                       free=(ws + hin + w_free, 0, 0))
+                       free=(ws + hin + land + w_free, 0, 0))
             if decoder and (kc or kd):
                 # store the new tokens' KV of the host- and disk-homed heads (FlexGen: store_cache); each store is
                 # the last user of its group's work buffer
@@ -598,6 +618,8 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
                     disk_stores[dev].record(st, stores[-1])
                 kv_stored[(j, k)] = stores
         last_out[k] = comp
+        if land:
+            landings[dev].record(comp)  # (with CPU attention ``comp`` is attn_out: pre's residual is the copy)
         if last_k and u is not None:
             free_op[u] = comp
         # (the last layer of a stage sends its output to the next GPU from the GPU: nothing parked)

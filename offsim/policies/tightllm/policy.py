@@ -69,7 +69,7 @@ from offsim.policies.base import (Candidate, Policy, capacity_of, compression_of
 from offsim.policies.flexgen import FlexGenSettings, fit_gpu_weights
 from offsim.policies.lp import flexgen_candidates
 from offsim.core import footprint as fp
-from offsim.policies.schedule import DiskStoreBuffers, Schedule, resident_bytes
+from offsim.policies.schedule import DiskStoreBuffers, LandingBuffers, Schedule, resident_bytes
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,8 @@ def recompute_memory_cap(model: ModelSpec, wl: Workload, lay: Layout, free_gpu_b
     graphs_1 = fp.decode_graph_bytes(model, wl, 1)
 
     def need(n: int) -> int:
-        hin = fp.hidden_bytes(model, gbs, n + 1) if lay.hidden_home == "cpu" else 0
+        # (activations parked on the host: this op's landed input and the next batch's, loaded during it)
+        hin = fp.LANDING_BUFFERS * fp.hidden_bytes(model, gbs, n + 1) if lay.hidden_home == "cpu" else 0
         # (at most the longest graphed op's: a plan whose N_r varies by step may hold those graphs too; monotone)
         graphs = fp.decode_graph_bytes(model, wl, min(n + 1, GRAPH_MAX_Q_TOKENS)) - graphs_1
         return fp.op_peak_bytes(model, "layer", gbs, n + 1, ctx_tokens + 1, groups) + hin + bufs + graphs
@@ -409,6 +410,7 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
 
     last_out: dict[int, int] = {}
     hidden_store: dict[int, int] = {}
+    landings = LandingBuffers()
     if instances:  # the first layer's weights, all slices, before anything runs
         for s in range(lay.num_slices):
             issue_slice(0, s, "cpu")
@@ -423,11 +425,12 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
         #     (behind the next layer's weights it would serialise compute and transfer)
         u = inst_index.get((i, j)) if decoder else None
         deps = [last_out.get(k)]
-        hin = 0  # GPU bytes of the hidden copy loaded for this compute: counted while the compute runs
+        hin = 0  # GPU bytes of the hidden copy loaded for this compute: counted from its load to the compute's end
         if lay.hidden_home == "cpu" and k in hidden_store and j >= 0:
             hin = fp.hidden_bytes(model, gbs, q)
-            hl = add("h2d", [hidden_store.pop(k)], phase, i, j, k, tensor="hidden", lo=ctx - q, hi=ctx,
-                     nbytes=hin, pinned=pinned)
+            # (at most fp.LANDING_BUFFERS copies in flight, as offexec's landing pool: schedule.LandingBuffers)
+            hl = add("h2d", [hidden_store.pop(k)] + landings.load_deps(), phase, i, j, k, tensor="hidden",
+                     lo=ctx - q, hi=ctx, nbytes=hin, pinned=pinned, alloc=(hin, 0, 0))
             deps = [hl]
         # (2) prefetch the next position's KV prefix (FlexGen: load_cache(k+1)) and (3) the weight loader's slice k
         #     of the next streamed instance. On the h2d stream (in order, like a CUDA stream) what is already in host
@@ -463,7 +466,7 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
                 deps += releases[p - 2]
             unstored = sum(buf[g] for g in groups) if not new_store else 0
             comp = add("compute", deps, phase, i, j, k, part="layer", num_seqs=gbs, q_tokens=q, ctx_tokens=ctx,
-                       frees_weights=last_k and u is not None, alloc=(ws + hin + made, 0, 0),
+                       frees_weights=last_k and u is not None, alloc=(ws + made, 0, 0),
                        free=(ws + hin + w_free + unstored, 0, 0))
             if last_k and u is not None:
                 free_op[u] = comp
@@ -491,8 +494,10 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
         else:
             ws = fp.op_peak_bytes(model, part, gbs, q, ctx)
             comp = add("compute", deps, phase, i, j, k, part=part, num_seqs=gbs, q_tokens=q, ctx_tokens=ctx,
-                       alloc=(ws + hin, 0, 0), free=(ws + hin, 0, 0))
+                       alloc=(ws, 0, 0), free=(ws + hin, 0, 0))
         computes.append(comp)
+        if hin:
+            landings.record(comp)
         releases.append(rel if decoder else [comp])
         last_out[k] = comp
         # (6) park the hidden on the CPU between layers
