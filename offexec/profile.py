@@ -552,8 +552,8 @@ def profile_quant(device, spec, reps: int) -> dict:
     """FlexGen 4-bit dequantize rates as offexec runs them (``quant.dequantize_into`` for a weight,
     ``quant.unpack_vectors_into`` for KV; on CUDA the fused kernel, offexec/quant_triton.py): fp16 bytes written per
     second, for the model's largest matrix (fc1 / up: [ffn, d_model]) and a decode step's KV (16 sequences x 1024
-    positions x every KV head, K and V), and ``quant_bytes_per_s``, the slower of the two (``costmodel.quant_seconds``
-    prices every dequantize at one rate); and the KV store's quantize as offexec runs it (``quant.pack_vectors_into``
+    positions x every KV head, K and V): ``quant_weight_bytes_per_s`` and ``quant_bytes_per_s`` (the cache's, which
+    ``costmodel.quant_seconds`` also prices weights with where a profile lacks the weights' rate); and the KV store's quantize as offexec runs it (``quant.pack_vectors_into``
     of a prefill's new K and V -- 16 sequences x 512 tokens x every KV head -- into a slice of a packed buffer, as
     the executor's ``_attend_packed``; on CUDA the fused kernel): ``quant_store_bytes_per_s``, fp16 bytes quantized
     per second, which ``quant_seconds`` prices the store with (a quantize is not a dequantize: the H200's prefill
@@ -583,7 +583,7 @@ def profile_quant(device, spec, reps: int) -> dict:
                         dtype=torch.uint8, device=device)
     t_st = _median_time(lambda: [quant.pack_vectors_into(new[i], store[:, i]) for i in (0, 1)], device, reps)
     store_rate = new.numel() * 2 / t_st
-    return {"quant_bytes_per_s": float(min(weight_rate, kv_rate)), "quant_weight_bytes_per_s": float(weight_rate),
+    return {"quant_bytes_per_s": float(kv_rate), "quant_weight_bytes_per_s": float(weight_rate),
             "quant_kv_bytes_per_s": float(kv_rate), "quant_store_bytes_per_s": float(store_rate)}
 
 
@@ -683,6 +683,7 @@ def run_profile(model: str = "opt-30b", device: str = "cuda", quick: bool = Fals
          "duplex_fraction": float(link["duplex_fraction"]), "cpu_mem_bytes": host_memory_bytes(),
          "cpu_attention_flops": float(cpu_flops), "quant_bytes_per_s": qr["quant_bytes_per_s"],
          "quant_store_bytes_per_s": qr["quant_store_bytes_per_s"],
+         "quant_weight_bytes_per_s": qr["quant_weight_bytes_per_s"],
          "disk_bytes": int(shutil.disk_usage(disk_dir).free),
          **{k: float(v) for k, v in disk.items()}, "link_latency_s": 0.0,
          "source": f"offexec profile on {gpu_name} ({'quick' if quick else 'full'}), model shapes of {model}"}
@@ -730,9 +731,9 @@ def add_profile_parser(sub) -> None:
                    help="with --base: measure only the GPU-to-GPU link and whether the host feeds every GPU's link "
                         "at once (gpu_link_bytes_per_s, link_concurrent_fraction; needs two or more GPUs)")
     p.add_argument("--quant-only", action="store_true",
-                   help="with --base: measure only the 4-bit rates (quant_bytes_per_s: dequantize; "
-                        "quant_store_bytes_per_s: the KV store's quantize; at --model's shapes) and keep the rest of "
-                        "the base profile")
+                   help="with --base: measure only the 4-bit rates (quant_weight_bytes_per_s / quant_bytes_per_s: "
+                        "dequantize of weights / of the KV cache; quant_store_bytes_per_s: the KV store's quantize; "
+                        "at --model's shapes) and keep the rest of the base profile")
     p.add_argument("--op-batches", default="1,4,16,64", metavar="N,N,...",
                    help="sequences per GPU batch of the op-table runs (default: %(default)s)")
     p.set_defaults(func=cmd_profile)
@@ -825,7 +826,8 @@ def cmd_profile(args) -> dict:
 
         qr = profile_quant(require_device(args.device), get_model(args.model), 10)
         d = {**d, "quant_bytes_per_s": qr["quant_bytes_per_s"],
-             "quant_store_bytes_per_s": qr["quant_store_bytes_per_s"]}
+             "quant_store_bytes_per_s": qr["quant_store_bytes_per_s"],
+             "quant_weight_bytes_per_s": qr["quant_weight_bytes_per_s"]}
         HardwareSpec.from_dict(d)
         d["provenance"] = {**d.get("provenance", {}),
                            "quant_rates": provenance(model_shapes=args.model, device=args.device, **qr)}

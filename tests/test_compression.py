@@ -179,6 +179,27 @@ def test_kv_store_is_priced_at_the_profiled_store_rate():
     with pytest.raises(OffsimError, match="quant_store_bytes_per_s"):
         T4.with_(quant_store_bytes_per_s=-1.0)
 
+def test_weights_are_dequantized_at_the_profiled_weight_rate():
+    """A profile's ``quant_weight_bytes_per_s`` prices the weights' dequantize and nothing else (the cache's stays at
+    ``quant_bytes_per_s``); without it, weights are priced at ``quant_bytes_per_s`` exactly as before."""
+    m = get_model("opt-6.7b")
+    kv_tok = m.kv_bytes_per_token()
+    hw = T4.with_(quant_bytes_per_s=1e11)
+    assert hw.quant_weight_bytes_per_s == 0.0 and "quant_weight_bytes_per_s" not in hw.to_dict()
+    fast = hw.with_(quant_weight_bytes_per_s=3e11)
+    assert fast.to_dict()["quant_weight_bytes_per_s"] == 3e11
+    for part, seqs, q, ctx in (("layer", 8, 512, 512), ("attn_layer", 8, 1, 300), ("mlp", 4, 1, 40)):
+        w_bytes = cm.gemm_flops_per_token(m, part) / 2 * 2
+        kv = seqs * (ctx - q) * kv_tok + seqs * q * kv_tok if part != "mlp" else 0
+        assert cm.quant_seconds(m, hw, part, seqs, q, ctx, C4) == (w_bytes + kv) / 1e11
+        assert cm.quant_seconds(m, fast, part, seqs, q, ctx, C4) == pytest.approx(w_bytes / 3e11 + kv / 1e11)
+    cache_only = Compression(cache=True)
+    assert cm.quant_seconds(m, fast, "layer", 8, 512, 512, cache_only) == cm.quant_seconds(m, hw, "layer", 8, 512,
+                                                                                            512, cache_only)
+    with pytest.raises(OffsimError, match="quant_weight_bytes_per_s"):
+        T4.with_(quant_weight_bytes_per_s=-1.0)
+
+
 def test_compression_fits_what_fp16_does_not():
     m = get_model("opt-13b")
     wl = Workload(512, 8, 8, 1)

@@ -362,6 +362,14 @@ def quant_store_bytes_per_s(hw: HardwareSpec) -> float:
     return hw.quant_store_bytes_per_s or quant_bytes_per_s(hw)
 
 
+def quant_weight_bytes_per_s(hw: HardwareSpec) -> float:
+    """fp16 bytes per second dequantized from compressed weights: the profile's ``quant_weight_bytes_per_s`` where
+    measured (a weight is one large matrix per call; the H200 dequantizes it at 2.8x the rate of the cache's small
+    vectors, and pricing weights at the cache's rate overpriced a 4-bit decode MLP 2.6x), else
+    ``quant_bytes_per_s``."""
+    return hw.quant_weight_bytes_per_s or quant_bytes_per_s(hw)
+
+
 # parts that read a decoder layer's KV cache (attention) and that store new KV (the Q/K/V projections)
 _KV_READ_PARTS = ("layer", "attn_layer", "attn")
 _KV_STORE_PARTS = ("layer", "attn_layer", "pre_attn")
@@ -377,16 +385,16 @@ def quant_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_tok
                             op's queries, K and V whole (sparse attention too: the executor dequantizes the cached
                             positions before the scores exist); the q new (or recomputed, TightLLM) tokens' K and
                             V are fresh fp16 -- and quantize the new tokens' K and V on store
-        t = dequantized fp16 bytes / quant_bytes_per_s + stored fp16 bytes / quant_store_bytes_per_s
+        t = weight fp16 bytes / quant_weight_bytes_per_s + cache fp16 bytes / quant_bytes_per_s
+            + stored fp16 bytes / quant_store_bytes_per_s
 
-    (the store's rate is the dequantize's unless a profile measured it). 0 for the embedding and the head (kept fp16
-    on the GPU)."""
+    (the weights' and the store's rates are the cache dequantize's unless a profile measured them). 0 for the
+    embedding and the head (kept fp16 on the GPU)."""
     if part in ("embed", "head"):
         return 0.0
     fp16_bytes = 0.0
     store_bytes = 0.0
-    if comp.weight:
-        fp16_bytes += gemm_flops_per_token(model, part) / 2 * model.dtype_bytes
+    weight_bytes = gemm_flops_per_token(model, part) / 2 * model.dtype_bytes if comp.weight else 0.0
     if comp.cache:
         kv_tok = model.kv_bytes_per_token()
         if part in _KV_READ_PARTS:
@@ -394,9 +402,11 @@ def quant_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_tok
             fp16_bytes += num_seqs * cached * kv_tok
         if part in _KV_STORE_PARTS:
             store_bytes = num_seqs * q_tokens * kv_tok
-    if not hw.quant_store_bytes_per_s:  # not measured: one rate, one division -- bit for bit the prices from before
-        return (fp16_bytes + store_bytes) / quant_bytes_per_s(hw)
-    return fp16_bytes / quant_bytes_per_s(hw) + store_bytes / quant_store_bytes_per_s(hw)
+    if not hw.quant_store_bytes_per_s and not hw.quant_weight_bytes_per_s:
+        # not measured: one rate, one division -- bit for bit the prices from before
+        return (weight_bytes + fp16_bytes + store_bytes) / quant_bytes_per_s(hw)
+    return weight_bytes / quant_weight_bytes_per_s(hw) + fp16_bytes / quant_bytes_per_s(hw) \
+        + store_bytes / quant_store_bytes_per_s(hw)
 
 
 def _sustained(hw: HardwareSpec, t, tokens):

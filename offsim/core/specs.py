@@ -448,6 +448,11 @@ class HardwareSpec:
     # measures it). 0: not measured, then the store is priced at quant_bytes_per_s like every other pass (so profiles
     # without the key predict as before)
     quant_store_bytes_per_s: float = 0.0
+    # fp16 bytes per second the GPU dequantizes compressed *weights* into (one large matrix per call: the fused
+    # kernel runs near HBM speed, ~3x the KV cache's many small vectors on the H200; ``offexec profile`` measures
+    # both). 0: not measured, then weights are priced at quant_bytes_per_s like the cache (profiles without the key
+    # predict as before)
+    quant_weight_bytes_per_s: float = 0.0
     source: str = ""  # provenance: where the numbers come from
     # bytes/s of one GPU-to-GPU copy (pipeline parallelism: hidden states between stages; NVLink or PCIe peer).
     # 0: not measured, then the pinned host-to-device link's best rate (``costmodel.gpu_link_bytes_per_s``): a
@@ -465,7 +470,7 @@ class HardwareSpec:
             if not isinstance(v, (int, float)) or not v > 0:
                 raise OffsimError(f"hardware {self.name}: {f} must be a positive number, got {v!r}")
         for f in ("disk_cached_read_bytes_per_s", "disk_cached_write_bytes_per_s", "quant_bytes_per_s",
-                  "quant_store_bytes_per_s", "gpu_link_bytes_per_s"):
+                  "quant_store_bytes_per_s", "quant_weight_bytes_per_s", "gpu_link_bytes_per_s"):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or not v >= 0:
                 raise OffsimError(f"hardware {self.name}: {f} must be a non-negative number (0: not measured), "
@@ -513,7 +518,7 @@ class HardwareSpec:
         d = {"schema": HARDWARE_SCHEMA}
         for f in fields(self):
             v = getattr(self, f.name)
-            if (f.name in ("gpu_link_bytes_per_s", "quant_store_bytes_per_s") and not v) \
+            if (f.name in ("gpu_link_bytes_per_s", "quant_store_bytes_per_s", "quant_weight_bytes_per_s") and not v) \
                     or (f.name == "link_concurrent_fraction" and v == 1.0):
                 continue  # (not measured: left out, so profiles written before the field read back the same)
             if f.name == "op_times":
