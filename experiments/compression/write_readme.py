@@ -39,8 +39,13 @@ def rows() -> pd.DataFrame:
                         "decode error": f"{r.err_decode_tok_s:+.1%}",
                         "total tok/s": r.measured_total_tok_s, "offsim total": r.predicted_total_tok_s,
                         "total error": f"{r.err_total_tok_s:+.1%}", "commit": meta.get("commit"),
-                        "date": str(meta.get("date", ""))[:10]})
-    return pd.DataFrame(out)
+                        "date": str(meta.get("date", ""))[:10], "when": str(meta.get("date", ""))})
+    if not out:
+        return pd.DataFrame(out)
+    df = pd.DataFrame(out)
+    first = df.groupby("run")["when"].min()  # run folders oldest first, each folder's rows together
+    return df.assign(order=df["run"].map(first)).sort_values(["order", "policy", "prompt/gen"], kind="stable") \
+        .drop(columns=["order", "when"]).reset_index(drop=True)
 
 
 def _markdown(df: pd.DataFrame) -> str:
@@ -82,13 +87,10 @@ def _findings(df: pd.DataFrame, four: pd.DataFrame, best4) -> tuple[str, str, st
     return targets, quant_rates, dec_range, prefill, store
 
 
-def _slow_activation_copies(four: pd.DataFrame) -> str:
-    """A sentence on the latest 4-bit run's prefill activation copies (the host-to-GPU copies of the most common
-    size in its flexgen 512-token trace): how many ran at under half the link's pinned rate, and their median time
-    beside the others'."""
-    if not len(four):
-        return ""
-    run = four.sort_values("date").iloc[-1]["run"]
+def _slow_activation_copies(run: str) -> str:
+    """A sentence on a 4-bit run folder's prefill activation copies (the host-to-GPU copies of the most common size
+    in its flexgen 512-token trace): how many ran at under half the link's pinned rate, and their median time beside
+    the others'."""
     trace = ROOT / run / "trace_flexgen_4bit_p512_g32.csv.gz"
     if not trace.exists():
         return ""
@@ -100,10 +102,13 @@ def _slow_activation_copies(four: pd.DataFrame) -> str:
     link = prof["h2d_pinned"][-1][1]  # bytes/s at the largest measured size
     slow = c[size / c["dt"] < link / 2]
     fast = c.drop(slow.index)
-    return (f"In `{run}`'s flexgen 512/32 trace, {len(slow)} of the prefill's {len(c)} host-to-GPU copies of "
+    head = (f"In `{run}`'s flexgen 512/32 trace, {len(slow)} of the prefill's {len(c)} host-to-GPU copies of "
             f"{size / 1e6:.0f} MB (a GPU batch's activations) ran at under half the link's pinned rate "
-            f"({link / 1e9:.1f} GB/s): median {slow['dt'].median() * 1e3:.0f} ms against "
-            f"{fast['dt'].median() * 1e3:.0f} ms for the others.")
+            f"({link / 1e9:.1f} GB/s)")
+    if not len(slow):
+        return f"{head}; their median {fast['dt'].median() * 1e3:.1f} ms."
+    return (f"{head}: median {slow['dt'].median() * 1e3:.0f} ms against {fast['dt'].median() * 1e3:.0f} ms for "
+            f"the others.")
 
 
 def main() -> int:
@@ -113,7 +118,9 @@ def main() -> int:
     four = df[df["compression"] == "4-bit"] if len(df) else df
     best4 = four["decode tok/s"].max() if len(four) else None
     targets, quant_rates, dec_range, prefill, store = _findings(df, four, best4)
-    slow = _slow_activation_copies(four)
+    slow = _slow_activation_copies("h200_4bit_a45e8a9")  # the run before the landing pool (commit 36999ef)
+    latest = four["run"].iloc[-1] if len(four) else ""
+    slow_after = _slow_activation_copies(latest) if latest and latest != "h200_4bit_a45e8a9" else ""
     prefill_lines = "\n".join(f"  - {x}." for x in prefill)
     text = f"""# FlexGen's 4-bit compression on the H200: OPT-30B at a 16 GiB GPU budget
 
@@ -142,7 +149,7 @@ run): `offsim validate DIR --hardware results/profiles/h200_offexec_v2.json --ou
   dequantize (about 10^5 small kernels per decode step) made the warm-up alone take 32 s.
 - `offexec/quant_triton.py` dequantizes each weight or KV load in one fused Triton launch (layout-aware: each
   group's 64 values stored as one contiguous run). `offexec profile --quant-only` measured it at
-  {quant_rates} (the profile's `quant_bytes_per_s` is the slower, KV); offsim's plans and predictions above use it.
+  {quant_rates} (the profile's `quant_weight_bytes_per_s` and `quant_bytes_per_s`); offsim's predictions above use them.
 - Decode with 4-bit weights and KV runs where offsim puts it (decode error {dec_range}). Prefill does not, run by
   run:
 {prefill_lines}
@@ -150,12 +157,17 @@ run): `offsim validate DIR --hardware results/profiles/h200_offexec_v2.json --ou
   temporaries per element) while offsim priced the fused rate. Since commit a45e8a9 a fused Triton quantize
   (`offexec/quant_triton.py`, `quantize_rows`) stores them; `offexec profile --quant-only` measured it at
   {store} (the profile's `quant_store_bytes_per_s`), and the prefill more than doubled.
-- What is left of the prefill miss is not the 4-bit kernels. {slow} The likely cause (not yet
-  profiled op by op): the caching allocator still retries hundreds of times per run, and a retry frees cached
-  blocks after a device-wide synchronisation; where it happens inside `.to(device)` of the activation copy, the
-  trace counts the wait as copy time. Activations loaded back from the host come from the caching allocator's H2D-stream blocks,
-  which compute cannot reuse; pooling them in the plan's arena needs the schedule to bound how many are loaded
-  ahead (offsim loads a layer's every batch ahead of its compute today) -- the next step (issue 14).
+- What was left of the prefill miss at a45e8a9 was not the 4-bit kernels. {slow} Activations loaded back
+  from the host landed in the caching allocator's H2D-stream blocks, which compute cannot reuse: at the cap each
+  miss was a retry (a device-wide synchronisation), 192 of them inside the activation copies of one flexgen 512/32
+  run (`offexec run --host-profile`, `results/offexec/host_issue_h200/`). Since commit 36999ef they land in a pool
+  of two arena buffers, and the schedule bounds the copies in flight to match (a load waits for the compute that
+  consumed the load two back; offsim counts each copy from its load): the activation copies' retries went to 0 and
+  prefill rose by a quarter (the run folders' lines above). {slow_after} The remaining retries come from the prefill's MLP
+  (a 64 x 512-token batch's fc1 output is 1.9 GB) -- not addressed yet.
+- Since commit 5c0b98a offsim prices the weights' dequantize at its own measured rate (`quant_weight_bytes_per_s`):
+  at the cache's rate a 4-bit decode MLP was priced at 2.6x its measured time, which hid behind the link until the
+  landing bound put compute on the critical path.
 - FlexGen's own 4-bit mode (`flexgen-4bit-ref`) did not finish within 240 s on this machine at its planned
   setting (`results/real_throughput/`); the 2x-FlexGen-4-bit target still needs its number.
 """
