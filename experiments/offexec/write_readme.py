@@ -1,0 +1,126 @@
+"""README of an ``experiments.offexec.h200`` results folder: one table per workload sub-folder (its
+``offexec_h200.json``), and issue 14's targets checked against them. Every figure comes from those files.
+
+    python -m experiments.offexec.write_readme results/offexec/h200_265e402
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from experiments.common import provenance
+
+GiB = 2 ** 30
+ISSUE_FRAC_MAX = 0.05  # issue 14: host issue <= 5 % of the run
+TIGHTLLM_DECODE_MIN = 39.0  # issue 14: TightLLM >= 39 decode tok/s at OPT-30B 512/32, 16 x 3, 16 GiB
+LINK_BOUND_MIN = 0.98  # issue 14: FlexGen's placement >= 98 % of its link bound
+OFFSIM_ERR_MAX = 0.03  # issue 14: offsim within 3 % (decode and total)
+
+
+def _runs(folder: Path) -> list[tuple[str, dict, dict]]:
+    out = []
+    for f in sorted(folder.glob("*/offexec_h200.json")):
+        d = json.loads(f.read_text())
+        for r in d["runs"]:
+            if "failed" not in r:
+                out.append((f.parent.name, d, r))
+    return out
+
+
+def _table(runs) -> str:
+    head = ["config", "fit", "N_r", "prefill tok/s (offsim)", "decode tok/s (offsim)", "total tok/s (offsim)",
+            "decode error", "total error", "% of link bound", "host issue % of run", "GPU idle on the host",
+            "GPU peak GiB"]
+    rows = []
+    for _, d, r in runs:
+        m, p, e = r["measured"], r["predicted"], r["error"]
+        nr = r.get("recompute_tokens_min_max") or [0, 0]
+        rows.append([r["config"], "FIT" if r["config"] in d.get("fits", []) else "",
+                     f"{nr[0]}-{nr[1]}" if nr[1] else "0",
+                     f"{m['prefill_tok_s']:,.0f} ({p['prefill_tok_s']:,.0f})",
+                     f"**{m['decode_tok_s']:.2f}** ({p['decode_tok_s']:.2f})",
+                     f"{m['total_tok_s']:.2f} ({p['total_tok_s']:.2f})",
+                     f"{e['decode_tok_s']:+.1%}", f"{e['total_tok_s']:+.1%}",
+                     f"{r['decode_link_bound_frac']:.1%}", f"{r['issue_frac']:.1%}",
+                     f"{r['host_bound_idle_frac']:.2%}" if r.get("host_bound_idle_frac") is not None else "",
+                     f"{r['peak_gpu_reserved_bytes'] / GiB:.2f}"])
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+                     + ["| " + " | ".join(x) + " |" for x in rows])
+
+
+def _targets(runs) -> str:
+    lines = ["| target | run | measured | |", "| --- | --- | --- | --- |"]
+    ok = lambda b: "met" if b else "**missed**"  # noqa: E731
+    for sub, d, r in runs:
+        if r["config"] in d.get("fits", []):
+            continue  # a fit is no evidence for a target
+        name = f"{sub} {r['config']}"
+        lines.append(f"| host issue <= {ISSUE_FRAC_MAX:.0%} of the run | {name} | {r['issue_frac']:.1%} | "
+                     f"{ok(r['issue_frac'] <= ISSUE_FRAC_MAX)} |")
+        if r["policy"] == "tightllm" and sub == "p512_g32":
+            dec = r["measured"]["decode_tok_s"]
+            lines.append(f"| TightLLM >= {TIGHTLLM_DECODE_MIN:g} decode tok/s, planned from the profile alone | "
+                         f"{name} | {dec:.2f} | {ok(dec >= TIGHTLLM_DECODE_MIN)} |")
+        if r["config"] == "flexgen_gpu_attn":
+            f = r["decode_link_bound_frac"]
+            lines.append(f"| FlexGen's placement >= {LINK_BOUND_MIN:.0%} of its link bound | {name} | {f:.1%} | "
+                         f"{ok(f >= LINK_BOUND_MIN)} |")
+        e = max(abs(r["error"]["decode_tok_s"]), abs(r["error"]["total_tok_s"]))
+        lines.append(f"| offsim within {OFFSIM_ERR_MAX:.0%} (decode and total) | {name} | "
+                     f"{r['error']['decode_tok_s']:+.1%} / {r['error']['total_tok_s']:+.1%} | "
+                     f"{ok(e <= OFFSIM_ERR_MAX)} |")
+    return "\n".join(lines)
+
+
+def write(folder: Path) -> Path:
+    runs = _runs(folder)
+    if not runs:
+        raise SystemExit(f"no */offexec_h200.json runs under {folder}")
+    subs = sorted({s for s, _, _ in runs})
+    parts = []
+    for sub in subs:
+        rs = [x for x in runs if x[0] == sub]
+        d = rs[0][1]
+        wl, pv = d["workload"], d["provenance"]
+        link = d.get("link", {})
+        parts.append(
+            f"### `{sub}`: {d['model']}, prompt {wl['prompt_len']}, gen {wl['gen_len']}, "
+            f"{wl['gpu_batch_size']} x {wl['num_gpu_batches']}, {d['budget_gib']:g} GiB\n\n"
+            f"`{pv.get('command')}` -- commit {pv.get('commit')}, {pv.get('date', '')[:16]}Z, {pv.get('gpu')}, "
+            f"torch {pv.get('torch')}; planned and predicted on `{d['hardware']}`. Pinned copies measured in the "
+            f"same process: H2D {link.get('h2d_bytes_per_s', 0) / 1e9:.1f} GB/s, D2H "
+            f"{link.get('d2h_bytes_per_s', 0) / 1e9:.1f} GB/s, H2D beside D2H "
+            f"{link.get('duplex_h2d_bytes_per_s', 0) / 1e9:.1f} GB/s.\n\n{_table(rs)}\n")
+    prov = provenance()
+    text = f"""# offexec on the H200, planned from the profile alone
+
+Generated by `python -m experiments.offexec.write_readme {folder}` (commit {prov['commit']}, {prov['date'][:10]})
+from the `offexec_h200.json` files below; do not edit by hand. Each sub-folder also holds the measured traces
+(`trace_<config>.csv.gz`, offsim's trace schema), offsim validation cases made from them (`case_<config>.json`) and
+the run's log. Configurations (`experiments/offexec/h200.py`): `flexgen_gpu_attn` FlexGen's schedule with attention
+on the GPU; `tightllm` TightLLM planned by offsim on the profile (KV distributor `exact`); `flexgen_cpu_attn`
+FlexGen's CPU delegation. "GPU idle on the host" is the time GPU compute waited for the host to issue its next op
+(issue time that overlapped GPU work is not counted); "host issue" is all the issuing thread's time in op handlers.
+A run marked FIT was planned on its own measurements and is no evidence for a target.
+
+{chr(10).join(parts)}
+## Issue 14's targets
+
+{_targets(runs)}
+"""
+    out = folder / "README.md"
+    out.write_text(text)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("folder", type=Path)
+    a = ap.parse_args(argv)
+    print(f"wrote {write(a.folder)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
