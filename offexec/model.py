@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from offsim.core import footprint as fp
 from offsim.core.specs import ModelSpec
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -287,7 +288,10 @@ def attn_out(spec: ModelSpec, w: dict, x: torch.Tensor, o: torch.Tensor) -> torc
 
 
 def mlp(spec: ModelSpec, w: dict, x: torch.Tensor) -> torch.Tensor:
-    """The MLP sub-layer: x + FFN(norm(x)), [B, T, E] (OPT: fc1, ReLU, fc2; Llama: SwiGLU)."""
+    """The MLP sub-layer: x + FFN(norm(x)), [B, T, E] (OPT: fc1, ReLU, fc2; Llama: SwiGLU). Over more than
+    ``footprint.MLP_CHUNK_ROWS`` rows, in blocks of at most that many rows (``_blocked_mlp``)."""
+    if x.numel() // x.shape[-1] > fp.MLP_CHUNK_ROWS:
+        return _blocked_mlp(spec, w, x)
     if spec.family == "opt":
         h = _norm(spec, x, w["final_layer_norm.weight"], w["final_layer_norm.bias"])
         h = F.relu_(F.linear(h, w["fc1.weight"], w["fc1.bias"]))  # [B, T, F]
@@ -295,6 +299,32 @@ def mlp(spec: ModelSpec, w: dict, x: torch.Tensor) -> torch.Tensor:
     h = _norm(spec, x, w["post_attention_layernorm.weight"], None)
     g = F.silu(F.linear(h, w["gate_proj.weight"])).mul_(F.linear(h, w["up_proj.weight"]))  # [B, T, F] SwiGLU
     return x + F.linear(g, w["down_proj.weight"])
+
+
+def _blocked_mlp(spec: ModelSpec, w: dict, x: torch.Tensor) -> torch.Tensor:
+    """``mlp`` in equal blocks of at most ``footprint.MLP_CHUNK_ROWS`` rows (no short tail block, which would read
+    the weights again for a few rows): the FFN intermediate of one block lives at once instead of the whole
+    [B, T, F] (``footprint.layer_stage_bytes``); each row's arithmetic is unchanged."""
+    E = x.shape[-1]
+    xf = x.reshape(-1, E)
+    n = xf.shape[0]
+    rows = -(-n // -(-n // fp.MLP_CHUNK_ROWS))  # ceil(n / number of blocks)
+    if spec.family == "opt":
+        h = _norm(spec, xf, w["final_layer_norm.weight"], w["final_layer_norm.bias"])
+    else:
+        h = _norm(spec, xf, w["post_attention_layernorm.weight"], None)
+    out = torch.empty_like(x)  # (after the norm, whose own peak is counted alone)
+    of = out.view(-1, E)
+    for lo in range(0, n, rows):
+        hi = min(lo + rows, n)
+        if spec.family == "opt":
+            g = F.relu_(F.linear(h[lo:hi], w["fc1.weight"], w["fc1.bias"]))
+            torch.add(xf[lo:hi], F.linear(g, w["fc2.weight"], w["fc2.bias"]), out=of[lo:hi])
+        else:
+            g = F.silu(F.linear(h[lo:hi], w["gate_proj.weight"])).mul_(F.linear(h[lo:hi], w["up_proj.weight"]))
+            torch.add(xf[lo:hi], F.linear(g, w["down_proj.weight"]), out=of[lo:hi])
+        del g
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -93,3 +93,31 @@ def test_budget_respected_and_overflow_refused(setup):
     big = build_plan("flexgen", spec, hw, wl, {"percent": (100, 0, 100, 0, 100, 0)})
     with pytest.raises(ExecError, match="short by"):
         run_plan(big, w, "cuda", prompts, gpu_budget_bytes=1 * GiB)
+
+
+@pytest.mark.parametrize("model", ["opt-1.3b", "llama-2-7b"])
+def test_blocked_mlp_peak_within_the_footprint(model):
+    """A prefill-sized MLP (more rows than ``footprint.MLP_CHUNK_ROWS``) allocates at most what
+    ``layer_stage_bytes['mlp']`` counts beyond its input, and less than the whole-MLP count: the allocator's own peak
+    on the GPU, fp16 weights of the model's shapes."""
+    from offsim.core import footprint as fp
+
+    spec = get_model(model)
+    E, Fd = spec.d_model, spec.ffn_dim
+    names = (("final_layer_norm.weight", (E,)), ("final_layer_norm.bias", (E,)), ("fc1.weight", (Fd, E)),
+             ("fc1.bias", (Fd,)), ("fc2.weight", (E, Fd)), ("fc2.bias", (E,))) if spec.family == "opt" else \
+        (("post_attention_layernorm.weight", (E,)), ("gate_proj.weight", (Fd, E)), ("up_proj.weight", (Fd, E)),
+         ("down_proj.weight", (E, Fd)))
+    w = {n: torch.randn(s, dtype=torch.float16, device="cuda") * 0.02 for n, s in names}
+    B, T = 3, fp.MLP_CHUNK_ROWS // 2 + 7  # 1.5 blocks and a bit
+    x = torch.randn(B, T, E, dtype=torch.float16, device="cuda")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    y = M.mlp(spec, w, x)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    st = fp.layer_stage_bytes(spec, B, T, T)
+    assert y.shape == x.shape
+    assert peak <= st["mlp"], (peak, st["mlp"])
+    assert st["mlp"] < fp.ffn_bytes(spec, B, T) + 2 * fp.hidden_bytes(spec, B, T)

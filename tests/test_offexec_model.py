@@ -32,6 +32,27 @@ def test_reference_generate_matches_transformers(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_blocked_mlp_equals_whole_and_holds_what_the_footprint_says(family, monkeypatch):
+    """Above ``footprint.MLP_CHUNK_ROWS`` rows the MLP runs in blocks: the same values as the whole MLP, and the
+    footprint counts one block's intermediate instead of the whole (the allocator's measured peak against it is
+    the GPU memory test's: ``tests/test_offexec_gpu.py``)."""
+    from offsim.core import footprint as fp
+
+    hf, spec = tiny_hf(family, seed=2)
+    w = from_state_dict(spec, hf.state_dict())
+    views = M.layer_views(w.layout, [(0, w.layers[0])])
+    B, T = 3, 7  # 21 rows
+    x = torch.randn(B, T, spec.d_model, generator=torch.Generator().manual_seed(1))
+    whole = M.mlp(spec, views, x)
+    st_whole = fp.layer_stage_bytes(spec, B, T, T)
+    monkeypatch.setattr(fp, "MLP_CHUNK_ROWS", 4)  # 6 blocks of at most 4 rows (equal: 4 and 3)
+    blocked = M.mlp(spec, views, x)
+    assert torch.allclose(blocked, whole, atol=1e-5, rtol=1e-5)
+    st = fp.layer_stage_bytes(spec, B, T, T)
+    assert st["mlp"] < st_whole["mlp"] and st["post_attn"] - st["mlp"] == st_whole["post_attn"] - st_whole["mlp"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_recompute_block_over_loaded_prefix_equals_prefill(family):
     """TightLLM recompute: positions [b, S) run as a query block over KV [0, b) taken from the prefill give the
     prefill's outputs, and their recomputed K/V equal the K/V the prefill stored."""

@@ -407,6 +407,15 @@ def attn_out_bytes(model: ModelSpec, num_seqs: int, q_tokens: int) -> int:
     return q_bytes(model, num_seqs, q_tokens)
 
 
+# the most rows (sequences x tokens) of the MLP's intermediate at once: above this, offexec runs the MLP in equal
+# blocks of at most this many rows (``offexec.model.mlp``), so a prefill's FFN intermediate (OPT-30B, 64 x 512
+# tokens: 1.9 GB, a caching-allocator retry per op at a tight cap) stays a block's (0.47 GB). Each block reads the
+# MLP's weights again, which at 8,192 rows is a few per cent of its GEMMs at most; decode, graphed and most recompute
+# ops (a few thousand rows) never reach it. The footprint counts a block of the full size (an upper bound that grows
+# with the rows, as TightLLM's recompute cap needs)
+MLP_CHUNK_ROWS = 8192
+
+
 def ffn_bytes(model: ModelSpec, num_seqs: int, q_tokens: int) -> int:
     """One FFN intermediate [B, T, F]: B·T·F·e (SwiGLU holds two at once: see ``layer_stage_bytes``)."""
     return num_seqs * q_tokens * model.ffn_dim * model.dtype_bytes
@@ -476,7 +485,10 @@ def layer_stage_bytes(model: ModelSpec, num_seqs: int, q_tokens: int, ctx_tokens
       norm, hE + 2f, hE + f + 2·hE).
     - sub-layer ops: ``out_proj`` (the attention sub-layer's end, Q/K/V freed): o, the projection and x1 (o + 2·hE);
       ``mlp`` (the MLP sub-layer beyond its input x1): OPT 2·hE + f, Llama max(norm, hE + 2f, 3·hE + f) -- the
-      post_attn terms above without x1."""
+      post_attn terms above without x1.
+    - above ``MLP_CHUNK_ROWS`` rows the MLP runs in blocks of at most that many (f_b, h_b: a full block's FFN
+      intermediate and projection): h and the output (2·hE) stay, beside OPT f_b + h_b (fc1, then fc2 beside it), Llama 2·f_b
+      (gate, silu) or f_b + h_b (g, down)."""
     B, T, C = num_seqs, q_tokens, ctx_tokens
     n = B * T
     e = model.dtype_bytes
@@ -494,7 +506,11 @@ def layer_stage_bytes(model: ModelSpec, num_seqs: int, q_tokens: int, ctx_tokens
     if not attention_is_fused(model):
         expand = 2 * B * model.num_heads * C * model.head_dim * e if model.num_heads != model.num_kv_heads else 0
         attn += 2 * scores_bytes(model, B, T, C) + expand + o
-    mlp = 2 * hE + f if model.family == "opt" else max(norm, hE + 2 * f, 3 * hE + f)
+    if n > MLP_CHUNK_ROWS:  # blocked MLP: the norm h and the output beside one block's f_b and its projection h_b
+        fb, hb = ffn_bytes(model, MLP_CHUNK_ROWS, 1), hidden_bytes(model, MLP_CHUNK_ROWS, 1)
+        mlp = 2 * hE + fb + hb if model.family == "opt" else max(norm, 2 * hE + 2 * fb, 2 * hE + fb + hb)
+    else:
+        mlp = 2 * hE + f if model.family == "opt" else max(norm, hE + 2 * f, 3 * hE + f)
     post = qkv + o + hE + mlp  # + x1, the output projection's sum, which the MLP reads
     return {"pre_attn": pre, "attention": attn, "post_attn": post,
             # sub-layer ops (offexec ``_op_attn_layer`` frees Q, K, V before the output projection; ``_op_mlp``):
