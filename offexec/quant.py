@@ -155,6 +155,20 @@ def quantize_weight(w: torch.Tensor) -> Packed:
     return quantize(w, WEIGHT_GROUP_DIM)
 
 
+def quantize_weight_into(w: torch.Tensor, buf: torch.Tensor, device=None) -> None:
+    """``to_bytes(quantize_weight(w))`` written into the uint8 ``buf`` (``stored_nbytes`` of them), quantized on
+    ``device`` (default: ``w``'s) a block of whole input columns -- ``DEQUANT_CHUNK_ELEMS`` elements -- at a time:
+    the groups run along the output channel, so a column block is whole groups, its codes and scales a contiguous
+    slab of ``buf``'s data and scale sections, byte for byte the one-pass result. The fp32 temporaries stay within
+    the allocator's slack, where one pass over OPT-30B's fc1 would take gigabytes a run's cap does not hold."""
+    data, scale = _split_bytes(buf, tuple(w.shape), WEIGHT_GROUP_DIM)  # [in, G, 32], [in, G, 2]
+    cols = max(1, DEQUANT_CHUNK_ELEMS // max(w.shape[0], 1))
+    for c0 in range(0, w.shape[1], cols):
+        p = quantize_weight(w[:, c0:c0 + cols].to(device if device is not None else w.device))
+        data[c0:c0 + cols].copy_(p.data)
+        scale[c0:c0 + cols].copy_(p.scale)
+
+
 def quantize_kv(kv: torch.Tensor) -> Packed:
     """K or V with the head dimension last ([..., D], offexec's layouts), grouped along D."""
     return quantize(kv, -1)

@@ -99,9 +99,10 @@ class PackedLayers:
         for j in range(spec.num_layers):
             for t, off, n, packed in self.tensors:
                 x = w.layers[j, t.lo:t.hi].view(t.shape)
-                x = x.to(dev) if packed else x
-                self.layers[j, off:off + n].copy_(quant.to_bytes(quant.quantize_weight(x)) if packed
-                                                   else x.reshape(-1).view(torch.uint8))
+                if packed:  # in column blocks: a run may pack under its GPU cap (the executor's setup)
+                    quant.quantize_weight_into(x, self.layers[j, off:off + n], dev)
+                else:
+                    self.layers[j, off:off + n].copy_(x.reshape(-1).view(torch.uint8))
 
     def offset(self, lo_bytes: int) -> int:
         """First stored byte of fp16 byte ``lo_bytes`` of a layer (``footprint.stored_weight_offset_bytes``)."""

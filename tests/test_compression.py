@@ -109,6 +109,19 @@ def _run(model, st, wl, hw=T4):
     return plan, simulate(plan, hw).metrics()
 
 
+def test_weight_packed_in_column_blocks_equals_one_pass(monkeypatch):
+    """``quantize_weight_into`` (column blocks, bounded temporaries: how ``PackedLayers`` packs, possibly under a
+    run's GPU cap) writes byte for byte ``to_bytes(quantize_weight(w))``, with blocks that do not divide the columns
+    and a row count that is not a multiple of 64."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(300, 130, generator=g).half()
+    ref = quant.to_bytes(quant.quantize_weight(w))
+    monkeypatch.setattr(quant, "DEQUANT_CHUNK_ELEMS", 300 * 7)  # 7 columns a block: 19 blocks, the last of 4
+    buf = torch.full_like(ref, 0xAB)
+    quant.quantize_weight_into(w, buf)
+    assert torch.equal(buf, ref)
+
+
 def test_compressed_plans_move_the_packed_share_of_the_bytes():
     m = get_model("opt-30b")
     wl = Workload(512, 4, 32, 2)
