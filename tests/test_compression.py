@@ -167,15 +167,21 @@ def test_dequantize_passes_are_priced_from_the_profiled_rate():
 
 
 
+def _with_rate(field: str, rate: float):
+    """OPT-6.7B, its KV bytes per token, a profile with the cache's dequantize at 1e11 B/s and ``field`` not
+    measured (left out of its JSON), and the same profile with ``field`` at ``rate``."""
+    m = get_model("opt-6.7b")
+    hw = T4.with_(quant_bytes_per_s=1e11)
+    assert getattr(hw, field) == 0.0 and field not in hw.to_dict()
+    other = hw.with_(**{field: rate})
+    assert other.to_dict()[field] == rate
+    return m, m.kv_bytes_per_token(), hw, other
+
+
 def test_kv_store_is_priced_at_the_profiled_store_rate():
     """A profile's ``quant_store_bytes_per_s`` prices the new tokens' K/V quantize (the store) and nothing else; a
     profile without it prices the store at ``quant_bytes_per_s``, exactly as before the key existed."""
-    m = get_model("opt-6.7b")
-    kv_tok = m.kv_bytes_per_token()
-    hw = T4.with_(quant_bytes_per_s=1e11)
-    assert hw.quant_store_bytes_per_s == 0.0 and "quant_store_bytes_per_s" not in hw.to_dict()
-    slow = hw.with_(quant_store_bytes_per_s=1e10)
-    assert slow.to_dict()["quant_store_bytes_per_s"] == 1e10
+    m, kv_tok, hw, slow = _with_rate("quant_store_bytes_per_s", 1e10)
     for part, seqs, q, ctx in (("layer", 8, 512, 512), ("attn_layer", 8, 1, 300), ("pre_attn", 4, 3, 40)):
         before = cm.quant_seconds(m, hw, part, seqs, q, ctx, C4)
         w_bytes = cm.gemm_flops_per_token(m, part) / 2 * 2
@@ -192,15 +198,11 @@ def test_kv_store_is_priced_at_the_profiled_store_rate():
     with pytest.raises(OffsimError, match="quant_store_bytes_per_s"):
         T4.with_(quant_store_bytes_per_s=-1.0)
 
+
 def test_weights_are_dequantized_at_the_profiled_weight_rate():
     """A profile's ``quant_weight_bytes_per_s`` prices the weights' dequantize and nothing else (the cache's stays at
     ``quant_bytes_per_s``); without it, weights are priced at ``quant_bytes_per_s`` exactly as before."""
-    m = get_model("opt-6.7b")
-    kv_tok = m.kv_bytes_per_token()
-    hw = T4.with_(quant_bytes_per_s=1e11)
-    assert hw.quant_weight_bytes_per_s == 0.0 and "quant_weight_bytes_per_s" not in hw.to_dict()
-    fast = hw.with_(quant_weight_bytes_per_s=3e11)
-    assert fast.to_dict()["quant_weight_bytes_per_s"] == 3e11
+    m, kv_tok, hw, fast = _with_rate("quant_weight_bytes_per_s", 3e11)
     for part, seqs, q, ctx in (("layer", 8, 512, 512), ("attn_layer", 8, 1, 300), ("mlp", 4, 1, 40)):
         w_bytes = cm.gemm_flops_per_token(m, part) / 2 * 2
         kv = seqs * (ctx - q) * kv_tok + seqs * q * kv_tok if part != "mlp" else 0
