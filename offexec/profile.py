@@ -332,16 +332,18 @@ CPU_ATTN_CONTEXTS = (16, 128, 512, 2048)  # the probe's prompt lengths: short (f
 
 
 def profile_cpu_attention_ctx(spec, device: str = "cuda", batches=(1, 4, 16, 64), contexts=CPU_ATTN_CONTEXTS,
-                              gen_len: int = 4, progress: bool = True) -> list:
+                              gen_len: int = 12, progress: bool = True) -> list:
     """Op-table rows ('cpu', 'attn_ctx:B', [[context, s], ...]): a decode CPU-attention op (one new token per
     sequence, B sequences, every head of the model, through offexec's own CPU path) by its context, for each
     B in ``batches``. The time is measured, not split into a fixed cost and a FLOP rate: at long contexts the
     host's caches no longer hold a GPU batch's KV and its rate falls (the matrix v2 cases at 2048 ran ~1.3 x
     slower than the rate measured up to 512 predicted), and the fixed part depends on the heads. Two-layer
     flexgen plans of the model, the KV cache in host memory, as many GPU batches as keep even one sequence's cache
-    past the last-level cache (``profile_ops``' rule); each run once unmeasured; the median over the decode steps
-    after the first. ``costmodel.cpu_attention_seconds`` interpolates in B and the context where a profile has
-    these rows."""
+    past the last-level cache (``profile_ops``' rule); each plan after an unmeasured 2-token run of it; the median
+    over the decode steps after the first (``gen_len`` - 2 of them: with 64 sequences one GPU batch gives two ops a
+    step, and the 2 steps of gen 4 left a row point from 4 ops, too few on a host whose CPU attention varies by
+    10 % run to run: results/validation/calib_misses.md). ``costmodel.cpu_attention_seconds`` interpolates in B and
+    the context where a profile has these rows."""
     import dataclasses
 
     import torch
@@ -368,8 +370,10 @@ def profile_cpu_attention_ctx(spec, device: str = "cuda", batches=(1, 4, 16, 64)
         for c, b in it:
             settings = {"percent": [100, 0, 0, 100, 100, 0], "overlap": True, "pin_weights": True,
                         "sublayer": True, "cpu_attention": True}
-            plan = build_plan("flexgen", small, hw, Workload(c, gen_len, b, max(1, 16 // b)), settings)
-            run_plan(plan, weights, device, graphs="cuda" if cuda else "off", allocator_cap="budget")
+            wl = Workload(c, gen_len, b, max(1, 16 // b))
+            plan = build_plan("flexgen", small, hw, wl, settings)
+            warm = build_plan("flexgen", small, hw, wl.with_(gen_len=2), settings)
+            run_plan(warm, weights, device, graphs="cuda" if cuda else "off", allocator_cap="budget")
             res = run_plan(plan, weights, device, graphs="cuda" if cuda else "off", allocator_cap="budget")
             df = res.trace.df
             xs, ts = [], []
