@@ -157,16 +157,19 @@ def quantize_weight(w: torch.Tensor) -> Packed:
 
 def quantize_weight_into(w: torch.Tensor, buf: torch.Tensor, device=None) -> None:
     """``to_bytes(quantize_weight(w))`` written into the uint8 ``buf`` (``stored_nbytes`` of them), quantized on
-    ``device`` (default: ``w``'s) a block of whole input columns -- ``DEQUANT_CHUNK_ELEMS`` elements -- at a time:
-    the groups run along the output channel, so a column block is whole groups, its codes and scales a contiguous
-    slab of ``buf``'s data and scale sections, byte for byte the one-pass result. The fp32 temporaries stay within
-    the allocator's slack, where one pass over OPT-30B's fc1 would take gigabytes a run's cap does not hold."""
+    ``device`` (default: ``w``'s) a block of whole groups -- 64·k consecutive output rows, about
+    ``DEQUANT_CHUNK_ELEMS`` elements -- at a time: a row block is contiguous in ``w`` (one plain copy to the
+    device), its groups are whole (the last block pads as the one-pass form does), and its codes and scales are a
+    slice of ``buf``'s data and scale sections, so the bytes are the one-pass result's. The fp32 temporaries stay
+    within the allocator's slack, where one pass over OPT-30B's fc1 would take gigabytes a run's cap does not hold."""
     data, scale = _split_bytes(buf, tuple(w.shape), WEIGHT_GROUP_DIM)  # [in, G, 32], [in, G, 2]
-    cols = max(1, DEQUANT_CHUNK_ELEMS // max(w.shape[0], 1))
-    for c0 in range(0, w.shape[1], cols):
-        p = quantize_weight(w[:, c0:c0 + cols].to(device if device is not None else w.device))
-        data[c0:c0 + cols].copy_(p.data)
-        scale[c0:c0 + cols].copy_(p.scale)
+    g = QUANT_GROUP_SIZE
+    rows = max(g, DEQUANT_CHUNK_ELEMS // max(w.shape[1], 1) // g * g)
+    for r0 in range(0, w.shape[0], rows):
+        p = quantize_weight(w[r0:r0 + rows].to(device if device is not None else w.device))
+        g0 = r0 // g
+        data[:, g0:g0 + p.data.shape[1]].copy_(p.data)
+        scale[:, g0:g0 + p.scale.shape[1]].copy_(p.scale)
 
 
 def quantize_kv(kv: torch.Tensor) -> Packed:

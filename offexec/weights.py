@@ -99,7 +99,7 @@ class PackedLayers:
         for j in range(spec.num_layers):
             for t, off, n, packed in self.tensors:
                 x = w.layers[j, t.lo:t.hi].view(t.shape)
-                if packed:  # in column blocks: a run may pack under its GPU cap (the executor's setup)
+                if packed:  # in row blocks: a run may pack under its GPU cap (the executor's setup)
                     quant.quantize_weight_into(x, self.layers[j, off:off + n], dev)
                 else:
                     self.layers[j, off:off + n].copy_(x.reshape(-1).view(torch.uint8))

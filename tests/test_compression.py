@@ -110,13 +110,13 @@ def _run(model, st, wl, hw=T4):
 
 
 def test_weight_packed_in_column_blocks_equals_one_pass(monkeypatch):
-    """``quantize_weight_into`` (column blocks, bounded temporaries: how ``PackedLayers`` packs, possibly under a
-    run's GPU cap) writes byte for byte ``to_bytes(quantize_weight(w))``, with blocks that do not divide the columns
-    and a row count that is not a multiple of 64."""
+    """``quantize_weight_into`` (row blocks of whole groups, bounded temporaries: how ``PackedLayers`` packs,
+    possibly under a run's GPU cap) writes byte for byte ``to_bytes(quantize_weight(w))``, with a row count that is
+    not a multiple of 64 (the last block's last group padded) and blocks that do not divide the rows."""
     g = torch.Generator().manual_seed(3)
     w = torch.randn(300, 130, generator=g).half()
     ref = quant.to_bytes(quant.quantize_weight(w))
-    monkeypatch.setattr(quant, "DEQUANT_CHUNK_ELEMS", 300 * 7)  # 7 columns a block: 19 blocks, the last of 4
+    monkeypatch.setattr(quant, "DEQUANT_CHUNK_ELEMS", 130 * 128)  # 128 rows a block: 128, 128, 44
     buf = torch.full_like(ref, 0xAB)
     quant.quantize_weight_into(w, buf)
     assert torch.equal(buf, ref)
