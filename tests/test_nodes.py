@@ -162,7 +162,7 @@ def test_cli_search_and_simulate_over_nodes(capsys, tmp_path):
     assert "2 GPUs of t4 (1 per node)" in out and '"gpus_per_node": 1' in out
 
 
-def test_offexec_refuses_a_multi_node_plan_before_anything(tmp_path):
+def test_offexec_refuses_a_multi_node_plan_before_anything(tmp_path, capsys):
     from offexec.distributed import stage_plan
     from offexec.executor import run_plan
     from offexec.memory import ExecError
@@ -175,4 +175,6 @@ def test_offexec_refuses_a_multi_node_plan_before_anything(tmp_path):
     plan.save(tmp_path / "p.json")
     from offexec.cli import main as offexec_main
 
-    assert offexec_main(["run", "--plan", str(tmp_path / "p.json"), "--device", "cpu"]) != 0
+    assert offexec_main(["run", "--plan", str(tmp_path / "p.json"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "one host only" in err
