@@ -474,9 +474,9 @@ def cmd_compare(args) -> None:
         print(f"{pol}: gpu_batch_size {res.workload.gpu_batch_size} x {res.workload.num_gpu_batches}, "
               f"settings {res.settings}", flush=True)
     feasible = _rank(out, lambda o: -o["total_tok_s"])  # the objective (total tok/s, FlexGen's) decides
-    gpus = "" if args.num_gpus == 1 else f"{args.num_gpus} x " + (
-        f"(on {args.num_gpus // args.gpus_per_node} nodes) " if args.gpus_per_node else "")
-    print(f"\n{model.name} on {hw.name} ({gpus}{hw.gpu_mem_bytes / GiB:.1f} GiB GPU), prompt {args.prompt_len}, "
+    gpus = "" if args.num_gpus == 1 else f"{args.num_gpus} x "
+    nodes = f" on {args.num_gpus // args.gpus_per_node} nodes" if args.num_gpus > 1 and args.gpus_per_node else ""
+    print(f"\n{model.name} on {hw.name} ({gpus}{hw.gpu_mem_bytes / GiB:.1f} GiB GPU{nodes}), prompt {args.prompt_len}, "
           f"gen {args.gen_len}, each policy at its best simulated settings, best total tok/s first (*):")
     if feasible:
         print(_compare_table(out))
