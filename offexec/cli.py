@@ -132,6 +132,9 @@ def _build(args, hw):
     if args.plan:
         check_plan_conflicts(getattr(args, "given", set()))
         plan = Plan.load(args.plan).validate()
+        from .executor import check_one_host
+
+        check_one_host(plan)  # (before the weights or any buffer)
         model, dtype_name = plan.model, _dtype_of(args, plan.model.dtype_bytes)
         settings, policy = plan.settings, plan.policy
     else:

@@ -46,7 +46,7 @@ from offsim.core.plan import Op, Plan
 from offsim.core.trace import Trace
 from offsim.policies.schedule import stage_model
 
-from .executor import Executor, RunResult
+from .executor import Executor, RunResult, check_one_host
 from .memory import ExecError
 from .weights import ModelWeights
 
@@ -64,6 +64,7 @@ class StagePlan:
 
 def stage_plan(plan: Plan, rank: int) -> StagePlan:
     """The plan that rank ``rank`` runs (see the module docstring); ``ExecError`` for a rank the plan lacks."""
+    check_one_host(plan)
     if not plan.stages:
         raise ExecError("the plan has no pipeline stages: run it with `offexec run` (one process)")
     if not 0 <= rank < len(plan.stages):
@@ -149,6 +150,7 @@ def run_stage(plan: Plan, weights: ModelWeights, rank: int, device: str = "cpu",
     """Run rank ``rank``'s stage of ``plan`` (the process group must be initialised, one rank per stage). Returns
     (its stage plan, its RunResult); the times in its trace count from a barrier every rank passes after its setup,
     just before its first op (``StageComm.ready``)."""
+    check_one_host(plan)
     if dist.get_world_size() != len(plan.stages):
         raise ExecError(f"the plan has {len(plan.stages)} stages but {dist.get_world_size()} processes run it "
                         "(one per stage)")
@@ -262,6 +264,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         plan = Plan.load(args.plan).validate()
+        check_one_host(plan)  # (before the process group, the weights or any buffer)
         if not plan.stages:
             raise OffsimError(f"{args.plan} has no pipeline stages: run it with `offexec run --plan`")
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:

@@ -60,6 +60,14 @@ class RunResult:
     issue_s_by_op: np.ndarray | None = None
 
 
+def check_one_host(plan: Plan) -> None:
+    """offexec runs on one host (its ranks' clocks are compared, their GPUs share one host's memory): a plan over
+    several nodes (``Plan.nodes``, offsim's ``gpus_per_node``) is refused in one line, before anything is made."""
+    if plan.num_nodes > 1:
+        raise ExecError(f"the plan runs on {plan.num_nodes} nodes (gpus_per_node): offexec runs on one host only; "
+                        "simulate it with offsim, or build the plan without --gpus-per-node")
+
+
 def run_plan(plan: Plan, weights: ModelWeights, device: str = "cuda", prompts: torch.Tensor | None = None,
              seed: int = 0, gpu_budget_bytes: int | None = None, disk_dir: str | None = None,
              record_logits: bool = False, keep_kv: bool = False, meta: dict | None = None,
@@ -83,6 +91,7 @@ def run_plan(plan: Plan, weights: ModelWeights, device: str = "cuda", prompts: t
     retries (each a device-wide synchronisation) to the op handler that was issuing when they happened
     (``stats['allocator_retries_by_handler']``; reading the counters costs ~0.1 ms per op, so it is a diagnostic). A plan over several GPUs (``Plan.stages``) runs one process per
     GPU: ``offexec.distributed``."""
+    check_one_host(plan)
     if plan.stages:
         raise ExecError(f"the plan runs on {plan.num_devices} GPUs (pipeline stages): run it with one process per "
                         f"GPU, `torchrun --nproc-per-node {plan.num_devices} -m offexec.distributed --plan FILE` "

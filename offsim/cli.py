@@ -150,6 +150,12 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                         "in micro-batch groups through them (--set micro_batches=M; default N, at most "
                         "--num-gpu-batches) (the setting "
                         "num_stages)")
+    p.add_argument("--gpus-per-node", type=positive_int, default=None, metavar="G",
+                   help="flexgen with --num-gpus N: the N GPUs on N/G nodes of G GPUs each (G must divide N; "
+                        "FlexGen's 4 nodes x 1 GPU: --num-gpus 4 --gpus-per-node 1), each node a host with the "
+                        "hardware's host memory, disk, CPU and links; hidden states between nodes go GPU -> host -> "
+                        "network -> host -> GPU at the hardware's network_bytes_per_s (default: all GPUs on one "
+                        "host; the setting gpus_per_node)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any other policy setting, VALUE as JSON (e.g. --set offload=\"disk\", --set interval=4); "
                         "repeatable")
@@ -163,6 +169,11 @@ def add_search_gpus_arg(p: argparse.ArgumentParser) -> None:
                         "layers per stage (balanced, or the last stage with a few layers more or fewer), each stage "
                         "checked against its GPU (default: %(default)s; the other policies have no pipeline and are "
                         "refused with N > 1)")
+    p.add_argument("--gpus-per-node", type=positive_int, default=None, metavar="G",
+                   help="flexgen with --num-gpus N: the N GPUs on N/G nodes of G GPUs each (G must divide N; "
+                        "FlexGen's 4 nodes x 1 GPU: --num-gpus 4 --gpus-per-node 1), each node with the hardware's "
+                        "host memory, disk and CPU (checked per node), hidden states between nodes over the "
+                        "hardware's network_bytes_per_s (default: all N GPUs on one host)")
 
 
 def policy_settings(args) -> dict:
@@ -189,7 +200,9 @@ def policy_settings(args) -> dict:
         given["sparse_attention"] = args.sparse_attention
     if getattr(args, "num_gpus", None) is not None:
         given["num_stages"] = args.num_gpus
-    flag = {"num_stages": "--num-gpus", "percent": "--percent", "cpu_attention": "--cpu-attention", "overlap": "--no-overlap",
+    if getattr(args, "gpus_per_node", None) is not None:
+        given["gpus_per_node"] = args.gpus_per_node
+    flag = {"num_stages": "--num-gpus", "gpus_per_node": "--gpus-per-node", "percent": "--percent", "cpu_attention": "--cpu-attention", "overlap": "--no-overlap",
             "sublayer": "--whole-layers", "kv_distributor": "--no-kv-distributor", "weight_loader": "--no-weight-loader",
             "compress_weight": "--compress-weight", "compress_cache": "--compress-cache",
             "sparse_attention": "--sparse-attention"}
@@ -287,7 +300,9 @@ def search_command(args, policy: str, model_arg: str) -> str:
            f"--prompt-len {args.prompt_len} --gen-len {args.gen_len}")
     cmd += f" --gpu-mem-gb {args.gpu_mem_gb:g}" if args.gpu_mem_gb is not None else ""
     gpus = getattr(args, "num_gpus", None) or 1
-    return cmd + (f" --num-gpus {gpus}" if gpus > 1 else "")
+    per_node = getattr(args, "gpus_per_node", None)
+    return cmd + (f" --num-gpus {gpus}" if gpus > 1 else "") + (f" --gpus-per-node {per_node}"
+                                                                 if gpus > 1 and per_node else "")
 
 
 def build_fitting_plan(args, model, hw, wl: Workload, model_arg: str | None = None) -> Plan:
@@ -349,6 +364,12 @@ def cmd_simulate(args) -> None:
                         for d, st in enumerate(plan.stages))
         print(f"{plan.num_devices} GPUs (pipeline; GPU stream busy times are per-GPU means, p2p "
               f"{m['busy_p2p_s']:.2f} s): {per}")
+    if plan.nodes:  # several hosts: each node's GPUs and host peaks (its capacities are the hardware's)
+        per = "; ".join(f"node {n} GPUs {', '.join(str(d) for d in range(plan.num_devices) if plan.node_of_device(d) == n)}"
+                        f" host memory peak {m[f'peak_cpu{n}_bytes'] / GiB:.1f} GiB of {x['cpu_capacity'] / GiB:.1f}, "
+                        f"disk {m[f'peak_disk{n}_bytes'] / GiB:.1f} GiB of {x['disk_capacity'] / GiB:.1f}"
+                        for n, x in enumerate(plan.nodes))
+        print(f"{plan.num_nodes} nodes (cpu and disk busy times are per-node means): {per}")
     lat = latency_and_bottleneck(m)
     print(f"time to first token {lat['ttft_s']:.2f} s; decode {_ms(lat['decode_ms_per_token'])} per token; "
           f"bottleneck: {lat['bottleneck_stream']} busy {lat['bottleneck_busy_frac']:.0%} of the makespan")
@@ -365,8 +386,10 @@ def cmd_search(args) -> None:
     hw = get_hardware(args.hardware, args.gpu_mem_gb)
     model = get_model(args.model)
     res = search(args.policy, model, hw, args.prompt_len, args.gen_len, max_sims=args.max_sims,
-                 progress=args.progress, compression=compression_choices(args), num_gpus=args.num_gpus)
-    on = hw.name if args.num_gpus == 1 else f"{args.num_gpus} GPUs of {hw.name}"
+                 progress=args.progress, compression=compression_choices(args), num_gpus=args.num_gpus,
+                 gpus_per_node=args.gpus_per_node or 0)
+    on = hw.name if args.num_gpus == 1 else f"{args.num_gpus} GPUs of {hw.name}" + (
+        f" ({args.gpus_per_node} per node)" if args.gpus_per_node else "")
     print(f"best {args.policy} for {model.name} on {on}: gpu_batch_size {res.workload.gpu_batch_size}, "
           f"num_gpu_batches {res.workload.num_gpu_batches}, settings {res.settings}")
     print(_fmt_table([res.metrics]))
@@ -382,6 +405,8 @@ def cmd_search(args) -> None:
     out = summary(res.metrics, res.settings)
     if res.stages:
         out["num_gpus"], out["stages"] = args.num_gpus, [list(x) for x in res.stages]
+        if args.gpus_per_node:
+            out["gpus_per_node"] = args.gpus_per_node
     by_comp = res.best_by_compression()
     if len(compression_choices(args)) > 1:  # the user asked to compare: the best of each choice
         print("\nbest screened total tok/s by compression: " +
@@ -437,7 +462,8 @@ def cmd_compare(args) -> None:
     for pol in policies:
         try:
             res = search(pol, model, hw, args.prompt_len, args.gen_len, max_sims=args.max_sims,
-                         progress=args.progress, compression=compression_choices(args), num_gpus=args.num_gpus)
+                         progress=args.progress, compression=compression_choices(args), num_gpus=args.num_gpus,
+                         gpus_per_node=args.gpus_per_node or 0)
         except OffsimError as e:
             print(f"{pol}: infeasible: {_short_reason(pol, str(e))}", flush=True)
             out.append({"policy": pol, "error": str(e)})
@@ -449,7 +475,8 @@ def cmd_compare(args) -> None:
               f"settings {res.settings}", flush=True)
     feasible = _rank(out, lambda o: -o["total_tok_s"])  # the objective (total tok/s, FlexGen's) decides
     gpus = "" if args.num_gpus == 1 else f"{args.num_gpus} x "
-    print(f"\n{model.name} on {hw.name} ({gpus}{hw.gpu_mem_bytes / GiB:.1f} GiB GPU), prompt {args.prompt_len}, "
+    nodes = f" on {args.num_gpus // args.gpus_per_node} nodes" if args.num_gpus > 1 and args.gpus_per_node else ""
+    print(f"\n{model.name} on {hw.name} ({gpus}{hw.gpu_mem_bytes / GiB:.1f} GiB GPU{nodes}), prompt {args.prompt_len}, "
           f"gen {args.gen_len}, each policy at its best simulated settings, best total tok/s first (*):")
     if feasible:
         print(_compare_table(out))

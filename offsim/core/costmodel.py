@@ -107,6 +107,26 @@ def p2p_seconds(hw: HardwareSpec, nbytes) -> float:
     return hw.link_latency_s + nbytes / gpu_link_bytes_per_s(hw)
 
 
+def network_bytes_per_s(hw: HardwareSpec) -> float:
+    """Bytes/s between two hosts (``HardwareSpec.network_bytes_per_s``); a plan over several nodes needs it."""
+    if not hw.network_bytes_per_s > 0:
+        raise OffsimError(f"hardware {hw.name}: a pipeline over several nodes needs the network rate between hosts: "
+                          "set network_bytes_per_s (bytes/s) in the hardware profile")
+    return hw.network_bytes_per_s
+
+
+def network_p2p_seconds(hw: HardwareSpec, nbytes) -> float:
+    """Seconds of one copy between GPUs on different nodes (a multi-node pipeline's hidden states and token ids), as
+    FlexGen's ``--comm-device cpu`` moves it: GPU -> host memory (a pinned d2h over the sender's link), the network
+    between the hosts, host memory -> GPU (a pinned h2d over the receiver's link), one after another (each leg
+    waits for the whole tensor: store and forward). The network leg pays ``link_latency_s`` too (a per-message
+    cost; not measured for a network)."""
+    if _is_number(nbytes) and nbytes <= 0:
+        return 0.0
+    return (transfer_seconds(hw, nbytes, "d2h") + hw.link_latency_s + nbytes / network_bytes_per_s(hw)
+            + transfer_seconds(hw, nbytes, "h2d"))
+
+
 def disk_seconds(hw: HardwareSpec, nbytes, direction: str, cached: bool = False):
     """Seconds to read ('read': disk -> host) or write ('write': host -> disk) ``nbytes``: past the page cache
     (offexec's default O_DIRECT disk tier) at the disk's cold rates, or, for a plan whose disk tier is page-cached

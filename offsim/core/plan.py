@@ -28,7 +28,8 @@ stage. Every op then carries ``device`` (the stage's GPU; its GPU streams and GP
 hidden states (and the generated token ids, back to the first stage) move between GPUs by ``p2p`` ops on the
 sending device's ``p2p`` stream, ``peer`` naming the receiving device: ``tensor='hidden'`` (positions ``[lo, hi)``
 of batch ``batch``, received for layer ``layer``) or ``tensor='token'`` (the ids at positions ``[lo, hi)``, for
-the embedding). Host memory, the disk and the host CPU are one machine's, shared by all stages. A single-GPU plan
+the embedding). Host memory, the disk and the host CPU are one machine's, shared by all stages -- or, over several
+nodes (``Plan.nodes``), each node's, shared by its stages; a p2p op between nodes crosses the network. A single-GPU plan
 has no stages, every op on device 0, and serialises exactly as before (``device`` and ``peer`` are left out of
 its JSON and its fingerprint).
 """
@@ -287,6 +288,11 @@ class Plan:
     # 'gpu_resident' (that GPU's budget and the bytes it holds for the whole run; ``capacity['gpu']`` and
     # ``resident['gpu']`` are then the sums over the GPUs). Empty: one GPU, as every plan before stages
     stages: list[dict] = field(default_factory=list)
+    # a pipeline over several nodes (hosts; ``Schedule.gpus_per_node``): each stage's dict also names its 'node'
+    # (in order, from 0), and one dict per node gives its host memory and disk: 'cpu_capacity', 'cpu_resident',
+    # 'disk_capacity', 'disk_resident' (``capacity`` and ``resident``'s cpu and disk are then the sums over the
+    # nodes). Empty: every stage on one host, as every plan before nodes
+    nodes: list[dict] = field(default_factory=list)
     # device-side copies of its bytes that follow every weight copy to the GPU on the same stream, before the next
     # copy starts: DeepSpeed ZeRO-3 gathers each fetched parameter through a flat buffer (``torch.cat`` into the
     # partition, then ``torch.cat`` out of it in the gather handle's ``wait``: 2; ``offsim.policies.ref``). The
@@ -297,6 +303,15 @@ class Plan:
     def num_devices(self) -> int:
         """GPUs the plan runs on: one per stage (1 without stages)."""
         return max(1, len(self.stages))
+
+    @property
+    def num_nodes(self) -> int:
+        """Hosts the plan runs on (1: every stage on one host)."""
+        return max(1, len(self.nodes))
+
+    def node_of_device(self, device: int) -> int:
+        """The node (host) of GPU ``device``."""
+        return int(self.stages[device].get("node", 0)) if self.stages else 0
 
     def device_of_layer(self, layer: int) -> int:
         """The GPU that runs decoder layer ``layer`` (-1, the embedding: the first; num_layers, the head: the last)."""
@@ -353,6 +368,8 @@ class Plan:
                 r += [get("device", 0), get("peer", -1)]
             rows.append(r)
         extra = {"stages": [dict(st) for st in self.stages]} if multi else {}
+        if self.nodes:  # (only with several nodes: one-host plans read and hash as before)
+            extra["nodes"] = [dict(x) for x in self.nodes]
         if self.weight_gather_copies:  # (only when set, so plans from before the field read and hash the same)
             extra["weight_gather_copies"] = self.weight_gather_copies
         return {"schema": PLAN_SCHEMA, "model": self.model.to_dict(), "workload": self.workload.to_dict(),
@@ -390,7 +407,7 @@ class Plan:
                        disk_cached=d.get("disk_cached", False), cuda_graphs=d.get("cuda_graphs", True),
                        graph_max_q_tokens=d.get("graph_max_q_tokens", 1),
                        run_ahead=_run_ahead(d.get("run_ahead", list(RUN_AHEAD_OPS))),
-                       stages=[dict(st) for st in stages],
+                       stages=[dict(st) for st in stages], nodes=[dict(x) for x in d.get("nodes", [])],
                        weight_gather_copies=d.get("weight_gather_copies", 0))
         except KeyError as e:
             raise PlanError(f"{where}: missing field {e.args[0]!r}") from None
@@ -459,6 +476,12 @@ class Plan:
             self._validate_stages()
             guse = [int(st["gpu_resident"]) for st in self.stages]
             gcap = [int(st["gpu_capacity"]) for st in self.stages]
+        nodes = bool(self.nodes)
+        if nodes:  # host memory and disk per node: an op's count against its device's node's
+            self._validate_nodes()
+            node_of = [self.node_of_device(d) for d in range(ndev)]
+            nuse = [[int(x["cpu_resident"]), int(x["disk_resident"])] for x in self.nodes]
+            ncap = [[int(x["cpu_capacity"]), int(x["disk_capacity"])] for x in self.nodes]
         for t in TIERS:
             if self.resident.get(t, 0) > self.capacity.get(t, 0):
                 raise PlanError(f"plan: resident {t} bytes {self.resident[t]} exceed the {t} capacity "
@@ -489,6 +512,9 @@ class Plan:
                         raise PlanError(f"{self._describe(i)}: a p2p op moves 'hidden' or 'token', not "
                                         f"{get('tensor', '')!r}")
                 use[0], cap[0] = guse[dev], gcap[dev]  # this op's GPU is its device's
+                if nodes:
+                    nd = node_of[dev]
+                    (use[1], use[2]), (cap[1], cap[2]) = nuse[nd], ncap[nd]
             stream = get("stream")
             if stream is not None and stream != STREAM_OF_KIND[kind]:
                 raise PlanError(f"{self._describe(i)}: a {kind} op must be on stream "
@@ -572,7 +598,32 @@ class Plan:
                 use[2] -= free[2]
             if multi:
                 guse[dev] = use[0]
+                if nodes:
+                    nuse[nd] = [use[1], use[2]]
         return self
+
+    def _validate_nodes(self) -> None:
+        """Every stage names its node, in order from 0 with none empty; each node's residents within its host."""
+        N = len(self.nodes)
+        at = 0
+        for d, st in enumerate(self.stages):
+            n = st.get("node")
+            if isinstance(n, bool) or not isinstance(n, int) or n not in (at, at + 1) or (d == 0 and n != 0):
+                raise PlanError(f"plan: stage {d} has node {n!r}; the stages' nodes must run 0, 0, ..., 1, ... "
+                                "in order")
+            at = n
+        if at != N - 1:
+            raise PlanError(f"plan: the stages run on {at + 1} nodes but the plan lists {N}")
+        for n, x in enumerate(self.nodes):
+            try:
+                use = {t: (int(x[f"{t}_resident"]), int(x[f"{t}_capacity"])) for t in ("cpu", "disk")}
+            except (KeyError, TypeError, ValueError):
+                raise PlanError(f"plan: node {n} must have 'cpu_capacity', 'cpu_resident', 'disk_capacity' and "
+                                f"'disk_resident'; got {x!r}") from None
+            for t, (res, cap) in use.items():
+                if res > cap:
+                    raise PlanError(f"plan: node {n}'s resident {t} bytes {res} exceed its capacity {cap} by "
+                                    f"{res - cap} bytes")
 
     def _validate_stages(self) -> None:
         """The stages tile the decoder layers in order, each non-empty, with a GPU budget that holds its resident

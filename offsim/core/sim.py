@@ -15,7 +15,11 @@ first-order model of the shared link, not a fluid one.
 Several GPUs (a plan with ``Plan.stages``, pipeline parallelism): every device has its own compute, h2d, d2h and
 p2p streams, its own GPU memory (peaks reported per device: ``peak_bytes['gpu0']``, ... and their largest as
 ``'gpu'``) and its own issuing thread (offexec runs one process per GPU); the host CPU's stream and the disk are
-one each, shared by all devices, as are host memory and disk space. Only ``simulate`` runs such plans.
+one each, shared by all devices, as are host memory and disk space. Over several nodes (``Plan.nodes``: FlexGen's
+multi-node runs) each node has its own: a ``cpu`` and a ``disk`` stream shared by its devices, host memory and disk
+space (peaks per node: ``peak_bytes['cpu0']``, ``'disk0'``, ... and their largest as ``'cpu'``, ``'disk'``), and a
+p2p op between devices of different nodes is priced as the network transfer (``costmodel.network_p2p_seconds``).
+Only ``simulate`` runs such plans.
 
 Two engines, one model. ``simulate`` is a hand-written event loop over the plan's rows (``plan.op_rows``): a heap
 of (time, sequence number, what to resume) that takes events in exactly the order SimPy would -- by time, then
@@ -291,9 +295,10 @@ def simulate(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> Trace:
     # The cyclic garbage collector is paused while the loop runs: it makes no reference cycles, and with the
     # ~10^6 live objects of a large plan each of the collector's full passes costs ~50 ms, so a run of
     # OPT-175B's plan paid ~0.3 s for passes that free nothing.
-    if plan.num_devices > 1 and hw.link_concurrent_fraction < 1:
-        # every GPU of a pipeline streams over its link at the same time, and the host does not feed all links at
-        # full rate at once (``HardwareSpec.link_concurrent_fraction``, measured): each link at its measured share
+    if plan.num_devices // plan.num_nodes > 1 and hw.link_concurrent_fraction < 1:
+        # every GPU of a pipeline streams over its link at the same time, and a host does not feed all its links at
+        # full rate at once (``HardwareSpec.link_concurrent_fraction``, measured): each link at its measured share.
+        # Only among the GPUs of one host: with one GPU per node every link is its host's alone
         hw = hw.scaled_link(hw.link_concurrent_fraction)
     was_enabled = gc.isenabled()
     gc.disable()
@@ -335,16 +340,22 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
             sidx.append(kind_stream[r[0]] if not st else _STREAM_INDEX[st])
         sname = np.asarray(sidx, dtype=np.intp)
     # several GPUs: each op's device, and its resource -- stream s of device d is s + d * ns_local, except for the
-    # host's shared streams (one for all devices, at their own index)
+    # host's shared streams (one per node for all its devices, at the index of the node's first device: on one host
+    # their own index)
     ndev = plan.num_devices
     multi = ndev > 1
+    nodes = plan.num_nodes > 1  # several hosts: host memory, disk space and the host streams per node
     ns_local = len(ALL_STREAMS)
     stream_name_idx = sidx  # (what the trace's stream column shows)
-    odev = None
+    odev = onode = None
     if multi:
         odev = [r[6].get("device", 0) for r in rows]
+        node_of = [plan.node_of_device(d) for d in range(ndev)]
+        host_dev = [node_of.index(node_of[d]) for d in range(ndev)]  # each device's node's first device
         shared = _SHARED_INDEX
-        sidx = [s if s in shared else s + ns_local * d for s, d in zip(sidx, odev)]
+        sidx = [s + ns_local * (host_dev[d] if s in shared else d) for s, d in zip(sidx, odev)]
+        if nodes:
+            onode = [node_of[d] for d in odev]
     allocs = [None] * n
     frees = [None] * n
     dur0 = [0.0] * n
@@ -364,12 +375,15 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
         # what op_seconds reads: a compute op's shape, a copy's size and memory kind, a disk op's size
         if kind == "compute" or kind == "cpu_compute":
             key = (kind, get("part", ""), get("num_seqs", 0), get("q_tokens", 0), get("ctx_tokens", 0))
+        elif nodes and kind == "p2p" and onode[i] != node_of[get("peer", -1)]:
+            key = ("network", nb)  # a copy to a GPU of another node: over the network between the hosts
         else:
             key = (kind, nb, get("pinned", True), get("tensor", ""))
         d = cache.get(key)
         if d is None:
-            d = cache[key] = costmodel.op_seconds(op_at(i), model, hw, disk_cached=disk_cached,
-                                                  graph_q_tokens=plan.graph_q_tokens, comp=comp, gather_copies=gather)
+            d = cache[key] = costmodel.network_p2p_seconds(hw, nb) if key[0] == "network" else \
+                costmodel.op_seconds(op_at(i), model, hw, disk_cached=disk_cached,
+                                     graph_q_tokens=plan.graph_q_tokens, comp=comp, gather_copies=gather)
         dur0[i] = d
     # a copy that starts while the opposite direction is busy is priced for the overlap: ``op_seconds`` with that
     # overlap is ``duplex_seconds`` at the copy's full rate, looked up once per copy shape (the key of ``cache``)
@@ -480,10 +494,16 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
         gmem = [int(st["gpu_resident"]) for st in plan.stages]
         gpeak = list(gmem)
         gcap = [int(st["gpu_capacity"]) for st in plan.stages]
+    if nodes:  # host memory and disk space per node (mem_c, mem_d, their peaks and caps unused)
+        nmem = [[int(x["cpu_resident"]), int(x["disk_resident"])] for x in plan.nodes]
+        npeak = [list(m) for m in nmem]
+        ncap = [[int(x["cpu_capacity"]), int(x["disk_capacity"])] for x in plan.nodes]
 
     def overflow(i: int, now: float, t: int, m: int) -> OffsimError:
         cap = (gcap[odev[i]] if multi else cap_g, cap_c, cap_d)[t]
         what = f"GPU {odev[i]}'s gpu" if multi and t == 0 else TIERS[t]
+        if nodes and t:
+            cap, what = ncap[onode[i]][t - 1], f"node {onode[i]}'s {TIERS[t]}"
         return OffsimError(f"{op_at(i).describe()} at t={now:.4f}s: {what} memory reaches {m} bytes, over the "
                            f"capacity {cap} by {m - cap} bytes")
 
@@ -613,8 +633,13 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                         gmem[odev[i]] -= f[0]
                     else:
                         mem_g -= f[0]
-                    mem_c -= f[1]
-                    mem_d -= f[2]
+                    if nodes:
+                        nm = nmem[onode[i]]
+                        nm[0] -= f[1]
+                        nm[1] -= f[2]
+                    else:
+                        mem_c -= f[1]
+                        mem_d -= f[2]
                 w = waiting[i]
                 if w is not None:  # release its waiters
                     push(heap, (now, seq, w))
@@ -686,6 +711,18 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                             peak_g = mem_g
                             if check_memory and mem_g > cap_g:
                                 raise overflow(i, now, 0, mem_g)
+                if nodes:  # (a node's host memory and disk: its own)
+                    nd = onode[i]
+                    nm, npk = nmem[nd], npeak[nd]
+                    for t in (1, 2):
+                        x = a[t]
+                        if x:
+                            m = nm[t - 1] = nm[t - 1] + x
+                            if m > npk[t - 1]:
+                                npk[t - 1] = m
+                                if check_memory and m > ncap[nd][t - 1]:
+                                    raise overflow(i, now, t, m)
+                    a = _NONE
                 x = a[1]
                 if x:
                     mem_c += x
@@ -717,6 +754,8 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
         stuck = end.index(None)
         raise OffsimError(f"{op_at(stuck).describe()} never ran: it waits on an op that is behind it on its own "
                           "stream (deadlock in the plan)")
+    if nodes:
+        peak_c, peak_d = max(p[0] for p in npeak), max(p[1] for p in npeak)
     peak = (max(gpeak) if multi else peak_g, peak_c, peak_d)
     meta = {"model": model.name, "hardware": hw.name, "policy": plan.policy, "workload": plan.workload.to_dict(),
             "settings": plan.settings, "derived": plan.derived,
@@ -727,6 +766,10 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     if multi:
         meta["num_devices"] = ndev
         peak_bytes.update({f"gpu{d}": int(p) for d, p in enumerate(gpeak)})
+    if nodes:
+        meta["num_nodes"] = plan.num_nodes
+        for n, (pc, pd_) in enumerate(npeak):
+            peak_bytes[f"cpu{n}"], peak_bytes[f"disk{n}"] = int(pc), int(pd_)
     df = _trace_frame(rows, kidx, sname, nbytes, start, end)
     if multi:
         df["device"] = np.asarray(odev, dtype=np.int64)

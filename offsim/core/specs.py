@@ -462,6 +462,10 @@ class HardwareSpec:
     # (``offexec profile`` on a host with several GPUs); 1: independent links (or not measured). A pipeline's
     # stages stream their weights at the same time, so the simulator prices a multi-GPU plan's copies at this share
     link_concurrent_fraction: float = 1.0
+    # bytes/s between two hosts (a pipeline over several nodes, ``gpus_per_node``: hidden states cross it between
+    # stages on different nodes, GPU -> host -> network -> host -> GPU, ``costmodel.network_p2p_seconds``).
+    # 0: not given, then a plan over several nodes is refused
+    network_bytes_per_s: float = 0.0
 
     def __post_init__(self):
         for f in ("gpu_mem_bytes", "gpu_peak_flops", "gpu_hbm_bytes_per_s", "cpu_mem_bytes", "cpu_attention_flops",
@@ -470,7 +474,8 @@ class HardwareSpec:
             if not isinstance(v, (int, float)) or not v > 0:
                 raise OffsimError(f"hardware {self.name}: {f} must be a positive number, got {v!r}")
         for f in ("disk_cached_read_bytes_per_s", "disk_cached_write_bytes_per_s", "quant_bytes_per_s",
-                  "quant_store_bytes_per_s", "quant_weight_bytes_per_s", "gpu_link_bytes_per_s"):
+                  "quant_store_bytes_per_s", "quant_weight_bytes_per_s", "gpu_link_bytes_per_s",
+                  "network_bytes_per_s"):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or not v >= 0:
                 raise OffsimError(f"hardware {self.name}: {f} must be a non-negative number (0: not measured), "
@@ -518,7 +523,8 @@ class HardwareSpec:
         d = {"schema": HARDWARE_SCHEMA}
         for f in fields(self):
             v = getattr(self, f.name)
-            if (f.name in ("gpu_link_bytes_per_s", "quant_store_bytes_per_s", "quant_weight_bytes_per_s") and not v) \
+            if (f.name in ("gpu_link_bytes_per_s", "quant_store_bytes_per_s", "quant_weight_bytes_per_s",
+                           "network_bytes_per_s") and not v) \
                     or (f.name == "link_concurrent_fraction" and v == 1.0):
                 continue  # (not measured: left out, so profiles written before the field read back the same)
             if f.name == "op_times":

@@ -54,8 +54,9 @@ class Trace:
         # several GPUs (a trace with a 'device' column): a GPU stream's busy time is the mean over the devices (so
         # that idle fractions stay per GPU); the host's shared streams are one each
         ndev = int(df["device"].max()) + 1 if "device" in df and len(df) else 1
-        if ndev > 1:
-            busy = {s: b if s in SHARED_STREAMS else b / ndev for s, b in busy.items()}
+        if ndev > 1:  # (over several nodes, the host streams are one per node: per-node means)
+            nnodes = int(self.meta.get("num_nodes", 1))
+            busy = {s: b / nnodes if s in SHARED_STREAMS else b / ndev for s, b in busy.items()}
             busy["p2p"] = float(dur[stream == "p2p"].sum()) / ndev
         out = {
             "model": self.meta.get("model"), "hardware": self.meta.get("hardware"),
@@ -78,6 +79,11 @@ class Trace:
             out["busy_p2p_s"] = busy["p2p"]
             for d in range(ndev):
                 out[f"peak_gpu{d}_bytes"] = int(self.peak_bytes.get(f"gpu{d}", 0))
+            if nnodes > 1:  # (peak_cpu_bytes and peak_disk_bytes are then the largest node's)
+                out["num_nodes"] = nnodes
+                for n in range(nnodes):
+                    for t in ("cpu", "disk"):
+                        out[f"peak_{t}{n}_bytes"] = int(self.peak_bytes.get(f"{t}{n}", 0))
         return out
 
     def step_latency(self) -> pd.DataFrame:

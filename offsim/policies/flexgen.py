@@ -15,8 +15,9 @@ from offsim.core.specs import NO_COMPRESSION, Compression, HardwareSpec, ModelSp
 from offsim.policies.base import (Candidate, Policy, capacity_of, compression_of, kv_split_from_percent,
                                   weight_split_from_percent)
 from offsim.policies.lp import flexgen_candidates, flexgen_stage_candidates, stage_splits
-from offsim.policies.schedule import (Schedule, balanced_stages, build_block_plan, check_stages_fit, stage_tier_bytes,
-                                     stages_fit_gpus)
+from offsim.core.costmodel import network_bytes_per_s
+from offsim.policies.schedule import (Schedule, balanced_stages, build_block_plan, check_gpus_per_node, check_stages_fit,
+                                     node_host_bytes, stages_fit_gpus)
 
 
 @dataclass(frozen=True)
@@ -36,10 +37,14 @@ class FlexGenSettings:
     # pipeline parallelism (FlexGen's multi-GPU mode; docs/architecture.md §2.1): the layers split into
     # ``num_stages`` contiguous stages, one GPU each (every GPU with the hardware's GPU budget); ``stage_layers``:
     # layers per stage (default: balanced); ``micro_batches``: groups of GPU batches that flow through the stages
-    # (0: num_stages, at most num_gpu_batches). The percentages apply within every stage
+    # (0: num_stages, at most num_gpu_batches). The percentages apply within every stage. ``gpus_per_node``: the
+    # stages' hosts (FlexGen's multi-node runs, e.g. 4 nodes x 1 GPU: 1): stage s on node s // gpus_per_node, each
+    # node with the hardware's host memory, disk, CPU and links, hidden states between nodes over the network
+    # (``HardwareSpec.network_bytes_per_s``); 0: every stage on one host
     num_stages: int = 1
     stage_layers: tuple = ()
     micro_batches: int = 0
+    gpus_per_node: int = 0
 
     def __post_init__(self):
         p = tuple(self.percent)
@@ -57,13 +62,14 @@ class FlexGenSettings:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "num_stages" else 0):
                 raise OffsimError(f"{name} must be an integer >= {1 if name == 'num_stages' else 0}, got {v!r}")
+        check_gpus_per_node(self.num_stages, self.gpus_per_node)
         if self.stage_layers and len(self.stage_layers) != self.num_stages:
             raise OffsimError(f"stage_layers {list(self.stage_layers)} needs one layer count per stage "
                               f"(num_stages {self.num_stages})")
         compression_of(self)
 
 
-_STAGE_DEFAULTS = {"num_stages": 1, "stage_layers": (), "micro_batches": 0}
+_STAGE_DEFAULTS = {"num_stages": 1, "stage_layers": (), "micro_batches": 0, "gpus_per_node": 0}
 
 
 def flexgen_schedule(model: ModelSpec, st: FlexGenSettings, wl: Workload | None = None) -> Schedule:
@@ -86,7 +92,8 @@ def flexgen_schedule(model: ModelSpec, st: FlexGenSettings, wl: Workload | None 
     return Schedule(policy="flexgen", weight_split=(split,) * model.num_layers, kv_split=kv,
                     hidden_home="gpu" if ag >= ac else "cpu", prefetch=True, overlap=st.overlap,
                     cpu_attention=st.cpu_attention, pinned=st.pin_weights, sublayer=st.sublayer,
-                    compression=compression_of(st), settings=recorded, stages=stages, micro_batches=micro)
+                    compression=compression_of(st), settings=recorded, stages=stages, micro_batches=micro,
+                    gpus_per_node=st.gpus_per_node if st.num_stages > 1 else 0)
 
 
 def flexgen_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: FlexGenSettings) -> Plan:
@@ -95,8 +102,12 @@ def flexgen_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: FlexGenSe
 
 def check_flexgen_stages(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: FlexGenSettings,
                          what: str = "plan") -> None:
-    """Every stage of a pipeline on one GPU's budget, host memory and disk shared (``check_stages_fit``)."""
-    check_stages_fit(model, wl, flexgen_schedule(model, st, wl), capacity_of(hw), what)
+    """Every stage of a pipeline on one GPU's budget, each node's host memory and disk shared by its stages
+    (``check_stages_fit``); over several nodes, the network rate between them given (``costmodel``)."""
+    s = flexgen_schedule(model, st, wl)
+    if max(s.stage_nodes()) > 0:
+        network_bytes_per_s(hw)
+    check_stages_fit(model, wl, s, capacity_of(hw), what)
 
 
 def fit_gpu_weights(model: ModelSpec, hw: HardwareSpec, wl: Workload, percent: tuple, cpu_attention: bool,
@@ -124,14 +135,14 @@ def fit_gpu_weights(model: ModelSpec, hw: HardwareSpec, wl: Workload, percent: t
 
 def candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
                batch: int | None = None, compression: Compression = NO_COMPRESSION,
-               num_gpus: int = 1) -> Iterable[Candidate]:
+               num_gpus: int = 1, gpus_per_node: int = 0) -> Iterable[Candidate]:
     """FlexGen's LP optimum for every block shape (with ``batch`` sequences when given), with and without CPU
     attention, best LP time first, its GPU weight share trimmed to fit exactly (``fit_gpu_weights``); each also with
     the activations on the other tier (a near-tie in the LP, whose activation traffic is small, but not in a real
     schedule). ``compression``: the LP, the fit and every candidate run with it (its settings in each candidate).
-    ``num_gpus`` > 1: pipeline candidates (``stage_candidates``)."""
+    ``num_gpus`` > 1: pipeline candidates (``stage_candidates``; ``gpus_per_node``: over that many hosts)."""
     if num_gpus > 1:
-        yield from stage_candidates(model, hw, prompt_len, gen_len, num_gpus, batch, compression)
+        yield from stage_candidates(model, hw, prompt_len, gen_len, num_gpus, batch, compression, gpus_per_node)
         return
     extra = compression.settings() if compression.any else {}
     for r in flexgen_candidates(model, hw, prompt_len, gen_len, batch=batch, comp=compression):
@@ -144,10 +155,10 @@ def candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int
 
 def fit_stages(model: ModelSpec, hw: HardwareSpec, wl: Workload, percent: tuple, cpu_attention: bool, pipe: dict,
                comp: Compression = NO_COMPRESSION) -> tuple:
-    """``percent`` of a pipeline (``pipe``: its num_stages, stage_layers, micro_batches) made to fit by the exact
-    arithmetic of ``check_stages_fit``, where the LP's rounded optimum does not: the GPU share of the weights lowered
-    until every stage fits its GPU (``fit_gpu_weights``), then, while the stages' host bytes together exceed host
-    memory, host-homed weights, then host-homed KV, moved to disk one point at a time."""
+    """``percent`` of a pipeline (``pipe``: its num_stages, stage_layers, micro_batches, gpus_per_node) made to fit
+    by the exact arithmetic of ``check_stages_fit``, where the LP's rounded optimum does not: the GPU share of the
+    weights lowered until every stage fits its GPU (``fit_gpu_weights``), then, while a node's stages' host bytes
+    together exceed its host memory, host-homed weights, then host-homed KV, moved to disk one point at a time."""
     cap = capacity_of(hw)
 
     def schedule(p):
@@ -156,7 +167,7 @@ def fit_stages(model: ModelSpec, hw: HardwareSpec, wl: Workload, percent: tuple,
 
     p = fit_gpu_weights(model, hw, wl, percent, cpu_attention, comp=comp,
                         fits=lambda q: stages_fit_gpus(model, wl, schedule(q), cap["gpu"]))
-    while sum(sum(t["cpu"].values()) for t in stage_tier_bytes(model, wl, schedule(p))) > cap["cpu"]:
+    while max(node_host_bytes(model, wl, schedule(p), "cpu")) > cap["cpu"]:
         wg, wc, cg, cc = p[:4]
         if wc > 0:
             p = (wg, wc - 1, cg, cc) + p[4:]
@@ -168,7 +179,8 @@ def fit_stages(model: ModelSpec, hw: HardwareSpec, wl: Workload, percent: tuple,
 
 
 def stage_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int, num_stages: int,
-                     batch: int | None = None, compression: Compression = NO_COMPRESSION) -> Iterable[Candidate]:
+                     batch: int | None = None, compression: Compression = NO_COMPRESSION,
+                     gpus_per_node: int = 0) -> Iterable[Candidate]:
     """Pipeline candidates over ``num_stages`` GPUs, each with ``hw``'s GPU budget: the LP optimum of every block
     shape and stage split (``lp.flexgen_stage_candidates``: balanced, and the last stage's layers moved for the best
     block shapes), best LP time first, each with its layers per stage and micro-batch groups in its settings and its
@@ -176,9 +188,12 @@ def stage_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_le
     on the other tier. One candidate per block shape and CPU attention (the best of its micro-batch counts and
     splits), so that the few the search screens are different blocks; one on an unbalanced split is followed by
     the balanced one of the same block and micro-batches, so that the search screens both. Candidates that still do
-    not fit (``check_stages_fit``) come after all the others: they give the search its reasons when none fits."""
+    not fit (``check_stages_fit``) come after all the others: they give the search its reasons when none fits.
+    ``gpus_per_node`` (0: one host): the stages' nodes, each with ``hw``'s host memory and disk (the LP's and the
+    fit's host rows are per node), recorded in every candidate."""
     extra = compression.settings() if compression.any else {}
-    rs = flexgen_stage_candidates(model, hw, prompt_len, gen_len, num_stages, batch=batch, comp=compression)
+    rs = flexgen_stage_candidates(model, hw, prompt_len, gen_len, num_stages, batch=batch, comp=compression,
+                                  gpus_per_node=gpus_per_node)
     balanced, even = {}, stage_splits(model.num_layers, num_stages)[0]
     for r in rs:
         if r.stage_layers == even:
@@ -191,7 +206,8 @@ def stage_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_le
             return
         done.add(key)
         wl = Workload(prompt_len, gen_len, r.gpu_batch_size, r.num_gpu_batches)
-        pipe = {"num_stages": num_stages, "stage_layers": r.stage_layers, "micro_batches": r.micro_batches}
+        pipe = {"num_stages": num_stages, "stage_layers": r.stage_layers, "micro_batches": r.micro_batches,
+                **({"gpus_per_node": gpus_per_node} if gpus_per_node else {})}
         p = r.percent
         for q in (p, p[:4] + (p[5], p[4])):
             q = fit_stages(model, hw, wl, q, r.cpu_attention, pipe, compression)

@@ -246,7 +246,8 @@ def stage_splits(num_layers: int, num_stages: int, spread: int = 2) -> list[tupl
 
 def flexgen_stage_lp(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int, gbs: int, nb: int,
                      layers: tuple[int, ...], micro_batches: int | None = None, cpu_attention: bool = False,
-                     sublayer: bool = True, comp: Compression = NO_COMPRESSION) -> LPResult | None:
+                     sublayer: bool = True, comp: Compression = NO_COMPRESSION,
+                     gpus_per_node: int = 0) -> LPResult | None:
     """FlexGen's LP for a pipeline of ``len(layers)`` stages, one GPU each (``layers``: decoder layers per stage),
     the block's ``nb`` GPU batches in ``micro_batches`` groups (default min(S, nb), the plan's). The placement
     fractions apply within every stage, as the plan's percentages do.
@@ -260,9 +261,15 @@ def flexgen_stage_lp(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_le
     attention) count every stage's and group's layers, G · L per step, scaled into t_pre and t_gen so that the
     objective prices them at that. Memory (``footprint.tier_bytes`` of a stage's layers with the whole block's KV
     and activations): two GPU rows, the largest sending stage (with its sends in flight) and the last stage, each
-    at most one GPU's budget; host memory and disk summed over the stages (one host)."""
+    at most one GPU's budget; host memory and disk summed over the stages (one host).
+
+    ``gpus_per_node`` (0: one host): the stages on nodes of that many GPUs, each node a host of its own. The disk's
+    and the CPU's terms then count the layers of the node with the most (G · L_node per step), and the host memory
+    and disk rows are that node's stages' sums (a stage's host bytes grow with its layers, and every node holds as
+    many stages, so that node's are the largest). The network between nodes is left out (hidden states: small
+    beside a stage's weights)."""
     global _STAGE_LP
-    from offsim.policies.schedule import stage_model
+    from offsim.policies.schedule import node_sums, stage_model, stage_nodes
 
     if _STAGE_LP is None:
         _STAGE_LP = _ParamLP(mem_rows=4)
@@ -273,12 +280,16 @@ def flexgen_stage_lp(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_le
     terms = flexgen_terms(model, hw, prompt_len, gen_len, gbs, nb_g, x, cpu_attention, sublayer, comp)
     l_max, bls = max(layers), gbs * nb
     passes = {"pre": G + S - 1, "gen": max(G, S)}
-    for k, i_disk in (("pre", 2), ("gen", 2)):  # shared disk: G · L layers' traffic per step, not the longest stage's
-        terms[k][i_disk] = terms[k][i_disk] * (G * L / (passes[k] * l_max))
-    if cpu_attention:  # shared host CPU: its attention (in the compute row, as FlexGen's) for G · L layers too
+    nodes = stage_nodes(S, gpus_per_node)
+    node_layers = node_sums(list(layers), nodes)
+    host = node_layers.index(max(node_layers))  # the node with the most layers: its disk, CPU and host memory bind
+    L_host = node_layers[host]
+    for k, i_disk in (("pre", 2), ("gen", 2)):  # a node's disk: G · L_host layers' traffic per step, not one stage's
+        terms[k][i_disk] = terms[k][i_disk] * (G * L_host / (passes[k] * l_max))
+    if cpu_attention:  # a node's host CPU: its attention (in the compute row, as FlexGen's) for G · L_host layers too
         ctx_avg = prompt_len + gen_len / 2
         cpu = (x["cc"] + x["cd"]) * (nb_g * cm.cpu_attention_seconds(model, hw, gbs, 1, ctx_avg, comp))
-        terms["gen"][3] = terms["gen"][3] + cpu * (G * L / (passes["gen"] * l_max) - 1)
+        terms["gen"][3] = terms["gen"][3] + cpu * (G * L_host / (passes["gen"] * l_max) - 1)
     wl = Workload(prompt_len, gen_len, gbs, nb)
     peak = _op_peak(model, prompt_len, gen_len, gbs, cpu_attention, sublayer)
     tiers: dict[int, dict] = {}
@@ -290,8 +301,8 @@ def flexgen_stage_lp(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_le
     mem = [("gpu (sending stage)", tiers[sending]["gpu"] + (fp.p2p_send_bytes(model, wl) if S > 1 else 0),
             hw.gpu_mem_bytes),
            ("gpu (last stage)", tiers[layers[-1]]["gpu"], hw.gpu_mem_bytes),
-           ("cpu", sum(tiers[n]["cpu"] for n in layers), hw.cpu_mem_bytes),
-           ("disk", sum(tiers[n]["disk"] for n in layers), hw.disk_bytes)]
+           ("cpu", sum(tiers[n]["cpu"] for n, nd in zip(layers, nodes) if nd == host), hw.cpu_mem_bytes),
+           ("disk", sum(tiers[n]["disk"] for n, nd in zip(layers, nodes) if nd == host), hw.disk_bytes)]
     w = np.array([passes["pre"] * l_max / bls, passes["gen"] * l_max * (gen_len - 1) / bls])
     return _solve(_STAGE_LP, terms, mem, w, gbs, nb, cpu_attention, stage_layers=tuple(layers), micro_batches=G)
 
@@ -348,12 +359,13 @@ def flexgen_stage_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int
                              num_gpu_batches: Iterable[int] = NUM_GPU_BATCHES,
                              cpu_attention: Iterable[bool] = (False, True), batch: int | None = None,
                              sublayer: bool = True, comp: Compression = NO_COMPRESSION,
-                             refine: int = SPLIT_REFINE_TOP) -> list[LPResult]:
+                             refine: int = SPLIT_REFINE_TOP, gpus_per_node: int = 0) -> list[LPResult]:
     """``flexgen_candidates`` for a pipeline of ``num_stages`` GPUs (``flexgen_stage_lp``): the LP optimum of every
     block shape on the balanced split with FlexGen's min(S, nb) micro-batch groups (the stages overlap; each streams
     its weights once per group and step), then, for the ``refine`` best of them, on every split of
     ``stage_splits`` with those groups and with one group (the stages take turns; weights stream once per step: what
-    a shared disk that streams the weights favours); all of them, best (lowest seconds per token) first."""
+    a shared disk that streams the weights favours); all of them, best (lowest seconds per token) first.
+    ``gpus_per_node``: the stages' nodes (``flexgen_stage_lp``; 0: one host)."""
     splits = stage_splits(model.num_layers, num_stages)
     out = []
     for ca in cpu_attention:
@@ -363,7 +375,8 @@ def flexgen_stage_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int
         for gbs, nb in block_shapes(batch, gpu_batch_sizes, num_gpu_batches):
             if nb in too_big:
                 continue
-            r = flexgen_stage_lp(model, hw, prompt_len, gen_len, gbs, nb, splits[0], None, ca, sublayer, comp)
+            r = flexgen_stage_lp(model, hw, prompt_len, gen_len, gbs, nb, splits[0], None, ca, sublayer, comp,
+                                 gpus_per_node)
             if r is None:
                 too_big.add(nb)
                 continue
@@ -375,7 +388,7 @@ def flexgen_stage_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int
             for split in splits:
                 if (g, split) != (r.micro_batches, splits[0]):
                     r2 = flexgen_stage_lp(model, hw, prompt_len, gen_len, r.gpu_batch_size, r.num_gpu_batches,
-                                          split, g, r.cpu_attention, sublayer, comp)
+                                          split, g, r.cpu_attention, sublayer, comp, gpus_per_node)
                     if r2 is not None:
                         more.append(r2)
     return sorted(out + more, key=lambda r: r.seconds_per_token)

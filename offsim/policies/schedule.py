@@ -63,6 +63,9 @@ class Schedule:
     # after another (FlexGen's inner iterations), so that stage s works on group t while stage s+1 works on t-1
     stages: tuple[tuple[int, int], ...] = ()
     micro_batches: int = 1
+    # the pipeline's nodes (FlexGen's multi-node runs, e.g. 4 nodes x 1 GPU): stage d on node d // gpus_per_node,
+    # each node a host of its own (``hw``'s host memory, disk, CPU and links); 0: every stage on one host
+    gpus_per_node: int = 0
     # --- how a system's implementation executes the schedule (the ``*-ref`` policies; the defaults are the ideal
     # executor of the schedule, every earlier plan's). ``kv_pinned``: host-homed KV copies from pinned memory (None:
     # as ``pinned``; False: pageable, priced at the profile's pageable rates -- FlexGen allocates its CPU cache with
@@ -80,6 +83,10 @@ class Schedule:
     prefetch_from_step: int = 0
     weight_gather_copies: int = 0  # device copies after each weight copy (``Plan.weight_gather_copies``)
 
+    def stage_nodes(self) -> list[int]:
+        """The node of each stage (``stage_nodes``)."""
+        return stage_nodes(max(1, len(self.stages)), self.gpus_per_node)
+
     def placement(self) -> fp.Placement:
         """What this schedule puts where, for the footprint (``offsim.core.footprint``)."""
         return fp.Placement(weight_split=tuple(self.weight_split), kv_split=tuple(self.kv_split),
@@ -95,6 +102,29 @@ def resident_bytes(model: ModelSpec, wl: Workload, s: Schedule) -> dict[str, int
         per = [fp.resident_bytes(m, wl, pl) for m, pl in stage_placements(model, s)]
         return {t: sum(r[t] for r in per) for t in ("gpu", "cpu", "disk")}
     return fp.resident_bytes(model, wl, s.placement())
+
+
+def check_gpus_per_node(num_stages: int, gpus_per_node: int) -> None:
+    """A pipeline's node size: 0 (one host) or a positive divisor of ``num_stages`` (every node as many GPUs)."""
+    if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 0 \
+            or (gpus_per_node and num_stages % gpus_per_node):
+        valid = [g for g in range(1, num_stages + 1) if num_stages % g == 0]
+        raise OffsimError(f"gpus_per_node must divide the {num_stages} stages (GPUs) into equal nodes: one of "
+                          f"{valid} (or 0: all on one host), got {gpus_per_node!r}")
+
+
+def stage_nodes(num_stages: int, gpus_per_node: int) -> list[int]:
+    """The node of each of ``num_stages`` stages: stage d on node d // ``gpus_per_node`` (0: all on node 0)."""
+    check_gpus_per_node(num_stages, gpus_per_node)
+    return [d // gpus_per_node if gpus_per_node else 0 for d in range(num_stages)]
+
+
+def node_sums(values: list[int], nodes: list[int]) -> list[int]:
+    """Per node, the sum of its stages' ``values`` (``nodes``: each stage's node, from ``stage_nodes``)."""
+    out = [0] * (max(nodes) + 1)
+    for v, n in zip(values, nodes):
+        out[n] += v
+    return out
 
 
 def stage_model(model: ModelSpec, lo: int, hi: int) -> ModelSpec:
@@ -146,11 +176,19 @@ def stages_fit_gpus(model: ModelSpec, wl: Workload, s: Schedule, gpu_capacity: i
     return all(sum(t["gpu"].values()) <= gpu_capacity for t in stage_tier_bytes(model, wl, s))
 
 
+def node_host_bytes(model: ModelSpec, wl: Workload, s: Schedule, tier: str) -> list[int]:
+    """Per node of ``s``, the host bytes (``tier`` 'cpu' or 'disk') its stages hold together: each node's host
+    memory and disk are its own, shared by its stages."""
+    return node_sums([sum(t[tier].values()) for t in stage_tier_bytes(model, wl, s)], s.stage_nodes())
+
+
 def check_stages_fit(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict[str, int],
                      what: str = "plan") -> None:
-    """``footprint.check_fits`` for a pipeline: every stage's GPU against one GPU's budget, host memory and disk
-    against the sums over the stages (one host, shared). One line (``PlanError``) naming the first short stage."""
+    """``footprint.check_fits`` for a pipeline: every stage's GPU against one GPU's budget, each node's host
+    memory and disk against the sums over its stages (``capacity``'s are one host's; one node: every stage on one
+    host, shared). One line (``PlanError``) naming the first short stage or node."""
     per = stage_tier_bytes(model, wl, s)
+    nodes = s.stage_nodes()
     for d, t in enumerate(per):
         need, cap = sum(t["gpu"].values()), int(capacity.get("gpu", 0))
         if need > cap:
@@ -161,10 +199,17 @@ def check_stages_fit(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
                                f"{', '.join(f'{k} {fp.gib(v)}' for v, k in parts)}; capacity {fp.gib(cap)}); use "
                                "more stages, fewer or smaller GPU batches or place less on the GPU")
     for tier, name in (("cpu", "host memory"), ("disk", "disk")):
-        need, cap = sum(sum(t[tier].values()) for t in per), int(capacity.get(tier, 0))
-        if need > cap:
-            raise fp.PlanError(f"{what}: the {len(per)} stages do not fit: {name} (shared by all stages) short by "
-                               f"{fp.gib(need - cap)} (needs {fp.gib(need)}; capacity {fp.gib(cap)})")
+        cap = int(capacity.get(tier, 0))
+        for n, need in enumerate(node_sums([sum(t[tier].values()) for t in per], nodes)):
+            if need <= cap:
+                continue
+            if max(nodes) == 0:
+                raise fp.PlanError(f"{what}: the {len(per)} stages do not fit: {name} (shared by all stages) short "
+                                   f"by {fp.gib(need - cap)} (needs {fp.gib(need)}; capacity {fp.gib(cap)})")
+            ds = [d for d, x in enumerate(nodes) if x == n]
+            raise fp.PlanError(f"{what}: node {n} (stages {ds[0]}-{ds[-1]}) does not fit: its {name} (shared by its "
+                               f"stages) short by {fp.gib(need - cap)} (needs {fp.gib(need)}; capacity "
+                               f"{fp.gib(cap)})")
 
 
 class DiskStoreBuffers:
@@ -629,14 +674,23 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
                                   pinned=pinned)
     cap = dict(capacity)
     settings = dict(s.settings)
-    plan_stages = []
+    plan_stages, plan_nodes = [], []
     if multi:  # every GPU has the budget ``capacity['gpu']``; the plan's gpu capacity and residents are the sums
         per = [fp.resident_bytes(m, wl, pl) for m, pl in stage_placements(model, s)]
         plan_stages = [{"layers": [lo, hi], "gpu_capacity": int(capacity["gpu"]), "gpu_resident": int(r["gpu"])}
                        for (lo, hi), r in zip(stages, per)]
         cap["gpu"] = int(capacity["gpu"]) * S
+        nodes = s.stage_nodes()
+        N = max(nodes) + 1
+        if N > 1:  # several hosts: each node's host memory and disk are capacity's, their residents its stages'
+            for st, n in zip(plan_stages, nodes):
+                st["node"] = n
+            res = {t: node_sums([int(r[t]) for r in per], nodes) for t in ("cpu", "disk")}
+            plan_nodes = [{f"{t}_{k}": int(capacity[t]) if k == "capacity" else res[t][n]
+                           for t in ("cpu", "disk") for k in ("capacity", "resident")} for n in range(N)]
+            cap["cpu"], cap["disk"] = int(capacity["cpu"]) * N, int(capacity["disk"]) * N
     return Plan(model=model, workload=wl, policy=s.policy, settings=settings, capacity=cap,
                 resident=resident_bytes(model, wl, s), weight_split=[tuple(x) for x in s.weight_split],
                 kv_split=tuple(s.kv_split), hidden_home=s.hidden_home, ops=b.ops, derived=dict(s.derived),
-                stages=plan_stages, weight_gather_copies=s.weight_gather_copies)
+                stages=plan_stages, nodes=plan_nodes, weight_gather_copies=s.weight_gather_copies)
 

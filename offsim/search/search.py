@@ -12,12 +12,13 @@ from typing import Any
 import pandas as pd
 
 from offsim.core import footprint as fp
+from offsim.core.costmodel import network_bytes_per_s
 from offsim.core.errors import OffsimError
 from offsim.core.sim import simulate
 from offsim.core.specs import NO_COMPRESSION, Compression, HardwareSpec, ModelSpec, Workload
 from offsim.policies import build_plan, get_policy
 from offsim.policies.registry import check_plan_fits, same_placement
-from offsim.policies.schedule import balanced_stages
+from offsim.policies.schedule import balanced_stages, check_gpus_per_node
 
 
 @dataclass
@@ -63,7 +64,7 @@ def _try(fn, row: dict, reasons: list):
 def search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
            max_sims: int = 3, progress: bool = False, max_batch: int | None = None,
            compression: tuple[Compression, ...] = (NO_COMPRESSION,),
-           verify_decode_steps: int | None = None, num_gpus: int = 1) -> SearchResult:
+           verify_decode_steps: int | None = None, num_gpus: int = 1, gpus_per_node: int = 0) -> SearchResult:
     """The best settings and block shape of ``policy`` for this model, hardware and lengths, by simulated total
     throughput.
 
@@ -84,7 +85,9 @@ def search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen
     memory and disk shared -- the policy's pipeline candidates (FlexGen's: the LP per block shape and stage split,
     ``lp.flexgen_stage_lp``), each with its layers per stage and micro-batch groups in its settings, screened and
     verified by simulation as above; the result's ``stages`` are the chosen layers per GPU. 1: the single-GPU
-    search, exactly."""
+    search, exactly. ``gpus_per_node`` (0: all on one host): the GPUs on nodes of that many each (FlexGen's 4 x 1:
+    1), every node with ``hw``'s host memory, disk and CPU, hidden states between nodes over
+    ``hw.network_bytes_per_s``."""
     # The cyclic garbage collector is paused for the search (``build_plan`` and ``simulate`` pause it while they
     # run, but between them its young-generation passes would walk the ~10^6 objects of a large plan, which form no
     # cycles); what the search makes is freed by reference counting when it returns.
@@ -92,7 +95,7 @@ def search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen
     gc.disable()
     try:
         return _search(policy, model, hw, prompt_len, gen_len, max_sims, progress, max_batch, tuple(compression),
-                       verify_decode_steps, num_gpus)
+                       verify_decode_steps, num_gpus, gpus_per_node)
     finally:
         if was_enabled:
             gc.enable()
@@ -100,14 +103,15 @@ def search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen
 
 def _search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int, max_sims: int,
             progress: bool, max_batch: int | None, compression: tuple[Compression, ...],
-            verify_decode_steps: int | None = None, num_gpus: int = 1) -> SearchResult:
+            verify_decode_steps: int | None = None, num_gpus: int = 1, gpus_per_node: int = 0) -> SearchResult:
     pol = get_policy(policy)
     Workload(prompt_len, gen_len)  # validates the lengths
-    check_num_gpus(pol, model, num_gpus)
+    check_num_gpus(pol, model, num_gpus, gpus_per_node, hw)
     rows, reasons = [], []
     cands = []
     for comp in compression:
-        cands += _candidates(pol, model, hw, prompt_len, gen_len, max_sims, max_batch, comp, num_gpus)
+        cands += _candidates(pol, model, hw, prompt_len, gen_len, max_sims, max_batch, comp, num_gpus,
+                             gpus_per_node)
     short_gen = min(gen_len, SCREEN_DECODE_STEPS + 1)
     it = cands
     if progress:
@@ -147,7 +151,8 @@ def _search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, ge
             best = (row["settings"], wl, m)
             break
     if best is None:
-        raise OffsimError(infeasibility_reason(policy, model, hw, prompt_len, gen_len, reasons, num_gpus))
+        raise OffsimError(infeasibility_reason(policy, model, hw, prompt_len, gen_len, reasons, num_gpus,
+                                               gpus_per_node))
     df = pd.DataFrame([{k: v for k, v in r.items() if k != "_wl"} for r in rows])
     df = df.sort_values("screen_total_tok_s", ascending=False, na_position="last").reset_index(drop=True)
     stages = ()
@@ -156,11 +161,16 @@ def _search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, ge
     return SearchResult(policy, best[0], best[1], best[2], df, stages)
 
 
-def check_num_gpus(pol, model: ModelSpec, num_gpus: int) -> None:
+def check_num_gpus(pol, model: ModelSpec, num_gpus: int, gpus_per_node: int = 0,
+                   hw: HardwareSpec | None = None) -> None:
     """Refuse a GPU count the policy cannot use: below 1, above the model's layers (a stage needs one), or more
-    than one GPU for a policy without pipeline stages (those with: the policies with ``check_stages``)."""
+    than one GPU for a policy without pipeline stages (those with: the policies with ``check_stages``); a node size
+    that does not divide it, or several nodes on hardware without a network rate (``hw.network_bytes_per_s``)."""
     if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
         raise OffsimError(f"num_gpus must be a positive integer, got {num_gpus!r}")
+    check_gpus_per_node(num_gpus, gpus_per_node)
+    if gpus_per_node and num_gpus // gpus_per_node > 1 and hw is not None:
+        network_bytes_per_s(hw)
     if num_gpus > 1 and pol.check_stages is None:
         from offsim.policies import POLICIES
 
@@ -173,10 +183,12 @@ def check_num_gpus(pol, model: ModelSpec, num_gpus: int) -> None:
 
 
 def _candidates(pol, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int, max_sims: int,
-                max_batch: int | None, comp: Compression, num_gpus: int = 1) -> list:
+                max_batch: int | None, comp: Compression, num_gpus: int = 1, gpus_per_node: int = 0) -> list:
     """The candidates of one compression choice: a ranked policy's 2 · max_sims best, else all of them (with
     ``num_gpus`` > 1, the policy's pipeline candidates: ``check_num_gpus`` has checked that it has them)."""
     gpus = {"num_gpus": num_gpus} if num_gpus > 1 else {}
+    if num_gpus > 1 and gpus_per_node:
+        gpus["gpus_per_node"] = gpus_per_node
     if comp.any and not pol.compressible:
         from offsim.policies import POLICIES
 
@@ -215,7 +227,7 @@ def extrapolated_metrics(m: dict, wl: Workload) -> dict:
 
 
 def infeasibility_reason(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
-                         reasons: list[str], num_gpus: int = 1) -> str:
+                         reasons: list[str], num_gpus: int = 1, gpus_per_node: int = 0) -> str:
     """Which constraint binds when nothing fits: the smallest block (one sequence) against each tier. On the GPU the
     least any policy needs (``footprint.tier_bytes`` with every weight and all the KV off the GPU: embeddings, two
     weight slots, two KV work buffers, one sequence's activations and its largest op peak: the same on each GPU of
@@ -225,7 +237,8 @@ def infeasibility_reason(policy: str, model: ModelSpec, hw: HardwareSpec, prompt
     off = {"wg": 0, "wc": 1, "wd": 0, "cg": 0, "cc": 1, "cd": 0, "hg": 1, "hc": 0}
     need_gpu = int(sum(fp.tier_bytes(model, wl, off)["gpu"].values()))
     total = model.weight_bytes() + fp.kv_bytes(model, 1, wl.max_len, layers=model.num_layers)
-    have = num_gpus * hw.gpu_mem_bytes + hw.cpu_mem_bytes + hw.disk_bytes
+    hosts = num_gpus // gpus_per_node if gpus_per_node else 1
+    have = num_gpus * hw.gpu_mem_bytes + hosts * (hw.cpu_mem_bytes + hw.disk_bytes)
     if need_gpu > hw.gpu_mem_bytes:
         why = (f"GPU memory: even one sequence needs {need_gpu / GiB:.2f} GiB on the GPU (embeddings, two streamed "
                f"layers, KV work buffers, activations), has {hw.gpu_mem_bytes / GiB:.2f} GiB, short by "
@@ -236,5 +249,5 @@ def infeasibility_reason(policy: str, model: ModelSpec, hw: HardwareSpec, prompt
                f"GiB, short by {(total - have) / GiB:.2f} GiB")
     else:
         why = reasons[0] if reasons else "no candidate"
-    on = hw.name if num_gpus == 1 else f"{num_gpus} GPUs of {hw.name}"
+    on = hw.name if num_gpus == 1 else f"{num_gpus} GPUs of {hw.name}" + (f" on {hosts} nodes" if hosts > 1 else "")
     return f"no feasible {policy} setting for {model.name} on {on}: {why}"
