@@ -259,16 +259,17 @@ def predict_peer(r: dict) -> dict | None:
         return None
     if gbs is None or gbs != gbs:  # (NaN: a system without FlexGen's block -- one GPU batch of the run's batch)
         gbs, nb = r.get("batch"), 1
-    st = _json.loads(r["settings"]) if isinstance(r.get("settings"), str) else (r.get("settings") or {})
-    settings = {}
-    if pol == "flexgen-ref":
-        settings = {"percent": tuple(st["percent"]), "cpu_attention": bool(st.get("cpu_cache_compute")),
-                    "compress_weight": bool(st.get("compress_weight")), "compress_cache": bool(st.get("compress_cache"))}
     try:
+        st = _json.loads(r["settings"]) if isinstance(r.get("settings"), str) else (r.get("settings") or {})
+        settings = {}
+        if pol == "flexgen-ref":
+            settings = {"percent": tuple(st["percent"]), "cpu_attention": bool(st.get("cpu_cache_compute")),
+                        "compress_weight": bool(st.get("compress_weight")),
+                        "compress_cache": bool(st.get("compress_cache"))}
         hw = get_hardware(PEER_PROFILE, float(r["budget_gib"]))
         wl = Workload(int(r["prompt_len"]), int(r["gen_len"]), int(gbs), int(nb or 1))
         m = simulate(build_plan(pol, get_model(r["model"]), hw, wl, settings), hw).metrics()
-    except OffsimError:
+    except (OffsimError, KeyError, TypeError, ValueError):  # a record without the fields, or settings offsim refuses
         return None
     return {"policy": pol, "decode_tok_s": m["decode_tok_s"], "total_tok_s": m["total_tok_s"],
             "prefill_tok_s": m["prefill_tok_s"]}
