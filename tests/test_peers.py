@@ -400,3 +400,19 @@ def test_accelerate_ref_offloads_opt_1_3b_on_the_gpu():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_report_predicts_each_peer_run_with_its_ref_policy():
+    """The report's prediction of a peer run is that system's ``*-ref`` policy with the run's block and settings on
+    the H200 profile; offexec's own runs (which record their prediction) and failed runs get none."""
+    from experiments.real_throughput import predict_peer
+
+    base = {"model": "opt-1.3b", "prompt_len": 64, "gen_len": 4, "budget_gib": 4.0, "status": "ok"}
+    ds = predict_peer({**base, "system": "deepspeed-ref", "batch": 4, "gpu_batch_size": float("nan"),
+                       "num_gpu_batches": float("nan"), "settings": "{}"})
+    assert ds["policy"] == "static-zero-ref" and ds["decode_tok_s"] > 0
+    fg = predict_peer({**base, "system": "flexgen-ref", "batch": 8, "gpu_batch_size": 4, "num_gpu_batches": 2,
+                       "settings": '{"percent": [50, 50, 0, 100, 100, 0], "cpu_cache_compute": true}'})
+    assert fg["policy"] == "flexgen-ref" and fg["total_tok_s"] > 0
+    assert predict_peer({**base, "system": "offexec-flexgen", "batch": 8}) is None
+    assert predict_peer({**base, "system": "deepspeed-ref", "status": "timeout", "batch": 4}) is None
