@@ -380,11 +380,17 @@ def readme(df, b, prov: dict) -> str:
                          f"| {r['batch']} | {r['predicted_policy']} | {md:.2f} | {pd_:.2f} | {(pd_ - md) / md:+.1%} | "
                          f"{mt:.2f} | {pt:.2f} | {(pt - mt) / mt:+.1%} |")
         if (pred["predicted_policy"] == "flexgen-ref").any():
-            lines += ["", "Not modelled yet (flexgen-ref): FlexGen's CPU attention path. Its `mha_gen` on the CPU copies "
-                      "K and V through `permute(...).reshape(...)`, converts them and Q to fp32, and runs `bmm` and "
-                      "softmax in fp32. The profile's CPU attention rows time offexec's own fp16 path, so offsim prices "
-                      "FlexGen's attention at offexec's rate. The fix is to time FlexGen's sequence of ops on the "
-                      "host in `offexec profile` and price `flexgen-ref`'s CPU ops from those rows."]
+            import json as _json
+
+            has = any(str(r[2]).startswith("attn_ctx_flexgen:")
+                      for r in _json.loads(Path(PEER_PROFILE).read_text()).get("op_times", []))
+            lines += ["", "flexgen-ref's CPU attention is FlexGen's own path: its `mha_gen` on the CPU copies K and V "
+                      "through `permute(...).reshape(...)`, converts them and Q to fp32, and runs `bmm` and softmax in "
+                      "fp32. offsim prices those ops from the profile's ('cpu', 'attn_ctx_flexgen:B') rows "
+                      "(`offexec profile --ops M --cpu-attention-only` times FlexGen's sequence of ops on the host). "
+                      + ("The profile has them." if has else
+                         "This profile does not have them yet, so these predictions price FlexGen's attention at "
+                         "offexec's fp16 rate (its 'attn_ctx:B' rows), which is why flexgen-ref is over-predicted.")]
     bad = df[df["status"] != "ok"]
     if not bad.empty:
         lines += ["", "## Runs without a result", "", "| system | model | prompt | gen | budget | batch | status | reason |",

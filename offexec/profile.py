@@ -391,6 +391,54 @@ def profile_cpu_attention_ctx(spec, device: str = "cuda", batches=(1, 4, 16, 64)
     return [[key, "cpu", f"attn_ctx:{b}", sorted(pts)] for b, pts in sorted(curves.items())]
 
 
+def profile_cpu_attention_flexgen(spec, batches=(1, 4, 16, 64), contexts=CPU_ATTN_CONTEXTS, reps: int = 5) -> list:
+    """Op-table rows ('cpu', 'attn_ctx_flexgen:B', [[context, s], ...]): a decode CPU-attention op as FlexGen's own
+    code runs it (``flexgen==0.1.8``, ``pytorch_backend.py`` ``mha_gen`` with the cache on the CPU), timed on this
+    host's CPU by context for each batch size B -- what the ``flexgen-ref`` policy prices its CPU ops with
+    (``Plan.cpu_attention_impl``). FlexGen keeps the cache as [s, B·heads, D] fp16; per op it writes the new token's
+    K and V into it, copies the first ``context`` positions out through ``permute(...).reshape(...)`` (K to
+    [B·heads, D, s], V to [B·heads, s, D]), converts Q, K and V to fp32, and runs Q·K, the mask, softmax and the
+    product with V in fp32, the result cast back to fp16. This reproduces that sequence of tensor operations at the
+    model's shapes (every head; Llama's grouped K/V expanded as FlexGen's Llama port does); the median of ``reps``
+    after two unmeasured runs. No GPU is involved (the op's Q comes from the GPU and its result goes back, priced
+    apart as offexec's copies)."""
+    import torch
+
+    from offsim.core.specs import layer_key
+
+    H, D = spec.num_heads, spec.head_dim
+    dt = torch.float16 if spec.dtype_bytes == 2 else torch.float32
+    cpu = torch.device("cpu")
+    rows = []
+    for b in batches:
+        pts = []
+        for c in contexts:
+            if c + 1 > spec.max_positions:
+                continue
+            s_len = c + 1  # the new token's position included, as FlexGen's src_s
+            k_cache = torch.randn(s_len, b * H, D).to(dt)
+            v_cache = torch.randn(s_len, b * H, D).to(dt)
+            q = torch.randn(b * H, 1, D).to(dt)
+            k_new = torch.randn(1, b * H, D).to(dt)
+            v_new = torch.randn(1, b * H, D).to(dt)
+            mask = torch.ones(b, 1, 1, s_len, dtype=torch.bool)
+
+            def op():
+                k, v = k_cache[:s_len], v_cache[:s_len]
+                k[s_len - 1:s_len] = k_new
+                v[s_len - 1:s_len] = v_new
+                k = k.permute(1, 2, 0).reshape(b * H, D, s_len).float()
+                v = v.permute(1, 0, 2).reshape(b * H, s_len, D).float()
+                w = torch.bmm(q.float(), k).view(b, H, 1, s_len)
+                w = torch.where(mask, w, -1e4).view(b * H, 1, s_len).softmax(dim=2)
+                return torch.bmm(w, v).view(b, H, 1, D).to(dt)
+
+            pts.append([float(c), _median_time(op, cpu, reps)])
+        if pts:
+            rows.append([layer_key(spec), "cpu", f"attn_ctx_flexgen:{b}", sorted(pts)])
+    return rows
+
+
 def profile_graph_recompute(spec, device: str = "cuda", batches=(1, 4, 16, 64), q_tokens=(2, 4, 8),
                             gen_len: int = 8, progress: bool = True) -> list:
     """Op-table rows ('graph_tokens', part, [[rows, s], ...]) of TightLLM's decode ops that recompute N_r tokens
@@ -730,7 +778,8 @@ def add_profile_parser(sub) -> None:
     p.add_argument("--cpu-attention-only", action="store_true",
                    help="with --ops: measure only CPU attention by context (decode ops at contexts "
                         f"{', '.join(map(str, CPU_ATTN_CONTEXTS))}, each GPU batch size), which offsim prefers to "
-                        "its fixed cost + FLOP rate")
+                        "its fixed cost + FLOP rate: offexec's path ('attn_ctx:B' rows) and FlexGen's own fp32 path "
+                        "('attn_ctx_flexgen:B', what the flexgen-ref policy prices)")
     p.add_argument("--multi-gpu-only", action="store_true",
                    help="with --base: measure only the GPU-to-GPU link and whether the host feeds every GPU's link "
                         "at once (gpu_link_bytes_per_s, link_concurrent_fraction; needs two or more GPUs)")
@@ -758,6 +807,7 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
     for spec in specs:
         if cpu_attention_only:
             rows += profile_cpu_attention_ctx(spec, device, batches=batches)
+            rows += profile_cpu_attention_flexgen(spec, batches=batches)  # FlexGen's own path (flexgen-ref)
             continue
         if capture_only:
             rows += profile_ops(spec, device, batches=batches, capture_only=True)

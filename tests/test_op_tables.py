@@ -709,3 +709,53 @@ def test_profile_cpu_attention_by_context_on_the_cpu():
         assert all(t > 0 for _, t in r[3])
     hw = H200.with_(op_times=rows)
     assert C.cpu_attention_seconds(spec, hw, 4, 1, 20) == pytest.approx(C.table_seconds(rows[1][3], 20))
+
+
+def test_flexgen_ref_cpu_attention_priced_from_flexgens_own_rows():
+    """A ``flexgen-ref`` plan runs FlexGen's own CPU attention path (``Plan.cpu_attention_impl`` 'flexgen'): its
+    decode CPU ops are priced from the profile's ('cpu', 'attn_ctx_flexgen:B') rows where it has them, from offexec's
+    'attn_ctx:B' rows where it does not; a ``flexgen`` plan of the same settings always from offexec's. The field
+    round-trips through the plan JSON and leaves the fingerprints of plans without it as they were."""
+    from offsim import PlanError
+    from offsim.core.plan import Plan
+
+    m = get_model("opt-6.7b")
+    key = layer_key(m)
+    ours = [[key, "cpu", "attn_ctx:16", [[16.0, 0.002], [512.0, 0.014]]]]
+    theirs = [[key, "cpu", "attn_ctx_flexgen:16", [[16.0, 0.006], [512.0, 0.042]]]]
+    hw = dataclasses.replace(H200, op_times=(H200.op_times or []) + ours)
+    hw2 = dataclasses.replace(hw, op_times=hw.op_times + theirs)
+    assert C.cpu_attention_seconds(m, hw2, 16, 1, 264, impl="flexgen") == pytest.approx(0.024)
+    assert C.cpu_attention_seconds(m, hw2, 16, 1, 264) == pytest.approx(0.008)
+    assert C.cpu_attention_seconds(m, hw, 16, 1, 264, impl="flexgen") == pytest.approx(0.008)  # no rows of its own
+    wl = Workload(128, 4, 16, 2)
+    st = {"percent": (50, 50, 0, 100, 100, 0), "cpu_attention": True}
+    ref, ideal = build_plan("flexgen-ref", m, hw2, wl, st), build_plan("flexgen", m, hw2, wl, st)
+    assert ref.cpu_attention_impl == "flexgen" and ideal.cpu_attention_impl == ""
+    busy = {}
+    for name, plan in (("ref", ref), ("ideal", ideal)):
+        df = simulate(plan, hw2).df
+        busy[name] = float((df["end_s"] - df["start_s"])[df["kind"] == "cpu_compute"].sum())
+    assert busy["ref"] == pytest.approx(3 * busy["ideal"], rel=0.05)  # FlexGen's rows are 3x offexec's here
+    back = Plan.from_dict(json.loads(json.dumps(ref.to_dict())))
+    assert back.cpu_attention_impl == "flexgen" and back.fingerprint() == ref.fingerprint()
+    assert "cpu_attention_impl" not in ideal.to_dict()
+    with pytest.raises(PlanError, match="cpu_attention_impl must be one of"):
+        dataclasses.replace(ideal, cpu_attention_impl="numpy").validate()
+
+
+def test_profile_flexgen_cpu_attention_on_the_cpu():
+    """``offexec profile --cpu-attention-only`` also times FlexGen's own CPU attention sequence (fp32 after copying K
+    and V out of its [s, B·heads, D] cache) by context for each batch: one 'attn_ctx_flexgen:B' row per batch."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from offexec.profile import profile_cpu_attention_flexgen
+    from offexec.testing import tiny_hf
+
+    _, spec = tiny_hf("opt")
+    rows = profile_cpu_attention_flexgen(spec, batches=(1, 4), contexts=(8, 32, 1000), reps=2)
+    assert [r[2] for r in rows] == ["attn_ctx_flexgen:1", "attn_ctx_flexgen:4"]
+    for r in rows:
+        assert r[0] == layer_key(spec) and r[1] == "cpu"
+        assert [x for x, _ in r[3]] == [8.0, 32.0]  # 1000 is past the tiny model's positions
+        assert all(t > 0 for _, t in r[3])

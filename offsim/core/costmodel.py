@@ -455,15 +455,20 @@ def _analytical_compute_seconds(model: ModelSpec, hw: HardwareSpec, part: str, n
 
 
 def cpu_attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_tokens: int, ctx_tokens: int,
-                          comp: Compression = NO_COMPRESSION):
+                          comp: Compression = NO_COMPRESSION, impl: str = ""):
     """Attention on the host CPU over a KV cache in host memory (FlexGen's CPU delegation): FLOPs / CPU FLOP/s, plus
     the op's fixed cost (storing the new KV, the call, the worker thread) where the profile's op table has it.
-    Sparse attention (``comp``) does its share of PV."""
+    Sparse attention (``comp``) does its share of PV. A decode op is priced from the profile's rows by context
+    where it has them: offexec's path ('attn_ctx:B'), or with ``impl`` 'flexgen' (``Plan.cpu_attention_impl``,
+    ``flexgen-ref``) FlexGen's own ('attn_ctx_flexgen:B': K and V copied out of its cache layout, converted to fp32,
+    attention in fp32), falling back to offexec's rows where the profile has none of FlexGen's."""
     flops = attention_flops(model, num_seqs, q_tokens, ctx_tokens, sparse_share(q_tokens, ctx_tokens, comp))
     if not _is_number(num_seqs):
         return flops / hw.cpu_attention_flops
     if q_tokens == 1 and comp.sparse_attention >= 1:
-        t = _cpu_attention_by_context(model, hw, num_seqs, ctx_tokens)
+        t = _cpu_attention_by_context(model, hw, num_seqs, ctx_tokens, f"attn_ctx_{impl}:") if impl else None
+        if t is None:
+            t = _cpu_attention_by_context(model, hw, num_seqs, ctx_tokens)
         if t is not None:
             return t
     rate = op_table(hw, model, "cpu", "attn_flops")
@@ -472,21 +477,23 @@ def cpu_attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_tokens
     return t if fixed is None else t + table_seconds(fixed, num_seqs)
 
 
-def _cpu_attention_by_context(model: ModelSpec, hw: HardwareSpec, num_seqs: float, ctx_tokens: int) -> float | None:
+def _cpu_attention_by_context(model: ModelSpec, hw: HardwareSpec, num_seqs: float, ctx_tokens: int,
+                              prefix: str = "attn_ctx:") -> float | None:
     """A decode CPU-attention op from the profile's ('cpu', 'attn_ctx:B') rows (``offexec profile --ops M
-    --cpu-attention-only``: measured by context for each batch size B), or None where the model has none:
+    --cpu-attention-only``: measured by context for each batch size B; ``prefix``: another implementation's rows,
+    'attn_ctx_flexgen:'), or None where the model has none:
     linear in the context between measured contexts, proportional to it past the longest (the work is linear in it),
     the shortest's time below; linear in B between measured batch sizes, proportional to B past the largest."""
     if not hw.op_times:
         return None
     key = _layer_key(model)
-    e = _CTX_INDEX.get((id(hw.op_times), key))
+    e = _CTX_INDEX.get((id(hw.op_times), key, prefix))
     if e is None or e[0] is not hw.op_times:  # (the entry holds the tables, so their id is not reused while cached)
         if len(_CTX_INDEX) > 256:
             _CTX_INDEX.clear()
-        e = _CTX_INDEX[(id(hw.op_times), key)] = (hw.op_times, sorted(
+        e = _CTX_INDEX[(id(hw.op_times), key, prefix)] = (hw.op_times, sorted(
             (int(p.split(":")[1]), c) for k, m, p, c in hw.op_times if k == key and m == "cpu"
-            and p.startswith("attn_ctx:")))
+            and p.startswith(prefix)))
     by_b = e[1]
     if not by_b:
         return None
@@ -505,7 +512,7 @@ def _cpu_attention_by_context(model: ModelSpec, hw: HardwareSpec, num_seqs: floa
     return (1 - w) * at(c0) + w * at(c1)
 
 
-_CTX_INDEX: dict = {}  # (id of a profile's op_times, layer key) -> (op_times, [(B, curve by context)])
+_CTX_INDEX: dict = {}  # (id of a profile's op_times, layer key, row prefix) -> (op_times, [(B, curve by context)])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -609,20 +616,21 @@ def duplex_rate(op, model: ModelSpec, hw: HardwareSpec) -> float | None:
 
 def op_seconds(op, model: ModelSpec, hw: HardwareSpec, other_busy_s: float = 0.0, disk_cached: bool = False,
                graph_q_tokens: int = GRAPH_MAX_Q_TOKENS, comp: Compression = NO_COMPRESSION,
-               gather_copies: int = 0) -> float:
+               gather_copies: int = 0, cpu_attention_impl: str = "") -> float:
     """Duration of one plan op (see ``offsim.core.plan.Op``). ``other_busy_s``: for PCIe copies, how long the opposite
     direction stays busy from this op's start (duplex). ``disk_cached``: the plan's disk tier is page-cached.
     ``graph_q_tokens``: the plan's ``graph_q_tokens`` (decode ops of up to this many query tokens replayed as CUDA
     graphs; 0: none). ``comp``: the plan's compression (``Compression.from_settings(plan.settings)``): a copy's bytes
     are already its stored size; a compute op adds its dequantize / quantize passes and sparse attention.
     ``gather_copies``: the plan's ``weight_gather_copies``: a weight copy to the GPU is followed, on its stream, by
-    that many device copies of its bytes (``gather_seconds``)."""
+    that many device copies of its bytes (``gather_seconds``). ``cpu_attention_impl``: the plan's
+    ``cpu_attention_impl`` (whose CPU attention path prices its cpu_compute ops)."""
     k = op.kind
     if k == "compute":
         g = bool(graph_q_tokens) and graphed(k, op.part, op.q_tokens, op.phase, graph_q_tokens)
         return compute_seconds(model, hw, op.part, op.num_seqs, op.q_tokens, op.ctx_tokens, g, comp)
     if k == "cpu_compute":
-        return cpu_attention_seconds(model, hw, op.num_seqs, op.q_tokens, op.ctx_tokens, comp)
+        return cpu_attention_seconds(model, hw, op.num_seqs, op.q_tokens, op.ctx_tokens, comp, cpu_attention_impl)
     if k in ("h2d", "d2h"):
         if hw.op_times and getattr(op, "tensor", None) in COPY_TABLE_TENSORS:
             curve = op_table(hw, model, "copy", f"{k}_{op.tensor}")

@@ -48,6 +48,7 @@ from offsim.core.io import read_json_object, write_text_atomic
 from offsim.core.specs import ModelSpec, Workload
 
 PLAN_SCHEMA = "offsim.plan/1"
+CPU_ATTENTION_IMPLS = ("", "flexgen")  # whose CPU attention path a plan's cpu_compute ops run (Plan.cpu_attention_impl)
 KINDS = ("compute", "cpu_compute", "h2d", "d2h", "disk_read", "disk_write")
 # a GPU-to-GPU copy (pipeline parallelism): only in plans with stages, so not among the KINDS that single-GPU
 # summaries list
@@ -298,6 +299,9 @@ class Plan:
     # partition, then ``torch.cat`` out of it in the gather handle's ``wait``: 2; ``offsim.policies.ref``). The
     # simulator prices each at 2 bytes of HBM traffic per byte (a read and a write). 0: none, as every plan before it
     weight_gather_copies: int = 0
+    # whose CPU attention the plan's cpu_compute ops run: '' offexec's (the profile's ('cpu', 'attn_ctx:B') rows), or
+    # 'flexgen' FlexGen's own fp32 path (``flexgen-ref``: rows 'attn_ctx_flexgen:B', ``costmodel.cpu_attention_seconds``)
+    cpu_attention_impl: str = ""
 
     @property
     def num_devices(self) -> int:
@@ -372,6 +376,8 @@ class Plan:
             extra["nodes"] = [dict(x) for x in self.nodes]
         if self.weight_gather_copies:  # (only when set, so plans from before the field read and hash the same)
             extra["weight_gather_copies"] = self.weight_gather_copies
+        if self.cpu_attention_impl:  # (likewise)
+            extra["cpu_attention_impl"] = self.cpu_attention_impl
         return {"schema": PLAN_SCHEMA, "model": self.model.to_dict(), "workload": self.workload.to_dict(),
                 "policy": self.policy, "settings": self.settings, "capacity": self.capacity,
                 "resident": self.resident, "weight_split": [list(x) for x in self.weight_split], "kv_split": list(self.kv_split),
@@ -408,7 +414,8 @@ class Plan:
                        graph_max_q_tokens=d.get("graph_max_q_tokens", 1),
                        run_ahead=_run_ahead(d.get("run_ahead", list(RUN_AHEAD_OPS))),
                        stages=[dict(st) for st in stages], nodes=[dict(x) for x in d.get("nodes", [])],
-                       weight_gather_copies=d.get("weight_gather_copies", 0))
+                       weight_gather_copies=d.get("weight_gather_copies", 0),
+                       cpu_attention_impl=d.get("cpu_attention_impl", ""))
         except KeyError as e:
             raise PlanError(f"{where}: missing field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
@@ -429,6 +436,8 @@ class Plan:
             body["stages"] = d["stages"]
         if self.weight_gather_copies:  # (likewise)
             body["weight_gather_copies"] = self.weight_gather_copies
+        if self.cpu_attention_impl:  # (likewise)
+            body["cpu_attention_impl"] = self.cpu_attention_impl
         return hashlib.sha256(json.dumps(body, separators=(",", ":")).encode()).hexdigest()
 
     def save(self, path: str | Path) -> None:
@@ -459,6 +468,9 @@ class Plan:
         g = self.weight_gather_copies
         if isinstance(g, bool) or not isinstance(g, int) or g < 0:
             raise PlanError(f"plan: weight_gather_copies must be a non-negative integer, got {g!r}")
+        if self.cpu_attention_impl not in CPU_ATTENTION_IMPLS:
+            raise PlanError(f"plan: cpu_attention_impl must be one of {CPU_ATTENTION_IMPLS} ('': offexec's), got "
+                            f"{self.cpu_attention_impl!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise PlanError(f"plan: cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         if isinstance(self.graph_max_q_tokens, bool) or not isinstance(self.graph_max_q_tokens, int) \

@@ -126,7 +126,8 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
         if d is None:
             d = duration_cache[key] = costmodel.op_seconds(op, model, hw, disk_cached=disk_cached,
                                                            graph_q_tokens=plan.graph_q_tokens, comp=comp,
-                                                           gather_copies=gather)
+                                                           gather_copies=gather,
+                                                           cpu_attention_impl=plan.cpu_attention_impl)
         return d
 
     # the host issues ops one after another in plan order (a single issuing thread); an op cannot start before
@@ -203,7 +204,8 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
                 if dt is None:
                     dt = duration_cache[key] = costmodel.op_seconds(op, model, hw, disk_cached=disk_cached,
                                                                     graph_q_tokens=plan.graph_q_tokens, comp=comp,
-                                                                    gather_copies=gather)
+                                                                    gather_copies=gather,
+                                                                    cpu_attention_impl=plan.cpu_attention_impl)
                 dt += captures.get(op.id, 0.0)
             busy_until[op.stream] = now + dt
             yield env.timeout(dt)
@@ -383,7 +385,8 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
         if d is None:
             d = cache[key] = costmodel.network_p2p_seconds(hw, nb) if key[0] == "network" else \
                 costmodel.op_seconds(op_at(i), model, hw, disk_cached=disk_cached,
-                                     graph_q_tokens=plan.graph_q_tokens, comp=comp, gather_copies=gather)
+                                     graph_q_tokens=plan.graph_q_tokens, comp=comp, gather_copies=gather,
+                                     cpu_attention_impl=plan.cpu_attention_impl)
         dur0[i] = d
     # a copy that starts while the opposite direction is busy is priced for the overlap: ``op_seconds`` with that
     # overlap is ``duplex_seconds`` at the copy's full rate, looked up once per copy shape (the key of ``cache``)

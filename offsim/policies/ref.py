@@ -58,7 +58,7 @@ def flexgen_ref_schedule(model: ModelSpec, st: FlexGenSettings, wl: Workload | N
     if st.num_stages > 1:
         raise OffsimError("flexgen-ref models FlexGen's single-GPU loop: use num_stages 1")
     return dataclasses.replace(flexgen_schedule(model, st, wl), policy="flexgen-ref", kv_pinned=False,
-                               sync_positions=True)
+                               sync_positions=True, cpu_attention_impl="flexgen")
 
 
 def flexgen_ref_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: FlexGenSettings) -> Plan:
