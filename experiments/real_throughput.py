@@ -247,8 +247,6 @@ def predict_peer(r: dict) -> dict | None:
     (``offsim.policies.ref``: the schedule as that system's code runs it) with the run's settings and block, on
     ``PEER_PROFILE`` at the run's GPU budget -- planned from the profile, nothing fitted to the run. None for an
     offexec run, a run without a block, or settings offsim refuses (the reason is not a prediction)."""
-    import json as _json
-
     from offsim import Workload, build_plan, get_model, simulate
     from offsim.core.errors import OffsimError
     from offsim.core.specs import get_hardware
@@ -260,7 +258,7 @@ def predict_peer(r: dict) -> dict | None:
     if gbs is None or gbs != gbs:  # (NaN: a system without FlexGen's block -- one GPU batch of the run's batch)
         gbs, nb = r.get("batch"), 1
     try:
-        st = _json.loads(r["settings"]) if isinstance(r.get("settings"), str) else (r.get("settings") or {})
+        st = json.loads(r["settings"]) if isinstance(r.get("settings"), str) else (r.get("settings") or {})
         settings = {}
         if pol == "flexgen-ref":
             settings = {"percent": tuple(st["percent"]), "cpu_attention": bool(st.get("cpu_cache_compute")),
@@ -380,10 +378,8 @@ def readme(df, b, prov: dict) -> str:
                          f"| {r['batch']} | {r['predicted_policy']} | {md:.2f} | {pd_:.2f} | {(pd_ - md) / md:+.1%} | "
                          f"{mt:.2f} | {pt:.2f} | {(pt - mt) / mt:+.1%} |")
         if (pred["predicted_policy"] == "flexgen-ref").any():
-            import json as _json
-
             has = any(str(r[2]).startswith("attn_ctx_flexgen:")
-                      for r in _json.loads(Path(PEER_PROFILE).read_text()).get("op_times", []))
+                      for r in json.loads(Path(PEER_PROFILE).read_text()).get("op_times", []))
             lines += ["", "flexgen-ref's CPU attention is FlexGen's own path: its `mha_gen` on the CPU copies K and V "
                       "through `permute(...).reshape(...)`, converts them and Q to fp32, and runs `bmm` and softmax in "
                       "fp32. offsim prices those ops from the profile's ('cpu', 'attn_ctx_flexgen:B') rows "

@@ -89,8 +89,8 @@ def run_plan(plan: Plan, weights: ModelWeights, device: str = "cuda", prompts: t
     (offexec/graphs.py). ``switch_interval_s``: Python's thread switch interval during the run (default
     ``Executor.SWITCH_INTERVAL_S``; see there). ``trace_allocator``: on CUDA, attribute the caching allocator's
     retries (each a device-wide synchronisation) to the op handler that was issuing when they happened
-    (``stats['allocator_retries_by_handler']``; reading the counters costs ~0.1 ms per op, so it is a diagnostic). A plan over several GPUs (``Plan.stages``) runs one process per
-    GPU: ``offexec.distributed``."""
+    (``stats['allocator_retries_by_handler']``; reading the counters costs ~0.1 ms per op, so it is a diagnostic).
+    A plan over several GPUs (``Plan.stages``) runs one process per GPU: ``offexec.distributed``."""
     check_one_host(plan)
     if plan.stages:
         raise ExecError(f"the plan runs on {plan.num_devices} GPUs (pipeline stages): run it with one process per "

@@ -605,11 +605,12 @@ def profile_quant(device, spec, reps: int) -> dict:
     ``quant.unpack_vectors_into`` for KV; on CUDA the fused kernel, offexec/quant_triton.py): fp16 bytes written per
     second, for the model's largest matrix (fc1 / up: [ffn, d_model]) and a decode step's KV (16 sequences x 1024
     positions x every KV head, K and V): ``quant_weight_bytes_per_s`` and ``quant_bytes_per_s`` (the cache's, which
-    ``costmodel.quant_seconds`` also prices weights with where a profile lacks the weights' rate); and the KV store's quantize as offexec runs it (``quant.pack_vectors_into``
-    of a prefill's new K and V -- 16 sequences x 512 tokens x every KV head -- into a slice of a packed buffer, as
-    the executor's ``_attend_packed``; on CUDA the fused kernel): ``quant_store_bytes_per_s``, fp16 bytes quantized
-    per second, which ``quant_seconds`` prices the store with (a quantize is not a dequantize: the H200's prefill
-    ran at a third of the rate predicted with the store at the dequantize's rate)."""
+    ``costmodel.quant_seconds`` also prices weights with where a profile lacks the weights' rate); and the KV
+    store's quantize as offexec runs it (``quant.pack_vectors_into`` of a prefill's new K and V -- 16 sequences x
+    512 tokens x every KV head -- into a slice of a packed buffer, as the executor's ``_attend_packed``; on CUDA the
+    fused kernel): ``quant_store_bytes_per_s``, fp16 bytes quantized per second, which ``quant_seconds`` prices the
+    store with (a quantize is not a dequantize: the H200's prefill ran at a third of the rate predicted with the
+    store at the dequantize's rate)."""
     import torch
 
     from offexec import quant

@@ -394,8 +394,7 @@ def bind(plan: Plan, layout, rank: int = 0) -> Program:
                 if k not in hidden_host:
                     fail(op, f"loads parked activations of batch {k} but none were parked")
                 args["src"] = use(hidden_host[k], op)
-                args["out"] = use(new("hidden_in", (k,), op, nbytes=value_bytes(m, "hidden", gbs, op.hi - op.lo)),
-                                  op)
+                args["out"] = use(new("hidden_in", (k,), op), op)  # (a pool buffer: landing_buffer_bytes)
                 hidden[k] = args["out"]
             else:
                 fail(op, f"unsupported activation transfer {kind}")

@@ -487,8 +487,8 @@ def layer_stage_bytes(model: ModelSpec, num_seqs: int, q_tokens: int, ctx_tokens
       ``mlp`` (the MLP sub-layer beyond its input x1): OPT 2·hE + f, Llama max(norm, hE + 2f, 3·hE + f) -- the
       post_attn terms above without x1.
     - above ``MLP_CHUNK_ROWS`` rows the MLP runs in blocks of at most that many (f_b, h_b: a full block's FFN
-      intermediate and projection): h and the output (2·hE) stay, beside OPT f_b + h_b (fc1, then fc2 beside it), Llama 2·f_b
-      (gate, silu) or f_b + h_b (g, down)."""
+      intermediate and projection): h and the output (2·hE) stay, beside OPT f_b + h_b (fc1, then fc2 beside it),
+      Llama 2·f_b (gate, silu) or f_b + h_b (g, down)."""
     B, T, C = num_seqs, q_tokens, ctx_tokens
     n = B * T
     e = model.dtype_bytes

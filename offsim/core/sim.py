@@ -49,14 +49,14 @@ _OPPOSITE = {"h2d": "d2h", "d2h": "h2d"}
 _NONE = (0, 0, 0)
 
 
-HOST_STREAMS = ("cpu", "disk")
+HOST_STREAMS = ("cpu", "disk")  # ops the runtime's host threads run (offexec: one worker thread per stream)
 # Off by default (experimental, the event loop only; ``simulate_simpy`` refuses it): the issuer picks its next op as
 # offexec's issuing loop does -- each stream's ops in plan order, of the streams' next ops the first in plan order
 # whose dependencies are issued and whose host dependencies have finished -- instead of walking every op in plan
 # order. So the ops queued behind a GPU op that waits for a host op (CPU attention's output copy) are issued only
 # after that host op, as in offexec; a host op costs the issuing loop's dispatch time only (handed to its worker, no
 # handler). results/validation/calib_misses.md gives its effect on the calibration cases (why it is not on yet)
-STREAM_ORDER_ISSUE = False  # ops the runtime's host threads run (offexec: one worker thread per stream)
+STREAM_ORDER_ISSUE = False
 
 
 def _host_gates(is_host, deps_of, cost) -> list[float]:
