@@ -396,6 +396,9 @@ class Executor:
         if self.cuda:
             self.allocator_conf = configure_allocator()
             apply_gpu_budget(dev, self.cap_bytes)
+            # the allocator's counters are the process's; the run reports its own share (a test or notebook that ran
+            # something before must not show up as this run's OOM)
+            self.alloc_counts0 = dict(torch.cuda.memory_stats(dev))
             self.streams = executor_streams(dev, self.gpu_streams)
             warm_library_workspace(dev, self.streams["compute"])  # before the arena: see memory.py
         pinned = all(o.pinned for o in plan.ops) if plan.ops else True
@@ -579,8 +582,9 @@ class Executor:
             stats["sparse_v_rows"] = int(self.sparse_rows.item()) + int(self.sparse_rows_host.item())
         if self.cuda:
             ms = torch.cuda.memory_stats(self.device)
-            stats["allocator"] = {k: ms.get(k, 0) for k in ("num_alloc_retries", "num_ooms", "num_sync_all_streams",
-                                                            "num_device_alloc", "num_device_free")}
+            stats["allocator"] = {k: ms.get(k, 0) - self.alloc_counts0.get(k, 0)
+                                  for k in ("num_alloc_retries", "num_ooms", "num_sync_all_streams",
+                                            "num_device_alloc", "num_device_free")}
             peaks["gpu"] = torch.cuda.max_memory_reserved(self.device)
             stats["gpu_max_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
             stats["gpu_max_reserved_bytes"] = peaks["gpu"]

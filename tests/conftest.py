@@ -7,6 +7,18 @@ from offsim.core.footprint import GPU_PROCESS_OVERHEAD_BYTES
 from offsim.core.specs import ModelSpec, get_hardware
 
 
+@pytest.fixture(autouse=True)
+def _gpu_uncapped_between_tests():
+    """A run caps the caching allocator for the rest of the process (``memory.apply_gpu_budget``); the next test
+    starts with the whole card again."""
+    yield
+    import sys
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+
+
 @pytest.fixture
 def tiny_opt() -> ModelSpec:
     return ModelSpec(name="tiny-opt", family="opt", num_layers=2, d_model=64, num_heads=4, num_kv_heads=4,
