@@ -439,6 +439,57 @@ def profile_cpu_attention_flexgen(spec, batches=(1, 4, 16, 64), contexts=CPU_ATT
     return rows
 
 
+def profile_cpu_attention_flexgen_own(spec, device: str = "cuda", batches=(1, 4, 16, 64),
+                                      contexts=CPU_ATTN_CONTEXTS, reps: int = 5) -> list:
+    """Rows ('cpu', 'attn_ctx_flexgen:B', [[context, s], ...]) timed by calling FlexGen's own code: ``flexgen``
+    0.1.8's ``TorchDevice.mha_gen`` on the GPU device with the KV cache as CPU ``TorchTensor``s, as its OPT runs
+    with ``--cpu-cache-compute`` call it per (layer, GPU batch) of a decode step. The call also holds the op's GPU
+    part (layer norm, the Q/K/V and output projections: under 1 % of it at these shapes) and the copies of Q, the new
+    K/V row and the result; wall time with the GPU synchronised, the median of ``reps`` after two unmeasured calls.
+    [] when ``flexgen`` is not importable, there is no CUDA device, or the model is not an OPT (FlexGen 0.1.8 runs
+    OPT only): the reproduced sequence (``profile_cpu_attention_flexgen``) stands in then."""
+    import torch
+
+    from offsim.core.specs import layer_key
+
+    if spec.family != "opt" or not str(device).startswith("cuda") or not torch.cuda.is_available():
+        return []
+    try:
+        from flexgen.pytorch_backend import TorchDevice, TorchTensor
+    except ImportError:
+        return []
+    gpu, cpu = TorchDevice("cuda:0"), TorchDevice("cpu")
+    E, H, D = spec.d_model, spec.num_heads, spec.head_dim
+    half, dev = torch.float16, torch.device("cuda:0")
+
+    def on_gpu(*shape):
+        return TorchTensor.create_from_torch(torch.randn(*shape, dtype=half, device=dev) * 0.02, gpu)
+
+    w = [on_gpu(E, E), on_gpu(E), on_gpu(E, E), on_gpu(E), on_gpu(E, E), on_gpu(E), on_gpu(E, E), on_gpu(E),
+         on_gpu(E), on_gpu(E)]  # w_q, b_q, w_k, b_k, w_v, b_v, w_out, b_out, w_ln, b_ln: mha_gen's order
+    rows = []
+    for b in batches:
+        pts = []
+        for c in contexts:
+            if c + 1 > spec.max_positions:
+                continue
+            s_len = c + 1  # the new token's position included (FlexGen's src_s is the mask's length)
+            k_cache = TorchTensor.create_from_torch(torch.randn(s_len, b * H, D).to(half).pin_memory(), cpu)
+            v_cache = TorchTensor.create_from_torch(torch.randn(s_len, b * H, D).to(half).pin_memory(), cpu)
+            mask = TorchTensor.create_from_torch(torch.ones(b, s_len, dtype=torch.bool), cpu)
+            x = on_gpu(b, 1, E)
+
+            def op():
+                gpu.mha_gen(x, mask, *w, H, k_cache, v_cache, [False, False], 1.0, False, None)
+                torch.cuda.synchronize()
+
+            pts.append([float(c), _median_time(op, torch.device("cpu"), reps)])
+            del k_cache, v_cache
+        if pts:
+            rows.append([layer_key(spec), "cpu", f"attn_ctx_flexgen:{b}", sorted(pts)])
+    return rows
+
+
 def profile_graph_recompute(spec, device: str = "cuda", batches=(1, 4, 16, 64), q_tokens=(2, 4, 8),
                             gen_len: int = 8, progress: bool = True) -> list:
     """Op-table rows ('graph_tokens', part, [[rows, s], ...]) of TightLLM's decode ops that recompute N_r tokens
@@ -776,11 +827,14 @@ def add_profile_parser(sub) -> None:
     p.add_argument("--capture-only", action="store_true",
                    help="with --ops: measure only the graph-capture rows (graphed decode ops at the first decode "
                         "step) and the issue rows (host time per copy of each kind, and per replayed decode op of each part)")
-    p.add_argument("--cpu-attention-only", action="store_true",
+    p.add_argument("--cpu-attention-only", nargs="?", const="all", default=None, choices=("all", "offexec", "flexgen"),
+                   metavar="{all,offexec,flexgen}",
                    help="with --ops: measure only CPU attention by context (decode ops at contexts "
                         f"{', '.join(map(str, CPU_ATTN_CONTEXTS))}, each GPU batch size), which offsim prefers to "
                         "its fixed cost + FLOP rate: offexec's path ('attn_ctx:B' rows) and FlexGen's own fp32 path "
-                        "('attn_ctx_flexgen:B', what the flexgen-ref policy prices)")
+                        "('attn_ctx_flexgen:B', what the flexgen-ref policy prices: FlexGen's mha_gen itself where "
+                        "the flexgen package is importable, else its sequence of ops reproduced); a value keeps "
+                        "the other path's rows as they are (default: all)")
     p.add_argument("--multi-gpu-only", action="store_true",
                    help="with --base: measure only the GPU-to-GPU link and whether the host feeds every GPU's link "
                         "at once (gpu_link_bytes_per_s, link_concurrent_fraction; needs two or more GPUs)")
@@ -794,7 +848,7 @@ def add_profile_parser(sub) -> None:
 
 
 def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64), attention_only: bool = False,
-                  recompute_only: bool = False, capture_only: bool = False, cpu_attention_only: bool = False) -> dict:
+                  recompute_only: bool = False, capture_only: bool = False, cpu_attention_only=None) -> dict:
     """Profile dict ``d`` with op tables for ``models`` (replacing rows of the same layer shapes and modes), CPU
     attention re-measured through the executor's path and the sustained compute fraction; ``attention_only``: the
     GPU attention rows and the sustained fraction alone; ``recompute_only``: the graphed recompute rows alone (the
@@ -805,10 +859,21 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
     d = dict(d)
     specs = [get_model(m) for m in models]
     rows = []
+    flexgen_source = {}  # model -> what its 'attn_ctx_flexgen:B' rows timed
     for spec in specs:
         if cpu_attention_only:
-            rows += profile_cpu_attention_ctx(spec, device, batches=batches)
-            rows += profile_cpu_attention_flexgen(spec, batches=batches)  # FlexGen's own path (flexgen-ref)
+            if cpu_attention_only in (True, "all", "offexec"):
+                rows += profile_cpu_attention_ctx(spec, device, batches=batches)
+            if cpu_attention_only == "offexec":
+                continue
+            # FlexGen's own path (what flexgen-ref prices): its mha_gen itself where flexgen is importable, the
+            # reproduced sequence kept beside it as 'attn_ctx_flexgen_seq:B' (the two disagreeing says the
+            # reproduction misses something); the reproduction alone otherwise
+            own = profile_cpu_attention_flexgen_own(spec, device, batches=batches)
+            seq = profile_cpu_attention_flexgen(spec, batches=batches)
+            rows += own + ([[k, m, p.replace("attn_ctx_flexgen:", "attn_ctx_flexgen_seq:"), c] for k, m, p, c in seq]
+                           if own else seq)
+            flexgen_source[spec.name] = "flexgen TorchDevice.mha_gen" if own else "reproduced sequence"
             continue
         if capture_only:
             rows += profile_ops(spec, device, batches=batches, capture_only=True)
@@ -825,8 +890,14 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
     if not (recompute_only or capture_only or cpu_attention_only):
         d["sustained_compute_fraction"] = float(profile_sustained(device))
     if cpu_attention_only:
-        prov["cpu_attention_ctx_tables"] = provenance(models=models, batches=list(batches),
-                                                      contexts=list(CPU_ATTN_CONTEXTS), device=device)
+        # each path's rows carry their own provenance, so measuring one path leaves the other's record as it was
+        if cpu_attention_only in (True, "all", "offexec"):
+            prov["cpu_attention_ctx_tables"] = provenance(models=models, batches=list(batches),
+                                                          contexts=list(CPU_ATTN_CONTEXTS), device=device)
+        if cpu_attention_only in (True, "all", "flexgen"):
+            prov["cpu_attention_flexgen_tables"] = provenance(models=models, batches=list(batches),
+                                                              contexts=list(CPU_ATTN_CONTEXTS), device=device,
+                                                              rows_timed=flexgen_source)
     elif capture_only:
         prov["capture_tables"] = provenance(models=models, batches=list(batches), device=device)
     elif recompute_only:

@@ -759,3 +759,34 @@ def test_profile_flexgen_cpu_attention_on_the_cpu():
         assert r[0] == layer_key(spec) and r[1] == "cpu"
         assert [x for x, _ in r[3]] == [8.0, 32.0]  # 1000 is past the tiny model's positions
         assert all(t > 0 for _, t in r[3])
+
+
+def test_profile_flexgen_own_mha_gen_is_skipped_without_flexgen_or_a_gpu():
+    """FlexGen's own ``mha_gen`` is timed only where it can run: an OPT, a CUDA device and ``flexgen`` importable;
+    elsewhere no rows (the reproduced sequence stands in)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from offexec.profile import profile_cpu_attention_flexgen_own
+    from offexec.testing import tiny_hf
+
+    _, spec = tiny_hf("opt")
+    _, llama = tiny_hf("llama")
+    assert profile_cpu_attention_flexgen_own(spec, "cpu", batches=(1,), contexts=(8,), reps=1) == []
+    assert profile_cpu_attention_flexgen_own(llama, "cuda", batches=(1,), contexts=(8,), reps=1) == []
+
+
+@pytest.mark.gpu
+def test_profile_flexgen_own_mha_gen_on_cuda():
+    """With ``flexgen`` 0.1.8 importable and a GPU: one 'attn_ctx_flexgen:B' row per batch from FlexGen's own
+    ``TorchDevice.mha_gen`` (KV cache on the CPU), times positive and growing with the context at 4 sequences."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("flexgen.pytorch_backend")
+    from offexec.profile import profile_cpu_attention_flexgen_own
+
+    spec = get_model("opt-1.3b")
+    rows = profile_cpu_attention_flexgen_own(spec, "cuda", batches=(1, 4), contexts=(16, 512), reps=3)
+    assert [r[2] for r in rows] == ["attn_ctx_flexgen:1", "attn_ctx_flexgen:4"]
+    assert all(t > 0 for r in rows for _, t in r[3])
+    assert rows[1][3][1][1] > rows[1][3][0][1]
