@@ -404,36 +404,43 @@ def profile_cpu_attention_flexgen(spec, batches=(1, 4, 16, 64), contexts=CPU_ATT
     apart as offexec's copies)."""
     import torch
 
-    from offsim.core.specs import layer_key
-
     H, D = spec.num_heads, spec.head_dim
     dt = torch.float16 if spec.dtype_bytes == 2 else torch.float32
-    cpu = torch.device("cpu")
+
+    def make_op(b: int, s_len: int):
+        k_cache = torch.randn(s_len, b * H, D).to(dt)
+        v_cache = torch.randn(s_len, b * H, D).to(dt)
+        q = torch.randn(b * H, 1, D).to(dt)
+        k_new = torch.randn(1, b * H, D).to(dt)
+        v_new = torch.randn(1, b * H, D).to(dt)
+        mask = torch.ones(b, 1, 1, s_len, dtype=torch.bool)
+
+        def op():
+            k, v = k_cache[:s_len], v_cache[:s_len]
+            k[s_len - 1:s_len] = k_new
+            v[s_len - 1:s_len] = v_new
+            k = k.permute(1, 2, 0).reshape(b * H, D, s_len).float()
+            v = v.permute(1, 0, 2).reshape(b * H, s_len, D).float()
+            w = torch.bmm(q.float(), k).view(b, H, 1, s_len)
+            w = torch.where(mask, w, -1e4).view(b * H, 1, s_len).softmax(dim=2)
+            return torch.bmm(w, v).view(b, H, 1, D).to(dt)
+        return op
+
+    return _flexgen_attention_rows(spec, batches, contexts, reps, make_op)
+
+
+def _flexgen_attention_rows(spec, batches, contexts, reps: int, make_op) -> list:
+    """Rows ('cpu', 'attn_ctx_flexgen:B', [[context, s], ...]): for each batch B and context c within the model's
+    positions, the median of ``reps`` wall-clock timings of ``make_op(B, c + 1)()`` (c + 1: the new token's position
+    included, as FlexGen's src_s)."""
+    import torch
+
+    from offsim.core.specs import layer_key
+
     rows = []
     for b in batches:
-        pts = []
-        for c in contexts:
-            if c + 1 > spec.max_positions:
-                continue
-            s_len = c + 1  # the new token's position included, as FlexGen's src_s
-            k_cache = torch.randn(s_len, b * H, D).to(dt)
-            v_cache = torch.randn(s_len, b * H, D).to(dt)
-            q = torch.randn(b * H, 1, D).to(dt)
-            k_new = torch.randn(1, b * H, D).to(dt)
-            v_new = torch.randn(1, b * H, D).to(dt)
-            mask = torch.ones(b, 1, 1, s_len, dtype=torch.bool)
-
-            def op():
-                k, v = k_cache[:s_len], v_cache[:s_len]
-                k[s_len - 1:s_len] = k_new
-                v[s_len - 1:s_len] = v_new
-                k = k.permute(1, 2, 0).reshape(b * H, D, s_len).float()
-                v = v.permute(1, 0, 2).reshape(b * H, s_len, D).float()
-                w = torch.bmm(q.float(), k).view(b, H, 1, s_len)
-                w = torch.where(mask, w, -1e4).view(b * H, 1, s_len).softmax(dim=2)
-                return torch.bmm(w, v).view(b, H, 1, D).to(dt)
-
-            pts.append([float(c), _median_time(op, cpu, reps)])
+        pts = [[float(c), _median_time(make_op(b, c + 1), torch.device("cpu"), reps)]
+               for c in contexts if c + 1 <= spec.max_positions]
         if pts:
             rows.append([layer_key(spec), "cpu", f"attn_ctx_flexgen:{b}", sorted(pts)])
     return rows
@@ -450,8 +457,6 @@ def profile_cpu_attention_flexgen_own(spec, device: str = "cuda", batches=(1, 4,
     OPT only): the reproduced sequence (``profile_cpu_attention_flexgen``) stands in then."""
     import torch
 
-    from offsim.core.specs import layer_key
-
     if spec.family != "opt" or not str(device).startswith("cuda") or not torch.cuda.is_available():
         return []
     try:
@@ -467,27 +472,19 @@ def profile_cpu_attention_flexgen_own(spec, device: str = "cuda", batches=(1, 4,
 
     w = [on_gpu(E, E), on_gpu(E), on_gpu(E, E), on_gpu(E), on_gpu(E, E), on_gpu(E), on_gpu(E, E), on_gpu(E),
          on_gpu(E), on_gpu(E)]  # w_q, b_q, w_k, b_k, w_v, b_v, w_out, b_out, w_ln, b_ln: mha_gen's order
-    rows = []
-    for b in batches:
-        pts = []
-        for c in contexts:
-            if c + 1 > spec.max_positions:
-                continue
-            s_len = c + 1  # the new token's position included (FlexGen's src_s is the mask's length)
-            k_cache = TorchTensor.create_from_torch(torch.randn(s_len, b * H, D).to(half).pin_memory(), cpu)
-            v_cache = TorchTensor.create_from_torch(torch.randn(s_len, b * H, D).to(half).pin_memory(), cpu)
-            mask = TorchTensor.create_from_torch(torch.ones(b, s_len, dtype=torch.bool), cpu)
-            x = on_gpu(b, 1, E)
 
-            def op():
-                gpu.mha_gen(x, mask, *w, H, k_cache, v_cache, [False, False], 1.0, False, None)
-                torch.cuda.synchronize()
+    def make_op(b: int, s_len: int):
+        k_cache = TorchTensor.create_from_torch(torch.randn(s_len, b * H, D).to(half).pin_memory(), cpu)
+        v_cache = TorchTensor.create_from_torch(torch.randn(s_len, b * H, D).to(half).pin_memory(), cpu)
+        mask = TorchTensor.create_from_torch(torch.ones(b, s_len, dtype=torch.bool), cpu)
+        x = on_gpu(b, 1, E)
 
-            pts.append([float(c), _median_time(op, torch.device("cpu"), reps)])
-            del k_cache, v_cache
-        if pts:
-            rows.append([layer_key(spec), "cpu", f"attn_ctx_flexgen:{b}", sorted(pts)])
-    return rows
+        def op():
+            gpu.mha_gen(x, mask, *w, H, k_cache, v_cache, [False, False], 1.0, False, None)
+            torch.cuda.synchronize()
+        return op
+
+    return _flexgen_attention_rows(spec, batches, contexts, reps, make_op)
 
 
 def profile_graph_recompute(spec, device: str = "cuda", batches=(1, 4, 16, 64), q_tokens=(2, 4, 8),

@@ -198,10 +198,11 @@ def test_run_ahead_round_trips_and_old_plans_had_offexecs_window(tiny_opt, t4):
 
 
 def test_stream_order_issue_switch(tiny_opt, t4, monkeypatch):
-    """``sim.STREAM_ORDER_ISSUE`` (experimental, off): the issuer takes each stream's ops in plan order and an op only
+    """``sim.STREAM_ORDER_ISSUE`` (on by default): the issuer takes each stream's ops in plan order and an op only
     once its dependencies are issued and its host dependencies done, as offexec's issuing loop does. Without host
-    ops that is plan order (the same trace); with CPU attention the ops behind each CPU op are issued after it, and
-    no GPU op starts before a host op it depends on has ended. The SimPy reference refuses it."""
+    ops that is plan order (the same trace as the switch off); with CPU attention the ops behind each CPU op are
+    issued after it, and no GPU op starts before a host op it depends on has ended. Both engines, identical traces,
+    either way."""
     from offsim.core import sim as S
 
     hw = dataclasses.replace(t4, issue_compute_s=2e-4, issue_copy_s=5e-5)
@@ -210,16 +211,17 @@ def test_stream_order_issue_switch(tiny_opt, t4, monkeypatch):
                      {"percent": (0, 100, 0, 100, 100, 0), "cpu_attention": True})
     for plan in (gpu, cpu):
         plan.run_ahead = (16, 6, 16)
-    off = {k: simulate(p, hw) for k, p in (("gpu", gpu), ("cpu", cpu))}
-    monkeypatch.setattr(S, "STREAM_ORDER_ISSUE", True)
-    on = {k: simulate(p, hw) for k, p in (("gpu", gpu), ("cpu", cpu))}
-    pd.testing.assert_frame_equal(off["gpu"].df, on["gpu"].df, check_exact=True)
-    assert not on["cpu"].df.equals(off["cpu"].df)
-    df = on["cpu"].df
+    traces = {}
+    for flag in (False, True):
+        monkeypatch.setattr(S, "STREAM_ORDER_ISSUE", flag)
+        for k, p in (("gpu", gpu), ("cpu", cpu)):
+            traces[flag, k] = simulate(p, hw)
+            pd.testing.assert_frame_equal(traces[flag, k].df, simulate_simpy(p, hw).df, check_exact=True)
+    pd.testing.assert_frame_equal(traces[False, "gpu"].df, traces[True, "gpu"].df, check_exact=True)
+    assert not traces[True, "cpu"].df.equals(traces[False, "cpu"].df)
+    df = traces[True, "cpu"].df
     host = set(df.index[df["stream"].isin(S.HOST_STREAMS)])
     for o in cpu.ops:
         for d in o.deps:
             if d in host and o.stream not in S.HOST_STREAMS:
                 assert df.at[o.id, "start_s"] >= df.at[d, "end_s"]
-    with pytest.raises(OffsimError, match="STREAM_ORDER_ISSUE"):
-        simulate_simpy(gpu, hw)

@@ -50,13 +50,14 @@ _NONE = (0, 0, 0)
 
 
 HOST_STREAMS = ("cpu", "disk")  # ops the runtime's host threads run (offexec: one worker thread per stream)
-# Off by default (experimental, the event loop only; ``simulate_simpy`` refuses it): the issuer picks its next op as
-# offexec's issuing loop does -- each stream's ops in plan order, of the streams' next ops the first in plan order
-# whose dependencies are issued and whose host dependencies have finished -- instead of walking every op in plan
-# order. So the ops queued behind a GPU op that waits for a host op (CPU attention's output copy) are issued only
-# after that host op, as in offexec; a host op costs the issuing loop's dispatch time only (handed to its worker, no
-# handler). results/validation/calib_misses.md gives its effect on the calibration cases (why it is not on yet)
-STREAM_ORDER_ISSUE = False
+# The issuer picks its next op as offexec's issuing loop does -- each stream's ops in plan order, of the streams'
+# next ops the first in plan order whose dependencies are issued and whose host dependencies have finished --
+# instead of walking every op in plan order. So the ops queued behind a GPU op that waits for a host op (CPU
+# attention's output copy) are issued only after that host op, as in offexec; a host op costs the issuing loop's
+# dispatch time only (handed to its worker, no handler). Both engines; where the plan has a run-ahead window (a
+# plan without one issues in plan order). False gives the plan-order issuer, for comparison
+# (results/validation/calib_misses.md sets the two side by side on the calibration cases with CPU attention)
+STREAM_ORDER_ISSUE = True
 
 
 def _host_gates(is_host, deps_of, cost) -> list[float]:
@@ -93,9 +94,6 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
     if plan.stages:
         raise OffsimError("the SimPy reference engine runs single-GPU plans; simulate a plan with stages with "
                           "`simulate` (the default engine)")
-    if STREAM_ORDER_ISSUE:
-        raise OffsimError("the SimPy reference engine issues ops in plan order; STREAM_ORDER_ISSUE is the event "
-                          "loop's alone (experimental)")
     import simpy  # only the reference engine runs on SimPy: the commands (``simulate``) do not import it
 
     model = plan.model
@@ -139,28 +137,63 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
             costs[i] += extra
         captures = {}
     pred = _window_preds(plan.run_ahead, [op.stream for op in ops])  # None: no window
+    stream_order = STREAM_ORDER_ISSUE and pred is not None
+    is_host = [op.stream in HOST_STREAMS for op in ops]
+    if stream_order and costs is not None:  # a host op is handed to its worker: the issuing loop's own time only
+        for i, op in enumerate(ops):
+            if is_host[i]:
+                costs[i] = costmodel.dispatch_seconds(op, hw, model)
     issued_at = np.cumsum(costs) if has_cost and pred is None else None
     issued = [False] * n
     issue_waiters: dict[int, simpy.Event] = {}
+    host_wait: list[simpy.Event] = []  # the stream-order issuer, waiting for any host op to end
+
+    def issue(i):
+        # before op i: wait for the op ``run_ahead`` places earlier on i's stream to finish, then spend i's issue
+        # cost; op i may start from then on
+        p = pred[i]
+        if p >= 0 and not finished[p]:
+            ev = waiters.get(p)
+            if ev is None:
+                ev = waiters[p] = env.event()
+            yield ev
+        if costs is not None and costs[i] > 0.0:
+            yield env.timeout(costs[i])
+        issued[i] = True
+        ev = issue_waiters.pop(i, None)
+        if ev is not None:
+            ev.succeed()
+
+    def issuer_stream_order():
+        # offexec's issuing loop (``Executor``): each stream's ops in plan order; of the streams' next ops, the first
+        # in plan order whose dependencies are all issued and whose host dependencies have finished; when none is,
+        # it waits for the next host op to end
+        queues = [[op.id for op in ops if op.stream == st] for st in STREAMS]
+        ptr = [0] * len(queues)
+        while True:
+            i, q_of = -1, -1
+            for q, b in enumerate(queues):
+                k = ptr[q]
+                if k >= len(b) or (i >= 0 and b[k] > i):
+                    continue
+                if all(issued[d] and (not is_host[d] or finished[d]) for d in ops[b[k]].deps):
+                    i, q_of = b[k], q
+            if i < 0:
+                if not any(ptr[q] < len(b) for q, b in enumerate(queues)):
+                    return
+                ev = env.event()
+                host_wait.append(ev)
+                yield ev
+                continue
+            ptr[q_of] += 1
+            yield from issue(i)
 
     def issuer():
         # the issuing thread with the runtime's window: before op i it waits for the op ``run_ahead`` places
         # earlier on i's stream to finish, then spends i's issue cost; op i may start from then on
         for i in range(n):
-            p = pred[i]
-            if p >= 0 and not finished[p]:
-                ev = waiters.get(p)
-                if ev is None:
-                    ev = waiters[p] = env.event()
-                yield ev
-            if costs is not None and costs[i] > 0.0:
-                yield env.timeout(costs[i])
-            issued[i] = True
-            ev = issue_waiters.pop(i, None)
-            if ev is not None:
-                ev.succeed()
+            yield from issue(i)
 
-    is_host = [op.stream in HOST_STREAMS for op in ops]
     gate_s = _host_gates(is_host, [op.deps for op in ops],
                          lambda i: costmodel.issue_seconds(ops[i], hw, plan.graph_q_tokens, model)) \
         if has_cost else None
@@ -217,12 +250,14 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
             ev = waiters.pop(op.id, None)
             if ev is not None:
                 ev.succeed()
+            if host_wait and is_host[op.id]:  # the stream-order issuer waits for a host op: rescan
+                host_wait.pop().succeed()
 
     by_stream: dict[str, list] = {s: [] for s in STREAMS}
     for op in ops:
         by_stream[op.stream].append(op)
     if pred is not None and n:
-        env.process(issuer())  # (first: the event loop's issuer takes the first event too)
+        env.process(issuer_stream_order() if stream_order else issuer())  # (first: as the event loop's issuer)
     for s in STREAMS:
         if by_stream[s]:
             env.process(stream(by_stream[s]))
