@@ -277,6 +277,14 @@ def predict_peer(r: dict) -> dict | None:
             "decode_h2d_bytes_per_s": float(h2d) / m["decode_s"] if m["decode_s"] else float("nan")}
 
 
+def _rate_gbps(nbytes, seconds) -> float:
+    """GB/s from a record's fields; NaN where either is missing (a record from an older harness) or zero."""
+    try:
+        return float(nbytes) / float(seconds) / 1e9 if float(seconds) > 0 else float("nan")
+    except (TypeError, ValueError):
+        return float("nan")
+
+
 def _flexgen_attention_check(r) -> str:
     """For a flexgen-ref run with CPU attention: its measured decode time per (step, layer, GPU batch) -- an upper
     bound on one CPU attention op, since that op runs on FlexGen's main thread between the batch's GPU ops -- beside
@@ -414,8 +422,8 @@ def readme(df, b, prov: dict) -> str:
             md, pd_ = float(r["decode_tok_s"]), float(r["predicted_decode_tok_s"])
             mt, pt = float(r["total_tok_s"]), float(r["predicted_total_tok_s"])
             # decode's host-to-GPU bytes over decode's time: the link's effective rate, measured and predicted
-            mh = float(r["decode_h2d_bytes"]) / float(r["decode_s"]) / 1e9 if r.get("decode_s") else float("nan")
-            ph = float(r.get("predicted_decode_h2d_bytes_per_s", float("nan"))) / 1e9
+            mh = _rate_gbps(r.get("decode_h2d_bytes"), r.get("decode_s"))
+            ph = _rate_gbps(r.get("predicted_decode_h2d_bytes_per_s"), 1.0)
             lines.append(f"| {r['system']} | {r['model']} | {r['prompt_len']} | {r['gen_len']} | {r['budget_gib']:g} "
                          f"| {r['batch']} | {r['predicted_policy']} | {md:.2f} | {pd_:.2f} | {(pd_ - md) / md:+.1%} | "
                          f"{mt:.2f} | {pt:.2f} | {(pt - mt) / mt:+.1%} | {mh:.1f} | {ph:.1f} |")
@@ -432,8 +440,8 @@ def readme(df, b, prov: dict) -> str:
             lines += [_flexgen_attention_check(r) for _, r in pred.iterrows()
                       if r["predicted_policy"] == "flexgen-ref" and _flexgen_attention_check(r)]
             for _, r in pred[pred["system"] == "flexgen-4bit-ref"].iterrows():
-                mh = float(r["decode_h2d_bytes"]) / float(r["decode_s"]) / 1e9
-                ph = float(r["predicted_decode_h2d_bytes_per_s"]) / 1e9
+                mh = _rate_gbps(r.get("decode_h2d_bytes"), r.get("decode_s"))
+                ph = _rate_gbps(r.get("predicted_decode_h2d_bytes_per_s"), 1.0)
                 lines += ["", f"FlexGen allocates its CPU KV cache unpinned (`init_cache_one_gpu_batch`: "
                           "`pin_memory = False`, compressed or not) and copies it through `general_copy`, which pins "
                           "a copy of the source (`src.pin_memory()`) before the transfer. `flexgen-ref` prices those "
