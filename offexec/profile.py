@@ -91,6 +91,41 @@ def profile_link(device, sizes: list[int], reps: int) -> dict:
     return {**out, "duplex_fraction": duplex}
 
 
+RELAY_SIZES = (1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28, 1 << 30)  # --relay-only: 1 MiB to 1 GiB
+
+
+def profile_relay(device, sizes, reps: int) -> dict:
+    """Bytes/s of one copy by size between unpinned host memory and the GPU, staged through a pinned copy as
+    FlexGen's ``general_copy`` does (``flexgen==0.1.8``, ``pytorch_backend.py``): H2D ``src.pin_memory()`` then
+    ``dst.copy_(pinned, non_blocking=True)``; D2H (its copy threads) into a pinned buffer, then a copy out of it to
+    the unpinned destination. Wall time with the GPU synchronised, each copy as its caller waits for it. {} without
+    CUDA (nothing to stage). ``HardwareSpec.h2d_relay`` / ``d2h_relay``: what ``Plan.pageable_copy`` 'relay' is
+    priced at."""
+    import torch
+
+    if device.type != "cuda":
+        return {}
+    big = max(sizes)
+    gpu = torch.empty(big, dtype=torch.uint8, device=device)
+    host = torch.empty(big, dtype=torch.uint8)
+    host.fill_(1)  # touch the pages
+    buf = torch.empty(big, dtype=torch.uint8, pin_memory=True)  # the copy threads' pinned buffer
+    out = {"h2d_relay": [], "d2h_relay": []}
+    cpu = torch.device("cpu")
+    for n in sizes:
+        def h2d():
+            gpu[:n].copy_(host[:n].pin_memory(), non_blocking=True)
+            torch.cuda.synchronize(device)
+
+        def d2h():
+            buf[:n].copy_(gpu[:n])
+            host[:n].copy_(buf[:n])
+
+        out["h2d_relay"].append([float(n), n / _median_time(h2d, cpu, reps)])
+        out["d2h_relay"].append([float(n), n / _median_time(d2h, cpu, reps)])
+    return out
+
+
 def profile_gpu(device, spec, reps: int, peak_flops: float) -> dict:
     """GEMM efficiency by tokens for [t x d_model] @ [d_model x ffn]; prefill and decode attention; HBM; overhead."""
     import torch
@@ -759,6 +794,7 @@ def run_profile(model: str = "opt-30b", device: str = "cuda", quick: bool = Fals
         bar = None
     sizes = [1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26] + ([] if quick else [1 << 28, 1 << 30])
     link = profile_link(dev, sizes, reps)
+    link.update(profile_relay(dev, sizes, reps))
     bar and bar.update()
     if not peak:  # unknown GPU: efficiencies relative to the best GEMM measured, a lower bound on the peak
         peak = 1.0
@@ -781,6 +817,7 @@ def run_profile(model: str = "opt-30b", device: str = "cuda", quick: bool = Fals
          "gpu_mem_bytes": int(gpu_mem), "gpu_peak_flops": float(peak), **g,
          "h2d_pinned": link["h2d_pinned"], "d2h_pinned": link["d2h_pinned"],
          "h2d_pageable": link["h2d_pageable"], "d2h_pageable": link["d2h_pageable"],
+         **{k: link[k] for k in ("h2d_relay", "d2h_relay") if k in link},
          "duplex_fraction": float(link["duplex_fraction"]), "cpu_mem_bytes": host_memory_bytes(),
          "cpu_attention_flops": float(cpu_flops), "quant_bytes_per_s": qr["quant_bytes_per_s"],
          "quant_store_bytes_per_s": qr["quant_store_bytes_per_s"],
@@ -839,6 +876,10 @@ def add_profile_parser(sub) -> None:
                    help="with --base: measure only the 4-bit rates (quant_weight_bytes_per_s / quant_bytes_per_s: "
                         "dequantize of weights / of the KV cache; quant_store_bytes_per_s: the KV store's quantize; "
                         "at --model's shapes) and keep the rest of the base profile")
+    p.add_argument("--relay-only", action="store_true",
+                   help="with --base: measure only the relay copy rates (h2d_relay / d2h_relay: an unpinned host "
+                        "tensor staged through a pinned copy, as FlexGen's general_copy does; what flexgen-ref "
+                        "prices its unpinned KV copies at) and keep the rest of the base profile")
     p.add_argument("--op-batches", default="1,4,16,64", metavar="N,N,...",
                    help="sequences per GPU batch of the op-table runs (default: %(default)s)")
     p.set_defaults(func=cmd_profile)
@@ -927,9 +968,11 @@ def cmd_profile(args) -> dict:
         raise OffsimError("--multi-gpu-only adds the multi-GPU rates to an existing profile: give --base PROFILE too")
     if args.quant_only and not args.base:
         raise OffsimError("--quant-only adds the 4-bit rates to an existing profile: give --base PROFILE too")
-    if args.base and not (args.ops or args.quant_only or args.multi_gpu_only):
+    if args.relay_only and not args.base:
+        raise OffsimError("--relay-only adds the relay copy rates to an existing profile: give --base PROFILE too")
+    if args.base and not (args.ops or args.quant_only or args.multi_gpu_only or args.relay_only):
         raise OffsimError("--base adds op tables to an existing profile: give --ops MODELS (or --quant-only, "
-                          "--multi-gpu-only) too")
+                          "--multi-gpu-only, --relay-only) too")
     try:
         batches = tuple(int(b) for b in args.op_batches.split(","))
     except ValueError:
@@ -954,6 +997,20 @@ def cmd_profile(args) -> dict:
         HardwareSpec.from_dict(d)
         d["provenance"] = {**d.get("provenance", {}),
                            "quant_rates": provenance(model_shapes=args.model, device=args.device, **qr)}
+    if args.relay_only:
+        from offsim.core.provenance import provenance
+        from offsim.core.specs import HardwareSpec
+
+        from .memory import require_device
+
+        dev = require_device(args.device)
+        relay = profile_relay(dev, RELAY_SIZES, 5)
+        if not relay:
+            raise OffsimError("--relay-only times copies to a CUDA GPU: give --device cuda on a machine with one")
+        d = {**d, **relay}
+        HardwareSpec.from_dict(d)
+        d["provenance"] = {**d.get("provenance", {}), "relay_rates": provenance(device=args.device,
+                                                                                  sizes=list(RELAY_SIZES))}
     if args.multi_gpu_only:
         from offsim.core.provenance import provenance
         from offsim.core.specs import HardwareSpec

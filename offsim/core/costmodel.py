@@ -59,22 +59,27 @@ def _is_number(x) -> bool:
 DIRECTIONS = ("h2d", "d2h")
 
 
-def link_bytes_per_s(hw: HardwareSpec, nbytes, direction: str, pinned: bool = True) -> float:
-    """Bandwidth of one copy of ``nbytes`` over PCIe in ``direction`` ('h2d' or 'd2h'), pinned or pageable host."""
+def link_bytes_per_s(hw: HardwareSpec, nbytes, direction: str, pinned: bool = True, relay: bool = False) -> float:
+    """Bandwidth of one copy of ``nbytes`` over PCIe in ``direction`` ('h2d' or 'd2h'), pinned or pageable host;
+    ``relay``: an unpinned copy that the caller stages through a pinned copy of its own (``Plan.pageable_copy``
+    'relay'), at the profile's ``h2d_relay`` / ``d2h_relay`` where measured, else as a pageable copy."""
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
     curve = {("h2d", True): hw.h2d_pinned, ("d2h", True): hw.d2h_pinned,
              ("h2d", False): hw.h2d_pageable, ("d2h", False): hw.d2h_pageable}[direction, pinned]
+    if relay and not pinned:
+        curve = (hw.h2d_relay if direction == "h2d" else hw.d2h_relay) or curve
     return interp(curve, nbytes) if _is_number(nbytes) else curve[-1][1]
 
 
-def transfer_seconds(hw: HardwareSpec, nbytes, direction: str, pinned: bool = True, other_busy_s: float = 0.0):
+def transfer_seconds(hw: HardwareSpec, nbytes, direction: str, pinned: bool = True, other_busy_s: float = 0.0,
+                     relay: bool = False):
     """Seconds to copy ``nbytes`` over PCIe: latency + bytes / bandwidth(size, direction).
 
     Duplex: for the first ``other_busy_s`` seconds the opposite direction is also busy, and this copy runs at
     ``duplex_fraction`` of its bandwidth (measured: 49.5 of 55.2 GB/s on the H200 link); after that at full rate.
     """
-    bw = link_bytes_per_s(hw, nbytes, direction, pinned)
+    bw = link_bytes_per_s(hw, nbytes, direction, pinned, relay)
     if _is_number(nbytes) and nbytes <= 0:
         return 0.0
     if other_busy_s > 0 and _is_number(nbytes):
@@ -600,7 +605,7 @@ def gather_seconds(hw: HardwareSpec, nbytes, copies: int) -> float:
     return copies * (hw.kernel_overhead_s + 2 * nbytes / hw.gpu_hbm_bytes_per_s)
 
 
-def duplex_rate(op, model: ModelSpec, hw: HardwareSpec) -> float | None:
+def duplex_rate(op, model: ModelSpec, hw: HardwareSpec, pageable_copy: str = "") -> float | None:
     """For an op whose ``op_seconds`` depends on how long the opposite PCIe direction stays busy (a non-empty h2d or
     d2h copy priced by ``transfer_seconds``): its full rate, so that ``duplex_seconds(hw, op.nbytes, rate,
     other_busy_s)`` is ``op_seconds(op, ..., other_busy_s)`` for any ``other_busy_s`` > 0. None for any other op (its
@@ -611,12 +616,12 @@ def duplex_rate(op, model: ModelSpec, hw: HardwareSpec) -> float | None:
     if hw.op_times and getattr(op, "tensor", None) in COPY_TABLE_TENSORS \
             and op_table(hw, model, "copy", f"{k}_{op.tensor}") is not None:
         return None
-    return link_bytes_per_s(hw, op.nbytes, k, op.pinned)
+    return link_bytes_per_s(hw, op.nbytes, k, op.pinned, pageable_copy == "relay")
 
 
 def op_seconds(op, model: ModelSpec, hw: HardwareSpec, other_busy_s: float = 0.0, disk_cached: bool = False,
                graph_q_tokens: int = GRAPH_MAX_Q_TOKENS, comp: Compression = NO_COMPRESSION,
-               gather_copies: int = 0, cpu_attention_impl: str = "") -> float:
+               gather_copies: int = 0, cpu_attention_impl: str = "", pageable_copy: str = "") -> float:
     """Duration of one plan op (see ``offsim.core.plan.Op``). ``other_busy_s``: for PCIe copies, how long the opposite
     direction stays busy from this op's start (duplex). ``disk_cached``: the plan's disk tier is page-cached.
     ``graph_q_tokens``: the plan's ``graph_q_tokens`` (decode ops of up to this many query tokens replayed as CUDA
@@ -624,7 +629,8 @@ def op_seconds(op, model: ModelSpec, hw: HardwareSpec, other_busy_s: float = 0.0
     are already its stored size; a compute op adds its dequantize / quantize passes and sparse attention.
     ``gather_copies``: the plan's ``weight_gather_copies``: a weight copy to the GPU is followed, on its stream, by
     that many device copies of its bytes (``gather_seconds``). ``cpu_attention_impl``: the plan's
-    ``cpu_attention_impl`` (whose CPU attention path prices its cpu_compute ops)."""
+    ``cpu_attention_impl`` (whose CPU attention path prices its cpu_compute ops). ``pageable_copy``: the plan's
+    ``pageable_copy`` ('relay': its unpinned copies are staged through a pinned copy, ``link_bytes_per_s``)."""
     k = op.kind
     if k == "compute":
         g = bool(graph_q_tokens) and graphed(k, op.part, op.q_tokens, op.phase, graph_q_tokens)
@@ -636,7 +642,8 @@ def op_seconds(op, model: ModelSpec, hw: HardwareSpec, other_busy_s: float = 0.0
             curve = op_table(hw, model, "copy", f"{k}_{op.tensor}")
             if curve is not None:
                 return table_seconds(curve, op.nbytes)
-        t = transfer_seconds(hw, op.nbytes, k, pinned=op.pinned, other_busy_s=other_busy_s)
+        t = transfer_seconds(hw, op.nbytes, k, pinned=op.pinned, other_busy_s=other_busy_s,
+                             relay=pageable_copy == "relay")
         if gather_copies and k == "h2d" and getattr(op, "tensor", "") == "weight":
             t += gather_seconds(hw, op.nbytes, gather_copies)
         return t

@@ -49,6 +49,7 @@ from offsim.core.specs import ModelSpec, Workload
 
 PLAN_SCHEMA = "offsim.plan/1"
 CPU_ATTENTION_IMPLS = ("", "flexgen")  # whose CPU attention path a plan's cpu_compute ops run (Plan.cpu_attention_impl)
+PAGEABLE_COPIES = ("", "relay")  # how a plan's unpinned copies move (Plan.pageable_copy)
 KINDS = ("compute", "cpu_compute", "h2d", "d2h", "disk_read", "disk_write")
 # a GPU-to-GPU copy (pipeline parallelism): only in plans with stages, so not among the KINDS that single-GPU
 # summaries list
@@ -302,6 +303,10 @@ class Plan:
     # whose CPU attention the plan's cpu_compute ops run: '' offexec's (the profile's ('cpu', 'attn_ctx:B') rows), or
     # 'flexgen' FlexGen's own fp32 path (``flexgen-ref``: rows 'attn_ctx_flexgen:B', ``costmodel.cpu_attention_seconds``)
     cpu_attention_impl: str = ""
+    # how its unpinned copies (``Op.pinned`` false) move: '' a plain copy from pageable memory (the profile's
+    # ``h2d_pageable`` / ``d2h_pageable``), or 'relay' staged by the caller through a pinned copy of its own
+    # (FlexGen's ``general_copy``, ``flexgen-ref``: the profile's ``h2d_relay`` / ``d2h_relay`` where measured)
+    pageable_copy: str = ""
 
     @property
     def num_devices(self) -> int:
@@ -378,6 +383,8 @@ class Plan:
             extra["weight_gather_copies"] = self.weight_gather_copies
         if self.cpu_attention_impl:  # (likewise)
             extra["cpu_attention_impl"] = self.cpu_attention_impl
+        if self.pageable_copy:  # (likewise)
+            extra["pageable_copy"] = self.pageable_copy
         return {"schema": PLAN_SCHEMA, "model": self.model.to_dict(), "workload": self.workload.to_dict(),
                 "policy": self.policy, "settings": self.settings, "capacity": self.capacity,
                 "resident": self.resident, "weight_split": [list(x) for x in self.weight_split], "kv_split": list(self.kv_split),
@@ -415,7 +422,8 @@ class Plan:
                        run_ahead=_run_ahead(d.get("run_ahead", list(RUN_AHEAD_OPS))),
                        stages=[dict(st) for st in stages], nodes=[dict(x) for x in d.get("nodes", [])],
                        weight_gather_copies=d.get("weight_gather_copies", 0),
-                       cpu_attention_impl=d.get("cpu_attention_impl", ""))
+                       cpu_attention_impl=d.get("cpu_attention_impl", ""),
+                       pageable_copy=d.get("pageable_copy", ""))
         except KeyError as e:
             raise PlanError(f"{where}: missing field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
@@ -438,6 +446,8 @@ class Plan:
             body["weight_gather_copies"] = self.weight_gather_copies
         if self.cpu_attention_impl:  # (likewise)
             body["cpu_attention_impl"] = self.cpu_attention_impl
+        if self.pageable_copy:  # (likewise)
+            body["pageable_copy"] = self.pageable_copy
         return hashlib.sha256(json.dumps(body, separators=(",", ":")).encode()).hexdigest()
 
     def save(self, path: str | Path) -> None:
@@ -471,6 +481,9 @@ class Plan:
         if self.cpu_attention_impl not in CPU_ATTENTION_IMPLS:
             raise PlanError(f"plan: cpu_attention_impl must be one of {CPU_ATTENTION_IMPLS} ('': offexec's), got "
                             f"{self.cpu_attention_impl!r}")
+        if self.pageable_copy not in PAGEABLE_COPIES:
+            raise PlanError(f"plan: pageable_copy must be one of {PAGEABLE_COPIES} ('': a plain pageable copy), got "
+                            f"{self.pageable_copy!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise PlanError(f"plan: cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         if isinstance(self.graph_max_q_tokens, bool) or not isinstance(self.graph_max_q_tokens, int) \

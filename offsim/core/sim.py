@@ -118,14 +118,16 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
         other = _OPPOSITE.get(op.kind)
         other_busy = max(0.0, busy_until[other] - now) if other else 0.0
         if other_busy > 0.0:
-            return costmodel.op_seconds(op, model, hw, other_busy, disk_cached, plan.graph_q_tokens, comp, gather)
+            return costmodel.op_seconds(op, model, hw, other_busy, disk_cached, plan.graph_q_tokens, comp, gather,
+                                        pageable_copy=plan.pageable_copy)
         key = (op.kind, op.part, op.num_seqs, op.q_tokens, op.ctx_tokens, op.nbytes, op.pinned, op.tensor)
         d = duration_cache.get(key)
         if d is None:
             d = duration_cache[key] = costmodel.op_seconds(op, model, hw, disk_cached=disk_cached,
                                                            graph_q_tokens=plan.graph_q_tokens, comp=comp,
                                                            gather_copies=gather,
-                                                           cpu_attention_impl=plan.cpu_attention_impl)
+                                                           cpu_attention_impl=plan.cpu_attention_impl,
+                                                           pageable_copy=plan.pageable_copy)
         return d
 
     # the host issues ops one after another in plan order (a single issuing thread); an op cannot start before
@@ -238,7 +240,8 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
                     dt = duration_cache[key] = costmodel.op_seconds(op, model, hw, disk_cached=disk_cached,
                                                                     graph_q_tokens=plan.graph_q_tokens, comp=comp,
                                                                     gather_copies=gather,
-                                                                    cpu_attention_impl=plan.cpu_attention_impl)
+                                                                    cpu_attention_impl=plan.cpu_attention_impl,
+                                                                    pageable_copy=plan.pageable_copy)
                 dt += captures.get(op.id, 0.0)
             busy_until[op.stream] = now + dt
             yield env.timeout(dt)
@@ -421,7 +424,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
             d = cache[key] = costmodel.network_p2p_seconds(hw, nb) if key[0] == "network" else \
                 costmodel.op_seconds(op_at(i), model, hw, disk_cached=disk_cached,
                                      graph_q_tokens=plan.graph_q_tokens, comp=comp, gather_copies=gather,
-                                     cpu_attention_impl=plan.cpu_attention_impl)
+                                     cpu_attention_impl=plan.cpu_attention_impl, pageable_copy=plan.pageable_copy)
         dur0[i] = d
     # a copy that starts while the opposite direction is busy is priced for the overlap: ``op_seconds`` with that
     # overlap is ``duplex_seconds`` at the copy's full rate, looked up once per copy shape (the key of ``cache``)
@@ -437,7 +440,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
         x = rates.get(key, rates)
         if x is rates:
             op = op_at(i)
-            bw = costmodel.duplex_rate(op, model, hw)
+            bw = costmodel.duplex_rate(op, model, hw, plan.pageable_copy)
             extra = costmodel.gather_seconds(hw, op.nbytes, gather) \
                 if gather and op.kind == "h2d" and getattr(op, "tensor", "") == "weight" else 0.0
             x = rates[key] = None if bw is None else (bw, extra)

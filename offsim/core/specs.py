@@ -466,6 +466,12 @@ class HardwareSpec:
     # stages on different nodes, GPU -> host -> network -> host -> GPU, ``costmodel.network_p2p_seconds``).
     # 0: not given, then a plan over several nodes is refused
     network_bytes_per_s: float = 0.0
+    # a copy between unpinned host memory and the GPU that the caller stages through a pinned copy of its own
+    # (FlexGen's ``general_copy``: ``src.pin_memory()``, then the transfer; a D2H into a pinned buffer, then a copy
+    # out): x = bytes, y = bytes/s of one such copy. A plan with ``pageable_copy`` 'relay' prices its unpinned copies
+    # with these; () not measured, then at the pageable curves (a plain copy from pageable memory)
+    h2d_relay: Curve = ()
+    d2h_relay: Curve = ()
 
     def __post_init__(self):
         for f in ("gpu_mem_bytes", "gpu_peak_flops", "gpu_hbm_bytes_per_s", "cpu_mem_bytes", "cpu_attention_flops",
@@ -503,6 +509,12 @@ class HardwareSpec:
                 raise OffsimError(f"hardware {self.name}: {f} must be a non-empty list of positive [x, y] pairs")
             if any(a[0] >= b[0] for a, b in zip(c, c[1:])):
                 raise OffsimError(f"hardware {self.name}: {f} x values must increase")
+        for f in ("h2d_relay", "d2h_relay"):  # optional: empty where not measured
+            c = getattr(self, f)
+            if any(len(p) != 2 or not p[0] > 0 or not p[1] > 0 for p in c) \
+                    or any(a[0] >= b[0] for a, b in zip(c, c[1:])):
+                raise OffsimError(f"hardware {self.name}: {f} must be a list of positive [bytes, bytes/s] pairs with "
+                                  "bytes increasing (empty: not measured)")
 
     def with_(self, **changes) -> "HardwareSpec":
         """A copy with fields replaced (e.g. a smaller GPU memory budget)."""
@@ -512,19 +524,20 @@ class HardwareSpec:
         return HardwareSpec.from_dict(d)
 
     def scaled_link(self, factor: float) -> "HardwareSpec":
-        """A copy whose PCIe bandwidths (all four curves) are multiplied by ``factor`` (> 0)."""
+        """A copy whose PCIe bandwidths (the pinned, pageable and relay curves) are multiplied by ``factor`` (> 0)."""
         if not factor > 0:
             raise OffsimError(f"a link bandwidth factor must be positive, got {factor}")
         sc = lambda c: tuple((x, y * factor) for x, y in c)  # noqa: E731
         return self.with_(h2d_pinned=sc(self.h2d_pinned), d2h_pinned=sc(self.d2h_pinned),
-                          h2d_pageable=sc(self.h2d_pageable), d2h_pageable=sc(self.d2h_pageable))
+                          h2d_pageable=sc(self.h2d_pageable), d2h_pageable=sc(self.d2h_pageable),
+                          h2d_relay=sc(self.h2d_relay), d2h_relay=sc(self.d2h_relay))
 
     def to_dict(self) -> dict:
         d = {"schema": HARDWARE_SCHEMA}
         for f in fields(self):
             v = getattr(self, f.name)
             if (f.name in ("gpu_link_bytes_per_s", "quant_store_bytes_per_s", "quant_weight_bytes_per_s",
-                           "network_bytes_per_s") and not v) \
+                           "network_bytes_per_s", "h2d_relay", "d2h_relay") and not v) \
                     or (f.name == "link_concurrent_fraction" and v == 1.0):
                 continue  # (not measured: left out, so profiles written before the field read back the same)
             if f.name == "op_times":

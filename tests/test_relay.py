@@ -1,0 +1,67 @@
+"""Unpinned copies staged through a pinned copy (FlexGen's ``general_copy``): the profile's relay curves, the plan's
+``pageable_copy``, and how the cost model and both engines price them."""
+import json
+
+import pandas as pd
+import pytest
+
+from offsim import Workload, build_plan
+from offsim.core import costmodel as C
+from offsim.core.errors import OffsimError
+from offsim.core.plan import Plan, PlanError
+from offsim.core.sim import simulate, simulate_simpy
+from offsim.core.specs import HardwareSpec, get_hardware
+
+GB = 1e9
+RELAY = [[1 << 20, 8 * GB], [1 << 30, 12 * GB]]  # between the H200 preset's pageable and pinned rates
+
+
+@pytest.fixture
+def h200_relay():
+    return get_hardware("h200").with_(h2d_relay=RELAY, d2h_relay=RELAY)
+
+
+def test_relay_curves_round_trip_and_are_checked(h200_relay):
+    back = HardwareSpec.from_dict(json.loads(json.dumps(h200_relay.to_dict())))
+    assert back.h2d_relay == h200_relay.h2d_relay and back.d2h_relay == h200_relay.d2h_relay
+    assert "h2d_relay" not in get_hardware("h200").to_dict()  # not measured: left out of the file
+    assert h200_relay.scaled_link(2.0).h2d_relay[-1][1] == 2 * RELAY[-1][1]
+    with pytest.raises(OffsimError, match="h2d_relay must be a list of positive"):
+        h200_relay.with_(h2d_relay=[[1 << 30, 1e9], [1 << 20, 1e9]])
+
+
+def test_relay_prices_unpinned_copies_only(h200_relay):
+    n = 1 << 30
+    plain = get_hardware("h200")
+    assert C.link_bytes_per_s(h200_relay, n, "h2d", pinned=False, relay=True) == pytest.approx(12 * GB)
+    assert C.link_bytes_per_s(h200_relay, n, "h2d", pinned=False) == C.link_bytes_per_s(plain, n, "h2d", False)
+    assert C.link_bytes_per_s(h200_relay, n, "d2h", pinned=True, relay=True) == C.link_bytes_per_s(plain, n, "d2h")
+    # not measured: a relay copy is priced as a pageable one
+    assert C.link_bytes_per_s(plain, n, "h2d", pinned=False, relay=True) == C.link_bytes_per_s(plain, n, "h2d", False)
+
+
+def test_flexgen_ref_plans_relay_their_kv(tiny_opt):
+    """flexgen-ref's KV is unpinned and relayed: with a relay far slower than the pageable rate its run is slower,
+    with the same trace in both engines; the ideal flexgen plan (pinned KV, no relay) does not change. The field
+    round-trips, enters the fingerprint and is checked."""
+    plain = get_hardware("h200")
+    slow = [[1 << 20, 0.1 * GB], [1 << 30, 0.1 * GB]]
+    hw = plain.with_(h2d_relay=slow, d2h_relay=slow)
+    wl = Workload(32, 4, 4, 2)
+    st = {"percent": (0, 100, 0, 100, 100, 0)}
+    ref = build_plan("flexgen-ref", tiny_opt, hw, wl, st)
+    ideal = build_plan("flexgen", tiny_opt, hw, wl, st)
+    assert ref.pageable_copy == "relay" and ideal.pageable_copy == ""
+    assert any(not o.pinned for o in ref.ops if o.kind in ("h2d", "d2h"))
+    assert simulate(ref, hw).metrics()["total_s"] > simulate(ref, plain).metrics()["total_s"]
+    pd.testing.assert_frame_equal(simulate(ideal, hw).df, simulate(ideal, plain).df, check_exact=True)
+    pd.testing.assert_frame_equal(simulate(ref, hw).df, simulate_simpy(ref, hw).df, check_exact=True)
+    back = Plan.from_dict(json.loads(json.dumps(ref.to_dict())))
+    assert back.pageable_copy == "relay" and back.fingerprint() == ref.fingerprint()
+    d = ref.to_dict()
+    d.pop("pageable_copy")
+    assert Plan.from_dict(d).fingerprint() != ref.fingerprint()
+    assert "pageable_copy" not in ideal.to_dict()
+    d["pageable_copy"] = "dma"
+    with pytest.raises(PlanError, match="pageable_copy must be one of"):
+        Plan.from_dict(d).validate()
