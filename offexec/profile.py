@@ -576,6 +576,71 @@ def profile_graph_recompute(spec, device: str = "cuda", batches=(1, 4, 16, 64), 
     return [[layer_key(spec), "graph_tokens", part, pts] for part, pts in sorted(curves.items())]
 
 
+def profile_graph_new_q(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompt: int = 4,
+                        progress: bool = True) -> list:
+    """Rows ('capture', 'new_q:PART', [[rows, s], ...]): what a graphed decode op costs at the first layer of a step
+    where TightLLM's recompute reaches a query count q the run has not captured before, beyond what the same step's
+    op costs at the next layer (which captures too), by rows = sequences x q. Measured on the H200 inside a run
+    (results/validation/calib_misses.md: 61-87 ms at the first layer against about 1.2 ms at the others) and
+    priced by ``sim._capture_extras``. Two-layer TightLLM plans with a ``prompt``-token prompt, the KV cache and
+    the activations in host memory, N_r capped at ``GRAPH_MAX_Q_TOKENS`` - 1 on a link slow enough that recomputing
+    always wins: N_r = min(cap, context) grows by one each step, so q is new at each of the first steps. The run's
+    first capture (step 1, which also sets up the graphs' pool: the 'capture', 'first' row) is left out; each plan
+    runs once unmeasured first. Points where the first layer was not slower are left out."""
+    import dataclasses
+
+    import torch
+
+    from offexec.executor import run_plan
+    from offexec.weights import random_weights
+    from offsim.core.costmodel import GRAPH_MAX_Q_TOKENS, graphed
+    from offsim.core.specs import Workload, layer_key, load_hardware_preset
+    from offsim.policies.registry import build_plan
+
+    small = dataclasses.replace(spec, num_layers=2)
+    dt = torch.float16 if spec.dtype_bytes == 2 else torch.float32
+    weights = random_weights(small, 0, dt, device=device, pinned=device == "cuda", progress=False)
+    h200 = load_hardware_preset("h200")
+    hw = h200.with_(h2d_pinned=tuple((x, y * 1e-3) for x, y in h200.h2d_pinned))  # recomputing always wins
+    cap = GRAPH_MAX_Q_TOKENS - 1
+    gen_len = cap - prompt + 3  # q = prompt + 1 at step 1, then one more each step up to cap + 1, then steady
+    samples: dict[tuple, list] = {}
+    try:
+        from tqdm import tqdm
+
+        it = tqdm(batches, desc=f"new-q captures {spec.name}", unit="run", file=sys.stderr, disable=not progress)
+    except ImportError:  # pragma: no cover
+        it = batches
+    try:
+        for b in it:
+            settings = {"percent": [100, 0, 0, 100, 0, 100], "max_recompute_tokens": cap, "kv_solver": "exact"}
+            plan = build_plan("tightllm", small, hw, Workload(prompt, gen_len, b, 1), settings)
+            graphs = "cuda" if device == "cuda" else "static"
+            run_plan(plan, weights, device, graphs=graphs, allocator_cap="budget")  # unmeasured: see profile_ops
+            res = run_plan(plan, weights, device, graphs=graphs, allocator_cap="budget")
+            dur = dict(zip(res.trace.df["op_id"], res.trace.df["end_s"] - res.trace.df["start_s"]))
+            by_step: dict[tuple, dict] = {}  # (step, part, q, sequences) -> {layer: seconds}
+            for op in plan.ops:
+                if op.kind == "compute" and op.phase == "decode" and op.q_tokens > 1 and \
+                        graphed(op.kind, op.part, op.q_tokens, op.phase, plan.graph_q_tokens):
+                    by_step.setdefault((op.step, op.part, op.q_tokens, op.num_seqs), {})[op.layer] = dur[op.id]
+            seen = set()
+            first_step = min((k[0] for k in by_step), default=0)
+            for (step, part, q, n), t in sorted(by_step.items()):
+                if (part, q) in seen:
+                    continue
+                seen.add((part, q))
+                if step > first_step and 0 in t and 1 in t and t[0] > t[1]:
+                    samples.setdefault((part, n * q), []).append(t[0] - t[1])
+            del res
+    finally:
+        weights.close()
+    curves: dict[str, list] = {}
+    for (part, x), ts in sorted(samples.items()):
+        curves.setdefault(part, []).append([float(x), float(statistics.median(ts))])
+    return [[layer_key(spec), "capture", f"new_q:{part}", pts] for part, pts in sorted(curves.items())]
+
+
 def profile_attention(spec, device: str, peak_flops: float, reps: int = 10) -> list:
     """Op-table rows of causal GPU attention's FLOP efficiency by context for one model's heads (GQA included),
     through ``offexec.model.attention`` over the executor's KV layout (views of a [ctx, 2, batch, heads, head_dim]
@@ -915,11 +980,15 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
             continue
         if capture_only:
             rows += profile_ops(spec, device, batches=batches, capture_only=True)
+            if device == "cuda":
+                rows += profile_graph_new_q(spec, device, batches=batches)
             continue
         if not (attention_only or recompute_only):
             rows += profile_ops(spec, device, batches=batches)
         if not attention_only and device == "cuda":
             rows += profile_graph_recompute(spec, device, batches=batches)
+            if not recompute_only:
+                rows += profile_graph_new_q(spec, device, batches=batches)
         if not recompute_only:
             rows += profile_attention(spec, device, float(d["gpu_peak_flops"]))
     keys = {(r[0], r[1], r[2]) for r in rows}

@@ -624,6 +624,41 @@ def test_graph_captures_cost_the_profiles_capture_rows_at_each_keys_first_op():
     assert (dur(hw) == dur(base)).all()
 
 
+def test_first_capture_at_a_new_query_count_costs_the_new_q_row():
+    """TightLLM's recompute reaches a new query count q at several decode steps (N_r grows with the context up to its
+    cap): where the profile has ('capture', 'new_q:PART') rows, the first op at each new q > 1 adds that row at its
+    rows (sequences x q) to its capture, the other layers' captures at that q do not; and the per-layer capture row
+    is then read flat past its largest size. Without the new_q row nothing changes. Both engines."""
+    cap = ((KEY, "capture", "layer", ((1.0, 5e-3), (8.0, 6e-3))), (KEY, "capture", "first", ((1.0, 0.05), (8.0, 0.07))))
+    new_q = ((KEY, "capture", "new_q:layer", ((2.0, 0.02), (64.0, 0.04))),)
+    base, hw = H200.with_(op_times=ROWS + cap), H200.with_(op_times=ROWS + cap + new_q)
+    slow = tuple((x, y * 1e-3) for x, y in H200.h2d_pinned)  # recomputing always wins: N_r = min(cap, context)
+    settings = {"percent": [100, 0, 0, 100, 0, 100], "max_recompute_tokens": 7, "kv_solver": "exact"}
+    plan = build_plan("tightllm", M, base.with_(h2d_pinned=slow), Workload(4, 6, 2, 1), settings)
+    graphed = [op for op in plan.ops if C.graphed(op.kind, op.part, op.q_tokens, op.phase, plan.graph_q_tokens)]
+    qs = sorted({op.q_tokens for op in graphed})
+    assert len([q for q in qs if q > 1]) >= 3  # q grows over the first steps
+    dur = lambda h: (lambda df: (df.end_s - df.start_s).to_numpy())(same_traces(plan, h).df)  # noqa: E731
+    extra = dur(hw) - dur(base)
+    expect, seen_key, seen_q = [0.0] * len(plan.ops), set(), set()
+    graph = curve(hw, "graph", "layer")
+    for op in graphed:
+        key = (op.part, op.q_tokens, op.layer)
+        if key in seen_key:
+            continue
+        rows = op.num_seqs * op.q_tokens
+        flat = min(rows, 8.0)  # the capture row read flat past its largest size, with the new_q row present
+        if seen_key:  # (the run's first capture costs the 'first' row, as before)
+            expect[op.id] = (C.table_seconds(curve(hw, "capture", "layer"), flat) - C.table_seconds(graph, flat)) \
+                - (C.table_seconds(curve(hw, "capture", "layer"), rows) - C.table_seconds(graph, rows))
+        if op.q_tokens > 1 and (op.part, op.q_tokens) not in seen_q:
+            expect[op.id] += C.table_seconds(curve(hw, "capture", "new_q:layer"), rows)
+        seen_key.add(key)
+        seen_q.add((op.part, op.q_tokens))
+    assert sum(1 for e in expect if e > 0.015) == len([q for q in qs if q > 1])  # one new_q charge per new q
+    assert extra == pytest.approx(expect, abs=1e-12)
+
+
 def test_copy_issue_costs_follow_the_profiles_issue_rows():
     """A copy whose handler (KIND_TENSOR) has an 'issue' row costs that row at its bytes to issue, in both engines;
     other copies cost ``issue_copy_s``; a cost function asked without the model reads no rows."""
@@ -797,3 +832,20 @@ def test_profile_flexgen_own_mha_gen_on_cuda():
     assert [r[2] for r in rows] == ["attn_ctx_flexgen:1", "attn_ctx_flexgen:4"]
     assert all(t > 0 for r in rows for _, t in r[3])
     assert rows[1][3][1][1] > rows[1][3][0][1]
+
+
+def test_profile_new_q_captures_on_the_cpu():
+    """``profile_graph_new_q`` runs TightLLM plans whose query count grows step by step and returns well-formed
+    ('capture', 'new_q:PART') rows by rows = sequences x q (on the CPU with static graphs: the shape, not the
+    H200's numbers)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from offexec.profile import profile_graph_new_q
+    from offexec.testing import tiny_hf
+
+    _, spec = tiny_hf("opt")
+    rows = profile_graph_new_q(spec, "cpu", batches=(1, 2), progress=False)
+    HardwareSpec.from_dict({**H200.to_dict(), "op_times": [[k, m, p, c] for k, m, p, c in rows]})  # loads
+    for k, m, p, c in rows:
+        assert k == layer_key(spec) and m == "capture" and p.startswith("new_q:")
+        assert [x for x, _ in c] == sorted({x for x, _ in c}) and all(t > 0 for _, t in c)

@@ -551,7 +551,22 @@ def capture_extra_seconds(model: ModelSpec, hw: HardwareSpec, part: str, rows: i
     rep = op_table(hw, model, "graph", part)
     if cap is None or rep is None:
         return 0.0
+    if op_table(hw, model, "capture", f"new_q:{part}") is not None:
+        # what a capture adds is the issuing thread's work (the static body's launches, recording, instantiating):
+        # its kernel count does not grow with the rows, so past the row's largest size it is read flat. Only where
+        # the profile also prices the first capture at a new query count (``new_q_capture_seconds``): without that
+        # row the proportional extrapolation had stood in for it (results/validation/calib_misses.md)
+        rows = min(rows, cap[-1][0])
     return max(0.0, table_seconds(cap, rows) - table_seconds(rep, rows))
+
+
+def new_q_capture_seconds(model: ModelSpec, hw: HardwareSpec, part: str, rows: int) -> float:
+    """What offexec's first graphed decode op at a query count q > 1 that the run has not captured before costs
+    beyond any other layer's capture at that step (the profile's ('capture', 'new_q:PART') row by rows = sequences x
+    q: ``offexec profile --ops M``'s ``profile_graph_new_q``); 0 where the profile has no such row. The simulator
+    charges it to the host with the op's capture (``sim._capture_extras``)."""
+    row = op_table(hw, model, "capture", f"new_q:{part}")
+    return 0.0 if row is None else table_seconds(row, rows)
 
 
 def issue_seconds(op, hw: HardwareSpec, graph_q_tokens: int = 0, model: ModelSpec | None = None) -> float:

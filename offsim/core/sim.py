@@ -295,11 +295,13 @@ def _capture_extras(plan: Plan, rows: list, hw: HardwareSpec) -> dict[int, float
     or without the profile's 'capture' rows. Both engines add these to the ops' issue costs -- a capture is host work
     (the static body's launches, recording, instantiating), which the host overlaps with the GPU's earlier ops --
     or, for a runtime without issue costs, to the ops' durations. (On the calibration set the first decode step then
-    comes out within a few ms of offexec's, where priced as GPU time it was 10-20 ms long.)"""
+    comes out within a few ms of offexec's, where priced as GPU time it was 10-20 ms long.) The first op at each
+    query count q > 1 (a TightLLM recompute of a new length) adds the profile's ('capture', 'new_q:PART') row
+    (``costmodel.new_q_capture_seconds``)."""
     gq = plan.graph_q_tokens
     if not gq or not hw.op_times or costmodel.op_table(hw, plan.model, "capture", "first") is None:
         return {}
-    seen, out = set(), {}
+    seen, seen_q, out = set(), set(), {}
     for i, r in enumerate(rows):
         if r[0] != "compute":
             continue
@@ -310,8 +312,12 @@ def _capture_extras(plan: Plan, rows: list, hw: HardwareSpec) -> dict[int, float
         key = (part, q, r[4], r[5] if part in ("layer", "attn_layer") else -1)
         if key in seen:
             continue
-        t = costmodel.capture_extra_seconds(plan.model, hw, part, kw.get("num_seqs", 0) * q, not seen)
+        n_rows = kw.get("num_seqs", 0) * q
+        t = costmodel.capture_extra_seconds(plan.model, hw, part, n_rows, not seen)
+        if q > 1 and (part, q) not in seen_q:  # the run's first op at this query count (TightLLM's recompute)
+            t += costmodel.new_q_capture_seconds(plan.model, hw, part, n_rows)
         seen.add(key)
+        seen_q.add((part, q))
         if t:
             out[i] = t
     return out
