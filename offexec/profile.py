@@ -522,58 +522,74 @@ def profile_cpu_attention_flexgen_own(spec, device: str = "cuda", batches=(1, 4,
     return _flexgen_attention_rows(spec, batches, contexts, reps, make_op)
 
 
-def profile_graph_recompute(spec, device: str = "cuda", batches=(1, 4, 16, 64), q_tokens=(2, 4, 8),
-                            gen_len: int = 8, progress: bool = True) -> list:
-    """Op-table rows ('graph_tokens', part, [[rows, s], ...]) of TightLLM's decode ops that recompute N_r tokens
-    beside the new one (q = N_r + 1 query tokens, up to ``costmodel.GRAPH_MAX_Q_TOKENS``), replayed as CUDA graphs
-    as offexec runs them, by rows (sequences x q). Two-layer TightLLM plans of the model, weights on the GPU and
-    the KV cache in host memory (so that recomputing is worth it), N_r capped at q - 1, each run once unmeasured;
-    the median of each op size's decode ops after the step that captures its graphs."""
+def _tightllm_probe_runs(spec, device: str, runs, desc: str, progress: bool):
+    """For each (sequences, prompt, gen_len, N_r cap, percent) of ``runs``: (sequences, plan, measured result) of a
+    two-layer TightLLM plan of the model, run through ``run_plan`` once unmeasured first (see ``profile_ops``). The
+    plans are built on an H200 whose host-to-GPU link is a thousand times slower: recomputing always beats loading,
+    so N_r = min(cap, context) (only the plan's shape matters here)."""
     import dataclasses
 
     import torch
 
     from offexec.executor import run_plan
     from offexec.weights import random_weights
-    from offsim.core.costmodel import GRAPH_MAX_Q_TOKENS, graphed
-    from offsim.core.specs import Workload, layer_key, load_hardware_preset
+    from offsim.core.specs import Workload, load_hardware_preset
     from offsim.policies.registry import build_plan
 
     small = dataclasses.replace(spec, num_layers=2)
     dt = torch.float16 if spec.dtype_bytes == 2 else torch.float32
     weights = random_weights(small, 0, dt, device=device, pinned=device == "cuda", progress=False)
-    # plans built on an H200 whose host-to-GPU link is a thousand times slower: recomputing always beats loading,
-    # so N_r is the cap and every decode layer op has exactly q query tokens (only the plan's shape matters here)
     h200 = load_hardware_preset("h200")
     hw = h200.with_(h2d_pinned=tuple((x, y * 1e-3) for x, y in h200.h2d_pinned))
-    prompt = 2 * max(q_tokens)  # room for N_r recomputed prompt tokens
-    samples: dict[tuple, list] = {}
-    runs = [(b, q) for b in batches for q in q_tokens if 1 < q <= GRAPH_MAX_Q_TOKENS]
+    graphs = "cuda" if device == "cuda" else "static"
     try:
         from tqdm import tqdm
 
-        it = tqdm(runs, desc=f"recompute graphs {spec.name}", unit="run", file=sys.stderr, disable=not progress)
+        it = tqdm(runs, desc=f"{desc} {spec.name}", unit="run", file=sys.stderr, disable=not progress)
     except ImportError:  # pragma: no cover
         it = runs
     try:
-        for b, q in it:
-            settings = {"percent": [100, 0, 0, 100, 100, 0], "max_recompute_tokens": q - 1, "kv_solver": "exact"}
+        for b, prompt, gen_len, cap, percent in it:
+            settings = {"percent": percent, "max_recompute_tokens": cap, "kv_solver": "exact"}
             plan = build_plan("tightllm", small, hw, Workload(prompt, gen_len, b, 1), settings)
-            graphs = "cuda" if device == "cuda" else "static"
-            run_plan(plan, weights, device, graphs=graphs, allocator_cap="budget")  # unmeasured: see profile_ops
-            res = run_plan(plan, weights, device, graphs=graphs, allocator_cap="budget")
-            for r in res.trace.df.itertuples():
-                op = plan.ops[r.op_id]
-                if op.step >= 2 and op.q_tokens > 1 and graphed(op.kind, op.part, op.q_tokens, op.phase,
-                                                                plan.graph_q_tokens):
-                    samples.setdefault((op.part, op.num_seqs * op.q_tokens), []).append(r.end_s - r.start_s)
-            del res
+            run_plan(plan, weights, device, graphs=graphs, allocator_cap="budget")
+            yield b, plan, run_plan(plan, weights, device, graphs=graphs, allocator_cap="budget")
     finally:
         weights.close()
+
+
+def _median_rows(spec, samples: dict, mode: str, prefix: str = "") -> list:
+    """Op-table rows [layer key, mode, prefix + part, [[x, median s], ...]] from {(part, x): [seconds, ...]}."""
+    from offsim.core.specs import layer_key
+
     curves: dict[str, list] = {}
     for (part, x), ts in sorted(samples.items()):
         curves.setdefault(part, []).append([float(x), float(statistics.median(ts))])
-    return [[layer_key(spec), "graph_tokens", part, pts] for part, pts in sorted(curves.items())]
+    return [[layer_key(spec), mode, prefix + part, pts] for part, pts in sorted(curves.items())]
+
+
+def profile_graph_recompute(spec, device: str = "cuda", batches=(1, 4, 16, 64), q_tokens=(2, 4, 8),
+                            gen_len: int = 8, progress: bool = True) -> list:
+    """Op-table rows ('graph_tokens', part, [[rows, s], ...]) of TightLLM's decode ops that recompute N_r tokens
+    beside the new one (q = N_r + 1 query tokens, up to ``costmodel.GRAPH_MAX_Q_TOKENS``), replayed as CUDA graphs
+    as offexec runs them, by rows (sequences x q). Two-layer TightLLM plans of the model, weights on the GPU and
+    the KV cache in host memory (so that recomputing is worth it), N_r capped at q - 1 (the prompt leaves room for
+    it, so every decode layer op has exactly q query tokens), each run once unmeasured; the median of each op
+    size's decode ops after the step that captures its graphs."""
+    from offsim.core.costmodel import GRAPH_MAX_Q_TOKENS, graphed
+
+    prompt = 2 * max(q_tokens)  # room for N_r recomputed prompt tokens
+    runs = [(b, prompt, gen_len, q - 1, [100, 0, 0, 100, 100, 0])
+            for b in batches for q in q_tokens if 1 < q <= GRAPH_MAX_Q_TOKENS]
+    samples: dict[tuple, list] = {}
+    for _, plan, res in _tightllm_probe_runs(spec, device, runs, "recompute graphs", progress):
+        for r in res.trace.df.itertuples():
+            op = plan.ops[r.op_id]
+            if op.step >= 2 and op.q_tokens > 1 and graphed(op.kind, op.part, op.q_tokens, op.phase,
+                                                            plan.graph_q_tokens):
+                samples.setdefault((op.part, op.num_seqs * op.q_tokens), []).append(r.end_s - r.start_s)
+        del res  # before the next run
+    return _median_rows(spec, samples, "graph_tokens")
 
 
 def profile_graph_new_q(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompt: int = 4,
@@ -583,62 +599,33 @@ def profile_graph_new_q(spec, device: str = "cuda", batches=(1, 4, 16, 64), prom
     op costs at the next layer (which captures too), by rows = sequences x q. Measured on the H200 inside a run
     (results/validation/calib_misses.md: 61-87 ms at the first layer against about 1.2 ms at the others) and
     priced by ``sim._capture_extras``. Two-layer TightLLM plans with a ``prompt``-token prompt, the KV cache and
-    the activations in host memory, N_r capped at ``GRAPH_MAX_Q_TOKENS`` - 1 on a link slow enough that recomputing
-    always wins: N_r = min(cap, context) grows by one each step, so q is new at each of the first steps. The run's
-    first capture (step 1, which also sets up the graphs' pool: the 'capture', 'first' row) is left out; each plan
-    runs once unmeasured first. Points where the first layer was not slower are left out."""
-    import dataclasses
-
-    import torch
-
-    from offexec.executor import run_plan
-    from offexec.weights import random_weights
+    the activations in host memory, N_r capped at ``GRAPH_MAX_Q_TOKENS`` - 1: N_r = min(cap, context) grows by one
+    each step, so q is new at each of the first steps. The run's first capture (which also sets up the graphs'
+    pool: the 'capture', 'first' row) is left out; each plan runs once unmeasured first. Points where the first
+    layer was not slower are left out."""
     from offsim.core.costmodel import GRAPH_MAX_Q_TOKENS, graphed
-    from offsim.core.specs import Workload, layer_key, load_hardware_preset
-    from offsim.policies.registry import build_plan
 
-    small = dataclasses.replace(spec, num_layers=2)
-    dt = torch.float16 if spec.dtype_bytes == 2 else torch.float32
-    weights = random_weights(small, 0, dt, device=device, pinned=device == "cuda", progress=False)
-    h200 = load_hardware_preset("h200")
-    hw = h200.with_(h2d_pinned=tuple((x, y * 1e-3) for x, y in h200.h2d_pinned))  # recomputing always wins
     cap = GRAPH_MAX_Q_TOKENS - 1
     gen_len = cap - prompt + 3  # q = prompt + 1 at step 1, then one more each step up to cap + 1, then steady
+    runs = [(b, prompt, gen_len, cap, [100, 0, 0, 100, 0, 100]) for b in batches]
     samples: dict[tuple, list] = {}
-    try:
-        from tqdm import tqdm
-
-        it = tqdm(batches, desc=f"new-q captures {spec.name}", unit="run", file=sys.stderr, disable=not progress)
-    except ImportError:  # pragma: no cover
-        it = batches
-    try:
-        for b in it:
-            settings = {"percent": [100, 0, 0, 100, 0, 100], "max_recompute_tokens": cap, "kv_solver": "exact"}
-            plan = build_plan("tightllm", small, hw, Workload(prompt, gen_len, b, 1), settings)
-            graphs = "cuda" if device == "cuda" else "static"
-            run_plan(plan, weights, device, graphs=graphs, allocator_cap="budget")  # unmeasured: see profile_ops
-            res = run_plan(plan, weights, device, graphs=graphs, allocator_cap="budget")
-            dur = dict(zip(res.trace.df["op_id"], res.trace.df["end_s"] - res.trace.df["start_s"]))
-            by_step: dict[tuple, dict] = {}  # (step, part, q, sequences) -> {layer: seconds}
-            for op in plan.ops:
-                if op.kind == "compute" and op.phase == "decode" and op.q_tokens > 1 and \
-                        graphed(op.kind, op.part, op.q_tokens, op.phase, plan.graph_q_tokens):
-                    by_step.setdefault((op.step, op.part, op.q_tokens, op.num_seqs), {})[op.layer] = dur[op.id]
-            seen = set()
-            first_step = min((k[0] for k in by_step), default=0)
-            for (step, part, q, n), t in sorted(by_step.items()):
-                if (part, q) in seen:
-                    continue
-                seen.add((part, q))
-                if step > first_step and 0 in t and 1 in t and t[0] > t[1]:
-                    samples.setdefault((part, n * q), []).append(t[0] - t[1])
-            del res
-    finally:
-        weights.close()
-    curves: dict[str, list] = {}
-    for (part, x), ts in sorted(samples.items()):
-        curves.setdefault(part, []).append([float(x), float(statistics.median(ts))])
-    return [[layer_key(spec), "capture", f"new_q:{part}", pts] for part, pts in sorted(curves.items())]
+    for _, plan, res in _tightllm_probe_runs(spec, device, runs, "new-q captures", progress):
+        dur = dict(zip(res.trace.df["op_id"], res.trace.df["end_s"] - res.trace.df["start_s"]))
+        by_step: dict[tuple, dict] = {}  # (step, part, q, sequences) -> {layer: seconds}
+        for op in plan.ops:
+            if op.kind == "compute" and op.phase == "decode" and op.q_tokens > 1 and \
+                    graphed(op.kind, op.part, op.q_tokens, op.phase, plan.graph_q_tokens):
+                by_step.setdefault((op.step, op.part, op.q_tokens, op.num_seqs), {})[op.layer] = dur[op.id]
+        seen = set()
+        first_step = min((k[0] for k in by_step), default=0)
+        for (step, part, q, n), t in sorted(by_step.items()):
+            if (part, q) in seen:
+                continue
+            seen.add((part, q))
+            if step > first_step and 0 in t and 1 in t and t[0] > t[1]:
+                samples.setdefault((part, n * q), []).append(t[0] - t[1])
+        del res  # before the next run
+    return _median_rows(spec, samples, "capture", "new_q:")
 
 
 def profile_attention(spec, device: str, peak_flops: float, reps: int = 10) -> list:
