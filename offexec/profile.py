@@ -910,9 +910,12 @@ def add_profile_parser(sub) -> None:
     p.add_argument("--recompute-only", action="store_true",
                    help="with --ops: measure only the graphed recompute rows (TightLLM's decode ops of 2 to 8 "
                         "query tokens as CUDA graphs)")
-    p.add_argument("--capture-only", action="store_true",
+    p.add_argument("--capture-only", nargs="?", const="all", default=None, choices=("all", "new_q"),
+                   metavar="{all,new_q}",
                    help="with --ops: measure only the graph-capture rows (graphed decode ops at the first decode "
-                        "step) and the issue rows (host time per copy of each kind, and per replayed decode op of each part)")
+                        "step; TightLLM's first op at each new recompute length, 'new_q:PART') and the issue rows "
+                        "(host time per copy of each kind, and per replayed decode op of each part); new_q: only "
+                        "the new-length captures, the other rows kept as they are (default: all)")
     p.add_argument("--cpu-attention-only", nargs="?", const="all", default=None, choices=("all", "offexec", "flexgen"),
                    metavar="{all,offexec,flexgen}",
                    help="with --ops: measure only CPU attention by context (decode ops at contexts "
@@ -938,7 +941,7 @@ def add_profile_parser(sub) -> None:
 
 
 def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64), attention_only: bool = False,
-                  recompute_only: bool = False, capture_only: bool = False, cpu_attention_only=None) -> dict:
+                  recompute_only: bool = False, capture_only=None, cpu_attention_only=None) -> dict:
     """Profile dict ``d`` with op tables for ``models`` (replacing rows of the same layer shapes and modes), CPU
     attention re-measured through the executor's path and the sustained compute fraction; ``attention_only``: the
     GPU attention rows and the sustained fraction alone; ``recompute_only``: the graphed recompute rows alone (the
@@ -966,7 +969,8 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
             flexgen_source[spec.name] = "flexgen TorchDevice.mha_gen" if own else "reproduced sequence"
             continue
         if capture_only:
-            rows += profile_ops(spec, device, batches=batches, capture_only=True)
+            if capture_only != "new_q":
+                rows += profile_ops(spec, device, batches=batches, capture_only=True)
             if device == "cuda":
                 rows += profile_graph_new_q(spec, device, batches=batches)
             continue
@@ -992,8 +996,9 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
             prov["cpu_attention_flexgen_tables"] = provenance(models=models, batches=list(batches),
                                                               contexts=list(CPU_ATTN_CONTEXTS), device=device,
                                                               rows_timed=flexgen_source)
-    elif capture_only:
-        prov["capture_tables"] = provenance(models=models, batches=list(batches), device=device)
+    elif capture_only:  # (the new-length captures alone keep the other capture rows' record)
+        prov["new_q_capture_tables" if capture_only == "new_q" else "capture_tables"] = provenance(
+            models=models, batches=list(batches), device=device)
     elif recompute_only:
         prov["recompute_graph_tables"] = provenance(models=models, batches=list(batches), device=device)
     elif attention_only:
