@@ -95,7 +95,8 @@ def _findings(df: pd.DataFrame, four: pd.DataFrame, best4) -> tuple[str, str, st
                        f"{g['offsim prefill'].max():.0f} (worst: {worst['policy']} {worst['prompt/gen']}, "
                        f"{worst['ratio']:.2f} of the prediction); total error {', '.join(g['total error'])}; "
                        f"caching-allocator retries "
-                       + (f"{min(retries)}-{max(retries)} per run" if retries else "(not recorded)"))
+                       + ((f"{min(retries)}" if min(retries) == max(retries) else f"{min(retries)}-{max(retries)}")
+                          + " per run" if retries else "(not recorded)"))
     return targets, quant_rates, dec_range, prefill, store
 
 
