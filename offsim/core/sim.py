@@ -54,8 +54,9 @@ HOST_STREAMS = ("cpu", "disk")  # ops the runtime's host threads run (offexec: o
 # next ops the first in plan order whose dependencies are issued and whose host dependencies have finished --
 # instead of walking every op in plan order. So the ops queued behind a GPU op that waits for a host op (CPU
 # attention's output copy) are issued only after that host op, as in offexec; a host op costs the issuing loop's
-# dispatch time only (handed to its worker, no handler). Both engines; where the plan has a run-ahead window (a
-# plan without one issues in plan order). False gives the plan-order issuer, for comparison
+# dispatch time only (handed to its worker, no handler). Both engines; where the plan has a run-ahead window and the
+# profile prices issuing (a plan without a window, or a runtime that issues for free as the presets do, issues in
+# plan order). False gives the plan-order issuer, for comparison
 # (results/validation/calib_misses.md sets the two side by side on the calibration cases with CPU attention)
 STREAM_ORDER_ISSUE = True
 
@@ -139,7 +140,7 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
             costs[i] += extra
         captures = {}
     pred = _window_preds(plan.run_ahead, [op.stream for op in ops])  # None: no window
-    stream_order = STREAM_ORDER_ISSUE and pred is not None
+    stream_order = STREAM_ORDER_ISSUE and pred is not None and has_cost
     is_host = [op.stream in HOST_STREAMS for op in ops]
     if stream_order and costs is not None:  # a host op is handed to its worker: the issuing loop's own time only
         for i, op in enumerate(ops):
@@ -589,9 +590,12 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     # plan order whose dependencies are all issued and whose host dependencies have finished
     iss_done = [False] * n  # issued
     iss_ptr = [0] * ns  # per stream: its next op to issue (an index into ``by_stream``)
+    iss_min = 0  # the first op in plan order not issued yet: the answer whenever it is issuable (the usual case)
     iss_cur = -1  # the op chosen, waiting for its window or spending its issue cost
     iss_host_wait = False  # nothing issuable: resumed by the next host op's end
-    stream_order = STREAM_ORDER_ISSUE  # (read once: the issuer tests it per op)
+    # (read once: the issuer tests it per op) offexec's issuing loop, where the profile prices issuing; a runtime that
+    # issues for free (the presets) keeps the issuer in plan order
+    stream_order = STREAM_ORDER_ISSUE and bool(hw.issue_compute_s or hw.issue_copy_s or hw.issue_graph_s)
     host_codes = {_STREAM_INDEX[h] for h in HOST_STREAMS}
     on_host = [x in host_codes for x in sidx]
     host_stream = [s_ in host_codes for s_ in range(ns)]
@@ -621,22 +625,33 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                     if stream_order:  # as offexec's issuing loop picks its next op
                         i = iss_cur
                         if i < 0:
-                            for st in range(ns):
-                                b = by_stream[st]
-                                k = iss_ptr[st]
-                                if k >= len(b):
-                                    continue
-                                o = b[k]
-                                if i >= 0 and o > i:
-                                    continue
-                                for d in deps_of[o]:
+                            while iss_min < n and iss_done[iss_min]:
+                                iss_min += 1
+                            # the first op not issued heads its stream's queue: when it is issuable no other op
+                            # comes before it, so the scan over the streams' next ops is needed only when it is not
+                            if iss_min < n:
+                                for d in deps_of[iss_min]:
                                     if not iss_done[d] or (on_host[d] and end[d] is None):
                                         break
                                 else:
-                                    i = o
-                            if i < 0:  # every stream's next op waits for a host op (or none is left)
-                                iss_host_wait = any(iss_ptr[st] < len(by_stream[st]) for st in range(ns))
-                                break
+                                    i = iss_min
+                            if i < 0:
+                                for st in range(ns):
+                                    b = by_stream[st]
+                                    k = iss_ptr[st]
+                                    if k >= len(b):
+                                        continue
+                                    o = b[k]
+                                    if i >= 0 and o > i:
+                                        continue
+                                    for d in deps_of[o]:
+                                        if not iss_done[d] or (on_host[d] and end[d] is None):
+                                            break
+                                    else:
+                                        i = o
+                                if i < 0:  # every stream's next op waits for a host op (or none is left)
+                                    iss_host_wait = any(iss_ptr[st] < len(by_stream[st]) for st in range(ns))
+                                    break
                             iss_ptr[sidx[i]] += 1
                             iss_cur = i  # (a host op: no window, ``pred`` is -1; its cost is the dispatch time)
                     elif iss_i < n:  # in plan order
