@@ -288,11 +288,11 @@ def _rate_gbps(nbytes, seconds) -> float:
 def _flexgen_attention_check(r) -> str:
     """For a flexgen-ref run with CPU attention: its measured decode time per (step, layer, GPU batch) -- an upper
     bound on one CPU attention op, since that op runs on FlexGen's main thread between the batch's GPU ops -- beside
-    the profile's ('cpu', 'attn_ctx_flexgen:B') time at the run's mid-decode context. '' when not applicable."""
-    import numpy as np
-
+    what offsim prices that op at from the profile's ('cpu', 'attn_ctx_flexgen:B') rows at the run's mid-decode
+    context (``costmodel.cpu_attention_seconds``). '' when not applicable."""
     from offsim import get_model
-    from offsim.core.specs import layer_key
+    from offsim.core import costmodel as cm
+    from offsim.core.specs import get_hardware
 
     try:
         st = json.loads(r["settings"]) if isinstance(r.get("settings"), str) else (r.get("settings") or {})
@@ -304,16 +304,16 @@ def _flexgen_attention_check(r) -> str:
     except (KeyError, TypeError, ValueError):
         return ""
     ctx = int(r["prompt_len"]) + gen / 2
-    rows = [x for x in json.loads(Path(PEER_PROFILE).read_text()).get("op_times", [])
-            if x[0] == layer_key(spec) and x[1] == "cpu" and x[2] == f"attn_ctx_flexgen:{gbs}"]
-    if not rows:
+    hw = get_hardware(PEER_PROFILE)
+    row = cm.op_table(hw, spec, "cpu", f"attn_ctx_flexgen:{gbs}")
+    if row is None:
         return ""
-    c, t = zip(*sorted(rows[0][3]))
-    prof_s = float(np.interp(ctx, c, t))  # beyond the last context measured: that context's time (a lower figure)
+    prof_s = cm.cpu_attention_seconds(spec, hw, gbs, 1, ctx, impl="flexgen")
+    c = [x for x, _ in row]
     return (f"In the {r['system']} run ({r['model']} {r['prompt_len']}/{gen}, {gbs} x {nb}), a decode (step, layer, "
-            f"GPU batch) took {per_op_s * 1e3:.1f} ms in all (GPU ops, copies and the CPU attention, measured); the "
-            f"profile times FlexGen's CPU attention sequence alone at {prof_s * 1e3:.1f} ms for that batch at context "
-            f"{ctx:.0f} (up to {c[-1]:.0f} measured). "
+            f"GPU batch) took {per_op_s * 1e3:.1f} ms in all (GPU ops, copies and the CPU attention, measured); offsim "
+            f"prices FlexGen's CPU attention alone at {prof_s * 1e3:.1f} ms for that batch at context {ctx:.0f}, from "
+            f"the profile's timing of the reproduced sequence (contexts up to {c[-1]:.0f} measured). "
             + ("The reproduced sequence runs slower on the host than FlexGen's own process ran it, so offsim "
                "under-predicts this run; timing FlexGen's `mha_gen` itself in the profile is the open step."
                if prof_s > per_op_s else "The profiled sequence fits inside the measured step."))

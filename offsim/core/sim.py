@@ -61,6 +61,11 @@ HOST_STREAMS = ("cpu", "disk")  # ops the runtime's host threads run (offexec: o
 STREAM_ORDER_ISSUE = True
 
 
+def _prices_issue(hw: HardwareSpec) -> bool:
+    """Whether the profile gives the runtime a cost per issued op (else an ideal runtime that issues for free)."""
+    return bool(hw.issue_compute_s or hw.issue_copy_s or hw.issue_graph_s)
+
+
 def _host_gates(is_host, deps_of, cost) -> list[float]:
     """Per op: its issue cost (``cost(i)``) where it runs on a GPU stream and depends on a host op, else 0. A runtime
     cannot enqueue a GPU op behind work the host has not done yet: offexec issues such an op only when its host
@@ -133,7 +138,7 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
 
     # the host issues ops one after another in plan order (a single issuing thread); an op cannot start before
     # it is issued. With an ideal runtime (zero issue cost, no run-ahead window) this is a no-op.
-    has_cost = bool(hw.issue_compute_s or hw.issue_copy_s or hw.issue_graph_s)
+    has_cost = _prices_issue(hw)
     costs = [costmodel.issue_seconds(o, hw, plan.graph_q_tokens, model) for o in ops] if has_cost else None
     if costs is not None:  # a capture is host work: the issuing thread records the graph (as ``simulate``)
         for i, extra in captures.items():
@@ -456,7 +461,8 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     # graphed ops offexec captures where they first run: host work (the issuing thread runs the static body's
     # launches and records the graph), so with a runtime that has issue costs it is issue time; else op time
     captures = _capture_extras(plan, rows, hw)
-    if not (hw.issue_compute_s or hw.issue_copy_s or hw.issue_graph_s):
+    priced = _prices_issue(hw)
+    if not priced:
         for i, extra in captures.items():
             dur0[i] += extra
         captures = {}
@@ -474,7 +480,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     # the runtime's window (None: none). Pipeline plans: each device's issuer runs ahead unbounded (its window is
     # not modelled yet)
     pred = None if multi else _window_preds(plan.run_ahead, sname, _STREAM_INDEX)
-    if hw.issue_compute_s or hw.issue_copy_s or hw.issue_graph_s:
+    if priced:
         graph_q = plan.graph_q_tokens
         compute_s = costmodel.issue_seconds(_KindOnly("compute"), hw)
         graph_s = costmodel.issue_seconds(_KindOnly("compute", "layer", 1, "decode"), hw, graph_q)
@@ -595,10 +601,17 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     iss_host_wait = False  # nothing issuable: resumed by the next host op's end
     # (read once: the issuer tests it per op) offexec's issuing loop, where the profile prices issuing; a runtime that
     # issues for free (the presets) keeps the issuer in plan order
-    stream_order = STREAM_ORDER_ISSUE and bool(hw.issue_compute_s or hw.issue_copy_s or hw.issue_graph_s)
+    stream_order = STREAM_ORDER_ISSUE and priced
     host_codes = {_STREAM_INDEX[h] for h in HOST_STREAMS}
     on_host = [x in host_codes for x in sidx]
     host_stream = [s_ in host_codes for s_ in range(ns)]
+
+    def issuable(o: int) -> bool:
+        """Op o's dependencies are all issued, and those on a host stream have finished (offexec's rule)."""
+        for d in deps_of[o]:
+            if not iss_done[d] or (on_host[d] and end[d] is None):
+                return False
+        return True
     if pred is not None and n:  # (SimPy creates the issuer's process first)
         heap.append((0.0, seq, itself_iss))
         seq += 1
@@ -629,26 +642,14 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                                 iss_min += 1
                             # the first op not issued heads its stream's queue: when it is issuable no other op
                             # comes before it, so the scan over the streams' next ops is needed only when it is not
-                            if iss_min < n:
-                                for d in deps_of[iss_min]:
-                                    if not iss_done[d] or (on_host[d] and end[d] is None):
-                                        break
-                                else:
-                                    i = iss_min
-                            if i < 0:
+                            if iss_min < n and issuable(iss_min):
+                                i = iss_min
+                            else:
                                 for st in range(ns):
                                     b = by_stream[st]
                                     k = iss_ptr[st]
-                                    if k >= len(b):
-                                        continue
-                                    o = b[k]
-                                    if i >= 0 and o > i:
-                                        continue
-                                    for d in deps_of[o]:
-                                        if not iss_done[d] or (on_host[d] and end[d] is None):
-                                            break
-                                    else:
-                                        i = o
+                                    if k < len(b) and (i < 0 or b[k] < i) and issuable(b[k]):
+                                        i = b[k]
                                 if i < 0:  # every stream's next op waits for a host op (or none is left)
                                     iss_host_wait = any(iss_ptr[st] < len(by_stream[st]) for st in range(ns))
                                     break
