@@ -495,9 +495,10 @@ def profile_cpu_attention_flexgen_own(spec, device: str = "cuda", batches=(1, 4,
     if spec.family != "opt" or not str(device).startswith("cuda") or not torch.cuda.is_available():
         return []
     try:
-        from flexgen.pytorch_backend import TorchDevice, TorchTensor
+        from flexgen.pytorch_backend import TorchDevice, TorchTensor, fix_recursive_import
     except ImportError:
         return []
+    fix_recursive_import()  # binds TorchDevice's compressed-device class, as importing flex_opt does
     gpu, cpu = TorchDevice("cuda:0"), TorchDevice("cpu")
     E, H, D = spec.d_model, spec.num_heads, spec.head_dim
     half, dev = torch.float16, torch.device("cuda:0")
