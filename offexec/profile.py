@@ -481,46 +481,109 @@ def _flexgen_attention_rows(spec, batches, contexts, reps: int, make_op) -> list
     return rows
 
 
-def profile_cpu_attention_flexgen_own(spec, device: str = "cuda", batches=(1, 4, 16, 64),
-                                      contexts=CPU_ATTN_CONTEXTS, reps: int = 5) -> list:
-    """Rows ('cpu', 'attn_ctx_flexgen:B', [[context, s], ...]) timed by calling FlexGen's own code: ``flexgen``
-    0.1.8's ``TorchDevice.mha_gen`` on the GPU device with the KV cache as CPU ``TorchTensor``s, as its OPT runs
-    with ``--cpu-cache-compute`` call it per (layer, GPU batch) of a decode step. The call also holds the op's GPU
-    part (layer norm, the Q/K/V and output projections: under 1 % of it at these shapes) and the copies of Q, the new
-    K/V row and the result; wall time with the GPU synchronised, the median of ``reps`` after two unmeasured calls.
-    [] when ``flexgen`` is not importable, there is no CUDA device, or the model is not an OPT (FlexGen 0.1.8 runs
-    OPT only): the reproduced sequence (``profile_cpu_attention_flexgen``) stands in then."""
+def _flexgen_devices():
+    """FlexGen 0.1.8's (TorchDevice('cuda:0'), TorchDevice('cpu'), its module ``pytorch_backend``), or None where
+    ``flexgen`` is not importable or there is no CUDA device."""
     import torch
 
-    if spec.family != "opt" or not str(device).startswith("cuda") or not torch.cuda.is_available():
-        return []
+    if not torch.cuda.is_available():
+        return None
     try:
-        from flexgen.pytorch_backend import TorchDevice, TorchTensor, fix_recursive_import
+        from flexgen import pytorch_backend as fb
     except ImportError:
+        return None
+    fb.fix_recursive_import()  # binds TorchDevice's compressed-device class, as importing flex_opt does
+    return fb.TorchDevice("cuda:0"), fb.TorchDevice("cpu"), fb
+
+
+def profile_cpu_attention_flexgen_own(spec, device: str = "cuda", batches=(1, 4, 16, 64),
+                                      contexts=CPU_ATTN_CONTEXTS, reps: int = 5) -> list:
+    """Rows ('cpu', 'attn_ctx_flexgen:B', [[context, s], ...]) timed by calling FlexGen's own code as its OPT runs
+    with ``--cpu-cache-compute`` call it per (layer, GPU batch) of a decode step, both on its main thread:
+    ``SelfAttention.load_cache``'s path 1 -- ``general_copy`` of the cache's first ``context`` positions from its
+    fp16 home (unpinned CPU memory, [s, B·heads, D]) into the fp32 attention workspace -- then
+    ``TorchDevice.mha_gen`` on the GPU device over that workspace (so its ``.float()`` casts are no-ops). The call
+    also holds the op's GPU part (layer norm, the Q/K/V and output projections: under 1 % of it at these shapes) and
+    the copies of Q, the new K/V row and the result; wall time with the GPU synchronised, the median of ``reps``
+    after two unmeasured calls. [] when ``flexgen`` is not importable, there is no CUDA device, or the model is not
+    an OPT (FlexGen 0.1.8 runs OPT only): the reproduced sequence (``profile_cpu_attention_flexgen``) stands in."""
+    import torch
+
+    fg = _flexgen_devices() if spec.family == "opt" and str(device).startswith("cuda") else None
+    if fg is None:
         return []
-    fix_recursive_import()  # binds TorchDevice's compressed-device class, as importing flex_opt does
-    gpu, cpu = TorchDevice("cuda:0"), TorchDevice("cpu")
+    gpu, cpu, fb = fg
     E, H, D = spec.d_model, spec.num_heads, spec.head_dim
     half, dev = torch.float16, torch.device("cuda:0")
 
     def on_gpu(*shape):
-        return TorchTensor.create_from_torch(torch.randn(*shape, dtype=half, device=dev) * 0.02, gpu)
+        return fb.TorchTensor.create_from_torch(torch.randn(*shape, dtype=half, device=dev) * 0.02, gpu)
 
     w = [on_gpu(E, E), on_gpu(E), on_gpu(E, E), on_gpu(E), on_gpu(E, E), on_gpu(E), on_gpu(E, E), on_gpu(E),
          on_gpu(E), on_gpu(E)]  # w_q, b_q, w_k, b_k, w_v, b_v, w_out, b_out, w_ln, b_ln: mha_gen's order
 
     def make_op(b: int, s_len: int):
-        k_cache = TorchTensor.create_from_torch(torch.randn(s_len, b * H, D).to(half).pin_memory(), cpu)
-        v_cache = TorchTensor.create_from_torch(torch.randn(s_len, b * H, D).to(half).pin_memory(), cpu)
-        mask = TorchTensor.create_from_torch(torch.ones(b, s_len, dtype=torch.bool), cpu)
+        def cpu_tensor(t):
+            return fb.TorchTensor.create_from_torch(t, cpu)
+        k_home = cpu_tensor(torch.randn(s_len, b * H, D).to(half))  # FlexGen's cache home: unpinned fp16
+        v_home = cpu_tensor(torch.randn(s_len, b * H, D).to(half))
+        k_buf = cpu_tensor(torch.empty(s_len, b * H, D))  # the fp32 workspace (init_attention_compute_workspace)
+        v_buf = cpu_tensor(torch.empty(s_len, b * H, D))
+        mask = cpu_tensor(torch.ones(b, s_len, dtype=torch.bool))
         x = on_gpu(b, 1, E)
+        idx = (slice(0, s_len - 1), slice(0, b * H))
 
         def op():
-            gpu.mha_gen(x, mask, *w, H, k_cache, v_cache, [False, False], 1.0, False, None)
+            fb.general_copy(k_buf, idx, k_home, idx)
+            fb.general_copy(v_buf, idx, v_home, idx)
+            gpu.mha_gen(x, mask, *w, H, k_buf, v_buf, [False, False], 1.0, False, None)
             torch.cuda.synchronize()
         return op
 
     return _flexgen_attention_rows(spec, batches, contexts, reps, make_op)
+
+
+# (context, sequences) of the 'dequant_flexgen:cache' probe's caches: 128 to 131,072 cached positions in all
+FLEXGEN_DEQUANT_CACHES = ((128, 1), (512, 4), (1024, 16), (2048, 64))
+
+
+def profile_flexgen_dequant(spec, device: str = "cuda", caches=FLEXGEN_DEQUANT_CACHES, reps: int = 5) -> list:
+    """Rows ('quant', 'dequant_flexgen:weight' / 'dequant_flexgen:cache', [[fp16 bytes, s], ...]): FlexGen 0.1.8's
+    own 4-bit decompression (``TorchCompressedDevice.decompress``: unpack both nibbles by strided writes, divide by
+    the scale, add the minimum; a fresh fp16 tensor each call) on the GPU, timed with CUDA events -- what its
+    ``--compress-weight`` runs pay per (layer, GPU batch) for every weight matrix (group 64 along dimension 0, as
+    ``flex_opt`` configures it) and its ``--compress-cache`` runs for the K and V cache they attend over (group 64
+    along the head dimension), at the model's matrix shapes and caches [s, B·heads, D] of ``caches`` (s, B). ``flexgen-ref``'s compressed plans price their dequantize passes by these rows
+    (``Plan.quant_impl`` 'flexgen', ``costmodel.quant_seconds``). [] without ``flexgen``, a CUDA device or an OPT."""
+    import torch
+
+    from offsim.core.specs import layer_key
+
+    fg = _flexgen_devices() if spec.family == "opt" and str(device).startswith("cuda") else None
+    if fg is None:
+        return []
+    gpu, _, fb = fg
+    from flexgen.compression import CompressionConfig
+
+    dev = torch.device("cuda:0")
+    E, F, H, D = spec.d_model, spec.ffn_dim, spec.num_heads, spec.head_dim
+
+    def curve(shapes, group_dim):
+        cfg = CompressionConfig(num_bits=4, group_size=64, group_dim=group_dim, symmetric=False)
+        pts = []
+        for shape in shapes:
+            t = gpu.compressed_device.compress(torch.randn(*shape, dtype=torch.float16, device=dev), cfg)
+            n = 2
+            for d in shape:
+                n *= d
+            pts.append([float(n), _median_time(lambda: gpu.compressed_device.decompress(t), dev, reps)])
+        return sorted(pts)
+
+    key = layer_key(spec)
+    weights = curve([(E, E), (F, E)], 0)  # q/k/v/out; fc1 (fc2 is its transpose: the same bytes)
+    cache = curve([(c, b * H, D) for c, b in caches], 2)
+    torch.cuda.empty_cache()
+    return [[key, "quant", "dequant_flexgen:weight", weights], [key, "quant", "dequant_flexgen:cache", cache]]
 
 
 def _tightllm_probe_runs(spec, device: str, runs, desc: str, progress: bool):
@@ -925,6 +988,11 @@ def add_profile_parser(sub) -> None:
                         "('attn_ctx_flexgen:B', what the flexgen-ref policy prices: FlexGen's mha_gen itself where "
                         "the flexgen package is importable, else its sequence of ops reproduced); a value keeps "
                         "the other path's rows as they are (default: all)")
+    p.add_argument("--flexgen-only", action="store_true",
+                   help="with --ops (OPT models): measure only FlexGen 0.1.8's own code, what the flexgen-ref policy "
+                        "prices -- its CPU attention per (layer, GPU batch) as --cpu-attention-only flexgen times "
+                        "it, and its 4-bit decompress of weights and of the KV cache on the GPU "
+                        "('dequant_flexgen:weight' / ':cache' rows); needs the flexgen package and a CUDA GPU")
     p.add_argument("--multi-gpu-only", action="store_true",
                    help="with --base: measure only the GPU-to-GPU link and whether the host feeds every GPU's link "
                         "at once (gpu_link_bytes_per_s, link_concurrent_fraction; needs two or more GPUs)")
@@ -941,8 +1009,20 @@ def add_profile_parser(sub) -> None:
     p.set_defaults(func=cmd_profile)
 
 
+def _flexgen_attention_tables(spec, device: str, batches, source: dict) -> list:
+    """FlexGen's own CPU-attention rows (what flexgen-ref prices): its code timed where flexgen is importable, the
+    reproduced sequence kept beside them as 'attn_ctx_flexgen_seq:B' (the two disagreeing says the reproduction
+    misses something); the reproduction alone otherwise. ``source[model]``: which was timed."""
+    own = profile_cpu_attention_flexgen_own(spec, device, batches=batches)
+    seq = profile_cpu_attention_flexgen(spec, batches=batches)
+    source[spec.name] = "flexgen load_cache (path 1) + TorchDevice.mha_gen" if own else "reproduced sequence"
+    return own + ([[k, m, p.replace("attn_ctx_flexgen:", "attn_ctx_flexgen_seq:"), c] for k, m, p, c in seq]
+                  if own else seq)
+
+
 def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64), attention_only: bool = False,
-                  recompute_only: bool = False, capture_only=None, cpu_attention_only=None) -> dict:
+                  recompute_only: bool = False, capture_only=None, cpu_attention_only=None,
+                  flexgen_only: bool = False) -> dict:
     """Profile dict ``d`` with op tables for ``models`` (replacing rows of the same layer shapes and modes), CPU
     attention re-measured through the executor's path and the sustained compute fraction; ``attention_only``: the
     GPU attention rows and the sustained fraction alone; ``recompute_only``: the graphed recompute rows alone (the
@@ -954,20 +1034,20 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
     specs = [get_model(m) for m in models]
     rows = []
     flexgen_source = {}  # model -> what its 'attn_ctx_flexgen:B' rows timed
+    flexgen_dequant = {}  # model -> whether its 'dequant_flexgen:*' rows were timed
     for spec in specs:
         if cpu_attention_only:
             if cpu_attention_only in (True, "all", "offexec"):
                 rows += profile_cpu_attention_ctx(spec, device, batches=batches)
             if cpu_attention_only == "offexec":
                 continue
-            # FlexGen's own path (what flexgen-ref prices): its mha_gen itself where flexgen is importable, the
-            # reproduced sequence kept beside it as 'attn_ctx_flexgen_seq:B' (the two disagreeing says the
-            # reproduction misses something); the reproduction alone otherwise
-            own = profile_cpu_attention_flexgen_own(spec, device, batches=batches)
-            seq = profile_cpu_attention_flexgen(spec, batches=batches)
-            rows += own + ([[k, m, p.replace("attn_ctx_flexgen:", "attn_ctx_flexgen_seq:"), c] for k, m, p, c in seq]
-                           if own else seq)
-            flexgen_source[spec.name] = "flexgen TorchDevice.mha_gen" if own else "reproduced sequence"
+            rows += _flexgen_attention_tables(spec, device, batches, flexgen_source)
+            continue
+        if flexgen_only:  # FlexGen's own code: its CPU attention and its 4-bit decompress (OPT models)
+            rows += _flexgen_attention_tables(spec, device, batches, flexgen_source)
+            dq = profile_flexgen_dequant(spec, device)
+            rows += dq
+            flexgen_dequant[spec.name] = bool(dq)
             continue
         if capture_only:
             if capture_only != "new_q":
@@ -986,9 +1066,18 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
     keys = {(r[0], r[1], r[2]) for r in rows}
     d["op_times"] = [r for r in d.get("op_times", []) if tuple(r[:3]) not in keys] + rows
     prov = dict(d.get("provenance", {}))
-    if not (recompute_only or capture_only or cpu_attention_only):
+    if not (recompute_only or capture_only or cpu_attention_only or flexgen_only):
         d["sustained_compute_fraction"] = float(profile_sustained(device))
-    if cpu_attention_only:
+    if flexgen_only:
+        from offsim.core.errors import OffsimError
+
+        if not any(flexgen_dequant.values()):
+            raise OffsimError("--flexgen-only times FlexGen 0.1.8's own code: it needs the flexgen package, a CUDA "
+                              "GPU (--device cuda) and an OPT model in --ops")
+        prov["flexgen_code_tables"] = provenance(models=models, batches=list(batches),
+                                                 contexts=list(CPU_ATTN_CONTEXTS), device=device,
+                                                 rows_timed=flexgen_source, caches=list(FLEXGEN_DEQUANT_CACHES))
+    elif cpu_attention_only:
         # each path's rows carry their own provenance, so measuring one path leaves the other's record as it was
         if cpu_attention_only in (True, "all", "offexec"):
             prov["cpu_attention_ctx_tables"] = provenance(models=models, batches=list(batches),
@@ -1085,7 +1174,7 @@ def cmd_profile(args) -> dict:
         d["provenance"] = {**d.get("provenance", {}), "multi_gpu": provenance(**mg)}
     if models:
         d = add_op_tables(d, models, args.device, batches, args.attention_only, args.recompute_only,
-                          args.capture_only, args.cpu_attention_only)
+                          args.capture_only, args.cpu_attention_only, args.flexgen_only)
         if args.name:
             d["name"] = args.name
     out = Path(args.out)

@@ -834,6 +834,33 @@ def test_profile_flexgen_own_mha_gen_on_cuda():
     assert rows[1][3][1][1] > rows[1][3][0][1]
 
 
+def test_profile_flexgen_dequant_is_skipped_without_flexgen_or_a_gpu():
+    """FlexGen's own decompress is timed only where it can run (an OPT, a CUDA device, ``flexgen``)."""
+    pytest.importorskip("torch")
+    from offexec.profile import profile_flexgen_dequant
+
+    assert profile_flexgen_dequant(get_model("opt-1.3b"), "cpu") == []
+    assert profile_flexgen_dequant(get_model("llama-3-8b"), "cuda") == []
+
+
+@pytest.mark.gpu
+def test_profile_flexgen_dequant_on_cuda():
+    """With ``flexgen`` 0.1.8 and a GPU: a weight and a cache row of FlexGen's decompress by fp16 bytes, loadable
+    as a profile, times growing with the bytes."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("flexgen.compression")
+    from offexec.profile import profile_flexgen_dequant
+
+    spec = get_model("opt-1.3b")
+    rows = profile_flexgen_dequant(spec, "cuda", caches=((128, 1), (512, 4)), reps=3)
+    assert [(r[1], r[2]) for r in rows] == [("quant", "dequant_flexgen:weight"), ("quant", "dequant_flexgen:cache")]
+    HardwareSpec.from_dict({**H200.to_dict(), "op_times": rows})
+    for r in rows:
+        assert r[3][-1][1] > r[3][0][1] > 0
+
+
 def test_profile_new_q_captures_on_the_cpu():
     """``profile_graph_new_q`` runs TightLLM plans whose query count grows step by step and returns well-formed
     ('capture', 'new_q:PART') rows by rows = sequences x q (on the CPU with static graphs: the shape, not the

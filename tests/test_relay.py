@@ -65,3 +65,44 @@ def test_flexgen_ref_plans_relay_their_kv(tiny_opt):
     d["pageable_copy"] = "dma"
     with pytest.raises(PlanError, match="pageable_copy must be one of"):
         Plan.from_dict(d).validate()
+
+
+def test_flexgen_ref_prices_its_own_dequantize_from_the_profile_rows(tiny_opt):
+    """flexgen-ref's compressed plans run FlexGen's own decompress (``Plan.quant_impl`` 'flexgen'): with the
+    profile's 'dequant_flexgen:*' rows a compute op pays them (by fp16 bytes: weights of the part, the cache it
+    reads), without them offexec's rates stand in; the ideal flexgen plan never reads them. Same trace in both
+    engines; the field round-trips, enters the fingerprint and is checked."""
+    from offsim.core.specs import layer_key
+
+    plain = get_hardware("h200")
+    key = layer_key(tiny_opt)
+    slow = [[1e3, 1e-3], [1e9, 1.0]]  # 1 GB/s: far below offexec's rates
+    hw = plain.with_(op_times=[[key, "quant", "dequant_flexgen:weight", slow],
+                               [key, "quant", "dequant_flexgen:cache", slow]])
+    comp = C.Compression(weight=True, cache=True)
+    fast = C.quant_seconds(tiny_opt, plain, "mlp", 4, 1, 64, comp, "flexgen")
+    assert fast == C.quant_seconds(tiny_opt, plain, "mlp", 4, 1, 64, comp)  # no rows: offexec's rates
+    w_bytes = C.gemm_flops_per_token(tiny_opt, "mlp") / 2 * tiny_opt.dtype_bytes
+    assert C.quant_seconds(tiny_opt, hw, "mlp", 4, 1, 64, comp, "flexgen") == pytest.approx(
+        C.table_seconds(slow, w_bytes))
+    cached = 4 * 63 * tiny_opt.kv_bytes_per_token()
+    attn = C.quant_seconds(tiny_opt, hw, "attn_layer", 4, 1, 64, comp, "flexgen")
+    assert attn > C.table_seconds(slow, cached) > C.quant_seconds(tiny_opt, hw, "attn_layer", 4, 1, 64, comp)
+
+    wl = Workload(32, 4, 4, 2)
+    st = {"percent": (0, 100, 0, 100, 100, 0), "compress_weight": True, "compress_cache": True}
+    ref = build_plan("flexgen-ref", tiny_opt, hw, wl, st)
+    ideal = build_plan("flexgen", tiny_opt, hw, wl, st)
+    assert ref.quant_impl == "flexgen" and ideal.quant_impl == ""
+    assert simulate(ref, hw).metrics()["total_s"] > simulate(ref, plain).metrics()["total_s"]
+    pd.testing.assert_frame_equal(simulate(ideal, hw).df, simulate(ideal, plain).df, check_exact=True)
+    pd.testing.assert_frame_equal(simulate(ref, hw).df, simulate_simpy(ref, hw).df, check_exact=True)
+    back = Plan.from_dict(json.loads(json.dumps(ref.to_dict())))
+    assert back.quant_impl == "flexgen" and back.fingerprint() == ref.fingerprint()
+    d = ref.to_dict()
+    d.pop("quant_impl")
+    assert Plan.from_dict(d).fingerprint() != ref.fingerprint()
+    assert "quant_impl" not in ideal.to_dict()
+    d["quant_impl"] = "bnb"
+    with pytest.raises(PlanError, match="quant_impl must be one of"):
+        Plan.from_dict(d).validate()

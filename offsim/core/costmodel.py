@@ -346,7 +346,7 @@ def _table_compute_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_se
 
 
 def compute_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_tokens: int, ctx_tokens: int,
-                    graphs: bool = True, comp: Compression = NO_COMPRESSION):
+                    graphs: bool = True, comp: Compression = NO_COMPRESSION, quant_impl: str = ""):
     """One GPU compute op: ``part`` of one layer (or 'embed'/'head') for a batch of ``num_seqs`` sequences.
     'layer' = 'pre_attn' (norm, QKV) + 'attn' + 'post_attn' (output projection, norm, FFN). ``graphs``: the runtime
     replays this op as a CUDA graph (``graphed``: a decode op of at most the plan's ``graph_q_tokens`` tokens).
@@ -354,8 +354,10 @@ def compute_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_t
     Where the profile has an op table for this model's layer shape (``HardwareSpec.op_times``), the op's time is the
     table's (measured through the executor at this size) plus attention over its real context; otherwise the
     analytical terms: fixed overhead + GEMM FLOPs at the profiled efficiency + elementwise HBM traffic + attention.
-    With compression (``comp``), plus its dequantize and quantize passes (``quant_seconds``)."""
-    q = quant_seconds(model, hw, part, num_seqs, q_tokens, ctx_tokens, comp) if comp is not NO_COMPRESSION else 0.0
+    With compression (``comp``), plus its dequantize and quantize passes (``quant_seconds``; ``quant_impl``: the
+    plan's, whose code runs them)."""
+    q = quant_seconds(model, hw, part, num_seqs, q_tokens, ctx_tokens, comp, quant_impl) \
+        if comp is not NO_COMPRESSION else 0.0
     if hw.op_times and _is_number(num_seqs):
         t = _table_compute_seconds(model, hw, part, num_seqs, q_tokens, graphs)
         if t is not None:
@@ -401,7 +403,7 @@ _KV_STORE_PARTS = ("layer", "attn_layer", "pre_attn")
 
 
 def quant_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_tokens: int, ctx_tokens: int,
-                  comp: Compression):
+                  comp: Compression, impl: str = ""):
     """Seconds of the compression passes of one compute op (FlexGen's compressed mode runs them on the GPU):
 
         compressed weights: dequantize the part's weight matrices to fp16 before its GEMMs, every op (FlexGen
@@ -414,7 +416,9 @@ def quant_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_tok
             + stored fp16 bytes / quant_store_bytes_per_s
 
     (the weights' and the store's rates are the cache dequantize's unless a profile measured them). 0 for the
-    embedding and the head (kept fp16 on the GPU)."""
+    embedding and the head (kept fp16 on the GPU). With ``impl`` 'flexgen' (``Plan.quant_impl``, ``flexgen-ref``)
+    the two dequantize terms are FlexGen's own code's, read off the profile's ('quant', 'dequant_flexgen:weight' /
+    ':cache') rows by fp16 bytes where it has them (``offexec profile --flexgen-only``)."""
     if part in ("embed", "head"):
         return 0.0
     fp16_bytes = 0.0
@@ -427,6 +431,14 @@ def quant_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_tok
             fp16_bytes += num_seqs * cached * kv_tok
         if part in _KV_STORE_PARTS:
             store_bytes = num_seqs * q_tokens * kv_tok
+    if impl == "flexgen":
+        w_row = op_table(hw, model, "quant", "dequant_flexgen:weight") if weight_bytes else None
+        c_row = op_table(hw, model, "quant", "dequant_flexgen:cache") if fp16_bytes else None
+        if w_row is not None or c_row is not None:
+            t = table_seconds(w_row, weight_bytes) if w_row is not None else \
+                weight_bytes / quant_weight_bytes_per_s(hw)
+            t += table_seconds(c_row, fp16_bytes) if c_row is not None else fp16_bytes / quant_bytes_per_s(hw)
+            return t + store_bytes / quant_store_bytes_per_s(hw)
     if not hw.quant_store_bytes_per_s and not hw.quant_weight_bytes_per_s:
         # not measured: one rate, one division -- bit for bit the prices from before
         return (weight_bytes + fp16_bytes + store_bytes) / quant_bytes_per_s(hw)
@@ -636,7 +648,8 @@ def duplex_rate(op, model: ModelSpec, hw: HardwareSpec, pageable_copy: str = "")
 
 def op_seconds(op, model: ModelSpec, hw: HardwareSpec, other_busy_s: float = 0.0, disk_cached: bool = False,
                graph_q_tokens: int = GRAPH_MAX_Q_TOKENS, comp: Compression = NO_COMPRESSION,
-               gather_copies: int = 0, cpu_attention_impl: str = "", pageable_copy: str = "") -> float:
+               gather_copies: int = 0, cpu_attention_impl: str = "", pageable_copy: str = "",
+               quant_impl: str = "") -> float:
     """Duration of one plan op (see ``offsim.core.plan.Op``). ``other_busy_s``: for PCIe copies, how long the opposite
     direction stays busy from this op's start (duplex). ``disk_cached``: the plan's disk tier is page-cached.
     ``graph_q_tokens``: the plan's ``graph_q_tokens`` (decode ops of up to this many query tokens replayed as CUDA
@@ -645,11 +658,12 @@ def op_seconds(op, model: ModelSpec, hw: HardwareSpec, other_busy_s: float = 0.0
     ``gather_copies``: the plan's ``weight_gather_copies``: a weight copy to the GPU is followed, on its stream, by
     that many device copies of its bytes (``gather_seconds``). ``cpu_attention_impl``: the plan's
     ``cpu_attention_impl`` (whose CPU attention path prices its cpu_compute ops). ``pageable_copy``: the plan's
-    ``pageable_copy`` ('relay': its unpinned copies are staged through a pinned copy, ``link_bytes_per_s``)."""
+    ``pageable_copy`` ('relay': its unpinned copies are staged through a pinned copy, ``link_bytes_per_s``).
+    ``quant_impl``: the plan's ``quant_impl`` (whose code runs a compute op's dequantize passes)."""
     k = op.kind
     if k == "compute":
         g = bool(graph_q_tokens) and graphed(k, op.part, op.q_tokens, op.phase, graph_q_tokens)
-        return compute_seconds(model, hw, op.part, op.num_seqs, op.q_tokens, op.ctx_tokens, g, comp)
+        return compute_seconds(model, hw, op.part, op.num_seqs, op.q_tokens, op.ctx_tokens, g, comp, quant_impl)
     if k == "cpu_compute":
         return cpu_attention_seconds(model, hw, op.num_seqs, op.q_tokens, op.ctx_tokens, comp, cpu_attention_impl)
     if k in ("h2d", "d2h"):

@@ -50,6 +50,7 @@ from offsim.core.specs import ModelSpec, Workload
 PLAN_SCHEMA = "offsim.plan/1"
 CPU_ATTENTION_IMPLS = ("", "flexgen")  # whose CPU attention path a plan's cpu_compute ops run (Plan.cpu_attention_impl)
 PAGEABLE_COPIES = ("", "relay")  # how a plan's unpinned copies move (Plan.pageable_copy)
+QUANT_IMPLS = ("", "flexgen")  # whose code runs a compressed plan's dequantize passes (Plan.quant_impl)
 KINDS = ("compute", "cpu_compute", "h2d", "d2h", "disk_read", "disk_write")
 # a GPU-to-GPU copy (pipeline parallelism): only in plans with stages, so not among the KINDS that single-GPU
 # summaries list
@@ -307,6 +308,9 @@ class Plan:
     # ``h2d_pageable`` / ``d2h_pageable``), or 'relay' staged by the caller through a pinned copy of its own
     # (FlexGen's ``general_copy``, ``flexgen-ref``: the profile's ``h2d_relay`` / ``d2h_relay`` where measured)
     pageable_copy: str = ""
+    # whose code runs its 4-bit dequantize passes: '' offexec's (the profile's quant_*_bytes_per_s), or 'flexgen'
+    # FlexGen's own TorchCompressedDevice.decompress (``flexgen-ref``: the profile's 'dequant_flexgen:*' rows)
+    quant_impl: str = ""
 
     @property
     def num_devices(self) -> int:
@@ -385,6 +389,8 @@ class Plan:
             extra["cpu_attention_impl"] = self.cpu_attention_impl
         if self.pageable_copy:  # (likewise)
             extra["pageable_copy"] = self.pageable_copy
+        if self.quant_impl:  # (likewise)
+            extra["quant_impl"] = self.quant_impl
         return {"schema": PLAN_SCHEMA, "model": self.model.to_dict(), "workload": self.workload.to_dict(),
                 "policy": self.policy, "settings": self.settings, "capacity": self.capacity,
                 "resident": self.resident, "weight_split": [list(x) for x in self.weight_split], "kv_split": list(self.kv_split),
@@ -423,7 +429,7 @@ class Plan:
                        stages=[dict(st) for st in stages], nodes=[dict(x) for x in d.get("nodes", [])],
                        weight_gather_copies=d.get("weight_gather_copies", 0),
                        cpu_attention_impl=d.get("cpu_attention_impl", ""),
-                       pageable_copy=d.get("pageable_copy", ""))
+                       pageable_copy=d.get("pageable_copy", ""), quant_impl=d.get("quant_impl", ""))
         except KeyError as e:
             raise PlanError(f"{where}: missing field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
@@ -448,6 +454,8 @@ class Plan:
             body["cpu_attention_impl"] = self.cpu_attention_impl
         if self.pageable_copy:  # (likewise)
             body["pageable_copy"] = self.pageable_copy
+        if self.quant_impl:  # (likewise)
+            body["quant_impl"] = self.quant_impl
         return hashlib.sha256(json.dumps(body, separators=(",", ":")).encode()).hexdigest()
 
     def save(self, path: str | Path) -> None:
@@ -481,6 +489,8 @@ class Plan:
         if self.cpu_attention_impl not in CPU_ATTENTION_IMPLS:
             raise PlanError(f"plan: cpu_attention_impl must be one of {CPU_ATTENTION_IMPLS} ('': offexec's), got "
                             f"{self.cpu_attention_impl!r}")
+        if self.quant_impl not in QUANT_IMPLS:
+            raise PlanError(f"plan: quant_impl must be one of {QUANT_IMPLS} ('': offexec's), got {self.quant_impl!r}")
         if self.pageable_copy not in PAGEABLE_COPIES:
             raise PlanError(f"plan: pageable_copy must be one of {PAGEABLE_COPIES} ('': a plain pageable copy), got "
                             f"{self.pageable_copy!r}")

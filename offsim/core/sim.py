@@ -125,7 +125,7 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
         other_busy = max(0.0, busy_until[other] - now) if other else 0.0
         if other_busy > 0.0:
             return costmodel.op_seconds(op, model, hw, other_busy, disk_cached, plan.graph_q_tokens, comp, gather,
-                                        pageable_copy=plan.pageable_copy)
+                                        pageable_copy=plan.pageable_copy, quant_impl=plan.quant_impl)
         key = (op.kind, op.part, op.num_seqs, op.q_tokens, op.ctx_tokens, op.nbytes, op.pinned, op.tensor)
         d = duration_cache.get(key)
         if d is None:
@@ -133,7 +133,8 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
                                                            graph_q_tokens=plan.graph_q_tokens, comp=comp,
                                                            gather_copies=gather,
                                                            cpu_attention_impl=plan.cpu_attention_impl,
-                                                           pageable_copy=plan.pageable_copy)
+                                                           pageable_copy=plan.pageable_copy,
+                                                           quant_impl=plan.quant_impl)
         return d
 
     # the host issues ops one after another in plan order (a single issuing thread); an op cannot start before
@@ -247,7 +248,8 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
                                                                     graph_q_tokens=plan.graph_q_tokens, comp=comp,
                                                                     gather_copies=gather,
                                                                     cpu_attention_impl=plan.cpu_attention_impl,
-                                                                    pageable_copy=plan.pageable_copy)
+                                                                    pageable_copy=plan.pageable_copy,
+                                                                    quant_impl=plan.quant_impl)
                 dt += captures.get(op.id, 0.0)
             busy_until[op.stream] = now + dt
             yield env.timeout(dt)
@@ -436,7 +438,8 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
             d = cache[key] = costmodel.network_p2p_seconds(hw, nb) if key[0] == "network" else \
                 costmodel.op_seconds(op_at(i), model, hw, disk_cached=disk_cached,
                                      graph_q_tokens=plan.graph_q_tokens, comp=comp, gather_copies=gather,
-                                     cpu_attention_impl=plan.cpu_attention_impl, pageable_copy=plan.pageable_copy)
+                                     cpu_attention_impl=plan.cpu_attention_impl, pageable_copy=plan.pageable_copy,
+                                     quant_impl=plan.quant_impl)
         dur0[i] = d
     # a copy that starts while the opposite direction is busy is priced for the overlap: ``op_seconds`` with that
     # overlap is ``duplex_seconds`` at the copy's full rate, looked up once per copy shape (the key of ``cache``)

@@ -351,7 +351,8 @@ NO_COMPRESSION = Compression()
 # Hardware
 # ----------------------------------------------------------------------------------------------------------------
 HARDWARE_SCHEMA = "offsim.hardware/1"
-OP_TABLE_MODES = ("graph", "eager", "tokens", "graph_tokens", "capture", "cpu", "attn", "copy", "issue")  # see HardwareSpec.op_times
+# see HardwareSpec.op_times
+OP_TABLE_MODES = ("graph", "eager", "tokens", "graph_tokens", "capture", "cpu", "attn", "copy", "issue", "quant")
 
 Curve = tuple[tuple[float, float], ...]  # (x, y) points, x increasing; interpolated in log(x), clamped at the ends
 
@@ -431,7 +432,8 @@ class HardwareSpec:
     # a CPU-attention op's fixed cost; x = sequences; part 'attn_flops': its FLOP/s), 'attn' (part 'prefill' or
     # 'recompute': causal GPU attention's efficiency, y = achieved / peak FLOP/s, by context x, with this model's
     # heads, GQA and the executor's KV layout), 'copy' (part 'd2h_qkv' or 'h2d_attn_out': CPU attention's small
-    # copies, by bytes x). Where a row exists the cost model reads it instead of the analytical
+    # copies, by bytes x), 'quant' (part 'dequant_flexgen:weight' / ':cache': FlexGen's own 4-bit decompress on the
+    # GPU, by fp16 bytes x; what flexgen-ref's compressed plans pay). Where a row exists the cost model reads it instead of the analytical
     # GEMM, elementwise and overhead terms or the model-agnostic curves (costmodel.compute_seconds); () = none.
     op_times: tuple = ()
     # compute-bound GEMM rate held under seconds of back-to-back load (a prefill) over the rate of a burst after

@@ -16,7 +16,9 @@ Nothing is fitted to a measured throughput.
   pinned buffer for D2H): KV copies are priced at the profile's relay rates where it has them (``h2d_relay`` /
   ``d2h_relay``: that staging timed by ``offexec profile``; ``Plan.pageable_copy`` 'relay'), else at its pageable
   rates. Its CPU attention runs FlexGen's own fp32 path (``Plan.cpu_attention_impl`` 'flexgen'; QKV on the GPU,
-  attention on the CPU over the host cache, inside the position).
+  attention on the CPU over the host cache, inside the position), and with ``--compress-weight`` /
+  ``--compress-cache`` its own 4-bit decompress, every weight matrix in each (layer, batch) call and the whole
+  cache the attention reads (``Plan.quant_impl`` 'flexgen': the profile's 'dequant_flexgen:*' rows where measured).
 - ``static-accelerate-ref`` (huggingface/accelerate 0.15 ``hooks.py``, ``big_modeling.py``; FlexGen's
   ``benchmark/hf_ds/hf_opt.py``): FlexGen's benchmark maps every decoder layer to "cpu" (or "disk") with only the
   embeddings and the LM head on the GPU (its own ``device_map``, not ``"auto"``), so ``gpu_layers`` defaults to 0;
@@ -60,7 +62,8 @@ def flexgen_ref_schedule(model: ModelSpec, st: FlexGenSettings, wl: Workload | N
     if st.num_stages > 1:
         raise OffsimError("flexgen-ref models FlexGen's single-GPU loop: use num_stages 1")
     return dataclasses.replace(flexgen_schedule(model, st, wl), policy="flexgen-ref", kv_pinned=False,
-                               sync_positions=True, cpu_attention_impl="flexgen", pageable_copy="relay")
+                               sync_positions=True, cpu_attention_impl="flexgen", pageable_copy="relay",
+                               quant_impl="flexgen")
 
 
 def flexgen_ref_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: FlexGenSettings) -> Plan:
