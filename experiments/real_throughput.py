@@ -310,13 +310,48 @@ def _flexgen_attention_check(r) -> str:
         return ""
     prof_s = cm.cpu_attention_seconds(spec, hw, gbs, 1, ctx, impl="flexgen")
     c = [x for x, _ in row]
+    verdict = ("The profiled op alone takes longer than the measured step: the profile's timing runs slower than "
+               "FlexGen's own process ran it." if prof_s > per_op_s else
+               f"The other {(per_op_s - prof_s) * 1e3:.1f} ms of the measured step hold the batch's GPU ops, its "
+               "copies and the loop's own work.")
     return (f"In the {r['system']} run ({r['model']} {r['prompt_len']}/{gen}, {gbs} x {nb}), a decode (step, layer, "
             f"GPU batch) took {per_op_s * 1e3:.1f} ms in all (GPU ops, copies and the CPU attention, measured); offsim "
-            f"prices FlexGen's CPU attention alone at {prof_s * 1e3:.1f} ms for that batch at context {ctx:.0f}, from "
-            f"the profile's timing of the reproduced sequence (contexts up to {c[-1]:.0f} measured). "
-            + ("The reproduced sequence runs slower on the host than FlexGen's own process ran it, so offsim "
-               "under-predicts this run; timing FlexGen's `mha_gen` itself in the profile is the open step."
-               if prof_s > per_op_s else "The profiled sequence fits inside the measured step."))
+            f"prices FlexGen's CPU attention alone at {prof_s * 1e3:.1f} ms for that batch at context {ctx:.0f} "
+            f"(contexts up to {c[-1]:.0f} measured). {verdict}")
+
+
+def _flexgen_profile_notes(prof: dict) -> list[str]:
+    """What the peer profile holds of FlexGen's own code, from its rows and provenance (what flexgen-ref reads)."""
+    rows = prof.get("op_times", [])
+    prov = prof.get("provenance", {})
+    timed = (prov.get("flexgen_code_tables") or prov.get("cpu_attention_flexgen_tables") or {}).get("rows_timed", {})
+    has_attn = any(str(r[2]).startswith("attn_ctx_flexgen:") for r in rows)
+    notes = ["", "flexgen-ref prices FlexGen's own code from the profile (`" + PEER_PROFILE + "`):", ""]
+    if has_attn:
+        notes.append("- CPU attention: the ('cpu', 'attn_ctx_flexgen:B') rows, timed as "
+                     + (", ".join(f"{m}: {w}" for m, w in sorted(timed.items())) or "FlexGen's sequence of ops")
+                     + " (`offexec profile --flexgen-only`).")
+    else:
+        notes.append("- CPU attention: the profile has no ('cpu', 'attn_ctx_flexgen:B') rows, so FlexGen's attention "
+                     "is priced at offexec's rate (its 'attn_ctx:B' rows).")
+    if prof.get("h2d_relay"):
+        big = max(prof["h2d_relay"], key=lambda xy: xy[0])
+        notes.append("- Its unpinned KV copies (`general_copy` pins a copy of the source first): the profile's relay "
+                     f"curves (`h2d_relay` / `d2h_relay`; H2D {big[1] / 1e9:.1f} GB/s at {big[0] / 2**20:.0f} MiB).")
+    else:
+        notes.append("- Its unpinned KV copies: the profile has no relay curves, so they are priced at the pageable "
+                     "rate (`h2d_pageable`).")
+    dq = {str(r[2]).split(":")[1]: r[3] for r in rows if str(r[2]).startswith("dequant_flexgen:")
+          and str(r[0]).startswith("opt/h7168")}
+    if dq:
+        notes.append("- Its 4-bit decompress: the ('quant', 'dequant_flexgen:weight' / ':cache') rows; at OPT-30B's "
+                     "largest measured sizes " + ", ".join(f"{k} {dq[k][-1][0] / dq[k][-1][1] / 1e9:.0f} GB/s"
+                                                          for k in sorted(dq))
+                     + f" of fp16 output (offexec's own kernels: {prof.get('quant_weight_bytes_per_s', 0) / 1e9:.0f}"
+                     f" and {prof.get('quant_bytes_per_s', 0) / 1e9:.0f} GB/s).")
+    else:
+        notes.append("- Its 4-bit decompress: no 'dequant_flexgen' rows, so offexec's dequantize rates stand in.")
+    return notes
 
 
 def write_outputs(out: Path, journal: list[dict], prov: dict) -> dict:
@@ -428,28 +463,15 @@ def readme(df, b, prov: dict) -> str:
                          f"| {r['batch']} | {r['predicted_policy']} | {md:.2f} | {pd_:.2f} | {(pd_ - md) / md:+.1%} | "
                          f"{mt:.2f} | {pt:.2f} | {(pt - mt) / mt:+.1%} | {mh:.1f} | {ph:.1f} |")
         if (pred["predicted_policy"] == "flexgen-ref").any():
-            has = any(str(r[2]).startswith("attn_ctx_flexgen:")
-                      for r in json.loads(Path(PEER_PROFILE).read_text()).get("op_times", []))
-            lines += ["", "flexgen-ref's CPU attention is FlexGen's own path: its `mha_gen` on the CPU copies K and V "
-                      "through `permute(...).reshape(...)`, converts them and Q to fp32, and runs `bmm` and softmax in "
-                      "fp32. offsim prices those ops from the profile's ('cpu', 'attn_ctx_flexgen:B') rows "
-                      "(`offexec profile --ops M --cpu-attention-only` times FlexGen's sequence of ops on the host). "
-                      + ("The profile has them." if has else
-                         "This profile does not have them yet, so these predictions price FlexGen's attention at "
-                         "offexec's fp16 rate (its 'attn_ctx:B' rows), which is why flexgen-ref is over-predicted.")]
-            lines += [_flexgen_attention_check(r) for _, r in pred.iterrows()
-                      if r["predicted_policy"] == "flexgen-ref" and _flexgen_attention_check(r)]
+            lines += _flexgen_profile_notes(json.loads(Path(PEER_PROFILE).read_text()))
+            lines += [""] + [_flexgen_attention_check(r) for _, r in pred.iterrows()
+                             if r["predicted_policy"] == "flexgen-ref" and _flexgen_attention_check(r)]
             for _, r in pred[pred["system"] == "flexgen-4bit-ref"].iterrows():
                 mh = _rate_gbps(r.get("decode_h2d_bytes"), r.get("decode_s"))
                 ph = _rate_gbps(r.get("predicted_decode_h2d_bytes_per_s"), 1.0)
-                lines += ["", f"FlexGen allocates its CPU KV cache unpinned (`init_cache_one_gpu_batch`: "
-                          "`pin_memory = False`, compressed or not) and copies it through `general_copy`, which pins "
-                          "a copy of the source (`src.pin_memory()`) before the transfer. `flexgen-ref` prices those "
-                          "copies at the profile's pageable rate (`h2d_pageable`, a plain copy from pageable memory). "
-                          f"In the {r['system']} run ({r['model']} {r['prompt_len']}/{r['gen_len']}, batch "
+                lines += ["", f"In the {r['system']} run ({r['model']} {r['prompt_len']}/{r['gen_len']}, batch "
                           f"{r['batch']:.0f}) decode moved its host-to-GPU bytes at {mh:.1f} GB/s over decode's whole "
-                          f"time (a lower bound on the copies' rate), where offsim's plan moves them at {ph:.1f}: "
-                          "the relay is faster than the pageable rate, and the profile does not time it yet."]
+                          f"time; offsim's plan moves them at {ph:.1f}."]
     notok = df[df["status"] != "ok"]
     answered = notok["key"].isin(set(df.loc[df["status"] == "ok", "key"]))  # retried later with a result
     bad = notok[~answered]

@@ -854,7 +854,7 @@ def test_profile_flexgen_dequant_on_cuda():
     from offexec.profile import profile_flexgen_dequant
 
     spec = get_model("opt-1.3b")
-    rows = profile_flexgen_dequant(spec, "cuda", caches=((128, 1), (512, 4)), reps=3)
+    rows = profile_flexgen_dequant(spec, "cuda", caches=((128, 1), (2048, 64)), reps=3)  # 0.5 MB, 0.5 GB
     assert [(r[1], r[2]) for r in rows] == [("quant", "dequant_flexgen:weight"), ("quant", "dequant_flexgen:cache")]
     HardwareSpec.from_dict({**H200.to_dict(), "op_times": rows})
     for r in rows:
