@@ -563,12 +563,10 @@ def capture_extra_seconds(model: ModelSpec, hw: HardwareSpec, part: str, rows: i
     rep = op_table(hw, model, "graph", part)
     if cap is None or rep is None:
         return 0.0
-    if op_table(hw, model, "capture", f"new_q:{part}") is not None:
-        # what a capture adds is the issuing thread's work (the static body's launches, recording, instantiating):
-        # its kernel count does not grow with the rows, so past the row's largest size it is read flat. Only where
-        # the profile also prices the first capture at a new query count (``new_q_capture_seconds``): without that
-        # row the proportional extrapolation had stood in for it (results/validation/calib_misses.md)
-        rows = min(rows, cap[-1][0])
+    # past the row's largest size it is read proportionally (``table_seconds``): a recompute op of 64 x 3 to 64 x 5
+    # rows is priced 4.2-7.0 ms, where offexec's capture_end of such ops took 6.6 ms on average in a cProfile'd
+    # re-run of the calibration case opt-13b_tightllm_b32_p128_g32 (results/validation/calib_misses.md); reading
+    # it flat (1.7 ms) took that case from -16.3 % to +18.6 %
     return max(0.0, table_seconds(cap, rows) - table_seconds(rep, rows))
 
 
