@@ -311,3 +311,22 @@ def test_the_h200_job_specs_load(monkeypatch):
         s = load_job_spec(p.relative_to(root))
         assert len(s.requests) >= 256 and s.policies == ("flexgen", "tightllm") and s.gpu_mem_gb == 16
         assert get_hardware(s.hardware, s.gpu_mem_gb).name == "h200-offexec-v2"
+
+
+def test_measured_jobs_readme_is_generated_from_job_json(tmp_path):
+    """experiments.offexec.jobs_readme tabulates every policy of every job folder from its job.json: a measured one
+    with its error and the count within 5 %, one a time limit stopped as not measured."""
+    from experiments.offexec.jobs_readme import write
+
+    done = {"policy": "flexgen", "batching": "padded", "gpu_batch_size": 8, "num_gpu_batches": 2, "blocks": 3,
+            "completion_s": 10.0, "predicted_completion_s": 10.3, "completion_error": 0.03, "output_tok_s": 5.0,
+            "p50_request_s": 4.0, "p99_request_s": 9.0, "predicted_p50_request_s": 4.1,
+            "predicted_p99_request_s": 9.2, "padding_waste": 0.25}
+    stopped = {"policy": "tightllm", "error": "--time-limit-s 10 reached before it started", "incomplete": True}
+    (tmp_path / "kind_a").mkdir()
+    (tmp_path / "kind_a" / "job.json").write_text(json.dumps(
+        {"batching": "padded", "policies": [done, stopped], "provenance": {"commit": "abc", "date": "2026-12-01T00:00"}}))
+    text = write(tmp_path).read_text()
+    assert "| kind_a | flexgen | padded | 8 x 2 | 3 | 10.00 | 10.30 | +3.0% |" in text
+    assert "| kind_a | tightllm | padded | | | not measured |" in text
+    assert "within 5 % of the measured one: 1 of 1 measured jobs" in text
