@@ -106,3 +106,62 @@ def test_flexgen_ref_prices_its_own_dequantize_from_the_profile_rows(tiny_opt):
     d["quant_impl"] = "bnb"
     with pytest.raises(PlanError, match="quant_impl must be one of"):
         Plan.from_dict(d).validate()
+
+
+def test_flexgen_ref_stages_its_h2d_relays_on_the_issuing_thread(tiny_opt):
+    """FlexGen's general_copy pins an unpinned source on the calling thread before the asynchronous copy (its D2H
+    relays go to copy threads): where the profile measured the relay and prices issuing, an unpinned H2D copy of a
+    relay plan moves on its stream at the pinned rate and its staging (relay time less the pinned copy's) is issue
+    time; without issue costs the stream takes the whole relay, as before. Same trace in both engines."""
+    plain = get_hardware("h200")
+    slow = [[1 << 20, 2 * GB], [1 << 30, 2 * GB]]  # a slow relay: the staging dominates
+    n = 1 << 26
+    no_issue = plain.with_(h2d_relay=slow, d2h_relay=slow)
+    issued = no_issue.with_(issue_copy_s=1e-5, issue_compute_s=1e-5)
+    assert not C.relay_staged_by_issuer(no_issue, "h2d") and C.relay_staged_by_issuer(issued, "h2d")
+    assert not C.relay_staged_by_issuer(issued, "d2h")
+    assert C.link_bytes_per_s(no_issue, n, "h2d", pinned=False, relay=True) == pytest.approx(2 * GB)
+    assert C.link_bytes_per_s(issued, n, "h2d", pinned=False, relay=True) == C.link_bytes_per_s(plain, n, "h2d")
+    assert C.link_bytes_per_s(issued, n, "d2h", pinned=False, relay=True) == pytest.approx(2 * GB)
+    stage = C.relay_staging_seconds(issued, n)
+    assert stage == pytest.approx(n / (2 * GB) - n / C.link_bytes_per_s(plain, n, "h2d"))
+
+    class Copy:
+        kind, tensor, nbytes, pinned = "h2d", "kv", n, False
+
+    assert C.issue_seconds(Copy, issued, 0, None, relay=True) == pytest.approx(issued.issue_copy_s + stage)
+    assert C.issue_seconds(Copy, issued, 0, None) == issued.issue_copy_s  # not a relay plan
+    wl = Workload(32, 4, 4, 2)
+    ref = build_plan("flexgen-ref", tiny_opt, issued, wl, {"percent": (0, 100, 0, 100, 100, 0)})
+    df = simulate(ref, issued).df
+    pd.testing.assert_frame_equal(df, simulate_simpy(ref, issued).df, check_exact=True)
+    slower = issued.with_(h2d_relay=[[1 << 20, 1 * GB], [1 << 30, 1 * GB]], d2h_relay=slow)
+    assert simulate(ref, slower).metrics()["total_s"] > simulate(ref, issued).metrics()["total_s"]
+    # the KV loads' stream time is the pinned copy's: the same under either relay rate
+    kv = [o.id for o in ref.ops if o.kind == "h2d" and not o.pinned and o.nbytes]
+    assert kv
+    d1, d2 = simulate(ref, issued).df, simulate(ref, slower).df
+    assert ((d1.end_s - d1.start_s)[kv] - (d2.end_s - d2.start_s)[kv]).abs().max() < 1e-9 + 0.5 * (
+        d1.end_s - d1.start_s)[kv].max()
+
+
+def test_flexgen_ref_issues_each_position_after_the_previous_one_ends(tiny_opt):
+    """flexgen-ref's runtime waits for every dependency of an op before issuing it (``Plan.issue_waits_for_deps``:
+    FlexGen's sync() blocks its main loop), so where issuing costs time that time adds to each position instead of
+    hiding under the GPU's work; with free issue (the presets) it changes nothing. The field round-trips, enters
+    the fingerprint and is checked; both engines agree."""
+    plain = get_hardware("h200")
+    costly = plain.with_(issue_copy_s=2e-4, issue_compute_s=2e-4)
+    wl = Workload(32, 4, 4, 2)
+    st = {"percent": (0, 100, 0, 100, 100, 0)}
+    ref = build_plan("flexgen-ref", tiny_opt, costly, wl, st)
+    assert ref.issue_waits_for_deps and not build_plan("flexgen", tiny_opt, costly, wl, st).issue_waits_for_deps
+    free = Plan.from_dict({**ref.to_dict(), "issue_waits_for_deps": False})
+    assert simulate(ref, costly).metrics()["total_s"] > simulate(free, costly).metrics()["total_s"]
+    pd.testing.assert_frame_equal(simulate(ref, plain).df, simulate(free, plain).df, check_exact=True)
+    pd.testing.assert_frame_equal(simulate(ref, costly).df, simulate_simpy(ref, costly).df, check_exact=True)
+    back = Plan.from_dict(json.loads(json.dumps(ref.to_dict())))
+    assert back.issue_waits_for_deps and back.fingerprint() == ref.fingerprint() != free.fingerprint()
+    assert "issue_waits_for_deps" not in free.to_dict()
+    with pytest.raises(PlanError, match="issue_waits_for_deps must be true or false"):
+        Plan.from_dict({**ref.to_dict(), "issue_waits_for_deps": "yes"}).validate()

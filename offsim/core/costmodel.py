@@ -59,12 +59,38 @@ def _is_number(x) -> bool:
 DIRECTIONS = ("h2d", "d2h")
 
 
+def prices_issue(hw: HardwareSpec) -> bool:
+    """Whether the profile gives the runtime a cost per issued op (else an ideal runtime that issues for free)."""
+    return bool(hw.issue_compute_s or hw.issue_copy_s or hw.issue_graph_s)
+
+
+def relay_staged_by_issuer(hw: HardwareSpec, direction: str) -> bool:
+    """Whether a relayed copy's staging is the issuing thread's work rather than its stream's: an H2D relay
+    (FlexGen's ``general_copy`` runs ``src.pin_memory()`` on the calling thread -- its main loop -- before the
+    asynchronous copy; its D2H relays go to its copy threads), where the profile measured the relay
+    (``h2d_relay``) and prices issuing (``prices_issue``). Then the copy's stream moves the bytes at the pinned rate
+    and its issue costs ``relay_staging_seconds``; otherwise the stream takes the whole relay."""
+    return direction == "h2d" and bool(hw.h2d_relay) and prices_issue(hw)
+
+
+def relay_staging_seconds(hw: HardwareSpec, nbytes) -> float:
+    """The host's share of one H2D relay of ``nbytes`` (``relay_staged_by_issuer``): the profile's relay time (the
+    staging copy into pinned memory, then the pinned copy, one after the other as ``offexec profile`` times them)
+    less the pinned copy's time; 0 where the relay is not measured or ``nbytes`` is empty."""
+    if not hw.h2d_relay or not _is_number(nbytes) or nbytes <= 0:
+        return 0.0
+    return max(0.0, nbytes / interp(hw.h2d_relay, nbytes) - nbytes / interp(hw.h2d_pinned, nbytes))
+
+
 def link_bytes_per_s(hw: HardwareSpec, nbytes, direction: str, pinned: bool = True, relay: bool = False) -> float:
     """Bandwidth of one copy of ``nbytes`` over PCIe in ``direction`` ('h2d' or 'd2h'), pinned or pageable host;
     ``relay``: an unpinned copy that the caller stages through a pinned copy of its own (``Plan.pageable_copy``
-    'relay'), at the profile's ``h2d_relay`` / ``d2h_relay`` where measured, else as a pageable copy."""
+    'relay'), at the profile's ``h2d_relay`` / ``d2h_relay`` where measured, else as a pageable copy -- or, where
+    the issuing thread stages it (``relay_staged_by_issuer``), at the pinned rate: the stream's share."""
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+    if relay and not pinned and relay_staged_by_issuer(hw, direction):
+        pinned = True
     curve = {("h2d", True): hw.h2d_pinned, ("d2h", True): hw.d2h_pinned,
              ("h2d", False): hw.h2d_pageable, ("d2h", False): hw.d2h_pageable}[direction, pinned]
     if relay and not pinned:
@@ -579,15 +605,21 @@ def new_q_capture_seconds(model: ModelSpec, hw: HardwareSpec, part: str, rows: i
     return 0.0 if row is None else table_seconds(row, rows)
 
 
-def issue_seconds(op, hw: HardwareSpec, graph_q_tokens: int = 0, model: ModelSpec | None = None) -> float:
+def issue_seconds(op, hw: HardwareSpec, graph_q_tokens: int = 0, model: ModelSpec | None = None,
+                  relay: bool = False) -> float:
     """Host time the runtime spends issuing ``op`` (see ``HardwareSpec.issue_compute_s``); a decode op that the plan
     replays as a graph (``graph_q_tokens``: the plan's ``graph_q_tokens``) costs ``issue_graph_s`` where the profile
     measured it. A copy costs its handler's row ('issue', KIND_TENSOR, by bytes: ``offexec profile --ops``, offexec's
     own issue time per handler) where ``model``'s layer shape has one, else ``issue_copy_s``; a compute op its part's
     row ('issue', 'graph:PART' or 'eager:PART', by sequences) where there is one. Where the profile has the issuing
     loop's own time per op ('issue', 'dispatch': finding the next op, its dependencies, the window's bookkeeping,
-    between handlers), every op costs that too."""
-    return _handler_issue_seconds(op, hw, graph_q_tokens, model) + dispatch_seconds(op, hw, model)
+    between handlers), every op costs that too. ``relay``: the plan relays its unpinned copies
+    (``Plan.pageable_copy`` 'relay'): an unpinned H2D copy's staging is issue time too where the issuing thread does
+    it (``relay_staged_by_issuer``, ``relay_staging_seconds``)."""
+    t = _handler_issue_seconds(op, hw, graph_q_tokens, model) + dispatch_seconds(op, hw, model)
+    if relay and op.kind == "h2d" and not getattr(op, "pinned", True) and relay_staged_by_issuer(hw, "h2d"):
+        t += relay_staging_seconds(hw, getattr(op, "nbytes", 0))
+    return t
 
 
 def dispatch_seconds(op, hw: HardwareSpec, model: ModelSpec | None) -> float:

@@ -311,6 +311,10 @@ class Plan:
     # whose code runs its 4-bit dequantize passes: '' offexec's (the profile's quant_*_bytes_per_s), or 'flexgen'
     # FlexGen's own TorchCompressedDevice.decompress (``flexgen-ref``: the profile's 'dequant_flexgen:*' rows)
     quant_impl: str = ""
+    # whether the runtime's issuing thread waits for every dependency of an op to finish before issuing it (FlexGen's
+    # sync() after each (layer, batch) position blocks its main loop: ``flexgen-ref``), rather than for its host
+    # dependencies only (offexec's rule); the simulator's issuer follows it where the profile prices issuing
+    issue_waits_for_deps: bool = False
 
     @property
     def num_devices(self) -> int:
@@ -391,6 +395,8 @@ class Plan:
             extra["pageable_copy"] = self.pageable_copy
         if self.quant_impl:  # (likewise)
             extra["quant_impl"] = self.quant_impl
+        if self.issue_waits_for_deps:  # (likewise)
+            extra["issue_waits_for_deps"] = True
         return {"schema": PLAN_SCHEMA, "model": self.model.to_dict(), "workload": self.workload.to_dict(),
                 "policy": self.policy, "settings": self.settings, "capacity": self.capacity,
                 "resident": self.resident, "weight_split": [list(x) for x in self.weight_split], "kv_split": list(self.kv_split),
@@ -429,7 +435,8 @@ class Plan:
                        stages=[dict(st) for st in stages], nodes=[dict(x) for x in d.get("nodes", [])],
                        weight_gather_copies=d.get("weight_gather_copies", 0),
                        cpu_attention_impl=d.get("cpu_attention_impl", ""),
-                       pageable_copy=d.get("pageable_copy", ""), quant_impl=d.get("quant_impl", ""))
+                       pageable_copy=d.get("pageable_copy", ""), quant_impl=d.get("quant_impl", ""),
+                       issue_waits_for_deps=d.get("issue_waits_for_deps", False))
         except KeyError as e:
             raise PlanError(f"{where}: missing field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
@@ -456,6 +463,8 @@ class Plan:
             body["pageable_copy"] = self.pageable_copy
         if self.quant_impl:  # (likewise)
             body["quant_impl"] = self.quant_impl
+        if self.issue_waits_for_deps:  # (likewise)
+            body["issue_waits_for_deps"] = True
         return hashlib.sha256(json.dumps(body, separators=(",", ":")).encode()).hexdigest()
 
     def save(self, path: str | Path) -> None:
@@ -489,6 +498,8 @@ class Plan:
         if self.cpu_attention_impl not in CPU_ATTENTION_IMPLS:
             raise PlanError(f"plan: cpu_attention_impl must be one of {CPU_ATTENTION_IMPLS} ('': offexec's), got "
                             f"{self.cpu_attention_impl!r}")
+        if not isinstance(self.issue_waits_for_deps, bool):
+            raise PlanError(f"plan: issue_waits_for_deps must be true or false, got {self.issue_waits_for_deps!r}")
         if self.quant_impl not in QUANT_IMPLS:
             raise PlanError(f"plan: quant_impl must be one of {QUANT_IMPLS} ('': offexec's), got {self.quant_impl!r}")
         if self.pageable_copy not in PAGEABLE_COPIES:

@@ -61,17 +61,22 @@ HOST_STREAMS = ("cpu", "disk")  # ops the runtime's host threads run (offexec: o
 STREAM_ORDER_ISSUE = True
 
 
-def _prices_issue(hw: HardwareSpec) -> bool:
-    """Whether the profile gives the runtime a cost per issued op (else an ideal runtime that issues for free)."""
-    return bool(hw.issue_compute_s or hw.issue_copy_s or hw.issue_graph_s)
+_prices_issue = costmodel.prices_issue  # whether the profile gives the runtime a cost per issued op
 
 
-def _host_gates(is_host, deps_of, cost) -> list[float]:
+def _host_gates(is_host, blocks, deps_of, cost) -> list[float]:
     """Per op: its issue cost (``cost(i)``) where it runs on a GPU stream and depends on a host op, else 0. A runtime
     cannot enqueue a GPU op behind work the host has not done yet: offexec issues such an op only when its host
     dependencies have finished, and issuing it then takes its issue cost, so it starts no earlier than the last
     host dependency's end plus that cost."""
-    return [cost(i) if not is_host[i] and any(is_host[d] for d in deps) else 0.0 for i, deps in enumerate(deps_of)]
+    return [cost(i) if not is_host[i] and any(blocks[d] for d in deps) else 0.0 for i, deps in enumerate(deps_of)]
+
+
+def _blocks_issue(plan: Plan, is_host: list) -> list:
+    """Per op: whether the issuing thread waits for it to finish before issuing an op that depends on it -- a host
+    op (offexec's rule), or any op where the plan's runtime waits for every dependency
+    (``Plan.issue_waits_for_deps``: FlexGen's ``sync()`` after each position blocks its main loop)."""
+    return [True] * len(is_host) if plan.issue_waits_for_deps else is_host
 
 
 WINDOW_STREAMS = ("compute", "h2d", "d2h")  # the streams of ``Plan.run_ahead``, in its order
@@ -140,7 +145,8 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
     # the host issues ops one after another in plan order (a single issuing thread); an op cannot start before
     # it is issued. With an ideal runtime (zero issue cost, no run-ahead window) this is a no-op.
     has_cost = _prices_issue(hw)
-    costs = [costmodel.issue_seconds(o, hw, plan.graph_q_tokens, model) for o in ops] if has_cost else None
+    relay = plan.pageable_copy == "relay"
+    costs = [costmodel.issue_seconds(o, hw, plan.graph_q_tokens, model, relay) for o in ops] if has_cost else None
     if costs is not None:  # a capture is host work: the issuing thread records the graph (as ``simulate``)
         for i, extra in captures.items():
             costs[i] += extra
@@ -148,6 +154,7 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
     pred = _window_preds(plan.run_ahead, [op.stream for op in ops])  # None: no window
     stream_order = STREAM_ORDER_ISSUE and pred is not None and has_cost
     is_host = [op.stream in HOST_STREAMS for op in ops]
+    blocks = _blocks_issue(plan, is_host)
     if stream_order and costs is not None:  # a host op is handed to its worker: the issuing loop's own time only
         for i, op in enumerate(ops):
             if is_host[i]:
@@ -185,7 +192,7 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
                 k = ptr[q]
                 if k >= len(b) or (i >= 0 and b[k] > i):
                     continue
-                if all(issued[d] and (not is_host[d] or finished[d]) for d in ops[b[k]].deps):
+                if all(issued[d] and (not blocks[d] or finished[d]) for d in ops[b[k]].deps):
                     i, q_of = b[k], q
             if i < 0:
                 if not any(ptr[q] < len(b) for q, b in enumerate(queues)):
@@ -203,8 +210,8 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
         for i in range(n):
             yield from issue(i)
 
-    gate_s = _host_gates(is_host, [op.deps for op in ops],
-                         lambda i: costmodel.issue_seconds(ops[i], hw, plan.graph_q_tokens, model)) \
+    gate_s = _host_gates(is_host, blocks, [op.deps for op in ops],
+                         lambda i: costmodel.issue_seconds(ops[i], hw, plan.graph_q_tokens, model, relay)) \
         if has_cost else None
 
     def stream(stream_ops):
@@ -223,7 +230,7 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
                         ev = waiters[d] = env.event()
                     yield ev
             if gate_s is not None and gate_s[op.id]:  # issued only once its host dependencies are done
-                gate = max(end[d] for d in op.deps if is_host[d]) + gate_s[op.id]
+                gate = max(end[d] for d in op.deps if blocks[d]) + gate_s[op.id]
                 if gate > env.now:
                     yield env.timeout(gate - env.now)
             now = env.now
@@ -261,7 +268,7 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
             ev = waiters.pop(op.id, None)
             if ev is not None:
                 ev.succeed()
-            if host_wait and is_host[op.id]:  # the stream-order issuer waits for a host op: rescan
+            if host_wait and blocks[op.id]:  # the stream-order issuer waits for a host op: rescan
                 host_wait.pop().succeed()
 
     by_stream: dict[str, list] = {s: [] for s in STREAMS}
@@ -335,12 +342,12 @@ class _KindOnly:
     """Stands for an op where a cost function reads only its kind, part, query length, phase, tensor, bytes and
     sequences (``costmodel.issue_seconds``)."""
 
-    __slots__ = ("kind", "part", "q_tokens", "phase", "tensor", "nbytes", "num_seqs")
+    __slots__ = ("kind", "part", "q_tokens", "phase", "tensor", "nbytes", "num_seqs", "pinned")
 
     def __init__(self, kind: str, part: str = "", q_tokens: int = 0, phase: str = "", tensor: str = "",
-                 nbytes: int = 0, num_seqs: int = 1):
+                 nbytes: int = 0, num_seqs: int = 1, pinned: bool = True):
         self.kind, self.part, self.q_tokens, self.phase = kind, part, q_tokens, phase
-        self.tensor, self.nbytes, self.num_seqs = tensor, nbytes, num_seqs
+        self.tensor, self.nbytes, self.num_seqs, self.pinned = tensor, nbytes, num_seqs, pinned
 
 
 def simulate(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> Trace:
@@ -487,13 +494,15 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
         graph_q = plan.graph_q_tokens
         compute_s = costmodel.issue_seconds(_KindOnly("compute"), hw)
         graph_s = costmodel.issue_seconds(_KindOnly("compute", "layer", 1, "decode"), hw, graph_q)
-        copy_s: dict[tuple, float] = {}  # (kind, tensor, bytes) -> a copy's issue cost (its handler's row)
+        relay = plan.pageable_copy == "relay"
+        copy_s: dict[tuple, float] = {}  # (kind, tensor, bytes, pinned) -> a copy's issue cost (its handler's row)
 
         def copy_issue(r) -> float:
-            k = (r[0], r[6].get("tensor", ""), r[6].get("nbytes", 0))
+            k = (r[0], r[6].get("tensor", ""), r[6].get("nbytes", 0), r[6].get("pinned", True))
             c = copy_s.get(k)
             if c is None:
-                c = copy_s[k] = costmodel.issue_seconds(_KindOnly(k[0], tensor=k[1], nbytes=k[2]), hw, 0, model)
+                c = copy_s[k] = costmodel.issue_seconds(_KindOnly(k[0], tensor=k[1], nbytes=k[2], pinned=k[3]), hw, 0,
+                                                        model, relay)
             return c
 
         part_rows = any(m == "issue" and ":" in part for _, m, part, _ in (hw.op_times or ()))
@@ -535,10 +544,12 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
             issued = np.cumsum(costs).tolist()
         host_idx = {_STREAM_INDEX[h] for h in HOST_STREAMS}
         is_host = [x in host_idx for x in stream_name_idx]
-        gate_s = _host_gates(is_host, [r[1] for r in rows], lambda i: costmodel.issue_seconds(
+        blocks = _blocks_issue(plan, is_host)
+        gate_s = _host_gates(is_host, blocks, [r[1] for r in rows], lambda i: costmodel.issue_seconds(
             _KindOnly(rows[i][0], rows[i][6].get("part", ""), rows[i][6].get("q_tokens", 0), rows[i][2],
-                      rows[i][6].get("tensor", ""), rows[i][6].get("nbytes", 0), rows[i][6].get("num_seqs", 1)),
-            hw, graph_q, model))
+                      rows[i][6].get("tensor", ""), rows[i][6].get("nbytes", 0), rows[i][6].get("num_seqs", 1),
+                      rows[i][6].get("pinned", True)),
+            hw, graph_q, model, relay))
         gated = [False] * ns  # the stream's next op waits out its host gate (scheduled once)
 
     start = [0.0] * n
@@ -609,10 +620,14 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     on_host = [x in host_codes for x in sidx]
     host_stream = [s_ in host_codes for s_ in range(ns)]
 
+    wait_all = plan.issue_waits_for_deps
+    blocks_iss = [True] * len(on_host) if wait_all else on_host
+
     def issuable(o: int) -> bool:
-        """Op o's dependencies are all issued, and those on a host stream have finished (offexec's rule)."""
+        """Op o's dependencies are all issued, and those on a host stream have finished (offexec's rule; every one
+        has, where the runtime waits for all: ``_blocks_issue``)."""
         for d in deps_of[o]:
-            if not iss_done[d] or (on_host[d] and end[d] is None):
+            if not iss_done[d] or (blocks_iss[d] and end[d] is None):
                 return False
         return True
     if pred is not None and n:  # (SimPy creates the issuer's process first)
@@ -710,7 +725,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                 if w is not None:  # release its waiters
                     push(heap, (now, seq, w))
                     seq += 1
-                if iss_host_wait and host_stream[s]:  # the issuer waits for a host op: rescan
+                if iss_host_wait and (host_stream[s] or wait_all):  # the issuer waits for a host op: rescan
                     iss_host_wait = False
                     push(heap, (now, seq, itself_iss))
                     seq += 1
@@ -752,7 +767,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                 continue
             if gate_s is not None:
                 if gate_s[i] and not gated[s]:  # issued once its host dependencies are done
-                    gate = max(end[d] for d in deps if is_host[d]) + gate_s[i]
+                    gate = max(end[d] for d in deps if blocks[d]) + gate_s[i]
                     if gate > now:
                         gated[s] = True
                         push(heap, (now + (gate - now), seq, itself[s]))

@@ -8,7 +8,9 @@ Nothing is fitted to a measured throughput.
 
 - ``flexgen-ref`` (FMInference/FlexLLMGen, ``flexllmgen/flex_opt.py``, ``flexllmgen/pytorch_backend.py``):
   its loop calls ``sync()`` (``torch.cuda.synchronize`` and the disk threads' join) after every (layer, batch)
-  position, so nothing of one position overlaps the next, except the stores it issues one position late
+  position, so nothing of one position overlaps the next, and its main loop issues nothing of a position before the
+  previous one has finished (``Plan.issue_waits_for_deps``: where the profile prices issuing, the issuing thread's
+  work -- and the ``pin_memory()`` staging of each H2D relay, done on that thread -- adds to each position), except the stores it issues one position late
   (``store_cache(k-1)``, ``store_hidden(k-1)``); the next layer's weights are loaded beside the first batch only
   (``load_weight`` copies when ``k == 0``: as the ideal schedule); and its CPU KV cache is allocated with
   ``pin_memory=False`` (``init_cache_one_gpu_batch``: "disable pin_memory due to high memory overhead"), so each
@@ -63,7 +65,7 @@ def flexgen_ref_schedule(model: ModelSpec, st: FlexGenSettings, wl: Workload | N
         raise OffsimError("flexgen-ref models FlexGen's single-GPU loop: use num_stages 1")
     return dataclasses.replace(flexgen_schedule(model, st, wl), policy="flexgen-ref", kv_pinned=False,
                                sync_positions=True, cpu_attention_impl="flexgen", pageable_copy="relay",
-                               quant_impl="flexgen")
+                               quant_impl="flexgen", issue_waits_for_deps=True)
 
 
 def flexgen_ref_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: FlexGenSettings) -> Plan:

@@ -85,6 +85,7 @@ class Schedule:
     cpu_attention_impl: str = ""  # whose CPU attention path runs the cpu_compute ops (``Plan.cpu_attention_impl``)
     pageable_copy: str = ""  # how unpinned copies move (``Plan.pageable_copy``)
     quant_impl: str = ""  # whose code runs the dequantize passes (``Plan.quant_impl``)
+    issue_waits_for_deps: bool = False  # the issuer waits for each op's dependencies (``Plan.issue_waits_for_deps``)
 
     def stage_nodes(self) -> list[int]:
         """The node of each stage (``stage_nodes``)."""
@@ -696,5 +697,6 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
                 resident=resident_bytes(model, wl, s), weight_split=[tuple(x) for x in s.weight_split],
                 kv_split=tuple(s.kv_split), hidden_home=s.hidden_home, ops=b.ops, derived=dict(s.derived),
                 stages=plan_stages, nodes=plan_nodes, weight_gather_copies=s.weight_gather_copies,
-                cpu_attention_impl=s.cpu_attention_impl, pageable_copy=s.pageable_copy, quant_impl=s.quant_impl)
+                cpu_attention_impl=s.cpu_attention_impl, pageable_copy=s.pageable_copy, quant_impl=s.quant_impl,
+                issue_waits_for_deps=s.issue_waits_for_deps)
 
