@@ -1136,6 +1136,15 @@ def cmd_profile(args) -> dict:
     if not batches or min(batches) < 1:
         raise OffsimError(f"--op-batches must be positive integers separated by commas, got {args.op_batches!r}")
     models = _parse_models(args.ops) if args.ops else []
+    if args.flexgen_only:  # refused before anything is measured
+        from offsim.core.specs import get_model
+
+        if not models or not any(get_model(m).family == "opt" for m in models):
+            raise OffsimError("--flexgen-only times FlexGen 0.1.8's own code, which runs OPT models: give --ops with "
+                              "at least one OPT model")
+        if not str(args.device).startswith("cuda") or _flexgen_devices() is None:
+            raise OffsimError("--flexgen-only times FlexGen 0.1.8's own code: it needs the flexgen package and a "
+                              "CUDA GPU (--device cuda)")
     if args.base:
         d = read_json_object(args.base, "hardware profile")
     else:

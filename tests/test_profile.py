@@ -59,3 +59,21 @@ def test_profile_disk_times_the_disk_tier_itself(tmp_path, monkeypatch):
                           "disk_cached_write_bytes_per_s"} and min(rates.values()) > 0
     assert calls["direct"] > 0 and calls["cached"] > 0
     assert os.listdir(tmp_path) == []
+
+
+def test_profile_flexgen_only_refuses_clearly_where_flexgen_cannot_run(tmp_path, capsys):
+    """--flexgen-only times FlexGen 0.1.8's own code: on the CPU (or without the package, or for a Llama) there is
+    nothing to time, so it stops with a message naming what it needs, and writes nothing."""
+    from offexec.profile import main
+
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps(get_hardware("h200").to_dict()))
+    out = tmp_path / "out.json"
+    assert main(["profile", "--device", "cpu", "--base", str(base), "--ops", "opt-125m", "--flexgen-only",
+                 "--out", str(out)]) != 0
+    err = capsys.readouterr().err
+    assert "--flexgen-only" in err and "flexgen package" in err and "CUDA" in err and "Traceback" not in err
+    assert main(["profile", "--device", "cuda", "--base", str(base), "--ops", "llama-3-8b", "--flexgen-only",
+                 "--out", str(out)]) != 0
+    assert "runs OPT models" in capsys.readouterr().err
+    assert not out.exists()
