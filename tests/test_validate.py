@@ -1,5 +1,6 @@
 """offsim validate: re-simulating measured cases, error metrics, malformed inputs, and the CI guard on the committed
 H200 cases (results/validation/)."""
+import ast
 import json
 from pathlib import Path
 
@@ -9,6 +10,8 @@ from offsim import Workload, build_plan, simulate
 from offsim.analysis import validate as V
 from offsim.core.errors import OffsimError
 from offsim.core.specs import get_hardware, get_model
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CASES = Path(__file__).resolve().parents[1] / "results" / "validation"
 PROFILE = Path(__file__).resolve().parents[1] / "results" / "profiles" / "h200_offexec.json"
@@ -210,3 +213,39 @@ def test_matrix_v2_split_is_seeded_and_stratified():
         redo = copy.deepcopy(doc["cases"])
         split_cases(redo, doc["seed"])
         assert {c["tag"]: c["split"] for c in redo} == {c["tag"]: c["split"] for c in doc["cases"]}
+
+
+def test_remeasure_compare_lists_every_case_measured_twice(tmp_path, capsys):
+    """experiments.validation.remeasure_compare sets each case found in both folders beside its re-measurement:
+    the change of measured throughput, whether the plan is the same, offsim's error on each; cases in one folder
+    only are named, not dropped."""
+    import shutil
+
+    from experiments.validation.remeasure_compare import main
+
+    src = ROOT / "results" / "validation" / "h200_calib"
+    tag = "opt-30b_flexgen_b12_p256_g32"
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    new.mkdir()
+    for f in src.glob(f"{tag}.*"):
+        shutil.copy(f, old)
+        shutil.copy(f, new)
+    case = json.loads((new / f"{tag}.case.json").read_text())
+    m = case["metrics"]
+    metrics = ast.literal_eval(m) if isinstance(m, str) else m
+    metrics["total_tok_s"] *= 1.25  # the re-measurement ran 25 % faster
+    case["metrics"] = str(metrics) if isinstance(m, str) else metrics
+    (new / f"{tag}.case.json").write_text(json.dumps(case))
+    shutil.copy(src / "opt-13b_tightllm_b32_p128_g32.case.json", old)  # measured once only
+    assert main([str(old), str(new), "--out", str(tmp_path / "c.csv")]) == 0
+    out = capsys.readouterr().out
+    assert f"| {tag} |" in out and "| +25.0% | yes |" in out
+    assert "only in" in out and "opt-13b_tightllm_b32_p128_g32" in out
+    s = json.loads(out.strip().splitlines()[-1])
+    assert s["cases"] == 1 and s["moved_over_5pct"] == 1 and s["only_old"] == ["opt-13b_tightllm_b32_p128_g32"]
+    # offsim predicts the same plan either way: against the faster run its error is the old one over the speed-up
+    import pandas as pd
+
+    row = pd.read_csv(tmp_path / "c.csv", comment="#").iloc[0]
+    assert 1 + row["new_offsim_error"] == pytest.approx((1 + row["old_offsim_error"]) / 1.25)

@@ -1,0 +1,118 @@
+"""Cases measured twice, side by side: what a re-measurement at a later commit changed (issue 13).
+
+    python -m experiments.validation.remeasure_compare OLD_DIR NEW_DIR [--hardware PROFILE] [--out CSV]
+
+For every case (``TAG.case.json``) in both folders: the measured total tok/s of each, the change, whether the two
+runs ran the same plan (the cases' ``plan_sha256``), the commits they were measured at, and offsim's error on each
+(the plan stored beside each case, re-simulated on ``--hardware``, default the committed profile v2). Prints a
+markdown table and a summary (median |change|, cases that moved more than 5 %), writes the CSV with ``--out``
+(provenance on its first line), ends with one JSON line. Nothing is chosen by error: every case found in both
+folders is listed, and cases in only one are named.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from experiments.common import provenance
+from offsim.analysis.validate import load_case, resimulate
+from offsim.core.errors import OffsimError
+
+ROOT = Path(__file__).resolve().parents[2]
+PROFILE = ROOT / "results" / "profiles" / "h200_offexec_v2.json"
+MOVED = 0.05  # a change of measured throughput larger than this is reported as moved
+
+
+def _meta(case: dict) -> dict:
+    m = case["meta"]
+    if isinstance(m, str):  # (older cases store their metadata as a Python literal)
+        import ast
+
+        m = ast.literal_eval(m)
+    return m
+
+
+def _total(case: dict) -> float:
+    m = case["metrics"]
+    if isinstance(m, str):
+        import ast
+
+        m = ast.literal_eval(m)
+    return float(m["total_tok_s"])
+
+
+def compare(old_dir: Path, new_dir: Path, hardware: str) -> tuple[list[dict], list[str], list[str]]:
+    """Rows for the cases in both folders (sorted by tag), and the tags found only in the old / the new one."""
+    tags = {p.name[:-len(".case.json")] for p in old_dir.glob("*.case.json")}
+    new_tags = {p.name[:-len(".case.json")] for p in new_dir.glob("*.case.json")}
+    rows = []
+    for tag in sorted(tags & new_tags):
+        row = {"case": tag}
+        for side, folder in (("old", old_dir), ("new", new_dir)):
+            case = load_case(folder / f"{tag}.case.json")
+            meta = _meta(case)
+            measured = _total(case)
+            predicted = resimulate(case, hardware).metrics()["total_tok_s"]
+            row.update({f"{side}_commit": meta.get("commit", ""), f"{side}_plan_sha256": meta.get("plan_sha256", ""),
+                        f"{side}_measured_total_tok_s": measured, f"{side}_offsim_error": predicted / measured - 1})
+        row["change"] = row["new_measured_total_tok_s"] / row["old_measured_total_tok_s"] - 1
+        row["same_plan"] = bool(row["old_plan_sha256"]) and row["old_plan_sha256"] == row["new_plan_sha256"]
+        rows.append(row)
+    return rows, sorted(tags - new_tags), sorted(new_tags - tags)
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = ["| case | old tok/s (commit) | new tok/s (commit) | change | same plan | offsim error old | new |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['case']} | {r['old_measured_total_tok_s']:,.1f} ({r['old_commit']}) | "
+                     f"{r['new_measured_total_tok_s']:,.1f} ({r['new_commit']}) | {r['change']:+.1%} | "
+                     f"{'yes' if r['same_plan'] else 'no'} | {r['old_offsim_error']:+.1%} | "
+                     f"{r['new_offsim_error']:+.1%} |")
+    return lines
+
+
+def summary(rows: list[dict]) -> dict:
+    if not rows:
+        return {"cases": 0}
+    ch = [abs(r["change"]) for r in rows]
+    return {"cases": len(rows), "median_abs_change": statistics.median(ch),
+            "moved_over_5pct": sum(c > MOVED for c in ch), "same_plan": sum(r["same_plan"] for r in rows),
+            "median_abs_offsim_error_old": statistics.median(abs(r["old_offsim_error"]) for r in rows),
+            "median_abs_offsim_error_new": statistics.median(abs(r["new_offsim_error"]) for r in rows)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("old", type=Path, help="folder of the earlier cases (TAG.case.json)")
+    ap.add_argument("new", type=Path, help="folder of the same cases measured again")
+    ap.add_argument("--hardware", default=str(PROFILE), help="profile to re-simulate on (default: %(default)s)")
+    ap.add_argument("--out", type=Path, default=None, help="write the rows as CSV here")
+    args = ap.parse_args(argv)
+    for p in (args.old, args.new):
+        if not p.is_dir():
+            ap.error(f"{p}: no such folder (give two folders of *.case.json)")
+    try:
+        rows, only_old, only_new = compare(args.old, args.new, args.hardware)
+    except OffsimError as e:
+        ap.exit(2, f"remeasure_compare: error: {e}\n")
+    print("\n".join(table(rows)))
+    s = summary(rows)
+    if only_old or only_new:
+        print(f"\nonly in {args.old}: {', '.join(only_old) or 'none'}; only in {args.new}: "
+              f"{', '.join(only_new) or 'none'}")
+    if args.out and rows:
+        import pandas as pd
+
+        from offsim.core.provenance import write_csv
+
+        write_csv(pd.DataFrame(rows), args.out, provenance(command="python -m experiments.validation."
+                                                                   f"remeasure_compare {args.old} {args.new}"))
+    print(json.dumps({"experiment": "remeasure_compare", **s, "only_old": only_old, "only_new": only_new}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
