@@ -25,24 +25,6 @@ PROFILE = ROOT / "results" / "profiles" / "h200_offexec_v2.json"
 MOVED = 0.05  # a change of measured throughput larger than this is reported as moved
 
 
-def _meta(case: dict) -> dict:
-    m = case["meta"]
-    if isinstance(m, str):  # (older cases store their metadata as a Python literal)
-        import ast
-
-        m = ast.literal_eval(m)
-    return m
-
-
-def _total(case: dict) -> float:
-    m = case["metrics"]
-    if isinstance(m, str):
-        import ast
-
-        m = ast.literal_eval(m)
-    return float(m["total_tok_s"])
-
-
 def compare(old_dir: Path, new_dir: Path, hardware: str) -> tuple[list[dict], list[str], list[str]]:
     """Rows for the cases in both folders (sorted by tag), and the tags found only in the old / the new one."""
     tags = {p.name[:-len(".case.json")] for p in old_dir.glob("*.case.json")}
@@ -52,8 +34,8 @@ def compare(old_dir: Path, new_dir: Path, hardware: str) -> tuple[list[dict], li
         row = {"case": tag}
         for side, folder in (("old", old_dir), ("new", new_dir)):
             case = load_case(folder / f"{tag}.case.json")
-            meta = _meta(case)
-            measured = _total(case)
+            meta = case["meta"]
+            measured = float(case["metrics"]["total_tok_s"])
             predicted = resimulate(case, hardware).metrics()["total_tok_s"]
             row.update({f"{side}_commit": meta.get("commit", ""), f"{side}_plan_sha256": meta.get("plan_sha256", ""),
                         f"{side}_measured_total_tok_s": measured, f"{side}_offsim_error": predicted / measured - 1})

@@ -51,6 +51,10 @@ PLAN_SCHEMA = "offsim.plan/1"
 CPU_ATTENTION_IMPLS = ("", "flexgen")  # whose CPU attention path a plan's cpu_compute ops run (Plan.cpu_attention_impl)
 PAGEABLE_COPIES = ("", "relay")  # how a plan's unpinned copies move (Plan.pageable_copy)
 QUANT_IMPLS = ("", "flexgen")  # whose code runs a compressed plan's dequantize passes (Plan.quant_impl)
+# Plan fields written (and fingerprinted) only when set, in this order, so that plans from before each field read
+# and hash the same
+OPTIONAL_FIELDS = ("weight_gather_copies", "cpu_attention_impl", "pageable_copy", "quant_impl",
+                   "issue_waits_for_deps")
 KINDS = ("compute", "cpu_compute", "h2d", "d2h", "disk_read", "disk_write")
 # a GPU-to-GPU copy (pipeline parallelism): only in plans with stages, so not among the KINDS that single-GPU
 # summaries list
@@ -387,16 +391,7 @@ class Plan:
         extra = {"stages": [dict(st) for st in self.stages]} if multi else {}
         if self.nodes:  # (only with several nodes: one-host plans read and hash as before)
             extra["nodes"] = [dict(x) for x in self.nodes]
-        if self.weight_gather_copies:  # (only when set, so plans from before the field read and hash the same)
-            extra["weight_gather_copies"] = self.weight_gather_copies
-        if self.cpu_attention_impl:  # (likewise)
-            extra["cpu_attention_impl"] = self.cpu_attention_impl
-        if self.pageable_copy:  # (likewise)
-            extra["pageable_copy"] = self.pageable_copy
-        if self.quant_impl:  # (likewise)
-            extra["quant_impl"] = self.quant_impl
-        if self.issue_waits_for_deps:  # (likewise)
-            extra["issue_waits_for_deps"] = True
+        extra.update({f: getattr(self, f) for f in OPTIONAL_FIELDS if getattr(self, f)})
         return {"schema": PLAN_SCHEMA, "model": self.model.to_dict(), "workload": self.workload.to_dict(),
                 "policy": self.policy, "settings": self.settings, "capacity": self.capacity,
                 "resident": self.resident, "weight_split": [list(x) for x in self.weight_split], "kv_split": list(self.kv_split),
@@ -455,16 +450,7 @@ class Plan:
             body["disk_cached"] = True
         if self.stages:  # (likewise: single-GPU plans keep theirs)
             body["stages"] = d["stages"]
-        if self.weight_gather_copies:  # (likewise)
-            body["weight_gather_copies"] = self.weight_gather_copies
-        if self.cpu_attention_impl:  # (likewise)
-            body["cpu_attention_impl"] = self.cpu_attention_impl
-        if self.pageable_copy:  # (likewise)
-            body["pageable_copy"] = self.pageable_copy
-        if self.quant_impl:  # (likewise)
-            body["quant_impl"] = self.quant_impl
-        if self.issue_waits_for_deps:  # (likewise)
-            body["issue_waits_for_deps"] = True
+        body.update({f: d[f] for f in OPTIONAL_FIELDS if f in d})
         return hashlib.sha256(json.dumps(body, separators=(",", ":")).encode()).hexdigest()
 
     def save(self, path: str | Path) -> None:

@@ -621,7 +621,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     host_stream = [s_ in host_codes for s_ in range(ns)]
 
     wait_all = plan.issue_waits_for_deps
-    blocks_iss = [True] * len(on_host) if wait_all else on_host
+    blocks_iss = _blocks_issue(plan, on_host)
 
     def issuable(o: int) -> bool:
         """Op o's dependencies are all issued, and those on a host stream have finished (offexec's rule; every one
