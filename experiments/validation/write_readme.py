@@ -69,7 +69,8 @@ def build(progress: bool = True) -> str:
               "calibration set may guide model development, the held-out set is never used for it. The seeded draw "
               "drew one case twice (`opt-13b_static-zero_b40_p512_g128`), so 69 entries are 68 distinct cases. "
               "Each case carries the plan that ran (`*.plan.json.gz`) and its fingerprint; every run is listed in "
-              "`matrix_v2_runs.jsonl`. Runs: `python -m experiments.validation.matrix --config "
+              "`matrix_v2_runs.jsonl` (a later re-measurement's in its `remeasure_*/runs.jsonl`). Runs: "
+              "`python -m experiments.validation.matrix --config "
               "results/validation/matrix_v2_config.json --profile results/profiles/h200_offexec.json --warmup "
               "--disk-dir DIR --commit C`, one NVIDIA H200, 2026-11-30 and 2026-12-01, offexec with CUDA-graph "
               "decode, an unmeasured two-step warm-up before each run.", "",
@@ -79,7 +80,7 @@ def build(progress: bool = True) -> str:
         for p in PROFILES:
             m = _summary(res[s, p])
             lines.append(f"| {s} | {p} | {m['cases']} | {_pct(m['median'])} | {_pct(m['max'])} | {m['within']} |")
-    lines += [""] + _rounds() + ["", "Profile v1 (`h200_offexec.json`) prices compute from model-agnostic curves (GEMM efficiency of one "
+    lines += [""] + _rounds() + _remeasured() + ["", "Profile v1 (`h200_offexec.json`) prices compute from model-agnostic curves (GEMM efficiency of one "
               "shape, SDPA efficiency, a fixed per-op overhead). Profile v2 (`h200_offexec_v2.json`, `offexec "
               "profile --base h200_offexec.json --ops MODELS`) adds op tables: each compute op timed as offexec "
               "itself runs it (CUDA-graph replay or eager, by batch; prefill by tokens), GPU attention efficiency "
@@ -151,8 +152,9 @@ def _rounds() -> list[str]:
                 "exactly them: Python's thread switch interval during a run is 0.2 ms instead of 5 ms (the host "
                 "workers of CPU attention and the disk tier share the GIL with the issuing thread), and TightLLM's "
                 "decode ops that recompute up to 7 tokens are replayed as CUDA graphs. Every CPU-attention, "
-                "TightLLM and disk case was re-run, whatever its error; the cases' files are the new runs (the "
-                "first runs stay in `matrix_v2_runs.jsonl` and in git history). Re-run over first run, total "
+                "TightLLM and disk case was re-run, whatever its error; the calibration cases' files are these re-runs, "
+                "the held-out ones were re-measured once more (below), and the first runs stay in "
+                "`matrix_v2_runs.jsonl` and in git history. Re-run over first run, total "
                 f"tok/s: median {ch.median():+.1%}, from {ch.min():+.1%} ({ch.idxmin()}) to {ch.max():+.1%} "
                 f"({ch.idxmax()}). "
                 + (lambda d: f"{len(d)} of them ran a different plan than first ({', '.join(d)}): TightLLM's "
@@ -165,6 +167,44 @@ def _rounds() -> list[str]:
                 "| --- | --- | --- | --- |"]
         for c in ch.sort_values(ascending=False).index:
             out.append(f"| {c} | {again[c][0]:.1f} | {again[c][-1]:.1f} | {ch[c]:+.1%} |")
+    return out
+
+
+def _remeasured() -> list[str]:
+    """Each re-measurement of a whole split at one commit (``remeasure_*/compare.csv``, written by
+    ``experiments.validation.remeasure_compare``): how much the measured throughput moved, on the same plan and on a
+    changed one. The offsim errors in those CSVs are the model of the commit that wrote them; the tables above are
+    today's."""
+    import json
+
+    out = []
+    for f in sorted(VAL.glob("remeasure_*/compare.csv")):
+        prov = json.loads(f.read_text().splitlines()[0].lstrip("# "))
+        df = pd.read_csv(f, comment="#", dtype={"old_commit": str, "new_commit": str})  # '779e620' is a float
+        new = sorted(set(df["new_commit"]))
+        same, diff = df[df["same_plan"]], df[~df["same_plan"]]
+        ab = df["change"].abs()
+
+        def rng(d):
+            return (f"median |change| {d['change'].abs().median():.1%}, from {d['change'].min():+.1%} to "
+                    f"{d['change'].max():+.1%}" if len(d) else "none")
+
+        out += ["", f"### Re-measured at one commit: `{f.parent.name}/`", "",
+                f"All {len(df)} cases of `h200_{f.parent.name.split('_')[1]}/` measured again at {', '.join(new)} "
+                f"({prov['date'][:10]}; every case, not chosen by error; the runs' logs and `runs.jsonl` beside "
+                f"the table), so that the split is one executor's measurement instead of "
+                f"{df['old_commit'].nunique()} commits'. The cases' files in the split are these runs. "
+                f"Total tok/s, new over old: median |change| {ab.median():.1%}, {int((ab > 0.05).sum())} of "
+                f"{len(df)} moved more than 5 %. On the same plan ({len(same)} cases): {rng(same)}: the same plan "
+                f"run by two commits' executor, so the run-to-run spread of a case plus any executor change in "
+                f"between. On a changed plan ({len(diff)} cases: the planner changed in between): "
+                f"{rng(diff)}. offsim's median |error| with the model of {prov['commit']} "
+                f"(`{f.name}`): {df['old_offsim_error'].abs().median():.1%} on the old runs, "
+                f"{df['new_offsim_error'].abs().median():.1%} on the new.", "",
+                "| case | old tok/s (commit) | new tok/s | change | same plan |", "| --- | --- | --- | --- | --- |"]
+        for r in df.sort_values("change").itertuples():
+            out.append(f"| {r.case} | {r.old_measured_total_tok_s:,.1f} ({r.old_commit}) | "
+                       f"{r.new_measured_total_tok_s:,.1f} | {r.change:+.1%} | {'yes' if r.same_plan else 'no'} |")
     return out
 
 
