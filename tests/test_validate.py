@@ -1,6 +1,7 @@
 """offsim validate: re-simulating measured cases, error metrics, malformed inputs, and the CI guard on the committed
 H200 cases (results/validation/)."""
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,22 @@ def test_slower_link_shows_up_as_error(tmp_path):
     r = V.validate_case(V.load_case(_measured(tmp_path, link_scale=0.5)))
     assert r["err_total_tok_s"] > 0.2  # predicted (full-speed link) is faster than "measured"
     assert r["mape_h2d"] == pytest.approx(0.5, rel=0.05)  # every copy took twice as long: |1 - 2| / 2
+
+
+def test_repeated_case_reports_its_spread(tmp_path):
+    """A case measured K times (`matrix.py --repeats`) keeps the run of median throughput and reports the spread
+    of the K totals; a case measured once has none."""
+    from experiments.validation.matrix import median_run
+
+    assert median_run([(3.0, "c"), (1.0, "a"), (2.0, "b")])[1] == "b"
+    assert median_run([(4.0, "d"), (1.0, "a"), (2.0, "b"), (3.0, "c")])[1] == "b"  # even K: the lower middle
+    assert median_run([(5.0, "x")])[1] == "x"
+    p = _measured(tmp_path)
+    assert math.isnan(V.validate_case(V.load_case(p))["measured_spread"])
+    c = json.loads(p.read_text())
+    c["meta"]["repeat_total_tok_s"] = [90.0, 100.0, 120.0]
+    p.write_text(json.dumps(c))
+    assert V.validate_case(V.load_case(p))["measured_spread"] == pytest.approx(0.3)
 
 
 def test_thresholds_and_dir(tmp_path):

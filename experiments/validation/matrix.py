@@ -151,7 +151,7 @@ def split_cases(cases: list[dict], seed: int) -> None:
 
 def plan_cases(args) -> list[dict]:
     """Choose every case's settings with offsim's search (no GPU needed): the config the GPU run executes."""
-    matrix = {"opt-125m": [(0.4, (32,))]} if args.quick else {m: MATRIX[m] for m in args.models}
+    matrix = {"opt-125m": [(1.0, (32,))]} if args.quick else {m: MATRIX[m] for m in args.models}
     gen_len = 3 if args.quick else args.gen_len
     cases = []
     for mname, configs in matrix.items():
@@ -180,6 +180,13 @@ def plan_cases(args) -> list[dict]:
                                   "settings": st, "workload": wl.to_dict(), "gpu_mem_gb": budget_gb})
                     print(f"  {tag}: {wl.gpu_batch_size} x {wl.num_gpu_batches} {st}", flush=True)
     return cases
+
+
+def median_run(runs: list[tuple]) -> tuple:
+    """Of K measured runs ``(total tok/s, ...)``, the one of median throughput (the lower middle for even K): one
+    slow outlier (a host hiccup, a clock dip) moves neither the case nor its error; all K totals stay in the case
+    (its spread, ``validate``'s ``measured_spread``)."""
+    return sorted(runs, key=lambda t: t[0])[(len(runs) - 1) // 2]
 
 
 def run_cases(cases: list[dict], args) -> list[dict]:
@@ -232,10 +239,14 @@ def run_cases(cases: list[dict], args) -> list[dict]:
                         warm = build_plan(policy, model, base, wl.with_(gen_len=2), c["settings"])
                         run_plan(warm, weights, args.device, gpu_budget_bytes=int(base.gpu_mem_bytes),
                                  disk_dir=args.disk_dir)
-                    t1 = time.time()
-                    res = run_plan(plan, weights, args.device, gpu_budget_bytes=int(base.gpu_mem_bytes),
-                                   disk_dir=args.disk_dir, meta={"hardware": base.name})
-                    wall = time.time() - t1
+                    runs = []  # (total tok/s, result, wall s) of each measured run, in run order
+                    for _ in range(args.repeats):
+                        t1 = time.time()
+                        r = run_plan(plan, weights, args.device, gpu_budget_bytes=int(base.gpu_mem_bytes),
+                                     disk_dir=args.disk_dir, meta={"hardware": base.name})
+                        runs.append((r.trace.metrics()["total_tok_s"], r, time.time() - t1))
+                    _, res, wall = median_run(runs)
+                    repeats = [t for t, _, _ in runs]
                 except Exception as e:  # one failed configuration must not lose the others
                     msg = str(e).split("\n")[0][:300]
                     print(f"  {tag}: FAILED {type(e).__name__}: {msg}", flush=True)
@@ -254,14 +265,17 @@ def run_cases(cases: list[dict], args) -> list[dict]:
                 case = case_from_trace(tr, **provenance(gpu=gpu, wall_s=round(wall, 2), **commit,
                                                         issue_frac=res.stats.get("issue_frac"),
                                                         warmup=bool(args.warmup),
-                                                        host_mem_gb=args.host_mem_gb))
+                                                        host_mem_gb=args.host_mem_gb,
+                                                        **({"repeat_total_tok_s": repeats}
+                                                           if args.repeats > 1 else {})))
                 save_case(case, dest / f"{tag}.case.json")
                 pred = simulate(plan, base, check_memory=False).metrics()
                 m = tr.metrics()
                 row = {"case": tag, "batch": wl.num_prompts, "measured_total_tok_s": m["total_tok_s"],
                        "predicted_total_tok_s": pred["total_tok_s"],
                        "err": (pred["total_tok_s"] - m["total_tok_s"]) / m["total_tok_s"],
-                       "peak_gpu_GiB": m["peak_gpu_bytes"] / GiB, "wall_s": wall}
+                       "peak_gpu_GiB": m["peak_gpu_bytes"] / GiB, "wall_s": wall,
+                       **({"repeat_total_tok_s": repeats} if args.repeats > 1 else {})}
                 summary.append(row)
                 print(f"  {tag}: batch {wl.num_prompts} measured {m['total_tok_s']:.1f} tok/s, offsim "
                       f"{pred['total_tok_s']:.1f} ({row['err']:+.1%}), decode {m['decode_tok_s']:.1f}, "
@@ -300,6 +314,9 @@ def main() -> None:
                     help="run mode: only the cases whose tag contains one of these strings")
     ap.add_argument("--remeasure", action="store_true",
                     help="run mode: measure cases whose file exists again (replacing it: after an executor change)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run mode: measure each case this many times back to back (after the warm-up) and keep "
+                         "the run of median total tok/s; all totals are recorded in the case (default: %(default)s)")
     ap.add_argument("--kv-solver", default=None, choices=("ilp", "exact"),
                     help="TightLLM's N_r solver instead of the config's (exact: the ILP's answers without cvxpy)")
     ap.add_argument("--time-limit-s", type=float, default=None,
@@ -308,6 +325,8 @@ def main() -> None:
                     help="plan matrix v2 with this seed (five models, every policy, split into calib/heldout)")
     ap.add_argument("--v2-per-model", type=int, default=14, help="v2 cases per model (default: %(default)s)")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.config:
         doc = json.loads(Path(args.config).read_text())
         cases = doc["cases"] if isinstance(doc, dict) else doc

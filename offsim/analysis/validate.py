@@ -129,6 +129,11 @@ def validate_case(case: dict, hardware: str | None = None) -> dict:
         out[f"measured_{k}"] = mm[k]
         out[f"predicted_{k}"] = pm[k]
         out[f"err_{k}"] = _err(pm[k], mm[k])
+    # the case measured K times (`matrix.py --repeats`): the spread of its total tok/s, (max - min) / median --
+    # an error within it is within the measurement's own noise
+    reps = meta.get("repeat_total_tok_s")
+    out["measured_spread"] = (float((max(reps) - min(reps)) / np.median(reps)) if reps and len(reps) > 1
+                              else float("nan"))
     # per op kind: MAPE over (step, layer) groups of total op time
     cols = ["step", "layer", "kind", "count", "sum_s"]
     mo = pd.DataFrame(case["ops_by_kind"], columns=cols)
