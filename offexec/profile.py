@@ -209,6 +209,10 @@ _OP_FORMS = ({"sublayer": False, "cpu_attention": False}, {"sublayer": True, "cp
              {"sublayer": False, "cpu_attention": True}, {"sublayer": True, "cpu_attention": True})
 
 
+# measured runs of each configuration that takes the one-shot host timings ('capture' and 'issue' rows: one graph
+# capture per graph and run): their rows are medians over this many runs
+CAPTURE_RUNS = 5
+
 # an extra probe form: weights on the GPU, the KV cache and the activations in host memory (offloaded runs' copies)
 _ISSUE_FORM = {"sublayer": True, "cpu_attention": False}
 
@@ -298,50 +302,55 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
             # ~0.5 ms). The allocator is capped at the budget, not the plan: the probe times ops, not the memory
             # contract (which the runs it prices prove)
             run_plan(plan, weights, device, graphs=g, allocator_cap="budget")
-            res = run_plan(plan, weights, device, graphs=g, allocator_cap="budget")
-            if g == "cuda" and p == prompts[0]:
-                # the issuing loop's own time per op between handlers (Executor.dispatch_s): the 'dispatch' row
-                samples.setdefault(("issue", "dispatch", b), []).append(res.stats["dispatch_s_per_op"])
-                # a copy handler's host issue time per op (offexec times each handler: issue_s_by_handler), by the
-                # median size of its copies
-                for fn, (count, nbytes) in _copy_handlers(plan).items():
-                    spent = res.stats["issue_s_by_handler"].get(fn)
-                    if spent is not None and count:
-                        samples.setdefault(("issue", fn, nbytes), []).append(spent / count)
-            if issue_only:
+            # the graph-capture and issue rows are one-shot host timings (a capture per graph and run): one run
+            # gives too few to be stable (two measurements 11 h apart differed 0.5-3.6x per point), so the
+            # configurations that take them run CAPTURE_RUNS times and their rows are medians over all runs
+            reps = CAPTURE_RUNS if g == "cuda" and p == prompts[0] else 1
+            for _ in range(reps):
+                res = run_plan(plan, weights, device, graphs=g, allocator_cap="budget")
+                if g == "cuda" and p == prompts[0]:
+                    # the issuing loop's own time per op between handlers (Executor.dispatch_s): the 'dispatch' row
+                    samples.setdefault(("issue", "dispatch", b), []).append(res.stats["dispatch_s_per_op"])
+                    # a copy handler's host issue time per op (offexec times each handler: issue_s_by_handler), by the
+                    # median size of its copies
+                    for fn, (count, nbytes) in _copy_handlers(plan).items():
+                        spent = res.stats["issue_s_by_handler"].get(fn)
+                        if spent is not None and count:
+                            samples.setdefault(("issue", fn, nbytes), []).append(spent / count)
+                if issue_only:
+                    del res
+                    continue
+                df = res.trace.df
+                first = True  # the run's first graphed op: its capture also sets up the graphs' pool
+                for r in df.sort_values("op_id").itertuples():
+                    op = plan.ops[r.op_id]
+                    dur = r.end_s - r.start_s
+                    if op.kind in ("h2d", "d2h") and op.tensor in COPY_TABLE_TENSORS:
+                        if op.step >= 2 and p == prompts[0]:
+                            samples.setdefault(("copy", f"{op.kind}_{op.tensor}", op.nbytes), []).append(dur)
+                        continue
+                    if op.kind not in ("compute", "cpu_compute"):
+                        continue
+                    if op.kind == "cpu_compute":
+                        if op.q_tokens == 1 and op.step >= 2:  # (x, FLOPs) beside the time: the rate is a slope
+                            cpu.setdefault((p, op.num_seqs), []).append(
+                                (dur, attention_flops(spec, op.num_seqs, 1, op.ctx_tokens)))
+                    elif op.part == "head":
+                        samples.setdefault(("eager", "head", op.num_seqs), []).append(dur)
+                    elif op.q_tokens > 1 or op.part == "embed":
+                        samples.setdefault(("tokens", op.part, op.num_seqs * op.q_tokens), []).append(dur)
+                    elif op.step >= 2 and p == prompts[0]:  # step 1 captures the graphs
+                        mode = "graph" if g == "cuda" and op.part in GRAPHED_PARTS else "eager"
+                        samples.setdefault((mode, op.part, op.num_seqs), []).append(dur)
+                        if cuda and res.issue_s_by_op is not None and form is not _ISSUE_FORM:
+                            # the issuing thread's own time on this op (a replay, or an eager op's launches)
+                            samples.setdefault(("issue", f"{mode}:{op.part}", op.num_seqs), []).append(
+                                float(res.issue_s_by_op[op.id]))
+                    elif op.step == 1 and p == prompts[0] and g == "cuda" and op.part in GRAPHED_PARTS:
+                        # every graph key is new at the first decode step: the static body eagerly, then the capture
+                        samples.setdefault(("capture", "first" if first else op.part, op.num_seqs), []).append(dur)
+                        first = False
                 del res
-                continue
-            df = res.trace.df
-            first = True  # the run's first graphed op: its capture also sets up the graphs' pool
-            for r in df.sort_values("op_id").itertuples():
-                op = plan.ops[r.op_id]
-                dur = r.end_s - r.start_s
-                if op.kind in ("h2d", "d2h") and op.tensor in COPY_TABLE_TENSORS:
-                    if op.step >= 2 and p == prompts[0]:
-                        samples.setdefault(("copy", f"{op.kind}_{op.tensor}", op.nbytes), []).append(dur)
-                    continue
-                if op.kind not in ("compute", "cpu_compute"):
-                    continue
-                if op.kind == "cpu_compute":
-                    if op.q_tokens == 1 and op.step >= 2:  # (x, FLOPs) beside the time: the rate is a slope
-                        cpu.setdefault((p, op.num_seqs), []).append(
-                            (dur, attention_flops(spec, op.num_seqs, 1, op.ctx_tokens)))
-                elif op.part == "head":
-                    samples.setdefault(("eager", "head", op.num_seqs), []).append(dur)
-                elif op.q_tokens > 1 or op.part == "embed":
-                    samples.setdefault(("tokens", op.part, op.num_seqs * op.q_tokens), []).append(dur)
-                elif op.step >= 2 and p == prompts[0]:  # step 1 captures the graphs
-                    mode = "graph" if g == "cuda" and op.part in GRAPHED_PARTS else "eager"
-                    samples.setdefault((mode, op.part, op.num_seqs), []).append(dur)
-                    if cuda and res.issue_s_by_op is not None and form is not _ISSUE_FORM:
-                        # the issuing thread's own time on this op (a replay, or an eager op's launches)
-                        samples.setdefault(("issue", f"{mode}:{op.part}", op.num_seqs), []).append(
-                            float(res.issue_s_by_op[op.id]))
-                elif op.step == 1 and p == prompts[0] and g == "cuda" and op.part in GRAPHED_PARTS:
-                    # every graph key is new at the first decode step: the static body eagerly, then the capture
-                    samples.setdefault(("capture", "first" if first else op.part, op.num_seqs), []).append(dur)
-                    first = False
-            del res
     finally:
         weights.close()
     key = layer_key(spec)
