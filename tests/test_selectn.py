@@ -244,3 +244,25 @@ def test_candidates_cover_every_offload_count_once(opt13b):
             <= hw.gpu_mem_bytes}
     assert sorted(counts) == sorted(set(counts)) and set(counts) == fits and 0 not in fits
     assert max(by_batch) < 256  # stops where the KV cache alone outgrows the 24 GiB GPU
+
+
+def test_results_readme_is_generated_from_the_committed_csvs():
+    """results/selectn/README.md is what experiments.selectn.write_readme makes of the committed CSVs: its summary
+    rows are the summary CSV's, so an edited CSV or README shows up here."""
+    from pathlib import Path
+
+    import pandas as pd
+
+    from experiments.selectn import write_readme as W
+
+    root = Path(__file__).resolve().parents[1] / "results" / "selectn"
+    if not (root / "slo_h200_24gib_p480_summary.csv").exists():
+        pytest.skip("no committed Select-N results")
+    text = W.build()
+    s = pd.read_csv(root / "slo_h200_24gib_p480_summary.csv")
+    for r in s[s["attain_points"] > 0].itertuples():
+        assert f"{r.goodput_tok_s:.1f} ({r.goodput_batch})" in text
+    for head in ("## 1. SLO", "## 2. Two 13B", "## 3. Prefill", "## Published claims"):
+        assert head in text
+    body = lambda t: t.split("\n", 3)[3]  # past the line naming the generating commit
+    assert body(text) == body((root / "README.md").read_text())

@@ -2,7 +2,7 @@
 best for a fixed batch (the baseline every Select-N figure compares with)."""
 from __future__ import annotations
 
-from offsim import OffsimError, Workload, build_plan, simulate
+from offsim import OffsimError, build_plan, simulate
 
 
 def trace_row(tr, plan) -> dict:
@@ -16,28 +16,24 @@ def trace_row(tr, plan) -> dict:
 
 
 def run_flexgen(model, hw, wl, top: int = 3) -> dict:
-    from offsim.policies.lp import flexgen_lp
+    """FlexGen at its best for ``wl``'s batch: the ``top`` best LP optima over every block shape with that many
+    sequences (each with its activations on either tier), as the search makes them (``flexgen.candidates``: the
+    GPU weight share trimmed until the placement fits by the footprint's exact arithmetic), simulated; the
+    fastest."""
+    from offsim.policies.flexgen import candidates
 
     b = wl.gpu_batch_size
-    cands = []
-    for nb in [d for d in range(1, b + 1) if b % d == 0]:
-        for ca in (False, True):
-            r = flexgen_lp(model, hw, wl.prompt_len, wl.gen_len, b // nb, nb, ca)
-            if r is not None:
-                cands.append(r)
-    cands.sort(key=lambda r: r.seconds_per_token)
+    cands = list(candidates(model, hw, wl.prompt_len, wl.gen_len, batch=b))[:2 * top]
     best, errors = None, []
-    for r in cands[:top]:
-        st = {"percent": r.percent, "cpu_attention": r.cpu_attention}
+    for st, cwl, _ in cands:
         try:
-            plan = build_plan("flexgen", model, hw, Workload(wl.prompt_len, wl.gen_len, r.gpu_batch_size,
-                                                             r.num_gpu_batches), st)
+            plan = build_plan("flexgen", model, hw, cwl, st)
             row = trace_row(simulate(plan, hw), plan)
         except OffsimError as e:
             errors.append(str(e))
             continue
-        row["settings"] = (f"gbs {r.gpu_batch_size} x {r.num_gpu_batches}, percent {list(r.percent)}, "
-                           f"cpu_attention {r.cpu_attention}")
+        row["settings"] = (f"gbs {cwl.gpu_batch_size} x {cwl.num_gpu_batches}, percent {list(st['percent'])}, "
+                           f"cpu_attention {st['cpu_attention']}")
         if best is None or row["total_tok_s"] > best["total_tok_s"]:
             best = row
     if best is None:

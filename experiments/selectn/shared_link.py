@@ -11,7 +11,8 @@ x of it is simulated on ``HardwareSpec.scaled_link(x)`` (``offsim.policies.selec
 - selectn + coordinator: the MILP (cvxpy, HiGHS; the exact DP agrees) over both demand tables: every SLO met, Σ shares ≤ 1, host memory
   maximised; TPOT simulated at each instance's share. When even the least offloading oversubscribes the link, the
   coordinator says so and both run their fastest interval at an even split.
-- flexgen: FlexGen at its best for that batch (LP over block shapes gbs x nb = batch, 3 best simulated), each with
+- flexgen: FlexGen at its best for that batch (``common.run_flexgen``: the 3 best LP optima over block shapes
+  gbs x nb = batch, as the search makes them fit, simulated), each with
   half the link; TPOT = mean decode step of prompt seq_len − 16, gen 32 (mean context = seq_len).
 
 Also times the coordinator's decision (MILP and exact DP) on the real demand tables, and on 8 instances.

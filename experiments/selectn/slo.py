@@ -12,9 +12,10 @@ mean TPOT <= SLO, as serving papers count it).
 - selectn-nmax: Select-N with N_max of the actual workload (the least offloading that fits, simulated; normally
   the fastest interval) -- the latency Select-N gives up for host memory, and what it could do without the record's
   rounding to grid points.
-- flexgen: FlexGen at its best for that batch: the LP (``offsim.policies.lp.flexgen_lp``) over every block shape with
-  gpu_batch_size x num_gpu_batches = batch, GPU or CPU attention; the 3 best LP candidates simulated, the best
-  simulated throughput kept (FlexGen's own objective: it is not SLO-aware).
+- flexgen: FlexGen at its best for that batch: the search's candidates (``offsim.policies.flexgen.candidates``: the
+  LP over every block shape with gpu_batch_size x num_gpu_batches = batch, GPU or CPU attention, the GPU weight share
+  trimmed to fit exactly, the activations on either tier); the 3 best LP optima simulated, the best simulated
+  throughput kept (FlexGen's own objective: it is not SLO-aware).
 - static-accelerate (device_map: whole layers on the GPU as fit, the rest copied in synchronously, pageable) and
   static-zero (every layer streamed with prefetch, KV on the GPU, or on the CPU when that does not fit).
 
