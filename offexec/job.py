@@ -291,10 +291,20 @@ class DeviceJob:
             key = (self.key, policy, skey, i)
             d = self.journal.get(key)
             wl = blk.workload
-            if d is None and self.deadline is not None and time.monotonic() > self.deadline:
-                done = sum(self.journal.get((self.key, policy, skey, k)) is not None for k in range(len(blocks)))
-                raise TimeLimit(f"--time-limit-s {self.args.time_limit_s:g} reached: {done} of {len(blocks)} "
-                                f"blocks measured; the same command again resumes")
+            if d is None and self.deadline is not None:
+                # a block is not started unless offsim's prediction of it fits in the time left: a block cut off
+                # by the caller's own limit (a device call's) is lost whole, measured for nothing
+                left, need = self.deadline - time.monotonic(), float(predicted.block_s[i])
+                if left < need:
+                    done = sum(self.journal.get((self.key, policy, skey, k)) is not None
+                               for k in range(len(blocks)))
+                    why = ("reached" if left <= 0 else
+                           f"leaves {left:.0f} s, less than block {i}'s predicted {need:.0f} s")
+                    more = ("" if need < self.args.time_limit_s else
+                            f"; block {i} alone is predicted to take {need:.0f} s: give --time-limit-s at least "
+                            "that")
+                    raise TimeLimit(f"--time-limit-s {self.args.time_limit_s:g} {why}: {done} of {len(blocks)} "
+                                    f"blocks measured; the same command again resumes{more}")
             if d is None:
                 plan = built.pop(i, None) or self.plan(policy, wl, st)
                 t0 = time.perf_counter()
@@ -378,8 +388,9 @@ def add_job_parser(sub) -> None:
                         "host memory, offsim counts only the CPU-homed ones -- never above the hardware's; on the "
                         "CPU: the hardware's)")
     j.add_argument("--time-limit-s", type=float, default=None, metavar="S",
-                   help="start no new block after S seconds (the blocks measured are kept in the journal; the same "
-                        "command again resumes) -- for device sessions with a time limit")
+                   help="start no block whose predicted time does not fit in what is left of S seconds (the "
+                        "blocks measured are kept in the journal; the same command again resumes) -- for device "
+                        "sessions with a time limit")
     j.add_argument("--report-only", action="store_true",
                    help="no device: write the report from the blocks already in --out's journal (e.g. copied back "
                         "from the GPU machine; give the --device they ran on); policies with blocks missing are "

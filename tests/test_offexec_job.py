@@ -172,6 +172,43 @@ def test_time_limit_stops_between_blocks_and_the_same_command_resumes(tiny, caps
     assert fg["resumed_blocks"] == 2 and fg["blocks"] == 3
 
 
+def test_a_block_predicted_past_the_time_limit_is_not_started(tiny, capsys, monkeypatch):
+    """A block is started only where offsim's prediction of it fits in the time left (one cut off by the caller's
+    own limit would be lost whole); the message says how many are measured and that the command resumes."""
+    import time as real_time
+
+    d, _ = tiny
+    import offexec.job as OJ
+
+    class Clock:  # offexec.job's clock, moved by hand: 1 ns before the deadline after the first measured block
+        now = 0.0
+
+        def monotonic(self):
+            return self.now
+
+        def __getattr__(self, name):
+            return getattr(real_time, name)
+
+    clock = Clock()
+    monkeypatch.setattr(OJ, "time", clock)
+    real = OJ.DeviceJob.run
+
+    def counted(self, plan, prompts, meta=None):
+        out = real(self, plan, prompts, meta)
+        if meta is not None:  # a measured block (the warm-up has no meta)
+            clock.now = self.deadline - 1e-9
+        return out
+
+    monkeypatch.setattr(OJ.DeviceJob, "run", counted)
+    argv = ["job", str(d / "job.yaml"), "--device", "cpu", "--dtype", "float32", "--out", str(d / "out6"),
+            "--no-progress", "--time-limit-s", "3600", "--policies", "flexgen"]
+    rc, lines, err = _run(capsys, argv)
+    assert rc == 0, err
+    res = json.loads(lines[-1])[0]
+    assert res.get("incomplete") and "1 of 3 blocks measured" in res["error"]
+    assert "less than block 1's predicted" in res["error"] and "resumes" in res["error"]
+
+
 def test_cpu_run_against_a_gpu_preset_is_not_compared(tiny, capsys):
     d, _ = tiny
     rc, lines, err = _run(capsys, ["job", str(d / "job.yaml"), "--device", "cpu", "--dtype", "float32",
