@@ -21,10 +21,9 @@ import numpy as np
 
 from offsim.core import costmodel as cm
 from offsim.core import footprint as fp
-from offsim.core.solvers import solve_quietly
+from offsim.core.solvers import run_quietly
 from offsim.core.specs import NO_COMPRESSION, Compression, HardwareSpec, ModelSpec, Workload
 
-LP_SOLVER = "HIGHS"  # cp.HIGHS, named explicitly: the LP must not depend on whichever solver cvxpy finds first
 GPU_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 NUM_GPU_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16)
 VARS = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc")
@@ -103,7 +102,7 @@ def flexgen_block_seconds(terms: dict, model: ModelSpec, gen_len: int) -> float:
 class Affine:
     """An affine function of the placement fractions, c·x + c0: what ``flexgen_terms`` returns when given the basis
     (``Affine.basis()``). The cost model prices it like any non-number (large-transfer bandwidth), and its
-    coefficients fill the LP's parameter matrices, so a block shape costs one parameter update, not a compile."""
+    coefficients are the LP's rows (``_HighsLP``)."""
 
     __slots__ = ("c", "c0")
 
@@ -146,45 +145,84 @@ class LPResult:
     micro_batches: int = 1
 
 
-class _ParamLP:
-    """FlexGen's LP, compiled once (cvxpy DPP): min (L·t_pre + L·(n−1)·t_gen) / bls over the fractions, with
-    t_pre, t_gen above every per-layer term and memory per tier (normalised by capacity) at most 1."""
+class _HighsLP:
+    """FlexGen's LP, min w·t + tie·x over the fractions x (``VARS``) and t = (t_pre, t_gen), all >= 0, subject to
+    each of weights, cache and activations placed in full, cg <= cg_max, A_k·x + b_k <= t_k per term (k: pre, gen)
+    and memory per tier (normalised by capacity) M·x + m <= 1: handed to HiGHS directly (``highspy``), not through
+    cvxpy, whose import (~0.6 s, scipy.stats with it) and per-solve compile (~1 ms) were a third of
+    ``offsim search`` (issue 19). The columns (t, then x), the rows (the three equalities, then cg, pre, gen,
+    memory) and each solve starting from the previous optimum (cvxpy's default warm start, which this LP had) are
+    as cvxpy handed them to HiGHS, so the optima are the ones it found. One instance per LP shape, each with its
+    own last optimum (as each had its own cvxpy problem)."""
 
-    def __init__(self, mem_rows: int = 3):
-        import cvxpy as cp  # imported when the first LP is solved: ~1 s that a refused or LP-free command skips
+    def __init__(self):
+        self.start = None  # HiGHS's solution of the last solve when optimal: the next solve starts from it
 
-        n = len(VARS)
-        self.x = cp.Variable(n, nonneg=True)
-        self.t = cp.Variable(2, nonneg=True)  # t_pre, t_gen
-        self.A = {k: cp.Parameter((4, n)) for k in ("pre", "gen")}
-        self.b = {k: cp.Parameter(4) for k in ("pre", "gen")}
-        self.M, self.m = cp.Parameter((mem_rows, n)), cp.Parameter(mem_rows)  # (rows: tiers, or stages' tiers)
-        self.w = cp.Parameter(2, nonneg=True)  # objective weights L/bls, L(n-1)/bls
-        self.cg_max = cp.Parameter(nonneg=True)
-        i = {k: j for j, k in enumerate(VARS)}
-        x = self.x
-        cons = [x[i["wg"]] + x[i["wc"]] + x[i["wd"]] == 1, x[i["cg"]] + x[i["cc"]] + x[i["cd"]] == 1,
-                x[i["hg"]] + x[i["hc"]] == 1, x[i["cg"]] <= self.cg_max,
-                self.A["pre"] @ x + self.b["pre"] <= self.t[0], self.A["gen"] @ x + self.b["gen"] <= self.t[1],
-                self.M @ x + self.m <= 1]
-        # tie-break: among equally fast placements prefer the one that moves least (an LP optimum is often
-        # degenerate when one stream dominates; the others' traffic still costs in a real schedule)
-        self.tie = cp.Parameter(n)  # TIE_BREAK · (objective weights) · column sums of the term matrices
-        self.prob = cp.Problem(cp.Minimize(self.w @ self.t + self.tie @ x), cons)
+    def solve(self, A: dict, b: dict, M: np.ndarray, m: np.ndarray, w: np.ndarray, cg_max: float,
+              tie: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """(x, t) at the optimum, or None when HiGHS finds none (infeasible: no placement fits memory)."""
+        import highspy  # imported here: the LP-free commands skip it
+
+        rows, upper = [], []
+
+        def row(t_coef, x_coef, ub):
+            rows.append(np.concatenate([t_coef, x_coef]))
+            upper.append(ub)
+
+        for group in (("wg", "wc", "wd"), ("cg", "cc", "cd"), ("hg", "hc")):  # equalities: placed in full
+            row((0.0, 0.0), np.array([float(v in group) for v in VARS]), 1.0)
+        row((0.0, 0.0), np.array([float(v == "cg") for v in VARS]), cg_max)
+        for j, k in enumerate(("pre", "gen")):  # A_k·x − t_k <= −b_k
+            for a_r, b_r in zip(A[k], b[k]):
+                row(-np.eye(2)[j], a_r, -b_r)
+        for M_r, m_r in zip(M, m):
+            row((0.0, 0.0), M_r, 1 - m_r)
+        dense = np.array(rows)
+        n_eq = 3
+        inf = highspy.kHighsInf
+        model = highspy.HighsModel()
+        lp = model.lp_
+        lp.num_row_, lp.num_col_ = dense.shape
+        lp.offset_ = 0
+        lp.col_cost_ = np.concatenate([w, tie])
+        lp.col_lower_ = np.zeros(lp.num_col_)
+        lp.col_upper_ = np.full(lp.num_col_, inf)
+        lp.row_upper_ = np.array(upper)
+        lp.row_lower_ = np.concatenate([lp.row_upper_[:n_eq], np.full(len(upper) - n_eq, -inf)])
+        nz = dense.T != 0  # column-wise, rows ascending within a column
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+        lp.a_matrix_.start_ = np.concatenate([[0], np.cumsum(nz.sum(1))])
+        lp.a_matrix_.index_ = np.nonzero(nz)[1]
+        lp.a_matrix_.value_ = dense.T[nz]
+        h = run_quietly(self._run, model)
+        if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+            self.start = None
+            return None
+        self.start = h.getSolution()
+        col = np.array(self.start.col_value) + 0.0  # (-0.0 as 0.0, as cvxpy's values had it)
+        return col[2:], col[:2]
+
+    def _run(self, model):
+        import highspy
+
+        h = highspy.Highs()
+        h.setOptionValue("log_to_console", False)
+        h.setOptionValue("output_flag", False)
+        h.passModel(model)
+        if self.start is not None:
+            h.setSolution(self.start)
+        h.run()
+        return h
 
 
-_LP: _ParamLP | None = None
-_STAGE_LP: _ParamLP | None = None  # with pipeline stages: four memory rows (``flexgen_stage_lp``)
+_LP = _HighsLP()
+_STAGE_LP = _HighsLP()  # with pipeline stages: four memory rows (``flexgen_stage_lp``)
 
 
 def flexgen_lp(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int, gbs: int, nb: int,
                cpu_attention: bool = False, sublayer: bool = True,
                comp: Compression = NO_COMPRESSION) -> LPResult | None:
     """Solve FlexGen's LP for one block shape; None if no placement fits memory (or the solver gives up)."""
-    global _LP
-
-    if _LP is None:
-        _LP = _ParamLP()
     terms = flexgen_terms(model, hw, prompt_len, gen_len, gbs, nb, Affine.basis(), cpu_attention, sublayer, comp)
     cap = {"gpu": hw.gpu_mem_bytes, "cpu": hw.cpu_mem_bytes, "disk": hw.disk_bytes}
     mem = [(t, terms["mem"][t], cap[t]) for t in cap]
@@ -192,32 +230,29 @@ def flexgen_lp(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int
     return _solve(_LP, terms, mem, np.array([L / bls, L * (gen_len - 1) / bls]), gbs, nb, cpu_attention)
 
 
-def _solve(lp: _ParamLP, terms: dict, mem: list, w: np.ndarray, gbs: int, nb: int, cpu_attention: bool,
+def _solve(lp: _HighsLP, terms: dict, mem: list, w: np.ndarray, gbs: int, nb: int, cpu_attention: bool,
            **extra) -> LPResult | None:
     """Solve ``lp`` for the time ``terms`` (``flexgen_terms``' 'pre' and 'gen'), the memory rows ``mem`` ((name,
     bytes, capacity): bytes affine in the fractions) and the objective weights ``w`` (of t_pre, t_gen)."""
-    import cvxpy as cp
-
+    A, b = {}, {}
     for k in ("pre", "gen"):
         rows = [_affine(e) for e in terms[k]]
-        lp.A[k].value = np.array([r[0] for r in rows])
-        lp.b[k].value = np.array([r[1] for r in rows])
+        A[k] = np.array([r[0] for r in rows])
+        b[k] = np.array([r[1] for r in rows])
     rows = [_affine(e) for _, e, _ in mem]
-    lp.M.value = np.array([r[0] / c for r, (_, _, c) in zip(rows, mem)])
-    lp.m.value = np.array([r[1] / c for r, (_, _, c) in zip(rows, mem)])
-    lp.w.value = w
-    lp.cg_max.value = 0.0 if cpu_attention else 1.0
-    lp.tie.value = TIE_BREAK * lp.w.value.sum() * (lp.A["pre"].value.sum(0) + lp.A["gen"].value.sum(0))
-    try:
-        solve_quietly(lp.prob, solver=LP_SOLVER)
-    except (cp.error.SolverError, ValueError):  # HiGHS status 'unknown': treat as no solution
+    M = np.array([r[0] / c for r, (_, _, c) in zip(rows, mem)])
+    m = np.array([r[1] / c for r, (_, _, c) in zip(rows, mem)])
+    # tie-break: among equally fast placements prefer the one that moves least (an LP optimum is often
+    # degenerate when one stream dominates; the others' traffic still costs in a real schedule)
+    tie = TIE_BREAK * w.sum() * (A["pre"].sum(0) + A["gen"].sum(0))
+    opt = lp.solve(A, b, M, m, w, 0.0 if cpu_attention else 1.0, tie)
+    if opt is None:
         return None
-    if lp.prob.status not in (cp.OPTIMAL, cp.OPTIMAL_INACCURATE) or lp.x.value is None:
-        return None
-    fr = {k: float(np.clip(lp.x.value[j], 0, 1)) for j, k in enumerate(VARS)}
-    use = lp.M.value @ lp.x.value + lp.m.value
-    binding = [t for (t, _, _), u in zip(mem, use) if u > 1 - 1e-4]
-    sec_per_tok = float(lp.w.value @ lp.t.value)
+    x, t = opt
+    fr = {k: float(np.clip(x[j], 0, 1)) for j, k in enumerate(VARS)}
+    use = M @ x + m
+    binding = [name for (name, _, _), u in zip(mem, use) if u > 1 - 1e-4]
+    sec_per_tok = float(w @ t)
     return LPResult(gbs, nb, cpu_attention, fr, sec_per_tok, round_percent(fr), binding, **extra)
 
 
@@ -268,11 +303,8 @@ def flexgen_stage_lp(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_le
     and disk rows are that node's stages' sums (a stage's host bytes grow with its layers, and every node holds as
     many stages, so that node's are the largest). The network between nodes is left out (hidden states: small
     beside a stage's weights)."""
-    global _STAGE_LP
     from offsim.policies.schedule import node_sums, stage_model, stage_nodes
 
-    if _STAGE_LP is None:
-        _STAGE_LP = _ParamLP(mem_rows=4)
     S, L = len(layers), sum(layers)
     G = micro_batches or min(S, nb)
     nb_g = -(-nb // G)
