@@ -208,20 +208,20 @@ that overlaps the opposite direction from a rate looked up once per copy shape (
 `duplex_seconds`) instead of making the op and pricing it afresh (~10^4 times), runs the issuer of a runtime without
 issue costs in a pared-down loop, keeps an op's waiters in a list indexed by op, and tests one flag per resumption
 for the issue check; the trace table takes its kind and stream columns from their few names by code and keeps its
-new columns uncopied (traces identical: the golden trace, both engines, the validation errors). Round 4 (this one,
+new columns uncopied (traces identical: the golden trace, both engines, the validation errors). Round 4 (b05b43f,
 for the command): an `offsim` command no longer pays the interpreter's final garbage collections over the objects of
 every module it imported (`offsim.cli.main` freezes them at exit: ~0.3 s with cvxpy, scipy and pandas loaded);
 `Trace.metrics` picks each stream's ops by numpy's compare of the stream column rather than the string column's own
 (~25 ms a stream on OPT-175B's trace; the same ops summed in the same order); SimPy is imported by the reference
-engine only. Round 5 (the command under 3 s): FlexGen's LP goes to HiGHS directly (`highspy`, `lp._HighsLP`) rather
+engine only. Round 5 (this one, 7e17588: the command under 3 s): FlexGen's LP goes to HiGHS directly (`highspy`, `lp._HighsLP`) rather
 than through cvxpy, whose import cost ~0.6 s (scipy.stats ~0.35 s of it, through cvxpy's atoms) and whose per-solve
 compile made FlexGen's 172 LPs ~0.3 s (now ~0.1 s); the LP is handed over as cvxpy handed it (the same columns,
 rows and warm start from the previous optimum), so every optimum is the same (checked on ~17,000 LPs across the
 presets, pipelines and compression). What is left is the per-op Python itself -- the `add(**kw)` call, the
-schedule's per-position bookkeeping, the simulator's per-op setup (~0.3 s of the OPT-175B search's full plan) and
+schedule's per-position bookkeeping, the simulator's per-op setup (~0.2 s of the OPT-175B search's full plan) and
 per-event work (~0.8 us an event in CPython 3.11) -- and, for the command, its imports: pandas ~0.25 s (the
 candidate table it prints), numpy ~0.1 s and ~0.06 s compiling offsim's own modules where bytecode is not cached
-(PYTHONDONTWRITEBYTECODE is set on this VM); then the two screened short plans (~0.4 s) and the chosen plan's full
+(PYTHONDONTWRITEBYTECODE is set on this VM); then the two screened short plans (~0.3 s) and the chosen plan's full
 build and simulation (~1.4 s). The machine is a shared 2-core VM whose speed varies by tens of percent from run to
 run; the load average above says how busy it was.
 """
