@@ -124,3 +124,16 @@ def test_cli_compare_lists_every_policy(capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert sorted(o["policy"] for o in out) == ["flexgen", "static-accelerate", "static-zero"]
     assert all(o.get("total_tok_s", 0) > 0 or o.get("error") for o in out)
+
+
+def test_flexgen_lp_on_hardware_without_a_disk():
+    """A tier of 0 bytes (no disk) holds nothing: the LP places nothing there, or says no placement fits, instead
+    of dividing by the capacity."""
+    from offsim import get_hardware, get_model
+    from offsim.policies.lp import flexgen_lp
+
+    hw = get_hardware("t4").with_(disk_bytes=0)
+    r = flexgen_lp(get_model("opt-30b"), hw, 512, 32, 16, 3, False)
+    assert r is not None and r.fractions["wd"] < 1e-6 and r.fractions["cd"] < 1e-6
+    # OPT-175B: ~350 GB of fp16 weights, the T4 preset 16 GB of GPU and 208 GB of host memory
+    assert flexgen_lp(get_model("opt-175b"), hw, 512, 32, 32, 8, False) is None

@@ -240,8 +240,11 @@ def _solve(lp: _HighsLP, terms: dict, mem: list, w: np.ndarray, gbs: int, nb: in
         A[k] = np.array([r[0] for r in rows])
         b[k] = np.array([r[1] for r in rows])
     rows = [_affine(e) for _, e, _ in mem]
-    M = np.array([r[0] / c for r, (_, _, c) in zip(rows, mem)])
-    m = np.array([r[1] / c for r, (_, _, c) in zip(rows, mem)])
+    # each row as a share of its tier's capacity; a tier of 0 bytes (hardware without a disk) as one of 1 byte:
+    # nothing can be placed there, and the LP says so instead of dividing by zero
+    cap = [max(c, 1) for _, _, c in mem]
+    M = np.array([r[0] / c for r, c in zip(rows, cap)])
+    m = np.array([r[1] / c for r, c in zip(rows, cap)])
     # tie-break: among equally fast placements prefer the one that moves least (an LP optimum is often
     # degenerate when one stream dominates; the others' traffic still costs in a real schedule)
     tie = TIE_BREAK * w.sum() * (A["pre"].sum(0) + A["gen"].sum(0))
