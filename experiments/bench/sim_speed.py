@@ -2,6 +2,7 @@
 policy, plan build + simulation under 1 s on one core; ``offsim search`` for OPT-175B on t4 under 3 s.
 
     python -m experiments.bench.sim_speed [--repeat 3] [--csv results/bench_sim_speed/bench.csv] [--readme]
+    python -m experiments.bench.sim_speed --readme-only   # the README again from the committed CSV, no timing
 
 Pinned to one core (``os.sched_setaffinity``) for the whole run, best of ``--repeat`` runs per timing. Rows: for
 each plan, the build (``build_plan(..., validate=False)``), ``Plan.validate``, the simulation by ``simulate`` (the
@@ -169,11 +170,11 @@ seconds of wall clock on one core.
 
 - OPT-175B, FlexGen's published 32 x 8 policy, whole layers (the plan the issue's target was set on; FlexGen's
   plans stream sub-layers by default since commit d0094fa, the second row: more ops for the same model): build +
-  simulate **{head['build_plus_sim_s']:.2f} s** (target
+  simulate **{head['build_plus_sim_s']:.3f} s** (target
   < {TARGET_BUILD_SIM_S:g} s: {verdict(head['build_plus_sim_s'], TARGET_BUILD_SIM_S)}); the simulation alone
   {head['simulate_s']:.2f} s against {head['simulate_simpy_s']:.2f} s for the SimPy engine on the same plan
   (identical traces: `tests/test_sim_engines.py`).
-- `offsim search` flexgen OPT-175B on t4: {call['build_plus_sim_s']:.2f} s for the call, {cli['build_plus_sim_s']:.2f} s
+- `offsim search` flexgen OPT-175B on t4: {call['build_plus_sim_s']:.2f} s for the call, {cli['build_plus_sim_s']:.3f} s
   for the command (target < {TARGET_SEARCH_S:g} s: {verdict(cli['build_plus_sim_s'], TARGET_SEARCH_S)}).
 - "schedule only": the same build with `PlanBuilder.add` a no-op -- the block schedule's own Python
   (`offsim/policies/schedule.py` and the footprint lookups it makes per op) before any op is kept; "GC off": the
@@ -233,8 +234,16 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--csv", type=Path, default=OUT / "bench.csv")
     ap.add_argument("--readme", action="store_true", help="also write results/bench_sim_speed/README.md")
+    ap.add_argument("--readme-only", action="store_true",
+                    help="measure nothing: write results/bench_sim_speed/README.md from the existing --csv")
     ap.add_argument("--note", default="", help="recorded in the provenance (e.g. the commit, where git is absent)")
     args = ap.parse_args()
+    if args.readme_only:
+        if not args.csv.exists():
+            ap.error(f"--readme-only: {args.csv} does not exist (run without it first)")
+        write_readme(args.csv)
+        print(f"wrote {OUT / 'README.md'} from {args.csv}")
+        return
     pinned = False
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core, the subprocess of the CLI too
