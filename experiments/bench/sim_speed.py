@@ -242,7 +242,7 @@ def main() -> None:
         if not args.csv.exists():
             ap.error(f"--readme-only: {args.csv} does not exist (run without it first)")
         write_readme(args.csv)
-        print(f"wrote {OUT / 'README.md'} from {args.csv}")
+        print(f"wrote {args.csv.parent / 'README.md'} from {args.csv}")
         return
     pinned = False
     if hasattr(os, "sched_setaffinity"):
