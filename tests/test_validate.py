@@ -57,6 +57,11 @@ def test_repeated_case_reports_its_spread(tmp_path):
     c["meta"]["repeat_total_tok_s"] = [90.0, 100.0, 120.0]
     p.write_text(json.dumps(c))
     assert V.validate_case(V.load_case(p))["measured_spread"] == pytest.approx(0.3)
+    df = V.validate_dir(tmp_path)
+    md = V.report_markdown(df, "t", "test", {})
+    assert "measured spread |" in md and "| 30.0% |" in md
+    _measured(tmp_path, name="once")  # a case measured once beside it: no spread, a dash
+    assert "| — |" in V.report_markdown(V.validate_dir(tmp_path), "t", "test", {})
 
 
 def test_thresholds_and_dir(tmp_path):

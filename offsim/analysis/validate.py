@@ -257,12 +257,16 @@ def report_markdown(df: pd.DataFrame, title: str, command: str, prov: dict) -> s
     for pol, g in df.groupby("policy"):
         e = g["err_total_tok_s"].abs()
         lines.append(f"| {pol} | {len(g)} | {e.median():.1%} | {e.max():.1%} |")
+    # cases measured K times (matrix.py --repeats): their own spread beside the errors
+    spread = "measured_spread" in df and df["measured_spread"].notna().any()
     lines += ["", "| case | plan | batch | measured total tok/s | predicted | total error | prefill error | "
-              "decode error |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "decode error |" + (" measured spread |" if spread else ""),
+              "| --- " * (9 if spread else 8) + "|"]
     for _, r in df.assign(_a=errs).sort_values("_a", ascending=False).iterrows():
+        sp = "" if not spread else (" — |" if pd.isna(r["measured_spread"]) else f" {r['measured_spread']:.1%} |")
         lines.append(f"| {r['case']} | {r['plan']} | {r['batch']} | {r['measured_total_tok_s']:.1f} | "
                      f"{r['predicted_total_tok_s']:.1f} | {r['err_total_tok_s']:+.1%} | "
-                     f"{r['err_prefill_tok_s']:+.1%} | {r['err_decode_tok_s']:+.1%} |")
+                     f"{r['err_prefill_tok_s']:+.1%} | {r['err_decode_tok_s']:+.1%} |" + sp)
     return "\n".join(lines) + "\n"
 
 
