@@ -267,3 +267,30 @@ def test_remeasure_compare_lists_every_case_measured_twice(tmp_path, capsys):
 
     row = pd.read_csv(tmp_path / "c.csv", comment="#").iloc[0]
     assert 1 + row["new_offsim_error"] == pytest.approx((1 + row["old_offsim_error"]) / 1.25)
+
+
+def test_remeasure_compare_tells_a_changed_schedule_from_changed_bookkeeping(tmp_path):
+    """Two runs whose plans differ only in memory annotations have the same schedule; a changed op size is a
+    changed schedule."""
+    import shutil
+
+    from experiments.validation.remeasure_compare import same_schedule
+    from offsim.core.plan import Plan
+
+    src = ROOT / "results" / "validation" / "h200_calib"
+    tag = "opt-30b_flexgen_b12_p256_g32"
+    old, new = tmp_path / "old", tmp_path / "new"
+    for d in (old, new):
+        d.mkdir()
+        shutil.copy(src / f"{tag}.plan.json.gz", d)
+    assert same_schedule(old, new, tag)
+    plan = Plan.load(new / f"{tag}.plan.json.gz")
+    op = next(o for o in plan.ops if o.kind == "compute")
+    op.alloc = (op.alloc[0] + 1024, 0, 0)  # a footprint change: bookkeeping, the same schedule
+    plan.save(new / f"{tag}.plan.json.gz")
+    assert same_schedule(old, new, tag)
+    op = next(o for o in plan.ops if o.kind == "h2d")
+    op.nbytes += 1  # a copy of another size: another schedule
+    plan.save(new / f"{tag}.plan.json.gz")
+    assert not same_schedule(old, new, tag)
+    assert not same_schedule(old, tmp_path, tag)  # a plan missing on one side

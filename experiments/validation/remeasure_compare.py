@@ -41,18 +41,43 @@ def compare(old_dir: Path, new_dir: Path, hardware: str) -> tuple[list[dict], li
                         f"{side}_measured_total_tok_s": measured, f"{side}_offsim_error": predicted / measured - 1})
         row["change"] = row["new_measured_total_tok_s"] / row["old_measured_total_tok_s"] - 1
         row["same_plan"] = bool(row["old_plan_sha256"]) and row["old_plan_sha256"] == row["new_plan_sha256"]
+        row["same_schedule"] = row["same_plan"] or same_schedule(old_dir, new_dir, tag)
         rows.append(row)
     return rows, sorted(tags - new_tags), sorted(new_tags - tags)
 
 
+# what the simulator times of an op: all but its memory annotations (alloc, free), which a footprint change moves
+SCHEDULE_FIELDS = ("kind", "deps", "phase", "step", "layer", "batch", "stream", "part", "num_seqs", "q_tokens",
+                   "ctx_tokens", "tensor", "lo", "hi", "head_lo", "head_hi", "nbytes", "pinned")
+
+
+def same_schedule(old_dir: Path, new_dir: Path, tag: str) -> bool:
+    """Whether the plans stored beside the two runs of ``tag`` have the same ops in the same order with the same
+    dependencies and sizes (``SCHEDULE_FIELDS``), whatever their memory annotations and recorded fields; False when
+    either plan is missing."""
+    from offsim.core.plan import Plan
+
+    plans = []
+    for folder in (old_dir, new_dir):
+        f = folder / f"{tag}.plan.json.gz"
+        if not f.exists():
+            return False
+        plans.append(Plan.load(f))
+    a, b = plans
+    if len(a.ops) != len(b.ops):
+        return False
+    key = lambda op: tuple(getattr(op, k) for k in SCHEDULE_FIELDS)  # noqa: E731
+    return all(key(x) == key(y) for x, y in zip(a.ops, b.ops))
+
+
 def table(rows: list[dict]) -> list[str]:
-    lines = ["| case | old tok/s (commit) | new tok/s (commit) | change | same plan | offsim error old | new |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| case | old tok/s (commit) | new tok/s (commit) | change | same plan | same schedule | offsim error "
+             "old | new |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(f"| {r['case']} | {r['old_measured_total_tok_s']:,.1f} ({r['old_commit']}) | "
                      f"{r['new_measured_total_tok_s']:,.1f} ({r['new_commit']}) | {r['change']:+.1%} | "
-                     f"{'yes' if r['same_plan'] else 'no'} | {r['old_offsim_error']:+.1%} | "
-                     f"{r['new_offsim_error']:+.1%} |")
+                     f"{'yes' if r['same_plan'] else 'no'} | {'yes' if r['same_schedule'] else 'no'} | "
+                     f"{r['old_offsim_error']:+.1%} | {r['new_offsim_error']:+.1%} |")
     return lines
 
 
@@ -62,6 +87,7 @@ def summary(rows: list[dict]) -> dict:
     ch = [abs(r["change"]) for r in rows]
     return {"cases": len(rows), "median_abs_change": statistics.median(ch),
             "moved_over_5pct": sum(c > MOVED for c in ch), "same_plan": sum(r["same_plan"] for r in rows),
+            "same_schedule": sum(r["same_schedule"] for r in rows),
             "median_abs_offsim_error_old": statistics.median(abs(r["old_offsim_error"]) for r in rows),
             "median_abs_offsim_error_new": statistics.median(abs(r["new_offsim_error"]) for r in rows)}
 

@@ -182,29 +182,34 @@ def _remeasured() -> list[str]:
         prov = json.loads(f.read_text().splitlines()[0].lstrip("# "))
         df = pd.read_csv(f, comment="#", dtype={"old_commit": str, "new_commit": str})  # '779e620' is a float
         new = sorted(set(df["new_commit"]))
-        same, diff = df[df["same_plan"]], df[~df["same_plan"]]
+        same, book = df[df["same_plan"]], df[~df["same_plan"] & df["same_schedule"]]
+        moved = df[~df["same_schedule"]]
         ab = df["change"].abs()
 
         def rng(d):
             return (f"median |change| {d['change'].abs().median():.1%}, from {d['change'].min():+.1%} to "
                     f"{d['change'].max():+.1%}" if len(d) else "none")
 
+        split = f.parent.name.split("_")[1]
         out += ["", f"### Re-measured at one commit: `{f.parent.name}/`", "",
-                f"All {len(df)} cases of `h200_{f.parent.name.split('_')[1]}/` measured again at {', '.join(new)} "
-                f"({prov['date'][:10]}; every case, not chosen by error; the runs' logs and `runs.jsonl` beside "
-                f"the table), so that the split is one executor's measurement instead of "
-                f"{df['old_commit'].nunique()} commits'. The cases' files in the split are these runs. "
-                f"Total tok/s, new over old: median |change| {ab.median():.1%}, {int((ab > 0.05).sum())} of "
-                f"{len(df)} moved more than 5 %. On the same plan ({len(same)} cases): {rng(same)}: the same plan "
-                f"run by two commits' executor, so the run-to-run spread of a case plus any executor change in "
-                f"between. On a changed plan ({len(diff)} cases: the planner changed in between): "
-                f"{rng(diff)}. offsim's median |error| with the model of {prov['commit']} "
+                f"All {len(df)} cases of `h200_{split}/` measured again at {', '.join(new)} "
+                f"({prov['date'][:10]}; every case, not chosen by error; the runs' logs, `runs.jsonl` and this "
+                f"table in `{f.parent.name}/`, the old runs being `h200_{split}/` as of that commit), so that the "
+                f"split is one executor's measurement instead of {df['old_commit'].nunique()} commits'. The cases' "
+                f"files in the split are these runs. Total tok/s, new over old: median |change| {ab.median():.1%}, "
+                f"{int((ab > 0.05).sum())} of {len(df)} moved more than 5 %. On the same plan ({len(same)} cases): "
+                f"{rng(same)}. On a plan that differs only in bookkeeping ({len(book)} cases: the same ops, order, "
+                f"dependencies and sizes; memory annotations and fields recorded since differ): {rng(book)}. "
+                f"Together these {len(same) + len(book)} are the same schedule run by two commits' executor: the "
+                f"run-to-run spread of a case plus any executor change in between. On a changed schedule "
+                f"({len(moved)} cases): {rng(moved)}. offsim's median |error| with the model of {prov['commit']} "
                 f"(`{f.name}`): {df['old_offsim_error'].abs().median():.1%} on the old runs, "
                 f"{df['new_offsim_error'].abs().median():.1%} on the new.", "",
-                "| case | old tok/s (commit) | new tok/s | change | same plan |", "| --- | --- | --- | --- | --- |"]
+                "| case | old tok/s (commit) | new tok/s | change | plan |", "| --- | --- | --- | --- | --- |"]
         for r in df.sort_values("change").itertuples():
             out.append(f"| {r.case} | {r.old_measured_total_tok_s:,.1f} ({r.old_commit}) | "
-                       f"{r.new_measured_total_tok_s:,.1f} | {r.change:+.1%} | {'yes' if r.same_plan else 'no'} |")
+                       f"{r.new_measured_total_tok_s:,.1f} | {r.change:+.1%} | "
+                       f"{'same' if r.same_plan else 'same schedule' if r.same_schedule else 'changed'} |")
     return out
 
 
