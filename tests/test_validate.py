@@ -294,3 +294,17 @@ def test_remeasure_compare_tells_a_changed_schedule_from_changed_bookkeeping(tmp
     plan.save(new / f"{tag}.plan.json.gz")
     assert not same_schedule(old, new, tag)
     assert not same_schedule(old, tmp_path, tag)  # a plan missing on one side
+
+
+def test_matrix_cases_are_exact_tags_and_unknown_ones_are_refused(tmp_path):
+    """--cases selects by exact tag (--only-cases matches substrings); a tag the configuration lacks is refused,
+    with what tags look like, before anything runs."""
+    import subprocess
+    import sys
+
+    cfg = CASES / "matrix_v2_config.json"
+    r = subprocess.run([sys.executable, "-m", "experiments.validation.matrix", "--config", str(cfg), "--out",
+                        str(tmp_path), "--cases", "opt-6.7b_flexgen_b12_p2048_g64"], capture_output=True, text=True,
+                       cwd=ROOT)
+    assert r.returncode == 2 and "no case tagged opt-6.7b_flexgen_b12_p2048_g64" in r.stderr
+    assert "tags look like" in r.stderr and not any(tmp_path.iterdir())

@@ -312,6 +312,9 @@ def main() -> None:
     ap.add_argument("--only-models", nargs="+", default=None, help="run mode: only the cases of these models")
     ap.add_argument("--only-cases", nargs="+", default=None,
                     help="run mode: only the cases whose tag contains one of these strings")
+    ap.add_argument("--cases", nargs="+", default=None, metavar="TAG",
+                    help="run mode: only the cases with exactly these tags (--only-cases matches substrings: "
+                         "'..._g64' also selects '..._g64_disk')")
     ap.add_argument("--remeasure", action="store_true",
                     help="run mode: measure cases whose file exists again (replacing it: after an executor change)")
     ap.add_argument("--repeats", type=int, default=1,
@@ -343,6 +346,12 @@ def main() -> None:
         cases = [c for c in cases if c["model"] in args.only_models]
     if args.only_cases:
         cases = [c for c in cases if any(s in c["tag"] for s in args.only_cases)]
+    if args.cases:
+        unknown = sorted(set(args.cases) - {c["tag"] for c in cases})
+        if unknown:
+            ap.error(f"--cases: no case tagged {', '.join(unknown)} in the configuration (tags look like "
+                     f"{cases[0]['tag'] if cases else 'opt-13b_flexgen_b32_p512_g32'})")
+        cases = [c for c in cases if c["tag"] in set(args.cases)]
     summary = run_cases(cases, args)
     finish({"cases": sum("err" in r for r in summary), "failed": sum("error" in r for r in summary),
             "out": args.out})
