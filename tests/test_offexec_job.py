@@ -367,3 +367,34 @@ def test_measured_jobs_readme_is_generated_from_job_json(tmp_path):
     assert "| kind_a | flexgen | padded | 8 x 2 | 3 | 10.00 | 10.30 | +3.0% |" in text
     assert "| kind_a | tightllm | padded | | | not measured |" in text
     assert "within 5 % of the measured one: 1 of 1 measured jobs" in text
+
+
+def test_selectn_record_warms_up_each_iteration_shape_once(tiny, monkeypatch):
+    """Each new (phase, batch, sequence length) runs once unmeasured before its first measured run (the first
+    interval measured at a new batch size ran 9-42 % slow on the H200); later intervals of that shape do not."""
+    import offexec.executor as EX
+    from offexec.selectn import MeasuredIterations
+    from offexec.weights import random_weights
+
+    d, _ = tiny
+    import dataclasses
+
+    model = dataclasses.replace(get_model(str(d / "ck" / "config.json")), dtype_bytes=4)  # float32 on the CPU
+    hw = get_hardware("h200", gpu_mem_gb=24)
+    calls = []
+    real = EX.run_plan
+
+    def counted(plan, *a, **kw):
+        calls.append(plan.workload.num_prompts)
+        return real(plan, *a, **kw)
+
+    monkeypatch.setattr(EX, "run_plan", counted)
+    weights = random_weights(model, 0, torch.float32, device="cpu", pinned=False, progress=False)
+    try:
+        it = MeasuredIterations(weights, "cpu", int(hw.gpu_mem_bytes))
+        for batch, interval in ((1, 3), (1, 1), (2, 3), (2, 1)):
+            assert it(model, hw, "prefill", batch, 16, interval).latency_s > 0
+    finally:
+        weights.close()
+    assert calls == [1, 1, 1, 2, 2, 2]  # 2 runs at the first interval of each batch, 1 at the next
+    assert len(it.log) == 4
