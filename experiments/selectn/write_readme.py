@@ -244,6 +244,16 @@ def _section_measured() -> list[str]:
         s = f"{r.latency_s_s * 1e3:.1f}" if r.latency_s_s == r.latency_s_s else "not built"
         e = f"{r.err:+.1%}" if r.err == r.err else ""
         out.append(f"| {r.phase} | {r.batch} | {r.interval} | {r.latency_s_m * 1e3:.1f} | {s} | {e} |")
+    pre = j[j["phase"] == "prefill"].dropna(subset=["err"])
+    first = pre.groupby("batch", sort=False).head(1)  # the first interval measured at each batch (scan order)
+    rest = pre.drop(first.index)
+    if len(first) and len(rest):
+        out += ["", f"Prefill, the first interval measured at each batch size: median offsim error "
+                f"{first['err'].median():+.1%} (from {first['err'].min():+.1%} to {first['err'].max():+.1%}); "
+                f"the later intervals of the same batch: {rest['err'].median():+.1%} (from {rest['err'].min():+.1%} "
+                f"to {rest['err'].max():+.1%}). This record ran one unmeasured warm-up per phase, so the first "
+                "iteration at each new batch paid the first-call costs of its shape; `offexec selectn-record` now "
+                "warms up each new (phase, batch, length) once (commit e6693ed)."]
     slo = SEL / f"slo_{tag}.csv"
     if slo.exists():
         doc = _head(slo)
