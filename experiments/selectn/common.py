@@ -20,10 +20,13 @@ def run_flexgen(model, hw, wl, top: int = 3) -> dict:
     sequences (each with its activations on either tier), as the search makes them (``flexgen.candidates``: the
     GPU weight share trimmed until the placement fits by the footprint's exact arithmetic), simulated; the
     fastest."""
+    from itertools import islice
+
     from offsim.policies.flexgen import candidates
 
     b = wl.gpu_batch_size
-    cands = list(candidates(model, hw, wl.prompt_len, wl.gen_len, batch=b))[:2 * top]
+    # best LP time first, two per optimum: the rest are never fitted (each fit builds schedules)
+    cands = list(islice(candidates(model, hw, wl.prompt_len, wl.gen_len, batch=b), 2 * top))
     best, errors = None, []
     for st, cwl, _ in cands:
         try:

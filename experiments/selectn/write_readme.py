@@ -7,13 +7,13 @@ CSVs the Select-N experiments wrote (``slo``, ``shared_link``, ``phases``) and f
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 from pathlib import Path
 
 import pandas as pd
 
 from experiments.common import ROOT
-from offsim.core.io import write_text_atomic
+from offsim.core.io import read_commented_csv, write_text_atomic
 from offsim.core.provenance import provenance
 
 SEL = ROOT / "results" / "selectn"
@@ -23,10 +23,11 @@ MEASURED = "measured_record_llama-2-13b_h200_24gib.csv"
 
 def _head(path: Path) -> dict:
     """The JSON document on a CSV's first line (``# {...}``): its provenance."""
-    return json.loads(path.read_text().splitlines()[0].lstrip("# "))
+    return read_commented_csv(path, "Select-N result")[0]
 
 
 def _csv(name: str) -> pd.DataFrame:
+    """A CSV of the folder, with or without its provenance line."""
     return pd.read_csv(SEL / name, comment="#")
 
 
@@ -55,6 +56,7 @@ def _slo_tables(tag: str, models: list[str], policies: list[str]) -> list[str]:
     return out
 
 
+@functools.lru_cache(maxsize=None)  # read once per tag: the claims and the prose ask it many times
 def _summary_rows(tag: str) -> pd.DataFrame:
     """Per (model, policy): batch sizes meeting the SLOs, goodput and its batch (the summary CSV), host GB of
     weights at batch 1 and 4 (the runs)."""
@@ -153,7 +155,7 @@ def _section_link() -> list[str]:
     out = []
     for gib in (32, 30):
         f = SEL / f"shared_link_a800_{gib}gib.csv"
-        doc, df = _head(f), _csv(f.name)
+        doc, df = read_commented_csv(f, "Select-N result")
         if gib == 32:
             out += ["## 2. Two 13B instances on one PCIe 4.0 x16 link", "",
                     f"`python -m experiments.selectn.shared_link` ({_prov(doc)}). Two GPUs with the `a800` "
@@ -201,7 +203,7 @@ def _section_link() -> list[str]:
 
 def _section_phases() -> list[str]:
     f = SEL / "phases_rtx3090_24gib.csv"
-    doc, df = _head(f), _csv(f.name)
+    doc, df = read_commented_csv(f, "Select-N result")
     out = ["## 3. Prefill and decode with different N", "",
            f"`python -m experiments.selectn.phases` ({_prov(doc)}): OPT-13B, RTX 3090, batch 1, prompt 480, the "
            "TPOT SLO swept. Where the decode may offload more than the prefill, the pairs are ones where the "
@@ -219,9 +221,8 @@ def _section_measured() -> list[str]:
     f = SEL / MEASURED
     if not f.exists():
         return []
-    meta = _head(f)
+    meta, m = read_commented_csv(f, "measured record")
     p = meta["provenance"]
-    m = _csv(MEASURED)
     tag = "h200-offexec-v2_24gib_p480"
     sim = _csv(f"record_llama-2-13b_{tag}.csv")
     j = m.merge(sim, on=["phase", "batch", "seq_len", "interval"], how="left", suffixes=("_m", "_s"))

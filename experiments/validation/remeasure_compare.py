@@ -19,6 +19,7 @@ from pathlib import Path
 from experiments.common import provenance
 from offsim.analysis.validate import load_case, resimulate
 from offsim.core.errors import OffsimError
+from offsim.core.plan import DEVICE_FIELDS, OP_FIELDS, Plan
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILE = ROOT / "results" / "profiles" / "h200_offexec_v2.json"
@@ -46,17 +47,15 @@ def compare(old_dir: Path, new_dir: Path, hardware: str) -> tuple[list[dict], li
     return rows, sorted(tags - new_tags), sorted(new_tags - tags)
 
 
-# what the simulator times of an op: all but its memory annotations (alloc, free), which a footprint change moves
-SCHEDULE_FIELDS = ("kind", "deps", "phase", "step", "layer", "batch", "stream", "part", "num_seqs", "q_tokens",
-                   "ctx_tokens", "tensor", "lo", "hi", "head_lo", "head_hi", "nbytes", "pinned")
+# what the simulator times of an op: every field of it (``plan.OP_FIELDS``, ``DEVICE_FIELDS``) but its position and
+# its memory annotations (alloc, free), which a footprint change moves
+SCHEDULE_FIELDS = tuple(f for f in OP_FIELDS + DEVICE_FIELDS if f not in ("id", "alloc", "free"))
 
 
 def same_schedule(old_dir: Path, new_dir: Path, tag: str) -> bool:
     """Whether the plans stored beside the two runs of ``tag`` have the same ops in the same order with the same
     dependencies and sizes (``SCHEDULE_FIELDS``), whatever their memory annotations and recorded fields; False when
     either plan is missing."""
-    from offsim.core.plan import Plan
-
     plans = []
     for folder in (old_dir, new_dir):
         f = folder / f"{tag}.plan.json.gz"

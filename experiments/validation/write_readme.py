@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 
 from offsim.analysis import validate as V
-from offsim.core.io import write_text_atomic
+from offsim.core.io import read_commented_csv, write_text_atomic
 from offsim.core.provenance import provenance
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -175,12 +175,10 @@ def _remeasured() -> list[str]:
     ``experiments.validation.remeasure_compare``): how much the measured throughput moved, on the same plan and on a
     changed one. The offsim errors in those CSVs are the model of the commit that wrote them; the tables above are
     today's."""
-    import json
-
     out = []
     for f in sorted(VAL.glob("remeasure_*/compare.csv")):
-        prov = json.loads(f.read_text().splitlines()[0].lstrip("# "))
-        df = pd.read_csv(f, comment="#", dtype={"old_commit": str, "new_commit": str})  # '779e620' is a float
+        prov, df = read_commented_csv(f, "re-measurement table",
+                                      dtype={"old_commit": str, "new_commit": str})  # '779e620' reads as a float
         new = sorted(set(df["new_commit"]))
         same, book = df[df["same_plan"]], df[~df["same_plan"] & df["same_schedule"]]
         moved = df[~df["same_schedule"]]

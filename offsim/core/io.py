@@ -53,8 +53,9 @@ def write_commented_csv(path: str | Path, header: dict, df: pd.DataFrame) -> Non
     tmp.replace(path)
 
 
-def read_commented_csv(path: str | Path, what: str) -> tuple[dict, pd.DataFrame]:
-    """(header, rows) of a commented CSV; errors name the file."""
+def read_commented_csv(path: str | Path, what: str, **read_csv) -> tuple[dict, pd.DataFrame]:
+    """(header, rows) of a commented CSV; errors name the file. ``read_csv``: options for ``pd.read_csv`` (e.g.
+    ``dtype``)."""
     path = Path(path)
     try:
         with (gzip.open(path, "rt") if path.suffix == ".gz" else open(path)) as f:
@@ -62,7 +63,7 @@ def read_commented_csv(path: str | Path, what: str) -> tuple[dict, pd.DataFrame]
             if not head.startswith("# "):
                 raise OffsimError(f"{what} {path}: first line must be '# ' + JSON metadata")
             header = json.loads(head[2:])
-            df = pd.read_csv(f)
+            df = pd.read_csv(f, **read_csv)
     except OSError as e:
         raise OffsimError(f"cannot read {what} {path}: {e.strerror}") from None
     except json.JSONDecodeError as e:
