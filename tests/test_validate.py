@@ -239,7 +239,8 @@ def test_matrix_v2_split_is_seeded_and_stratified():
 def test_remeasure_compare_lists_every_case_measured_twice(tmp_path, capsys):
     """experiments.validation.remeasure_compare sets each case found in both folders beside its re-measurement:
     the change of measured throughput, whether the plan is the same, offsim's error on each; cases in one folder
-    only are named, not dropped."""
+    only are named, not dropped; a case whose two files are the same run is named as not re-measured, not counted
+    as a change of 0 %."""
     import shutil
 
     from experiments.validation.remeasure_compare import main
@@ -254,14 +255,20 @@ def test_remeasure_compare_lists_every_case_measured_twice(tmp_path, capsys):
         shutil.copy(f, new)
     case = json.loads((new / f"{tag}.case.json").read_text())
     case["metrics"]["total_tok_s"] *= 1.25  # the re-measurement ran 25 % faster
+    case["meta"]["date"] = "2099-01-01T00:00:00+00:00"
     (new / f"{tag}.case.json").write_text(json.dumps(case))
     shutil.copy(src / "opt-13b_tightllm_b32_p128_g32.case.json", old)  # measured once only
+    same = "opt-30b_flexgen_b8_p128_g32"  # the very same run on both sides
+    for f in src.glob(f"{same}.*"):
+        shutil.copy(f, old)
+        shutil.copy(f, new)
     assert main([str(old), str(new), "--out", str(tmp_path / "c.csv")]) == 0
     out = capsys.readouterr().out
     assert f"| {tag} |" in out and "| +25.0% | yes |" in out
     assert "only in" in out and "opt-13b_tightllm_b32_p128_g32" in out
     s = json.loads(out.strip().splitlines()[-1])
     assert s["cases"] == 1 and s["moved_over_5pct"] == 1 and s["only_old"] == ["opt-13b_tightllm_b32_p128_g32"]
+    assert s["not_remeasured"] == [same] and f"| {same} |" not in out
     # offsim predicts the same plan either way: against the faster run its error is the old one over the speed-up
     import pandas as pd
 

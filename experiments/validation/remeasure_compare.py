@@ -7,7 +7,8 @@ runs ran the same plan (the cases' ``plan_sha256``), the commits they were measu
 (the plan stored beside each case, re-simulated on ``--hardware``, default the committed profile v2). Prints a
 markdown table and a summary (median |change|, cases that moved more than 5 %), writes the CSV with ``--out``
 (provenance on its first line), ends with one JSON line. Nothing is chosen by error: every case found in both
-folders is listed, and cases in only one are named.
+folders is listed, and cases in only one are named, as are cases whose two files are the same run (the same commit
+and date in their metadata: not re-measured yet, so left out of the rows).
 """
 from __future__ import annotations
 
@@ -26,15 +27,20 @@ PROFILE = ROOT / "results" / "profiles" / "h200_offexec_v2.json"
 MOVED = 0.05  # a change of measured throughput larger than this is reported as moved
 
 
-def compare(old_dir: Path, new_dir: Path, hardware: str) -> tuple[list[dict], list[str], list[str]]:
-    """Rows for the cases in both folders (sorted by tag), and the tags found only in the old / the new one."""
+def compare(old_dir: Path, new_dir: Path, hardware: str) -> tuple[list[dict], list[str], list[str], list[str]]:
+    """Rows for the cases re-measured (sorted by tag); the tags found only in the old / the new folder; the tags in
+    both whose two files are the same run (same commit and date: not re-measured)."""
     tags = {p.name[:-len(".case.json")] for p in old_dir.glob("*.case.json")}
     new_tags = {p.name[:-len(".case.json")] for p in new_dir.glob("*.case.json")}
-    rows = []
+    rows, not_remeasured = [], []
     for tag in sorted(tags & new_tags):
+        cases = {side: load_case(folder / f"{tag}.case.json") for side, folder in (("old", old_dir), ("new", new_dir))}
+        run = {side: (c["meta"].get("commit"), c["meta"].get("date")) for side, c in cases.items()}
+        if run["old"] == run["new"]:
+            not_remeasured.append(tag)
+            continue
         row = {"case": tag}
-        for side, folder in (("old", old_dir), ("new", new_dir)):
-            case = load_case(folder / f"{tag}.case.json")
+        for side, case in cases.items():
             meta = case["meta"]
             measured = float(case["metrics"]["total_tok_s"])
             predicted = resimulate(case, hardware).metrics()["total_tok_s"]
@@ -44,7 +50,7 @@ def compare(old_dir: Path, new_dir: Path, hardware: str) -> tuple[list[dict], li
         row["same_plan"] = bool(row["old_plan_sha256"]) and row["old_plan_sha256"] == row["new_plan_sha256"]
         row["same_schedule"] = row["same_plan"] or same_schedule(old_dir, new_dir, tag)
         rows.append(row)
-    return rows, sorted(tags - new_tags), sorted(new_tags - tags)
+    return rows, sorted(tags - new_tags), sorted(new_tags - tags), not_remeasured
 
 
 # what the simulator times of an op: every field of it (``plan.OP_FIELDS``, ``DEVICE_FIELDS``) but its position and
@@ -102,7 +108,7 @@ def main(argv=None) -> int:
         if not p.is_dir():
             ap.error(f"{p}: no such folder (give two folders of *.case.json)")
     try:
-        rows, only_old, only_new = compare(args.old, args.new, args.hardware)
+        rows, only_old, only_new, not_remeasured = compare(args.old, args.new, args.hardware)
     except OffsimError as e:
         ap.exit(2, f"remeasure_compare: error: {e}\n")
     print("\n".join(table(rows)))
@@ -110,6 +116,8 @@ def main(argv=None) -> int:
     if only_old or only_new:
         print(f"\nonly in {args.old}: {', '.join(only_old) or 'none'}; only in {args.new}: "
               f"{', '.join(only_new) or 'none'}")
+    if not_remeasured:
+        print(f"\nnot re-measured (the same run in both folders): {', '.join(not_remeasured)}")
     if args.out and rows:
         import pandas as pd
 
@@ -117,7 +125,8 @@ def main(argv=None) -> int:
 
         write_csv(pd.DataFrame(rows), args.out, provenance(command="python -m experiments.validation."
                                                                    f"remeasure_compare {args.old} {args.new}"))
-    print(json.dumps({"experiment": "remeasure_compare", **s, "only_old": only_old, "only_new": only_new}))
+    print(json.dumps({"experiment": "remeasure_compare", **s, "only_old": only_old, "only_new": only_new,
+                      "not_remeasured": not_remeasured}))
     return 0
 
 

@@ -189,9 +189,14 @@ def _remeasured() -> list[str]:
                     f"{d['change'].max():+.1%}" if len(d) else "none")
 
         split = f.parent.name.split("_")[1]
+        tags = {p.name[:-len(".case.json")] for p in (VAL / f"h200_{split}").glob("*.case.json")}
+        left = sorted(tags - set(df["case"]))
+        whole = (f"All {len(df)} cases" if not left else
+                 f"{len(df)} of the {len(tags)} cases (not yet: {', '.join(f'`{t}`' for t in left)}, the device "
+                 "time ran out; they are still the earlier runs)")
         out += ["", f"### Re-measured at one commit: `{f.parent.name}/`", "",
-                f"All {len(df)} cases of `h200_{split}/` measured again at {', '.join(new)} "
-                f"({prov['date'][:10]}; every case, not chosen by error; the runs' logs, `runs.jsonl` and this "
+                f"{whole} of `h200_{split}/` measured again at {', '.join(new)} "
+                f"({prov['date'][:10]}; not chosen by error; the runs' logs, `runs.jsonl` and this "
                 f"table in `{f.parent.name}/`, the old runs being `h200_{split}/` as of that commit), so that the "
                 f"split is one executor's measurement instead of {df['old_commit'].nunique()} commits'. The cases' "
                 f"files in the split are these runs. Total tok/s, new over old: median |change| {ab.median():.1%}, "
