@@ -1018,6 +1018,11 @@ def add_profile_parser(sub) -> None:
                    help="with --base: measure only the relay copy rates (h2d_relay / d2h_relay: an unpinned host "
                         "tensor staged through a pinned copy, as FlexGen's general_copy does; what flexgen-ref "
                         "prices its unpinned KV copies at) and keep the rest of the base profile")
+    p.add_argument("--host-probe-only", action="store_true",
+                   help="with --base: record only the host's state now (provenance.host_probe: offexec.hostprobe's "
+                        "fixed CPU-attention op and host copy, CPU model, load), the state offsim validate sets each "
+                        "measured case's own probe beside; a full profile and a CPU-attention measurement record "
+                        "it themselves")
     p.add_argument("--op-batches", default="1,4,16,64", metavar="N,N,...",
                    help="sequences per GPU batch of the op-table runs (default: %(default)s)")
     p.set_defaults(func=cmd_profile)
@@ -1135,9 +1140,13 @@ def cmd_profile(args) -> dict:
         raise OffsimError("--quant-only adds the 4-bit rates to an existing profile: give --base PROFILE too")
     if args.relay_only and not args.base:
         raise OffsimError("--relay-only adds the relay copy rates to an existing profile: give --base PROFILE too")
-    if args.base and not (args.ops or args.quant_only or args.multi_gpu_only or args.relay_only):
+    if args.host_probe_only and not args.base:
+        raise OffsimError("--host-probe-only records the host's state in an existing profile: give --base PROFILE "
+                          "too")
+    if args.base and not (args.ops or args.quant_only or args.multi_gpu_only or args.relay_only
+                          or args.host_probe_only):
         raise OffsimError("--base adds op tables to an existing profile: give --ops MODELS (or --quant-only, "
-                          "--multi-gpu-only, --relay-only) too")
+                          "--multi-gpu-only, --relay-only, --host-probe-only) too")
     try:
         batches = tuple(int(b) for b in args.op_batches.split(","))
     except ValueError:
@@ -1154,6 +1163,17 @@ def cmd_profile(args) -> dict:
         if not str(args.device).startswith("cuda") or _flexgen_devices() is None:
             raise OffsimError("--flexgen-only times FlexGen 0.1.8's own code: it needs the flexgen package and a "
                               "CUDA GPU (--device cuda)")
+    # the host's state as the host-side rows are measured (CPU attention above all: offexec.hostprobe), recorded
+    # by the measurements that time them; a measured case's own probe is set beside it by offsim validate
+    host_rows = (not args.base or args.host_probe_only or args.cpu_attention_only in ("all", "offexec")
+                 or (models and not (args.attention_only or args.recompute_only or args.capture_only
+                                     or args.cpu_attention_only or args.flexgen_only)))
+    if host_rows:
+        from offsim.core.provenance import provenance
+
+        from .hostprobe import host_probe
+
+        probe = provenance(**host_probe())
     if args.base:
         d = read_json_object(args.base, "hardware profile")
     else:
@@ -1200,6 +1220,8 @@ def cmd_profile(args) -> dict:
                           args.capture_only, args.cpu_attention_only, args.flexgen_only)
         if args.name:
             d["name"] = args.name
+    if host_rows:
+        d["provenance"] = {**d.get("provenance", {}), "host_probe": probe}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".tmp")

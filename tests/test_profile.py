@@ -38,6 +38,15 @@ def test_profile_cpu_quick_roundtrip(tmp_path):
     assert d2["provenance"]["quant_rates"]["quant_bytes_per_s"] == d2["quant_bytes_per_s"]
     assert d2["quant_store_bytes_per_s"] > 0 and d2["quant_weight_bytes_per_s"] > 0
     assert d2["provenance"]["quant_rates"]["quant_store_bytes_per_s"] == d2["quant_store_bytes_per_s"]
+    # the host's state as the profile was measured (offexec.hostprobe), and --host-probe-only records it anew
+    hp = d["provenance"]["host_probe"]
+    assert hp["cpu_attn_ms"] > 0 and hp["host_copy_GB_s"] > 0 and hp["logical_cpus"] >= 1 and hp["date"]
+    assert "host_probe" not in d2["provenance"] or d2["provenance"]["host_probe"] == hp  # --quant-only keeps it
+    out3 = tmp_path / "cpu3.json"
+    assert main(["profile", "--device", "cpu", "--base", str(out), "--host-probe-only", "--out", str(out3)]) == 0
+    d3 = json.loads(out3.read_text())
+    assert d3["provenance"]["host_probe"]["date"] >= hp["date"] and d3["h2d_pinned"] == d["h2d_pinned"]
+    assert main(["profile", "--device", "cpu", "--host-probe-only", "--out", str(out3)]) == 2  # no --base
 
 
 def test_profile_disk_times_the_disk_tier_itself(tmp_path, monkeypatch):

@@ -64,6 +64,31 @@ def test_repeated_case_reports_its_spread(tmp_path):
     assert "| — |" in V.report_markdown(V.validate_dir(tmp_path), "t", "test", {})
 
 
+def test_host_probe_ratio_sets_the_cases_host_beside_the_profiles(tmp_path):
+    """A case that recorded the host's state (offexec.hostprobe, `matrix.py`) validated on a profile that recorded
+    it too: the ratio of their CPU-attention probe times, and the report says how many cases ran in another state;
+    NaN where either side lacks the probe (presets, older cases)."""
+    from offsim.core.specs import load_hardware_preset
+
+    prof = load_hardware_preset("t4").to_dict()
+    prof["provenance"] = {"host_probe": {"cpu_attn_ms": 4.0, "host_copy_GB_s": 20.0}}
+    pf = tmp_path / "prof.json"
+    pf.write_text(json.dumps(prof))
+    cases = tmp_path / "cases"
+    cases.mkdir()
+    p = _measured(cases)
+    assert math.isnan(V.validate_case(V.load_case(p), str(pf))["host_probe_ratio"])  # the case has none
+    c = json.loads(p.read_text())
+    c["meta"]["host_probe"] = {"cpu_attn_ms": 10.0, "host_copy_GB_s": 12.0}
+    p.write_text(json.dumps(c))
+    assert V.validate_case(V.load_case(p), str(pf))["host_probe_ratio"] == pytest.approx(2.5)
+    assert math.isnan(V.validate_case(V.load_case(p), "t4")["host_probe_ratio"])  # a preset has none
+    df = V.validate_dir(cases, str(pf))
+    md = V.report_markdown(df, "t", "test", {})
+    assert "host probe / profile's |" in md and "| 2.50 |" in md
+    assert "1 cases recorded it, 1 ran it more than 15% slower or faster" in md
+
+
 def test_thresholds_and_dir(tmp_path):
     _measured(tmp_path, 1.0, "a")
     _measured(tmp_path, 0.5, "b")

@@ -194,6 +194,7 @@ def run_cases(cases: list[dict], args) -> list[dict]:
     import torch
 
     from offexec.executor import check_plan, run_plan
+    from offexec.hostprobe import host_probe
     from offexec.weights import random_weights
     from offsim.core.specs import ModelSpec
 
@@ -239,6 +240,7 @@ def run_cases(cases: list[dict], args) -> list[dict]:
                         warm = build_plan(policy, model, base, wl.with_(gen_len=2), c["settings"])
                         run_plan(warm, weights, args.device, gpu_budget_bytes=int(base.gpu_mem_bytes),
                                  disk_dir=args.disk_dir)
+                    probe = host_probe()  # the host's state as this case runs in it (offexec.hostprobe)
                     runs = []  # (total tok/s, result, wall s) of each measured run, in run order
                     for _ in range(args.repeats):
                         t1 = time.time()
@@ -265,7 +267,7 @@ def run_cases(cases: list[dict], args) -> list[dict]:
                 case = case_from_trace(tr, **provenance(gpu=gpu, wall_s=round(wall, 2), **commit,
                                                         issue_frac=res.stats.get("issue_frac"),
                                                         warmup=bool(args.warmup),
-                                                        host_mem_gb=args.host_mem_gb,
+                                                        host_mem_gb=args.host_mem_gb, host_probe=probe,
                                                         **({"repeat_total_tok_s": repeats}
                                                            if args.repeats > 1 else {})))
                 save_case(case, dest / f"{tag}.case.json")
@@ -277,15 +279,19 @@ def run_cases(cases: list[dict], args) -> list[dict]:
                        "peak_gpu_GiB": m["peak_gpu_bytes"] / GiB, "wall_s": wall,
                        **({"repeat_total_tok_s": repeats} if args.repeats > 1 else {})}
                 summary.append(row)
+                if "split" in c:  # v2: one line per case run, written as it ends (a killed batch keeps its lines)
+                    with open(out / "matrix_v2_runs.jsonl", "a") as f:
+                        f.write(json.dumps(row, default=str) + "\n")
                 print(f"  {tag}: batch {wl.num_prompts} measured {m['total_tok_s']:.1f} tok/s, offsim "
                       f"{pred['total_tok_s']:.1f} ({row['err']:+.1%}), decode {m['decode_tok_s']:.1f}, "
                       f"{wall:.1f} s", flush=True)
         finally:
             weights.close()
-    if any("split" in c for c in cases):  # v2: batches add up, one line per case run
+    if any("split" in c for c in cases):  # v2: the failures' lines (the runs' are written as each ends)
         with open(out / "matrix_v2_runs.jsonl", "a") as f:
             for row in summary:
-                f.write(json.dumps(row, default=str) + "\n")
+                if "error" in row:
+                    f.write(json.dumps(row, default=str) + "\n")
     else:
         (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary

@@ -12,6 +12,7 @@ here, in one place: ``MAX_CASE_ERROR`` and ``MAX_MEDIAN_ERROR``.
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -113,6 +114,33 @@ def resimulate(measured: Trace | dict, hw: HardwareSpec | str | None = None) -> 
     return simulate(plan, hw, check_memory=False)
 
 
+# a case whose host ran offexec's host probe this much slower or faster than the host the profile was measured on
+# (``host_probe_ratio`` beyond 1 +- this) ran in another state of the machine than the one the profile describes
+HOST_STATE_SLACK = 0.15
+
+
+@functools.lru_cache(maxsize=None)
+def _profile_host_probe(hw_ref: str) -> dict | None:
+    """The host probe a profile JSON recorded when it was measured (``provenance.host_probe``, ``offexec
+    profile``); None for presets and profiles without one."""
+    p = Path(hw_ref)
+    if p.suffix != ".json" or not p.is_file():
+        return None
+    probe = read_json_object(p, "hardware profile").get("provenance", {}).get("host_probe")
+    return probe if isinstance(probe, dict) else None
+
+
+def host_probe_ratio(meta: dict, hw_ref: str) -> float:
+    """The case's host-probe CPU-attention time over the profile's (``offexec.hostprobe``: one fixed decode
+    CPU-attention op timed before the run and when the profile was measured): above 1 the host was slower than the
+    one the profile describes. NaN where either lacks the probe."""
+    case, prof = meta.get("host_probe"), _profile_host_probe(str(hw_ref))
+    try:
+        return float(case["cpu_attn_ms"]) / float(prof["cpu_attn_ms"])
+    except (TypeError, KeyError, ValueError, ZeroDivisionError):
+        return float("nan")
+
+
 def validate_case(case: dict, hardware: str | None = None) -> dict:
     """Re-simulate one measured case; ``hardware`` overrides the case's profile (a preset name or profile JSON)."""
     meta, where = case["meta"], case.get("path", "case")
@@ -134,6 +162,7 @@ def validate_case(case: dict, hardware: str | None = None) -> dict:
     reps = meta.get("repeat_total_tok_s")
     out["measured_spread"] = (float((max(reps) - min(reps)) / np.median(reps)) if reps and len(reps) > 1
                               else float("nan"))
+    out["host_probe_ratio"] = host_probe_ratio(meta, hw_ref)
     # per op kind: MAPE over (step, layer) groups of total op time
     cols = ["step", "layer", "kind", "count", "sum_s"]
     mo = pd.DataFrame(case["ops_by_kind"], columns=cols)
@@ -257,13 +286,23 @@ def report_markdown(df: pd.DataFrame, title: str, command: str, prov: dict) -> s
     for pol, g in df.groupby("policy"):
         e = g["err_total_tok_s"].abs()
         lines.append(f"| {pol} | {len(g)} | {e.median():.1%} | {e.max():.1%} |")
-    # cases measured K times (matrix.py --repeats): their own spread beside the errors
-    spread = "measured_spread" in df and df["measured_spread"].notna().any()
+    # cases measured K times (matrix.py --repeats): their own spread beside the errors; cases that recorded the
+    # host's state (offexec.hostprobe) against a profile that did: how much slower their host ran the probe
+    spread = bool("measured_spread" in df and df["measured_spread"].notna().any())
+    probe = bool("host_probe_ratio" in df and df["host_probe_ratio"].notna().any())
+    if probe:
+        hp = df["host_probe_ratio"].dropna()
+        off = hp[(hp - 1).abs() > HOST_STATE_SLACK]
+        lines += ["", f"Host probe (`offexec.hostprobe`, one fixed CPU-attention op timed before each run and when "
+                  f"the profile was measured): {len(hp)} cases recorded it, {len(off)} ran it more than "
+                  f"{HOST_STATE_SLACK:.0%} slower or faster than the profile's host (ratio "
+                  f"{hp.min():.2f}-{hp.max():.2f}); their errors include the machine's change of state."]
+    extra = [("measured spread", "measured_spread", "{:.1%}")] * spread + [("host probe / profile's",
+                                                                             "host_probe_ratio", "{:.2f}")] * probe
     lines += ["", "| case | plan | batch | measured total tok/s | predicted | total error | prefill error | "
-              "decode error |" + (" measured spread |" if spread else ""),
-              "| --- " * (9 if spread else 8) + "|"]
+              "decode error |" + "".join(f" {h} |" for h, _, _ in extra), "| --- " * (8 + len(extra)) + "|"]
     for _, r in df.assign(_a=errs).sort_values("_a", ascending=False).iterrows():
-        sp = "" if not spread else (" — |" if pd.isna(r["measured_spread"]) else f" {r['measured_spread']:.1%} |")
+        sp = "".join(" — |" if pd.isna(r[c]) else f" {f.format(r[c])} |" for _, c, f in extra)
         lines.append(f"| {r['case']} | {r['plan']} | {r['batch']} | {r['measured_total_tok_s']:.1f} | "
                      f"{r['predicted_total_tok_s']:.1f} | {r['err_total_tok_s']:+.1%} | "
                      f"{r['err_prefill_tok_s']:+.1%} | {r['err_decode_tok_s']:+.1%} |" + sp)
