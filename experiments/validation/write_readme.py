@@ -130,16 +130,13 @@ def _rounds() -> list[str]:
     import json
 
     rounds: dict[tuple, int] = {}
-    ran = {}  # case -> the fingerprint of the plan it ran
     for s in SPLITS:
         for f in sorted((VAL / f"h200_{s}").glob("*.case.json")):
             m = json.loads(f.read_text())["meta"]
             k = (s, m.get("commit", "?"), str(m.get("date", ""))[:10])
             rounds[k] = rounds.get(k, 0) + 1
-            ran[f.name.removesuffix(".case.json")] = m.get("plan_sha256")
     out = ["Measurement rounds (the cases as committed now):", "", "| split | offexec commit | date | cases |",
            "| --- | --- | --- | --- |"] + [f"| {s} | {c} | {d} | {n} |" for (s, c, d), n in sorted(rounds.items())]
-    planned = {c["tag"]: c.get("plan_sha256") for c in json.loads((VAL / "matrix_v2_config.json").read_text())["cases"]}
     runs: dict[str, list] = {}
     for line in (VAL / "matrix_v2_runs.jsonl").read_text().splitlines():
         r = json.loads(line)
@@ -152,15 +149,12 @@ def _rounds() -> list[str]:
                 "exactly them: Python's thread switch interval during a run is 0.2 ms instead of 5 ms (the host "
                 "workers of CPU attention and the disk tier share the GIL with the issuing thread), and TightLLM's "
                 "decode ops that recompute up to 7 tokens are replayed as CUDA graphs. Every CPU-attention, "
-                "TightLLM and disk case was re-run, whatever its error; the calibration cases' files are these re-runs, "
-                "the held-out ones were re-measured once more (below), and the first runs stay in "
+                "TightLLM and disk case was re-run, whatever its error; the split's files were these re-runs until "
+                "the splits were re-measured at one commit (below), and the first runs stay in "
                 "`matrix_v2_runs.jsonl` and in git history. Re-run over first run, total "
                 f"tok/s: median {ch.median():+.1%}, from {ch.min():+.1%} ({ch.idxmin()}) to {ch.max():+.1%} "
-                f"({ch.idxmax()}). "
-                + (lambda d: f"{len(d)} of them ran a different plan than first ({', '.join(d)}): TightLLM's "
-                   "schedule changed in between (it now waits for the stores that release a KV buffer). "
-                   if d else "")(sorted(c for c in again if ran.get(c) != planned.get(c)))
-                + "TightLLM's graphed recomputes explain its other gains; for the CPU-attention "
+                f"({ch.idxmax()}). TightLLM's schedule changed in between (it now waits for the stores that "
+                "release a KV buffer), and its graphed recomputes explain its gains; for the CPU-attention "
                 "cases the same plans measured back to back in one process with both switch intervals differ by "
                 "a few per cent (`results/offexec/host_threads/`), so their larger changes are run-to-run "
                 "variance of the first runs.", "", "| case | first run tok/s | re-run tok/s | change |",
