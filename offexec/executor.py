@@ -533,6 +533,7 @@ class Executor:
         n = len(ops)
         self.vals: dict[int, object] = {}
         self.val_left = [v.users for v in self.prog.values]
+        self.pool_vid = bytearray(v.kind in self.pools for v in self.prog.values)  # values held in a pool buffer
         self.val_stream: dict[int, object] = {}
         self.pool_flat: dict[int, object] = {}  # value -> the whole pool buffer it was given (``_pool_get``)
         self.val_events: dict[int, list] = {}
@@ -641,8 +642,13 @@ class Executor:
 
     def _run_streams(self) -> None:
         """The stream scheduler. On CUDA, real streams and events; with ``threaded`` on the CPU, stand-ins that run
-        each GPU op at issue (so CI exercises the issue loop, the host workers and their dependencies)."""
-        ops, bound = self.plan.ops, self.prog.bound
+        each GPU op at issue (so CI exercises the issue loop, the host workers and their dependencies).
+
+        What the issuing loop needs of each op is looked up once, before the clock starts, in lists indexed by op id
+        (its dependencies, its stream's queue, window and run-ahead bound, the events of its cross-stream
+        dependencies, its timing events, its handler, the pool values it takes), so that an op's issue is its
+        handler's host work plus a few list reads."""
+        ops, bound = list(self.plan.ops), self.prog.bound
         n = len(ops)
         dev = self.device
         cuda = self.cuda
@@ -652,11 +658,14 @@ class Executor:
         queues: dict[str, deque] = {s: deque() for s in gpu_streams + HOST_STREAMS}
         for op in ops:
             queues[op.stream].append(op.id)
-        is_host = np.array([op.stream in HOST_STREAMS for op in ops])
-        issued = np.zeros(n, dtype=bool)
-        done = np.zeros(n, dtype=bool)  # host ops: finished
-        self.ev_start: list = [None] * n
-        self.ev_end: list = [None] * n
+        qlist = list(queues.values())
+        is_host = bytearray(op.stream in HOST_STREAMS for op in ops)
+        # ready[d]: what an op that depends on op d waits for -- a GPU op issued, a host op finished
+        ready = bytearray(n)
+        deps = [op.deps for op in ops]
+        # timing events of every GPU op, made before the clock starts (each is recorded once, at the op's issue)
+        ev_start = self.ev_start = [None if h else Event() for h in is_host]
+        ev_end = self.ev_end = [None if h else Event() for h in is_host]
         cond = threading.Condition()
         errors: list = []
         host_q = {s: deque() for s in HOST_STREAMS}
@@ -678,10 +687,10 @@ class Executor:
                     for d in b.op.deps:
                         if is_host[d]:
                             with cond:
-                                while not done[d] and not errors:
+                                while not ready[d] and not errors:
                                     cond.wait()
                         else:
-                            self.ev_end[d].synchronize()
+                            ev_end[d].synchronize()
                     a = time.perf_counter()
                     getattr(self, "_op_" + b.fn)(b.op, b.args, b.info)
                     z = time.perf_counter()
@@ -693,9 +702,27 @@ class Executor:
                         cond.notify_all()
                     return
                 with cond:
-                    done[oid] = True
+                    ready[oid] = 1
                     cond.notify_all()
 
+        windows = {st: deque() for st in gpu_streams}
+        ra = self.plan.run_ahead
+        run_ahead = {st: (math.inf if ra is None else w) for st, w in zip(("compute", "h2d", "d2h"), ra or (0, 0, 0))}
+        run_ahead[P2P_STREAM] = self.P2P_RUN_AHEAD
+        # per op: its stream's queue; per GPU op: its stream, window and run-ahead bound, the end events of the
+        # dependencies on other GPU streams it waits for, its handler, the values it takes from a pool
+        values, pools = self.prog.values, self.pools
+        handlers = {fn: getattr(self, "_op_" + fn) for fn in {b.fn for b in bound}}
+        queue_of = [queues[op.stream] for op in ops]
+        gpu_of: list = [None] * n
+        for op, b in zip(ops, bound):
+            if is_host[op.id]:
+                continue
+            st = op.stream
+            gpu_of[op.id] = (streams[st], windows[st], run_ahead[st],
+                             tuple(ev_end[d] for d in op.deps if not is_host[d] and ops[d].stream != st),
+                             handlers[b.fn], b.args, b.info,
+                             tuple(vid for vid in b.args.values() if values[vid].kind in pools))
         if cuda:
             torch.cuda.synchronize(dev)
         ref = Event()
@@ -711,95 +738,93 @@ class Executor:
         by_op = self.issue_by_op = [0.0] * n
         issued_at = self.issued_at = np.full(n, np.nan)  # host clock (s from t0) when each GPU op's issue ended
         self.wait_s = 0.0
-        windows = {st: deque() for st in gpu_streams}
-        ra = self.plan.run_ahead
-        run_ahead = {st: (math.inf if ra is None else w) for st, w in zip(("compute", "h2d", "d2h"), ra or (0, 0, 0))}
-        run_ahead[P2P_STREAM] = self.P2P_RUN_AHEAD
         by_fn: dict[str, float] = {}
         self.issue_by_fn = by_fn
         trace_alloc = cuda and self.trace_allocator
         by_retry = self.retries_by_fn = {}
         retries = torch.cuda.memory_stats(dev).get("num_alloc_retries", 0) if trace_alloc else 0
         cur = None
+        vals, pool_get, done = self.vals, self._pool_get, self._done
+        perf_counter, thread_time = time.perf_counter, time.thread_time
         idle = 0.0  # the loop waiting for a host op to finish (nothing issuable)
+        diag = 0.0  # reading the allocator's counters (trace_allocator): the diagnostic's cost, not the loop's
         t_loop = time.perf_counter()
         try:
             while remaining:
-                best = None
-                for sname, q in queues.items():
-                    if not q:
-                        continue
-                    oid = q[0]
-                    if best is not None and oid > best:
-                        continue
-                    ok = True
-                    for d in ops[oid].deps:
-                        if not issued[d] or (is_host[d] and not done[d]):
-                            ok = False
-                            break
-                    if ok:
-                        best = oid
-                if best is None:
-                    wi = time.perf_counter()
+                # among the streams' next ops whose dependencies allow it, the earliest in plan order
+                best = n
+                for q in qlist:
+                    if q:
+                        oid = q[0]
+                        if oid < best:
+                            for d in deps[oid]:
+                                if not ready[d]:
+                                    break
+                            else:
+                                best = oid
+                if best == n:
+                    wi = perf_counter()
                     with cond:
                         if errors:
                             raise errors[0]
                         cond.wait(timeout=0.05)
                         if errors:
                             raise errors[0]
-                    idle += time.perf_counter() - wi
+                    idle += perf_counter() - wi
                     continue
-                op = ops[best]
-                queues[op.stream].popleft()
+                queue_of[best].popleft()
                 remaining -= 1
-                issued[best] = True
                 if is_host[best]:
                     with cond:
-                        host_q[op.stream].append(best)
+                        host_q[ops[best].stream].append(best)
                         cond.notify_all()
                     continue
-                win = windows[op.stream]
-                if len(win) >= run_ahead[op.stream]:
-                    wa = time.perf_counter()
+                ready[best] = 1
+                s, win, bound_ahead, waits, handler, args, info, pool_vids = gpu_of[best]
+                if len(win) >= bound_ahead:
+                    wa = perf_counter()
                     win.popleft().synchronize()
-                    self.wait_s += time.perf_counter() - wa
-                a = time.perf_counter()
-                ca = time.thread_time()
-                s = streams[op.stream]
+                    self.wait_s += perf_counter() - wa
+                a = perf_counter()
+                ca = thread_time()
                 if s is not cur and cuda:
                     torch.cuda.set_stream(s)
                     cur = s
                 self.stream = s
-                for d in op.deps:
-                    if not is_host[d] and ops[d].stream != op.stream:
-                        s.wait_event(self.ev_end[d])
-                b = bound[best]
+                for ev in waits:
+                    s.wait_event(ev)
                 self.replayed = False  # set by _graphed: this op went through a CUDA graph
-                self._take_buffers(b)  # a reused buffer's wait on its last users goes before the start event
-                ev0, ev1 = Event(), Event()
-                ev0.record(s)
-                getattr(self, "_op_" + b.fn)(op, b.args, b.info)
+                # the op's pool buffers, taken now: the stream's wait for their previous users (``BufferPool.acquire``)
+                # is enqueued before the op's start event (waiting is not the op's time)
+                for vid in pool_vids:
+                    if vid not in vals:
+                        pool_get(vid)
+                ev1 = ev_end[best]
+                ev_start[best].record(s)
+                handler(ops[best], args, info)
                 ev1.record(s)
-                self.ev_start[best], self.ev_end[best] = ev0, ev1
-                self._done(b, (ev1,))
+                done(bound[best], (ev1,))
                 win.append(ev1)
-                z = time.perf_counter()
+                z = perf_counter()
                 dt = z - a
                 issue += dt
                 by_op[best] = dt
                 issued_at[best] = z - self.t0
-                issue_cpu += time.thread_time() - ca
-                fn = b.fn + " (graph)" if self.replayed else b.fn  # per handler, graphed apart (the profile's
-                by_fn[fn] = by_fn.get(fn, 0.0) + dt  # issue_graph_s: experiments/validation/calibrate_issue.py)
+                issue_cpu += thread_time() - ca
+                fn = bound[best].fn
+                if self.replayed:  # per handler, graphed apart (the profile's
+                    fn += " (graph)"  # issue_graph_s: experiments/validation/calibrate_issue.py)
+                by_fn[fn] = by_fn.get(fn, 0.0) + dt
                 if trace_alloc:  # retries since the last op: made by this handler's allocations (this thread's)
                     r = torch.cuda.memory_stats(dev).get("num_alloc_retries", 0)
                     if r > retries:
-                        key = f"{fn} ({op.phase})"
+                        key = f"{fn} ({ops[best].phase})"
                         by_retry[key] = by_retry.get(key, 0) + r - retries
                         retries = r
+                    diag += perf_counter() - z
             # the loop's own time per op, outside the handlers: finding the next op, its dependencies, the window's
             # bookkeeping (offsim prices it beside each handler's issue time: the profile's ('issue', 'dispatch') rows)
-            self.dispatch_s = max(0.0, time.perf_counter() - t_loop - issue - self.wait_s - idle)
+            self.dispatch_s = max(0.0, time.perf_counter() - t_loop - issue - self.wait_s - idle - diag)
             for sname in HOST_STREAMS:
                 with cond:
                     host_q[sname].append(-1)
@@ -820,18 +845,25 @@ class Executor:
         self.issue_s, self.issue_cpu_s = issue, issue_cpu
         for oid in range(n):
             if not is_host[oid]:
-                self.start[oid] = ref.elapsed_time(self.ev_start[oid]) / 1e3
-                self.end[oid] = ref.elapsed_time(self.ev_end[oid]) / 1e3
+                self.start[oid] = ref.elapsed_time(ev_start[oid]) / 1e3
+                self.end[oid] = ref.elapsed_time(ev_end[oid]) / 1e3
         self.ev_start = self.ev_end = None
 
     def _done(self, b, events) -> None:
-        """After op ``b`` is issued (GPU) or finished (host): values whose last user it was go back."""
+        """After op ``b`` is issued (GPU) or finished (host): values whose last user it was go back. ``events``
+        (the op's end event on its stream) are kept for pool values only: what a pool buffer's next user waits on
+        (``_free``); other values are freed without waiting."""
+        left, pool_vid = self.val_left, self.pool_vid
         with self.val_lock:
             for vid in b.args.values():
-                if events:
-                    self.val_events.setdefault(vid, []).extend(events)
-                self.val_left[vid] -= 1
-                if self.val_left[vid] == 0:
+                if events and pool_vid[vid]:
+                    evs = self.val_events.get(vid)
+                    if evs is None:
+                        self.val_events[vid] = list(events)
+                    else:
+                        evs.extend(events)
+                left[vid] -= 1
+                if not left[vid]:
                     self._free(vid)
 
     def _free(self, vid: int) -> None:
@@ -857,15 +889,8 @@ class Executor:
 
     def _put(self, vid: int, t) -> None:
         self.vals[vid] = t
-        if self.cuda and self.prog.values[vid].kind not in self.pools:  # pool buffers are never freed
+        if self.cuda and not self.pool_vid[vid]:  # pool buffers are never freed
             self.val_stream[vid] = self.stream
-
-    def _take_buffers(self, b) -> None:
-        """Take op ``b``'s pool buffers now, so that the stream's wait for their previous users
-        (``BufferPool.acquire``) is enqueued before the op's start event: waiting is not the op's time."""
-        for vid in b.args.values():
-            if vid not in self.vals and self.prog.values[vid].kind in self.pools:
-                self._pool_get(vid)
 
     def _pool_get(self, vid: int) -> torch.Tensor:
         """The pool buffer of value ``vid``, taken from its pool at the value's first use."""
@@ -926,6 +951,26 @@ class Executor:
 
     def _kv_view(self, buf: torch.Tensor, heads: int) -> torch.Tensor:
         return buf.view(self.cap, 2, self.gbs, heads, self.kv_last)
+
+    def _kv_work(self, vid: int, g: str) -> torch.Tensor:
+        """The KV work buffer of value ``vid`` (pool ``kvwork_<g>``) as head group ``g``'s [max_len, 2, B, n, D]
+        buffer: one view per pool buffer, made at its first use (pool buffers live for the whole run)."""
+        buf = self._pool_get(vid)
+        key = ("kv", g, buf.data_ptr())
+        v = self.view_cache.get(key)
+        if v is None:
+            lo, hi = self.prog.groups[g]
+            v = self.view_cache[key] = self._kv_view(buf, hi - lo)
+        return v
+
+    def _kv_home(self, g: str, j: int, k: int) -> torch.Tensor:
+        """Layer ``j`` batch ``k``'s home KV buffer of head group ``g`` ('gpu' or 'cpu'), [max_len, 2, B, n, D]: a
+        view of ``kv_gpu`` / ``kv_host``, made once per (layer, batch)."""
+        key = (g, j, k)
+        v = self.view_cache.get(key)
+        if v is None:
+            v = self.view_cache[key] = (self.kv_gpu if g == "gpu" else self.kv_host)[j, k]
+        return v
 
     def _load_kv(self, op, args) -> None:
         """Compressed cache: dequantize the cached positions [0, ctx - q) of every head group into the fp16 working
@@ -1063,8 +1108,7 @@ class Executor:
         out = []
         for g, (lo, hi) in self.prog.groups.items():
             if hi > lo:
-                buf = self.kv_gpu[op.layer, op.batch] if g == "gpu" else \
-                    self._kv_view(self._pool_get(args[f"kv_{g}"]), hi - lo)
+                buf = self._kv_home("gpu", op.layer, op.batch) if g == "gpu" else self._kv_work(args[f"kv_{g}"], g)
                 out.append((lo, hi, buf))
         return out
 
@@ -1174,9 +1218,16 @@ class Executor:
         if "stage" in args:
             a = lo - info["stage_lo"]
             src = self.vals[args["stage"]][a:a + hi - lo]
-        else:
-            src = self.wts.layers[j, lo:hi]
-        slot[lo - base:hi - base].copy_(src, non_blocking=True)
+        else:  # a range of the host master: the same view every step (made once)
+            key = ("w", j, lo, hi)
+            src = self.view_cache.get(key)
+            if src is None:
+                src = self.view_cache[key] = self.wts.layers[j, lo:hi]
+        key = ("slot", slot.data_ptr(), lo - base, hi - base)  # (slots are pool buffers: they live for the run)
+        dst = self.view_cache.get(key)
+        if dst is None:
+            dst = self.view_cache[key] = slot[lo - base:hi - base]
+        dst.copy_(src, non_blocking=True)
 
     def _h2d_packed_weight(self, op, args, info):
         """``_op_h2d_weight`` with compressed weights: the stored bytes of fp16 range [lo, hi) (``PackedLayers.range``:
@@ -1216,22 +1267,23 @@ class Executor:
 
     def _op_h2d_kv(self, op, args, info):
         g = "cpu" if "src" not in args else "disk"
-        glo, ghi = self.prog.groups[g]
-        buf = self._pool_get(args["dst"])
-        dst = self._kv_view(buf, ghi - glo)[op.lo:op.hi, :, :, op.head_lo - glo:op.head_hi - glo]
+        glo = self.prog.groups[g][0]
+        h0, h1 = op.head_lo - glo, op.head_hi - glo
+        dst = _kv_rows(self._kv_work(args["dst"], g), op.lo, op.hi, h0, h1)
         if g == "cpu":
-            src = self.kv_host[op.layer, op.batch, op.lo:op.hi, :, :, op.head_lo - glo:op.head_hi - glo]
+            src = _kv_rows(self._kv_home("cpu", op.layer, op.batch), op.lo, op.hi, h0, h1)
         else:
             a = op.lo - info["src_lo"]
             src = self.vals[args["src"]][a:a + op.hi - op.lo]
         dst.copy_(src, non_blocking=True)
 
     def _op_d2h_kv(self, op, args, info):
-        glo, ghi = self.prog.groups["cpu" if "out" not in args else "disk"]
-        src = self._kv_view(self._pool_get(args["src"]), ghi - glo)[op.lo:op.hi, :, :, op.head_lo - glo:op.head_hi - glo]
-        if "out" not in args:
-            self.kv_host[op.layer, op.batch, op.lo:op.hi, :, :, op.head_lo - glo:op.head_hi - glo].copy_(
-                src, non_blocking=True)
+        g = "cpu" if "out" not in args else "disk"
+        glo = self.prog.groups[g][0]
+        h0, h1 = op.head_lo - glo, op.head_hi - glo
+        src = _kv_rows(self._kv_work(args["src"], g), op.lo, op.hi, h0, h1)
+        if g == "cpu":
+            _kv_rows(self._kv_home("cpu", op.layer, op.batch), op.lo, op.hi, h0, h1).copy_(src, non_blocking=True)
         else:
             out = host_tensor(src.shape, src.dtype, self.device)
             out.copy_(src, non_blocking=True)
@@ -1343,6 +1395,14 @@ class _HostEvent:
 
     def elapsed_time(self, other: "_HostEvent") -> float:
         return (other.t - self.t) * 1e3
+
+
+def _kv_rows(buf: torch.Tensor, lo: int, hi: int, h0: int, h1: int) -> torch.Tensor:
+    """Positions [lo, hi) of heads [h0, h1) of a [max_len, 2, B, n, D] KV buffer: ``buf[lo:hi, :, :, h0:h1]``, or
+    ``buf[lo:hi]`` (the same view, one slice cheaper) when the heads are all of the buffer's."""
+    if h0 == 0 and h1 == buf.shape[3]:
+        return buf[lo:hi]
+    return buf[lo:hi, :, :, h0:h1]
 
 
 def _last_per_stream(events) -> tuple:

@@ -151,8 +151,9 @@ class DecodeGraphs:
             del ys
             if self.mode == "cuda":
                 self._capture(key, body, ins, outs)
-        res = tuple(o.clone() for o in outs)
-        return res if len(res) > 1 else res[0]
+        if len(outs) == 1:
+            return outs[0].clone()
+        return tuple(o.clone() for o in outs)
 
     def _capture(self, key, body, ins, outs) -> None:
         t0 = time.perf_counter()

@@ -184,6 +184,46 @@ def test_threaded_trace_respects_host_dependencies():
                 assert end[d] <= start[op.id] + 1e-6
 
 
+@pytest.mark.parametrize("case", [CASES[5], CASES[10]], ids=_case_id)
+def test_threaded_issue_order_and_stream_waits(case, monkeypatch):
+    """The issuing loop (``Executor._run_streams``) on a plan without host ops issues every op in plan order, each
+    between its two events on its own stream, and first makes that stream wait on the end event of each dependency
+    on another stream, in the op's dependency order (then on the last users of the pool buffers it takes)."""
+    from offexec import executor as E
+
+    log, ex = [], {}
+    orig_init = E.Executor.__init__
+
+    def init(self, *a, **k):
+        orig_init(self, *a, **k)
+        ex["ex"] = self
+
+    def wait_event(self, ev):
+        log.append(("wait", self.name, next(i for i, e in enumerate(ex["ex"].ev_end) if e is ev)))
+
+    def record(self, stream=None):
+        if stream is not None and ex["ex"].ev_start is not None:
+            log.append(("record", stream.name, self))
+        self.t = 0.0
+
+    monkeypatch.setattr(E.Executor, "__init__", init)
+    monkeypatch.setattr(E._HostStream, "wait_event", wait_event)
+    monkeypatch.setattr(E._HostEvent, "record", record)
+    hf, spec, plan, prompts, res = _run("opt", *case, threaded=True)
+    assert not any(op.stream in ("cpu", "disk") for op in plan.ops)
+    recs = [i for i, e in enumerate(log) if e[0] == "record"]
+    assert len(recs) == 1 + 2 * len(plan.ops)  # the run's reference event, then two per op
+    prev, recs = recs[0], recs[1:]
+    for op in plan.ops:  # op k is the k-th issued: records 2k (start) and 2k + 1 (end)
+        a, z = recs[2 * op.id], recs[2 * op.id + 1]
+        assert log[a][1] == log[z][1] == op.stream and z == a + 1  # nothing waits inside an op's events
+        cross = [d for d in op.deps if plan.ops[d].stream != op.stream]
+        waits = log[prev + 1:a]
+        assert all(w[0] == "wait" and w[1] == op.stream for w in waits)
+        assert [w[2] for w in waits[:len(cross)]] == cross
+        prev = z
+
+
 def test_inconsistent_plan_is_refused_naming_the_op():
     hf, spec, w = _model("opt")
     plan = build_plan("flexgen", spec, HW, Workload(PROMPT, GEN, 2, 2), {"percent": (20, 80, 0, 100, 100, 0)})
