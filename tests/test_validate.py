@@ -340,3 +340,22 @@ def test_matrix_cases_are_exact_tags_and_unknown_ones_are_refused(tmp_path):
                        cwd=ROOT)
     assert r.returncode == 2 and "no case tagged opt-6.7b_flexgen_b12_p2048_g64" in r.stderr
     assert "tags look like" in r.stderr and not any(tmp_path.iterdir())
+
+
+def test_matrix_repeats_keep_first_records_the_runs_and_the_host(tmp_path):
+    """`matrix --repeats 2 --keep first` (CPU smoke mode, one case): the case is the first run after the warm-up
+    (what `offexec run` measures), both totals and which run was kept are in the case, and so is the host's state
+    before the runs (offexec.hostprobe)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "experiments.validation.matrix", "--device", "cpu", "--quick", "--out",
+                        str(tmp_path), "--repeats", "2", "--keep", "first", "--only-cases", "opt-125m_flexgen_p32"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (f,) = tmp_path.glob("*.case.json")
+    case = V.load_case(f)
+    m = case["meta"]
+    assert m["kept"] == "first" and m["kept_run"] == 0 and len(m["repeat_total_tok_s"]) == 2
+    assert case["metrics"]["total_tok_s"] == pytest.approx(m["repeat_total_tok_s"][0])
+    assert m["host_probe"]["cpu_attn_ms"] > 0 and m["host_probe"]["usable_cpus"] >= 1

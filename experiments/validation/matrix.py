@@ -247,8 +247,10 @@ def run_cases(cases: list[dict], args) -> list[dict]:
                         r = run_plan(plan, weights, args.device, gpu_budget_bytes=int(base.gpu_mem_bytes),
                                      disk_dir=args.disk_dir, meta={"hardware": base.name})
                         runs.append((r.trace.metrics()["total_tok_s"], r, time.time() - t1))
-                    _, res, wall = median_run(runs)
+                    kept = runs[0] if args.keep == "first" else median_run(runs)
+                    _, res, wall = kept
                     repeats = [t for t, _, _ in runs]
+                    kept_run = next(i for i, r in enumerate(runs) if r is kept)
                 except Exception as e:  # one failed configuration must not lose the others
                     msg = str(e).split("\n")[0][:300]
                     print(f"  {tag}: FAILED {type(e).__name__}: {msg}", flush=True)
@@ -268,7 +270,8 @@ def run_cases(cases: list[dict], args) -> list[dict]:
                                                         issue_frac=res.stats.get("issue_frac"),
                                                         warmup=bool(args.warmup),
                                                         host_mem_gb=args.host_mem_gb, host_probe=probe,
-                                                        **({"repeat_total_tok_s": repeats}
+                                                        **({"repeat_total_tok_s": repeats, "kept_run": kept_run,
+                                                            "kept": args.keep}
                                                            if args.repeats > 1 else {})))
                 save_case(case, dest / f"{tag}.case.json")
                 pred = simulate(plan, base, check_memory=False).metrics()
@@ -325,7 +328,12 @@ def main() -> None:
                     help="run mode: measure cases whose file exists again (replacing it: after an executor change)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="run mode: measure each case this many times back to back (after the warm-up) and keep "
-                         "the run of median total tok/s; all totals are recorded in the case (default: %(default)s)")
+                         "the run --keep says; all totals are recorded in the case (default: %(default)s)")
+    ap.add_argument("--keep", choices=("median", "first"), default="median",
+                    help="with --repeats: the case is the run of median total tok/s, or the first run (what "
+                         "`offexec run` measures: one run after its warm-up; later runs of the same process meet "
+                         "each shape a second time); the case records which (kept_run, 0-based) "
+                         "(default: %(default)s)")
     ap.add_argument("--kv-solver", default=None, choices=("ilp", "exact"),
                     help="TightLLM's N_r solver instead of the config's (exact: the ILP's answers without cvxpy)")
     ap.add_argument("--time-limit-s", type=float, default=None,
