@@ -522,6 +522,52 @@ HANDLERS = {"opt-6.7b_flexgen-cpuattn_b32_p128_g16": cpu_attention_small_batch_m
             "opt-30b_tightllm_b40_p2048_g64": tightllm_long_recompute}
 
 
+def first_decode_op_section() -> list[str]:
+    """The first decoder op of the first decode step, by which of its runs each case kept: the calibration cases
+    whose run is the first after the 2-token warm-up (measured once, or ``--repeats`` keeping run 0) against those
+    whose run is a later one of the same process (``kept`` from ``repeat_total_tok_s``: the run whose total is the
+    case's). Only cases that recorded their repeats or ran once at the same commit as them are compared."""
+    rows, first_of = [], {"first": [], "later": []}
+    cases = {}
+    for f in sorted(CALIB.glob("*.case.json")):
+        c = load_case(f)
+        cases[f.name.removesuffix(".case.json")] = c
+    commits = {c["meta"].get("commit") for c in cases.values() if c["meta"].get("repeat_total_tok_s")}
+    for name, c in cases.items():
+        m = c["meta"]
+        if m.get("commit") not in commits or not m.get("cuda_graphs"):
+            continue
+        mo = pd.DataFrame(c["ops_by_kind"], columns=COLS)
+        s1 = mo[(mo.step == 1) & (mo.kind == "compute") & (mo.layer >= 0)].sort_values("layer")
+        if s1.empty:
+            continue
+        op = float(s1.sum_s.iloc[0] / s1["count"].iloc[0])
+        reps = m.get("repeat_total_tok_s")
+        if reps:
+            t = c["metrics"]["total_tok_s"]
+            kept = min(range(len(reps)), key=lambda i: abs(reps[i] - t))
+        else:
+            kept = 0
+        first_of["first" if kept == 0 else "later"].append(op)
+        rows.append(f"| {name} | {m.get('commit')} | {len(reps) if reps else 1} | {kept} | {_ms(op)} |")
+    if not rows:
+        return []
+    f, later = first_of["first"], first_of["later"]
+    return ["## The first decode op of a run: first run after the warm-up, or a later one", "",
+            "Each case's first decoder op of decode step 1 (its compute ops of layer 0 at step 1, per op), by the run "
+            "the case kept: run 0 is the first after the unmeasured 2-token warm-up (what `offexec run` measures), a "
+            "later run meets the same shapes a second time in the same process.", "",
+            "| case | measured at | runs | kept run | first decode op (ms) |", "| --- | --- | --- | --- | --- |", *rows,
+            "", f"**Kept run 0 ({len(f)} cases): {_ms(min(f))}-{_ms(max(f))} ms, median {_ms(float(np.median(f)))} "
+            f"ms. A later run ({len(later)} cases): {_ms(min(later))}-{_ms(max(later))} ms, median "
+            f"{_ms(float(np.median(later)))} ms.** The profile prices a run's first capture from its ('capture', "
+            "'first') rows, measured after the probe's own warm-up: the later runs' state. A likely cause, not yet "
+            "measured: the 2-token warm-up (`offexec/cli.py` WARMUP_GEN_LEN, the matrix's `--warmup`) builds its "
+            "plan for 2 tokens, so its KV buffers -- and the graphed attention that reads them at full length -- "
+            "are shorter than the measured run's, and the run's first decode op meets shapes and allocations the "
+            "warm-up did not. A warm-up at the run's own length is the test.", ""] if f and later else []
+
+
 def _earlier_runs() -> dict[str, str]:
     """case -> its earlier run of the same split, from the latest re-measurement table of the calibration split
     (``remeasure_calib_*/compare.csv``): 'TOK/S at COMMIT (CHANGE, same plan / same schedule / changed)'."""
@@ -583,6 +629,7 @@ def main(argv: list[str] | None = None) -> None:
             f"Not analysed yet. {_largest_gap(c)[0].upper() + _largest_gap(c)[1:]}"
             + (f"; its earlier run: {earlier[n]}." if n in earlier else "."), ""])
     lines += _stream_order_section(*cpu_attention_calibration())
+    lines += first_decode_op_section()
     text = "\n".join(lines).rstrip() + "\n"
     write_text_atomic(args.out, text)
     print(f"wrote {args.out}")
