@@ -36,7 +36,6 @@ from . import ALLOCATOR_CAPS
 GiB = 1 << 30
 PHASES = ("prefill_tok_s", "decode_tok_s", "total_tok_s")
 DEFAULT_MODEL = "opt-30b"  # when neither --model nor --checkpoint names one
-WARMUP_GEN_LEN = 2  # prefill and one decode step: every kernel shape of the run, in a fraction of its time
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
@@ -150,8 +149,9 @@ def _build(args, hw):
     compression_of(plan)  # compression and sparse attention run; CPU attention with compression is refused here
     warm = None
     if not args.no_warmup:
-        warm = build_plan(policy, model, hw, plan.workload.with_(gen_len=min(WARMUP_GEN_LEN, plan.workload.gen_len)),
-                          settings)
+        from .job import WARMUP_GEN_LEN, shortened  # (per-request lengths capped too: a mixed-length plan)
+
+        warm = build_plan(policy, model, hw, shortened(plan.workload, WARMUP_GEN_LEN), settings)
     if getattr(args, "disk_cache", False):  # the disk tier's mode is part of the plan: executor, check and simulator all read it there
         for p in (plan, warm):
             if p is not None:

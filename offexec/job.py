@@ -41,6 +41,9 @@ from offsim.policies import POLICIES, build_plan
 from offsim.search import job as J
 
 GiB = 1 << 30
+# an unmeasured warm-up's steps (offexec run, job blocks): prefill and one decode step. The run's kernel shapes, but
+# not all of them: its plan is built for these steps, so its KV buffers and the graphed decode attention over them
+# are shorter than the measured run's (results/validation/calib_misses.md: the first decode op of the measured run)
 WARMUP_GEN_LEN = 2
 JOURNAL = "blocks.jsonl"
 

@@ -111,6 +111,21 @@ def test_run_plan_file(checkpoint, tmp_path, capsys):
     assert Plan.load(path).policy == js["policy"] == "flexgen"
 
 
+def test_run_mixed_length_plan_file_warms_up(checkpoint, tmp_path, capsys):
+    """A plan of mixed-length requests runs with the default warm-up: the warm-up's plan caps each request's
+    generation length too (it was built with the batch's gen_len alone, which a longer request's length refused)."""
+    model = dataclasses.replace(get_model(checkpoint / "config.json"), dtype_bytes=4)
+    wl = Workload(8, 4, 2, 2, prompt_lens=(8, 5, 3, 8), gen_lens=(4, 2, 4, 1))
+    plan = build_plan("flexgen", model, get_hardware("h200"), wl, {"percent": (0, 100, 0, 100, 100, 0)})
+    path = tmp_path / "mixed.json"
+    plan.save(path)
+    rc = main(["run", "--plan", str(path), "--hardware", "h200", "--device", "cpu"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert rc == 0, out[-3:]
+    js = json.loads(out[-1])
+    assert js["warmup"]["gen_len"] == 2 and js["workload"] == wl.to_dict()
+
+
 @pytest.mark.parametrize("extra, names", [
     (["--policy", "static-zero"], "--policy"),
     (["--gen-len", "8", "--gpu-batch-size", "4"], "--gpu-batch-size, --gen-len"),

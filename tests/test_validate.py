@@ -350,7 +350,8 @@ def test_matrix_repeats_keep_first_records_the_runs_and_the_host(tmp_path):
     import sys
 
     r = subprocess.run([sys.executable, "-m", "experiments.validation.matrix", "--device", "cpu", "--quick", "--out",
-                        str(tmp_path), "--repeats", "2", "--keep", "first", "--only-cases", "opt-125m_flexgen_p32"],
+                        str(tmp_path), "--repeats", "2", "--keep", "first", "--only-cases", "opt-125m_flexgen_p32",
+                        "--warmup", "--warmup-mode", "same-length"],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     (f,) = tmp_path.glob("*.case.json")
@@ -359,3 +360,23 @@ def test_matrix_repeats_keep_first_records_the_runs_and_the_host(tmp_path):
     assert m["kept"] == "first" and m["kept_run"] == 0 and len(m["repeat_total_tok_s"]) == 2
     assert case["metrics"]["total_tok_s"] == pytest.approx(m["repeat_total_tok_s"][0])
     assert m["host_probe"]["cpu_attn_ms"] > 0 and m["host_probe"]["usable_cpus"] >= 1
+    assert m["warmup"] and m["warmup_mode"] == "same-length"
+
+
+def test_warmup_plan_modes():
+    """matrix's warm-up: 'short' is 2 tokens of the case's prompt; 'same-length' is 2 tokens at the case's full length
+    (KV buffers as long as the run's), 'short' for a mixed-length batch; 'full' is the case's own plan."""
+    from experiments.validation.matrix import warmup_plan
+
+    model, hw = get_model("opt-125m"), get_hardware("h200", gpu_mem_gb=4)
+    st = {"percent": [100, 0, 100, 0, 100, 0]}
+    wl = Workload(64, 16, 4, 1)
+    plan = build_plan("flexgen", model, hw, wl, st)
+    short, m = warmup_plan(plan, "flexgen", model, hw, wl, st, "short")
+    assert m == "short" and short.workload.gen_len == 2 and short.workload.max_len < wl.max_len
+    same, m = warmup_plan(plan, "flexgen", model, hw, wl, st, "same-length")
+    assert m == "same-length" and same.workload.gen_len == 2 and same.workload.max_len == wl.max_len
+    assert warmup_plan(plan, "flexgen", model, hw, wl, st, "full") == (plan, "full")
+    mixed = wl.with_(prompt_lens=(60, 64, 50, 64), gen_lens=(16, 8, 16, 1))
+    warm, m = warmup_plan(plan, "flexgen", model, hw, mixed, st, "same-length")
+    assert m == "short" and warm.workload.gen_lens == (2, 2, 2, 1)

@@ -562,7 +562,7 @@ def first_decode_op_section() -> list[str]:
             f"ms. A later run ({len(later)} cases): {_ms(min(later))}-{_ms(max(later))} ms, median "
             f"{_ms(float(np.median(later)))} ms.** The profile prices a run's first capture from its ('capture', "
             "'first') rows, measured after the probe's own warm-up: the later runs' state. A likely cause, not yet "
-            "measured: the 2-token warm-up (`offexec/cli.py` WARMUP_GEN_LEN, the matrix's `--warmup`) builds its "
+            "measured: the 2-token warm-up (`offexec/job.py` WARMUP_GEN_LEN, the matrix's `--warmup`) builds its "
             "plan for 2 tokens, so its KV buffers -- and the graphed attention that reads them at full length -- "
             "are shorter than the measured run's, and the run's first decode op meets shapes and allocations the "
             "warm-up did not. A warm-up at the run's own length is the test.", ""] if f and later else []

@@ -189,6 +189,23 @@ def median_run(runs: list[tuple]) -> tuple:
     return sorted(runs, key=lambda t: t[0])[(len(runs) - 1) // 2]
 
 
+def warmup_plan(plan, policy: str, model, hw, wl: Workload, settings: dict, mode: str = "short"):
+    """The unmeasured run before a case's measured runs. 'short': the same policy and settings for 2 tokens (the
+    prefill's shapes and one decode step); 'same-length': 2 tokens after a prompt of prompt_len + gen_len - 2, so
+    that the KV buffers and the graphed decode attention over them have the measured run's full length (uniform
+    batches; a mixed-length one falls back to 'short'); 'full': the case's own plan, every step (twice the time).
+    Why the modes: a run's first decode op after the short warm-up cost a median 9.9 ms, a later run's 0.4 ms
+    (results/validation/calib_misses.md). Returns (plan, the mode it is)."""
+    if mode == "full":
+        return plan, mode
+    if mode == "same-length" and not wl.prompt_lens and wl.gen_len > 2:
+        return build_plan(policy, model, hw, wl.with_(prompt_len=wl.prompt_len + wl.gen_len - 2, gen_len=2),
+                          settings), mode
+    from offexec.job import shortened  # per-request generation lengths capped too (mixed-length batches)
+
+    return build_plan(policy, model, hw, shortened(wl, 2), settings), "short"
+
+
 def run_cases(cases: list[dict], args) -> list[dict]:
     """Run each case on the device with offexec (weights generated once per model); save each as a case JSON."""
     import torch
@@ -236,8 +253,19 @@ def run_cases(cases: list[dict], args) -> list[dict]:
                     plan = build_plan(policy, model, base, wl, c["settings"])
                     check_plan(plan, torch.device(args.device), int(base.gpu_mem_bytes), args.disk_dir,
                                weights_loaded=True)
-                    if args.warmup:  # same shapes, two steps, unmeasured: cuBLAS heuristics, allocator growth
-                        warm = build_plan(policy, model, base, wl.with_(gen_len=2), c["settings"])
+                    warm_mode = None
+                    if args.warmup:  # unmeasured: kernel loading, cuBLAS heuristics, allocator growth
+                        for mode in dict.fromkeys((args.warmup_mode, "short")):
+                            try:  # a same-length warm-up's longer prefill may not fit where the case does
+                                warm, warm_mode = warmup_plan(plan, policy, model, base, wl, c["settings"], mode)
+                                check_plan(warm, torch.device(args.device), int(base.gpu_mem_bytes), args.disk_dir,
+                                           weights_loaded=True)
+                                break
+                            except Exception as e:  # noqa: BLE001 - the short warm-up is checked like the case
+                                if mode == "short":
+                                    raise
+                                print(f"  {tag}: {mode} warm-up refused ({str(e)[:120]}); short warm-up",
+                                      flush=True)
                         run_plan(warm, weights, args.device, gpu_budget_bytes=int(base.gpu_mem_bytes),
                                  disk_dir=args.disk_dir)
                     probe = host_probe()  # the host's state as this case runs in it (offexec.hostprobe)
@@ -269,6 +297,7 @@ def run_cases(cases: list[dict], args) -> list[dict]:
                 case = case_from_trace(tr, **provenance(gpu=gpu, wall_s=round(wall, 2), **commit,
                                                         issue_frac=res.stats.get("issue_frac"),
                                                         warmup=bool(args.warmup),
+                                                        **({"warmup_mode": warm_mode} if warm_mode else {}),
                                                         host_mem_gb=args.host_mem_gb, host_probe=probe,
                                                         **({"repeat_total_tok_s": repeats, "kept_run": kept_run,
                                                             "kept": args.keep}
@@ -316,7 +345,11 @@ def main() -> None:
     ap.add_argument("--commit", default=None,
                     help="commit to record (the device machine's copy has no .git, so provenance cannot read it)")
     ap.add_argument("--warmup", action="store_true",
-                    help="before each measured run, run the same plan for two steps unmeasured")
+                    help="before each case's measured runs, an unmeasured run (--warmup-mode)")
+    ap.add_argument("--warmup-mode", choices=("short", "same-length", "full"), default="short",
+                    help="with --warmup: the same policy for 2 tokens (short), 2 tokens at the case's full length "
+                         "(same-length: KV buffers and graphed attention as long as the run's), or the case's own "
+                         "plan (full); recorded in the case (default: %(default)s)")
     ap.add_argument("--disk-dir", default=None, help="folder of the disk tier (a real disk: O_DIRECT)")
     ap.add_argument("--only-models", nargs="+", default=None, help="run mode: only the cases of these models")
     ap.add_argument("--only-cases", nargs="+", default=None,
