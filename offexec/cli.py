@@ -6,8 +6,8 @@ Takes ``offsim simulate``'s model / hardware / policy / workload options (the sa
 ``--plan FILE`` (a plan saved by ``offsim simulate --save-plan``), plus ``--device``, ``--trace``, ``--checkpoint``,
 ``--dtype``, ``--disk-dir``. Before the measured run, the same plan for two tokens runs unmeasured (a warm-up:
 kernel loading, GEMM algorithm choice, allocator growth; ``--no-warmup`` skips it). Prints measured and predicted
-prefill / decode / total tok/s with the error, the peak memory of each tier, the host time spent issuing ops, and,
-as the last line, one JSON object. Bad input -- an unknown name, a plan that does not fit the GPU budget, a
+prefill / decode / total tok/s with the error, the peak memory of each tier, the host's state before the run
+(``offexec/hostprobe.py``), the host time spent issuing ops, and, as the last line, one JSON object. Bad input -- an unknown name, a plan that does not fit the GPU budget, a
 checkpoint that does not match the model, ``--device cuda`` without a GPU, a disk tier without room, options that
 contradict ``--plan`` -- exits with code 2 and one line on stderr, before anything large is allocated; an interrupted
 run removes its disk-tier files.
@@ -201,6 +201,10 @@ def cmd_run(args) -> dict:
             run_plan(warm, weights, args.device, seed=args.seed, gpu_budget_bytes=budget, disk_dir=args.disk_dir,
                      allocator_cap=args.allocator_cap)
             warmup_s = time.perf_counter() - t0
+        from .hostprobe import host_probe
+
+        probe = host_probe()  # the host's state as the measured run starts (offsim validate sets it beside a profile's)
+        prov["host_probe"] = probe
         prof = None
         if args.host_profile:  # the issuing thread is this one (host-stream workers are not profiled)
             import cProfile
@@ -244,6 +248,9 @@ def cmd_run(args) -> dict:
           f"(pre-check {sum(need.values()) / GiB:.3f} GiB; offsim {predicted['peak_gpu_bytes'] / GiB:.3f}); "
           f"host {measured['peak_cpu_bytes'] / GiB:.3f} GiB (+ {st['host_weights_master_bytes'] / GiB:.3f} GiB "
           f"host master of all weights); disk {measured['peak_disk_bytes'] / GiB:.3f} GiB")
+    print(f"host before the run: CPU-attention probe {probe['cpu_attn_ms']:.2f} ms, host copy "
+          f"{probe['host_copy_GB_s']:.1f} GB/s, load {probe['load_avg_1m']:.2f} ({probe['usable_cpus']} CPUs, "
+          f"{probe['torch_threads']} torch threads; offexec/hostprobe.py)")
     print(f"host time issuing ops: {st['issue_s']:.3f} s = {st['issue_frac']:.1%} of the run; by handler: "
           + ", ".join(f"{k} {v:.3f} s" for k, v in sorted(st["issue_s_by_handler"].items(), key=lambda kv: -kv[1])))
     if "host_bound_idle_s" in st:

@@ -37,6 +37,8 @@ def test_run_prints_comparison_and_json(checkpoint, tmp_path, capsys):
     assert js["policy"] == "flexgen" and js["measured"]["decode_tok_s"] > 0 and js["predicted"]["decode_tok_s"] > 0
     assert set(js["error"]) == {"prefill", "decode", "total"}
     assert js["provenance"]["commit"]
+    # the host's state as the measured run started (offexec.hostprobe), in the JSON and the trace's metadata
+    assert js["provenance"]["host_probe"]["cpu_attn_ms"] > 0 and "host before the run" in "\n".join(out)
     # a preset (h200) describes a GPU: a CPU run is not compared with it, and says so
     assert js["comparable"] is False and all(v is None for v in js["error"].values())
     assert "no comparison with offsim" in "\n".join(out) and "%" not in "\n".join(out[2:6])
@@ -44,6 +46,7 @@ def test_run_prints_comparison_and_json(checkpoint, tmp_path, capsys):
     assert js["warmup"]["gen_len"] == 2 and any(line.startswith("warm-up: the same plan for 2 tokens") for line in out)
     t = Trace.from_csv(trace)
     assert t.meta["source"] == "offexec" and len(t.df) > 0 and t.meta["warmup"] is True
+    assert t.meta["host_probe"]["cpu_attn_ms"] == js["provenance"]["host_probe"]["cpu_attn_ms"]
     assert t.df["step"].max() == 3  # gen_len 4: prefill and three decode steps
     assert [p.name for p in tmp_path.iterdir()] == ["t.csv"]  # the disk tier's files are gone
 
