@@ -12,8 +12,6 @@ profile was measured in (``provenance.host_probe`` of a profile).
 from __future__ import annotations
 
 import os
-import statistics
-import time
 
 # the probe's CPU-attention op: one decode token for 16 sequences at a 512-token context over 32 heads of 128, fp16
 # (OPT-6.7B / Llama-2-7B's heads; the profile's ('cpu', 'attn_ctx:16') rows at 512 measure the same op through
@@ -35,17 +33,6 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _median_s(fn, reps: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
-
-
 def host_probe(reps: int = 7) -> dict:
     """The host now: ``cpu_attn_ms`` (median time of the probe's CPU-attention op through ``offexec.model.attention``,
     as the executor's CPU attention runs it), ``host_copy_GB_s`` (a 256 MiB host-to-host copy, read + write bytes
@@ -53,21 +40,16 @@ def host_probe(reps: int = 7) -> dict:
     1-minute load average. About 0.2 s."""
     import torch
 
-    from offexec import model as M
+    from offexec.profile import _median_time, cpu_attention_call
     from offsim.core.specs import get_model
 
     spec = get_model("opt-6.7b")  # 32 heads of 128: PROBE_HEADS, PROBE_HEAD_DIM
     assert (spec.num_heads, spec.head_dim) == (PROBE_HEADS, PROBE_HEAD_DIM)
-    b, h, d, c = PROBE_BATCH, PROBE_HEADS, PROBE_HEAD_DIM, PROBE_CTX
-    g = torch.Generator().manual_seed(0)
-    buf = torch.rand(c, 2, b, h, d, generator=g, dtype=torch.float16)  # the executor's host KV layout
-    q = torch.rand(b, 1, h, d, generator=g, dtype=torch.float16)
-    out = torch.empty(b, 1, h * d, dtype=torch.float16)
-    groups = [(0, h, buf[:, 0].permute(1, 2, 0, 3), buf[:, 1].permute(1, 2, 0, 3))]
-    attn_s = _median_s(lambda: M.attention(spec, q, groups, out=out), reps)
+    cpu = torch.device("cpu")
+    attn_s = _median_time(cpu_attention_call(spec, PROBE_BATCH, PROBE_CTX), cpu, reps)
     src = torch.ones(PROBE_COPY_BYTES // 2, dtype=torch.float16)
     dst = torch.empty_like(src)
-    copy_s = _median_s(lambda: dst.copy_(src), max(3, reps // 2), warmup=1)
+    copy_s = _median_time(lambda: dst.copy_(src), cpu, max(3, reps // 2), warmup=1)
     try:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
@@ -75,4 +57,5 @@ def host_probe(reps: int = 7) -> dict:
     return {"cpu_attn_ms": attn_s * 1e3, "host_copy_GB_s": 2 * PROBE_COPY_BYTES / copy_s / 1e9,
             "cpu_model": _cpu_model(), "logical_cpus": os.cpu_count() or 0, "usable_cpus": usable,
             "torch_threads": torch.get_num_threads(), "load_avg_1m": os.getloadavg()[0],
-            "probe": f"decode CPU attention B={b} H={h} D={d} ctx={c} fp16, {PROBE_COPY_BYTES >> 20} MiB copy"}
+            "probe": f"decode CPU attention B={PROBE_BATCH} H={PROBE_HEADS} D={PROBE_HEAD_DIM} ctx={PROBE_CTX} fp16, "
+                     f"{PROBE_COPY_BYTES >> 20} MiB copy"}

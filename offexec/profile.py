@@ -187,20 +187,30 @@ def profile_cpu_attention(spec, reps: int) -> float:
     call (priced apart, from the op tables of ``profile_ops``) does not inflate it."""
     import torch
 
+    H, D = spec.num_heads, spec.head_dim
+    b = 16
+    cpu = torch.device("cpu")
+    times = {ctx: _median_time(cpu_attention_call(spec, b, ctx), cpu, max(3, reps // 2), warmup=1)
+             for ctx in (256, 1024)}
+    flops = 4 * b * H * D * (1024 - 256)
+    return flops / max(times[1024] - times[256], 1e-9)
+
+
+def cpu_attention_call(spec, b: int, ctx: int):
+    """A decode CPU-attention op (one new token for ``b`` sequences at context ``ctx``, every head of ``spec``) as
+    ``Executor._op_attn_cpu`` runs it: ``offexec.model.attention`` over views of a host KV buffer laid out
+    [ctx, 2, b, heads, head_dim], fp16. Returns the call (timed by ``profile_cpu_attention`` and
+    ``offexec.hostprobe``)."""
+    import torch
+
     from offexec import model as M
 
     H, D, Hk = spec.num_heads, spec.head_dim, spec.num_kv_heads
-    b = 16
-    cpu = torch.device("cpu")
-    times = {}
-    for ctx in (256, 1024):
-        buf = torch.randn(ctx, 2, b, Hk, D, dtype=torch.float16)
-        q = torch.randn(b, 1, H, D, dtype=torch.float16)
-        out = torch.empty(b, 1, H * D, dtype=torch.float16)
-        groups = [(0, Hk, buf[:, 0].permute(1, 2, 0, 3), buf[:, 1].permute(1, 2, 0, 3))]
-        times[ctx] = _median_time(lambda: M.attention(spec, q, groups, out=out), cpu, max(3, reps // 2), warmup=1)
-    flops = 4 * b * H * D * (1024 - 256)
-    return flops / max(times[1024] - times[256], 1e-9)
+    buf = torch.randn(ctx, 2, b, Hk, D, dtype=torch.float16)
+    q = torch.randn(b, 1, H, D, dtype=torch.float16)
+    out = torch.empty(b, 1, H * D, dtype=torch.float16)
+    groups = [(0, Hk, buf[:, 0].permute(1, 2, 0, 3), buf[:, 1].permute(1, 2, 0, 3))]
+    return lambda: M.attention(spec, q, groups, out=out)
 
 
 # the sub-layer and CPU-attention forms of a decoder layer, each a flexgen plan setting: together they emit every

@@ -220,6 +220,15 @@ def run_cases(cases: list[dict], args) -> list[dict]:
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     summary = []
     started = time.time()
+
+    def record(row: dict, c: dict) -> None:
+        """One line per case run or failed: in the summary, and for v2 (split) cases in matrix_v2_runs.jsonl as it
+        happens (a batch killed by its time limit keeps its lines)."""
+        summary.append(row)
+        if "split" in c:
+            with open(out / "matrix_v2_runs.jsonl", "a") as f:
+                f.write(json.dumps(row, default=str) + "\n")
+
     by_model: dict[str, list[dict]] = {}
     for c in cases:
         done = out / (f"h200_{c['split']}" if "split" in c else "") / f"{c['tag']}.case.json"
@@ -282,7 +291,7 @@ def run_cases(cases: list[dict], args) -> list[dict]:
                 except Exception as e:  # one failed configuration must not lose the others
                     msg = str(e).split("\n")[0][:300]
                     print(f"  {tag}: FAILED {type(e).__name__}: {msg}", flush=True)
-                    summary.append({"case": tag, "error": f"{type(e).__name__}: {msg}"})
+                    record({"case": tag, "error": f"{type(e).__name__}: {msg}"}, c)
                     if args.device == "cuda":
                         torch.cuda.empty_cache()
                     continue
@@ -310,21 +319,13 @@ def run_cases(cases: list[dict], args) -> list[dict]:
                        "err": (pred["total_tok_s"] - m["total_tok_s"]) / m["total_tok_s"],
                        "peak_gpu_GiB": m["peak_gpu_bytes"] / GiB, "wall_s": wall,
                        **({"repeat_total_tok_s": repeats} if args.repeats > 1 else {})}
-                summary.append(row)
-                if "split" in c:  # v2: one line per case run, written as it ends (a killed batch keeps its lines)
-                    with open(out / "matrix_v2_runs.jsonl", "a") as f:
-                        f.write(json.dumps(row, default=str) + "\n")
+                record(row, c)
                 print(f"  {tag}: batch {wl.num_prompts} measured {m['total_tok_s']:.1f} tok/s, offsim "
                       f"{pred['total_tok_s']:.1f} ({row['err']:+.1%}), decode {m['decode_tok_s']:.1f}, "
                       f"{wall:.1f} s", flush=True)
         finally:
             weights.close()
-    if any("split" in c for c in cases):  # v2: the failures' lines (the runs' are written as each ends)
-        with open(out / "matrix_v2_runs.jsonl", "a") as f:
-            for row in summary:
-                if "error" in row:
-                    f.write(json.dumps(row, default=str) + "\n")
-    else:
+    if not any("split" in c for c in cases):  # v2 cases' lines are in matrix_v2_runs.jsonl (record)
         (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary
 
