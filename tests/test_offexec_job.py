@@ -367,6 +367,16 @@ def test_measured_jobs_readme_is_generated_from_job_json(tmp_path):
     assert "| kind_a | flexgen | padded | 8 x 2 | 3 | 10.00 | 10.30 | +3.0% |" in text
     assert "| kind_a | tightllm | padded | | | not measured |" in text
     assert "within 5 % of the measured one: 1 of 1 measured jobs" in text
+    assert "| abc, 2026-12-01T00:00Z |" in text  # no journal: the report's own provenance
+
+    # A resumed job: each policy's blocks say which run measured them, not the report's last run.
+    blocks = [{"policy": "flexgen", "block": 0, "provenance": {"commit": "old1", "date": "2026-11-30T10:00:00"}},
+              {"policy": "flexgen", "block": 1, "provenance": {"commit": "new2", "date": "2026-12-02T02:06:00"}},
+              {"policy": "tightllm", "block": 0, "provenance": {"commit": "new2", "date": "2026-12-02T02:07:00"}}]
+    (tmp_path / "kind_a" / "blocks.jsonl").write_text("\n".join(json.dumps(b) for b in blocks) + "\n")
+    text = write(tmp_path).read_text()
+    assert "| old1, 2026-11-30T10:00Z; new2, 2026-12-02T02:06Z |" in text
+    assert "abc, 2026-12-01" not in text.split("| kind_a | flexgen")[1].splitlines()[0]
 
 
 def test_selectn_record_warms_up_each_iteration_shape_once(tiny, monkeypatch):

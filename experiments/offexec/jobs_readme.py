@@ -16,23 +16,39 @@ from pathlib import Path
 from experiments.common import provenance
 
 
-def _rows(folder: Path) -> list[tuple[str, dict, dict]]:
-    """(task kind, job report, policy entry) for every policy of every job folder, sorted by kind then policy."""
+def _rows(folder: Path) -> list[tuple[Path, dict, dict]]:
+    """(job folder, named for its task kind; job report; policy entry) for every policy of every job folder, sorted by kind then policy."""
     out = []
     for f in sorted(folder.glob("*/job.json")):
         job = json.loads(f.read_text())
         for p in job.get("policies", []):
-            out.append((f.parent.name, job, p))
+            out.append((f.parent, job, p))
     return out
+
+
+def _measured_at(folder: Path, job: dict, policy: str) -> str:
+    """Commit(s) and date of the blocks of ``policy``, from ``blocks.jsonl`` (a resumed job's blocks can come from
+    several runs, each with its own provenance); the job report's own provenance (its last run) when none."""
+    runs = set()
+    journal = folder / "blocks.jsonl"
+    if journal.exists():
+        for line in journal.read_text().splitlines():
+            b = json.loads(line)
+            if b.get("policy") == policy and b.get("provenance"):
+                runs.add((b["provenance"].get("commit", "?"), str(b["provenance"].get("date", "?"))[:16] + "Z"))
+    if not runs:
+        prov = job.get("provenance", {})
+        runs = {(prov.get("commit", "?"), str(prov.get("date", "?"))[:16] + "Z")}
+    return "; ".join(f"{c}, {d}" for c, d in sorted(runs, key=lambda r: r[1]))
 
 
 def _table(rows) -> list[str]:
     lines = ["| task kind | policy | batching | block (gbs x nb) | blocks | completion s | offsim s | error | "
              "output tok/s | p50 / p99 request s (offsim) | padding | measured at |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for kind, job, p in rows:
-        prov = job.get("provenance", {})
-        when = f"{prov.get('commit', '?')}, {str(prov.get('date', '?'))[:16]}Z"
+    for job_dir, job, p in rows:
+        kind = job_dir.name
+        when = _measured_at(job_dir, job, p["policy"])
         if p.get("incomplete") or "completion_s" not in p:
             lines.append(f"| {kind} | {p['policy']} | {job.get('batching', '')} | | | not measured | | | | | | "
                          f"{when}: {p.get('error', '')} |")
