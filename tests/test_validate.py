@@ -380,3 +380,35 @@ def test_warmup_plan_modes():
     mixed = wl.with_(prompt_lens=(60, 64, 50, 64), gen_lens=(16, 8, 16, 1))
     warm, m = warmup_plan(plan, "flexgen", model, hw, mixed, st, "same-length")
     assert m == "short" and warm.workload.gen_lens == (2, 2, 2, 1)
+
+
+def test_validation_readme_joins_rounds_that_complete_each_other(tmp_path, monkeypatch):
+    """A split re-measured in two rounds (the second reaching the cases the first did not): each round's section
+    names the other for the rest instead of listing them as 'not yet', and says how many of its runs are still the
+    split's files; a case no round reached is 'not yet'."""
+    import experiments.validation.write_readme as W
+
+    monkeypatch.setattr(W, "VAL", tmp_path)
+    (tmp_path / "h200_calib").mkdir()
+    commits = {"a": "new1", "b": "new1", "c": "new2", "d": "old0"}  # the split's files: who measured each now
+    for tag, commit in commits.items():
+        (tmp_path / "h200_calib" / f"{tag}.case.json").write_text(json.dumps({"meta": {"commit": commit}}))
+    cols = ("case,old_commit,old_measured_total_tok_s,old_offsim_error,new_commit,new_measured_total_tok_s,"
+            "new_offsim_error,change,same_plan,same_schedule")
+    for name, rows in (("remeasure_calib_new1", ["a,old0,100,0.01,new1,102,0.0,0.02,True,True",
+                                                 "b,old0,100,0.01,new1,90,0.1,-0.1,False,True"]),
+                       ("remeasure_calib_new2", ["c,old0,50,0.0,new2,50,0.0,0.0,True,True"])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "compare.csv").write_text(
+            '# {"commit": "x", "date": "2026-12-02T00:00:00"}\n' + cols + "\n" + "\n".join(rows) + "\n")
+    text = "\n".join(W._remeasured())
+    first, second = text.split("### Re-measured at one commit: `remeasure_calib_new2/`")
+    assert "2 of the 4 cases (the other 1 case in `remeasure_calib_new2/`; not yet: `d`" in first
+    assert "so that, with `remeasure_calib_new2/`, every case of the split is measured again" in first
+    assert "The cases' files in the split are these runs." in first
+    assert "1 of the 4 cases (the other 2 cases in `remeasure_calib_new1/`; not yet: `d`" in second
+    assert "On the same plan (1 case)" in second
+
+    # a later run replaced one of the first round's cases
+    (tmp_path / "h200_calib" / "a.case.json").write_text(json.dumps({"meta": {"commit": "new3"}}))
+    assert "1 of these runs are the split's files today" in "\n".join(W._remeasured())

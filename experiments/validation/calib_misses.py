@@ -20,7 +20,7 @@ import pandas as pd
 from offsim.analysis.validate import aggregate, load_case, resimulate, run_setup
 from offsim.core import costmodel as cm
 from offsim.core import sim as S
-from offsim.core.io import write_text_atomic
+from offsim.core.io import read_commented_csv, write_text_atomic
 from offsim.core.plan import Plan
 from offsim.core.provenance import provenance
 from offsim.core.specs import get_hardware
@@ -501,7 +501,8 @@ def _stream_order_section(cpu_rows: list[str], off: dict[str, float], ratio: dic
         "`remeasure_calib_*/`)"
         + (f", while the spread of a case's repeats within one process was at most {max(spreads):.0%} "
            f"({len(spreads)} cases measured 3 times)" if spreads else "")
-        + ": the host's state moves the CPU op more than the rows' conditions do. Cases measured since record it (`meta.host_probe`, `offexec/hostprobe.py`), and "
+        + ": the host's state moves the CPU op more than the rows' conditions do." + _ab_sentences()
+        + " Cases measured since record the host's state (`meta.host_probe`, `offexec/hostprobe.py`), and "
         "`offsim validate` sets it beside the profile's (`host_probe_ratio`) once the profile records one "
         "(`offexec profile --base P --host-probe-only`, with its CPU-attention rows).", "",
         "**The issuer's stream order (`offsim.core.sim.STREAM_ORDER_ISSUE`, on).** offexec's issuing loop "
@@ -569,15 +570,48 @@ def first_decode_op_section() -> list[str]:
 
 
 def _earlier_runs() -> dict[str, str]:
-    """case -> its earlier run of the same split, from the latest re-measurement table of the calibration split
-    (``remeasure_calib_*/compare.csv``): 'TOK/S at COMMIT (CHANGE, same plan / same schedule / changed)'."""
-    tables = sorted((ROOT / "results" / "validation").glob("remeasure_calib_*/compare.csv"))
-    if not tables:
-        return {}
-    df = pd.read_csv(tables[-1], comment="#", dtype={"old_commit": str, "new_commit": str})
-    return {r.case: f"{r.old_measured_total_tok_s:,.1f} tok/s at {r.old_commit} ({r.change:+.1%} since; "
-                    f"{'same plan' if r.same_plan else 'same schedule' if r.same_schedule else 'changed schedule'})"
-            for r in df.itertuples()}
+    """case -> its earlier run of the same split, from the calibration split's re-measurement tables
+    (``remeasure_calib_*/compare.csv``, the latest by its provenance date for a case in several): 'TOK/S at COMMIT
+    (CHANGE, same plan / same schedule / changed)'. A round can re-measure only part of the split, and another
+    round the rest."""
+    out = {}
+    tables = []
+    for t in (ROOT / "results" / "validation").glob("remeasure_calib_*/compare.csv"):
+        prov, df = read_commented_csv(t, "re-measurement table", dtype={"old_commit": str, "new_commit": str})
+        tables.append((str(prov.get("date", "")), df))
+    for _, df in sorted(tables, key=lambda t: t[0]):
+        out.update({r.case: f"{r.old_measured_total_tok_s:,.1f} tok/s at {r.old_commit} ({r.change:+.1%} since; "
+                            f"{'same plan' if r.same_plan else 'same schedule' if r.same_schedule else 'changed schedule'})"
+                    for r in df.itertuples()})
+    return out
+
+
+def _ab_sentences() -> str:
+    """What the executor A/B runs (``ab_executor_*/ab.csv``, ``experiments.validation.ab_executor``) say about the
+    CPU ops' speed: two executors on the same stored plans in one session, and the same plans' runs in this split."""
+    out = []
+    for f in sorted((ROOT / "results" / "validation").glob("ab_executor_*/ab.csv")):
+        ab = pd.read_csv(f)
+        med = ab.groupby(["plan", "side"])[["measured_decode_tok_s", "measured_total_tok_s"]].median()
+        ratios = [med.loc[(p, "new"), "measured_decode_tok_s"] / med.loc[(p, "old"), "measured_decode_tok_s"]
+                  for p in sorted(set(ab["plan"])) if (p, "new") in med.index and (p, "old") in med.index]
+        split = []
+        for p in sorted(set(ab["plan"])):
+            case = ROOT / "results" / "validation" / "h200_calib" / f"{p}.case.json"
+            if case.exists() and (p, "new") in med.index:
+                c = load_case(case)
+                split.append(f"{p} {med.loc[(p, 'new'), 'measured_total_tok_s']:,.1f} tok/s against "
+                             f"{c['metrics']['total_tok_s']:,.1f} in this split ({c['meta'].get('commit')})")
+        day = str(ab["date"].min())[:10]
+        text = (f" On {day} (`{f.parent.name}/`) offexec at b497c67 and at {', '.join(sorted(set(ab['commit'])))} "
+                f"ran the same stored plans alternately in one session: decode tok/s new over old "
+                f"{min(ratios):.3f}-{max(ratios):.3f}; the plans ran " + "; ".join(split) + ".")
+        if "same_day_cpu_attn_s" in ab:
+            r = ab["measured_cpu_attn_s"] / ab["same_day_cpu_attn_s"]
+            text += (f" In those runs the CPU ops took {r.min():.2f}-{r.max():.2f}x (median {r.median():.2f}) the "
+                     "price of CPU-attention rows re-measured in the same session: slower inside a run than alone.")
+        out.append(text)
+    return "".join(out)
 
 
 def _largest_gap(c: Case) -> str:

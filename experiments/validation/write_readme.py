@@ -7,6 +7,7 @@ older matrix v1. Every number in the file is computed here from the cases, the p
 from __future__ import annotations
 
 import argparse
+import json
 import warnings
 from pathlib import Path
 
@@ -170,9 +171,12 @@ def _remeasured() -> list[str]:
     changed one. The offsim errors in those CSVs are the model of the commit that wrote them; the tables above are
     today's."""
     out = []
+    rounds = []
     for f in sorted(VAL.glob("remeasure_*/compare.csv")):
         prov, df = read_commented_csv(f, "re-measurement table",
                                       dtype={"old_commit": str, "new_commit": str})  # '779e620' reads as a float
+        rounds.append((f, f.parent.name.split("_")[1], prov, df))
+    for f, split, prov, df in rounds:
         new = sorted(set(df["new_commit"]))
         same, book = df[df["same_plan"]], df[~df["same_plan"] & df["same_schedule"]]
         moved = df[~df["same_schedule"]]
@@ -182,24 +186,40 @@ def _remeasured() -> list[str]:
             return (f"median |change| {d['change'].abs().median():.1%}, from {d['change'].min():+.1%} to "
                     f"{d['change'].max():+.1%}" if len(d) else "none")
 
-        split = f.parent.name.split("_")[1]
-        tags = {p.name[:-len(".case.json")] for p in (VAL / f"h200_{split}").glob("*.case.json")}
-        left = sorted(tags - set(df["case"]))
-        whole = (f"All {len(df)} cases" if not left else
-                 f"{len(df)} of the {len(tags)} cases (not yet: {', '.join(f'`{t}`' for t in left)}, the device "
-                 "time ran out; they are still the earlier runs)")
+        def cases(n):
+            return f"{n} case" + ("" if n == 1 else "s")
+
+        files = {p.name[:-len(".case.json")]: p for p in (VAL / f"h200_{split}").glob("*.case.json")}
+        left = set(files) - set(df["case"])
+        # a round that did not reach every case can be completed by another round of the same split
+        others = {o.parent.name: set(d["case"]) & left for o, sp, _, d in rounds if sp == split and o != f}
+        others = {name: c for name, c in others.items() if c}
+        not_yet = sorted(left - set().union(*others.values()))
+        if not left:
+            whole = f"All {len(df)} cases"
+        else:
+            parts = [f"the other {cases(len(c))} in `{name}/`" for name, c in sorted(others.items())]
+            if not_yet:
+                parts.append(f"not yet: {', '.join(f'`{t}`' for t in not_yet)}, the device time ran out; they are "
+                             "still the earlier runs")
+            whole = f"{len(df)} of the {len(files)} cases ({'; '.join(parts)})"
+        purpose = (f"so that the split is one executor's measurement instead of {df['old_commit'].nunique()} commits'"
+                   if not others else "so that, with " + ", ".join(f"`{n}/`" for n in sorted(others))
+                   + ", every case of the split is measured again")
+        current = sum(json.loads(files[t].read_text())["meta"].get("commit") in new for t in df["case"] if t in files)
+        kept = ("The cases' files in the split are these runs." if current == len(df) else
+                f"{current} of these runs are the split's files today; later runs replaced the others.")
         out += ["", f"### Re-measured at one commit: `{f.parent.name}/`", "",
                 f"{whole} of `h200_{split}/` measured again at {', '.join(new)} "
                 f"({prov['date'][:10]}; not chosen by error; the runs' logs, `runs.jsonl` and this "
-                f"table in `{f.parent.name}/`, the old runs being `h200_{split}/` as of that commit), so that the "
-                f"split is one executor's measurement instead of {df['old_commit'].nunique()} commits'. The cases' "
-                f"files in the split are these runs. Total tok/s, new over old: median |change| {ab.median():.1%}, "
-                f"{int((ab > 0.05).sum())} of {len(df)} moved more than 5 %. On the same plan ({len(same)} cases): "
-                f"{rng(same)}. On a plan that differs only in bookkeeping ({len(book)} cases: the same ops, order, "
+                f"table in `{f.parent.name}/`, the old runs being `h200_{split}/` as of that commit), {purpose}. {kept} "
+                f"Total tok/s, new over old: median |change| {ab.median():.1%}, "
+                f"{int((ab > 0.05).sum())} of {len(df)} moved more than 5 %. On the same plan ({cases(len(same))}): "
+                f"{rng(same)}. On a plan that differs only in bookkeeping ({cases(len(book))}: the same ops, order, "
                 f"dependencies and sizes; memory annotations and fields recorded since differ): {rng(book)}. "
                 f"Together these {len(same) + len(book)} are the same schedule run by two commits' executor: the "
                 f"run-to-run spread of a case plus any executor change in between. On a changed schedule "
-                f"({len(moved)} cases): {rng(moved)}. offsim's median |error| with the model of {prov['commit']} "
+                f"({cases(len(moved))}): {rng(moved)}. offsim's median |error| with the model of {prov['commit']} "
                 f"(`{f.name}`): {df['old_offsim_error'].abs().median():.1%} on the old runs, "
                 f"{df['new_offsim_error'].abs().median():.1%} on the new.", "",
                 "| case | old tok/s (commit) | new tok/s | change | plan |", "| --- | --- | --- | --- | --- |"]
