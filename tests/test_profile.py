@@ -86,3 +86,17 @@ def test_profile_flexgen_only_refuses_clearly_where_flexgen_cannot_run(tmp_path,
                  "--out", str(out)]) != 0
     assert "runs OPT models" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_host_probe_keeps_the_fastest_round(monkeypatch):
+    """A transient slows one round of the host probe's CPU-attention op, a state of the host slows every round: the
+    probe keeps the fastest round's median and records them all."""
+    import offexec.hostprobe as HP
+    import offexec.profile as P
+
+    times = iter([0.010, 0.002, 0.0025, 0.004])  # three attention rounds (the first hit a transient), then the copy
+    monkeypatch.setattr(P, "_median_time", lambda fn, device, reps, warmup=2: next(times))
+    monkeypatch.setattr(HP, "PROBE_GAP_S", 0.0)
+    hp = HP.host_probe(reps=1, rounds=3)
+    assert hp["cpu_attn_ms"] == 2.0 and hp["cpu_attn_rounds_ms"] == [10.0, 2.0, 2.5]
+    assert hp["host_copy_GB_s"] == 2 * HP.PROBE_COPY_BYTES / 0.004 / 1e9
