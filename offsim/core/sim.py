@@ -309,9 +309,10 @@ def _capture_extras(plan: Plan, rows: list, hw: HardwareSpec) -> dict[int, float
     KV buffers the batch (offexec keys a graph by the addresses it reads: weights, KV buffers). Empty without graphs
     or without the profile's 'capture' rows. Both engines add these to the ops' issue costs -- a capture is host work
     (the static body's launches, recording, instantiating), which the host overlaps with the GPU's earlier ops --
-    or, for a runtime without issue costs, to the ops' durations. (On the calibration set the first decode step then
-    comes out within a few ms of offexec's, where priced as GPU time it was 10-20 ms long.) The first op at each
-    query count q > 1 (a TightLLM recompute of a new length) adds the profile's ('capture', 'new_q:PART') row
+    or, for a runtime without issue costs, to the ops' durations. (Priced as GPU time the first decode step came out
+    10-20 ms too long. Step 1 case by case today: results/validation/calib_misses.md, 'The first decode step'; a
+    run that is its process's first after a short warm-up pays more than these rows, measured in a probe's later
+    run.) The first op at each query count q > 1 (a TightLLM recompute of a new length) adds the profile's ('capture', 'new_q:PART') row
     (``costmodel.new_q_capture_seconds``)."""
     gq = plan.graph_q_tokens
     if not gq or not hw.op_times or costmodel.op_table(hw, plan.model, "capture", "first") is None:
