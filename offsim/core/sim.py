@@ -312,8 +312,8 @@ def _capture_extras(plan: Plan, rows: list, hw: HardwareSpec) -> dict[int, float
     or, for a runtime without issue costs, to the ops' durations. (Priced as GPU time the first decode step came out
     10-20 ms too long. Step 1 case by case today: results/validation/calib_misses.md, 'The first decode step'; a
     run that is its process's first after a short warm-up pays more than these rows, measured in a probe's later
-    run.) The first op at each query count q > 1 (a TightLLM recompute of a new length) adds the profile's ('capture', 'new_q:PART') row
-    (``costmodel.new_q_capture_seconds``)."""
+    run.) The first op at each query count q > 1 (a TightLLM recompute of a new length) adds the profile's
+    ('capture', 'new_q:PART') row (``costmodel.new_q_capture_seconds``)."""
     gq = plan.graph_q_tokens
     if not gq or not hw.op_times or costmodel.op_table(hw, plan.model, "capture", "first") is None:
         return {}
