@@ -27,6 +27,7 @@ import pandas as pd
 
 from experiments.common import provenance
 from offsim.analysis.results import load_trace
+from offsim.analysis.validate import _as_ran
 from offsim.core.plan import Plan
 from offsim.core.sim import simulate
 from offsim.core.specs import get_hardware
@@ -48,9 +49,7 @@ def _cpu_attn_s(trace) -> float:
 
 def _predicted(plan_path: Path, meta: dict, profile: Path) -> tuple[dict, float]:
     """offsim's metrics and decode CPU-attention time for the stored plan as the run issued it, on ``profile``."""
-    plan = Plan.load(plan_path)
-    plan.cuda_graphs = bool(meta.get("cuda_graphs", False))
-    plan.graph_max_q_tokens = int(meta.get("graph_max_q_tokens", 1))
+    plan = _as_ran(Plan.load(plan_path), meta)  # graphs and disk tier as the trace recorded them (offsim validate's)
     hw = get_hardware(str(profile), gpu_mem_gb=meta.get("gpu_mem_gb"))
     trace = simulate(plan, hw, check_memory=False)
     return trace.metrics(), _cpu_attn_s(trace)
