@@ -9,8 +9,9 @@ each plan, the build (``build_plan(..., validate=False)``), ``Plan.validate``, t
 event loop) and by ``simulate_simpy`` (the SimPy reference, where this checkout has it), and two diagnostics of the
 build: with ``PlanBuilder.add`` replaced by a no-op (what the block schedule itself costs, before any op is kept)
 and with the cyclic garbage collector off (what its passes over the growing plan cost). Then ``offsim search``
-flexgen OPT-175B t4: the call, and the command as a user runs it (a new process: imports included). Writes the CSV
-(provenance on its first line, the 1-minute load average before and after), with ``--readme`` also
+flexgen OPT-175B t4: the call, and the command as a user runs it (a new process: imports included). With ``--csv``
+or ``--readme`` writes the CSV (provenance on its first line, the 1-minute load average before and after; without
+either it only prints, so a timing run never replaces the committed measurement), with ``--readme`` also
 results/bench_sim_speed/README.md from it (and from bench_before.csv when present: the same script run on the
 commit before the speed work), prints a table, ends with one JSON line.
 """
@@ -232,12 +233,16 @@ run; the load average above says how busy it was.
 def main() -> None:
     ap = argparser(__doc__)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--csv", type=Path, default=OUT / "bench.csv")
+    ap.add_argument("--csv", type=Path, default=None,
+                    help=f"write the timings there (default with --readme / --readme-only: {OUT / 'bench.csv'}; "
+                         "without either, nothing is written: a timing run does not replace the committed one)")
     ap.add_argument("--readme", action="store_true", help="also write results/bench_sim_speed/README.md")
     ap.add_argument("--readme-only", action="store_true",
                     help="measure nothing: write results/bench_sim_speed/README.md from the existing --csv")
     ap.add_argument("--note", default="", help="recorded in the provenance (e.g. the commit, where git is absent)")
     args = ap.parse_args()
+    if args.csv is None and (args.readme or args.readme_only):
+        args.csv = OUT / "bench.csv"
     if args.readme_only:
         if not args.csv.exists():
             ap.error(f"--readme-only: {args.csv} does not exist (run without it first)")
@@ -255,7 +260,8 @@ def main() -> None:
                       loadavg_after=[round(x, 2) for x in os.getloadavg()],
                       note="best of --repeat runs per timing (SimPy reference: one run); machine may be shared"
                       + (f"; {args.note}" if args.note else ""))
-    write_csv(df, args.csv, prov)
+    if args.csv is not None:
+        write_csv(df, args.csv, prov)
     if args.readme:
         write_readme(args.csv)
     print(df.to_string(index=False, float_format=lambda v: f"{v:,.3f}"))
