@@ -202,8 +202,9 @@ def test_block_that_fits_nowhere_is_refused_fast_before_any_op(monkeypatch):
     """100,000 GPU batches of OPT-30B on a T4 (today: minutes and tens of GB of ops) fail in well under a second,
     naming the tier and the shortfall in GiB, and not one op is built."""
     built = []
-    orig = PlanBuilder.add
-    monkeypatch.setattr(PlanBuilder, "add", lambda self, *a, **k: built.append(1) or orig(self, *a, **k))
+    for name in ("add", "add_row"):  # (a block schedule emits most ops through add_row)
+        orig = getattr(PlanBuilder, name)
+        monkeypatch.setattr(PlanBuilder, name, lambda self, *a, _orig=orig, **k: built.append(1) or _orig(self, *a, **k))
     model, hw = get_model("opt-30b"), get_hardware("t4")
     wl = Workload(512, 32, 8, 100000)
     for policy, settings in (("flexgen", {"percent": (20, 80, 0, 100, 100, 0), "cpu_attention": True}),

@@ -7,7 +7,7 @@ policy, plan build + simulation under 1 s on one core; ``offsim search`` for OPT
 Pinned to one core (``os.sched_setaffinity``) for the whole run, best of ``--repeat`` runs per timing. Rows: for
 each plan, the build (``build_plan(..., validate=False)``), ``Plan.validate``, the simulation by ``simulate`` (the
 event loop) and by ``simulate_simpy`` (the SimPy reference, where this checkout has it), and two diagnostics of the
-build: with ``PlanBuilder.add`` replaced by a no-op (what the block schedule itself costs, before any op is kept)
+build: with ``PlanBuilder.add`` and ``add_row`` replaced by no-ops (what the block schedule itself costs, before any op is kept)
 and with the cyclic garbage collector off (what its passes over the growing plan cost). Then ``offsim search``
 flexgen OPT-175B t4: the call, and the command as a user runs it (a new process: imports included). With ``--csv``
 or ``--readme`` writes the CSV (provenance on its first line, the 1-minute load average before and after; without
@@ -79,6 +79,10 @@ def _no_op_add(self, kind, deps, phase, step, layer, batch, **kw):
     return n
 
 
+def _no_op_add_row(self, kind, deps, phase, step, layer, batch, fields):
+    return _no_op_add(self, kind, deps, phase, step, layer, batch)
+
+
 def bench_case(label, mname, hwname, policy, st, gbs, nb, repeat: int) -> dict | None:
     from offsim.policies import get_policy
 
@@ -94,14 +98,18 @@ def bench_case(label, mname, hwname, policy, st, gbs, nb, repeat: int) -> dict |
     t_sim, trace = best_of(lambda: simulate(plan, hw, check_memory=False), repeat)
     ref = getattr(sim_module, "simulate_simpy", None)
     t_ref = best_of(lambda: ref(plan, hw, check_memory=False), 1)[0] if ref else float("nan")
-    orig = plan_module.PlanBuilder.add
-    plan_module.PlanBuilder.add = _no_op_add
+    # both ways ops go in (``add_row``: the block schedule's shared-fields rows, where the checkout has it)
+    stubs = {"add": _no_op_add, "add_row": _no_op_add_row}
+    origs = {k: getattr(plan_module.PlanBuilder, k) for k in stubs if hasattr(plan_module.PlanBuilder, k)}
+    for k in origs:
+        setattr(plan_module.PlanBuilder, k, stubs[k])
     try:
         t_floor = best_of(lambda: _build(policy, model, hw, wl, st), repeat)[0]
     except Exception:  # a builder that reads its own ops back cannot run on a no-op add
         t_floor = float("nan")
     finally:
-        plan_module.PlanBuilder.add = orig
+        for k, f in origs.items():
+            setattr(plan_module.PlanBuilder, k, f)
     gc.disable()
     try:
         t_nogc = best_of(lambda: _build(policy, model, hw, wl, st), repeat)[0]
@@ -177,7 +185,7 @@ seconds of wall clock on one core.
   (identical traces: `tests/test_sim_engines.py`).
 - `offsim search` flexgen OPT-175B on t4: {call['build_plus_sim_s']:.2f} s for the call, {cli['build_plus_sim_s']:.3f} s
   for the command (target < {TARGET_SEARCH_S:g} s: {verdict(cli['build_plus_sim_s'], TARGET_SEARCH_S)}).
-- "schedule only": the same build with `PlanBuilder.add` a no-op -- the block schedule's own Python
+- "schedule only": the same build with `PlanBuilder.add` and `add_row` no-ops -- the block schedule's own Python
   (`offsim/policies/schedule.py` and the footprint lookups it makes per op) before any op is kept; "GC off": the
   build with the cyclic garbage collector paused (`simulate` pauses it itself; the builder cannot, as it does not
   know when a build ends).
@@ -215,13 +223,19 @@ for the command): an `offsim` command no longer pays the interpreter's final gar
 every module it imported (`offsim.cli.main` freezes them at exit: ~0.3 s with cvxpy, scipy and pandas loaded);
 `Trace.metrics` picks each stream's ops by numpy's compare of the stream column rather than the string column's own
 (~25 ms a stream on OPT-175B's trace; the same ops summed in the same order); SimPy is imported by the reference
-engine only. Round 5 (this one, 7e17588: the command under 3 s): FlexGen's LP goes to HiGHS directly (`highspy`, `lp._HighsLP`) rather
+engine only. Round 5 (7e17588: the command under 3 s): FlexGen's LP goes to HiGHS directly (`highspy`, `lp._HighsLP`) rather
 than through cvxpy, whose import cost ~0.6 s (scipy.stats ~0.35 s of it, through cvxpy's atoms) and whose per-solve
 compile made FlexGen's 172 LPs ~0.3 s (now ~0.1 s); the LP is handed over as cvxpy handed it (the same columns,
 rows and warm start from the previous optimum), so every optimum is the same (checked on ~17,000 LPs across the
-presets, pipelines and compression). What is left is the per-op Python itself -- the `add(**kw)` call, the
-schedule's per-position bookkeeping, the simulator's per-op setup (~0.2 s of the OPT-175B search's full plan) and
-per-event work (~0.8 us an event in CPython 3.11) -- and, for the command, its imports: pandas ~0.25 s (the
+presets, pipelines and compression). Round 6 (2026-12-02; FlexGen's default plans stream sub-layers: 305,152 ops
+for OPT-175B, 1.6 s): the block schedule emits its per-position ops, KV loads and whole-unit weight loads through
+`PlanBuilder.add_row` with one fields dict per op shape, shared by every op of that shape (a few hundred shapes in
+~3·10^5 ops; building a dict per op was a third of the build); `simulate` takes the memory and byte columns in bulk,
+gives an op the duration of an earlier op with the same kind and fields dict, walks the free issuer of the presets
+straight to the next op whose window is full, and marks an op's end with an event of its own (traces identical on
+the three plans here and 62 more across every policy, pipelines, compression and the calibrated profile; the full
+test suite). What is left is the per-op Python itself -- the schedule's per-position bookkeeping, the rows' tuples,
+the simulator's per-event work (~0.8 us an event in CPython 3.11) -- and, for the command, its imports: pandas ~0.25 s (the
 candidate table it prints), numpy ~0.1 s and ~0.06 s compiling offsim's own modules where bytecode is not cached
 (PYTHONDONTWRITEBYTECODE is set on this VM); then the two screened short plans (~0.3 s) and the chosen plan's full
 build and simulation (~1.4 s). The machine is a shared 2-core VM whose speed varies by tens of percent from run to

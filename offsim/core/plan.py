@@ -704,6 +704,7 @@ class PlanBuilder:
     def __init__(self, serial: bool = False):
         self.ops = OpList()
         self.serial = serial
+        self._fields_ok: dict[int, dict] = {}  # the fields dicts ``add_row`` has checked, by id
 
     def add(self, kind: str, deps: Iterable[int | None], phase: str, step: int, layer: int, batch: int,
             **kw) -> int:
@@ -734,6 +735,39 @@ class PlanBuilder:
             deps = tuple(deps)
         rows.append((kind, deps, phase, step, layer, batch, kw))
         return i
+
+    def add_row(self, kind: str, deps: list | tuple, phase: str, step: int, layer: int, batch: int,
+                fields: dict) -> int:
+        """``add(kind, deps, phase, step, layer, batch, **fields)``, keeping ``fields`` itself as the op's row
+        fields: rows may share one dict, which the caller must not change afterwards. ``deps``: a list or a tuple.
+
+        Why: a block schedule emits ~3·10^5 ops of a few hundred shapes; making (and keeping) a fields dict per op
+        and passing it by keywords cost about a third of OPT-175B's build. A builder that has made its ``Op``
+        objects, a serial builder and fields other than a row's go through ``add`` (a copy of ``fields``; ``add``
+        refuses an unknown field or kind). A shared dict's names are checked once."""
+        rows = self.ops._rows
+        if rows is None or self.serial or kind not in STREAM_OF_KIND or (
+                self._fields_ok.get(id(fields)) is not fields and not self._row_fields(fields)):
+            return self.add(kind, deps, phase, step, layer, batch, **fields)
+        if None in deps:
+            deps = [d for d in deps if d is not None]
+        n = len(deps)
+        if n == 2:  # (as ``add`` merges them)
+            a, b = deps
+            deps = (a, b) if a < b else (b, a) if b < a else (a,)
+        elif n > 2:
+            deps = tuple(sorted(set(deps)))
+        elif type(deps) is not tuple:
+            deps = tuple(deps)
+        rows.append((kind, deps, phase, step, layer, batch, fields))
+        return len(rows) - 1
+
+    def _row_fields(self, fields: dict) -> bool:
+        """Whether ``fields`` can be a row's as it is (``add_row``); remembered when it can."""
+        if not _ROW_FIELDS.issuperset(fields):
+            return False
+        self._fields_ok[id(fields)] = fields
+        return True
 
     def _add_op(self, kind, deps, phase, step, layer, batch, kw) -> int:
         ops = self.ops

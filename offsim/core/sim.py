@@ -33,6 +33,7 @@ from __future__ import annotations
 import gc
 import heapq
 import math
+from itertools import repeat
 from operator import itemgetter
 
 import numpy as np
@@ -418,22 +419,26 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
         sidx = [s + ns_local * (host_dev[d] if s in shared else d) for s, d in zip(sidx, odev)]
         if nodes:
             onode = [node_of[d] for d in odev]
-    allocs = [None] * n
-    frees = [None] * n
+    # memory and bytes per op, column by column (an alloc or a free of (0, 0, 0), counted as given, changes nothing)
+    fields = list(map(itemgetter(6), rows))
+    allocs = list(map(dict.get, fields, repeat("alloc")))
+    frees = list(map(dict.get, fields, repeat("free")))
+    nbytes = list(map(dict.get, fields, repeat("nbytes"), repeat(0)))
+    # each op's duration when the link is not shared, cached by what prices it. A block schedule's rows share their
+    # fields dicts (``PlanBuilder.add_row``): an op whose kind and fields dict an earlier op had takes that op's
+    # duration as it is (~500 distinct in OPT-175B's 3·10^5 ops), without reading its fields again
     dur0 = [0.0] * n
-    nbytes = [0] * n
     cache: dict[tuple, float] = {}
+    seen: dict[int, tuple[str, float]] = {}  # id(fields) -> (kind, duration) of the last op with those fields
     for i, r in enumerate(rows):
         kind = r[0]
-        get = r[6].get
-        a = get("alloc")
-        if a is not None and a != _NONE:
-            allocs[i] = a
-        f = get("free")
-        if f is not None and f != _NONE:
-            frees[i] = f
+        kw = r[6]
+        x = seen.get(id(kw))
+        if x is not None and x[0] == kind:
+            dur0[i] = x[1]
+            continue
+        get = kw.get
         nb = get("nbytes", 0)
-        nbytes[i] = nb
         # what op_seconds reads: a compute op's shape, a copy's size and memory kind, a disk op's size
         if kind == "compute" or kind == "cpu_compute":
             key = (kind, get("part", ""), get("num_seqs", 0), get("q_tokens", 0), get("ctx_tokens", 0))
@@ -449,6 +454,8 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                                      cpu_attention_impl=plan.cpu_attention_impl, pageable_copy=plan.pageable_copy,
                                      quant_impl=plan.quant_impl)
         dur0[i] = d
+        if kind != "p2p":  # (a p2p op's price depends on its device's node, not on its fields alone)
+            seen[id(kw)] = (kind, d)
     # a copy that starts while the opposite direction is busy is priced for the overlap: ``op_seconds`` with that
     # overlap is ``duplex_seconds`` at the copy's full rate, looked up once per copy shape (the key of ``cache``)
     # rather than making the op and pricing it from scratch at every overlap (~10^4 of them in OPT-175B's plan)
@@ -480,8 +487,9 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     # each stream's ops in plan order (numpy: a tenth of the time of appending op by op)
     sarr = np.asarray(sidx, dtype=np.intp) if multi else sname
     ns = ns_local * ndev
-    by_stream: list[list[int]] = [np.flatnonzero(sarr == s).tolist() for s in range(ns)]
-    deps_of = [r[1] for r in rows]
+    stream_ops = [np.flatnonzero(sarr == s) for s in range(ns)]
+    by_stream: list[list[int]] = [b.tolist() for b in stream_ops]
+    deps_of = list(map(itemgetter(1), rows))
 
     # the host issues ops one after another in plan order (a single issuing thread); an op cannot start before
     # it is issued. With an ideal runtime (zero issue cost) this is a no-op.
@@ -582,20 +590,19 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     # per op, the streams waiting for it to end, in the order they started waiting (None: none). A list indexed by op
     # rather than a dict: every op's end looks here, and an op that has ended is never waited for again
     waiting: list[list[int] | None] = [None] * n
-    # each stream's current op (the one it runs or waits to start; -1 when it has none left) and whether it runs
-    # it; ``next_on[i]``: the op after i on its stream (-1 for the last)
+    # each stream's current op (the one it runs or waits to start; -1 when it has none left); ``next_on[i]``: the op
+    # after i on its stream (-1 for the last)
     cur = [b[0] if b else -1 for b in by_stream]
-    running = [False] * ns
     next_on = np.full(n, -1, dtype=np.intp)
-    for b in by_stream:
+    for b in stream_ops:  # (as arrays: the lists would be converted back)
         next_on[b[:-1]] = b[1:]
     next_on = next_on.tolist()
-    dep_k = [0] * ns  # the next dependency of that op to check
-    # whether the stream's op has been checked for its issue: from the start where nothing is issued (no issue costs,
-    # no window), so that the loop tests one flag per resumption
-    no_issue = issued is None and pred is None
-    issue_checked = [no_issue] * ns
+    # per stream, the op whose issue it has checked (-1: none yet): the issue times and the stream-order issuer check
+    # an op once, whatever resumes its stream after (none is checked where nothing is issued: no issue costs, no window;
+    # the plain issuer's ``i >= iss_i`` needs no record)
+    issue_checked = [-1] * ns
     itself = [[s] for s in range(ns)]  # what a stream's own event resumes: itself
+    ends = [[~s] for s in range(ns)]  # ... and the event of its op's end (~s: the loop tells the two apart)
     # the event queue: (time, sequence number, streams to resume), taken in time order, then in the order the events
     # were scheduled (SimPy's order): a stream's own event (its op ends, or it is issued) resumes it; an op's end
     # releases the streams waiting for it with an event of its own, scheduled at that instant
@@ -617,8 +624,15 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     # (read once: the issuer tests it per op) offexec's issuing loop, where the profile prices issuing; a runtime that
     # issues for free (the presets) keeps the issuer in plan order
     stream_order = STREAM_ORDER_ISSUE and priced
+    # the issuer of a runtime that issues for free, in plan order (the presets): only its window holds it back, so
+    # it walks ``pred`` straight to the next op whose window op has not ended (``iss_walk``, resumed where it
+    # stopped: the op it stopped at is issuable once that op ends) -- ~3·10^5 steps for OPT-175B's plan
+    plain_issue = pred is not None and costs is None and not stream_order
+    iss_walk = enumerate(pred) if plain_issue else None
+    if issued is None and pred is None:
+        iss_i = n  # nothing is issued (no issue costs, no window): every op counts as issued, none is checked
     host_codes = {_STREAM_INDEX[h] for h in HOST_STREAMS}
-    on_host = [x in host_codes for x in sidx]
+    on_host = np.isin(sarr, list(host_codes)).tolist()  # (sarr: sidx as an array)
     host_stream = [s_ in host_codes for s_ in range(ns)]
 
     wait_all = plan.issue_waits_for_deps
@@ -652,7 +666,55 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
             now, _, resumed = pushpop(heap, nxt) if heap else nxt
             nxt = None
         for s in resumed:
-            if s == ISS:  # the issuer: after an op's issue cost, or once the op its next op waits for has ended
+            if s < 0:  # the op on stream ~s ends now (the event its start scheduled)
+                s = ~s
+                i = cur[s]
+                end[i] = now
+                f = frees[i]
+                if f is not None:
+                    if multi:
+                        gmem[odev[i]] -= f[0]
+                    else:
+                        mem_g -= f[0]
+                    if nodes:
+                        nm = nmem[onode[i]]
+                        nm[0] -= f[1]
+                        nm[1] -= f[2]
+                    else:
+                        mem_c -= f[1]
+                        mem_d -= f[2]
+                w = waiting[i]
+                if w is not None:  # release its waiters
+                    push(heap, (now, seq, w))
+                    seq += 1
+                if iss_host_wait and (host_stream[s] or wait_all):  # the issuer waits for a host op: rescan
+                    iss_host_wait = False
+                    push(heap, (now, seq, itself_iss))
+                    seq += 1
+                i = cur[s] = next_on[i]
+                if i < 0:
+                    continue
+            elif s == ISS:  # the issuer: after an op's issue cost, or once the op its next op waits for has ended
+                if plain_issue:
+                    for i, p in iss_walk:
+                        if p >= 0 and end[p] is None:  # the window is full: wait for the op ``run_ahead`` back
+                            break
+                    else:
+                        i = n
+                    iss_i = i
+                    if iwaiting:  # release the streams waiting for the ops issued now, in plan order
+                        for o in sorted(iwaiting):
+                            if o >= i:
+                                break
+                            push(heap, (now, seq, iwaiting.pop(o)))
+                            seq += 1
+                    if i < n:
+                        w = waiting[p]
+                        if w is None:
+                            waiting[p] = [ISS]
+                        else:
+                            w.append(ISS)
+                    continue
                 while True:
                     if stream_order:  # as offexec's issuing loop picks its next op
                         i = iss_cur
@@ -705,39 +767,20 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                             push(heap, (now, seq, w))
                             seq += 1
                 continue
-            i = cur[s]
-            if running[s]:  # the op on this stream ends now
-                running[s] = False
-                end[i] = now
-                f = frees[i]
-                if f is not None:
-                    if multi:
-                        gmem[odev[i]] -= f[0]
+            else:
+                i = cur[s]
+            # (one test per resumption where the issuer is plain: an op from ``iss_i`` on is not issued yet; with
+            # issue times or the stream-order issuer ``iss_i`` stays 0, and each op is checked once below)
+            if i >= iss_i and issue_checked[s] != i:
+                if plain_issue:  # not issued yet: wait for it
+                    w = iwaiting.get(i)
+                    if w is None:
+                        iwaiting[i] = [s]
                     else:
-                        mem_g -= f[0]
-                    if nodes:
-                        nm = nmem[onode[i]]
-                        nm[0] -= f[1]
-                        nm[1] -= f[2]
-                    else:
-                        mem_c -= f[1]
-                        mem_d -= f[2]
-                w = waiting[i]
-                if w is not None:  # release its waiters
-                    push(heap, (now, seq, w))
-                    seq += 1
-                if iss_host_wait and (host_stream[s] or wait_all):  # the issuer waits for a host op: rescan
-                    iss_host_wait = False
-                    push(heap, (now, seq, itself_iss))
-                    seq += 1
-                i = cur[s] = next_on[i]
-                if i < 0:
+                        w.append(s)
                     continue
-                dep_k[s] = 0
-                issue_checked[s] = no_issue
-            if not issue_checked[s]:
                 if issued is not None:
-                    issue_checked[s] = True
+                    issue_checked[s] = i
                     if issued[i] > now:
                         push(heap, (now + (issued[i] - now), seq, itself[s]))
                         seq += 1
@@ -750,12 +793,12 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                         else:
                             w.append(s)
                         continue
-                    issue_checked[s] = True
+                    issue_checked[s] = i
+            # wait for each unfinished dependency in turn: resumed when it ends, the stream scans them again from the
+            # first (those before it have ended, and an op that has ended stays ended)
             deps = deps_of[i]
-            k = dep_k[s]
-            for d in (deps if k == 0 else deps[k:]):
-                if end[d] is None:  # wait for it; resume at the dependency after it (its first position from k:
-                    dep_k[s] = deps.index(d, k) + 1  # an earlier copy of d would have stopped the scan there)
+            for d in deps:
+                if end[d] is None:
                     w = waiting[d]
                     if w is None:
                         waiting[d] = [s]
@@ -826,10 +869,9 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
             else:
                 dt = dur0[i]
             busy_until[s] = now + dt
-            running[s] = True
             if nxt is not None:
                 push(heap, nxt)
-            nxt = (now + dt, seq, itself[s])
+            nxt = (now + dt, seq, ends[s])
             seq += 1
 
     if None in end:

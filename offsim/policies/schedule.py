@@ -336,6 +336,12 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
             kw.setdefault("device", cur_dev[0])
             return plain_add(kind, deps, phase, step, layer, batch, **kw)
 
+    if multi or s.sync_positions:  # (ops with a device or a barrier: each through ``add`` above, with its own fields)
+        def add_row(kind, deps, phase, step, layer, batch, fields):
+            return add(kind, deps, phase, step, layer, batch, **fields)
+    else:  # ops that share their fields dicts (``compute_fields`` and ``copy_fields`` below)
+        add_row = b.add_row
+
     # sizes by shape (offsim.core.footprint), memoized for this build: a block asks the same few shapes ~10^5 times;
     # every stored KV or weight byte is its stored size (4-bit with compression)
     @functools.cache
@@ -361,6 +367,35 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
     @functools.cache
     def act_bytes(what: str, q: int) -> int:  # 'hidden', 'qkv' or 'attn_out' of the block's gbs sequences
         return {"hidden": fp.hidden_bytes, "qkv": fp.qkv_bytes, "attn_out": fp.attn_out_bytes}[what](model, gbs, q)
+
+    # the fields of the block's ops (those emitted through ``add_row``), one dict per shape, shared by the ops of that
+    # shape: a block has ~10^5 ops of a few hundred shapes, and a dict made and kept per op was a third of the build.
+    # None: the field left out (as ``add`` would have it). (Arguments are compared by value, as any cache's: each
+    # call site passes its own types, and no two sites can pass equal arguments of different types)
+    @functools.cache
+    def compute_fields(part: str, q: int, ctx: int, frees_weights, alloc, free) -> dict:
+        f = {"part": part, "num_seqs": gbs, "q_tokens": q, "ctx_tokens": ctx}
+        if frees_weights is not None:
+            f["frees_weights"] = frees_weights
+        if alloc is not None:
+            f["alloc"] = alloc
+        if free is not None:
+            f["free"] = free
+        return f
+
+    @functools.cache
+    def copy_fields(tensor: str, lo: int, hi: int, heads, nbytes: int, pinned, alloc, free) -> dict:
+        f = {"tensor": tensor, "lo": lo, "hi": hi}
+        if heads is not None:
+            f["head_lo"], f["head_hi"] = heads
+        f["nbytes"] = nbytes
+        if pinned is not None:
+            f["pinned"] = pinned
+        if alloc is not None:
+            f["alloc"] = alloc
+        if free is not None:
+            f["free"] = free
+        return f
 
     # a position's KV work buffer of each off-GPU head group, full length (as offexec allocates it)
     buf_c, buf_d = kv_bytes(kc, wl.max_len), kv_bytes(kd, wl.max_len)
@@ -427,14 +462,15 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
             return
         if h_hi > h_lo:
             n = w_bytes(h_lo, h_hi)
-            ids.append(add("h2d", [dep], phase, i, j, 0, tensor="weight", lo=h_lo, hi=h_hi, nbytes=n,
-                           pinned=pinned, alloc=(n + straddle, 0, 0)))
+            ids.append(add_row("h2d", [dep], phase, i, j, 0, copy_fields("weight", h_lo, h_hi, None, n, pinned,
+                                                                         (n + straddle, 0, 0), None)))
         if u_hi > d_lo:
             n = w_bytes(d_lo, u_hi)
-            rd = add("disk_read", [dep], phase, i, j, 0, tensor="weight", lo=d_lo, hi=u_hi, nbytes=n,
-                     alloc=(0, n, 0))
-            ids.append(add("h2d", [rd], phase, i, j, 0, tensor="weight", lo=d_lo, hi=u_hi, nbytes=n, pinned=pinned,
-                           alloc=(n + (0 if h_hi > h_lo else straddle), 0, 0), free=(0, n, 0)))
+            rd = add_row("disk_read", [dep], phase, i, j, 0, copy_fields("weight", d_lo, u_hi, None, n, None,
+                                                                         (0, n, 0), None))
+            ids.append(add_row("h2d", [rd], phase, i, j, 0,
+                               copy_fields("weight", d_lo, u_hi, None, n, pinned,
+                                           (n + (0 if h_hi > h_lo else straddle), 0, 0), (0, n, 0))))
         loaded[(d, u)] = ids
 
     per_tensor = s.weight_copies == "tensor"
@@ -511,15 +547,15 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         ids = []
         if kc:  # the load allocates the position's full-length work buffer; its store frees it
             nbytes = kv_load(kc, ctx_prev)
-            ids.append(add("h2d", deps, phase, i, j, k, tensor="kv", lo=0, hi=ctx_prev, head_lo=kg, head_hi=kg + kc,
-                           nbytes=nbytes, pinned=kv_pinned, alloc=(buf_c, 0, 0)))
+            ids.append(add_row("h2d", deps, phase, i, j, k, copy_fields("kv", 0, ctx_prev, (kg, kg + kc), nbytes,
+                                                                      kv_pinned, (buf_c, 0, 0), None)))
         if kd:
             nbytes = kv_bytes(kd, ctx_prev)
-            rd = add("disk_read", deps, phase, i, j, k, tensor="kv", lo=0, hi=ctx_prev, head_lo=kg + kc,
-                     head_hi=n_kv, nbytes=nbytes, alloc=(0, nbytes, 0))
-            ids.append(add("h2d", [rd], phase, i, j, k, tensor="kv", lo=0, hi=ctx_prev, head_lo=kg + kc,
-                           head_hi=n_kv, nbytes=kv_load(kd, ctx_prev), pinned=pinned, alloc=(buf_d, 0, 0),
-                           free=(0, nbytes, 0)))
+            rd = add_row("disk_read", deps, phase, i, j, k, copy_fields("kv", 0, ctx_prev, (kg + kc, n_kv), nbytes,
+                                                                        None, (0, nbytes, 0), None))
+            ids.append(add_row("h2d", [rd], phase, i, j, k, copy_fields("kv", 0, ctx_prev, (kg + kc, n_kv),
+                                                                        kv_load(kd, ctx_prev), pinned, (buf_d, 0, 0),
+                                                                        (0, nbytes, 0))))
         pending_kv_loads[p] = ids
         pending_kv_bufs[p] = (bool(kc), bool(kd))
 
@@ -571,8 +607,8 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         if hidden_cpu and k in hidden_store and j >= 0:
             land = act_bytes("hidden", q)
             # (the block's activations are reserved on their home tier in `resident`; the GPU copy is scratch)
-            hl = add("h2d", [hidden_store.pop(k)] + landings[dev].load_deps(), phase, i, j, k, tensor="hidden",
-                     lo=ctx - q, hi=ctx, nbytes=land, pinned=pinned, alloc=(land, 0, 0))
+            hl = add_row("h2d", [hidden_store.pop(k)] + landings[dev].load_deps(), phase, i, j, k,
+                         copy_fields("hidden", ctx - q, ctx, None, land, pinned, (land, 0, 0), None))
             deps = [hl]
         # weights: the current unit's (first batch only), then, when prefetching, the next streamed unit's
         # this position's streamed unit (device, index), if any
@@ -609,32 +645,33 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         if decoder:
             ws += dq
         if sub == "mlp":
-            comp = add("compute", deps, phase, i, j, k, part="mlp", num_seqs=gbs, q_tokens=q, ctx_tokens=ctx,
-                       frees_weights=last_k, alloc=(ws + hin, 0, 0), free=(ws + hin + land + w_free, 0, 0))
+            comp = add_row("compute", deps, phase, i, j, k, compute_fields("mlp", q, ctx, last_k, (ws + hin, 0, 0),
+                                                                           (ws + hin + land + w_free, 0, 0)))
         elif cpu_attn:
             # FlexGen's CPU delegation: QKV on the GPU, attention on the CPU over the host cache, rest on the GPU
-            pre = add("compute", deps + kv_stored.get((j, k), []), phase, i, j, k, part="pre_attn", num_seqs=gbs,
-                      q_tokens=q, ctx_tokens=ctx, alloc=(ws + hin, 0, 0))
+            pre = add_row("compute", deps + kv_stored.get((j, k), []), phase, i, j, k,
+                          compute_fields("pre_attn", q, ctx, None, (ws + hin, 0, 0), None))
             qkv_b = act_bytes("qkv", q)
             cpu_deps = []
             if kd:  # the cache lives on disk: read the prefix into host memory for the CPU
                 nbytes = kv_bytes(kd, ctx - q)
-                cpu_deps.append(add("disk_read", kv_stored.get((j, k), []), phase, i, j, k, tensor="kv", lo=0,
-                                    hi=ctx - q, head_lo=kc, head_hi=n_kv, nbytes=nbytes, alloc=(0, nbytes, 0)))
-            d = add("d2h", [pre], phase, i, j, k, tensor="qkv", lo=ctx - q, hi=ctx, nbytes=qkv_b, pinned=pinned)
+                cpu_deps.append(add_row("disk_read", kv_stored.get((j, k), []), phase, i, j, k,
+                                        copy_fields("kv", 0, ctx - q, (kc, n_kv), nbytes, None, (0, nbytes, 0), None)))
+            d = add_row("d2h", [pre], phase, i, j, k, copy_fields("qkv", ctx - q, ctx, None, qkv_b, pinned, None, None))
             disk_staged = kv_bytes(kd, ctx - q) if kd else 0
-            att = add("cpu_compute", [d] + cpu_deps, phase, i, j, k, part="attn", num_seqs=gbs, q_tokens=q,
-                      ctx_tokens=ctx, free=(0, disk_staged, 0))
+            att = add_row("cpu_compute", [d] + cpu_deps, phase, i, j, k,
+                          compute_fields("attn", q, ctx, None, None, (0, disk_staged, 0)))
             ob = act_bytes("attn_out", q)
-            back = add("h2d", [att], phase, i, j, k, tensor="attn_out", lo=ctx - q, hi=ctx, nbytes=ob, pinned=pinned)
-            comp = add("compute", [back, pre], phase, i, j, k, part="attn_out" if sub else "post_attn",
-                       num_seqs=gbs, q_tokens=q, ctx_tokens=ctx, frees_weights=last_k,
-                       free=(ws + hin + land + w_free, 0, 0))
+            back = add_row("h2d", [att], phase, i, j, k, copy_fields("attn_out", ctx - q, ctx, None, ob, pinned, None,
+                                                                     None))
+            comp = add_row("compute", [back, pre], phase, i, j, k,
+                           compute_fields("attn_out" if sub else "post_attn", q, ctx, last_k, None,
+                                          (ws + hin + land + w_free, 0, 0)))
             stores = [att]
             if kd:  # append the new token's KV to the disk copy
                 nb_new = kv_bytes(kd, q)
-                stores = [add("disk_write", [att], phase, i, j, k, tensor="kv", lo=ctx - q, hi=ctx, head_lo=kc,
-                              head_hi=n_kv, nbytes=nb_new)]
+                stores = [add_row("disk_write", [att], phase, i, j, k,
+                                  copy_fields("kv", ctx - q, ctx, (kc, n_kv), nb_new, None, None, None))]
             kv_stored[(j, k)] = stores
         else:
             # (the embedding of step i waits for the LM head of step i-1 through last_out: the next token)
@@ -644,26 +681,28 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
             new_bufs = (0 if loaded_c else buf_c) + (0 if loaded_d else buf_d) if decoder else 0
             if new_bufs:
                 deps += buf_frees.get(kv_index[p] - kv_reuse, [])
-            comp = add("compute", deps, phase, i, j, k, part=part, num_seqs=gbs, q_tokens=q, ctx_tokens=ctx,
-                       frees_weights=decoder and last_k, alloc=(ws + hin + new_bufs, 0, 0),
-                       free=(ws + hin + land + w_free, 0, 0))
+            comp = add_row("compute", deps, phase, i, j, k,
+                           compute_fields(part, q, ctx, decoder and last_k, (ws + hin + new_bufs, 0, 0),
+                                          (ws + hin + land + w_free, 0, 0)))
             if decoder and (kc or kd):
                 # store the new tokens' KV of the host- and disk-homed heads (FlexGen: store_cache); each store is
                 # the last user of its group's work buffer
                 stores = []
                 if kc:
                     nbytes = kv_bytes(kc, q)
-                    stores.append(add("d2h", [comp], phase, i, j, k, tensor="kv", lo=ctx - q, hi=ctx, head_lo=kg,
-                                      head_hi=kg + kc, nbytes=nbytes, pinned=kv_pinned, free=(buf_c, 0, 0)))
+                    stores.append(add_row("d2h", [comp], phase, i, j, k,
+                                          copy_fields("kv", ctx - q, ctx, (kg, kg + kc), nbytes, kv_pinned, None,
+                                                      (buf_c, 0, 0))))
                     buf_frees.setdefault(kv_index[p], []).append(stores[-1])
                 if kd:
                     nbytes = kv_bytes(kd, q)
-                    st = add("d2h", [comp] + disk_stores[dev].d2h_deps(), phase, i, j, k, tensor="kv", lo=ctx - q,
-                             hi=ctx, head_lo=kg + kc, head_hi=n_kv, nbytes=nbytes, pinned=pinned,
-                             alloc=(0, nbytes, 0), free=(buf_d, 0, 0))
+                    st = add_row("d2h", [comp] + disk_stores[dev].d2h_deps(), phase, i, j, k,
+                                 copy_fields("kv", ctx - q, ctx, (kg + kc, n_kv), nbytes, pinned, (0, nbytes, 0),
+                                             (buf_d, 0, 0)))
                     buf_frees.setdefault(kv_index[p], []).append(st)
-                    stores.append(add("disk_write", [st], phase, i, j, k, tensor="kv", lo=ctx - q, hi=ctx,
-                                      head_lo=kg + kc, head_hi=n_kv, nbytes=nbytes, free=(0, nbytes, 0)))
+                    stores.append(add_row("disk_write", [st], phase, i, j, k,
+                                          copy_fields("kv", ctx - q, ctx, (kg + kc, n_kv), nbytes, None, None,
+                                                      (0, nbytes, 0))))
                     disk_stores[dev].record(st, stores[-1])
                 kv_stored[(j, k)] = stores
         last_out[k] = comp
@@ -674,8 +713,8 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         # (the last layer of a stage sends its output to the next GPU from the GPU: nothing parked)
         if hidden_cpu and j < L and not (multi and j == stages[dev][1] - 1 and dev < S - 1 and sub != "attn"):
             hb = act_bytes("hidden", q)
-            hidden_store[k] = add("d2h", [comp], phase, i, j, k, tensor="hidden", lo=ctx - q, hi=ctx, nbytes=hb,
-                                  pinned=pinned)
+            hidden_store[k] = add_row("d2h", [comp], phase, i, j, k,
+                                      copy_fields("hidden", ctx - q, ctx, None, hb, pinned, None, None))
     cap = dict(capacity)
     settings = dict(s.settings)
     plan_stages, plan_nodes = [], []
