@@ -696,6 +696,17 @@ def _extend(present: dict, key: tuple, lo: int, hi: int) -> None:
         present[key] = max(end, hi)
 
 
+def _merged(deps: list | tuple) -> tuple:
+    """An op's dependencies as its row keeps them: sorted, each once (``deps`` holds no None)."""
+    n = len(deps)
+    if n == 2:  # the commonest merge (an op and one buffer or load), without building a set and sorting it
+        a, b = deps
+        return (a, b) if a < b else (b, a) if b < a else (a,)
+    if n > 2:
+        return tuple(sorted(set(deps)))
+    return deps if type(deps) is tuple else tuple(deps)
+
+
 class PlanBuilder:
     """Appends ops in issue order with consecutive ids. With ``serial=True`` every op also waits for the op issued
     before it (FlexGen's 'overlap off': nothing runs concurrently). ``ops`` is an ``OpList``: one row per op, the
@@ -725,15 +736,7 @@ class PlanBuilder:
             deps = [d for d in deps if d is not None]
         if self.serial and i:
             deps = [*deps, i - 1]
-        n = len(deps)
-        if n == 2:  # the commonest merge (an op and one buffer or load), without building a set and sorting it
-            a, b = deps
-            deps = (a, b) if a < b else (b, a) if b < a else (a,)
-        elif n > 2:
-            deps = tuple(sorted(set(deps)))
-        elif type(deps) is not tuple:
-            deps = tuple(deps)
-        rows.append((kind, deps, phase, step, layer, batch, kw))
+        rows.append((kind, _merged(deps), phase, step, layer, batch, kw))
         return i
 
     def add_row(self, kind: str, deps: list | tuple, phase: str, step: int, layer: int, batch: int,
@@ -751,15 +754,7 @@ class PlanBuilder:
             return self.add(kind, deps, phase, step, layer, batch, **fields)
         if None in deps:
             deps = [d for d in deps if d is not None]
-        n = len(deps)
-        if n == 2:  # (as ``add`` merges them)
-            a, b = deps
-            deps = (a, b) if a < b else (b, a) if b < a else (a,)
-        elif n > 2:
-            deps = tuple(sorted(set(deps)))
-        elif type(deps) is not tuple:
-            deps = tuple(deps)
-        rows.append((kind, deps, phase, step, layer, batch, fields))
+        rows.append((kind, _merged(deps), phase, step, layer, batch, fields))
         return len(rows) - 1
 
     def _row_fields(self, fields: dict) -> bool:
