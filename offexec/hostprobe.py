@@ -21,8 +21,8 @@ PROBE_BATCH, PROBE_HEADS, PROBE_HEAD_DIM, PROBE_CTX = 16, 32, 128, 512
 PROBE_COPY_BYTES = 256 << 20  # host memory copy: past any last-level cache
 # the CPU-attention op is timed in PROBE_ROUNDS rounds PROBE_GAP_S apart and the fastest round's median kept: a
 # transient (the kernel zeroing a freshly pinned host pool, a neighbour's burst) slows one round, a state of the
-# host slows them all. On the H200 host (2026-12-02) one probe taken right after a 70 GiB pinned pool was allocated
-# read 10.0 ms where the others of the session read 1.5-2.7 ms, and the case it preceded ran at its usual speed.
+# host slows them all. On the H200 host (2026-12-02) one probe before a case read 10.0 ms where the others of the
+# session read 1.5-2.7 ms, and the case ran at its usual speed (results/validation/remeasure_calib_23c5a0b).
 PROBE_ROUNDS, PROBE_GAP_S = 3, 0.05
 
 
