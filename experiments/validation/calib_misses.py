@@ -9,6 +9,7 @@ baseline's). Only calibration cases are read: the held-out split is never looked
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 from pathlib import Path
@@ -101,6 +102,13 @@ class Case:
         m = self.mo[(self.mo.kind == kind) & (self.mo.step > 0)]
         p = self.po[(self.po.kind == kind) & (self.po.step > 0)]
         return m.sum_s.sum() / m["count"].sum(), p.sum_s.sum() / p["count"].sum(), m.sum_s / m["count"]
+
+
+@functools.cache
+def _case(name: str) -> Case:
+    """One ``Case`` per calibration case for the whole report: its re-simulation is the costly part, and several
+    sections read the same cases (read only: nothing changes a Case after it is built)."""
+    return Case(name)
 
 
 def _header(c: Case, base_err: float) -> list[str]:
@@ -467,7 +475,7 @@ def cpu_attention_calibration() -> tuple[list[str], dict[str, float]]:
         c = load_case(CALIB / f"{name}.case.json")
         if not c["meta"]["settings"].get("cpu_attention"):
             continue
-        k = Case(name)
+        k = _case(name)
         m_op, p_op, _ = k.decode_per_op("cpu_compute")
         with mock.patch.object(S, "STREAM_ORDER_ISSUE", False):
             tr = resimulate(k.c, str(PROFILE))
@@ -547,14 +555,14 @@ def first_decode_step_section() -> list[str]:
     rows, table = [], []
     for f in sorted(CALIB.glob("*.case.json")):
         name = f.name.removesuffix(".case.json")
-        k = Case(name)
+        k = _case(name)
         meas, pred = k.ms["lat"].to_numpy(), k.ps["lat"].to_numpy()
         if len(meas) < 3:
             continue
         me, pe = meas[1] - np.median(meas[2:]), pred[1] - np.median(pred[2:])  # step 1 over a later step, s
         tm, tp = k.c["metrics"]["total_s"], k.pred_trace.metrics()["total_s"]
         err, err1 = tm / tp - 1, tm / (tp + me - pe) - 1  # tok/s error = measured time / predicted time - 1
-        plan = _as_ran(k.plan, k.c["meta"])
+        plan = _as_ran(Plan.load(CALIB / k.c["meta"]["plan_file"]), k.c["meta"])  # (a copy: Cases are shared)
         cap = sum(S._capture_extras(plan, S.op_rows(plan.ops), k.hw).values())
         comp = k.mo[(k.mo.kind == "compute") & (k.mo.layer >= 0)].groupby("step")["sum_s"].sum()
         op_extra = float(comp.get(1, 0.0) - comp.get(2, 0.0))
@@ -721,7 +729,7 @@ def main(argv: list[str] | None = None) -> None:
              "| case | baseline error | today's error | measured at | earlier run | largest gap | analysed | "
              "within 10 % |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     misses = sorted(base.index[base.abs() > 0.10], key=lambda n: -abs(base[n]))
-    cases = {n: Case(n) for n in misses + [n for n in VERDICT if n not in misses]}
+    cases = {n: _case(n) for n in misses + [n for n in VERDICT if n not in misses]}
     earlier = _earlier_runs()
     for n, c in cases.items():
         meta = c.c["meta"]
