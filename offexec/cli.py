@@ -5,7 +5,8 @@ offsim's prediction for the same plan. (``offexec profile``: offexec/profile.py;
 Takes ``offsim simulate``'s model / hardware / policy / workload options (the same argparse helpers), or
 ``--plan FILE`` (a plan saved by ``offsim simulate --save-plan``), plus ``--device``, ``--trace``, ``--checkpoint``,
 ``--dtype``, ``--disk-dir``. Before the measured run, the same plan for two tokens runs unmeasured (a warm-up:
-kernel loading, GEMM algorithm choice, allocator growth; ``--no-warmup`` skips it). Prints measured and predicted
+kernel loading, GEMM algorithm choice, allocator growth; ``--warmup-mode full`` runs the whole plan instead, so that
+the measured run is a steady-state run as offsim predicts it; ``--no-warmup`` skips it). Prints measured and predicted
 prefill / decode / total tok/s with the error, the peak memory of each tier, the host's state before the run
 (``offexec/hostprobe.py``), the host time spent issuing ops, and, as the last line, one JSON object. Bad input -- an unknown name, a plan that does not fit the GPU budget, a
 checkpoint that does not match the model, ``--device cuda`` without a GPU, a disk tier without room, options that
@@ -32,6 +33,8 @@ from offsim.core.specs import HARDWARE_PRESETS, Workload, get_hardware, get_mode
 from offsim.policies import build_plan
 
 from . import ALLOCATOR_CAPS
+
+WARMUP_MODES = ("short", "full")  # offexec run's unmeasured warm-up: 2 tokens, or the whole plan once
 
 GiB = 1 << 30
 PHASES = ("prefill_tok_s", "decode_tok_s", "total_tok_s")
@@ -63,7 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run a plan JSON written by `offsim simulate --save-plan` (it carries model, policy, "
                         "settings and workload: options that set those are then an error)")
     r.add_argument("--no-warmup", action="store_true",
-                   help="skip the unmeasured warm-up (the same plan for 2 tokens) before the measured run")
+                   help="skip the unmeasured warm-up before the measured run")
+    r.add_argument("--warmup-mode", choices=WARMUP_MODES, default="short",
+                   help="the unmeasured warm-up: the same plan for 2 tokens (short: kernels, GEMM heuristics, the "
+                        "prefill's allocations) or the whole plan once (full: twice the time; the measured run is "
+                        "then a steady-state run, as offsim predicts it: after 'short' its first decode step ran "
+                        "~30-150 ms longer on the H200) (default: %(default)s)")
     r.add_argument("--allocator-cap", default="plan", choices=ALLOCATOR_CAPS,
                    help="cap PyTorch's GPU allocator at the plan's own bytes, what offsim predicts (plan, default: "
                         "the run proves the memory contract) or at the --gpu-mem-gb budget (budget)")
@@ -151,7 +159,8 @@ def _build(args, hw):
     if not args.no_warmup:
         from .job import WARMUP_GEN_LEN, shortened  # (per-request lengths capped too: a mixed-length plan)
 
-        warm = build_plan(policy, model, hw, shortened(plan.workload, WARMUP_GEN_LEN), settings)
+        warm = (plan if getattr(args, "warmup_mode", "short") == "full"
+                else build_plan(policy, model, hw, shortened(plan.workload, WARMUP_GEN_LEN), settings))
     if getattr(args, "disk_cache", False):  # the disk tier's mode is part of the plan: executor, check and simulator all read it there
         for p in (plan, warm):
             if p is not None:
@@ -228,7 +237,8 @@ def cmd_run(args) -> dict:
     print(f"offexec {plan.policy} on {prov['gpu'] or device.type} (budget {budget / GiB:.2f} GiB), {model.name} "
           f"{dtype_name}, prompt {wl.prompt_len}, gen {wl.gen_len}, {wl.gpu_batch_size} x {wl.num_gpu_batches} "
           f"prompts, {len(plan.ops)} ops; weights ready in {weights_s:.1f} s ({weights.source})")
-    print(f"warm-up: the same plan for {warm.workload.gen_len} tokens ran unmeasured in {warmup_s:.2f} s"
+    print(f"warm-up: {'the whole plan' if warm is plan else f'the same plan for {warm.workload.gen_len} tokens'} "
+          f"ran unmeasured in {warmup_s:.2f} s"
           if warm is not None else "warm-up: skipped (--no-warmup): the measured run includes first-call costs")
     if comparable:
         print(f"{'phase':<8} {'measured tok/s':>15} {'offsim tok/s':>13} {'error':>8}")
@@ -275,7 +285,8 @@ def cmd_run(args) -> dict:
            "predicted": {k: predicted[k] for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s", "total_s",
                                                    "peak_gpu_bytes")},
            "error": {r["phase"]: r["error"] if comparable else None for r in rows}, "comparable": comparable,
-           "warmup": None if warm is None else {"gen_len": warm.workload.gen_len, "wall_s": warmup_s},
+           "warmup": None if warm is None else {"mode": "full" if warm is plan else "short",
+                                                "gen_len": warm.workload.gen_len, "wall_s": warmup_s},
            "issue_s": st["issue_s"], "issue_frac": st["issue_frac"], "issue_s_by_handler": st["issue_s_by_handler"],
            "host_bound_idle_s": st.get("host_bound_idle_s"), "host_bound_idle_frac": st.get("host_bound_idle_frac"),
            "run_ahead_wait_s": st["run_ahead_wait_s"], "graphs": st["graphs"], "allocator": st.get("allocator"),

@@ -64,6 +64,26 @@ def test_run_no_warmup_and_cpu_profile_comparison(checkpoint, tmp_path, capsys):
     assert any(line.startswith("decode") and line.rstrip().endswith("%") for line in out)
 
 
+def test_run_full_warmup_runs_the_whole_plan_first(checkpoint, tmp_path, capsys):
+    """--warmup-mode full: the plan itself runs once unmeasured (a steady-state measured run), said in the output
+    and the JSON; the trace still holds the measured run only."""
+    trace = tmp_path / "t.csv"
+    rc = main(["run", "--model", str(checkpoint / "config.json"), "--policy", "flexgen", "--warmup-mode", "full",
+               "--trace", str(trace)] + TINY_ARGS)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert rc == 0
+    js = json.loads(out[-1])
+    assert js["warmup"]["mode"] == "full" and js["warmup"]["gen_len"] == js["workload"]["gen_len"]
+    assert any(line.startswith("warm-up: the whole plan ran unmeasured") for line in out)
+    assert Trace.from_csv(trace).df["step"].max() == js["workload"]["gen_len"] - 1
+
+
+def test_run_rejects_an_unknown_warmup_mode(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--warmup-mode", "half"])
+    assert e.value.code == 2 and "invalid choice: 'half'" in capsys.readouterr().err
+
+
 def test_run_host_profile_writes_pstats(checkpoint, tmp_path, capsys):
     """--host-profile: cProfile of the issuing thread to FILE and its costliest functions printed; the allocator's
     retries by handler are a CUDA diagnostic (absent on the CPU, where there is no caching allocator)."""

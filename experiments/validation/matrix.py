@@ -195,7 +195,8 @@ def warmup_plan(plan, policy: str, model, hw, wl: Workload, settings: dict, mode
     that the KV buffers and the graphed decode attention over them have the measured run's full length (uniform
     batches; a mixed-length one falls back to 'short'); 'full': the case's own plan, every step (twice the time).
     Why the modes: a run's first decode op after the short warm-up cost a median 9.9 ms, a later run's 0.4 ms
-    (results/validation/calib_misses.md). Returns (plan, the mode it is)."""
+    (results/validation/calib_misses.md); after 'full' run 0 is a steady-state run
+    (results/validation/warmup_modes_93bb5dd/README.md). Returns (plan, the mode it is)."""
     if mode == "full":
         return plan, mode
     if mode == "same-length" and not wl.prompt_lens and wl.gen_len > 2:
@@ -347,10 +348,14 @@ def main() -> None:
                     help="commit to record (the device machine's copy has no .git, so provenance cannot read it)")
     ap.add_argument("--warmup", action="store_true",
                     help="before each case's measured runs, an unmeasured run (--warmup-mode)")
-    ap.add_argument("--warmup-mode", choices=("short", "same-length", "full"), default="short",
+    # full by default since 2026-12-02: after it run 0's first decode step is within ~10 ms of offsim's and run 1
+    # within a median 1.7 % of run 0; after 'short' step 1 ran ~80 ms longer and run 1 5 % faster
+    # (results/validation/warmup_modes_93bb5dd/README.md)
+    ap.add_argument("--warmup-mode", choices=("short", "same-length", "full"), default="full",
                     help="with --warmup: the same policy for 2 tokens (short), 2 tokens at the case's full length "
                          "(same-length: KV buffers and graphed attention as long as the run's), or the case's own "
-                         "plan (full); recorded in the case (default: %(default)s)")
+                         "plan (full: the measured runs are steady-state runs, what offsim predicts); a mode that "
+                         "does not fit falls back to short; recorded in the case (default: %(default)s)")
     ap.add_argument("--disk-dir", default=None, help="folder of the disk tier (a real disk: O_DIRECT)")
     ap.add_argument("--only-models", nargs="+", default=None, help="run mode: only the cases of these models")
     ap.add_argument("--only-cases", nargs="+", default=None,
