@@ -134,10 +134,16 @@ def _rounds() -> list[str]:
     for s in SPLITS:
         for f in sorted((VAL / f"h200_{s}").glob("*.case.json")):
             m = json.loads(f.read_text())["meta"]
-            k = (s, m.get("commit", "?"), str(m.get("date", ""))[:10])
+            # the warm-up before the measured runs (matrix --warmup-mode; cases before the option was recorded
+            # had the 2-token one): after 'short' a run's first decode step is ~30-150 ms longer than after
+            # 'full' (warmup_modes_93bb5dd/README.md), so a round's protocol is part of what it measured
+            warm = m.get("warmup_mode", "short") if m.get("warmup", True) else "none"
+            k = (s, m.get("commit", "?"), str(m.get("date", ""))[:10], warm)
             rounds[k] = rounds.get(k, 0) + 1
-    out = ["Measurement rounds (the cases as committed now):", "", "| split | offexec commit | date | cases |",
-           "| --- | --- | --- | --- |"] + [f"| {s} | {c} | {d} | {n} |" for (s, c, d), n in sorted(rounds.items())]
+    out = ["Measurement rounds (the cases as committed now; warm-up: `short` = the plan for 2 tokens, `full` = the "
+           "whole plan once, unmeasured, before the measured runs):", "",
+           "| split | offexec commit | date | warm-up | cases |", "| --- | --- | --- | --- | --- |"]
+    out += [f"| {s} | {c} | {d} | {w} | {n} |" for (s, c, d, w), n in sorted(rounds.items())]
     runs: dict[str, list] = {}
     for line in (VAL / "matrix_v2_runs.jsonl").read_text().splitlines():
         r = json.loads(line)
@@ -209,6 +215,10 @@ def _remeasured() -> list[str]:
         current = sum(json.loads(files[t].read_text())["meta"].get("commit") in new for t in df["case"] if t in files)
         kept = ("The cases' files in the split are these runs." if current == len(df) else
                 f"{current} of these runs are the split's files today; later runs replaced the others.")
+        warm = sorted({json.loads(files[t].read_text())["meta"].get("warmup_mode", "short") for t in df["case"]
+                       if t in files and json.loads(files[t].read_text())["meta"].get("commit") in new})
+        if warm:  # the protocol is part of the change measured (see the rounds table)
+            kept += f" These runs came after the `{'`/`'.join(warm)}` warm-up."
         out += ["", f"### Re-measured at one commit: `{f.parent.name}/`", "",
                 f"{whole} of `h200_{split}/` measured again at {', '.join(new)} "
                 f"({prov['date'][:10]}; not chosen by error; the runs' logs, `runs.jsonl` and this "
