@@ -336,8 +336,10 @@ def _flexgen_profile_notes(prof: dict) -> list[str]:
                      "is priced at offexec's rate (its 'attn_ctx:B' rows).")
     if prof.get("h2d_relay"):
         big = max(prof["h2d_relay"], key=lambda xy: xy[0])
-        notes.append("- Its unpinned KV copies (`general_copy` pins a copy of the source first): the profile's relay "
-                     f"curves (`h2d_relay` / `d2h_relay`; H2D {big[1] / 1e9:.1f} GB/s at {big[0] / 2**20:.0f} MiB).")
+        notes.append("- Its unpinned KV copies of more than one position (`general_copy` pins a copy of the source "
+                     f"first): the profile's relay curves (`h2d_relay` / `d2h_relay`; H2D {big[1] / 1e9:.1f} GB/s at "
+                     f"{big[0] / 2**20:.0f} MiB); a decode token's K and V stores (one position: its plain path) at "
+                     "the pageable rate.")
     else:
         notes.append("- Its unpinned KV copies: the profile has no relay curves, so they are priced at the pageable "
                      "rate (`h2d_pageable`).")

@@ -135,20 +135,14 @@ def _layer_specs(model) -> list[list[tuple[tuple[int, ...], str]]]:
 def weight_homes(model, percent) -> list[tuple[str, tuple[int, ...]]]:
     """(tier, shape) of every weight tensor as FlexGen places it (``init_weight_list``): within each FlexGen layer,
     tensor i goes to the tier whose cumulative percentage range (disk, then CPU, then GPU) holds the midpoint of its
-    cumulative size."""
-    w_gpu, w_cpu = percent[0], percent[1]
-    w_disk = 100 - w_gpu - w_cpu
-    bounds = [(w_disk, "disk"), (w_disk + w_cpu, "cpu"), (100, "gpu")]
+    cumulative size -- the rule offsim's flexgen-ref applies (``offsim.policies.ref.flexgen_tensor_tiers``, one
+    place), over this harness's layer list (the shapes FlexGen allocates)."""
+    from offsim.policies.ref import flexgen_tensor_tiers
+
     out = []
     for layer in _layer_specs(model):
-        sizes = [_numel(s) for s, _ in layer]
-        total = sum(sizes)
-        cum = 0
-        for (shape, _), n in zip(layer, sizes):
-            cum += n
-            mid = (cum - n / 2) / total * 100
-            tier = next((t for b, t in bounds if mid < b), "gpu")
-            out.append((tier, shape))
+        shapes = [s for s, _ in layer]
+        out += list(zip(flexgen_tensor_tiers([_numel(s) for s in shapes], percent[0], percent[1]), shapes))
     return out
 
 

@@ -98,6 +98,18 @@ def link_bytes_per_s(hw: HardwareSpec, nbytes, direction: str, pinned: bool = Tr
     return interp(curve, nbytes) if _is_number(nbytes) else curve[-1][1]
 
 
+def relayed(op, pageable_copy: str) -> bool:
+    """Whether plan op ``op``, a copy, is staged through a pinned relay when unpinned (``link_bytes_per_s``' ``relay``)
+    in a plan whose ``pageable_copy`` is ``pageable_copy``: with 'relay' (FlexGen's ``general_copy``,
+    pytorch_backend.py), every copy but a D2H of one KV position -- ``general_copy`` sends a GPU-to-unpinned-host
+    copy through its copy threads' pinned buffer only when ``src.shape[0] > 1``; a decode token's K or V (shape [1,
+    B x heads, head_dim], ``SelfAttention.store_cache``) takes its plain path, a pageable ``copy_``."""
+    if pageable_copy != "relay":
+        return False
+    return not (op.kind == "d2h" and getattr(op, "tensor", "") == "kv"
+                and getattr(op, "hi", 0) - getattr(op, "lo", 0) <= 1)
+
+
 def transfer_seconds(hw: HardwareSpec, nbytes, direction: str, pinned: bool = True, other_busy_s: float = 0.0,
                      relay: bool = False):
     """Seconds to copy ``nbytes`` over PCIe: latency + bytes / bandwidth(size, direction).
@@ -520,6 +532,23 @@ def cpu_attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_tokens
     return t if fixed is None else t + table_seconds(fixed, num_seqs)
 
 
+def cpu_attention_row_holds_sublayer(hw: HardwareSpec, model: ModelSpec, impl: str) -> bool:
+    """Whether the profile prices ``model``'s decode CPU-attention op of ``impl`` from rows that timed the whole
+    attention sub-layer: 'flexgen' rows ('attn_ctx_flexgen:B') timed by calling FlexGen's own code
+    (offexec/profile.py ``profile_cpu_attention_flexgen_own``: ``load_cache``'s copy into the fp32 workspace, then
+    ``TorchDevice.mha_gen`` -- its layer norm and Q/K/V projections on the GPU, the copies of Q and the new K/V to
+    the host, the CPU attention, the copy of the result back, the output projection and residual -- with the GPU
+    synchronised), which the profile marks by keeping its reproduction of the CPU part beside them as
+    'attn_ctx_flexgen_seq:B' (``_flexgen_attention_tables``). Then a plan prices that op alone for the sub-layer
+    (``Schedule.cpu_attention_sublayer``: flexgen-ref). False where the rows are the reproduction alone (the CPU
+    part only), offexec's, or missing (a preset: the parts are priced apart, each by its own rate)."""
+    if impl != "flexgen" or not hw.op_times:
+        return False
+    key = _layer_key(model)
+    parts = {p.split(":")[0] for k, m, p, _ in hw.op_times if k == key and m == "cpu"}
+    return "attn_ctx_flexgen" in parts and "attn_ctx_flexgen_seq" in parts
+
+
 def _cpu_attention_by_context(model: ModelSpec, hw: HardwareSpec, num_seqs: float, ctx_tokens: int,
                               prefix: str = "attn_ctx:") -> float | None:
     """A decode CPU-attention op from the profile's ('cpu', 'attn_ctx:B') rows (``offexec profile --ops M
@@ -673,7 +702,7 @@ def duplex_rate(op, model: ModelSpec, hw: HardwareSpec, pageable_copy: str = "")
     if hw.op_times and getattr(op, "tensor", None) in COPY_TABLE_TENSORS \
             and op_table(hw, model, "copy", f"{k}_{op.tensor}") is not None:
         return None
-    return link_bytes_per_s(hw, op.nbytes, k, op.pinned, pageable_copy == "relay")
+    return link_bytes_per_s(hw, op.nbytes, k, op.pinned, relayed(op, pageable_copy))
 
 
 def op_seconds(op, model: ModelSpec, hw: HardwareSpec, other_busy_s: float = 0.0, disk_cached: bool = False,
@@ -702,7 +731,7 @@ def op_seconds(op, model: ModelSpec, hw: HardwareSpec, other_busy_s: float = 0.0
             if curve is not None:
                 return table_seconds(curve, op.nbytes)
         t = transfer_seconds(hw, op.nbytes, k, pinned=op.pinned, other_busy_s=other_busy_s,
-                             relay=pageable_copy == "relay")
+                             relay=relayed(op, pageable_copy))
         if gather_copies and k == "h2d" and getattr(op, "tensor", "") == "weight":
             t += gather_seconds(hw, op.nbytes, gather_copies)
         return t

@@ -188,6 +188,77 @@ def embedding_bytes(model: ModelSpec) -> int:
     return model.embedding_bytes()
 
 
+# -- FlexGen's own layers (the ``flexgen-ref`` policy: FlexGen 0.1.8's code as it runs) ---------------------------
+# FlexGen's layer list with ``sep_layer`` (its default): InputEmbed, then each decoder layer's SelfAttention and MLP,
+# then OutputEmbed (flex_opt.py ``OptLM.__init__``); each places and loads its own weight list
+FLEXGEN_UNITS = ("embed", "attn", "mlp", "head")
+
+
+@functools.lru_cache(maxsize=256)
+def flexgen_unit_tensors(model: ModelSpec, unit: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(name, shape) of the weight tensors of one of FlexGen's layers, in the order of its weight list
+    (``init_weight`` of each class in flex_opt.py): 'embed' (InputEmbed: the token embedding, and OPT's learned
+    positions, max_positions + 2 rows), 'attn' / 'mlp' (a decoder layer's attention / MLP tensors: ``layer_tensors``
+    order, which is SelfAttention's w_q, b_q, w_k, b_k, w_v, b_v, w_out, b_out, w_ln, b_ln and MLP's fc1, b_fc1, fc2,
+    b_fc2, w_ln, b_ln for OPT), 'head' (OutputEmbed: the final norm, then the LM head -- its own copy of the token
+    embedding, which FlexGen allocates again even though OPT ties the two)."""
+    h, v = model.d_model, model.vocab_size
+    opt = model.family == "opt"
+    if unit == "embed":
+        return (("embed_tokens", (v, h)),) + ((("embed_positions", (model.max_positions + 2, h)),) if opt else ())
+    if unit == "head":
+        return (("final_norm.weight", (h,)),) + ((("final_norm.bias", (h,)),) if opt else ()) + \
+            (("lm_head", (v, h)),)
+    if unit not in SUBLAYERS:
+        raise OffsimError(f"FlexGen's layers are {FLEXGEN_UNITS}, not {unit!r}")
+    lo, hi = sublayer_ranges_bytes(model)[unit]
+    return tuple((name, shape) for (name, t_lo, _), (_, shape) in zip(weight_tensor_ranges_bytes(model),
+                                                                      model.layer_tensors()) if lo <= t_lo < hi)
+
+
+def flexgen_unit_cuts(model: ModelSpec, unit: str, n_disk: int, n_cpu: int) -> tuple[int, int, int, int]:
+    """fp16 byte offsets (lo, disk end, CPU end, hi) of one of FlexGen's layers whose first ``n_disk`` tensors are on
+    disk, the next ``n_cpu`` in host memory and the rest on the GPU (as FlexGen's placement leaves them: see
+    ``offsim.policies.ref.flexgen_unit_homes``): bytes [lo, disk end) on disk, [disk end, CPU end) on the CPU, [CPU
+    end, hi) on the GPU. For 'attn' / 'mlp' in the decoder layer's flat buffer (a plan's weight ops address those
+    bytes); for 'embed' / 'head' in the layer's own tensors, from 0."""
+    tensors = flexgen_unit_tensors(model, unit)
+    lo = sublayer_ranges_bytes(model)[unit][0] if unit in SUBLAYERS else 0
+    ends = [lo]
+    for _, shape in tensors:
+        ends.append(ends[-1] + math.prod(shape) * model.dtype_bytes)
+    n_disk = min(n_disk, len(tensors))
+    n_cpu = min(n_cpu, len(tensors) - n_disk)
+    return lo, ends[n_disk], ends[n_disk + n_cpu], ends[-1]
+
+
+def flexgen_unit_stored_bytes(model: ModelSpec, unit: str, lo: int, hi: int,
+                              comp: Compression = NO_COMPRESSION) -> int:
+    """Stored bytes of fp16 bytes [lo, hi) of one of FlexGen's layers (``flexgen_unit_cuts``' offsets; tensor
+    boundaries for 'embed' / 'head'): ``stored_weight_bytes`` for the decoder's sub-layers; for the embedding and the
+    head every tensor in the range as stored (FlexGen compresses their matrices too with --compress-weight:
+    ``init_weight_list`` packs every weight of two or more dimensions)."""
+    if unit in SUBLAYERS:
+        return stored_weight_bytes(model, lo, hi, comp)
+    out, at = 0, 0
+    for _, shape in flexgen_unit_tensors(model, unit):
+        n = math.prod(shape) * model.dtype_bytes
+        if lo <= at and at + n <= hi:
+            out += _stored_tensor_bytes(model, shape, comp)
+        at += n
+    return out
+
+
+def flexgen_unit_home_bytes(model: ModelSpec, unit: str, n_disk: int, n_cpu: int,
+                            comp: Compression = NO_COMPRESSION) -> dict[str, int]:
+    """Stored bytes on each tier ('gpu', 'cpu', 'disk') of one of FlexGen's layers placed as ``flexgen_unit_cuts``
+    describes; the host and disk bytes are what FlexGen's ``load_weight`` copies to the GPU for it."""
+    lo, d_end, c_end, hi = flexgen_unit_cuts(model, unit, n_disk, n_cpu)
+    return {"gpu": flexgen_unit_stored_bytes(model, unit, c_end, hi, comp),
+            "cpu": flexgen_unit_stored_bytes(model, unit, d_end, c_end, comp),
+            "disk": flexgen_unit_stored_bytes(model, unit, lo, d_end, comp)}
+
+
 # -- KV cache ----------------------------------------------------------------------------------------------------
 def kv_bytes(model: ModelSpec, num_seqs: int, tokens: int, heads: int | None = None, layers: int = 1) -> int:
     """KV of ``tokens`` tokens of ``num_seqs`` sequences over ``heads`` KV heads (default all) and ``layers``
@@ -623,6 +694,9 @@ class Placement:
     cpu_attention: bool = False
     sublayer: bool = False  # weights stream per sub-layer (attention, MLP), as FlexGen's code does
     compression: Compression = NO_COMPRESSION  # 4-bit weights / KV (stored sizes) and their fp16 working copies
+    # FlexGen's own placement of whole tensors (``Schedule.unit_homes``, ``flexgen-ref``): ((unit, n_disk, n_cpu), ...)
+    # per FlexGen layer; () = ``weight_split``'s flat prefix with the embeddings on the GPU
+    unit_homes: tuple = ()
 
     def fractions(self, model: ModelSpec) -> dict[str, float]:
         """Placement fractions (FlexGen's LP variables) of the weights (the mean over layers), KV heads and
@@ -721,11 +795,38 @@ def placement_tier_bytes(model: ModelSpec, wl: Workload, pl: Placement) -> dict[
     cpu["weights"] = sum(sw(g, g + c) for g, c in pl.weight_split)
     cpu["KV"] = skv(wl.num_prompts, M, kc, L)
     disk_w = sum(sw(g + c, W) for g, c in pl.weight_split)
+    kv_staging = skv(gbs, M, kd) + 2 * skv(gbs, wl.prompt_len, kd)
     cpu["disk staging"] = pl.weight_buffers * max((sw(g + c, W) for g, c in pl.weight_split), default=0) + \
-        skv(gbs, M, kd) + 2 * skv(gbs, wl.prompt_len, kd)
+        kv_staging
     disk["weights"] = disk_w
     disk["KV"] = skv(wl.num_prompts, M, kd, L)
+    if pl.unit_homes:
+        _flexgen_unit_tier_bytes(model, pl, out, kv_staging)
     return {t: {k: int(v) for k, v in d.items()} for t, d in out.items()}
+
+
+def _flexgen_unit_tier_bytes(model: ModelSpec, pl: Placement, out: dict, kv_staging: int) -> None:
+    """``placement_tier_bytes``' weights for FlexGen's own placement of whole tensors (``Placement.unit_homes``),
+    in place of the flat prefix's: each layer's GPU-, host- and disk-homed tensors (the embedding's and the head's
+    too: FlexGen places them like any layer), and on the GPU the streamed weights of two consecutive FlexGen layers
+    -- its ``weight_read_buf`` of a layer lives from its load, one layer ahead, to the layer's last batch (the
+    plan's loads wait for the slot two loads back: ``Schedule.prefetch``) -- whole tensors, so no straddling head."""
+    L = model.num_layers
+    hb = {u: flexgen_unit_home_bytes(model, u, nd, nc, pl.compression) for u, nd, nc in pl.unit_homes}
+    dec = [hb[u] for u in SUBLAYERS]
+    gpu, cpu, disk = out["gpu"], out["cpu"], out["disk"]
+    gpu["embeddings"] = hb["embed"]["gpu"] + hb["head"]["gpu"]
+    gpu["resident weights"] = L * sum(x["gpu"] for x in dec)
+    off = {u: x["cpu"] + x["disk"] for u, x in hb.items()}
+    units = list(SUBLAYERS) if pl.sublayer else ["layer"]
+    off["layer"] = sum(off[u] for u in SUBLAYERS)
+    seq = ["embed"] + units * min(L, 2) + ["head"]  # a step's order of streamed layers, around to the next step
+    gpu["weight slots"] = max(off[a] + off[b] for a, b in zip(seq, seq[1:] + seq[:1]))
+    cpu["weights"] = L * sum(x["cpu"] for x in dec) + hb["embed"]["cpu"] + hb["head"]["cpu"]
+    disk_of = {u: x["disk"] for u, x in hb.items()}
+    disk_of["layer"] = sum(disk_of[u] for u in SUBLAYERS)
+    cpu["disk staging"] = pl.weight_buffers * max(disk_of.values()) + kv_staging
+    disk["weights"] = L * sum(x["disk"] for x in dec) + hb["embed"]["disk"] + hb["head"]["disk"]
 
 
 def resident_bytes(model: ModelSpec, wl: Workload, pl: Placement) -> dict[str, int]:

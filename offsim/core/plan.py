@@ -9,7 +9,9 @@ What an op touches, in terms the executor can act on without policy logic:
 - ``tensor='weight'``: bytes ``[lo, hi)`` of layer ``layer``'s flat weight buffer (``ModelSpec.layer_tensors``
   order). Static placement: bytes ``[0, gpu)`` of each layer live on the GPU for the whole run, ``[gpu, gpu+cpu)``
   in host memory, the rest on disk (``Plan.weight_split``). Streamed weights stay on the GPU until the last compute
-  op of that layer in that step (``frees_weights``) has run.
+  op of that layer in that step (``frees_weights``) has run. Layer -1 / ``num_layers``: the embedding's / the LM
+  head's weights (bytes of their tensors in order, within ``ModelSpec.embedding_bytes``), which only ``flexgen-ref``
+  streams (FlexGen places them like any layer; every other plan keeps them on the GPU).
 - ``tensor='kv'``: K and V of layer ``layer``, batch ``batch``, token positions ``[lo, hi)``, KV heads
   ``[head_lo, head_hi)``. Home tier of each head range: ``Plan.kv_split``. KV copied to the GPU serves the next
   compute op of that (layer, batch) and is then dropped; KV whose home is the GPU stays.
@@ -466,6 +468,7 @@ class Plan:
         """Check every rule; raise ``PlanError`` naming the first op that breaks one. Returns self."""
         m, L = self.model, self.model.num_layers
         W = m.layer_weight_bytes()
+        W_emb = max(W, m.embedding_bytes())  # (the embedding's and the head's weights: layers -1 and L)
         if len(self.weight_split) != L:
             raise PlanError(f"plan: weight_split has {len(self.weight_split)} entries, expected one per layer ({L})")
         for j, (g, c) in enumerate(self.weight_split):
@@ -579,7 +582,9 @@ class Plan:
                         src = "were ever computed" if gpu else "are in host memory"
                         raise PlanError(f"{self._describe(i)}: attends over KV tokens [0, {need}) but only [0, {have}) "
                                         f"{src} (rule: every KV token read exists on the tier it is read from)")
-                if kind == "compute" and part in ("layer", "pre_attn", "attn_layer"):  # new tokens' KV now exists
+                # new tokens' KV now exists: computed on the GPU (with CPU attention by pre_attn; flexgen-ref's
+                # CPU attention op is FlexGen's whole sub-layer, QKV included)
+                if kind == "cpu_compute" or part in ("layer", "pre_attn", "attn_layer"):
                     key = ("new", layer, batch)  # (``_extend``, inlined: this loop runs once per op)
                     end = present.get(key, 0)
                     if ctx - q <= end and ctx > end:
@@ -592,8 +597,9 @@ class Plan:
                     raise PlanError(f"{self._describe(i)}: moves {nbytes} bytes; a transfer moves a positive number")
                 if hi <= lo:
                     raise PlanError(f"{self._describe(i)}: empty range [{lo}, {hi})")
-                if tensor == "weight" and not (0 <= lo and hi <= W):
-                    raise PlanError(f"{self._describe(i)}: weight bytes [{lo}, {hi}) outside the layer's {W}")
+                if tensor == "weight" and not (0 <= lo and hi <= (W if 0 <= layer < L else W_emb)):
+                    raise PlanError(f"{self._describe(i)}: weight bytes [{lo}, {hi}) outside the layer's "
+                                    f"{W if 0 <= layer < L else W_emb}")
                 if tensor == "kv":
                     # a KV copy reads tokens that exist on its source tier; stores extend the destination's prefix
                     src, dst = ROUTE_OF_KIND[kind]

@@ -21,6 +21,16 @@ Nothing is fitted to a measured throughput.
   attention on the CPU over the host cache, inside the position), and with ``--compress-weight`` /
   ``--compress-cache`` its own 4-bit decompress, every weight matrix in each (layer, batch) call and the whole
   cache the attention reads (``Plan.quant_impl`` 'flexgen': the profile's 'dequant_flexgen:*' rows where measured).
+  Its weights are placed tensor by tensor (``init_weight_list``: each whole tensor on the tier that holds the
+  midpoint of its cumulative size in its layer, ``flexgen_unit_homes``), so each of its layers -- the embedding
+  and the head included, which it loads every step, one layer ahead (``InputEmbed.load_weight``,
+  ``OutputEmbed.load_weight``), exposed by the sync -- streams its off-GPU tensors (``Schedule.unit_homes``), not
+  a byte prefix of the decoder layer. With CPU attention each decode token's K and V go to the unpinned host cache
+  by two one-position copies, ``general_copy``'s plain pageable path, blocking its main thread after the next
+  position's compute (``store_cache(k-1)``; none for the last token: ``Schedule.kv_token_stores``); where the
+  profile timed its own attention call (``load_cache`` + ``mha_gen``: the GPU part and the small copies too,
+  ``costmodel.cpu_attention_row_holds_sublayer``), a decode attention sub-layer is that one op
+  (``Schedule.cpu_attention_sublayer``), elsewhere its parts are priced apart.
 - ``static-accelerate-ref`` (huggingface/accelerate 0.15 ``hooks.py``, ``big_modeling.py``; FlexGen's
   ``benchmark/hf_ds/hf_opt.py``): FlexGen's benchmark maps every decoder layer to "cpu" (or "disk") with only the
   embeddings and the LM head on the GPU (its own ``device_map``, not ``"auto"``), so ``gpu_layers`` defaults to 0;
@@ -47,8 +57,11 @@ What they leave out is in ``docs/architecture.md`` ("The peers as implemented").
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
+from offsim.core import costmodel
+from offsim.core import footprint as fp
 from offsim.core.errors import OffsimError
 from offsim.core.plan import Plan
 from offsim.core.specs import HardwareSpec, ModelSpec, Workload
@@ -60,16 +73,63 @@ from offsim.policies.static import (AccelerateSettings, ZeroSettings, _accelerat
 
 
 # ---- FlexGen as its code runs it ------------------------------------------------------------------------------
-def flexgen_ref_schedule(model: ModelSpec, st: FlexGenSettings, wl: Workload | None = None) -> Schedule:
+def flexgen_tensor_tiers(numels, w_gpu: float, w_cpu: float) -> list[str]:
+    """The tier ('disk', 'cpu' or 'gpu') of each tensor of one of FlexGen's layers (``numels``: their element counts,
+    in its order) for weight percentages ``w_gpu`` / ``w_cpu`` (the rest on disk): FlexGen places every tensor whole
+    (flex_opt.py ``init_weight_list`` and ``get_choice``) on the tier whose range of the cumulative percentages,
+    disk then CPU then GPU, holds the midpoint of the tensor's cumulative size in the layer. So a layer's tensors go
+    disk first, then CPU, then GPU, in order -- not a byte prefix: at 23 / 77 an OPT attention layer keeps w_q, w_k,
+    w_v and their biases on the CPU (they hold its first 75 %) and w_out, its bias and the norm on the GPU."""
+    bounds = [(100 - w_gpu - w_cpu, "disk"), (100 - w_gpu, "cpu"), (100, "gpu")]
+    total, cum, out = sum(numels), 0, []
+    for n in numels:
+        cum += n
+        mid = (cum - n / 2) / total * 100
+        out.append(next((t for b, t in bounds if mid < b), "gpu"))
+    return out
+
+
+def flexgen_unit_homes(model: ModelSpec, w_gpu: float, w_cpu: float) -> tuple[tuple[str, int, int], ...]:
+    """FlexGen's placement of each of its layers (``footprint.FLEXGEN_UNITS``: its InputEmbed, each decoder layer's
+    SelfAttention and MLP, its OutputEmbed -- which it places like any layer, by the same percentages) as
+    ``Schedule.unit_homes``: (unit, tensors on disk, tensors on the CPU), the rest on the GPU
+    (``flexgen_tensor_tiers`` over ``footprint.flexgen_unit_tensors``)."""
+    out = []
+    for u in fp.FLEXGEN_UNITS:
+        tiers = flexgen_tensor_tiers([math.prod(shape) for _, shape in fp.flexgen_unit_tensors(model, u)],
+                                     w_gpu, w_cpu)
+        out.append((u, tiers.count("disk"), tiers.count("cpu")))
+    return tuple(out)
+
+
+def flexgen_ref_schedule(model: ModelSpec, st: FlexGenSettings, wl: Workload | None = None,
+                         hw: HardwareSpec | None = None) -> Schedule:
+    """``flexgen``'s schedule as FlexGen 0.1.8's code runs it (module docstring). Beyond the settings: every weight
+    tensor placed whole by FlexGen's rule, the embedding and the head too (``flexgen_unit_homes``: what each layer
+    streams; ``weight_split`` holds each decoder layer's totals); with CPU attention the new token's K and V stored
+    by two one-position pageable copies (``Schedule.kv_token_stores``); and where ``hw``'s profile timed FlexGen's
+    own attention call (``costmodel.cpu_attention_row_holds_sublayer``) and the cache is homed in host memory, the
+    attention sub-layer in decode is that one op (``Schedule.cpu_attention_sublayer``)."""
     if st.num_stages > 1:
         raise OffsimError("flexgen-ref models FlexGen's single-GPU loop: use num_stages 1")
-    return dataclasses.replace(flexgen_schedule(model, st, wl), policy="flexgen-ref", kv_pinned=False,
+    s = flexgen_schedule(model, st, wl)
+    homes = flexgen_unit_homes(model, st.percent[0], st.percent[1])
+    per_layer = [fp.flexgen_unit_home_bytes(model, u, nd, nc) for u, nd, nc in homes if u in fp.SUBLAYERS]
+    split = (sum(x["gpu"] for x in per_layer), sum(x["cpu"] for x in per_layer))
+    kd = model.num_kv_heads - sum(s.kv_split)
+    sublayer_op = bool(st.cpu_attention and kd == 0 and s.compression.sparse_attention >= 1 and hw is not None
+                       and costmodel.cpu_attention_row_holds_sublayer(hw, model, "flexgen"))
+    derived = (("cpu_attention_sublayer_op", True),) if sublayer_op else ()
+    return dataclasses.replace(s, policy="flexgen-ref", kv_pinned=False,
                                sync_positions=True, cpu_attention_impl="flexgen", pageable_copy="relay",
-                               quant_impl="flexgen", issue_waits_for_deps=True)
+                               quant_impl="flexgen", issue_waits_for_deps=True,
+                               weight_split=(split,) * model.num_layers, unit_homes=homes,
+                               kv_token_stores=st.cpu_attention, cpu_attention_sublayer=sublayer_op,
+                               derived=s.derived + derived)
 
 
 def flexgen_ref_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: FlexGenSettings) -> Plan:
-    return build_block_plan(model, wl, flexgen_ref_schedule(model, st, wl), capacity_of(hw))
+    return build_block_plan(model, wl, flexgen_ref_schedule(model, st, wl, hw), capacity_of(hw))
 
 
 # ---- HF Accelerate as FlexGen's benchmark ran it ----------------------------------------------------------------

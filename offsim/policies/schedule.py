@@ -86,6 +86,24 @@ class Schedule:
     pageable_copy: str = ""  # how unpinned copies move (``Plan.pageable_copy``)
     quant_impl: str = ""  # whose code runs the dequantize passes (``Plan.quant_impl``)
     issue_waits_for_deps: bool = False  # the issuer waits for each op's dependencies (``Plan.issue_waits_for_deps``)
+    # FlexGen's own placement of whole tensors (``flexgen-ref``): ((unit, n_disk, n_cpu), ...) for each of its layers
+    # (``footprint.FLEXGEN_UNITS``: the embedding, a decoder layer's attention and MLP -- the same in every layer --
+    # and the head), the first n_disk tensors of the unit on disk, the next n_cpu in host memory, the rest on the GPU
+    # (``footprint.flexgen_unit_cuts``). Set, it replaces ``weight_split``'s flat prefix in what each unit streams
+    # (``weight_split`` then holds each layer's totals), and the embedding and the head stream like the decoder's
+    # units where they are off the GPU; () = the flat prefix, the embedding and head resident (every other policy)
+    unit_homes: tuple = ()
+    # (``flexgen-ref``, with ``cpu_attention_impl`` 'flexgen') the decode CPU-attention op is the whole attention
+    # sub-layer -- FlexGen's load_cache + mha_gen: norm, QKV, the small copies, the attention, the output projection
+    # and residual -- priced by one profile row (``costmodel.cpu_attention_row_holds_sublayer``): no separate
+    # pre_attn / qkv / attn_out ops (their time is in the row). Needs ``cpu_attention`` and a cache homed in host
+    # memory only (the row timed ``load_cache`` from a CPU home)
+    cpu_attention_sublayer: bool = False
+    # (``flexgen-ref``) FlexGen's store_cache of a decode token's K and V into a host-homed cache with CPU attention:
+    # two pageable D2H copies of [B, heads x head_dim] (the plain path of its ``general_copy``: one position, no
+    # relay), on its main thread after the next position's compute (``store_cache(k-1)``), blocking it; none for
+    # the last token (FlexGen does not store it)
+    kv_token_stores: bool = False
 
     def stage_nodes(self) -> list[int]:
         """The node of each stage (``stage_nodes``)."""
@@ -96,7 +114,7 @@ class Schedule:
         return fp.Placement(weight_split=tuple(self.weight_split), kv_split=tuple(self.kv_split),
                             hidden_home=self.hidden_home, weight_buffers=2 if self.prefetch else 1,
                             cpu_attention=self.cpu_attention, sublayer=self.sublayer,
-                            compression=self.compression)
+                            compression=self.compression, unit_homes=tuple(self.unit_homes))
 
 
 def resident_bytes(model: ModelSpec, wl: Workload, s: Schedule) -> dict[str, int]:
@@ -294,6 +312,12 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         raise OffsimError(f"weight_copies must be 'unit' or 'tensor', got {s.weight_copies!r}")
     if s.sync_positions and len(s.stages) > 1:
         raise OffsimError("a barrier after every position (sync_positions) is a single-GPU schedule: use one stage")
+    if s.unit_homes and (s.weight_copies != "unit" or len(s.stages) > 1):
+        raise OffsimError("FlexGen's placement of whole tensors (unit_homes) is a single-GPU schedule of one copy per "
+                          "streamed range: use one stage and weight_copies 'unit'")
+    if s.cpu_attention_sublayer and not (s.cpu_attention and kd == 0):
+        raise OffsimError("the CPU attention sub-layer op (cpu_attention_sublayer) needs CPU attention over a cache "
+                          "homed in host memory (no KV on disk)")
     b = PlanBuilder(serial=not s.overlap)
     add = b.add
     pinned = s.pinned
@@ -407,8 +431,32 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
     unit_range = dict(fp.sublayer_ranges_bytes(model)) if s.sublayer else {}
     unit_range[None] = (0, W)
 
+    # FlexGen's own placement (``Schedule.unit_homes``, flexgen-ref): each of its layers streams its host- and
+    # disk-homed tensors, whole (no straddling head), the embedding (layer -1) and the head (layer L) too
+    homes = {u: (nd, nc) for u, nd, nc in s.unit_homes}
+
+    def home_name(j: int, sub) -> str:  # the FlexGen layer of unit (j, sub) (sub None: the decoder layer's two)
+        return "embed" if j < 0 else "head" if j >= L else sub
+
+    @functools.cache
+    def home_ranges(j: int, sub) -> tuple[list, list]:
+        """(host, disk) fp16 byte ranges that unit (j, sub) streams, by FlexGen's placement (``unit_homes``)."""
+        host, disk = [], []
+        for u in (fp.SUBLAYERS if 0 <= j < L and sub is None else (home_name(j, sub),)):
+            lo, d_end, c_end, _ = fp.flexgen_unit_cuts(model, u, *homes[u])
+            host += [(d_end, c_end)] if c_end > d_end else []
+            disk += [(lo, d_end)] if d_end > lo else []
+        return host, disk
+
+    @functools.cache
+    def home_bytes(j: int, lo: int, hi: int) -> int:  # stored bytes of [lo, hi) of unit j's tensors
+        return w_bytes(lo, hi) if 0 <= j < L else fp.flexgen_unit_stored_bytes(model, home_name(j, None), lo, hi,
+                                                                               compression)
+
     @functools.cache
     def unit_slot(j: int, sub) -> int:
+        if homes:
+            return sum(home_bytes(j, lo, hi) for r in home_ranges(j, sub) for lo, hi in r)
         return fp.stored_slot_bytes(model, s.weight_split[j][0], sub, compression)
 
     @functools.cache
@@ -416,7 +464,11 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         g = s.weight_split[j][0]
         return unit_slot(j, sub) - w_bytes(max(g, unit_range[sub][0]), unit_range[sub][1])
 
-    streamed = [(j, sub) for j in range(L) for sub in subs if s.weight_split[j][0] < unit_range[sub][1]]
+    if homes:  # in a step's order: the embedding, the decoder's units, the head (FlexGen's layer list)
+        streamed = [(j, sub) for j in range(-1, L + 1) for sub in (subs if 0 <= j < L else (None,))
+                    if unit_slot(j, sub)]
+    else:
+        streamed = [(j, sub) for j in range(L) for sub in subs if s.weight_split[j][0] < unit_range[sub][1]]
     # per GPU, its streamed units in execution order: one instance per (step, group, layer, sub-layer) -- a stage
     # streams its layers once per micro-batch group, as FlexGen's pipeline does -- loaded ahead by its own cursor and
     # buffered in its own slots; instance keys are (device, index)
@@ -431,12 +483,30 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         i, _, j, sub = instances[d][u]
         if multi:
             cur_dev[0] = d
-        g, c = s.weight_split[j]
-        u_lo, u_hi = unit_range[sub]
         back = 2 if s.prefetch else 1  # double or single buffering of streamed weights (units)
         dep = free_op.get((d, u - back))
         phase = "prefill" if i == 0 else "decode"
         ids = []
+        if homes:
+            # FlexGen's load_weight of one of its layers (flex_opt.py ``SelfAttention.load_weight`` etc.: a
+            # ``smart_copy`` of each weight tensor not already on the GPU): its host-homed tensors (one copy per
+            # contiguous range: the copies are back to back on its load stream), then its disk-homed ones through
+            # host staging; each copy allocates its own bytes of the layer's GPU buffer
+            host, disk = home_ranges(j, sub)
+            for lo, hi in host:
+                n = home_bytes(j, lo, hi)
+                ids.append(add_row("h2d", [dep], phase, i, j, 0, copy_fields("weight", lo, hi, None, n, pinned,
+                                                                             (n, 0, 0), None)))
+            for lo, hi in disk:
+                n = home_bytes(j, lo, hi)
+                rd = add_row("disk_read", [dep], phase, i, j, 0, copy_fields("weight", lo, hi, None, n, None,
+                                                                             (0, n, 0), None))
+                ids.append(add_row("h2d", [rd], phase, i, j, 0, copy_fields("weight", lo, hi, None, n, pinned,
+                                                                            (n, 0, 0), (0, n, 0))))
+            loaded[(d, u)] = ids
+            return
+        g, c = s.weight_split[j]
+        u_lo, u_hi = unit_range[sub]
         straddle = unit_straddle(j, sub)  # the slot's first load takes the whole slot
         h_lo, h_hi = max(g, u_lo), min(g + c, u_hi)  # the unit's host-homed bytes
         d_lo = max(g + c, u_lo)  # ... and its disk-homed bytes [d_lo, u_hi)
@@ -516,7 +586,7 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
     first_use = [[] for _ in range(S)]
     for p, (i, j, sub, k) in enumerate(positions):
         key = (i, group_of[k], j, sub)
-        if 0 <= j < L and k == groups[group_of[k]][0] and key in inst_index:
+        if (homes or 0 <= j < L) and k == groups[group_of[k]][0] and key in inst_index:
             first_use[dev_of[j]].append(p)
     pending_kv_loads: dict[int, list[int]] = {}  # position -> its KV h2d ops
     pending_kv_bufs: dict[int, tuple[bool, bool]] = {}  # position -> (host group loaded, disk group loaded)
@@ -564,15 +634,20 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
     prefetch = s.prefetch
     prefetch_from = s.prefetch_from_step
     cpu_attention = s.cpu_attention
+    sublayer_op = s.cpu_attention_sublayer
+    token_stores = s.kv_token_stores and cpu_attention and bool(kc)
+    pending_store = None  # (token_stores) the (layer, batch, producing op, context) whose new KV is yet to store
+    late_stores: set[int] = set()  # (token_stores) store ops issued after the next position's compute: not deferred
     sync = s.sync_positions
     pos_start = 0  # (sync) the id of the previous position's first op
     for p, (i, j, sub, k) in enumerate(positions):
         if sync:
             # FlexGen's sync() after the previous position: its ops, but for its stores, which join the next
-            # barrier (they run beside this position, as FlexGen issues store_cache(k-1) here)
+            # barrier (they run beside this position, as FlexGen issues store_cache(k-1) here) -- except the stores
+            # already issued after that position's compute (``late_stores``: FlexGen's order), which it waits for
             end = len(b.ops)
-            stores = [x for x in range(pos_start, end) if _is_store(b.ops, x)]
-            barrier[:] = [x for x in range(pos_start, end) if not _is_store(b.ops, x)] + deferred
+            stores = [x for x in range(pos_start, end) if _is_store(b.ops, x) and x not in late_stores]
+            barrier[:] = [x for x in range(pos_start, end) if not _is_store(b.ops, x) or x in late_stores] + deferred
             deferred[:] = stores
             pos_start = end
         phase = "prefill" if i == 0 else "decode"
@@ -612,7 +687,7 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
             deps = [hl]
         # weights: the current unit's (first batch only), then, when prefetching, the next streamed unit's
         # this position's streamed unit (device, index), if any
-        u = inst_index.get((i, group_of[k], j, sub)) if decoder else None
+        u = inst_index.get((i, group_of[k], j, sub)) if (decoder or homes) else None
         first_k = k == grp[0]
         pf = prefetch and i >= prefetch_from
         if first_k and u is not None:
@@ -634,7 +709,7 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         if pending_kv_loads:
             deps += pending_kv_loads.pop(p, [])
         last_k = k == grp[-1]
-        w_free = unit_slot(j, sub) if (decoder and last_k) else 0
+        w_free = unit_slot(j, sub) if last_k and (decoder or u is not None) else 0
         loaded_c, loaded_d = pending_kv_bufs.pop(p, (False, False)) if pending_kv_bufs else (False, False)
         part = _PART_OF_SUB[sub] if decoder else ("embed" if j < 0 else "head")
         cpu_attn = decoder and cpu_attention and i > 0 and sub != "mlp"
@@ -647,6 +722,20 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         if sub == "mlp":
             comp = add_row("compute", deps, phase, i, j, k, compute_fields("mlp", q, ctx, last_k, (ws + hin, 0, 0),
                                                                            (ws + hin + land + w_free, 0, 0)))
+        elif cpu_attn and sublayer_op:
+            # FlexGen's attention sub-layer as its code runs it with --cpu-cache-compute, one call on its main thread
+            # (``SelfAttention.load_cache`` path 1 + ``TorchDevice.mha_gen``: the norm and QKV on the GPU, Q and the
+            # new K/V copied to the host, the fp32 attention on the CPU, the result copied back, the output
+            # projection and residual on the GPU): one op, priced by the profile row that timed that call
+            # (``costmodel.cpu_attention_row_holds_sublayer``), so its parts are not priced again beside it
+            att = add_row("cpu_compute", deps + kv_stored.get((j, k), []), phase, i, j, k,
+                          compute_fields("attn", q, ctx, last_k if sub else None, (ws + hin, 0, 0),
+                                         (ws + hin + land + w_free, 0, 0) if sub else None))
+            comp = att
+            if sub is None:  # a whole decoder layer (FlexGen's TransformerLayer): its MLP follows on the GPU
+                comp = add_row("compute", [att], phase, i, j, k, compute_fields("mlp", q, ctx, last_k, None,
+                                                                                (ws + hin + land + w_free, 0, 0)))
+            kv_stored[(j, k)] = [att]
         elif cpu_attn:
             # FlexGen's CPU delegation: QKV on the GPU, attention on the CPU over the host cache, rest on the GPU
             pre = add_row("compute", deps + kv_stored.get((j, k), []), phase, i, j, k,
@@ -705,6 +794,22 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
                                                       (0, nbytes, 0))))
                     disk_stores[dev].record(st, stores[-1])
                 kv_stored[(j, k)] = stores
+        if pending_store is not None:
+            # FlexGen's store_cache(k-1) after this position's compute_layer(k) (flex_opt.py
+            # ``generation_loop_overlap_multi_batch``; ``SelfAttention.store_cache``): the previous attention
+            # position's new K and V, each [1, B x heads, head_dim], into the unpinned host cache by
+            # ``general_copy``'s plain path (one position: no relay), a pageable copy that blocks its main thread
+            # until done -- so after this compute, and before the position's sync
+            sj, sk, src, sctx = pending_store
+            nb_half = kv_bytes(kc, 1) // 2
+            st_ids = [add_row("d2h", [src, comp], "decode", i, sj, sk,
+                              copy_fields("kv", sctx - 1, sctx, (kg, kg + kc), nb_half, kv_pinned, None, None))
+                      for _ in ("k", "v")]
+            late_stores.update(st_ids)
+            kv_stored[(sj, sk)] = kv_stored.get((sj, sk), []) + st_ids
+            pending_store = None
+        if token_stores and cpu_attn and i < wl.gen_len - 1:  # (FlexGen stores no KV of the last token)
+            pending_store = (j, k, comp, ctx)
         last_out[k] = comp
         if land:
             landings[dev].record(comp)  # (with CPU attention ``comp`` is attn_out: pre's residual is the copy)
