@@ -18,6 +18,7 @@ from unittest import mock
 import numpy as np
 import pandas as pd
 
+from experiments.validation.warmup_modes import _step1_excess_s
 from offsim.analysis.validate import _as_ran, aggregate, load_case, resimulate, run_setup
 from offsim.core import costmodel as cm
 from offsim.core import sim as S
@@ -559,7 +560,7 @@ def first_decode_step_section() -> list[str]:
         meas, pred = k.ms["lat"].to_numpy(), k.ps["lat"].to_numpy()
         if len(meas) < 3:
             continue
-        me, pe = meas[1] - np.median(meas[2:]), pred[1] - np.median(pred[2:])  # step 1 over a later step, s
+        me, pe = _step1_excess_s(list(meas)), _step1_excess_s(list(pred))  # step 1 over a later step, s
         tm, tp = k.c["metrics"]["total_s"], k.pred_trace.metrics()["total_s"]
         err, err1 = tm / tp - 1, tm / (tp + me - pe) - 1  # tok/s error = measured time / predicted time - 1
         plan = _as_ran(Plan.load(CALIB / k.c["meta"]["plan_file"]), k.c["meta"])  # (a copy: Cases are shared)
