@@ -197,8 +197,10 @@ def _remeasured() -> list[str]:
 
         files = {p.name[:-len(".case.json")]: p for p in (VAL / f"h200_{split}").glob("*.case.json")}
         left = set(files) - set(df["case"])
-        # a round that did not reach every case can be completed by another round of the same split
-        others = {o.parent.name: set(d["case"]) & left for o, sp, _, d in rounds if sp == split and o != f}
+        # a round that did not reach every case can be completed by another partial round of the same split (a
+        # round that re-measured every case is a round of its own, not the completion of this one)
+        others = {o.parent.name: set(d["case"]) & left for o, sp, _, d in rounds
+                  if sp == split and o != f and len(d) < len(files)}
         others = {name: c for name, c in others.items() if c}
         not_yet = sorted(left - set().union(*others.values()))
         if not left:
@@ -214,6 +216,7 @@ def _remeasured() -> list[str]:
                    + ", every case of the split is measured again")
         current = sum(json.loads(files[t].read_text())["meta"].get("commit") in new for t in df["case"] if t in files)
         kept = ("The cases' files in the split are these runs." if current == len(df) else
+                "None of these runs are the split's files today; later runs replaced them." if current == 0 else
                 f"{current} of these runs are the split's files today; later runs replaced the others.")
         warm = sorted({json.loads(files[t].read_text())["meta"].get("warmup_mode", "short") for t in df["case"]
                        if t in files and json.loads(files[t].read_text())["meta"].get("commit") in new})
