@@ -654,6 +654,23 @@ def test_first_capture_at_a_new_query_count_costs_the_new_q_row():
     assert extra == pytest.approx(expect, abs=1e-12)
 
 
+def test_a_capture_past_the_rows_largest_size_costs_what_it_costs_there():
+    """A recompute op has sequences x q rows, past the 'capture' row's largest size (one-token ops): its capture's
+    extra over a replay is read flat there (host work: the kernel count does not grow with the rows), not
+    proportionally; inside the rows it is capture - replay, interpolated."""
+    cap = ((KEY, "capture", "layer", ((1.0, 5e-3), (8.0, 6e-3))), (KEY, "capture", "first", ((1.0, 0.05), (8.0, 0.07))))
+    hw = H200.with_(op_times=ROWS + cap)
+    top = C.capture_extra_seconds(M, hw, "layer", 8, False)
+    assert top == pytest.approx(6e-3 - C.table_seconds(curve(hw, "graph", "layer"), 8), rel=1e-12)
+    for rows in (9, 24, 64 * 5):
+        assert C.capture_extra_seconds(M, hw, "layer", rows, False) == pytest.approx(top, rel=1e-12)
+    mid = C.capture_extra_seconds(M, hw, "layer", 4, False)
+    assert mid == pytest.approx(C.table_seconds(curve(hw, "capture", "layer"), 4)
+                                - C.table_seconds(curve(hw, "graph", "layer"), 4), rel=1e-12)
+    assert C.capture_extra_seconds(M, hw, "layer", 64 * 5, True) == pytest.approx(
+        0.07 - C.table_seconds(curve(hw, "graph", "layer"), 8), rel=1e-12)  # the run's first capture: its own row
+
+
 def test_copy_issue_costs_follow_the_profiles_issue_rows():
     """A copy whose handler (KIND_TENSOR) has an 'issue' row costs that row at its bytes to issue, in both engines;
     other copies cost ``issue_copy_s``; a cost function asked without the model reads no rows."""

@@ -235,22 +235,23 @@ def tightllm_captures(c: Case) -> list[str]:
     for s in new_q:
         q = int(qs[s])
         rows_x = seqs * q
-        extra_prop[s] = cm.capture_extra_seconds(c.model, c.hw, "layer", rows_x, False)
+        extra_flat[s] = cm.capture_extra_seconds(c.model, c.hw, "layer", rows_x, False)  # the model: flat
         cap, rep = cm.op_table(c.hw, c.model, "capture", "layer"), cm.op_table(c.hw, c.model, "graph", "layer")
-        extra_flat[s] = max(0.0, cm.table_seconds(cap, rows_x, True) - cm.table_seconds(rep, rows_x, True))
+        extra_prop[s] = max(0.0, cm.table_seconds(cap, rows_x) - cm.table_seconds(rep, rows_x))
         others = mc[s].drop(index=[first_layer, -1, mc.index.max()], errors="ignore")
         rows.append(f"| {s} | {q} | {_ms(ms[s])} | {_ms(ps[s])} | {_ms(mc.loc[first_layer, s])} | "
-                    f"{_ms(others.mean())} | {_ms(extra_prop[s])} |")
+                    f"{_ms(others.mean())} | {_ms(extra_flat[s])} |")
     st_other = mc[steady].drop(index=[first_layer, -1, mc.index.max()], errors="ignore").stack().mean()
     excess_m = sum(ms[s] for s in new_q) - len(new_q) * ms[steady].median()
     excess_p = sum(ps[s] for s in new_q) - len(new_q) * ps[steady].median()
     steady_err = (ps[steady].sum() - ms[steady].sum()) / ms[steady].sum()
     cap_tab = cm.op_table(c.hw, c.model, "capture", "layer")
     largest = max(x for x, _ in cap_tab)
-    # the counterfactual: a capture's extra flat past the largest size measured (the host's work does not grow with
-    # the op's rows), everything else as today
-    flat = _with_flat_captures(c)
+    # the counterfactual: a capture's extra proportional past the largest size measured (the reading before
+    # 2026-12-02), everything else as today
+    prop = _with_proportional_captures(c)
     warm_q = _warmup_q(c)
+    warm_mode = c.c["meta"].get("warmup_mode", "short")
     first_costs = [mc.loc[first_layer, s] for s in new_q]
     return [
         f"**Where the time goes.** Decode steps run {_ms(ms[steady].median())} ms measured and "
@@ -264,29 +265,32 @@ def tightllm_captures(c: Case) -> list[str]:
         "is timed by CUDA events around its handler, so host work the GPU waits for shows as op time), and each "
         f"other layer's op about {_ms(float(np.mean([mc[s].drop(index=[first_layer, -1, mc.index.max()], errors='ignore').mean() for s in new_q])))} ms "
         f"against {_ms(st_other)} ms in steady steps.", "",
-        "**Mechanism 1, supposed: a recompute's capture is extrapolated in rows.** The simulator adds "
-        "`capture_extra_seconds` = capture(x) - replay(x) from the profile's ('capture', 'layer') row to the issuing "
-        f"thread. That row was measured on one-token ops, by sequences up to {largest:g}; a recompute op is "
-        f"priced at x = sequences x query tokens = {seqs} x q, past the row, where `table_seconds` extrapolates "
-        f"proportionally: {_ms(extra_prop[new_q[0]])} ms per layer at q = {int(qs[new_q[0]])}, "
-        f"{_ms(extra_prop[new_q[-1]])} ms at q = {int(qs[new_q[-1]])}. What a capture adds to a replay is the "
-        "issuing thread's work (the static body's launches, recording and instantiating the graph): its kernel "
-        "count does not grow with the rows, as the profile's host-issue rows are read flat past their largest "
-        f"size. Read flat, the extra is {_ms(extra_flat[new_q[0]])} ms per layer (but see below: offexec's "
-        "captures of these ops measure what the proportional reading says).", "",
-        "**Mechanism 2, supposed: a first capture at a new query count.** The measured first-layer cost at each "
-        f"new q ({', '.join(_ms(x) for x in first_costs)} ms) is not the first-call cost of a fresh shape "
-        "(kernel loading, cuBLAS heuristics) that `offexec profile` and the validation runs' warm-up take out: the "
-        f"warm-up (the same policy and settings for 2 tokens, rebuilt here as the matrix runs build it) runs q = "
-        f"{', '.join(map(str, warm_q))} at its decode step, so q = {int(qs[new_q[0]])} at step {new_q[0]} was "
-        "warm, and still cost as much.", "",
-        *_since(c, new_q, ms, flat), ""]
+        "**A recompute's capture, read flat past the row.** The simulator adds `capture_extra_seconds` = "
+        "capture(x) - replay(x) from the profile's ('capture', 'layer') row to the issuing thread. That row was "
+        f"measured on one-token ops, by sequences up to {largest:g}; a recompute op has x = sequences x query tokens "
+        f"= {seqs} x q rows, past the row. What a capture adds to a replay is the issuing thread's work (the static "
+        "body's launches, recording and instantiating the graph): its kernel count does not grow with the rows, so "
+        f"both rows are read flat there, as the host-issue rows are: {_ms(extra_flat[new_q[0]])} ms per layer. Read "
+        f"proportionally (the model until 2026-12-02) it was {_ms(extra_prop[new_q[0]])} ms per layer at q = "
+        f"{int(qs[new_q[0]])}, {_ms(extra_prop[new_q[-1]])} ms at q = {int(qs[new_q[-1]])}, and the case would be at "
+        f"{_pct(prop)}.", "",
+        *(["**Which warm-up came before.** The case's runs came after the full warm-up (the whole plan once, "
+           "unmeasured, in the same process): every query count of the plan had been captured once in the process, "
+           "so each capture here is a shape's second, the steady state offsim predicts."]
+          if warm_mode == "full" else
+          ["**A first capture at a new query count, supposed.** The measured first-layer cost at each "
+           f"new q ({', '.join(_ms(x) for x in first_costs)} ms) is not the first-call cost of a fresh shape "
+           "(kernel loading, cuBLAS heuristics) that `offexec profile` and the validation runs' warm-up take out: "
+           "the warm-up (the same policy and settings for 2 tokens, rebuilt here as the matrix runs build it) runs "
+           f"q = {', '.join(map(str, warm_q))} at its decode step, so q = {int(qs[new_q[0]])} at step {new_q[0]} was "
+           "warm, and still cost as much."]), "",
+        *_since(c, new_q, ms, prop, warm_mode), ""]
 
 
 RERUN = ROOT / "results" / "validation" / "calib_case_rerun_24e8b77"
 
 
-def _since(c: Case, new_q: list[int], ms, flat: float) -> list[str]:
+def _since(c: Case, new_q: list[int], ms, prop: float, warm_mode: str) -> list[str]:
     """What the H200 said about opt-13b_tightllm after the case was measured: the profile's new_q rows, and the
     same stored plan re-run at a later commit (``RERUN``: each log's last line is offexec run's JSON)."""
     row = cm.op_table(c.hw, c.model, "capture", "new_q:layer")
@@ -302,11 +306,12 @@ def _since(c: Case, new_q: list[int], ms, flat: float) -> list[str]:
         out.append(f"- The profile's ('capture', 'new_q:layer') rows (`offexec profile --capture-only new_q`) time the "
                    f"first op at each new query count at {_ms(min(y for _, y in row))}-{_ms(max(y for _, y in row))} "
                    "ms beyond its capture: the probe's two-layer runs do not reproduce a first-op cost of tens of "
-                   "milliseconds. With those rows, and the capture read flat past its row (mechanism 1), the case "
-                   f"goes to {_pct(flat)}; the flat reading is withdrawn and the proportional one stays.")
-    out.append("- Under cProfile (`calib_case_cprofile/`) the plan's run made no caching-allocator retry, and its "
-               "120 captures spent 6.6 ms each in `capture_end`: what the proportional reading prices (mechanism "
-               "1's figures above).")
+                   "milliseconds. The flat reading was first tried on 2026-12-01 against this case's run after the "
+                   "2-token warm-up, and withdrawn then because of the cProfile'd run below.")
+    out.append("- Under cProfile (`calib_case_cprofile/`, after the 2-token warm-up) the plan's run made no "
+               "caching-allocator retry, and its 120 captures spent 6.6 ms each in `capture_end`: what the "
+               "proportional reading prices. Those were the process's first captures of q = 4 and 5, a cost a "
+               "steady-state run has already paid.")
     if runs:
         m, p = [d["measured"]["total_tok_s"] for d, _, _ in runs], runs[0][0]["predicted"]["total_tok_s"]
         out.append(f"- The same stored plan re-run {len(runs)} times at commit {runs[0][2]}, no profiler "
@@ -319,14 +324,14 @@ def _since(c: Case, new_q: list[int], ms, flat: float) -> list[str]:
     reps = c.c["meta"].get("repeat_total_tok_s")
     if reps and len(reps) > 1:
         p = c.metric("p", "total_tok_s")
-        out.append(f"- This case's own runs (`matrix --repeats {len(reps)}`, one process, after the 2-token warm-up): "
+        warm = {"full": "the full warm-up", "short": "the 2-token warm-up"}.get(warm_mode, f"the {warm_mode} warm-up")
+        out.append(f"- This case's own runs (`matrix --repeats {len(reps)}`, one process, after {warm}): "
                    "total " + ", ".join(f"{x:,.1f}" for x in reps) + " tok/s in run order, offsim "
                    + ", ".join(_pct((p - x) / x) for x in reps) + " against each; the case keeps the run of median "
-                   "throughput. The first run after the warm-up is the one a user's `offexec run` measures (it "
-                   "warms up for 2 tokens too); the later runs of the same process meet each new query count a "
-                   "second time. The cost of a new query count's first ops is paid once per process, not once "
-                   "per run -- how the matrix should count it (warm up every shape, or keep the first run) is "
-                   "open.")
+                   "throughput. The cost of a new query count's first captures is paid once per process, not once "
+                   "per run" + (": after the full warm-up every run meets each q a second time." if warm_mode == "full"
+                                else " -- how the matrix should count it (warm up every shape, or keep the first run) "
+                                "is open."))
     return out
 
 
@@ -345,18 +350,18 @@ def _warmup_q(c: Case) -> list[int]:
     return sorted({o.q_tokens for o in warm.ops if o.kind == "compute" and o.phase == "decode" and o.part == "layer"})
 
 
-def _with_flat_captures(c: Case) -> float:
-    """The case's total error with a capture's extra read flat past the capture row's largest size."""
-    orig = cm.table_seconds
+def _with_proportional_captures(c: Case) -> float:
+    """The case's total error with a capture's extra read proportionally past the capture row's largest size (the
+    model until 2026-12-02; today's reads it flat: ``costmodel.capture_extra_seconds``)."""
 
-    def flat_capture(model, hw, part, rows, first):
+    def prop_capture(model, hw, part, rows, first):
         cap = cm.op_table(hw, model, "capture", "first" if first else part)
         rep = cm.op_table(hw, model, "graph", part)
         if cap is None or rep is None:
             return 0.0
-        return max(0.0, orig(cap, rows, True) - orig(rep, rows, True))
+        return max(0.0, cm.table_seconds(cap, rows) - cm.table_seconds(rep, rows))
 
-    with mock.patch.object(cm, "capture_extra_seconds", flat_capture):
+    with mock.patch.object(cm, "capture_extra_seconds", prop_capture):
         tr = resimulate(c.c, str(PROFILE))
     p = tr.metrics()["total_tok_s"]
     m = c.metric("m", "total_tok_s")
