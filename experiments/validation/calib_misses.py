@@ -316,7 +316,7 @@ def _since(c: Case, new_q: list[int], ms, prop: float, warm_mode: str) -> list[s
         m, p = [d["measured"]["total_tok_s"] for d, _, _ in runs], runs[0][0]["predicted"]["total_tok_s"]
         out.append(f"- The same stored plan re-run {len(runs)} times at commit {runs[0][2]}, no profiler "
                    f"(`{RERUN.relative_to(ROOT / 'results' / 'validation')}/`): total "
-                   + ", ".join(f"{x:,.1f}" for x in m) + f" tok/s, offsim {p:,.1f} ("
+                   + ", ".join(f"{x:,.1f}" for x in m) + f" tok/s, offsim then (proportional captures) {p:,.1f} ("
                    + ", ".join(_pct((p - x) / x) for x in m) + f"); the steps where q changes ({', '.join(map(str, new_q))}) "
                    "took " + "; ".join(", ".join(_ms(x) for x in st) for _, st, _ in runs) + " ms, against "
                    + ", ".join(_ms(ms[s]) for s in new_q) + " ms in this case (measured "
@@ -711,8 +711,9 @@ def _largest_gap(c: Case) -> str:
 # 10 % today is listed whether or not it has one
 VERDICT = {"opt-6.7b_flexgen-cpuattn_b32_p128_g16": "the 64-sequence CPU-attention row, re-measured (2026-12-01); "
                                                      "since: the host's state (table at the end)",
-           "opt-13b_tightllm_b32_p128_g32": "graph captures of recomputes; a new query count's first-use cost is "
-                                            "paid once per process (this case's repeats)",
+           "opt-13b_tightllm_b32_p128_g32": "graph captures of recomputes: a new query count's first capture is "
+                                            "paid once per process; in a steady-state run a capture's extra is "
+                                            "read flat past its row (modelled, 2026-12-02)",
            "opt-30b_flexgen-cpuattn_b8_p128_g32": "host load on CPU attention; issue in stream order behind each CPU "
                                                   "op (modelled); since: the host's state (table at the end)",
            "opt-30b_tightllm_b40_p2048_g64": "recompute attention efficiency read at 64 queries (modelled)"}
