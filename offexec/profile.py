@@ -238,7 +238,7 @@ def _copy_handlers(plan) -> dict:
 
 
 def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16, 512), gen_len: int = 8,
-                progress: bool = True, capture_only: bool = False) -> list:
+                progress: bool = True, capture_only: bool = False, decode_only: bool = False) -> list:
     """Op tables: seconds of each compute op as offexec itself runs it, by size, for one model's layer shape.
 
     Small plans of the model cut to two layers (all weights and the KV cache on the GPU, or the KV on the host for
@@ -265,7 +265,11 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
       them (the Q/K/V packing kernel, the copy, the output's allocation), by bytes.
 
     Times include attention over the probe's short contexts (at most prompt + gen tokens); the cost model adds
-    attention at the op's real context on top (a double count below 1 % at these sizes)."""
+    attention at the op's real context on top (a double count below 1 % at these sizes).
+
+    ``capture_only``: the 'capture' and 'issue' rows alone; ``decode_only``: every row of the decode ops ('graph',
+    'eager', 'capture', 'issue'), the runs at the short prompt alone -- to time them at more sequence counts
+    (``batches``) than the full probe, without the prefill rows' long prompt."""
     import dataclasses
 
     import torch
@@ -288,6 +292,8 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
             for g in (("cuda", "off") if cuda and p == prompts[0] else ("cuda",) if cuda else ("off",))]
     if capture_only:  # the 'capture' and 'issue' rows alone (the profile's 'graph' rows stay as measured)
         runs = [r for r in runs if r[0] == prompts[0] and r[3] == "cuda"]
+    elif decode_only:  # the decode ops' rows come from the short prompt's runs (graphs on and off)
+        runs = [r for r in runs if r[0] == prompts[0]]
     if cuda:  # the KV cache and the activations in host memory: the copies of offloaded runs, for 'issue' rows
         runs += [(prompts[0], b, _ISSUE_FORM, "cuda") for b in batches]
     try:
@@ -383,8 +389,8 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
                 curves.setdefault(("cpu", "attn_flops"), []).append([float(b), float(rate)])
                 fixed = max(t_s - f_s / rate, 0.1 * t_s)  # the short prompt's FLOPs are priced by the rate
         curves.setdefault(("cpu", "attn"), []).append([float(b), float(fixed)])
-    return [[key, mode, part, pts] for (mode, part), pts in sorted(curves.items())
-            if not capture_only or mode in ("capture", "issue")]
+    keep = ("capture", "issue") if capture_only else ("graph", "eager", "capture", "issue") if decode_only else None
+    return [[key, mode, part, pts] for (mode, part), pts in sorted(curves.items()) if keep is None or mode in keep]
 
 
 CPU_ATTN_CONTEXTS = (16, 128, 512, 2048)  # the probe's prompt lengths: short (fixed cost) to long (past the LLC)
@@ -1033,6 +1039,11 @@ def add_profile_parser(sub) -> None:
                         "fixed CPU-attention op and host copy, CPU model, load), the state offsim validate sets each "
                         "measured case's own probe beside; a full profile and a CPU-attention measurement record "
                         "it themselves")
+    p.add_argument("--decode-only", action="store_true",
+                   help="with --ops: measure only the decode ops' rows (replayed as CUDA graphs and eager, their "
+                        "captures and issue times) at --op-batches, the runs at the short prompt alone; the prefill "
+                        "and CPU-attention rows are kept as they are. For sequence counts the full probe did not "
+                        "time: a plan's decode op is priced between the sizes measured")
     p.add_argument("--op-batches", default="1,4,16,64", metavar="N,N,...",
                    help="sequences per GPU batch of the op-table runs (default: %(default)s)")
     p.set_defaults(func=cmd_profile)
@@ -1051,11 +1062,12 @@ def _flexgen_attention_tables(spec, device: str, batches, source: dict) -> list:
 
 def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64), attention_only: bool = False,
                   recompute_only: bool = False, capture_only=None, cpu_attention_only=None,
-                  flexgen_only: bool = False) -> dict:
+                  flexgen_only: bool = False, decode_only: bool = False) -> dict:
     """Profile dict ``d`` with op tables for ``models`` (replacing rows of the same layer shapes and modes), CPU
     attention re-measured through the executor's path and the sustained compute fraction; ``attention_only``: the
     GPU attention rows and the sustained fraction alone; ``recompute_only``: the graphed recompute rows alone (the
-    rest of ``d`` kept); ``capture_only``: the graph-capture and copy-issue rows alone. Provenance says which."""
+    rest of ``d`` kept); ``capture_only``: the graph-capture and copy-issue rows alone; ``decode_only``: the decode
+    ops' rows (graph, eager, capture, issue) alone, at ``batches``. Provenance says which."""
     from offsim.core.provenance import provenance
     from offsim.core.specs import HardwareSpec, get_model
 
@@ -1078,6 +1090,9 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
             rows += dq
             flexgen_dequant[spec.name] = bool(dq)
             continue
+        if decode_only:
+            rows += profile_ops(spec, device, batches=batches, decode_only=True)
+            continue
         if capture_only:
             if capture_only != "new_q":
                 rows += profile_ops(spec, device, batches=batches, capture_only=True)
@@ -1095,7 +1110,7 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
     keys = {(r[0], r[1], r[2]) for r in rows}
     d["op_times"] = [r for r in d.get("op_times", []) if tuple(r[:3]) not in keys] + rows
     prov = dict(d.get("provenance", {}))
-    if not (recompute_only or capture_only or cpu_attention_only or flexgen_only):
+    if not (recompute_only or capture_only or cpu_attention_only or flexgen_only or decode_only):
         d["sustained_compute_fraction"] = float(profile_sustained(device))
     if flexgen_only:
         from offsim.core.errors import OffsimError
@@ -1115,6 +1130,8 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
             prov["cpu_attention_flexgen_tables"] = provenance(models=models, batches=list(batches),
                                                               contexts=list(CPU_ATTN_CONTEXTS), device=device,
                                                               rows_timed=flexgen_source)
+    elif decode_only:
+        prov["decode_op_tables"] = provenance(models=models, batches=list(batches), device=device)
     elif capture_only:  # (the new-length captures alone keep the other capture rows' record)
         prov["new_q_capture_tables" if capture_only == "new_q" else "capture_tables"] = provenance(
             models=models, batches=list(batches), device=device)
@@ -1153,6 +1170,9 @@ def cmd_profile(args) -> dict:
     if args.host_probe_only and not args.base:
         raise OffsimError("--host-probe-only records the host's state in an existing profile: give --base PROFILE "
                           "too")
+    if args.decode_only and not (args.ops and args.base):
+        raise OffsimError("--decode-only re-measures the decode ops' rows of an existing profile: give --base PROFILE "
+                          "and --ops MODELS too")
     if args.base and not (args.ops or args.quant_only or args.multi_gpu_only or args.relay_only
                           or args.host_probe_only):
         raise OffsimError("--base adds op tables to an existing profile: give --ops MODELS (or --quant-only, "
@@ -1177,7 +1197,7 @@ def cmd_profile(args) -> dict:
     # by the measurements that time them; a measured case's own probe is set beside it by offsim validate
     host_rows = (not args.base or args.host_probe_only or args.cpu_attention_only in ("all", "offexec")
                  or (models and not (args.attention_only or args.recompute_only or args.capture_only
-                                     or args.cpu_attention_only or args.flexgen_only)))
+                                     or args.cpu_attention_only or args.flexgen_only or args.decode_only)))
     if host_rows:
         from offsim.core.provenance import provenance
 
@@ -1227,7 +1247,7 @@ def cmd_profile(args) -> dict:
         d["provenance"] = {**d.get("provenance", {}), "multi_gpu": provenance(**mg)}
     if models:
         d = add_op_tables(d, models, args.device, batches, args.attention_only, args.recompute_only,
-                          args.capture_only, args.cpu_attention_only, args.flexgen_only)
+                          args.capture_only, args.cpu_attention_only, args.flexgen_only, args.decode_only)
         if args.name:
             d["name"] = args.name
     if host_rows:

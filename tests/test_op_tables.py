@@ -4,6 +4,8 @@ executor's op-table probe on the CPU (offexec.profile.profile_ops / profile_atte
 import dataclasses
 import json
 import math
+import subprocess
+import sys
 
 import pandas as pd
 import pytest
@@ -871,6 +873,41 @@ def test_profile_flexgen_dequant_on_cuda():
     HardwareSpec.from_dict({**H200.to_dict(), "op_times": rows})
     for r in rows:
         assert r[3][-1][1] > r[3][0][1] > 0
+
+
+def test_profile_decode_only_times_the_decode_rows_at_the_batches_given(tmp_path):
+    """``offexec profile --base P --ops M --decode-only --op-batches ...`` re-measures only the decode ops' rows
+    (graph / eager / capture / issue) at the sequence counts given, and keeps every other row of the base profile
+    (on the CPU: eager rows, the shape of the result, not the H200's numbers); without --base it is refused."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import json
+
+    from offexec.profile import profile_ops
+    from offexec.testing import tiny_hf
+
+    hf, spec = tiny_hf("opt")
+    rows = profile_ops(spec, "cpu", batches=(1, 3, 5), decode_only=True, progress=False)
+    assert rows and {m for _, m, _, _ in rows} <= {"graph", "eager", "capture", "issue"}
+    assert all([x for x, _ in c] == [1.0, 3.0, 5.0] for _, m, p, c in rows if m == "eager" and p != "head")
+    # through the command, on the tiny model's config: the base's other rows stay
+    hf.config.to_json_file(tmp_path / "config.json")
+    cfg = tmp_path / "config.json"
+    key = layer_key(get_model(cfg))
+    base = {**H200.to_dict(), "op_times": [[key, "tokens", "layer", [[16.0, 1e-3], [512.0, 2e-2]]],
+                                           [key, "eager", "layer", [[1.0, 9.0]]]]}
+    (tmp_path / "base.json").write_text(json.dumps(base))
+    r = subprocess.run([sys.executable, "-m", "offexec.cli", "profile", "--device", "cpu", "--base",
+                        str(tmp_path / "base.json"), "--ops", str(cfg), "--decode-only", "--op-batches", "1,2",
+                        "--out", str(tmp_path / "out.json")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = {(m, p): c for _, m, p, c in json.loads((tmp_path / "out.json").read_text())["op_times"]}
+    assert out[("tokens", "layer")] == [[16.0, 1e-3], [512.0, 2e-2]]  # kept
+    assert [x for x, _ in out[("eager", "layer")]] == [1.0, 2.0] and out[("eager", "layer")][0][1] != 9.0
+    r = subprocess.run([sys.executable, "-m", "offexec.cli", "profile", "--device", "cpu", "--ops", str(cfg),
+                        "--decode-only", "--out", str(tmp_path / "x.json")], capture_output=True, text=True)
+    assert r.returncode != 0 and "--decode-only" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "x.json").exists()
 
 
 def test_profile_new_q_captures_on_the_cpu():
