@@ -32,7 +32,6 @@ from __future__ import annotations
 import functools
 
 import dataclasses
-from bisect import bisect_right
 from dataclasses import dataclass
 
 from offsim.core import footprint as fp
@@ -408,6 +407,14 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         return f
 
     @functools.cache
+    def gpu_compute_fields(part: str, q: int, ctx: int, frees_weights, alloc_gpu, free_gpu) -> dict:
+        """``compute_fields`` of a compute whose memory is GPU bytes alone, ``alloc_gpu`` and ``free_gpu`` (None: the
+        field left out) -- every compute but the CPU's attention. (Its own cache: ints make a cheaper key than two
+        tuples, and every position makes such a compute)"""
+        return compute_fields(part, q, ctx, frees_weights, None if alloc_gpu is None else (alloc_gpu, 0, 0),
+                              None if free_gpu is None else (free_gpu, 0, 0))
+
+    @functools.cache
     def copy_fields(tensor: str, lo: int, hi: int, heads, nbytes: int, pinned, alloc, free) -> dict:
         f = {"tensor": tensor, "lo": lo, "hi": hi}
         if heads is not None:
@@ -420,6 +427,75 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         if free is not None:
             f["free"] = free
         return f
+
+    @functools.cache
+    def hidden_copy_fields(q: int, ctx: int, load: bool) -> dict:
+        """The fields of a copy of the hidden states of the new positions [ctx - q, ctx) between the GPU and their
+        home in host memory: a load allocates the GPU copy it lands in (freed by the compute that consumes it), a
+        store nothing. (Its own cache: two or three small ints make a cheaper key than ``copy_fields``' eight, for
+        two ops of every position)"""
+        hb = act_bytes("hidden", q)
+        return copy_fields("hidden", ctx - q, ctx, None, hb, pinned, (hb, 0, 0) if load else None, None)
+
+    @functools.cache
+    def work_bytes(part: str, cpu_attn: bool, q: int, ctx: int) -> int:
+        """GPU bytes a position's compute holds while it runs (``part``: its compute part; ``cpu_attn``: attention
+        delegated to the CPU): the op's peak (``footprint.op_peak_bytes``), and on a decoder layer the fp16 copies
+        it dequantizes into (``dq``)."""
+        if cpu_attn and part == "attn_layer":  # pre_attn to attn_out: both halves' peaks, held across the CPU's work
+            ws = max(op_peak("cpu_attn_pre", q, ctx), op_peak("attn_out", q, ctx))
+        else:
+            ws = op_peak("cpu_attn_layer" if cpu_attn else part, q, ctx)
+        return ws if part in ("embed", "head") else ws + dq
+
+    @functools.cache
+    def cpu_delegation_fields(q: int, ctx: int) -> tuple[dict | None, dict, dict, dict, dict | None]:
+        """The fields of the ops of FlexGen's CPU delegation (below) whose shape follows from the positions alone,
+        for q new tokens at context ctx: (the read of a disk-homed cache's prefix into host memory, the QKV's d2h,
+        the CPU's attention -- holding that prefix in host memory while it runs --, its output's h2d, the new
+        tokens' KV write to disk); the disk ops None without a disk-homed cache. (One cached call for the five: a
+        decode attention position with CPU attention makes them all)"""
+        read = write = None
+        disk_staged = 0
+        if kd:
+            disk_staged = nbytes = kv_bytes(kd, ctx - q)
+            read = copy_fields("kv", 0, ctx - q, (kc, n_kv), nbytes, None, (0, nbytes, 0), None)
+            write = copy_fields("kv", ctx - q, ctx, (kc, n_kv), kv_bytes(kd, q), None, None, None)
+        qkv = copy_fields("qkv", ctx - q, ctx, None, act_bytes("qkv", q), pinned, None, None)
+        attn = compute_fields("attn", q, ctx, None, None, (0, disk_staged, 0))
+        out = copy_fields("attn_out", ctx - q, ctx, None, act_bytes("attn_out", q), pinned, None, None)
+        return read, qkv, attn, out, write
+
+    @functools.cache
+    def kv_load_fields(ctx_prev: int) -> tuple[dict | None, dict | None, dict | None]:
+        """The fields of a position's KV loads for GPU attention (``emit_kv_loads``) of the prefix [0, ctx_prev):
+        (the host-homed heads' h2d, the disk-homed heads' read into host staging, their h2d), None where the cache
+        has no heads on that tier. Each h2d allocates its group's full-length work buffer on the GPU (its store
+        frees it). (One cached call for the three)"""
+        host = read = disk = None
+        if kc:
+            host = copy_fields("kv", 0, ctx_prev, (kg, kg + kc), kv_load(kc, ctx_prev), kv_pinned, (buf_c, 0, 0), None)
+        if kd:
+            nbytes = kv_bytes(kd, ctx_prev)
+            read = copy_fields("kv", 0, ctx_prev, (kg + kc, n_kv), nbytes, None, (0, nbytes, 0), None)
+            disk = copy_fields("kv", 0, ctx_prev, (kg + kc, n_kv), kv_load(kd, ctx_prev), pinned, (buf_d, 0, 0),
+                               (0, nbytes, 0))
+        return host, read, disk
+
+    @functools.cache
+    def kv_store_fields(q: int, ctx: int) -> tuple[dict | None, dict | None, dict | None]:
+        """The fields of a position's stores of its new tokens' KV [ctx - q, ctx) (GPU attention): (the host-homed
+        heads' d2h, the disk-homed heads' d2h into host staging, their write to disk), None where the cache has no
+        heads on that tier. Each d2h is the last user of its group's work buffer and frees it. (One cached call
+        for the three)"""
+        host = d2h = write = None
+        if kc:
+            host = copy_fields("kv", ctx - q, ctx, (kg, kg + kc), kv_bytes(kc, q), kv_pinned, None, (buf_c, 0, 0))
+        if kd:
+            nbytes = kv_bytes(kd, q)
+            d2h = copy_fields("kv", ctx - q, ctx, (kg + kc, n_kv), nbytes, pinned, (0, nbytes, 0), (buf_d, 0, 0))
+            write = copy_fields("kv", ctx - q, ctx, (kg + kc, n_kv), nbytes, None, None, (0, nbytes, 0))
+        return host, d2h, write
 
     # a position's KV work buffer of each off-GPU head group, full length (as offexec allocates it)
     buf_c, buf_d = kv_bytes(kc, wl.max_len), kv_bytes(kd, wl.max_len)
@@ -581,13 +657,9 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
             d = dev_of[j]
             kv_index[p] = kv_count[d] * S + d
             kv_count[d] += 1
-    # per GPU, the position that first uses each of its streamed instances (increasing): the embedding and the head
-    # prefetch the next one
-    first_use = [[] for _ in range(S)]
-    for p, (i, j, sub, k) in enumerate(positions):
-        key = (i, group_of[k], j, sub)
-        if (homes or 0 <= j < L) and k == groups[group_of[k]][0] and key in inst_index:
-            first_use[dev_of[j]].append(p)
+    # per GPU, how many of its streamed instances the positions so far have used (they use them in order, each first
+    # at its group's first batch): the embedding and the head prefetch the next one
+    units_used = [0] * S
     pending_kv_loads: dict[int, list[int]] = {}  # position -> its KV h2d ops
     pending_kv_bufs: dict[int, tuple[bool, bool]] = {}  # position -> (host group loaded, disk group loaded)
 
@@ -615,17 +687,12 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         deps = buf_frees.get(kv_index[p] - kv_reuse, []) + kv_stored.get((j, k), [])
         phase = "decode"
         ids = []
+        host_f, read_f, disk_f = kv_load_fields(ctx_prev)
         if kc:  # the load allocates the position's full-length work buffer; its store frees it
-            nbytes = kv_load(kc, ctx_prev)
-            ids.append(add_row("h2d", deps, phase, i, j, k, copy_fields("kv", 0, ctx_prev, (kg, kg + kc), nbytes,
-                                                                      kv_pinned, (buf_c, 0, 0), None)))
+            ids.append(add_row("h2d", deps, phase, i, j, k, host_f))
         if kd:
-            nbytes = kv_bytes(kd, ctx_prev)
-            rd = add_row("disk_read", deps, phase, i, j, k, copy_fields("kv", 0, ctx_prev, (kg + kc, n_kv), nbytes,
-                                                                        None, (0, nbytes, 0), None))
-            ids.append(add_row("h2d", [rd], phase, i, j, k, copy_fields("kv", 0, ctx_prev, (kg + kc, n_kv),
-                                                                        kv_load(kd, ctx_prev), pinned, (buf_d, 0, 0),
-                                                                        (0, nbytes, 0))))
+            rd = add_row("disk_read", deps, phase, i, j, k, read_f)
+            ids.append(add_row("h2d", [rd], phase, i, j, k, disk_f))
         pending_kv_loads[p] = ids
         pending_kv_bufs[p] = (bool(kc), bool(kd))
 
@@ -656,7 +723,8 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         ctx = prompt_len + i
         decoder = 0 <= j < L
         dev = dev_of[j]
-        grp = groups[group_of[k]]
+        t = group_of[k]
+        grp = groups[t]
         hin = 0  # GPU bytes of a hidden copy received for this compute: counted while the compute runs
         land = 0  # GPU bytes of a hidden copy loaded from the host: counted from its load to this compute's end
         recv = None
@@ -683,18 +751,19 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
             land = act_bytes("hidden", q)
             # (the block's activations are reserved on their home tier in `resident`; the GPU copy is scratch)
             hl = add_row("h2d", [hidden_store.pop(k)] + landings[dev].load_deps(), phase, i, j, k,
-                         copy_fields("hidden", ctx - q, ctx, None, land, pinned, (land, 0, 0), None))
+                         hidden_copy_fields(q, ctx, True))
             deps = [hl]
         # weights: the current unit's (first batch only), then, when prefetching, the next streamed unit's
         # this position's streamed unit (device, index), if any
-        u = inst_index.get((i, group_of[k], j, sub)) if (decoder or homes) else None
+        u = inst_index.get((i, t, j, sub)) if (decoder or homes) else None
         first_k = k == grp[0]
         pf = prefetch and i >= prefetch_from
         if first_k and u is not None:
+            units_used[dev] = u[1] + 1
             ensure_loaded(dev, u[1] + (1 if pf else 0))
         elif first_k and pf and not decoder:
             # embedding / head: prefetch the next streamed decoder unit of this GPU
-            nxt = bisect_right(first_use[dev], p)
+            nxt = units_used[dev]
             if nxt < len(instances[dev]):
                 ensure_loaded(dev, nxt)
         if loads_kv:
@@ -713,15 +782,10 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
         loaded_c, loaded_d = pending_kv_bufs.pop(p, (False, False)) if pending_kv_bufs else (False, False)
         part = _PART_OF_SUB[sub] if decoder else ("embed" if j < 0 else "head")
         cpu_attn = decoder and cpu_attention and i > 0 and sub != "mlp"
-        if cpu_attn and sub == "attn":  # pre_attn to attn_out: both halves' peaks, held across the CPU's work
-            ws = max(op_peak("cpu_attn_pre", q, ctx), op_peak("attn_out", q, ctx))
-        else:
-            ws = op_peak("cpu_attn_layer" if cpu_attn else part, q, ctx)
-        if decoder:
-            ws += dq
+        ws = work_bytes(part, cpu_attn, q, ctx)
         if sub == "mlp":
-            comp = add_row("compute", deps, phase, i, j, k, compute_fields("mlp", q, ctx, last_k, (ws + hin, 0, 0),
-                                                                           (ws + hin + land + w_free, 0, 0)))
+            comp = add_row("compute", deps, phase, i, j, k, gpu_compute_fields("mlp", q, ctx, last_k, ws + hin,
+                                                                               ws + hin + land + w_free))
         elif cpu_attn and sublayer_op:
             # FlexGen's attention sub-layer as its code runs it with --cpu-cache-compute, one call on its main thread
             # (``SelfAttention.load_cache`` path 1 + ``TorchDevice.mha_gen``: the norm and QKV on the GPU, Q and the
@@ -733,34 +797,26 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
                                          (ws + hin + land + w_free, 0, 0) if sub else None))
             comp = att
             if sub is None:  # a whole decoder layer (FlexGen's TransformerLayer): its MLP follows on the GPU
-                comp = add_row("compute", [att], phase, i, j, k, compute_fields("mlp", q, ctx, last_k, None,
-                                                                                (ws + hin + land + w_free, 0, 0)))
+                comp = add_row("compute", [att], phase, i, j, k, gpu_compute_fields("mlp", q, ctx, last_k, None,
+                                                                                    ws + hin + land + w_free))
             kv_stored[(j, k)] = [att]
         elif cpu_attn:
             # FlexGen's CPU delegation: QKV on the GPU, attention on the CPU over the host cache, rest on the GPU
+            read_f, qkv_f, attn_f, out_f, write_f = cpu_delegation_fields(q, ctx)
             pre = add_row("compute", deps + kv_stored.get((j, k), []), phase, i, j, k,
-                          compute_fields("pre_attn", q, ctx, None, (ws + hin, 0, 0), None))
-            qkv_b = act_bytes("qkv", q)
+                          gpu_compute_fields("pre_attn", q, ctx, None, ws + hin, None))
             cpu_deps = []
             if kd:  # the cache lives on disk: read the prefix into host memory for the CPU
-                nbytes = kv_bytes(kd, ctx - q)
-                cpu_deps.append(add_row("disk_read", kv_stored.get((j, k), []), phase, i, j, k,
-                                        copy_fields("kv", 0, ctx - q, (kc, n_kv), nbytes, None, (0, nbytes, 0), None)))
-            d = add_row("d2h", [pre], phase, i, j, k, copy_fields("qkv", ctx - q, ctx, None, qkv_b, pinned, None, None))
-            disk_staged = kv_bytes(kd, ctx - q) if kd else 0
-            att = add_row("cpu_compute", [d] + cpu_deps, phase, i, j, k,
-                          compute_fields("attn", q, ctx, None, None, (0, disk_staged, 0)))
-            ob = act_bytes("attn_out", q)
-            back = add_row("h2d", [att], phase, i, j, k, copy_fields("attn_out", ctx - q, ctx, None, ob, pinned, None,
-                                                                     None))
+                cpu_deps.append(add_row("disk_read", kv_stored.get((j, k), []), phase, i, j, k, read_f))
+            d = add_row("d2h", [pre], phase, i, j, k, qkv_f)
+            att = add_row("cpu_compute", [d] + cpu_deps, phase, i, j, k, attn_f)
+            back = add_row("h2d", [att], phase, i, j, k, out_f)
             comp = add_row("compute", [back, pre], phase, i, j, k,
-                           compute_fields("attn_out" if sub else "post_attn", q, ctx, last_k, None,
-                                          (ws + hin + land + w_free, 0, 0)))
+                           gpu_compute_fields("attn_out" if sub else "post_attn", q, ctx, last_k, None,
+                                              ws + hin + land + w_free))
             stores = [att]
             if kd:  # append the new token's KV to the disk copy
-                nb_new = kv_bytes(kd, q)
-                stores = [add_row("disk_write", [att], phase, i, j, k,
-                                  copy_fields("kv", ctx - q, ctx, (kc, n_kv), nb_new, None, None, None))]
+                stores = [add_row("disk_write", [att], phase, i, j, k, write_f)]
             kv_stored[(j, k)] = stores
         else:
             # (the embedding of step i waits for the LM head of step i-1 through last_out: the next token)
@@ -771,27 +827,20 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
             if new_bufs:
                 deps += buf_frees.get(kv_index[p] - kv_reuse, [])
             comp = add_row("compute", deps, phase, i, j, k,
-                           compute_fields(part, q, ctx, decoder and last_k, (ws + hin + new_bufs, 0, 0),
-                                          (ws + hin + land + w_free, 0, 0)))
+                           gpu_compute_fields(part, q, ctx, decoder and last_k, ws + hin + new_bufs,
+                                              ws + hin + land + w_free))
             if decoder and (kc or kd):
                 # store the new tokens' KV of the host- and disk-homed heads (FlexGen: store_cache); each store is
                 # the last user of its group's work buffer
                 stores = []
+                host_f, d2h_f, write_f = kv_store_fields(q, ctx)
                 if kc:
-                    nbytes = kv_bytes(kc, q)
-                    stores.append(add_row("d2h", [comp], phase, i, j, k,
-                                          copy_fields("kv", ctx - q, ctx, (kg, kg + kc), nbytes, kv_pinned, None,
-                                                      (buf_c, 0, 0))))
+                    stores.append(add_row("d2h", [comp], phase, i, j, k, host_f))
                     buf_frees.setdefault(kv_index[p], []).append(stores[-1])
                 if kd:
-                    nbytes = kv_bytes(kd, q)
-                    st = add_row("d2h", [comp] + disk_stores[dev].d2h_deps(), phase, i, j, k,
-                                 copy_fields("kv", ctx - q, ctx, (kg + kc, n_kv), nbytes, pinned, (0, nbytes, 0),
-                                             (buf_d, 0, 0)))
+                    st = add_row("d2h", [comp] + disk_stores[dev].d2h_deps(), phase, i, j, k, d2h_f)
                     buf_frees.setdefault(kv_index[p], []).append(st)
-                    stores.append(add_row("disk_write", [st], phase, i, j, k,
-                                          copy_fields("kv", ctx - q, ctx, (kg + kc, n_kv), nbytes, None, None,
-                                                      (0, nbytes, 0))))
+                    stores.append(add_row("disk_write", [st], phase, i, j, k, write_f))
                     disk_stores[dev].record(st, stores[-1])
                 kv_stored[(j, k)] = stores
         if pending_store is not None:
@@ -817,9 +866,7 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
             free_op[u] = comp
         # (the last layer of a stage sends its output to the next GPU from the GPU: nothing parked)
         if hidden_cpu and j < L and not (multi and j == stages[dev][1] - 1 and dev < S - 1 and sub != "attn"):
-            hb = act_bytes("hidden", q)
-            hidden_store[k] = add_row("d2h", [comp], phase, i, j, k,
-                                      copy_fields("hidden", ctx - q, ctx, None, hb, pinned, None, None))
+            hidden_store[k] = add_row("d2h", [comp], phase, i, j, k, hidden_copy_fields(q, ctx, False))
     cap = dict(capacity)
     settings = dict(s.settings)
     plan_stages, plan_nodes = [], []
