@@ -236,8 +236,7 @@ def tightllm_captures(c: Case) -> list[str]:
         q = int(qs[s])
         rows_x = seqs * q
         extra_flat[s] = cm.capture_extra_seconds(c.model, c.hw, "layer", rows_x, False)  # the model: flat
-        cap, rep = cm.op_table(c.hw, c.model, "capture", "layer"), cm.op_table(c.hw, c.model, "graph", "layer")
-        extra_prop[s] = max(0.0, cm.table_seconds(cap, rows_x) - cm.table_seconds(rep, rows_x))
+        extra_prop[s] = cm.capture_extra_seconds(c.model, c.hw, "layer", rows_x, False, flat_past_largest=False)
         others = mc[s].drop(index=[first_layer, -1, mc.index.max()], errors="ignore")
         rows.append(f"| {s} | {q} | {_ms(ms[s])} | {_ms(ps[s])} | {_ms(mc.loc[first_layer, s])} | "
                     f"{_ms(others.mean())} | {_ms(extra_flat[s])} |")
@@ -250,8 +249,8 @@ def tightllm_captures(c: Case) -> list[str]:
     # the counterfactual: a capture's extra proportional past the largest size measured (the reading before
     # 2026-12-02), everything else as today
     prop = _with_proportional_captures(c)
-    warm_q = _warmup_q(c)
     warm_mode = c.c["meta"].get("warmup_mode", "short")
+    warm_q = _warmup_q(c) if warm_mode != "full" else []  # (two plan builds: only where the text names them)
     first_costs = [mc.loc[first_layer, s] for s in new_q]
     return [
         f"**Where the time goes.** Decode steps run {_ms(ms[steady].median())} ms measured and "
@@ -353,15 +352,8 @@ def _warmup_q(c: Case) -> list[int]:
 def _with_proportional_captures(c: Case) -> float:
     """The case's total error with a capture's extra read proportionally past the capture row's largest size (the
     model until 2026-12-02; today's reads it flat: ``costmodel.capture_extra_seconds``)."""
-
-    def prop_capture(model, hw, part, rows, first):
-        cap = cm.op_table(hw, model, "capture", "first" if first else part)
-        rep = cm.op_table(hw, model, "graph", part)
-        if cap is None or rep is None:
-            return 0.0
-        return max(0.0, cm.table_seconds(cap, rows) - cm.table_seconds(rep, rows))
-
-    with mock.patch.object(cm, "capture_extra_seconds", prop_capture):
+    prop = functools.partial(cm.capture_extra_seconds, flat_past_largest=False)
+    with mock.patch.object(cm, "capture_extra_seconds", prop):
         tr = resimulate(c.c, str(PROFILE))
     p = tr.metrics()["total_tok_s"]
     m = c.metric("m", "total_tok_s")

@@ -607,13 +607,15 @@ def graphed(kind: str, part: str, q_tokens: int, phase: str, max_q_tokens: int =
     return kind == "compute" and phase == "decode" and 1 <= q_tokens <= max_q_tokens and part in GRAPHED_PARTS
 
 
-def capture_extra_seconds(model: ModelSpec, hw: HardwareSpec, part: str, rows: int, first: bool) -> float:
+def capture_extra_seconds(model: ModelSpec, hw: HardwareSpec, part: str, rows: int, first: bool,
+                          flat_past_largest: bool = True) -> float:
     """What a graphed decode op costs beyond its replay the first time offexec meets it: it runs its static body
     eagerly (issued kernel by kernel) and then records it as a CUDA graph (offexec/graphs.py). From the profile's
     'capture' rows (``offexec profile --ops``: the probe's step-1 ops, by sequences) less its 'graph' row; ``first``:
     the run's first capture, which also creates the graphs' pool and context (row 'capture', 'first'). 0 where the
     profile has no such rows. ``rows``: sequences x query tokens. The simulator charges it to the host (issue time:
-    ``sim._capture_extras``)."""
+    ``sim._capture_extras``). ``flat_past_largest=False``: the proportional reading the model used until 2026-12-02
+    (a counterfactual for reports, ``experiments/validation/calib_misses.py``)."""
     cap = op_table(hw, model, "capture", "first" if first else part)
     rep = op_table(hw, model, "graph", part)
     if cap is None or rep is None:
@@ -626,7 +628,8 @@ def capture_extra_seconds(model: ModelSpec, hw: HardwareSpec, part: str, rows: i
     # at a new q took 23-60 ms beyond steady steps, 0.6-1.5 ms a layer (flat: 1.40 ms; proportional: 4.2-7.0 ms,
     # -27.7 % total -> +2.4 % flat). The proportional reading matched only a process's first capture of a shape
     # (6.6 ms in capture_end under cProfile after the 2-token warm-up): results/validation/calib_misses.md.
-    return max(0.0, table_seconds(cap, rows, flat_past_largest=True) - table_seconds(rep, rows, flat_past_largest=True))
+    flat = flat_past_largest
+    return max(0.0, table_seconds(cap, rows, flat) - table_seconds(rep, rows, flat))
 
 
 def new_q_capture_seconds(model: ModelSpec, hw: HardwareSpec, part: str, rows: int) -> float:
