@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Issue 13: re-measure cases of matrix v2 on the GPU machine at one commit, with the full warm-up: short cases
+# (< SHORT_S s in their last run) REPEATS times back to back (the median run kept, every total recorded), long ones
+# once. Resumable: cases already in build/remeasure (carried to the machine) are skipped. Each call leaves
+# $OUT/v_<SPLIT>_<HHMMSS>.tgz; extract it into build/remeasure here, then compare with
+# `python -m experiments.validation.remeasure_compare`.
+#
+#   CASES="tag1 tag2" SPLIT=calib REPEATS=3 TL=480 COMMIT=abc1234 bash experiments/validation/remeasure.sh
+#
+# CASES: the tags to measure (default: every case of SPLIT); TL: start no case after this many seconds.
+# The machine has no network: the wheels of simpy, cvxpy & co. travel in .whl (../shared/tools/device-wheels.sh).
+set -u
+SPLIT=${SPLIT:-calib}; REPEATS=${REPEATS:-3}; SHORT_S=${SHORT_S:-20}; TL=${TL:-480}
+WMODE=${WMODE:-full}; KEEP=${KEEP:-median}; COMMIT=${COMMIT:?set COMMIT to the code\'s commit (the copy has no .git)}
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+STAMP=$(date +%H%M%S)
+V=$OUT/v; mkdir -p "$V" /tmp/disktier
+[ -d build/remeasure ] && cp -r build/remeasure/. "$V"/
+read -r SHORT LONG < <(python3 - <<PY
+import json
+cfg = json.load(open('results/validation/matrix_v2_config.json'))['cases']
+wall = {}
+for line in open('results/validation/matrix_v2_runs.jsonl'):
+    r = json.loads(line)
+    if 'wall_s' in r:
+        wall[r['case']] = r['wall_s']
+want = set("${CASES:-}".split())
+tags = [c['tag'] for c in cfg if c['split'] == '$SPLIT' and (not want or c['tag'] in want)]
+unknown = want - set(tags)
+assert not unknown, f"not in split $SPLIT: {sorted(unknown)}"
+tags.sort(key=lambda t: wall.get(t, 1e9))  # short cases first: a time limit loses the long tail, not the many
+short = [t for t in tags if wall.get(t, 1e9) < $SHORT_S]
+print(','.join(short) or '-', ','.join(t for t in tags if t not in short) or '-')
+PY
+)
+M="python3 -u -m experiments.validation.matrix --config results/validation/matrix_v2_config.json \
+  --profile results/profiles/h200_offexec.json --out $V --warmup --warmup-mode $WMODE --keep $KEEP \
+  --disk-dir /tmp/disktier --commit $COMMIT --kv-solver exact"
+T0=$(date +%s)
+if [ "$SHORT" != "-" ]; then
+  timeout $((TL + 60)) $M --cases ${SHORT//,/ } --repeats "$REPEATS" --time-limit-s "$TL" \
+    > "$V/run_${SPLIT}_short_$STAMP.log" 2>&1; echo "short rc=$?"
+fi
+LEFT=$((TL - $(date +%s) + T0))
+if [ "$LONG" != "-" ] && [ $LEFT -gt 30 ]; then
+  timeout $((LEFT + 60)) $M --cases ${LONG//,/ } --time-limit-s "$LEFT" \
+    > "$V/run_${SPLIT}_long_$STAMP.log" 2>&1; echo "long rc=$?"
+fi
+tail -n 4 "$V"/run_${SPLIT}_*_$STAMP.log | cut -c1-300
+cd "$OUT" && tar czf "v_${SPLIT}_$STAMP.tgz" v && rm -rf v
