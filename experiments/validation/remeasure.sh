@@ -19,7 +19,7 @@ fi
 STAMP=$(date +%H%M%S)
 V=$OUT/v; mkdir -p "$V" /tmp/disktier
 [ -d build/remeasure ] && cp -r build/remeasure/. "$V"/
-read -r SHORT LONG < <(python3 - <<PY
+read -r SHORT LONG SLACK < <(python3 - <<PY
 import json
 cfg = json.load(open('results/validation/matrix_v2_config.json'))['cases']
 wall = {}
@@ -33,7 +33,11 @@ unknown = want - set(tags)
 assert not unknown, f"not in split $SPLIT: {sorted(unknown)}"
 tags.sort(key=lambda t: wall.get(t, 1e9))  # short cases first: a time limit loses the long tail, not the many
 short = [t for t in tags if wall.get(t, 1e9) < $SHORT_S]
-print(','.join(short) or '-', ','.join(t for t in tags if t not in short) or '-')
+long_ = [t for t in tags if t not in short]
+# a safety net, not the limit (TL is: no case starts after it): a case started just before TL runs its warm-up and
+# its measured runs, about (1 + REPEATS) times its last run's wall time, plus its model's weights
+slack = 120 + (1 + $REPEATS) * max([wall.get(t, 300) for t in tags] or [0])
+print(','.join(short) or '-', ','.join(long_) or '-', int(slack))
 PY
 )
 M="python3 -u -m experiments.validation.matrix --config results/validation/matrix_v2_config.json \
@@ -41,13 +45,13 @@ M="python3 -u -m experiments.validation.matrix --config results/validation/matri
   --disk-dir /tmp/disktier --commit $COMMIT --kv-solver exact"
 T0=$(date +%s)
 if [ "$SHORT" != "-" ]; then
-  timeout $((TL + 60)) $M --cases ${SHORT//,/ } --repeats "$REPEATS" --time-limit-s "$TL" \
+  timeout $((TL + SLACK)) $M --cases ${SHORT//,/ } --repeats "$REPEATS" --time-limit-s "$TL" \
     > "$V/run_${SPLIT}_short_$STAMP.log" 2>&1; echo "short rc=$?"
 fi
 LEFT=$((TL - $(date +%s) + T0))
 if [ "$LONG" != "-" ] && [ $LEFT -gt 30 ]; then
-  timeout $((LEFT + 60)) $M --cases ${LONG//,/ } --time-limit-s "$LEFT" \
+  timeout $((LEFT + SLACK)) $M --cases ${LONG//,/ } --time-limit-s "$LEFT" \
     > "$V/run_${SPLIT}_long_$STAMP.log" 2>&1; echo "long rc=$?"
 fi
-tail -n 4 "$V"/run_${SPLIT}_*_$STAMP.log | cut -c1-300
+tail -n 4 "$V"/run_${SPLIT}_*_"$STAMP".log 2>/dev/null | cut -c1-300
 cd "$OUT" && tar czf "v_${SPLIT}_$STAMP.tgz" v && rm -rf v
