@@ -1044,6 +1044,10 @@ def add_profile_parser(sub) -> None:
                         "captures and issue times) at --op-batches, the runs at the short prompt alone; the prefill "
                         "and CPU-attention rows are kept as they are. For sequence counts the full probe did not "
                         "time: a plan's decode op is priced between the sizes measured")
+    p.add_argument("--merge", nargs="+", default=None, metavar="PROFILE",
+                   help="with --base: combine profiles that were each measured from --base (e.g. one --ops model per "
+                        "device call): every op-table row and provenance record a PROFILE changed or added is taken; "
+                        "two PROFILEs changing the same row differently is an error. Nothing is measured")
     p.add_argument("--op-batches", default="1,4,16,64", metavar="N,N,...",
                    help="sequences per GPU batch of the op-table runs (default: %(default)s)")
     p.set_defaults(func=cmd_profile)
@@ -1157,9 +1161,62 @@ def _parse_models(text: str) -> list[str]:
     return models
 
 
+def merge_profiles(base: dict, parts: list[tuple[str, dict]]) -> dict:
+    """``base`` with what each of ``parts`` ((name, profile) pairs, each measured from ``base`` by one ``offexec
+    profile --base``) changed: op-table rows (by layer shape, mode, part) and provenance records that differ from
+    ``base``'s or are new. A record two parts changed (the same measurement split over calls, e.g. one model each)
+    becomes the list of their records. Two parts changing one row differently, or a scalar field, is an error: what
+    they measured would depend on the order of the files."""
+    from offsim.core.errors import OffsimError
+    from offsim.core.specs import HardwareSpec
+
+    rows = {tuple(r[:3]): r for r in base.get("op_times", [])}
+    out_rows = dict(rows)
+    source: dict[tuple, str] = {}
+    prov = dict(base.get("provenance", {}))
+    base_prov = base.get("provenance", {})
+    merged_prov: dict[str, list] = {}
+    for name, d in parts:
+        for key in set(d) - {"op_times", "provenance", "name"}:
+            if d[key] != base.get(key):
+                raise OffsimError(f"{name}: field {key!r} differs from the base profile's; --merge combines op-table "
+                                  "rows measured from the same base (re-measure with --base BASE)")
+        for r in d.get("op_times", []):
+            k = tuple(r[:3])
+            if rows.get(k) == r:
+                continue
+            if k in source and out_rows[k] != r:
+                raise OffsimError(f"{name} and {source[k]} both measured row {list(k)} differently: merge one of them")
+            out_rows[k], source[k] = r, name
+        for sec, rec in d.get("provenance", {}).items():
+            if base_prov.get(sec) != rec:
+                merged_prov.setdefault(sec, []).append(rec)
+    for sec, recs in merged_prov.items():
+        prov[sec] = recs[0] if len(recs) == 1 else recs
+    out = {**base, "op_times": list(out_rows.values()), "provenance": prov}
+    HardwareSpec.from_dict(out)  # a merged profile is one offsim reads
+    return out
+
+
 def cmd_profile(args) -> dict:
     from offsim.core.errors import OffsimError
     from offsim.core.io import read_json_object
+
+    if args.merge:
+        if not args.base:
+            raise OffsimError("--merge combines profiles measured from one base: give --base PROFILE too")
+        if args.ops or args.quant_only or args.multi_gpu_only or args.relay_only or args.host_probe_only:
+            raise OffsimError("--merge measures nothing: give it without --ops and the --*-only options")
+        d = merge_profiles(read_json_object(args.base, "hardware profile"),
+                           [(f, read_json_object(f, "hardware profile")) for f in args.merge])
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(out.suffix + ".tmp")
+        tmp.write_text(json.dumps(d, indent=1))
+        tmp.replace(out)
+        summary = {"out": str(out), "name": d["name"], "merged": list(args.merge)}
+        print(json.dumps(summary))
+        return summary
 
     if args.multi_gpu_only and not args.base:
         raise OffsimError("--multi-gpu-only adds the multi-GPU rates to an existing profile: give --base PROFILE too")

@@ -100,3 +100,53 @@ def test_host_probe_keeps_the_fastest_round(monkeypatch):
     hp = HP.host_probe(reps=1, rounds=3)
     assert hp["cpu_attn_ms"] == 2.0 and hp["cpu_attn_rounds_ms"] == [10.0, 2.0, 2.5]
     assert hp["host_copy_GB_s"] == 2 * HP.PROBE_COPY_BYTES / 0.004 / 1e9
+
+
+def test_profile_merge_combines_parts_measured_from_one_base(tmp_path, capsys):
+    """--merge: profiles measured from one base over several calls (one model each) combine into one; a row two
+    parts measured differently, or a changed scalar, is refused with a message and nothing is written."""
+    from offexec.profile import main
+
+    base_d = json.loads(open("results/profiles/h200_offexec_v2.json").read())
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps(base_d))
+    shapes = sorted({r[0] for r in base_d["op_times"]})
+    assert len(shapes) >= 2
+
+    def part(name, shape, scale, extra_row=None, **fields):
+        d = json.loads(json.dumps(base_d))
+        for r in d["op_times"]:
+            if r[0] == shape and r[1] == "graph":
+                r[3] = [[x, t * scale] for x, t in r[3]]
+        if extra_row:
+            d["op_times"].append(extra_row)
+        d["provenance"]["decode_op_tables"] = {"models": [name]}
+        d.update(fields)
+        p = tmp_path / f"{name}.json"
+        p.write_text(json.dumps(d))
+        return str(p)
+
+    a = part("a", shapes[0], 0.5, [shapes[0], "issue", "eager:mlp", [[1.0, 1e-4]]])
+    b = part("b", shapes[1], 2.0)
+    out = tmp_path / "merged.json"
+    assert main(["profile", "--base", str(base), "--merge", a, b, "--out", str(out)]) == 0
+    m = json.loads(out.read_text())
+    rows = {tuple(r[:3]): r[3] for r in m["op_times"]}
+    for r in base_d["op_times"]:
+        want = ([[x, t * 0.5] for x, t in r[3]] if r[0] == shapes[0] and r[1] == "graph" else
+                [[x, t * 2.0] for x, t in r[3]] if r[0] == shapes[1] and r[1] == "graph" else r[3])
+        assert rows[tuple(r[:3])] == want
+    assert rows[(shapes[0], "issue", "eager:mlp")] == [[1.0, 1e-4]]  # a row only a part has is added
+    assert m["provenance"]["decode_op_tables"] == [{"models": ["a"]}, {"models": ["b"]}]
+    assert m["provenance"]["op_tables"] == base_d["provenance"]["op_tables"]  # untouched records kept
+    HardwareSpec.from_json(out)
+    # the same row measured differently by two parts, and a changed scalar: refused, nothing written
+    out2 = tmp_path / "never.json"
+    c = part("c", shapes[0], 3.0)
+    assert main(["profile", "--base", str(base), "--merge", a, c, "--out", str(out2)]) == 2
+    assert "both measured row" in capsys.readouterr().err
+    e = part("e", shapes[1], 1.0, duplex_fraction=0.5)
+    assert main(["profile", "--base", str(base), "--merge", e, "--out", str(out2)]) == 2
+    assert "duplex_fraction" in capsys.readouterr().err
+    assert main(["profile", "--merge", a, "--out", str(out2)]) == 2  # no --base
+    assert "--base" in capsys.readouterr().err and not out2.exists()
