@@ -1193,6 +1193,9 @@ def merge_profiles(base: dict, parts: list[tuple[str, dict]]) -> dict:
                 merged_prov.setdefault(sec, []).append(rec)
     for sec, recs in merged_prov.items():
         prov[sec] = recs[0] if len(recs) == 1 else recs
+    from offsim.core.provenance import provenance
+
+    prov["merged"] = provenance(parts=[name for name, _ in parts])  # this merge: its command and files
     out = {**base, "op_times": list(out_rows.values()), "provenance": prov}
     HardwareSpec.from_dict(out)  # a merged profile is one offsim reads
     return out

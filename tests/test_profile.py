@@ -139,6 +139,7 @@ def test_profile_merge_combines_parts_measured_from_one_base(tmp_path, capsys):
     assert rows[(shapes[0], "issue", "eager:mlp")] == [[1.0, 1e-4]]  # a row only a part has is added
     assert m["provenance"]["decode_op_tables"] == [{"models": ["a"]}, {"models": ["b"]}]
     assert m["provenance"]["op_tables"] == base_d["provenance"]["op_tables"]  # untouched records kept
+    assert m["provenance"]["merged"]["parts"] == [a, b]
     HardwareSpec.from_json(out)
     # the same row measured differently by two parts, and a changed scalar: refused, nothing written
     out2 = tmp_path / "never.json"
