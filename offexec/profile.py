@@ -616,6 +616,87 @@ def profile_flexgen_dequant(spec, device: str = "cuda", caches=FLEXGEN_DEQUANT_C
     return [[key, "quant", "dequant_flexgen:weight", weights], [key, "quant", "dequant_flexgen:cache", cache]]
 
 
+# (positions, sequences) of the 'store_flexgen:*' probe's stores: one (layer, GPU batch) of a prefill, K and V of
+# [positions, sequences x heads, head_dim] each; OPT-30B's fp16 K alone is 1.8 MB at (128, 1) and 940 MB at (2048, 32)
+FLEXGEN_STORE_CACHES = ((128, 1), (512, 4), (512, 16), (512, 48), (2048, 32))
+
+
+def profile_flexgen_store(spec, device: str = "cuda", caches=FLEXGEN_STORE_CACHES, reps: int = 3) -> list:
+    """Rows ('copy', 'store_flexgen:fp16' / 'store_flexgen:4bit', [[bytes stored, s], ...]): FlexGen 0.1.8's own
+    prefill KV store, as ``SelfAttention.store_cache`` makes it for one (layer, GPU batch): ``general_copy`` of K
+    and of V, [positions, sequences x heads, head_dim] on the GPU (fp16, or 4-bit as its ``--compress-cache``
+    compresses them: group 64 along the head dimension), into a cache home that ``TorchDevice.allocate`` made
+    unpinned (``init_cache_one_gpu_batch``) and nothing has written before -- a fresh home each call, as in a
+    prefill, where every page is faulted in by the store. ``general_copy`` hands such a copy (GPU to unpinned host,
+    more than one position) to the copy threads of FlexGen's ``TorchDisk`` (4, each with a float16 pinned relay
+    buffer); the timed call returns when ``TorchDisk.synchronize`` and the GPU have finished, as its ``sync()``
+    after every position does. x = the bytes stored (a 4-bit cache: its packed data and its scales); the median of
+    ``reps`` after one unmeasured call per size. ``flexgen-ref`` prices its relayed KV stores by these rows
+    (``costmodel.flexgen_store_curve``). [] without ``flexgen``, a CUDA device or an OPT."""
+    import tempfile
+
+    import numpy as np
+    import torch
+
+    from offsim.core.specs import layer_key
+
+    fg = _flexgen_devices() if spec.family == "opt" and str(device).startswith("cuda") else None
+    if fg is None:
+        return []
+    gpu, cpu, fb = fg
+    from flexgen.compression import CompressionConfig
+
+    dev = torch.device("cuda:0")
+    H, D = spec.num_heads, spec.head_dim
+    cfg = CompressionConfig(num_bits=4, group_size=64, group_dim=2, symmetric=False)  # flex_opt's comp_cache_config
+    with tempfile.TemporaryDirectory(prefix="offexec-flexgen-") as tmp:
+        disk = fb.TorchDisk(tmp)  # starts FlexGen's copy threads: general_copy's D2H relays run on them
+        try:
+            rows = {"fp16": [], "4bit": []}
+            # every cache home stays allocated until the end (~15 GB for OPT-30B's sizes): memory freed and
+            # allocated again may come back touched, not fresh
+            keep = []
+            for s_len, b in caches:
+                if s_len > spec.max_positions:
+                    continue
+                shape = (s_len, b * H, D)
+                kv16 = [fb.TorchTensor.create_from_torch(torch.randn(*shape, dtype=torch.float16, device=dev), gpu)
+                        for _ in range(2)]
+                for kind in ("fp16", "4bit"):
+                    src = kv16 if kind == "fp16" else [gpu.compressed_device.compress(t.data, cfg) for t in kv16]
+                    idx = (slice(0, s_len), slice(0, b * H))
+
+                    def home():
+                        if kind == "fp16":
+                            return cpu.allocate(shape, np.float16, pin_memory=False)
+                        return cpu.compressed_device.allocate(shape, np.float16, cfg, pin_memory=False)
+
+                    def stored_bytes(t) -> int:
+                        parts = t.data[:2] if kind == "4bit" else (t,)
+                        return sum(p.data.numel() * p.data.element_size() for p in parts)
+
+                    times, nbytes = [], 0
+                    for rep in range(reps + 1):
+                        dst = [home(), home()]
+                        keep.append(dst)
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        for d, x in zip(dst, src):
+                            fb.general_copy(d, idx, x, None)
+                        disk.synchronize()
+                        torch.cuda.synchronize()
+                        if rep:  # the first call of each size warms the copy threads and the relay buffers
+                            times.append(time.perf_counter() - t0)
+                        nbytes = sum(stored_bytes(d) for d in dst)
+                    rows[kind].append([float(nbytes), statistics.median(times)])
+                del kv16
+        finally:
+            disk.close_copy_threads()
+    torch.cuda.empty_cache()
+    key = layer_key(spec)
+    return [[key, "copy", f"store_flexgen:{kind}", sorted(pts)] for kind, pts in rows.items() if pts]
+
+
 def _tightllm_probe_runs(spec, device: str, runs, desc: str, progress: bool):
     """For each (sequences, prompt, gen_len, N_r cap, percent) of ``runs``: (sequences, plan, measured result) of a
     two-layer TightLLM plan of the model, run through ``run_plan`` once unmeasured first (see ``profile_ops``). The
@@ -1021,8 +1102,10 @@ def add_profile_parser(sub) -> None:
     p.add_argument("--flexgen-only", action="store_true",
                    help="with --ops (OPT models): measure only FlexGen 0.1.8's own code, what the flexgen-ref policy "
                         "prices -- its CPU attention per (layer, GPU batch) as --cpu-attention-only flexgen times "
-                        "it, and its 4-bit decompress of weights and of the KV cache on the GPU "
-                        "('dequant_flexgen:weight' / ':cache' rows); needs the flexgen package and a CUDA GPU")
+                        "it, its 4-bit decompress of weights and of the KV cache on the GPU "
+                        "('dequant_flexgen:weight' / ':cache' rows), and its store of a prefill's K and V into its "
+                        "fresh unpinned host cache through its copy threads ('store_flexgen:fp16' / ':4bit' rows); "
+                        "needs the flexgen package and a CUDA GPU")
     p.add_argument("--multi-gpu-only", action="store_true",
                    help="with --base: measure only the GPU-to-GPU link and whether the host feeds every GPU's link "
                         "at once (gpu_link_bytes_per_s, link_concurrent_fraction; needs two or more GPUs)")
@@ -1091,7 +1174,7 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
         if flexgen_only:  # FlexGen's own code: its CPU attention and its 4-bit decompress (OPT models)
             rows += _flexgen_attention_tables(spec, device, batches, flexgen_source)
             dq = profile_flexgen_dequant(spec, device)
-            rows += dq
+            rows += dq + profile_flexgen_store(spec, device)
             flexgen_dequant[spec.name] = bool(dq)
             continue
         if decode_only:

@@ -126,7 +126,7 @@ def test_profile_merge_combines_parts_measured_from_one_base(tmp_path, capsys):
         p.write_text(json.dumps(d))
         return str(p)
 
-    a = part("a", shapes[0], 0.5, [shapes[0], "issue", "eager:mlp", [[1.0, 1e-4]]])
+    a = part("a", shapes[0], 0.5, [shapes[0], "issue", "eager:new_part", [[1.0, 1e-4]]])
     b = part("b", shapes[1], 2.0)
     out = tmp_path / "merged.json"
     assert main(["profile", "--base", str(base), "--merge", a, b, "--out", str(out)]) == 0
@@ -136,7 +136,7 @@ def test_profile_merge_combines_parts_measured_from_one_base(tmp_path, capsys):
         want = ([[x, t * 0.5] for x, t in r[3]] if r[0] == shapes[0] and r[1] == "graph" else
                 [[x, t * 2.0] for x, t in r[3]] if r[0] == shapes[1] and r[1] == "graph" else r[3])
         assert rows[tuple(r[:3])] == want
-    assert rows[(shapes[0], "issue", "eager:mlp")] == [[1.0, 1e-4]]  # a row only a part has is added
+    assert rows[(shapes[0], "issue", "eager:new_part")] == [[1.0, 1e-4]]  # a row only a part has is added
     assert m["provenance"]["decode_op_tables"] == [{"models": ["a"]}, {"models": ["b"]}]
     assert m["provenance"]["op_tables"] == base_d["provenance"]["op_tables"]  # untouched records kept
     assert m["provenance"]["merged"]["parts"] == [a, b]

@@ -160,3 +160,40 @@ def test_flexgen_ref_issues_each_position_after_the_previous_one_ends(tiny_opt):
     assert "issue_waits_for_deps" not in free.to_dict()
     with pytest.raises(PlanError, match="issue_waits_for_deps must be true or false"):
         Plan.from_dict({**ref.to_dict(), "issue_waits_for_deps": "yes"}).validate()
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_flexgen_ref_prices_its_prefill_kv_store_from_the_store_rows(tiny_opt, compress):
+    """FlexGen's own store of a prefill's K and V into its fresh, unpinned host cache (its copy threads, a float16
+    relay): where the profile has the 'store_flexgen:fp16' / ':4bit' row (``offexec profile --flexgen-only``),
+    flexgen-ref's multi-position KV D2H copies cost that row at their bytes, the row of the plan's cache format;
+    a decode token's one-position store (its plain path), the H2D loads and the ideal flexgen plan do not read it.
+    Both engines agree."""
+    from offsim.core.specs import layer_key
+
+    plain = get_hardware("h200")
+    key = layer_key(tiny_opt)
+    slow = [[1e3, 1e-3], [1e9, 1.0]]  # 1 GB/s: far below the relay and pageable rates
+    other = "store_flexgen:fp16" if compress else "store_flexgen:4bit"
+    mine = "store_flexgen:4bit" if compress else "store_flexgen:fp16"
+    hw = plain.with_(op_times=[[key, "copy", mine, slow], [key, "copy", other, [[1e3, 1e-9], [1e9, 1e-9]]]])
+    wl = Workload(32, 4, 4, 2)
+    st = {"percent": (0, 100, 0, 100, 100, 0), "compress_cache": compress}
+    ref = build_plan("flexgen-ref", tiny_opt, hw, wl, st)
+    comp = C.Compression(cache=compress)
+    stores = [o for o in ref.ops if o.kind == "d2h" and o.tensor == "kv"]
+    multi = [o for o in stores if o.hi - o.lo > 1]
+    assert multi and all(not o.pinned for o in multi)
+    for o in multi:
+        assert C.op_seconds(o, tiny_opt, hw, comp=comp, pageable_copy="relay") == pytest.approx(
+            C.table_seconds(slow, o.nbytes))
+        assert C.duplex_rate(o, tiny_opt, hw, "relay", comp) is None  # the row is its whole price
+        assert C.op_seconds(o, tiny_opt, plain, comp=comp, pageable_copy="relay") < C.table_seconds(slow, o.nbytes)
+    for o in ref.ops:  # everything else priced as without the rows
+        if o not in multi and o.kind in ("h2d", "d2h"):
+            assert C.op_seconds(o, tiny_opt, hw, comp=comp, pageable_copy="relay") == \
+                C.op_seconds(o, tiny_opt, plain, comp=comp, pageable_copy="relay")
+    assert simulate(ref, hw).metrics()["prefill_s"] > simulate(ref, plain).metrics()["prefill_s"]
+    pd.testing.assert_frame_equal(simulate(ref, hw).df, simulate_simpy(ref, hw).df, check_exact=True)
+    ideal = build_plan("flexgen", tiny_opt, hw, wl, st)
+    pd.testing.assert_frame_equal(simulate(ideal, hw).df, simulate(ideal, plain).df, check_exact=True)

@@ -110,6 +110,26 @@ def relayed(op, pageable_copy: str) -> bool:
                 and getattr(op, "hi", 0) - getattr(op, "lo", 0) <= 1)
 
 
+# ('copy', PART) rows of FlexGen's own multi-position KV store (``offexec profile --flexgen-only``), by whether the
+# cache is compressed (``Compression.cache``)
+FLEXGEN_STORE_PARTS = {False: "store_flexgen:fp16", True: "store_flexgen:4bit"}
+
+
+def flexgen_store_curve(op, model: ModelSpec, hw: HardwareSpec, pageable_copy: str, comp: Compression):
+    """The profile's row for FlexGen's own store of the K and V of several positions (a prefill's) into its unpinned
+    host cache, or None: what ``flexgen-ref`` (``Plan.pageable_copy`` 'relay') pays for a relayed KV D2H copy where
+    ``offexec profile --flexgen-only`` timed it ('copy', 'store_flexgen:fp16' / ':4bit', by the bytes stored). Its
+    ``general_copy`` hands such a copy to its copy threads, which stage it through a *float16* pinned buffer
+    (``copy_worker_func``'s ``cpu_buf``; a 4-bit cache's uint8 data is converted to float16 there and back) into
+    the cache home, which ``init_cache_one_gpu_batch`` allocated unpinned and nothing has touched before the prefill
+    writes it (every page faulted in by the copy): the relay rate (``d2h_relay``: a float16 tensor into touched
+    memory) prices none of that."""
+    if (pageable_copy != "relay" or op.kind != "d2h" or getattr(op, "tensor", "") != "kv"
+            or getattr(op, "pinned", True) or not hw.op_times or not relayed(op, pageable_copy)):
+        return None
+    return op_table(hw, model, "copy", FLEXGEN_STORE_PARTS[bool(comp.cache)])
+
+
 def transfer_seconds(hw: HardwareSpec, nbytes, direction: str, pinned: bool = True, other_busy_s: float = 0.0,
                      relay: bool = False):
     """Seconds to copy ``nbytes`` over PCIe: latency + bytes / bandwidth(size, direction).
@@ -698,7 +718,8 @@ def gather_seconds(hw: HardwareSpec, nbytes, copies: int) -> float:
     return copies * (hw.kernel_overhead_s + 2 * nbytes / hw.gpu_hbm_bytes_per_s)
 
 
-def duplex_rate(op, model: ModelSpec, hw: HardwareSpec, pageable_copy: str = "") -> float | None:
+def duplex_rate(op, model: ModelSpec, hw: HardwareSpec, pageable_copy: str = "",
+                comp: Compression = NO_COMPRESSION) -> float | None:
     """For an op whose ``op_seconds`` depends on how long the opposite PCIe direction stays busy (a non-empty h2d or
     d2h copy priced by ``transfer_seconds``): its full rate, so that ``duplex_seconds(hw, op.nbytes, rate,
     other_busy_s)`` is ``op_seconds(op, ..., other_busy_s)`` for any ``other_busy_s`` > 0. None for any other op (its
@@ -708,6 +729,8 @@ def duplex_rate(op, model: ModelSpec, hw: HardwareSpec, pageable_copy: str = "")
         return None
     if hw.op_times and getattr(op, "tensor", None) in COPY_TABLE_TENSORS \
             and op_table(hw, model, "copy", f"{k}_{op.tensor}") is not None:
+        return None
+    if flexgen_store_curve(op, model, hw, pageable_copy, comp) is not None:
         return None
     return link_bytes_per_s(hw, op.nbytes, k, op.pinned, relayed(op, pageable_copy))
 
@@ -737,6 +760,9 @@ def op_seconds(op, model: ModelSpec, hw: HardwareSpec, other_busy_s: float = 0.0
             curve = op_table(hw, model, "copy", f"{k}_{op.tensor}")
             if curve is not None:
                 return table_seconds(curve, op.nbytes)
+        curve = flexgen_store_curve(op, model, hw, pageable_copy, comp)
+        if curve is not None:  # FlexGen's own store into its fresh host cache (its copy threads)
+            return table_seconds(curve, op.nbytes)
         t = transfer_seconds(hw, op.nbytes, k, pinned=op.pinned, other_busy_s=other_busy_s,
                              relay=relayed(op, pageable_copy))
         if gather_copies and k == "h2d" and getattr(op, "tensor", "") == "weight":

@@ -501,7 +501,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
         x = rates.get(key, rates)
         if x is rates:
             op = op_at(i)
-            bw = costmodel.duplex_rate(op, model, hw, plan.pageable_copy)
+            bw = costmodel.duplex_rate(op, model, hw, plan.pageable_copy, comp)
             extra = costmodel.gather_seconds(hw, op.nbytes, gather) \
                 if gather and op.kind == "h2d" and getattr(op, "tensor", "") == "weight" else 0.0
             x = rates[key] = None if bw is None else (bw, extra)
