@@ -832,16 +832,20 @@ def profile_attention(spec, device: str, peak_flops: float, reps: int = 10) -> l
     return [[key, "attn", kind, pts] for kind, pts in rows.items()]
 
 
-def profile_sustained(device: str, seconds: float = 6.0) -> float:
+SUSTAINED_TOKENS = 16384  # rows of the sustained-clock probe's GEMM: a prefill's size, compute-bound
+
+
+def profile_sustained(device: str, seconds: float = 6.0, h: int = 7168, f: int = 28672) -> float:
     """The compute-bound GEMM rate held under ``seconds`` of back-to-back load (the median of the last half's
     0.2-s windows), over the rate of a burst after 2 s idle: how far the clocks fall under the power cap as a
-    prefill runs. 1.0 on the CPU."""
+    prefill runs. The GEMM is an FFN's at prefill size, [``SUSTAINED_TOKENS``, h] x [h, f] (default OPT-30B's;
+    ``sustained_rows`` gives each model's own). 1.0 on the CPU."""
     import torch
     import torch.nn.functional as F
 
     if device != "cuda":
         return 1.0
-    h, f, t = 7168, 28672, 16384  # an FFN GEMM at prefill size: compute-bound
+    t = SUSTAINED_TOKENS
     w = torch.randn(f, h, dtype=torch.float16, device=device) * 0.02
     x = torch.randn(t, h, dtype=torch.float16, device=device)
     flops = 2 * t * h * f
@@ -863,6 +867,18 @@ def profile_sustained(device: str, seconds: float = 6.0) -> float:
     held = statistics.median(windows[len(windows) // 2:])
     del w, x
     return min(1.0, held / burst)
+
+
+def sustained_rows(spec, device: str) -> list:
+    """Row ('clock', 'sustained', [[SUSTAINED_TOKENS, fraction]]): ``profile_sustained`` with the model's own FFN
+    GEMM (d_model x ffn_dim), what ``costmodel.sustained_fraction`` reads for its compute-bound ops. [] on the
+    CPU (nothing throttles)."""
+    from offsim.core.specs import layer_key
+
+    if device != "cuda":
+        return []
+    frac = profile_sustained(device, h=spec.d_model, f=spec.ffn_dim)
+    return [[layer_key(spec), "clock", "sustained", [[float(SUSTAINED_TOKENS), float(frac)]]]]
 
 
 def profile_disk(directory: str, nbytes: int, reps: int = 3) -> dict[str, float]:
@@ -1131,6 +1147,10 @@ def add_profile_parser(sub) -> None:
                    help="with --base: combine profiles that were each measured from --base (e.g. one --ops model per "
                         "device call): every op-table row and provenance record a PROFILE changed or added is taken; "
                         "two PROFILEs changing the same row differently is an error. Nothing is measured")
+    p.add_argument("--sustained-only", action="store_true",
+                   help="with --ops: measure only each model's sustained clock fraction (its FFN GEMM held for "
+                        "seconds under load over a burst after idle: 'clock' 'sustained' rows, what offsim divides "
+                        "its compute-bound ops by; ~8 s a model), the rest of the base profile kept")
     p.add_argument("--op-batches", default="1,4,16,64", metavar="N,N,...",
                    help="sequences per GPU batch of the op-table runs (default: %(default)s)")
     p.set_defaults(func=cmd_profile)
@@ -1149,7 +1169,7 @@ def _flexgen_attention_tables(spec, device: str, batches, source: dict) -> list:
 
 def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64), attention_only: bool = False,
                   recompute_only: bool = False, capture_only=None, cpu_attention_only=None,
-                  flexgen_only: bool = False, decode_only: bool = False) -> dict:
+                  flexgen_only: bool = False, decode_only: bool = False, sustained_only: bool = False) -> dict:
     """Profile dict ``d`` with op tables for ``models`` (replacing rows of the same layer shapes and modes), CPU
     attention re-measured through the executor's path and the sustained compute fraction; ``attention_only``: the
     GPU attention rows and the sustained fraction alone; ``recompute_only``: the graphed recompute rows alone (the
@@ -1180,6 +1200,9 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
         if decode_only:
             rows += profile_ops(spec, device, batches=batches, decode_only=True)
             continue
+        if sustained_only:
+            rows += sustained_rows(spec, device)
+            continue
         if capture_only:
             if capture_only != "new_q":
                 rows += profile_ops(spec, device, batches=batches, capture_only=True)
@@ -1187,7 +1210,7 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
                 rows += profile_graph_new_q(spec, device, batches=batches)
             continue
         if not (attention_only or recompute_only):
-            rows += profile_ops(spec, device, batches=batches)
+            rows += profile_ops(spec, device, batches=batches) + sustained_rows(spec, device)
         if not attention_only and device == "cuda":
             rows += profile_graph_recompute(spec, device, batches=batches)
             if not recompute_only:
@@ -1197,7 +1220,7 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
     keys = {(r[0], r[1], r[2]) for r in rows}
     d["op_times"] = [r for r in d.get("op_times", []) if tuple(r[:3]) not in keys] + rows
     prov = dict(d.get("provenance", {}))
-    if not (recompute_only or capture_only or cpu_attention_only or flexgen_only or decode_only):
+    if not (recompute_only or capture_only or cpu_attention_only or flexgen_only or decode_only or sustained_only):
         d["sustained_compute_fraction"] = float(profile_sustained(device))
     if flexgen_only:
         from offsim.core.errors import OffsimError
@@ -1219,6 +1242,8 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
                                                               rows_timed=flexgen_source)
     elif decode_only:
         prov["decode_op_tables"] = provenance(models=models, batches=list(batches), device=device)
+    elif sustained_only:
+        prov["sustained_tables"] = provenance(models=models, device=device, tokens=SUSTAINED_TOKENS)
     elif capture_only:  # (the new-length captures alone keep the other capture rows' record)
         prov["new_q_capture_tables" if capture_only == "new_q" else "capture_tables"] = provenance(
             models=models, batches=list(batches), device=device)
@@ -1313,6 +1338,9 @@ def cmd_profile(args) -> dict:
     if args.host_probe_only and not args.base:
         raise OffsimError("--host-probe-only records the host's state in an existing profile: give --base PROFILE "
                           "too")
+    if args.sustained_only and not (args.ops and args.base):
+        raise OffsimError("--sustained-only adds each model's sustained clock fraction to an existing profile: give "
+                          "--base PROFILE and --ops MODELS too")
     if args.decode_only and not (args.ops and args.base):
         raise OffsimError("--decode-only re-measures the decode ops' rows of an existing profile: give --base PROFILE "
                           "and --ops MODELS too")
@@ -1340,7 +1368,8 @@ def cmd_profile(args) -> dict:
     # by the measurements that time them; a measured case's own probe is set beside it by offsim validate
     host_rows = (not args.base or args.host_probe_only or args.cpu_attention_only in ("all", "offexec")
                  or (models and not (args.attention_only or args.recompute_only or args.capture_only
-                                     or args.cpu_attention_only or args.flexgen_only or args.decode_only)))
+                                     or args.cpu_attention_only or args.flexgen_only or args.decode_only
+                                     or args.sustained_only)))
     if host_rows:
         from offsim.core.provenance import provenance
 
@@ -1390,7 +1419,8 @@ def cmd_profile(args) -> dict:
         d["provenance"] = {**d.get("provenance", {}), "multi_gpu": provenance(**mg)}
     if models:
         d = add_op_tables(d, models, args.device, batches, args.attention_only, args.recompute_only,
-                          args.capture_only, args.cpu_attention_only, args.flexgen_only, args.decode_only)
+                          args.capture_only, args.cpu_attention_only, args.flexgen_only, args.decode_only,
+                          args.sustained_only)
         if args.name:
             d["name"] = args.name
     if host_rows:

@@ -925,3 +925,40 @@ def test_profile_new_q_captures_on_the_cpu():
     for k, m, p, c in rows:
         assert k == layer_key(spec) and m == "capture" and p.startswith("new_q:")
         assert [x for x, _ in c] == sorted({x for x, _ in c}) and all(t > 0 for _, t in c)
+
+
+def test_a_models_own_sustained_clock_row_replaces_the_profiles_fraction():
+    """('clock', 'sustained'): the sustained fraction measured with the model's own FFN GEMM. A compute-bound op
+    (past the ridge point) of that model is divided by it instead of the profile's sustained_compute_fraction; a
+    memory-bound op and other models keep the profile's; a fraction outside (0, 1] is refused by name."""
+    base = HW.with_(sustained_compute_fraction=0.8)
+    own = base.with_(op_times=ROWS + ((KEY, "clock", "sustained", ((16384.0, 0.5),)),))
+    assert C.sustained_fraction(base, M) == 0.8 and C.sustained_fraction(own, M) == 0.5
+    assert C.sustained_fraction(own, get_model("opt-1.3b")) == 0.8  # another layer shape: no row
+    big = int(RIDGE) + 512  # tokens of one prefill op, past the ridge: compute-bound
+    burst = C.compute_seconds(M, base.with_(sustained_compute_fraction=1.0), "layer", 1, big, big)
+    assert C.compute_seconds(M, base, "layer", 1, big, big) == pytest.approx(burst / 0.8)
+    assert C.compute_seconds(M, own, "layer", 1, big, big) == pytest.approx(burst / 0.5)
+    small = C.compute_seconds(M, base, "layer", 2, 1, 64)  # a decode op: memory-bound, no clock term
+    assert C.compute_seconds(M, own, "layer", 2, 1, 64) == small
+    d = own.to_dict()
+    assert HardwareSpec.from_dict(json.loads(json.dumps(d))) == own
+    d["op_times"] = [[KEY, "clock", "sustained", [[16384.0, 1.5]]]]
+    with pytest.raises(OffsimError, match="clock fraction, which must be in"):
+        HardwareSpec.from_dict(d)
+
+
+def test_profile_sustained_only_needs_a_base_and_models(tmp_path, capsys):
+    from offexec.profile import main
+
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps(HW.to_dict()))
+    out = tmp_path / "out.json"
+    assert main(["profile", "--device", "cpu", "--sustained-only", "--ops", "opt-125m", "--out", str(out)]) == 2
+    assert "--sustained-only" in capsys.readouterr().err and not out.exists()
+    # on the CPU nothing throttles: no row, the base kept, the measurement recorded
+    assert main(["profile", "--device", "cpu", "--base", str(base), "--sustained-only", "--ops", "opt-125m",
+                 "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["op_times"] == json.loads(base.read_text())["op_times"]
+    assert d["provenance"]["sustained_tables"]["models"] == ["opt-125m"]

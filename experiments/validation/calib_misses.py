@@ -429,7 +429,7 @@ def tightllm_long_recompute(c: Case) -> list[str]:
     e64 = cm.interp(rec, ctx_med)
     e_now = cm._attention_table_efficiency(hw, c.model, q_med, ctx_med)
     t64, t_now = flops / (hw.gpu_peak_flops * e64), cm.attention_seconds(c.model, hw, b, q_med, ctx_med)
-    f = hw.sustained_compute_fraction
+    f = cm.sustained_fraction(hw, c.model)
     old = (table + t64) / f
     new = cm.compute_seconds(c.model, hw, "layer", b, q_med, ctx_med, False)
     busy = 1 - c.metric("m", "gpu_idle_frac")
@@ -444,7 +444,7 @@ def tightllm_long_recompute(c: Case) -> list[str]:
         f"{cm.ATTN_RECOMPUTE_QUERIES} queries) | {_ms(t64)} |",
         f"| attention at the efficiency interpolated in log q to the prefill row ({cm.interp(pre, ctx_med):.3f} at "
         f"q = ctx): {e_now:.3f} | {_ms(t_now)} |",
-        f"| sustained-clock divisor (`sustained_compute_fraction`) | 1/{f:.3f} |",
+        f"| sustained-clock divisor (`costmodel.sustained_fraction`) | 1/{f:.3f} |",
         f"| the op, baseline model: (table + attention at 64 queries) / fraction | {_ms(old)} |",
         f"| the op, today's model | {_ms(new)} |",
         f"| the op, measured (mean over decode layer ops) | {_ms(m_op)} |",
@@ -733,7 +733,8 @@ def prefill_compute_section() -> list[str]:
            f"{BOUND:.0%} of the predicted prefill time): the measured prefill compute ops' summed time over the "
            "predicted, by model (tokens: a GPU batch's prompt tokens, one prefill op's rows). Below 1 offsim prices "
            f"these ops slower than they ran. Profile v2 divides a compute-bound op by its sustained-clock factor "
-           "(`sustained_compute_fraction`), the same for every model.", "",
+           "(`costmodel.sustained_fraction`: the model's own ('clock', 'sustained') row where `offexec profile "
+           "--sustained-only` measured it, else `sustained_compute_fraction`, one GEMM shape for every model).", "",
            "| model | cases | measured / predicted: median | min | max | tokens per op |", "| --- | --- | --- | --- | --- | --- |"]
     for model, g in df.groupby("model"):
         out.append(f"| {model} | {len(g)} | {g.ratio.median():.3f} | {g.ratio.min():.3f} | {g.ratio.max():.3f} | "

@@ -421,9 +421,9 @@ def compute_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_t
         if t is not None:
             if part in ("attn", "layer", "attn_layer"):
                 t += attention_seconds(model, hw, num_seqs, q_tokens, ctx_tokens, comp)
-            return _sustained(hw, t, num_seqs * q_tokens) + q
+            return _sustained(hw, t, num_seqs * q_tokens, model) + q
     return _sustained(hw, _analytical_compute_seconds(model, hw, part, num_seqs, q_tokens, ctx_tokens, comp),
-                      num_seqs * q_tokens) + q
+                      num_seqs * q_tokens, model) + q
 
 
 # Bytes of HBM traffic per fp16 byte that a dequantize (or quantize) pass moves when no profile measured its rate
@@ -504,11 +504,20 @@ def quant_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_tok
         + store_bytes / quant_store_bytes_per_s(hw)
 
 
-def _sustained(hw: HardwareSpec, t, tokens):
+def sustained_fraction(hw: HardwareSpec, model: ModelSpec | None = None) -> float:
+    """The share of the burst GEMM rate a compute-bound op holds under sustained load: measured with ``model``'s own
+    FFN GEMM where the profile has its ('clock', 'sustained') row (``offexec profile --ops`` / ``--sustained-only``:
+    how far the clocks fall under the power cap depends on the kernel -- a larger FFN draws more power), else the
+    profile's ``sustained_compute_fraction`` (one GEMM shape, OPT-30B's)."""
+    row = op_table(hw, model, "clock", "sustained") if model is not None and hw.op_times else None
+    return row[-1][1] if row else hw.sustained_compute_fraction
+
+
+def _sustained(hw: HardwareSpec, t, tokens, model: ModelSpec | None = None):
     """``t`` at the clocks a compute-bound op sees under sustained load: ops of more tokens than the ridge point
     (peak FLOP/s over HBM bytes/s: a GEMM's FLOP per weight byte is its token count) run at
-    ``sustained_compute_fraction`` of the burst rate the tables and curves were measured at."""
-    f = hw.sustained_compute_fraction
+    ``sustained_fraction`` of the burst rate the tables and curves were measured at."""
+    f = sustained_fraction(hw, model)
     if f < 1 and _is_number(tokens) and tokens >= hw.gpu_peak_flops / hw.gpu_hbm_bytes_per_s:
         return t / f
     return t

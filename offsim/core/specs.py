@@ -352,7 +352,8 @@ NO_COMPRESSION = Compression()
 # ----------------------------------------------------------------------------------------------------------------
 HARDWARE_SCHEMA = "offsim.hardware/1"
 # see HardwareSpec.op_times
-OP_TABLE_MODES = ("graph", "eager", "tokens", "graph_tokens", "capture", "cpu", "attn", "copy", "issue", "quant")
+OP_TABLE_MODES = ("graph", "eager", "tokens", "graph_tokens", "capture", "cpu", "attn", "copy", "issue", "quant",
+                  "clock")
 
 Curve = tuple[tuple[float, float], ...]  # (x, y) points, x increasing; interpolated in log(x), clamped at the ends
 
@@ -434,7 +435,9 @@ class HardwareSpec:
     # heads, GQA and the executor's KV layout), 'copy' (part 'd2h_qkv' or 'h2d_attn_out': CPU attention's small
     # copies, by bytes x; part 'store_flexgen:fp16' / ':4bit': FlexGen's own store of a prefill's K and V into its
     # fresh unpinned host cache, by bytes stored x, what flexgen-ref's relayed KV stores pay), 'quant' (part 'dequant_flexgen:weight' / ':cache': FlexGen's own 4-bit decompress on the
-    # GPU, by fp16 bytes x; what flexgen-ref's compressed plans pay). Where a row exists the cost model reads it instead of the analytical
+    # GPU, by fp16 bytes x; what flexgen-ref's compressed plans pay), 'clock' (part 'sustained': the share of its
+    # burst rate this layer shape's FFN GEMM holds under seconds of load, y, at its tokens x: the model's own
+    # ``sustained_compute_fraction``). Where a row exists the cost model reads it instead of the analytical
     # GEMM, elementwise and overhead terms or the model-agnostic curves (costmodel.compute_seconds); () = none.
     op_times: tuple = ()
     # compute-bound GEMM rate held under seconds of back-to-back load (a prefill) over the rate of a burst after
@@ -492,6 +495,10 @@ class HardwareSpec:
         if not 0 < self.sustained_compute_fraction <= 1:
             raise OffsimError(f"hardware {self.name}: sustained_compute_fraction must be in (0, 1], got "
                               f"{self.sustained_compute_fraction}")
+        for k, m, _, c in self.op_times or ():
+            if m == "clock" and not all(0 < y <= 1 for _, y in c):
+                raise OffsimError(f"hardware {self.name}: op_times row ({k}, clock) holds a sustained clock fraction, "
+                                  f"which must be in (0, 1]; got {[y for _, y in c]}")
         if not 0 < self.link_concurrent_fraction <= 1:
             raise OffsimError(f"hardware {self.name}: link_concurrent_fraction must be in (0, 1], got "
                               f"{self.link_concurrent_fraction}")
