@@ -507,7 +507,7 @@ def quant_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_tok
 def sustained_fraction(hw: HardwareSpec, model: ModelSpec | None = None) -> float:
     """The share of the burst GEMM rate a compute-bound op holds under sustained load: measured with ``model``'s own
     FFN GEMM where the profile has its ('clock', 'sustained') row (``offexec profile --ops`` / ``--sustained-only``:
-    how far the clocks fall under the power cap depends on the kernel -- a larger FFN draws more power), else the
+    how far the clocks fall under the power cap depends on the kernel that runs), else the
     profile's ``sustained_compute_fraction`` (one GEMM shape, OPT-30B's)."""
     row = op_table(hw, model, "clock", "sustained") if model is not None and hw.op_times else None
     return row[-1][1] if row else hw.sustained_compute_fraction
