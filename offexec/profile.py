@@ -1115,13 +1115,15 @@ def add_profile_parser(sub) -> None:
                         "('attn_ctx_flexgen:B', what the flexgen-ref policy prices: FlexGen's mha_gen itself where "
                         "the flexgen package is importable, else its sequence of ops reproduced); a value keeps "
                         "the other path's rows as they are (default: all)")
-    p.add_argument("--flexgen-only", action="store_true",
+    p.add_argument("--flexgen-only", nargs="?", const="all", default=None, choices=("all", "store"),
+                   metavar="{all,store}",
                    help="with --ops (OPT models): measure only FlexGen 0.1.8's own code, what the flexgen-ref policy "
                         "prices -- its CPU attention per (layer, GPU batch) as --cpu-attention-only flexgen times "
                         "it, its 4-bit decompress of weights and of the KV cache on the GPU "
                         "('dequant_flexgen:weight' / ':cache' rows), and its store of a prefill's K and V into its "
                         "fresh unpinned host cache through its copy threads ('store_flexgen:fp16' / ':4bit' rows); "
-                        "needs the flexgen package and a CUDA GPU")
+                        "store: those rows alone, the rest kept (default: all); needs the flexgen package and a CUDA "
+                        "GPU")
     p.add_argument("--multi-gpu-only", action="store_true",
                    help="with --base: measure only the GPU-to-GPU link and whether the host feeds every GPU's link "
                         "at once (gpu_link_bytes_per_s, link_concurrent_fraction; needs two or more GPUs)")
@@ -1191,7 +1193,12 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
                 continue
             rows += _flexgen_attention_tables(spec, device, batches, flexgen_source)
             continue
-        if flexgen_only:  # FlexGen's own code: its CPU attention and its 4-bit decompress (OPT models)
+        if flexgen_only == "store":  # FlexGen's own prefill KV store alone (OPT models)
+            st = profile_flexgen_store(spec, device)
+            rows += st
+            flexgen_dequant[spec.name] = bool(st)
+            continue
+        if flexgen_only:  # FlexGen's own code: its CPU attention, 4-bit decompress and KV store (OPT models)
             rows += _flexgen_attention_tables(spec, device, batches, flexgen_source)
             dq = profile_flexgen_dequant(spec, device)
             rows += dq + profile_flexgen_store(spec, device)
@@ -1228,9 +1235,13 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
         if not any(flexgen_dequant.values()):
             raise OffsimError("--flexgen-only times FlexGen 0.1.8's own code: it needs the flexgen package, a CUDA "
                               "GPU (--device cuda) and an OPT model in --ops")
-        prov["flexgen_code_tables"] = provenance(models=models, batches=list(batches),
-                                                 contexts=list(CPU_ATTN_CONTEXTS), device=device,
-                                                 rows_timed=flexgen_source, caches=list(FLEXGEN_DEQUANT_CACHES))
+        if flexgen_only == "store":
+            prov["flexgen_store_tables"] = provenance(models=models, device=device,
+                                                      caches=list(FLEXGEN_STORE_CACHES))
+        else:
+            prov["flexgen_code_tables"] = provenance(models=models, batches=list(batches),
+                                                     contexts=list(CPU_ATTN_CONTEXTS), device=device,
+                                                     rows_timed=flexgen_source, caches=list(FLEXGEN_DEQUANT_CACHES))
     elif cpu_attention_only:
         # each path's rows carry their own provenance, so measuring one path leaves the other's record as it was
         if cpu_attention_only in (True, "all", "offexec"):
