@@ -218,7 +218,10 @@ def policy_settings(args) -> dict:
         try:
             given[k] = json.loads(v)
         except json.JSONDecodeError:
-            given[k] = v  # a bare string
+            try:  # a comma-separated list without brackets: --set percent=20,80,0,100,100,0
+                given[k] = json.loads(f"[{v}]") if "," in v else v
+            except json.JSONDecodeError:
+                given[k] = v  # a bare string
     return given
 
 

@@ -218,3 +218,16 @@ def test_simulate_no_cuda_graphs_prices_eager_issue(capsys):
         assert main(argv + extra) == 0
         tok_s.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["decode_tok_s"])
     assert tok_s[0] > 1.5 * tok_s[1]
+
+
+def test_set_takes_a_comma_separated_list_and_a_bad_percent_says_what_is_valid(capsys):
+    """--set percent=20,80,0,100,100,0 (no brackets) is the list a user means; a percent that is not six numbers is
+    refused with an example of a valid one, never iterated as characters."""
+    assert main(["simulate", "--model", "opt-30b", "--hardware", "t4", "--policy", "flexgen",
+                 "--set", "percent=20,80,0,100,100,0"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["settings"]["percent"] == [20, 80, 0, 100,
+                                                                                                 100, 0]
+    for bad in ("percent=abc", "percent=5", 'percent=["a",1,2,3,4,5]'):
+        assert main(["simulate", "--model", "opt-30b", "--hardware", "t4", "--policy", "flexgen", "--set", bad]) == 2
+        err = capsys.readouterr().err
+        assert "six numbers" in err and "e.g. 20 80 0 100 100 0" in err and "Traceback" not in err

@@ -47,6 +47,10 @@ class FlexGenSettings:
     gpus_per_node: int = 0
 
     def __post_init__(self):
+        if not isinstance(self.percent, (list, tuple)) or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) for x in self.percent):
+            raise OffsimError(f"--percent needs six numbers in [0, 100] (weights, cache, activations: GPU %, CPU %), "
+                              f"e.g. 20 80 0 100 100 0; got {self.percent!r}")
         p = tuple(self.percent)
         if len(p) != 6 or any(not 0 <= x <= 100 for x in p):
             raise OffsimError(f"--percent needs six numbers in [0, 100], got {list(p)}")
