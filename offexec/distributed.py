@@ -18,7 +18,9 @@ to its receive's end).
 
 Launch: ``torchrun --nproc-per-node N -m offexec.distributed --plan PLAN.json [--device cuda|cpu] [--trace F]``
 (NCCL on GPUs, each rank on GPU ``LOCAL_RANK``; gloo on the CPU), or, in tests, ``run_pipeline`` under
-``torch.multiprocessing.spawn``.
+``torch.multiprocessing.spawn``. ``--one-gpu``: a rehearsal on a machine with one GPU -- every rank on GPU 0 within
+its own budget, the messages through host memory over gloo -- that checks each stage's memory and the tokens, not
+the times of a run on several GPUs.
 
 Weights: the launcher loads (or seeds) only the rank's layers (``random_weights`` / ``load_checkpoint`` with
 ``layers``: host memory is shared by the ranks); ``run_pipeline`` also takes the whole model's and copies the
@@ -120,17 +122,25 @@ class StageComm:
 
     SENDS_IN_FLIGHT = fp.P2P_SENDS_IN_FLIGHT  # one number for the plan's bytes and the runtime
 
-    def __init__(self, rank: int, orig_ids: list[int]):
+    def __init__(self, rank: int, orig_ids: list[int], via_host: bool = False):
         self.rank = rank
         self.orig_ids = orig_ids
+        self.via_host = via_host  # messages through host memory (gloo): the one-GPU rehearsal (``--one-gpu``)
         self.pending: list = []
 
     def send(self, op, tensor: torch.Tensor) -> None:
         while len(self.pending) >= self.SENDS_IN_FLIGHT:
             self.pending.pop(0)[0].wait()
+        if self.via_host:
+            tensor = tensor.cpu()
         self.pending.append((dist.isend(tensor, dst=op.peer, tag=self.orig_ids[op.id]), tensor))
 
     def recv(self, op, out: torch.Tensor) -> None:
+        if self.via_host and out.device.type != "cpu":
+            buf = torch.empty(out.shape, dtype=out.dtype)
+            dist.recv(buf, src=op.device, tag=self.orig_ids[op.id])
+            out.copy_(buf)
+            return
         dist.recv(out, src=op.device, tag=self.orig_ids[op.id])
 
     def ready(self) -> None:
@@ -146,7 +156,7 @@ class StageComm:
 
 def run_stage(plan: Plan, weights: ModelWeights, rank: int, device: str = "cpu", prompts: torch.Tensor | None = None,
               seed: int = 0, record_logits: bool = False, disk_dir: str | None = None,
-              graphs: str | None = None) -> tuple[StagePlan, RunResult]:
+              graphs: str | None = None, via_host: bool = False) -> tuple[StagePlan, RunResult]:
     """Run rank ``rank``'s stage of ``plan`` (the process group must be initialised, one rank per stage). Returns
     (its stage plan, its RunResult); the times in its trace count from a barrier every rank passes after its setup,
     just before its first op (``StageComm.ready``)."""
@@ -165,7 +175,7 @@ def run_stage(plan: Plan, weights: ModelWeights, rank: int, device: str = "cpu",
         raise ExecError(f"rank {rank}: weights of {weights.spec.num_layers} layers, neither the model's "
                         f"{plan.model.num_layers} nor the stage's {sp.plan.model.num_layers}")
     ex = Executor(sp.plan, w, device, prompts, seed, None, disk_dir, record_logits, False, False, "plan", graphs,
-                  comm=StageComm(rank, sp.orig_ids))
+                  comm=StageComm(rank, sp.orig_ids, via_host))
     try:
         res = ex.run({"rank": rank, "stage_layers": list(sp.layers)})
     finally:
@@ -205,12 +215,12 @@ def merge_traces(plan: Plan, parts: list[tuple[list[int], np.ndarray, np.ndarray
 
 def run_pipeline(plan: Plan, weights: ModelWeights, device: str = "cpu", prompts: torch.Tensor | None = None,
                  seed: int = 0, record_logits: bool = False, disk_dir: str | None = None,
-                 graphs: str | None = None, meta: dict | None = None) -> RunResult | None:
+                 graphs: str | None = None, meta: dict | None = None, via_host: bool = False) -> RunResult | None:
     """Run this rank's stage and gather: rank 0 returns the whole run -- the merged trace (offsim's schema, one
     ``device`` per op), the generated tokens (from the last stage, which computes them), its logits when asked,
     and every rank's stats under ``stats['ranks']`` -- the other ranks return None."""
     rank = dist.get_rank()
-    sp, res = run_stage(plan, weights, rank, device, prompts, seed, record_logits, disk_dir, graphs)
+    sp, res = run_stage(plan, weights, rank, device, prompts, seed, record_logits, disk_dir, graphs, via_host)
     df = res.trace.df
     mine = (sp.orig_ids, df["start_s"].to_numpy(), df["end_s"].to_numpy(), dict(res.trace.peak_bytes),
             res.tokens if rank == len(plan.stages) - 1 else None, res.logits, res.stats)
@@ -227,14 +237,15 @@ def run_pipeline(plan: Plan, weights: ModelWeights, device: str = "cpu", prompts
 
 
 def init_process_group(device: str, rank: int | None = None, world: int | None = None,
-                       init_method: str | None = None) -> str:
+                       init_method: str | None = None, one_gpu: bool = False) -> str:
     """Join the process group: NCCL on GPUs (each rank on GPU ``LOCAL_RANK``), gloo on the CPU. Under torchrun the
-    rank and world size come from the environment. Returns the device of this rank."""
-    backend = "nccl" if device.startswith("cuda") else "gloo"
+    rank and world size come from the environment. ``one_gpu``: every rank on GPU 0, gloo (NCCL refuses two ranks
+    on one GPU), the messages through host memory (``StageComm.via_host``). Returns the device of this rank."""
+    backend = "nccl" if device.startswith("cuda") and not one_gpu else "gloo"
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise ExecError("--device cuda was asked but no CUDA device is available (use --device cpu)")
-        local = int(os.environ.get("LOCAL_RANK", rank or 0))
+        local = 0 if one_gpu else int(os.environ.get("LOCAL_RANK", rank or 0))
         torch.cuda.set_device(local)
         device = f"cuda:{local}"
     kw = {} if init_method is None else {"init_method": init_method, "rank": rank, "world_size": world}
@@ -261,6 +272,11 @@ def main(argv=None) -> int:
                          "NCCL's first connections, CUDA-graph captures)")
     ap.add_argument("--out", default=None, metavar="FILE",
                     help="rank 0 writes the measured metrics, each rank's stats and provenance here (JSON)")
+    ap.add_argument("--one-gpu", action="store_true",
+                    help="a rehearsal where only one GPU is lent: every rank on GPU 0, each within its own budget, "
+                         "the hidden states through host memory (gloo). It checks that each stage runs within its "
+                         "plan's memory, and its tokens; its times are not those of a run on several GPUs (the "
+                         "stages share one GPU and one PCIe link), and the output says so")
     args = ap.parse_args(argv)
     try:
         plan = Plan.load(args.plan).validate()
@@ -270,7 +286,7 @@ def main(argv=None) -> int:
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise OffsimError(f"launch with torchrun, one process per stage: `torchrun --nproc-per-node "
                               f"{plan.num_devices} -m offexec.distributed --plan {args.plan}`")
-        device = init_process_group(args.device)
+        device = init_process_group(args.device, one_gpu=args.one_gpu)
         from .weights import dtype_of, load_checkpoint, random_weights
 
         dt = dtype_of(plan.model)
@@ -282,10 +298,12 @@ def main(argv=None) -> int:
         warmup_s = None
         if not args.no_warmup:  # unmeasured; every rank runs it, so the ranks stay in step
             t0 = time.perf_counter()
-            run_pipeline(plan, weights, device, seed=args.seed, disk_dir=args.disk_dir)
+            run_pipeline(plan, weights, device, seed=args.seed, disk_dir=args.disk_dir, via_host=args.one_gpu)
             warmup_s = time.perf_counter() - t0
         res = run_pipeline(plan, weights, device, seed=args.seed, disk_dir=args.disk_dir,
-                           meta={"warmup": warmup_s is not None})
+                           meta={"warmup": warmup_s is not None, **({"one_gpu_rehearsal": True}
+                                                                     if args.one_gpu else {})},
+                           via_host=args.one_gpu)
     except OffsimError as e:  # ExecError too: one line, exit 2
         print(f"offexec.distributed: error: {e}", file=sys.stderr)
         return 2
@@ -293,10 +311,13 @@ def main(argv=None) -> int:
         m = res.trace.metrics()
         if args.trace:
             (res.trace.to_csv if str(args.trace).endswith(".csv") else res.trace.to_chrome)(args.trace)
-        print(f"{plan.policy} on {plan.num_devices} GPUs: prefill {m['prefill_tok_s']:.1f} tok/s, decode "
+        where = (f"{plan.num_devices} stages on one GPU (a rehearsal: memory and tokens; these times are not a "
+                 f"{plan.num_devices}-GPU run's)" if args.one_gpu else f"{plan.num_devices} GPUs")
+        print(f"{plan.policy} on {where}: prefill {m['prefill_tok_s']:.1f} tok/s, decode "
               f"{m['decode_tok_s']:.1f} tok/s, total {m['total_tok_s']:.1f} tok/s")
         doc = {k: m[k] for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s", "prefill_s", "decode_s",
-                                 "peak_gpu_bytes")} | {"peaks": res.trace.peak_bytes, "warmup_s": warmup_s}
+                                 "peak_gpu_bytes")} | {"peaks": res.trace.peak_bytes, "warmup_s": warmup_s,
+                                                       "one_gpu_rehearsal": bool(args.one_gpu)}
         if args.out:
             from offsim.core.provenance import provenance
 

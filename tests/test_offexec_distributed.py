@@ -281,3 +281,37 @@ def test_multi_gpu_profile_measures_the_peer_link_and_the_shared_host_links():
 
     mg = profile_multi_gpu(64 << 20, reps=3)
     assert mg["gpu_link_bytes_per_s"] > 1e9 and 0 < mg["link_concurrent_fraction"] <= 1
+
+
+def test_one_gpu_rehearsal_moves_messages_through_host_memory(monkeypatch):
+    """--one-gpu (every rank on GPU 0, gloo): a send hands gloo a host copy of the tensor, a receive lands in a host
+    buffer and is copied into the rank's own tensor (here a 'meta' tensor stands for a GPU one: no GPU in CI);
+    without it the tensors go to torch.distributed as they are."""
+    from offexec import distributed as D
+
+    seen = []
+
+    class Work:
+        def wait(self):
+            pass
+
+    def isend(t, dst, tag):
+        seen.append(("send", t.device.type, dst, tag))
+        return Work()
+
+    def recv(t, src, tag):
+        seen.append(("recv", t.device.type, src, tag))
+        t.fill_(3.0)
+
+    monkeypatch.setattr(D.dist, "isend", isend)
+    monkeypatch.setattr(D.dist, "recv", recv)
+    op = type("Op", (), {"id": 0, "peer": 1, "device": 0})()
+    comm = D.StageComm(1, [41], via_host=True)
+    out = torch.empty(4, device="meta")
+    comm.recv(op, out)
+    comm.send(op, torch.zeros(4))
+    assert seen == [("recv", "cpu", 0, 41), ("send", "cpu", 1, 41)]
+    seen.clear()
+    plain = D.StageComm(1, [41])
+    plain.recv(op, out)
+    assert seen == [("recv", "meta", 0, 41)]
