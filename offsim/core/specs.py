@@ -495,10 +495,6 @@ class HardwareSpec:
         if not 0 < self.sustained_compute_fraction <= 1:
             raise OffsimError(f"hardware {self.name}: sustained_compute_fraction must be in (0, 1], got "
                               f"{self.sustained_compute_fraction}")
-        for k, m, _, c in self.op_times or ():
-            if m == "clock" and not all(0 < y <= 1 for _, y in c):
-                raise OffsimError(f"hardware {self.name}: op_times row ({k}, clock) holds a sustained clock fraction, "
-                                  f"which must be in (0, 1]; got {[y for _, y in c]}")
         if not 0 < self.link_concurrent_fraction <= 1:
             raise OffsimError(f"hardware {self.name}: link_concurrent_fraction must be in (0, 1], got "
                               f"{self.link_concurrent_fraction}")
@@ -512,6 +508,10 @@ class HardwareSpec:
                 raise OffsimError(f"hardware {self.name}: op_times rows must be [layer key, mode (one of "
                                   f"{', '.join(OP_TABLE_MODES)}), part, [[x, seconds], ...] with x increasing and "
                                   f"both positive]; got {str(row)[:120]}")
+        for k, m, _, c in self.op_times or ():
+            if m == "clock" and not all(0 < y <= 1 for _, y in c):
+                raise OffsimError(f"hardware {self.name}: op_times row ({k}, clock) holds a sustained clock fraction, "
+                                  f"which must be in (0, 1]; got {[y for _, y in c]}")
         for f in ("gemm_efficiency", "attn_prefill_efficiency", "attn_decode_efficiency", "h2d_pinned", "d2h_pinned",
                   "h2d_pageable", "d2h_pageable"):
             c = getattr(self, f)
