@@ -1387,6 +1387,10 @@ def cmd_profile(args) -> dict:
         from .hostprobe import host_probe
 
         probe = provenance(**host_probe())
+    if models or args.quant_only or args.relay_only or args.multi_gpu_only:
+        from .memory import require_device
+
+        require_device(args.device)  # one line, before anything is read or measured
     if args.base:
         d = read_json_object(args.base, "hardware profile")
     else:

@@ -151,3 +151,22 @@ def test_profile_merge_combines_parts_measured_from_one_base(tmp_path, capsys):
     assert "duplex_fraction" in capsys.readouterr().err
     assert main(["profile", "--merge", a, "--out", str(out2)]) == 2  # no --base
     assert "--base" in capsys.readouterr().err and not out2.exists()
+
+
+def test_profile_asked_for_cuda_without_it_is_one_line(tmp_path, capsys):
+    """--base P --ops M (any table) with the default --device cuda on a machine without CUDA: one line that says so
+    and what to use instead, nothing written -- not a traceback from the first CUDA tensor."""
+    import torch
+
+    from offexec.profile import main
+
+    if torch.cuda.is_available():
+        return  # (the machine has CUDA: nothing to refuse)
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps(get_hardware("h200").to_dict()))
+    out = tmp_path / "out.json"
+    for extra in (["--decode-only"], ["--sustained-only"], ["--attention-only"]):
+        assert main(["profile", "--base", str(base), "--ops", "opt-125m", *extra, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert "no CUDA device" in err and "--device cpu" in err and "Traceback" not in err
+    assert not out.exists()

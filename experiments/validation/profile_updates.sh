@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The short GPU measurements that stop 39 built the code for, in one device call (issues 13, 15, 18): each step has
+# its own time limit and its own output under $OUT, so a step that fails or overruns loses only itself.
+#   1. each matrix model's own sustained clock fraction ('clock' 'sustained' rows)      -> $OUT/sus.json
+#   2. FlexGen 0.1.8's own prefill KV store into a fresh host cache (OPT-30B shapes)    -> $OUT/store.json
+#   3. the 2-stage OPT-30B pipeline plan rehearsed on one GPU (memory contract, tokens) -> $OUT/pp_one_gpu.json
+# Then, here: `offexec profile --base results/profiles/h200_offexec_v2.json --merge sus.json store.json --out ...`,
+# re-validate the calibration split before adopting (docs/cost-model.md).
+#
+#   COMMIT=abc1234 STEPS="1 2 3" bash experiments/validation/profile_updates.sh
+#
+# Carry .whl (../shared/tools/device-wheels.sh) and, for step 2, .whl-peers
+# (`pip download --no-deps flexgen==0.1.8 attrs -d .whl-peers`): the machine has no network.
+set -u
+export OFFSIM_COMMIT=${COMMIT:?set COMMIT to the code\'s commit (the copy has no .git)}
+STEPS=${STEPS:-1 2 3}
+mkdir -p /tmp/site
+for d in .whl .whl-peers; do
+  if ls "$d"/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$d"/*.whl 2> /dev/null
+  fi
+done
+export PYTHONPATH=/tmp/site:$PWD
+BASE=results/profiles/h200_offexec_v2.json
+MODELS=opt-6.7b,opt-13b,opt-30b,llama-2-13b,llama-3-8b
+for s in $STEPS; do
+  T0=$(date +%s)
+  case $s in
+    1) timeout 180 python3 -u -m offexec.cli profile --base $BASE --ops $MODELS --sustained-only \
+         --out "$OUT/sus.json" > "$OUT/sus.log" 2>&1 ;;
+    2) timeout 240 python3 -u -m offexec.cli profile --base $BASE --ops opt-30b --flexgen-only store \
+         --out "$OUT/store.json" > "$OUT/store.log" 2>&1 ;;
+    3) timeout 420 torchrun --standalone --nproc-per-node 2 -m offexec.distributed \
+         --plan results/multigpu/h200/plan_2gpu_flexgen_16x8.json.gz --one-gpu --no-warmup \
+         --out "$OUT/pp_one_gpu.json" > "$OUT/pp_one_gpu.log" 2>&1 ;;
+    *) echo "unknown step $s (1, 2 or 3)"; continue ;;
+  esac
+  echo "step $s rc=$? $(( $(date +%s) - T0 )) s"
+done
+tail -n 3 "$OUT"/*.log | cut -c1-300
