@@ -646,7 +646,7 @@ def profile_flexgen_store(spec, device: str = "cuda", caches=FLEXGEN_STORE_CACHE
     gpu, cpu, fb = fg
     from flexgen.compression import CompressionConfig
 
-    dev = torch.device("cuda:0")
+    dev = gpu.dev
     H, D = spec.num_heads, spec.head_dim
     cfg = CompressionConfig(num_bits=4, group_size=64, group_dim=2, symmetric=False)  # flex_opt's comp_cache_config
     with tempfile.TemporaryDirectory(prefix="offexec-flexgen-") as tmp:
