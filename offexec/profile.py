@@ -396,8 +396,59 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
 CPU_ATTN_CONTEXTS = (16, 128, 512, 2048)  # the probe's prompt lengths: short (fixed cost) to long (past the LLC)
 
 
+class H2DLoad:
+    """A host-to-GPU link kept busy while a probe runs (``--under-h2d-load``): a thread of its own copies a pinned
+    ``nbytes`` host buffer to the GPU on a stream of its own, back to back, as a run's weight stream does -- the
+    DMA engine reading host memory at the link's rate beside the CPU's own work. ``bytes_per_s``: the rate it held
+    (0 on the CPU, where it does nothing). Whether a CPU-attention op slows while the weights stream is what
+    results/validation/calib_misses.md asks of its largest miss (CPU attention 46 % slower in a run than in its
+    profile row, measured with no weight stream) and what flexgen-ref's fp16 decode misses by."""
+
+    def __init__(self, device: str, nbytes: int = 1 << 29):
+        self.cuda = str(device).startswith("cuda")
+        self.nbytes, self.bytes_per_s = nbytes, 0.0
+
+    def __enter__(self):
+        if not self.cuda:
+            return self
+        import threading
+
+        import torch
+
+        self.host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+        self.gpu = torch.empty(self.nbytes, dtype=torch.uint8, device="cuda")
+        self.stop, self.moved = threading.Event(), 0
+        stream = torch.cuda.Stream()
+
+        def loop():
+            with torch.cuda.stream(stream):
+                while not self.stop.is_set():
+                    self.gpu.copy_(self.host, non_blocking=True)
+                    stream.synchronize()
+                    self.moved += self.nbytes
+
+        self.t0 = time.perf_counter()
+        self.thread = threading.Thread(target=loop, daemon=True)
+        self.thread.start()
+        return self
+
+    rates: list = []  # every load's bytes/s, in order (add_op_tables records them)
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.stop.set()
+            self.thread.join()
+            self.bytes_per_s = self.moved / max(time.perf_counter() - self.t0, 1e-9)
+            H2DLoad.rates.append(self.bytes_per_s)
+            del self.host, self.gpu
+        return False
+
+
+H2D_LOADED = "_h2d"  # the suffix of a row part measured under H2DLoad: 'attn_ctx_h2d:B', 'attn_ctx_flexgen_h2d:B'
+
+
 def profile_cpu_attention_ctx(spec, device: str = "cuda", batches=(1, 4, 16, 64), contexts=CPU_ATTN_CONTEXTS,
-                              gen_len: int = 12, progress: bool = True) -> list:
+                              gen_len: int = 12, progress: bool = True, under_h2d_load: bool = False) -> list:
     """Op-table rows ('cpu', 'attn_ctx:B', [[context, s], ...]): a decode CPU-attention op (one new token per
     sequence, B sequences, every head of the model, through offexec's own CPU path) by its context, for each
     B in ``batches``. The time is measured, not split into a fixed cost and a FLOP rate: at long contexts the
@@ -408,7 +459,8 @@ def profile_cpu_attention_ctx(spec, device: str = "cuda", batches=(1, 4, 16, 64)
     over the decode steps after the first (``gen_len`` - 2 of them: with 64 sequences one GPU batch gives two ops a
     step, and the 2 steps of gen 4 left a row point from 4 ops, too few on a host whose CPU attention varies by
     10 % run to run: results/validation/calib_misses.md). ``costmodel.cpu_attention_seconds`` interpolates in B and
-    the context where a profile has these rows."""
+    the context where a profile has these rows. ``under_h2d_load``: the measured runs with the link kept busy
+    (``H2DLoad``), rows 'attn_ctx_h2d:B' (not read by the cost model yet)."""
     import dataclasses
 
     import torch
@@ -439,7 +491,8 @@ def profile_cpu_attention_ctx(spec, device: str = "cuda", batches=(1, 4, 16, 64)
             plan = build_plan("flexgen", small, hw, wl, settings)
             warm = build_plan("flexgen", small, hw, wl.with_(gen_len=2), settings)
             run_plan(warm, weights, device, graphs="cuda" if cuda else "off", allocator_cap="budget")
-            res = run_plan(plan, weights, device, graphs="cuda" if cuda else "off", allocator_cap="budget")
+            with H2DLoad(device if under_h2d_load else "cpu"):
+                res = run_plan(plan, weights, device, graphs="cuda" if cuda else "off", allocator_cap="budget")
             df = res.trace.df
             xs, ts = [], []
             for r in df.itertuples():
@@ -453,7 +506,8 @@ def profile_cpu_attention_ctx(spec, device: str = "cuda", batches=(1, 4, 16, 64)
     finally:
         weights.close()
     key = layer_key(spec)
-    return [[key, "cpu", f"attn_ctx:{b}", sorted(pts)] for b, pts in sorted(curves.items())]
+    part = "attn_ctx" + (H2D_LOADED if under_h2d_load else "")
+    return [[key, "cpu", f"{part}:{b}", sorted(pts)] for b, pts in sorted(curves.items())]
 
 
 def profile_cpu_attention_flexgen(spec, batches=(1, 4, 16, 64), contexts=CPU_ATTN_CONTEXTS, reps: int = 5) -> list:
@@ -1115,6 +1169,10 @@ def add_profile_parser(sub) -> None:
                         "('attn_ctx_flexgen:B', what the flexgen-ref policy prices: FlexGen's mha_gen itself where "
                         "the flexgen package is importable, else its sequence of ops reproduced); a value keeps "
                         "the other path's rows as they are (default: all)")
+    p.add_argument("--under-h2d-load", action="store_true",
+                   help="with --cpu-attention-only: measure those rows with the host-to-GPU link kept busy by a "
+                        "copy loop of its own, as a run's weight stream keeps it (rows 'attn_ctx_h2d:B' / "
+                        "'attn_ctx_flexgen_h2d:B', beside the unloaded ones; offsim does not read them yet)")
     p.add_argument("--flexgen-only", nargs="?", const="all", default=None, choices=("all", "store"),
                    metavar="{all,store}",
                    help="with --ops (OPT models): measure only FlexGen 0.1.8's own code, what the flexgen-ref policy "
@@ -1171,12 +1229,15 @@ def _flexgen_attention_tables(spec, device: str, batches, source: dict) -> list:
 
 def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64), attention_only: bool = False,
                   recompute_only: bool = False, capture_only=None, cpu_attention_only=None,
-                  flexgen_only: bool = False, decode_only: bool = False, sustained_only: bool = False) -> dict:
+                  flexgen_only: bool = False, decode_only: bool = False, sustained_only: bool = False,
+                  under_h2d_load: bool = False) -> dict:
     """Profile dict ``d`` with op tables for ``models`` (replacing rows of the same layer shapes and modes), CPU
     attention re-measured through the executor's path and the sustained compute fraction; ``attention_only``: the
     GPU attention rows and the sustained fraction alone; ``recompute_only``: the graphed recompute rows alone (the
     rest of ``d`` kept); ``capture_only``: the graph-capture and copy-issue rows alone; ``decode_only``: the decode
-    ops' rows (graph, eager, capture, issue) alone, at ``batches``. Provenance says which."""
+    ops' rows (graph, eager, capture, issue) alone, at ``batches``; ``under_h2d_load`` (with ``cpu_attention_only``):
+    the CPU-attention rows measured with the host-to-GPU link kept busy (``H2DLoad``), under parts ending in
+    '_h2d', beside the others. Provenance says which."""
     from offsim.core.provenance import provenance
     from offsim.core.specs import HardwareSpec, get_model
 
@@ -1188,10 +1249,15 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
     for spec in specs:
         if cpu_attention_only:
             if cpu_attention_only in (True, "all", "offexec"):
-                rows += profile_cpu_attention_ctx(spec, device, batches=batches)
+                rows += profile_cpu_attention_ctx(spec, device, batches=batches, under_h2d_load=under_h2d_load)
             if cpu_attention_only == "offexec":
                 continue
-            rows += _flexgen_attention_tables(spec, device, batches, flexgen_source)
+            if under_h2d_load:
+                with H2DLoad(device):
+                    fg = _flexgen_attention_tables(spec, device, batches, flexgen_source)
+                rows += [[k, m, part.replace(":", H2D_LOADED + ":", 1), c] for k, m, part, c in fg]
+            else:
+                rows += _flexgen_attention_tables(spec, device, batches, flexgen_source)
             continue
         if flexgen_only == "store":  # FlexGen's own prefill KV store alone (OPT models)
             st = profile_flexgen_store(spec, device)
@@ -1242,6 +1308,12 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
             prov["flexgen_code_tables"] = provenance(models=models, batches=list(batches),
                                                      contexts=list(CPU_ATTN_CONTEXTS), device=device,
                                                      rows_timed=flexgen_source, caches=list(FLEXGEN_DEQUANT_CACHES))
+    elif cpu_attention_only and under_h2d_load:  # beside the unloaded rows, with a record of its own
+        rates = H2DLoad.rates
+        prov["cpu_attention_h2d_tables"] = provenance(
+            models=models, batches=list(batches), contexts=list(CPU_ATTN_CONTEXTS), device=device,
+            paths=cpu_attention_only, rows_timed=flexgen_source,
+            h2d_load_GBps=round(statistics.median(rates) / 1e9, 2) if rates else 0.0)
     elif cpu_attention_only:
         # each path's rows carry their own provenance, so measuring one path leaves the other's record as it was
         if cpu_attention_only in (True, "all", "offexec"):
@@ -1349,6 +1421,9 @@ def cmd_profile(args) -> dict:
     if args.host_probe_only and not args.base:
         raise OffsimError("--host-probe-only records the host's state in an existing profile: give --base PROFILE "
                           "too")
+    if args.under_h2d_load and not args.cpu_attention_only:
+        raise OffsimError("--under-h2d-load measures the CPU-attention rows with the link busy: give "
+                          "--cpu-attention-only [offexec|flexgen] (and --base PROFILE --ops MODELS) too")
     if args.sustained_only and not (args.ops and args.base):
         raise OffsimError("--sustained-only adds each model's sustained clock fraction to an existing profile: give "
                           "--base PROFILE and --ops MODELS too")
@@ -1435,7 +1510,7 @@ def cmd_profile(args) -> dict:
     if models:
         d = add_op_tables(d, models, args.device, batches, args.attention_only, args.recompute_only,
                           args.capture_only, args.cpu_attention_only, args.flexgen_only, args.decode_only,
-                          args.sustained_only)
+                          args.sustained_only, args.under_h2d_load)
         if args.name:
             d["name"] = args.name
     if host_rows:

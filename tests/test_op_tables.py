@@ -765,6 +765,26 @@ def test_profile_cpu_attention_by_context_on_the_cpu():
         assert all(t > 0 for _, t in r[3])
     hw = H200.with_(op_times=rows)
     assert C.cpu_attention_seconds(spec, hw, 4, 1, 20) == pytest.approx(C.table_seconds(rows[1][3], 20))
+    # --under-h2d-load: the same probe under a busy link (nothing to load on the CPU), rows of their own name that
+    # the cost model does not read yet: with only those, the CPU op is priced as without any row
+    loaded = profile_cpu_attention_ctx(spec, "cpu", batches=(1,), contexts=(8,), gen_len=4, progress=False,
+                                       under_h2d_load=True)
+    assert [r[2] for r in loaded] == ["attn_ctx_h2d:1"]
+    assert C.cpu_attention_seconds(spec, H200.with_(op_times=loaded), 1, 1, 20) == \
+        C.cpu_attention_seconds(spec, H200, 1, 1, 20)
+
+
+def test_under_h2d_load_needs_cpu_attention_only(tmp_path, capsys):
+    from offexec.profile import H2DLoad, main
+
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps(H200.to_dict()))
+    assert main(["profile", "--device", "cpu", "--base", str(base), "--ops", "opt-125m", "--decode-only",
+                 "--under-h2d-load", "--out", str(tmp_path / "o.json")]) == 2
+    assert "--under-h2d-load" in capsys.readouterr().err and not (tmp_path / "o.json").exists()
+    with H2DLoad("cpu") as load:  # on the CPU: nothing to keep busy
+        pass
+    assert load.bytes_per_s == 0.0
 
 
 def test_flexgen_ref_cpu_attention_priced_from_flexgens_own_rows():

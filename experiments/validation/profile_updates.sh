@@ -4,16 +4,18 @@
 #   1. each matrix model's own sustained clock fraction ('clock' 'sustained' rows)      -> $OUT/sus.json
 #   2. FlexGen 0.1.8's own prefill KV store into a fresh host cache (OPT-30B shapes)    -> $OUT/store.json
 #   3. the 2-stage OPT-30B pipeline plan rehearsed on one GPU (memory contract, tokens) -> $OUT/pp_one_gpu.json
+#   4. CPU attention (offexec's path and FlexGen's, OPT-30B) now, then with the link kept busy as a weight stream
+#      keeps it: does a CPU-attention op slow while weights stream?       -> $OUT/cpuattn.json, $OUT/cpuattn_h2d.json
 # Then, here: `offexec profile --base results/profiles/h200_offexec_v2.json --merge sus.json store.json --out ...`,
 # re-validate the calibration split before adopting (docs/cost-model.md).
 #
-#   COMMIT=abc1234 STEPS="1 2 3" bash experiments/validation/profile_updates.sh
+#   COMMIT=abc1234 STEPS="1 2 3 4" bash experiments/validation/profile_updates.sh
 #
 # Carry .whl (../shared/tools/device-wheels.sh) and, for step 2, .whl-peers
 # (`pip download --no-deps flexgen==0.1.8 attrs -d .whl-peers`): the machine has no network.
 set -u
 export OFFSIM_COMMIT=${COMMIT:?set COMMIT to the code\'s commit (the copy has no .git)}
-STEPS=${STEPS:-1 2 3}
+STEPS=${STEPS:-1 2 3 4}
 mkdir -p /tmp/site
 for d in .whl .whl-peers; do
   if ls "$d"/*.whl > /dev/null 2>&1; then
@@ -33,7 +35,11 @@ for s in $STEPS; do
     3) timeout 420 torchrun --standalone --nproc-per-node 2 -m offexec.distributed \
          --plan results/multigpu/h200/plan_2gpu_flexgen_16x8.json.gz --one-gpu --no-warmup \
          --out "$OUT/pp_one_gpu.json" > "$OUT/pp_one_gpu.log" 2>&1 ;;
-    *) echo "unknown step $s (1, 2 or 3)"; continue ;;
+    4) timeout 200 python3 -u -m offexec.cli profile --base $BASE --ops opt-30b --cpu-attention-only \
+         --out "$OUT/cpuattn.json" > "$OUT/cpuattn.log" 2>&1 &&
+       timeout 200 python3 -u -m offexec.cli profile --base $BASE --ops opt-30b --cpu-attention-only \
+         --under-h2d-load --out "$OUT/cpuattn_h2d.json" > "$OUT/cpuattn_h2d.log" 2>&1 ;;
+    *) echo "unknown step $s (1 to 4)"; continue ;;
   esac
   echo "step $s rc=$? $(( $(date +%s) - T0 )) s"
 done
