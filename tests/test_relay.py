@@ -197,3 +197,15 @@ def test_flexgen_ref_prices_its_prefill_kv_store_from_the_store_rows(tiny_opt, c
     pd.testing.assert_frame_equal(simulate(ref, hw).df, simulate_simpy(ref, hw).df, check_exact=True)
     ideal = build_plan("flexgen", tiny_opt, hw, wl, st)
     pd.testing.assert_frame_equal(simulate(ideal, hw).df, simulate(ideal, plain).df, check_exact=True)
+
+
+def test_peer_plans_issue_kernel_by_kernel(tiny_opt):
+    """FlexGen, Accelerate and DeepSpeed launch every kernel from Python: their *-ref plans have cuda_graphs off
+    (priced by the eager rows and issue costs where a profile has them), the ideal policies' plans keep them on."""
+    hw = get_hardware("h200")
+    wl, one = Workload(32, 4, 4, 2), Workload(32, 4, 4, 1)  # (the static policies run one GPU batch)
+    for pol, w, st in (("flexgen-ref", wl, {"percent": (0, 100, 0, 100, 100, 0)}), ("static-accelerate-ref", one, {}),
+                       ("static-zero-ref", one, {})):
+        assert build_plan(pol, tiny_opt, hw, w, st).graph_q_tokens == 0, pol
+    assert build_plan("flexgen", tiny_opt, hw, wl, {"percent": (0, 100, 0, 100, 100, 0)}).graph_q_tokens > 0
+    assert build_plan("static-zero", tiny_opt, hw, one, {}).graph_q_tokens > 0

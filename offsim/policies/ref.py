@@ -54,6 +54,9 @@ Nothing is fitted to a measured throughput.
   device copies of every fetched byte, priced at the profile's HBM rate (``Plan.weight_gather_copies``), before the
   next fetch's copy (each ``ds_tensor.to(device)`` is a blocking copy on that stream).
 
+None of the three replays CUDA graphs: each plan has ``cuda_graphs`` off (``_eager``), so with a profile's op
+tables its decode ops are priced by the 'eager' rows and the eager issue costs.
+
 What they leave out is in ``docs/architecture.md`` ("The peers as implemented").
 """
 from __future__ import annotations
@@ -130,8 +133,17 @@ def flexgen_ref_schedule(model: ModelSpec, st: FlexGenSettings, wl: Workload | N
                                derived=s.derived + derived)
 
 
+def _eager(plan: Plan) -> Plan:
+    """The plan issued kernel by kernel (``Plan.cuda_graphs`` off): none of the peers replays CUDA graphs -- FlexGen
+    0.1.8, transformers' ``generate`` under Accelerate's hooks and DeepSpeed's ZeRO-3 modules all launch each kernel
+    from Python -- so where the profile has op tables, their decode ops are priced by the 'eager' rows and the eager
+    issue costs, not by offexec's graph replays."""
+    plan.cuda_graphs = False
+    return plan
+
+
 def flexgen_ref_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: FlexGenSettings) -> Plan:
-    return build_block_plan(model, wl, flexgen_ref_schedule(model, st, wl, hw), capacity_of(hw))
+    return _eager(build_block_plan(model, wl, flexgen_ref_schedule(model, st, wl, hw), capacity_of(hw)))
 
 
 # ---- HF Accelerate as FlexGen's benchmark ran it ----------------------------------------------------------------
@@ -151,7 +163,7 @@ def accelerate_ref_schedule(model: ModelSpec, hw: HardwareSpec, wl: Workload, st
 
 
 def accelerate_ref_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: AccelerateRefSettings) -> Plan:
-    return build_block_plan(model, wl, accelerate_ref_schedule(model, hw, wl, st), capacity_of(hw))
+    return _eager(build_block_plan(model, wl, accelerate_ref_schedule(model, hw, wl, st), capacity_of(hw)))
 
 
 # ---- DeepSpeed ZeRO-Inference as its parameter coordinator runs it ----------------------------------------------
@@ -161,7 +173,7 @@ def zero_ref_schedule(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: Zero
 
 
 def zero_ref_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: ZeroSettings) -> Plan:
-    return build_block_plan(model, wl, zero_ref_schedule(model, hw, wl, st), capacity_of(hw))
+    return _eager(build_block_plan(model, wl, zero_ref_schedule(model, hw, wl, st), capacity_of(hw)))
 
 
 FLEXGEN_REF = Policy("flexgen-ref", FlexGenSettings, flexgen_ref_plan, flexgen_candidates,
