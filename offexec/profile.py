@@ -729,7 +729,7 @@ def profile_flexgen_store(spec, device: str = "cuda", caches=FLEXGEN_STORE_CACHE
                         parts = t.data[:2] if kind == "4bit" else (t,)
                         return sum(p.data.numel() * p.data.element_size() for p in parts)
 
-                    times, nbytes = [], 0
+                    times = []
                     for rep in range(reps + 1):
                         dst = [home(), home()]
                         keep.append(dst)
@@ -741,7 +741,7 @@ def profile_flexgen_store(spec, device: str = "cuda", caches=FLEXGEN_STORE_CACHE
                         torch.cuda.synchronize()
                         if rep:  # the first call of each size warms the copy threads and the relay buffers
                             times.append(time.perf_counter() - t0)
-                        nbytes = sum(stored_bytes(d) for d in dst)
+                    nbytes = sum(stored_bytes(d) for d in keep[-1])  # (the same every repetition)
                     rows[kind].append([float(nbytes), statistics.median(times)])
                 del kv16
         finally:
@@ -1245,7 +1245,7 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
     specs = [get_model(m) for m in models]
     rows = []
     flexgen_source = {}  # model -> what its 'attn_ctx_flexgen:B' rows timed
-    flexgen_dequant = {}  # model -> whether its 'dequant_flexgen:*' rows were timed
+    flexgen_timed = {}  # model -> whether FlexGen's own code was timed for it (needs the package, CUDA, an OPT)
     for spec in specs:
         if cpu_attention_only:
             if cpu_attention_only in (True, "all", "offexec"):
@@ -1262,13 +1262,13 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
         if flexgen_only == "store":  # FlexGen's own prefill KV store alone (OPT models)
             st = profile_flexgen_store(spec, device)
             rows += st
-            flexgen_dequant[spec.name] = bool(st)
+            flexgen_timed[spec.name] = bool(st)
             continue
         if flexgen_only:  # FlexGen's own code: its CPU attention, 4-bit decompress and KV store (OPT models)
             rows += _flexgen_attention_tables(spec, device, batches, flexgen_source)
             dq = profile_flexgen_dequant(spec, device)
             rows += dq + profile_flexgen_store(spec, device)
-            flexgen_dequant[spec.name] = bool(dq)
+            flexgen_timed[spec.name] = bool(dq)
             continue
         if decode_only:
             rows += profile_ops(spec, device, batches=batches, decode_only=True)
@@ -1298,7 +1298,7 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
     if flexgen_only:
         from offsim.core.errors import OffsimError
 
-        if not any(flexgen_dequant.values()):
+        if not any(flexgen_timed.values()):
             raise OffsimError("--flexgen-only times FlexGen 0.1.8's own code: it needs the flexgen package, a CUDA "
                               "GPU (--device cuda) and an OPT model in --ops")
         if flexgen_only == "store":
@@ -1364,8 +1364,8 @@ def merge_profiles(base: dict, parts: list[tuple[str, dict]]) -> dict:
     rows = {tuple(r[:3]): r for r in base.get("op_times", [])}
     out_rows = dict(rows)
     source: dict[tuple, str] = {}
-    prov = dict(base.get("provenance", {}))
     base_prov = base.get("provenance", {})
+    prov = dict(base_prov)
     merged_prov: dict[str, list] = {}
     for name, d in parts:
         for key in set(d) - {"op_times", "provenance", "name"}:
@@ -1392,6 +1392,16 @@ def merge_profiles(base: dict, parts: list[tuple[str, dict]]) -> dict:
     return out
 
 
+def _write_profile(d: dict, path) -> Path:
+    """Write profile ``d`` to ``path`` whole or not at all (a temporary file renamed over it)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(json.dumps(d, indent=1))
+    tmp.replace(out)
+    return out
+
+
 def cmd_profile(args) -> dict:
     from offsim.core.errors import OffsimError
     from offsim.core.io import read_json_object
@@ -1403,11 +1413,7 @@ def cmd_profile(args) -> dict:
             raise OffsimError("--merge measures nothing: give it without --ops and the --*-only options")
         d = merge_profiles(read_json_object(args.base, "hardware profile"),
                            [(f, read_json_object(f, "hardware profile")) for f in args.merge])
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(out.suffix + ".tmp")
-        tmp.write_text(json.dumps(d, indent=1))
-        tmp.replace(out)
+        out = _write_profile(d, args.out)
         summary = {"out": str(out), "name": d["name"], "merged": list(args.merge)}
         print(json.dumps(summary))
         return summary
@@ -1456,16 +1462,16 @@ def cmd_profile(args) -> dict:
                  or (models and not (args.attention_only or args.recompute_only or args.capture_only
                                      or args.cpu_attention_only or args.flexgen_only or args.decode_only
                                      or args.sustained_only)))
+    if models or args.quant_only or args.relay_only or args.multi_gpu_only:
+        from .memory import require_device
+
+        require_device(args.device)  # one line, before anything is read or measured
     if host_rows:
         from offsim.core.provenance import provenance
 
         from .hostprobe import host_probe
 
         probe = provenance(**host_probe())
-    if models or args.quant_only or args.relay_only or args.multi_gpu_only:
-        from .memory import require_device
-
-        require_device(args.device)  # one line, before anything is read or measured
     if args.base:
         d = read_json_object(args.base, "hardware profile")
     else:
@@ -1515,11 +1521,7 @@ def cmd_profile(args) -> dict:
             d["name"] = args.name
     if host_rows:
         d["provenance"] = {**d.get("provenance", {}), "host_probe": probe}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(d, indent=1))
-    tmp.replace(out)
+    out = _write_profile(d, args.out)
     h2d = d["h2d_pinned"][-1][1] / 1e9
     print(f"profile of {d['name']} written to {out}")
     d = {"disk_cached_read_bytes_per_s": 0.0, "disk_cached_write_bytes_per_s": 0.0, **d}
