@@ -48,8 +48,10 @@ from offsim.core.plan import Op, Plan
 from offsim.core.trace import Trace
 from offsim.policies.schedule import stage_model
 
-from .executor import Executor, RunResult, check_one_host
-from .memory import ExecError
+from . import model as M
+from .executor import Executor, RunResult, check_host_memory, check_one_host, disk_need, gpu_need, host_need
+from .memory import ExecError, check_disk_dir, check_gpu_budget
+from .program import bind
 from .weights import ModelWeights
 
 
@@ -152,6 +154,41 @@ class StageComm:
         for work, _ in self.pending:
             work.wait()
         self.pending.clear()
+
+
+def check_pipeline(plan: Plan, device: str, disk_dir: str | None = None, one_gpu: bool = False) -> list[dict]:
+    """``executor.check_plan`` for a plan over several GPUs, before the process group, the weights or any buffer:
+    each stage's GPU bytes within its own budget, and what the ranks share summed over the stages -- host memory
+    (the ranks of one host hold every stage's weights and host KV together), the disk tier's room, and with
+    ``one_gpu`` (the rehearsal: every rank on GPU 0) GPU 0's free memory. Each refusal is one line with sizes in
+    GiB. Returns each stage's GPU bytes by purpose."""
+    cuda = torch.device(device).type == "cuda"
+    needs, host, disk = [], {}, 0
+    for r in range(len(plan.stages)):
+        sp = stage_plan(plan, r).plan
+        prog = bind(sp, M.layer_layout(sp.model), r)
+        need = gpu_need(prog, sp)
+        if cuda:
+            try:
+                check_gpu_budget(need, int(sp.capacity["gpu"]))
+            except ExecError as e:
+                raise ExecError(f"stage {r}: {e}") from None
+        needs.append(need)
+        for k, v in host_need(prog, sp).items():
+            host[k] = host.get(k, 0) + v
+        disk += disk_need(sp)
+    n = len(plan.stages)
+    check_host_memory(host, cuda and all(o.pinned for o in plan.ops), f"the plan (its {n} stages together)")
+    if disk:
+        check_disk_dir(disk_dir, disk, plan.disk_cached)
+    if one_gpu and cuda:
+        free, _ = torch.cuda.mem_get_info(0)
+        total = sum(sum(nd.values()) for nd in needs)
+        if total > free:
+            GiB = 1 << 30
+            raise ExecError(f"the rehearsal puts all {n} stages on GPU 0: they need {total / GiB:.2f} GiB together "
+                            f"but {free / GiB:.2f} GiB are free there; rehearse on a GPU with more free memory")
+    return needs
 
 
 def run_stage(plan: Plan, weights: ModelWeights, rank: int, device: str = "cpu", prompts: torch.Tensor | None = None,
@@ -286,6 +323,7 @@ def main(argv=None) -> int:
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise OffsimError(f"launch with torchrun, one process per stage: `torchrun --nproc-per-node "
                               f"{plan.num_devices} -m offexec.distributed --plan {args.plan}`")
+        check_pipeline(plan, args.device, args.disk_dir, args.one_gpu)  # every rank, before anything is made
         device = init_process_group(args.device, one_gpu=args.one_gpu)
         from .weights import dtype_of, load_checkpoint, random_weights
 

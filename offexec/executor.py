@@ -198,6 +198,25 @@ def _memlock_limit_bytes() -> int | None:
     return None if soft == resource.RLIM_INFINITY else int(soft)
 
 
+def check_host_memory(host: dict[str, int], pinned: bool, what: str = "the plan") -> None:
+    """Refuse, in one line with sizes in GiB, host bytes by purpose (``host_need``) that exceed MemAvailable of
+    /proc/meminfo, or, when ``pinned`` (CUDA, page-locked copies), whose page-locked part (the weights' master and
+    the host KV) exceeds RLIMIT_MEMLOCK where it is set. ``what`` names whose bytes they are in the message."""
+    total = sum(host.values())
+    avail = _meminfo_available_bytes()
+    if avail is not None and total > avail:
+        parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in host.items() if v)
+        raise ExecError(f"{what} needs {total / GiB:.2f} GiB of host memory ({parts}) but only {avail / GiB:.2f} "
+                        f"GiB are available (MemAvailable): short by {(total - avail) / GiB:.2f} GiB; use fewer or "
+                        "smaller GPU batches or a plan with less in host memory")
+    lock = _memlock_limit_bytes()
+    locked = host["weights master"] + host["host KV"] + host.get("packed weights", 0)
+    if pinned and lock is not None and locked > lock:
+        raise ExecError(f"{what} page-locks {locked / GiB:.2f} GiB of host memory (weights and host KV) but "
+                        f"RLIMIT_MEMLOCK allows {lock / GiB:.2f} GiB: short by {(locked - lock) / GiB:.2f} GiB; "
+                        "raise it (ulimit -l unlimited) or run with pageable memory")
+
+
 def check_plan(plan: Plan, device, budget_bytes: int, disk_dir: str | None = None,
                weights_loaded: bool = False) -> dict[str, int]:
     """Everything that can refuse a plan before weights are made: binding (ops the executor cannot run), the GPU
@@ -212,20 +231,7 @@ def check_plan(plan: Plan, device, budget_bytes: int, disk_dir: str | None = Non
     if cuda:
         check_gpu_budget(need, budget_bytes)
     host = host_need(prog, plan, weights_loaded)
-    total = sum(host.values())
-    avail = _meminfo_available_bytes()
-    if avail is not None and total > avail:
-        parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in host.items() if v)
-        raise ExecError(f"the plan needs {total / GiB:.2f} GiB of host memory ({parts}) but only {avail / GiB:.2f} "
-                        f"GiB are available (MemAvailable): short by {(total - avail) / GiB:.2f} GiB; use fewer or "
-                        "smaller GPU batches or a plan with less in host memory")
-    pinned = cuda and (all(o.pinned for o in plan.ops) if plan.ops else True)
-    lock = _memlock_limit_bytes()
-    locked = host["weights master"] + host["host KV"] + host.get("packed weights", 0)
-    if pinned and lock is not None and locked > lock:
-        raise ExecError(f"the plan page-locks {locked / GiB:.2f} GiB of host memory (weights and host KV) but "
-                        f"RLIMIT_MEMLOCK allows {lock / GiB:.2f} GiB: short by {(locked - lock) / GiB:.2f} GiB; "
-                        "raise it (ulimit -l unlimited) or run with pageable memory")
+    check_host_memory(host, cuda and (all(o.pinned for o in plan.ops) if plan.ops else True))
     dn = disk_need(plan)
     if dn:  # room, and (unless the plan's disk tier is page-cached) a filesystem that takes O_DIRECT
         check_disk_dir(disk_dir, dn, plan.disk_cached)

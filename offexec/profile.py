@@ -420,11 +420,18 @@ class H2DLoad:
         self.stop, self.moved = threading.Event(), 0
         stream = torch.cuda.Stream()
 
+        # waited for with a blocking-sync event: the thread sleeps while its copy runs. (``stream.synchronize()``
+        # spins a core: a first probe, at 34657a2, slowed CPU attention by up to 40 ms a call in FlexGen's path --
+        # its 16 OpenMP threads waiting on the one that shared a core with the spinning thread -- which a run's weight
+        # stream, issued from the executor's own thread, never does.)
+        done = torch.cuda.Event(blocking=True)
+
         def loop():
             with torch.cuda.stream(stream):
                 while not self.stop.is_set():
                     self.gpu.copy_(self.host, non_blocking=True)
-                    stream.synchronize()
+                    done.record(stream)
+                    done.synchronize()
                     self.moved += self.nbytes
 
         self.t0 = time.perf_counter()

@@ -15,7 +15,7 @@ from offexec.executor import run_plan
 from offexec.memory import ExecError
 from offexec.testing import hf_generate, tiny_hf
 from offexec.weights import from_state_dict
-from offsim import Workload, build_plan, get_hardware, simulate
+from offsim import Workload, build_plan, get_hardware, get_model, simulate
 from offsim.core.trace import COLUMNS
 
 HW = get_hardware("h200")
@@ -271,6 +271,39 @@ def test_each_stage_of_a_streamed_pipeline_binds_within_offsims_stage_budget():
     # offsim's per-stage check counts the same bytes: at 41 % of the weights stage 0 fits only without them
     with pytest.raises(PlanError, match="stage 0 .*does not fit"):
         build_plan("flexgen", m, hw, Workload(512, 4, 16, 8), {"percent": (41, 59, 0, 100, 100, 0), "num_stages": 2})
+
+
+def test_pipeline_host_memory_is_checked_for_all_stages_together(monkeypatch, tmp_path, capsys):
+    """The ranks of one host share its memory: a plan whose stages each fit but together do not is refused from
+    arithmetic in one line, before the process group or any weight (the 16 x 8 OPT-30B plan's 146 GiB of weights
+    and host KV were SIGKILLed by a 125 GiB machine's kernel in the one-GPU rehearsal)."""
+    from offexec import executor as E
+    from offexec import model as M
+    from offexec.distributed import check_pipeline, main
+    from offexec.program import bind
+
+    m = get_model("opt-30b")
+    plan = build_plan("flexgen", m, get_hardware("h200", gpu_mem_gb=16), Workload(512, 4, 16, 8),
+                      {"percent": (40, 60, 0, 100, 100, 0), "num_stages": 2})
+    per_stage = []
+    for r in range(2):
+        sp = stage_plan(plan, r).plan
+        per_stage.append(sum(E.host_need(bind(sp, M.layer_layout(sp.model), r), sp).values()))
+    # room for either stage alone, not for both
+    monkeypatch.setattr(E, "_meminfo_available_bytes", lambda: max(per_stage) + (1 << 30))
+    with pytest.raises(ExecError, match=r"the plan \(its 2 stages together\) needs .* GiB of host memory"):
+        check_pipeline(plan, "cpu")
+    monkeypatch.setattr(E, "_meminfo_available_bytes", lambda: sum(per_stage) + (1 << 30))
+    assert len(check_pipeline(plan, "cpu")) == 2
+    # the launcher refuses before init_process_group: one line, exit 2
+    monkeypatch.setattr(E, "_meminfo_available_bytes", lambda: max(per_stage))
+    f = tmp_path / "pp.json.gz"
+    plan.save(f)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["--plan", str(f), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "stages together" in err and not dist.is_initialized()
 
 
 @pytest.mark.gpu

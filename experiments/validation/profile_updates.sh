@@ -3,9 +3,11 @@
 # its own time limit and its own output under $OUT, so a step that fails or overruns loses only itself.
 #   1. each matrix model's own sustained clock fraction ('clock' 'sustained' rows)      -> $OUT/sus.json
 #   2. FlexGen 0.1.8's own prefill KV store into a fresh host cache (OPT-30B shapes)    -> $OUT/store.json
-#   3. the 2-stage OPT-30B pipeline plan rehearsed on one GPU (memory contract, tokens) -> $OUT/pp_one_gpu.json
+#   3. a 2-stage OPT-30B pipeline plan (16 x 4: the 16 x 8 plan's 146 GiB of host memory do not fit a one-GPU
+#      machine's 125) rehearsed on one GPU (memory contract, tokens)                    -> $OUT/pp_one_gpu.json
 #   4. CPU attention (offexec's path and FlexGen's, OPT-30B) now, then with the link kept busy as a weight stream
 #      keeps it: does a CPU-attention op slow while weights stream?       -> $OUT/cpuattn.json, $OUT/cpuattn_h2d.json
+#   5. step 4 for opt-6.7b, opt-13b, llama-2-13b, llama-3-8b (offexec's path)  -> $OUT/cpuattn[_h2d]_MODEL.json
 # Then, here: `offexec profile --base results/profiles/h200_offexec_v2.json --merge sus.json store.json --out ...`,
 # re-validate the calibration split before adopting (docs/cost-model.md).
 #
@@ -33,13 +35,20 @@ for s in $STEPS; do
     2) timeout 240 python3 -u -m offexec.cli profile --base $BASE --ops opt-30b --flexgen-only store \
          --out "$OUT/store.json" > "$OUT/store.log" 2>&1 ;;
     3) timeout 420 torchrun --standalone --nproc-per-node 2 -m offexec.distributed \
-         --plan results/multigpu/h200/plan_2gpu_flexgen_16x8.json.gz --one-gpu --no-warmup \
+         --plan results/multigpu/h200/plan_2gpu_flexgen_16x4_rehearsal.json.gz --one-gpu --no-warmup \
          --out "$OUT/pp_one_gpu.json" > "$OUT/pp_one_gpu.log" 2>&1 ;;
     4) timeout 200 python3 -u -m offexec.cli profile --base $BASE --ops opt-30b --cpu-attention-only \
          --out "$OUT/cpuattn.json" > "$OUT/cpuattn.log" 2>&1 &&
        timeout 200 python3 -u -m offexec.cli profile --base $BASE --ops opt-30b --cpu-attention-only \
          --under-h2d-load --out "$OUT/cpuattn_h2d.json" > "$OUT/cpuattn_h2d.log" 2>&1 ;;
-    *) echo "unknown step $s (1 to 4)"; continue ;;
+    5) for m in opt-6.7b opt-13b llama-2-13b llama-3-8b; do  # step 4 for the other matrix models
+         timeout 120 python3 -u -m offexec.cli profile --base $BASE --ops $m --cpu-attention-only \
+           --out "$OUT/cpuattn_$m.json" > "$OUT/cpuattn_$m.log" 2>&1 &&
+         timeout 120 python3 -u -m offexec.cli profile --base $BASE --ops $m --cpu-attention-only \
+           --under-h2d-load --out "$OUT/cpuattn_h2d_$m.json" > "$OUT/cpuattn_h2d_$m.log" 2>&1
+         echo "  $m rc=$?"
+       done ;;
+    *) echo "unknown step $s (1 to 5)"; continue ;;
   esac
   echo "step $s rc=$? $(( $(date +%s) - T0 )) s"
 done
