@@ -467,7 +467,8 @@ def profile_cpu_attention_ctx(spec, device: str = "cuda", batches=(1, 4, 16, 64)
     step, and the 2 steps of gen 4 left a row point from 4 ops, too few on a host whose CPU attention varies by
     10 % run to run: results/validation/calib_misses.md). ``costmodel.cpu_attention_seconds`` interpolates in B and
     the context where a profile has these rows. ``under_h2d_load``: the measured runs with the link kept busy
-    (``H2DLoad``), rows 'attn_ctx_h2d:B' (not read by the cost model yet)."""
+    (``H2DLoad``), rows 'attn_ctx_h2d:B' (not read by the cost model: on five models they differ from the unloaded
+    rows by no more than the host drifts between calls, results/profiles/cpu_attention_load/README.md)."""
     import dataclasses
 
     import torch
@@ -1179,7 +1180,8 @@ def add_profile_parser(sub) -> None:
     p.add_argument("--under-h2d-load", action="store_true",
                    help="with --cpu-attention-only: measure those rows with the host-to-GPU link kept busy by a "
                         "copy loop of its own, as a run's weight stream keeps it (rows 'attn_ctx_h2d:B' / "
-                        "'attn_ctx_flexgen_h2d:B', beside the unloaded ones; offsim does not read them yet)")
+                        "'attn_ctx_flexgen_h2d:B', beside the unloaded ones; offsim does not read them: "
+                        "results/profiles/cpu_attention_load/README.md)")
     p.add_argument("--flexgen-only", nargs="?", const="all", default=None, choices=("all", "store"),
                    metavar="{all,store}",
                    help="with --ops (OPT models): measure only FlexGen 0.1.8's own code, what the flexgen-ref policy "
