@@ -343,6 +343,13 @@ def _flexgen_profile_notes(prof: dict) -> list[str]:
     else:
         notes.append("- Its unpinned KV copies: the profile has no relay curves, so they are priced at the pageable "
                      "rate (`h2d_pageable`).")
+    st = {str(r[2]).split(":")[1]: r[3] for r in rows if str(r[2]).startswith("store_flexgen:")
+          and str(r[0]).startswith("opt/h7168")}
+    if st:
+        notes.append("- Its prefill KV stores of many positions (its copy threads relaying into a fresh host cache): "
+                     "the ('copy', 'store_flexgen:fp16' / ':4bit') rows (`offexec profile --flexgen-only store`); "
+                     "at OPT-30B's largest measured stores " + ", ".join(
+                         f"{k} {st[k][-1][0] / st[k][-1][1] / 1e9:.1f} GB/s of bytes stored" for k in sorted(st)) + ".")
     dq = {str(r[2]).split(":")[1]: r[3] for r in rows if str(r[2]).startswith("dequant_flexgen:")
           and str(r[0]).startswith("opt/h7168")}
     if dq:
