@@ -400,16 +400,17 @@ def cpu_attention_many_batches(c: Case) -> list[str]:
         f"{m_op / p_op - 1:.0%} slower. The rows were measured on a two-layer plan "
         "with every weight on the GPU: no weight stream and little for the issuing thread to do. Here the issuing "
         "thread is busy all the time (thousands of GPU ops a step) and shares the GIL with the CPU-attention "
-        "worker (offexec shortens Python's switch interval for this, `Executor.SWITCH_INTERVAL_S`), and the weight copies read host memory beside the attention's reads. The "
+        "worker (offexec shortens Python's switch interval for this, `Executor.SWITCH_INTERVAL_S`). The "
         "rest of the gap is per batch: after each CPU op offexec issues the ops queued behind it on the compute "
         "stream one by one (last section), where a plan-order issuer issues them in advance. The simulator models "
         f"that (`sim.STREAM_ORDER_ISSUE`, on): this case is at {_pct(c.err())}, against {_pct(off)} with the "
         "plan-order issuer; the remainder is "
         "the CPU op's own price and the hand-off between threads (the worker waits for the Q/K/V copy, the "
         "issuing thread on a condition variable for the CPU op: a thread wake-up that neither the simulator nor "
-        "the profile prices). Fix: a profile probe that runs CPU attention with the issuing thread loaded and the "
-        "weights streamed. Not changed here: no such measurement exists, and a constant would be fitted to this "
-        "case.", ""]
+        "the profile prices). The weight stream alone is not it: timed with the link kept busy at 37-44 GB/s "
+        "(`offexec profile --cpu-attention-only --under-h2d-load`, `results/profiles/cpu_attention_load/`), the "
+        "rows of five models moved by no more than the host drifted between calls (median 1.02x). Not changed "
+        "here: a constant would be fitted to this case.", ""]
 
 
 def tightllm_long_recompute(c: Case) -> list[str]:
