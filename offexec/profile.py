@@ -897,11 +897,14 @@ def profile_attention(spec, device: str, peak_flops: float, reps: int = 10) -> l
 SUSTAINED_TOKENS = 16384  # rows of the sustained-clock probe's GEMM: a prefill's size, compute-bound
 
 
-def profile_sustained(device: str, seconds: float = 6.0, h: int = 7168, f: int = 28672) -> float:
+def profile_sustained(device: str, seconds: float = 6.0, h: int = 7168, f: int = 28672,
+                      curve: list | None = None) -> float:
     """The compute-bound GEMM rate held under ``seconds`` of back-to-back load (the median of the last half's
     0.2-s windows), over the rate of a burst after 2 s idle: how far the clocks fall under the power cap as a
     prefill runs. The GEMM is an FFN's at prefill size, [``SUSTAINED_TOKENS``, h] x [h, f] (default OPT-30B's;
-    ``sustained_rows`` gives each model's own). 1.0 on the CPU."""
+    ``sustained_rows`` gives each model's own). 1.0 on the CPU. ``curve``: a list to receive [seconds under load
+    at the window's end, that window's rate over the burst's] for every window: how fast the clocks fall (a
+    prefill of one second runs at other clocks than one of five: results/validation/prefill_layers.md)."""
     import torch
     import torch.nn.functional as F
 
@@ -926,6 +929,8 @@ def profile_sustained(device: str, seconds: float = 6.0, h: int = 7168, f: int =
     windows, t0 = [], time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         windows.append(rate(40))
+        if curve is not None:
+            curve.append([time.perf_counter() - t0, min(1.0, windows[-1] / burst)])
     held = statistics.median(windows[len(windows) // 2:])
     del w, x
     return min(1.0, held / burst)
@@ -933,14 +938,19 @@ def profile_sustained(device: str, seconds: float = 6.0, h: int = 7168, f: int =
 
 def sustained_rows(spec, device: str) -> list:
     """Row ('clock', 'sustained', [[SUSTAINED_TOKENS, fraction]]): ``profile_sustained`` with the model's own FFN
-    GEMM (d_model x ffn_dim), what ``costmodel.sustained_fraction`` reads for its compute-bound ops. [] on the
-    CPU (nothing throttles)."""
+    GEMM (d_model x ffn_dim), what ``costmodel.sustained_fraction`` reads for its compute-bound ops; and row
+    ('clock', 'held', [[seconds under load, fraction], ...]): the same probe's windows as the load went on (not read
+    by the cost model yet: the evidence for a clock that depends on how long the GPU has been busy). [] on the CPU
+    (nothing throttles)."""
     from offsim.core.specs import layer_key
 
     if device != "cuda":
         return []
-    frac = profile_sustained(device, h=spec.d_model, f=spec.ffn_dim)
-    return [[layer_key(spec), "clock", "sustained", [[float(SUSTAINED_TOKENS), float(frac)]]]]
+    curve: list = []
+    frac = profile_sustained(device, h=spec.d_model, f=spec.ffn_dim, curve=curve)
+    key = layer_key(spec)
+    return [[key, "clock", "sustained", [[float(SUSTAINED_TOKENS), float(frac)]]],
+            [key, "clock", "held", [[float(t), float(x)] for t, x in curve]]]
 
 
 def profile_disk(directory: str, nbytes: int, reps: int = 3) -> dict[str, float]:
