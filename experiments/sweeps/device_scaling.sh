@@ -6,6 +6,8 @@
 #
 #   bash experiments/sweeps/ray_slim.sh          # once, here: .whl-ray/ray-slim.tgz (Ray for the machine's Python)
 #   COMMIT=abc1234 N=96 WORKERS="16 1" bash experiments/sweeps/device_scaling.sh
+#   (here) mkdir -p results/sweeps/h200_cpus && tar xzf scaling.tgz -C results/sweeps/h200_cpus &&
+#          python -m experiments.sweeps.device_scaling results/sweeps/h200_cpus
 #
 # Carry .whl (../shared/tools/device-wheels.sh: simpy, cvxpy & co.) and .whl-ray, and move results/ out of the
 # working tree for the call (64 MiB in all: the two are ~58 MB). TL: each run's time limit in seconds.
