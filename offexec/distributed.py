@@ -50,7 +50,7 @@ from offsim.policies.schedule import stage_model
 
 from . import model as M
 from .executor import Executor, RunResult, check_host_memory, check_one_host, disk_need, gpu_need, host_need
-from .memory import ExecError, check_disk_dir, check_gpu_budget
+from .memory import ExecError, check_disk_dir, check_gpu_budget, require_device
 from .program import bind
 from .weights import ModelWeights
 
@@ -162,7 +162,7 @@ def check_pipeline(plan: Plan, device: str, disk_dir: str | None = None, one_gpu
     (the ranks of one host hold every stage's weights and host KV together), the disk tier's room, and with
     ``one_gpu`` (the rehearsal: every rank on GPU 0) GPU 0's free memory. Each refusal is one line with sizes in
     GiB. Returns each stage's GPU bytes by purpose."""
-    cuda = torch.device(device).type == "cuda"
+    cuda = require_device(device).type == "cuda"
     needs, host, disk = [], {}, 0
     for r in range(len(plan.stages)):
         sp = stage_plan(plan, r).plan

@@ -304,6 +304,9 @@ def test_pipeline_host_memory_is_checked_for_all_stages_together(monkeypatch, tm
     assert main(["--plan", str(f), "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "stages together" in err and not dist.is_initialized()
+    if not torch.cuda.is_available():  # asked for CUDA where there is none: one line too, not a traceback
+        assert main(["--plan", str(f), "--device", "cuda"]) == 2
+        assert "no CUDA device is available" in capsys.readouterr().err
 
 
 @pytest.mark.gpu
