@@ -157,6 +157,33 @@ def test_sweep_on_ray_interrupted_and_resumed(local_ray, tmp_path, capsys):
     assert (third["ran"], third["skipped"], third["workers"]) == (0, 20, None)
 
 
+def test_device_scaling_report_of_two_worker_counts(local_ray, tmp_path):
+    """experiments/sweeps/device_scaling.py (the GPU host's 16-vs-1 worker measurement): the same first points run
+    with 1 and 2 workers in w1/ and w2/, tabulated -- points/s, speed-up over the fewest workers, identical tables
+    (a differing table is said so)."""
+    from experiments.sweeps import device_scaling as D
+
+    spec = grid.parse_spec(SPEC)
+    for w in (1, 2):
+        grid.run_sweep(spec, tmp_path / f"w{w}", workers=w, max_points=4, log=None)
+    (tmp_path / "env.log").write_text("ray x | 2 CPUs\n")
+    res = D.write(tmp_path)
+    assert res["workers"] == [1, 2] and res["tables_identical"] is True
+    df = pd.read_csv(tmp_path / "scaling.csv", comment="#")
+    assert list(df["points_answered"]) == [4, 4] and df["speedup"].iloc[0] == 1.0
+    assert (df["points_per_s"] > 0).all()
+    readme = (tmp_path / "README.md").read_text()
+    assert "`ray x | 2 CPUs`" in readme and "| 2 | 4 |" in readme
+    # a table that differs from the fewest workers' is reported as such
+    csv = tmp_path / "w2" / grid.TABLE_CSV
+    text = csv.read_text().splitlines()
+    i = next(n for n, ln in enumerate(text) if ",ok," in ln or ",failed," in ln)
+    text[i] = text[i].replace(",ok,", ",_,", 1).replace(",failed,", ",ok,", 1).replace(",_,", ",failed,", 1)
+    csv.write_text("\n".join(text) + "\n")
+    assert D.write(tmp_path)["tables_identical"] is False
+    assert "| NO |" in (tmp_path / "README.md").read_text()
+
+
 # ---- the Pareto front -------------------------------------------------------------------------------------------
 def test_pareto_front():
     x = [1.0, 2.0, 2.0, 3.0, 0.5, 4.0]
