@@ -231,7 +231,7 @@ def check_plan(plan: Plan, device, budget_bytes: int, disk_dir: str | None = Non
     if cuda:
         check_gpu_budget(need, budget_bytes)
     host = host_need(prog, plan, weights_loaded)
-    check_host_memory(host, cuda and (all(o.pinned for o in plan.ops) if plan.ops else True))
+    check_host_memory(host, cuda and all(o.pinned for o in plan.ops))
     dn = disk_need(plan)
     if dn:  # room, and (unless the plan's disk tier is page-cached) a filesystem that takes O_DIRECT
         check_disk_dir(disk_dir, dn, plan.disk_cached)

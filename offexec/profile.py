@@ -1263,6 +1263,7 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
     d = dict(d)
     specs = [get_model(m) for m in models]
     rows = []
+    H2DLoad.rates.clear()  # (the loads of this call's probes alone)
     flexgen_source = {}  # model -> what its 'attn_ctx_flexgen:B' rows timed
     flexgen_timed = {}  # model -> whether FlexGen's own code was timed for it (needs the package, CUDA, an OPT)
     for spec in specs:

@@ -124,8 +124,8 @@ def flexgen_store_curve(op, model: ModelSpec, hw: HardwareSpec, pageable_copy: s
     the cache home, which ``init_cache_one_gpu_batch`` allocated unpinned and nothing has touched before the prefill
     writes it (every page faulted in by the copy): the relay rate (``d2h_relay``: a float16 tensor into touched
     memory) prices none of that."""
-    if (pageable_copy != "relay" or op.kind != "d2h" or getattr(op, "tensor", "") != "kv"
-            or getattr(op, "pinned", True) or not hw.op_times or not relayed(op, pageable_copy)):
+    if (op.kind != "d2h" or getattr(op, "tensor", "") != "kv" or getattr(op, "pinned", True) or not hw.op_times
+            or not relayed(op, pageable_copy)):
         return None
     return op_table(hw, model, "copy", FLEXGEN_STORE_PARTS[bool(comp.cache)])
 

@@ -434,10 +434,11 @@ class HardwareSpec:
     # 'recompute': causal GPU attention's efficiency, y = achieved / peak FLOP/s, by context x, with this model's
     # heads, GQA and the executor's KV layout), 'copy' (part 'd2h_qkv' or 'h2d_attn_out': CPU attention's small
     # copies, by bytes x; part 'store_flexgen:fp16' / ':4bit': FlexGen's own store of a prefill's K and V into its
-    # fresh unpinned host cache, by bytes stored x, what flexgen-ref's relayed KV stores pay), 'quant' (part 'dequant_flexgen:weight' / ':cache': FlexGen's own 4-bit decompress on the
-    # GPU, by fp16 bytes x; what flexgen-ref's compressed plans pay), 'clock' (part 'sustained': the share of its
-    # burst rate this layer shape's FFN GEMM holds under seconds of load, y, at its tokens x: the model's own
-    # ``sustained_compute_fraction``). Where a row exists the cost model reads it instead of the analytical
+    # fresh unpinned host cache, by bytes stored x, what flexgen-ref's relayed KV stores pay), 'quant' (part
+    # 'dequant_flexgen:weight' / ':cache': FlexGen's own 4-bit decompress on the GPU, by fp16 bytes x; what
+    # flexgen-ref's compressed plans pay), 'clock' (part 'sustained': the share of its burst rate this layer shape's
+    # FFN GEMM holds under seconds of load, y, at its tokens x: the model's own ``sustained_compute_fraction``; part
+    # 'held': that share in each window of the probe, by seconds under load x, not read yet). Where a row exists the cost model reads it instead of the analytical
     # GEMM, elementwise and overhead terms or the model-agnostic curves (costmodel.compute_seconds); () = none.
     op_times: tuple = ()
     # compute-bound GEMM rate held under seconds of back-to-back load (a prefill) over the rate of a burst after

@@ -19,8 +19,9 @@ Nothing is fitted to a measured throughput.
   ``d2h_relay``: that staging timed by ``offexec profile``; ``Plan.pageable_copy`` 'relay'), else at its pageable
   rates -- and a prefill's KV stores at the profile's 'store_flexgen:*' rows where it has them (FlexGen's own
   ``general_copy`` timed into a fresh home: its copy threads' relay buffer is float16, so a 4-bit cache's bytes
-  are converted there and back, and the home's pages are first written then; ``costmodel.flexgen_store_curve``). Its CPU attention runs FlexGen's own fp32 path (``Plan.cpu_attention_impl`` 'flexgen'; QKV on the GPU,
-  attention on the CPU over the host cache, inside the position), and with ``--compress-weight`` /
+  are converted there and back, and the home's pages are first written then; ``costmodel.flexgen_store_curve``).
+  Its CPU attention runs FlexGen's own fp32 path (``Plan.cpu_attention_impl`` 'flexgen'; QKV on the GPU, attention
+  on the CPU over the host cache, inside the position), and with ``--compress-weight`` /
   ``--compress-cache`` its own 4-bit decompress, every weight matrix in each (layer, batch) call and the whole
   cache the attention reads (``Plan.quant_impl`` 'flexgen': the profile's 'dequant_flexgen:*' rows where measured).
   Its weights are placed tensor by tensor (``init_weight_list``: each whole tensor on the tier that holds the
