@@ -903,8 +903,8 @@ def profile_sustained(device: str, seconds: float = 6.0, h: int = 7168, f: int =
     0.2-s windows), over the rate of a burst after 2 s idle: how far the clocks fall under the power cap as a
     prefill runs. The GEMM is an FFN's at prefill size, [``SUSTAINED_TOKENS``, h] x [h, f] (default OPT-30B's;
     ``sustained_rows`` gives each model's own). 1.0 on the CPU. ``curve``: a list to receive [seconds under load
-    at the window's end, that window's rate over the burst's] for every window: how fast the clocks fall (a
-    prefill of one second runs at other clocks than one of five: results/validation/prefill_layers.md)."""
+    at the window's end, that window's rate over the burst's] for every window: how fast the clocks fall (on the
+    H200 within the first few tenths of a second, then held: results/profiles/clock_held_55c9fa9/README.md)."""
     import torch
     import torch.nn.functional as F
 
@@ -939,9 +939,9 @@ def profile_sustained(device: str, seconds: float = 6.0, h: int = 7168, f: int =
 def sustained_rows(spec, device: str) -> list:
     """Row ('clock', 'sustained', [[SUSTAINED_TOKENS, fraction]]): ``profile_sustained`` with the model's own FFN
     GEMM (d_model x ffn_dim), what ``costmodel.sustained_fraction`` reads for its compute-bound ops; and row
-    ('clock', 'held', [[seconds under load, fraction], ...]): the same probe's windows as the load went on (not read
-    by the cost model yet: the evidence for a clock that depends on how long the GPU has been busy). [] on the CPU
-    (nothing throttles)."""
+    ('clock', 'held', [[seconds under load, fraction], ...]): the same probe's windows as the load went on, the
+    evidence that one fraction is enough (not read by the cost model: the clock settles within a few tenths of a
+    second, results/profiles/clock_held_55c9fa9/README.md). [] on the CPU (nothing throttles)."""
     from offsim.core.specs import layer_key
 
     if device != "cuda":
