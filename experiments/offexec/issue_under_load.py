@@ -69,6 +69,18 @@ def calls(device: str = "cuda") -> dict:
     static = torch.empty_like(hidden)
     host = torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(1 << 20, dtype=torch.uint8, device=device)
+    # a run's weights and KV cache live in large host tensors page-locked in place (cudaHostRegister:
+    # offexec.memory.HostBuffer), not in PyTorch's pinned allocator: copies from them may take another path
+    from offexec.memory import HostBuffer
+
+    reg = HostBuffer(1 << 30, torch.uint8, pinned=True).tensor
+    big_host = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True)
+    big_dev = torch.empty(64 << 20, dtype=torch.uint8, device=device)
+    offs = iter(range(1 << 30))
+
+    def reg_copy(n):
+        o = (next(offs) * (1 << 20)) % ((1 << 30) - n)  # a different region each call, as a run's KV rows are
+        (big_dev if n > dev.numel() else dev)[:n].copy_(reg[o:o + n], non_blocking=True)
     evs = [torch.cuda.Event(enable_timing=True) for _ in range(4096)]
     done = torch.cuda.Event()
     done.record(s2)
@@ -97,6 +109,10 @@ def calls(device: str = "cuda") -> dict:
         "copy_static_input": lambda: static.copy_(hidden),
         "clone_output": lambda: hidden.clone(),
         "h2d_copy_1MiB": lambda: dev.copy_(host, non_blocking=True),
+        "h2d_copy_1MiB_registered": lambda: reg_copy(1 << 20),
+        "h2d_copy_64MiB": lambda: big_dev.copy_(big_host, non_blocking=True),
+        "h2d_copy_64MiB_registered": lambda: reg_copy(64 << 20),
+        "d2h_copy_1MiB_registered": lambda: reg[:1 << 20].copy_(dev, non_blocking=True),
         "graph_replay_1_kernel": graphs[1][0].replay,
         "graph_replay_24_kernels": graphs[24][0].replay,
         "set_stream": lambda: torch.cuda.set_stream(toggle[next(it) & 1]),

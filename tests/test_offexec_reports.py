@@ -1,0 +1,52 @@
+"""Generated reports of offexec's H200 evidence: results/offexec/issue_under_load/README.md is what
+experiments.offexec.issue_under_load makes of its JSON, and write_readme's --before section sets every run's host
+issue beside the earlier folder's same run, from their offexec_h200.json files."""
+import json
+import shutil
+from pathlib import Path
+
+from experiments.offexec import issue_under_load as IUL
+from experiments.offexec import write_readme as W
+
+REPO = Path(__file__).resolve().parents[1]
+OFFEXEC = REPO / "results" / "offexec"
+
+
+def _table(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if ln.startswith("| ")]
+
+
+def test_issue_under_load_readme_is_generated_from_its_json(tmp_path):
+    work = tmp_path / "iul"
+    shutil.copytree(OFFEXEC / "issue_under_load", work)
+    text = IUL.report(work)
+    assert _table(text) == _table((OFFEXEC / "issue_under_load" / "README.md").read_text())
+    res = json.loads((work / "issue_under_load.json").read_text())["results"]
+    assert "| event_record | " in text and res["event_record"]["idle"]["wall_us"] > 0
+
+
+def test_measuring_needs_cuda_and_says_so(capsys):
+    import torch
+    if torch.cuda.is_available():
+        return
+    assert IUL.main(["--out", "x.json"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_write_readme_before_sets_each_runs_issue_beside_the_earlier_one(tmp_path):
+    now, before = OFFEXEC / "h200_0b8e77a", OFFEXEC / "h200_265e402"
+    work = tmp_path / "now"
+    shutil.copytree(now, work)
+    text = W.write(work, before).read_text()
+    section = text.split("## Host issue against")[1]
+    rows = _table(section)[2:]
+    runs = W._runs(now)
+    assert len(rows) == len(runs) == 6
+    old = {(s, r["config"]): r for s, _, r in W._runs(before)}
+    for sub, _, r in runs:
+        row = next(x for x in rows if x.startswith(f"| {sub} {r['config']} |"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert float(cells[1]) == round(old[(sub, r["config"])]["issue_s"], 2)
+        assert float(cells[2]) == round(r["issue_s"], 2)
+    # the committed README is this output (the table lines)
+    assert _table(text) == _table((now / "README.md").read_text())
