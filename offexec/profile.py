@@ -396,6 +396,14 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
 CPU_ATTN_CONTEXTS = (16, 128, 512, 2048)  # the probe's prompt lengths: short (fixed cost) to long (past the LLC)
 
 
+def fit_contexts(contexts, limit: int) -> list[int]:
+    """The probe's contexts, each at most ``limit`` (the longest that fits the model's positions with the tokens the
+    probe generates): a context past it is measured at ``limit`` instead of dropped, so a model of 2048 positions
+    (OPT) still gets a row point near its longest prompts, where the rate falls (the host's caches no longer hold
+    the KV) and reading on from 512 would extrapolate."""
+    return sorted({min(int(c), limit) for c in contexts if min(int(c), limit) >= 1})
+
+
 class H2DLoad:
     """A host-to-GPU link kept busy while a probe runs (``--under-h2d-load``): a thread of its own copies a pinned
     ``nbytes`` host buffer to the GPU on a stream of its own, back to back, as a run's weight stream does -- the
@@ -483,7 +491,7 @@ def profile_cpu_attention_ctx(spec, device: str = "cuda", batches=(1, 4, 16, 64)
     cuda = device == "cuda"
     weights = random_weights(small, 0, dt, device=device, pinned=cuda, progress=False)
     hw = load_hardware_preset("h200")
-    runs = [(c, b) for b in batches for c in contexts if c + gen_len <= spec.max_positions]
+    runs = [(c, b) for b in batches for c in fit_contexts(contexts, spec.max_positions - gen_len)]
     try:
         from tqdm import tqdm
 
@@ -567,7 +575,7 @@ def _flexgen_attention_rows(spec, batches, contexts, reps: int, make_op) -> list
     rows = []
     for b in batches:
         pts = [[float(c), _median_time(make_op(b, c + 1), torch.device("cpu"), reps)]
-               for c in contexts if c + 1 <= spec.max_positions]
+               for c in fit_contexts(contexts, spec.max_positions - 1)]
         if pts:
             rows.append([layer_key(spec), "cpu", f"attn_ctx_flexgen:{b}", sorted(pts)])
     return rows

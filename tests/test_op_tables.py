@@ -774,6 +774,24 @@ def test_profile_cpu_attention_by_context_on_the_cpu():
         C.cpu_attention_seconds(spec, H200, 1, 1, 20)
 
 
+def test_cpu_attention_probe_measures_past_the_positions_at_the_longest_that_fits():
+    """A probe context past the model's positions (2048 on OPT, whose probe generates tokens after it) is measured
+    at the longest that fits, not dropped: OPT's CPU-attention rows reach its long prompts instead of stopping at
+    512 and being read on from there."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from offexec.profile import CPU_ATTN_CONTEXTS, fit_contexts, profile_cpu_attention_ctx
+    from offexec.testing import tiny_hf
+
+    assert fit_contexts(CPU_ATTN_CONTEXTS, 2048 - 12) == [16, 128, 512, 2036]
+    assert fit_contexts(CPU_ATTN_CONTEXTS, 4096 - 12) == list(CPU_ATTN_CONTEXTS)
+    assert fit_contexts((8, 100, 200), 60) == [8, 60]  # two past the limit: one point at it
+    _, spec = tiny_hf("opt")  # 64 positions
+    rows = profile_cpu_attention_ctx(spec, "cpu", batches=(1,), contexts=(8, 100), gen_len=4, progress=False)
+    ctxs = [x for x, _ in rows[0][3]]
+    assert len(ctxs) == 2 and 56 < ctxs[1] <= 64  # measured near the longest context, not dropped
+
+
 def test_under_h2d_load_needs_cpu_attention_only(tmp_path, capsys):
     from offexec.profile import H2DLoad, main
 
@@ -833,7 +851,7 @@ def test_profile_flexgen_cpu_attention_on_the_cpu():
     assert [r[2] for r in rows] == ["attn_ctx_flexgen:1", "attn_ctx_flexgen:4"]
     for r in rows:
         assert r[0] == layer_key(spec) and r[1] == "cpu"
-        assert [x for x, _ in r[3]] == [8.0, 32.0]  # 1000 is past the tiny model's positions
+        assert [x for x, _ in r[3]] == [8.0, 32.0, 63.0]  # 1000 is past the tiny model's 64: timed at 63
         assert all(t > 0 for _, t in r[3])
 
 
