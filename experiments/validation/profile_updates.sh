@@ -8,6 +8,12 @@
 #   4. CPU attention (offexec's path and FlexGen's, OPT-30B) now, then with the link kept busy as a weight stream
 #      keeps it: does a CPU-attention op slow while weights stream?       -> $OUT/cpuattn.json, $OUT/cpuattn_h2d.json
 #   5. step 4 for opt-6.7b, opt-13b, llama-2-13b, llama-3-8b (offexec's path)  -> $OUT/cpuattn[_h2d]_MODEL.json
+#   6. the issuing loop's CUDA calls, the link idle and busy, incl. copies from memory page-locked in place
+#      (experiments/offexec/issue_under_load.py)                                 -> $OUT/issue_under_load.json
+#   7. OPT's CPU-attention rows again, now reaching 2036 tokens (offexec's path and FlexGen's; the probe dropped
+#      OPT's 2048 point before 369e279)                                         -> $OUT/cpuattn_opt_long.json
+#   8. TightLLM at OPT-30B 1984/8, 4 x 4: the compute stream's run-ahead window 16 (the plan's) and 4 -- is part of
+#      its eager recompute ops' host issue the driver waiting on a full launch queue? -> $OUT/runahead_{16,4}.log
 # Then, here: `offexec profile --base results/profiles/h200_offexec_v2.json --merge sus.json store.json --out ...`,
 # re-validate the calibration split before adopting (docs/cost-model.md).
 #
@@ -48,7 +54,20 @@ for s in $STEPS; do
            --under-h2d-load --out "$OUT/cpuattn_h2d_$m.json" > "$OUT/cpuattn_h2d_$m.log" 2>&1
          echo "  $m rc=$?"
        done ;;
-    *) echo "unknown step $s (1 to 5)"; continue ;;
+    6) timeout 200 python3 -u -m experiments.offexec.issue_under_load --out "$OUT/issue_under_load.json" \
+         > "$OUT/issue_under_load.log" 2>&1 ;;
+    7) timeout 420 python3 -u -m offexec.cli profile --base $BASE --ops opt-6.7b,opt-13b,opt-30b --cpu-attention-only \
+         --out "$OUT/cpuattn_opt_long.json" > "$OUT/cpuattn_opt_long.log" 2>&1 ;;
+    8) P="--model opt-30b --hardware $BASE --gpu-mem-gb 16 --policy tightllm --gpu-batch-size 4 --num-gpu-batches 4
+          --prompt-len 1984 --gen-len 8 --percent 20 80 0 100 100 0 --set kv_solver=exact"
+       mkdir -p /tmp/ra && python3 -m offsim.cli simulate $P --save-plan /tmp/ra/p16.json > /dev/null &&
+       python3 -c "import json; d = json.load(open('/tmp/ra/p16.json')); d['run_ahead'] = [4, 6, 16]; \
+json.dump(d, open('/tmp/ra/p4.json', 'w'))" &&
+       for w in 16 4; do
+         timeout 150 python3 -u -m offexec.cli run --plan /tmp/ra/p$w.json --hardware $BASE > "$OUT/runahead_$w.log" 2>&1
+         echo "  run_ahead $w: rc=$? $(grep 'host time' "$OUT/runahead_$w.log")"
+       done ;;
+    *) echo "unknown step $s (1 to 8)"; continue ;;
   esac
   echo "step $s rc=$? $(( $(date +%s) - T0 )) s"
 done
