@@ -44,6 +44,16 @@ def argparser(doc: str) -> argparse.ArgumentParser:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
+def folder_report_main(argv, doc: str, default_root, write) -> int:
+    """The command line of a report generated from a folder of measurements: ``--root DIR`` (default
+    ``default_root``), ``write(Path)`` returns the README text, printed."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--root", default=str(default_root), help="the folder of profile parts (default: %(default)s)")
+    args = ap.parse_args(argv)
+    print(write(Path(args.root)))
+    return 0
+
+
 def provenance(argv: list[str] | None = None, **extra) -> dict:
     """Commit, UTC date, machine, python and the command that repeats this run, plus ``extra``."""
     return _provenance.provenance(**{"command": command(argv), **extra})

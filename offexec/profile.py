@@ -408,13 +408,15 @@ class H2DLoad:
     """A host-to-GPU link kept busy while a probe runs (``--under-h2d-load``): a thread of its own copies a pinned
     ``nbytes`` host buffer to the GPU on a stream of its own, back to back, as a run's weight stream does -- the
     DMA engine reading host memory at the link's rate beside the CPU's own work. ``bytes_per_s``: the rate it held
-    (0 on the CPU, where it does nothing). Whether a CPU-attention op slows while the weights stream is what
+    (0 on the CPU, where it does nothing). ``direction`` 'd2h': the same load GPU-to-host. Whether a CPU-attention op slows while the weights stream is what
     results/validation/calib_misses.md asks of its largest miss (CPU attention 46 % slower in a run than in its
     profile row, measured with no weight stream) and what flexgen-ref's fp16 decode misses by."""
 
-    def __init__(self, device: str, nbytes: int = 1 << 29):
+    def __init__(self, device: str, nbytes: int = 1 << 29, direction: str = "h2d"):
+        if direction not in ("h2d", "d2h"):
+            raise ValueError(f"link load direction must be 'h2d' or 'd2h', got {direction!r}")
         self.cuda = str(device).startswith("cuda")
-        self.nbytes, self.bytes_per_s = nbytes, 0.0
+        self.nbytes, self.bytes_per_s, self.direction = nbytes, 0.0, direction
 
     def __enter__(self):
         if not self.cuda:
@@ -434,10 +436,12 @@ class H2DLoad:
         # stream, issued from the executor's own thread, never does.)
         done = torch.cuda.Event(blocking=True)
 
+        dst, src = (self.gpu, self.host) if self.direction == "h2d" else (self.host, self.gpu)  # ('d2h': the other way)
+
         def loop():
             with torch.cuda.stream(stream):
                 while not self.stop.is_set():
-                    self.gpu.copy_(self.host, non_blocking=True)
+                    dst.copy_(src, non_blocking=True)
                     done.record(stream)
                     done.synchronize()
                     self.moved += self.nbytes

@@ -23,39 +23,13 @@ from pathlib import Path
 
 
 def _load(kind: str, device: str):
-    """A context keeping the link busy in one direction (``H2DLoad``'s thread; for 'd2h' the same loop the other
-    way), or a null context for 'idle'."""
+    """A context keeping the link busy in one direction ('h2d' or 'd2h': ``offexec.profile.H2DLoad``'s thread), or
+    a null context for 'idle'."""
     import contextlib
-
-    import torch
 
     from offexec.profile import H2DLoad
 
-    if kind == "idle":
-        return contextlib.nullcontext()
-    if kind == "h2d":
-        return H2DLoad(device)
-
-    class D2HLoad(H2DLoad):  # the same thread and blocking-sync wait, copying GPU -> host
-        def __enter__(self):
-            import threading
-            self.host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
-            self.gpu = torch.empty(self.nbytes, dtype=torch.uint8, device="cuda")
-            self.stop, self.moved = threading.Event(), 0
-            stream, done = torch.cuda.Stream(), torch.cuda.Event(blocking=True)
-
-            def loop():
-                with torch.cuda.stream(stream):
-                    while not self.stop.is_set():
-                        self.host.copy_(self.gpu, non_blocking=True)
-                        done.record(stream)
-                        done.synchronize()
-                        self.moved += self.nbytes
-            self.t0 = time.perf_counter()
-            self.thread = threading.Thread(target=loop, daemon=True)
-            self.thread.start()
-            return self
-    return D2HLoad(device)
+    return contextlib.nullcontext() if kind == "idle" else H2DLoad(device, direction=kind)
 
 
 def calls(device: str = "cuda") -> dict:

@@ -12,7 +12,6 @@ prefill at higher clocks than a long one), or is one sustained fraction (``costm
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import gzip
 import json
@@ -138,11 +137,9 @@ def write(root: Path = ROOT) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--root", default=str(ROOT), help="the folder of profile parts (default: %(default)s)")
-    args = ap.parse_args(argv)
-    print(write(Path(args.root)))
-    return 0
+    from experiments.common import folder_report_main
+
+    return folder_report_main(argv, __doc__, ROOT, write)
 
 
 if __name__ == "__main__":
