@@ -18,6 +18,7 @@ import json
 import statistics
 from pathlib import Path
 
+from experiments.common import folder_report_main
 from offsim.core.provenance import provenance
 
 ROOT = Path("results/profiles/clock_held_55c9fa9")
@@ -131,16 +132,9 @@ def write(root: Path = ROOT) -> str:
         lines[-2] += (f" The largest within-prefill slowdown in `{pl}` ({d['case']}: its last quarter of layers "
                       f"{float(d['drift']):+.1%} over its first, in a {float(d['measured_s']):.1f}-s prefill) is "
                       "larger than this curve allows; its cause is not the clock's fall.")
-    text = "\n".join(lines)
-    (root / "README.md").write_text(text)
-    return text
-
-
-def main(argv=None) -> int:
-    from experiments.common import folder_report_main
-
-    return folder_report_main(argv, __doc__, ROOT, write)
+    (root / "README.md").write_text("\n".join(lines))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(folder_report_main(None, __doc__, ROOT, write))
