@@ -408,9 +408,10 @@ class H2DLoad:
     """A host-to-GPU link kept busy while a probe runs (``--under-h2d-load``): a thread of its own copies a pinned
     ``nbytes`` host buffer to the GPU on a stream of its own, back to back, as a run's weight stream does -- the
     DMA engine reading host memory at the link's rate beside the CPU's own work. ``bytes_per_s``: the rate it held
-    (0 on the CPU, where it does nothing). ``direction`` 'd2h': the same load GPU-to-host. Whether a CPU-attention op slows while the weights stream is what
-    results/validation/calib_misses.md asks of its largest miss (CPU attention 46 % slower in a run than in its
-    profile row, measured with no weight stream) and what flexgen-ref's fp16 decode misses by."""
+    (0 on the CPU, where it does nothing). ``direction`` 'd2h': the same load GPU-to-host. Whether a CPU-attention
+    op slows while the weights stream is what results/validation/calib_misses.md asks of its largest miss (CPU
+    attention 46 % slower in a run than in its profile row, measured with no weight stream) and what flexgen-ref's
+    fp16 decode misses by."""
 
     def __init__(self, device: str, nbytes: int = 1 << 29, direction: str = "h2d"):
         if direction not in ("h2d", "d2h"):

@@ -71,12 +71,13 @@ def write(d: Path) -> dict:
     for r in df.itertuples():
         lines.append(f"| {r.workers} | {r.points_answered} | {r.wall_s:.1f} | {r.points_per_s:.3f} | "
                      f"{r.speedup:.2f} | {r.efficiency:.0%} | {r.point_wall_s_median:.2f} | "
-                     f"{r.point_wall_s_sum:.1f} | {r.point_wall_s_per_worker:.1f} | {r.overhead_s:.1f} | {r.commits} | "
+                     f"{r.point_wall_s_sum:.1f} | {r.point_wall_s_per_worker:.1f} | {r.overhead_s:.1f} | "
+                     f"{r.commits} | "
                      f"{'yes' if r.table_equals_fewest_workers else 'NO'} |")
     lines += ["", "points_per_s: points run over the run's wall time (Ray's start and stop included); speedup: over "
-              "the fewest workers; efficiency: the speed-up over the ratio of workers (1.0: linear); point_wall_s_median: one point's own "
-              "time in its worker (it grows when the workers share the machine's memory bandwidth and caches); point_wall_s_sum: "
-              "all points' own time; point_wall_s_per_worker: that sum over the workers, the wall time a perfect "
+              "the fewest workers; efficiency: the speed-up over the ratio of workers (1.0: linear); "
+              "point_wall_s_median: one point's own time in its worker (it grows when the workers share the "
+              "machine's memory bandwidth and caches); point_wall_s_sum: all points' own time; point_wall_s_per_worker: that sum over the workers, the wall time a perfect "
               "scheduler would need at this contention; overhead_s: the rest of the wall time (Ray's start and stop, "
               "and the tail while the last, longest points finish)."]
     (d / "README.md").write_text("\n".join(lines) + "\n")
