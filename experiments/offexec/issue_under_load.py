@@ -35,7 +35,8 @@ def _load(kind: str, device: str):
 
 
 def calls(device: str = "cuda") -> dict:
-    """{name: (setup, call)}: each call is one of the issuing loop's CUDA calls on the compute stream."""
+    """({name: call}, the stream they run on): each call is one of the issuing loop's CUDA calls, made on that
+    stream (the measurement makes it current)."""
     import torch
 
     s, s2 = torch.cuda.Stream(), torch.cuda.Stream()
@@ -57,6 +58,7 @@ def calls(device: str = "cuda") -> dict:
     def reg_copy(n):
         o = (next(offs) * (1 << 20)) % ((1 << 30) - n)  # a different region each call, as a run's KV rows are
         (big_dev if n > dev.numel() else dev)[:n].copy_(reg[o:o + n], non_blocking=True)
+
     evs = [torch.cuda.Event(enable_timing=True) for _ in range(4096)]
     done = torch.cuda.Event()
     done.record(s2)
