@@ -77,7 +77,8 @@ def write(d: Path) -> dict:
     lines += ["", "points_per_s: points run over the run's wall time (Ray's start and stop included); speedup: over "
               "the fewest workers; efficiency: the speed-up over the ratio of workers (1.0: linear); "
               "point_wall_s_median: one point's own time in its worker (it grows when the workers share the "
-              "machine's memory bandwidth and caches); point_wall_s_sum: all points' own time; point_wall_s_per_worker: that sum over the workers, the wall time a perfect "
+              "machine's memory bandwidth and caches); point_wall_s_sum: all points' own time; "
+              "point_wall_s_per_worker: that sum over the workers, the wall time a perfect "
               "scheduler would need at this contention; overhead_s: the rest of the wall time (Ray's start and stop, "
               "and the tail while the last, longest points finish)."]
     (d / "README.md").write_text("\n".join(lines) + "\n")
