@@ -301,6 +301,34 @@ def test_remeasure_compare_lists_every_case_measured_twice(tmp_path, capsys):
     assert 1 + row["new_offsim_error"] == pytest.approx((1 + row["old_offsim_error"]) / 1.25)
 
 
+def test_remeasure_compare_adds_runs_whose_case_files_were_lost(tmp_path, capsys):
+    """--runs: a case measured again whose case file did not come back (only its runs.jsonl line did) gets a row
+    from that line, its plan and schedule 'unknown', offsim's error against the old case's own plan; a line of a case
+    with a new case file is not counted twice; --runs without --runs-commit is refused."""
+    import shutil
+
+    from experiments.validation.remeasure_compare import main
+
+    src = ROOT / "results" / "validation" / "h200_calib"
+    tag = "opt-13b_tightllm_b32_p128_g32"
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    new.mkdir()
+    for f in src.glob(f"{tag}.*"):
+        shutil.copy(f, old)
+    measured = json.loads((old / f"{tag}.case.json").read_text())["metrics"]["total_tok_s"]
+    runs = tmp_path / "runs.jsonl"
+    runs.write_text(json.dumps({"case": tag, "measured_total_tok_s": measured * 0.8}) + "\n"
+                    + json.dumps({"case": "not-in-old", "measured_total_tok_s": 1.0}) + "\n")
+    assert main([str(old), str(new), "--runs", str(runs), "--runs-commit", "abc1234"]) == 0
+    out = capsys.readouterr().out
+    assert f"| {tag} |" in out and "(abc1234) | -20.0% | unknown | unknown |" in out
+    s = json.loads(out.strip().splitlines()[-1])
+    assert s["cases"] == 1 and s["only_old"] == [] and s["same_plan"] == 0
+    with pytest.raises(SystemExit):
+        main([str(old), str(new), "--runs", str(runs)])
+
+
 def test_remeasure_compare_tells_a_changed_schedule_from_changed_bookkeeping(tmp_path):
     """Two runs whose plans differ only in memory annotations have the same schedule; a changed op size is a
     changed schedule."""

@@ -7,7 +7,8 @@
 #
 #   CASES="tag1 tag2" SPLIT=calib REPEATS=3 TL=480 COMMIT=abc1234 bash experiments/validation/remeasure.sh
 #
-# CASES: the tags to measure (default: every case of SPLIT); TL: start no case after this many seconds.
+# CASES: the tags to measure (default: every case of SPLIT); TL: start no case after this many seconds. Keep TL under
+# the device call's limit by (1 + REPEATS) x the longest case: a case started before TL runs to its end.
 # The machine has no network: the wheels of simpy, cvxpy & co. travel in .whl (../shared/tools/device-wheels.sh).
 set -u
 SPLIT=${SPLIT:-calib}; REPEATS=${REPEATS:-3}; SHORT_S=${SHORT_S:-20}; TL=${TL:-480}
@@ -18,6 +19,11 @@ if ls .whl/*.whl > /dev/null 2>&1; then
 fi
 STAMP=$(date +%H%M%S)
 V=$OUT/v; mkdir -p "$V" /tmp/disktier
+# pack $V however the script ends: a device call cut at its limit (SIGTERM) returns at most 8 files from $OUT, so the
+# unpacked case files would be lost (2026-12-03: 10 held-out cases measured, 3 came back)
+pack() { trap - EXIT TERM INT; cd "$OUT" && [ -d v ] && tar czf "v_${SPLIT}_$STAMP.tgz" v && rm -rf v; exit "${1:-0}"; }
+trap 'pack 143' TERM INT
+trap 'pack $?' EXIT
 [ -d build/remeasure ] && cp -r build/remeasure/. "$V"/
 read -r SHORT LONG SLACK < <(python3 - <<PY
 import json
@@ -54,4 +60,3 @@ if [ "$LONG" != "-" ] && [ $LEFT -gt 30 ]; then
     > "$V/run_${SPLIT}_long_$STAMP.log" 2>&1; echo "long rc=$?"
 fi
 tail -n 4 "$V"/run_${SPLIT}_*_"$STAMP".log 2>/dev/null | cut -c1-300
-cd "$OUT" && tar czf "v_${SPLIT}_$STAMP.tgz" v && rm -rf v

@@ -9,6 +9,10 @@ markdown table and a summary (median |change|, cases that moved more than 5 %), 
 (provenance on its first line), ends with one JSON line. Nothing is chosen by error: every case found in both
 folders is listed, and cases in only one are named, as are cases whose two files are the same run (the same commit
 and date in their metadata: not re-measured yet, so left out of the rows).
+
+``--runs RUNS.jsonl --runs-commit C`` adds the cases a device call measured but whose case files did not come back
+(``matrix``'s one line per case: its measured total): their rows re-simulate the old case's plan and say 'unknown'
+for the plan and schedule, which only a case file records.
 """
 from __future__ import annotations
 
@@ -58,6 +62,27 @@ def compare(old_dir: Path, new_dir: Path, hardware: str) -> tuple[list[dict], li
 SCHEDULE_FIELDS = tuple(f for f in OP_FIELDS + DEVICE_FIELDS if f not in ("id", "alloc", "free"))
 
 
+def rows_from_runs(old_dir: Path, new_dir: Path, runs: Path, commit: str, hardware: str) -> list[dict]:
+    """Rows for the cases in ``runs`` (matrix's runs.jsonl) that have an old case file but no new one: the new side
+    is the line's measured total at ``commit``; plan and schedule unknown (None)."""
+    rows = []
+    for line in runs.read_text().splitlines():
+        r = json.loads(line) if line.strip() else {}
+        tag = r.get("case")
+        if not tag or "measured_total_tok_s" not in r or (new_dir / f"{tag}.case.json").exists() \
+                or not (old_dir / f"{tag}.case.json").exists():
+            continue
+        old = load_case(old_dir / f"{tag}.case.json")
+        measured_old, measured_new = float(old["metrics"]["total_tok_s"]), float(r["measured_total_tok_s"])
+        predicted = resimulate(old, hardware).metrics()["total_tok_s"]
+        rows.append({"case": tag, "old_commit": old["meta"].get("commit", ""),
+                     "old_plan_sha256": old["meta"].get("plan_sha256", ""), "old_measured_total_tok_s": measured_old,
+                     "old_offsim_error": predicted / measured_old - 1, "new_commit": commit, "new_plan_sha256": "",
+                     "new_measured_total_tok_s": measured_new, "new_offsim_error": predicted / measured_new - 1,
+                     "change": measured_new / measured_old - 1, "same_plan": None, "same_schedule": None})
+    return rows
+
+
 def same_schedule(old_dir: Path, new_dir: Path, tag: str) -> bool:
     """Whether the plans stored beside the two runs of ``tag`` have the same ops in the same order with the same
     dependencies and sizes (``SCHEDULE_FIELDS``), whatever their memory annotations and recorded fields; False when
@@ -81,9 +106,13 @@ def table(rows: list[dict]) -> list[str]:
     for r in rows:
         lines.append(f"| {r['case']} | {r['old_measured_total_tok_s']:,.1f} ({r['old_commit']}) | "
                      f"{r['new_measured_total_tok_s']:,.1f} ({r['new_commit']}) | {r['change']:+.1%} | "
-                     f"{'yes' if r['same_plan'] else 'no'} | {'yes' if r['same_schedule'] else 'no'} | "
+                     f"{_yes(r['same_plan'])} | {_yes(r['same_schedule'])} | "
                      f"{r['old_offsim_error']:+.1%} | {r['new_offsim_error']:+.1%} |")
     return lines
+
+
+def _yes(flag) -> str:
+    return "unknown" if flag is None else "yes" if flag else "no"
 
 
 def summary(rows: list[dict]) -> dict:
@@ -91,8 +120,8 @@ def summary(rows: list[dict]) -> dict:
         return {"cases": 0}
     ch = [abs(r["change"]) for r in rows]
     return {"cases": len(rows), "median_abs_change": statistics.median(ch),
-            "moved_over_5pct": sum(c > MOVED for c in ch), "same_plan": sum(r["same_plan"] for r in rows),
-            "same_schedule": sum(r["same_schedule"] for r in rows),
+            "moved_over_5pct": sum(c > MOVED for c in ch), "same_plan": sum(r["same_plan"] is True for r in rows),
+            "same_schedule": sum(r["same_schedule"] is True for r in rows),
             "median_abs_offsim_error_old": statistics.median(abs(r["old_offsim_error"]) for r in rows),
             "median_abs_offsim_error_new": statistics.median(abs(r["new_offsim_error"]) for r in rows)}
 
@@ -103,12 +132,21 @@ def main(argv=None) -> int:
     ap.add_argument("new", type=Path, help="folder of the same cases measured again")
     ap.add_argument("--hardware", default=str(PROFILE), help="profile to re-simulate on (default: %(default)s)")
     ap.add_argument("--out", type=Path, default=None, help="write the rows as CSV here")
+    ap.add_argument("--runs", type=Path, default=None,
+                    help="matrix's runs.jsonl of the new measurement: adds the cases whose case files are missing")
+    ap.add_argument("--runs-commit", default="", help="the commit the --runs lines were measured at")
     args = ap.parse_args(argv)
+    if args.runs and not (args.runs.is_file() and args.runs_commit):
+        ap.error(f"--runs {args.runs}: give an existing runs.jsonl and --runs-commit (the code it was measured at)")
     for p in (args.old, args.new):
         if not p.is_dir():
             ap.error(f"{p}: no such folder (give two folders of *.case.json)")
     try:
         rows, only_old, only_new, not_remeasured = compare(args.old, args.new, args.hardware)
+        if args.runs:
+            extra = rows_from_runs(args.old, args.new, args.runs, args.runs_commit, args.hardware)
+            rows = sorted(rows + extra, key=lambda r: r["case"])
+            only_old = [t for t in only_old if t not in {r["case"] for r in extra}]
     except OffsimError as e:
         ap.exit(2, f"remeasure_compare: error: {e}\n")
     print("\n".join(table(rows)))
