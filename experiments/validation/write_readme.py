@@ -184,8 +184,11 @@ def _remeasured() -> list[str]:
         rounds.append((f, f.parent.name.split("_")[1], prov, df))
     for f, split, prov, df in rounds:
         new = sorted(set(df["new_commit"]))
-        same, book = df[df["same_plan"]], df[~df["same_plan"] & df["same_schedule"]]
-        moved = df[~df["same_schedule"]]
+        # a case whose case file did not come back (``remeasure_compare --runs``) has no plan to compare: unknown
+        known = df["same_plan"].notna()
+        sp, ss = (df[c].where(known, False).astype(bool) for c in ("same_plan", "same_schedule"))
+        same, book = df[known & sp], df[known & ~sp & ss]
+        moved, unknown = df[known & ~ss], df[~known]
         ab = df["change"].abs()
 
         def rng(d):
@@ -217,7 +220,10 @@ def _remeasured() -> list[str]:
         current = sum(json.loads(files[t].read_text())["meta"].get("commit") in new for t in df["case"] if t in files)
         kept = ("The cases' files in the split are these runs." if current == len(df) else
                 "None of these runs are the split's files today; later runs replaced them." if current == 0 else
-                f"{current} of these runs are the split's files today; later runs replaced the others.")
+                f"{current} of these runs are the split's files today; later runs replaced the others."
+                if current + len(unknown) < len(df) else
+                f"{current} of these runs are the split's files today; the other {len(unknown)} are not, their "
+                "case files lost.")
         warm = sorted({json.loads(files[t].read_text())["meta"].get("warmup_mode", "short") for t in df["case"]
                        if t in files and json.loads(files[t].read_text())["meta"].get("commit") in new})
         if warm:  # the protocol is part of the change measured (see the rounds table)
@@ -232,15 +238,25 @@ def _remeasured() -> list[str]:
                 f"dependencies and sizes; memory annotations and fields recorded since differ): {rng(book)}. "
                 f"Together these {len(same) + len(book)} are the same schedule run by two commits' executor: the "
                 f"run-to-run spread of a case plus any executor change in between. On a changed schedule "
-                f"({cases(len(moved))}): {rng(moved)}. offsim's median |error| with the model of {prov['commit']} "
+                f"({cases(len(moved))}): {rng(moved)}. "
+                + (f"Whose case files did not come back (their totals from `runs.jsonl`, plan unknown; "
+                   f"{cases(len(unknown))}): {rng(unknown)}. " if len(unknown) else "")
+                + f"offsim's median |error| with the model of {prov['commit']} "
                 f"(`{f.name}`): {df['old_offsim_error'].abs().median():.1%} on the old runs, "
                 f"{df['new_offsim_error'].abs().median():.1%} on the new.", "",
                 "| case | old tok/s (commit) | new tok/s | change | plan |", "| --- | --- | --- | --- | --- |"]
         for r in df.sort_values("change").itertuples():
             out.append(f"| {r.case} | {r.old_measured_total_tok_s:,.1f} ({r.old_commit}) | "
                        f"{r.new_measured_total_tok_s:,.1f} | {r.change:+.1%} | "
-                       f"{'same' if r.same_plan else 'same schedule' if r.same_schedule else 'changed'} |")
+                       f"{_plan_word(r, set(unknown['case']))} |")
     return out
+
+
+def _plan_word(r, unknown: set) -> str:
+    """How a re-measured case's plan compares with its earlier run's (``remeasure_compare``'s flags)."""
+    if r.case in unknown:
+        return "unknown"
+    return "same" if r.same_plan else "same schedule" if r.same_schedule else "changed"
 
 
 def _prov() -> str:
