@@ -8,7 +8,8 @@ pinned allocator and from memory page-locked in place, as a run's weights and KV
 one-kernel and of a 24-kernel CUDA graph, a stream switch -- with the link idle, then while another thread keeps it
 busy host-to-GPU (``offexec.profile.H2DLoad``: 512 MiB pinned copies back to back, as a run's weight stream), then
 GPU-to-host, then launched behind a busy GPU ('gpu_busy': a ~20 ms kernel queued first on the stream, as a run's
-issuing thread works ahead of its GPU). Wall and thread-CPU microseconds per call (medians over rounds of
+issuing thread works ahead of its GPU), then behind that kernel and a backlog of hundreds of small kernels
+('deep_queue': the launches a run's window of eager ops leaves pending). Wall and thread-CPU microseconds per call (medians over rounds of
 ``--calls`` calls; the stream is drained between rounds, outside the timing). Writes JSON to ``--out``.
 
     python -m experiments.offexec.issue_under_load --out issue_under_load.json     # on a CUDA machine
@@ -98,10 +99,16 @@ def calls(device: str = "cuda") -> dict:
     }, s
 
 
-LOADS = ("idle", "h2d", "d2h", "gpu_busy")
+LOADS = ("idle", "h2d", "d2h", "gpu_busy", "deep_queue")
 # 'gpu_busy': each round's calls are launched behind a ~20 ms kernel on the same stream (``torch.cuda._sleep``), as a
 # run's are -- its issuing thread works ahead of a busy GPU, where the other loads' rounds start on a drained one
 BUSY_CYCLES = 40_000_000
+# 'deep_queue': as 'gpu_busy', with a backlog of BACKLOG_KERNELS small kernels queued behind that kernel first: a
+# run's compute stream may hold 16 ops ahead of its GPU, and an eager TightLLM recompute op is ~35 launches, so the
+# driver holds hundreds of pending launches when the thread issues the next (does its per-call cost grow with them?
+# 2026-12-03: a run-ahead window of 4 instead of 16 cut such a run's issue time by a quarter,
+# results/offexec/runahead_7040813/)
+BACKLOG_KERNELS = 600
 
 
 def measure(n_calls: int = 200, rounds: int = 15, loads=LOADS) -> dict:
@@ -109,17 +116,21 @@ def measure(n_calls: int = 200, rounds: int = 15, loads=LOADS) -> dict:
 
     dev = "cuda"
     table, s = calls(dev)
+    backlog = torch.zeros(16, device=dev)
     res = {}
     for load in loads:
-        with _load("idle" if load == "gpu_busy" else load, dev) as ld:
+        with _load("idle" if load in ("gpu_busy", "deep_queue") else load, dev) as ld:
             time.sleep(0.3)  # the load reaches its rate
             for name, fn in table.items():
                 walls, cpus = [], []
                 with torch.cuda.stream(s):
                     for r in range(rounds + 1):
                         s.synchronize()
-                        if load == "gpu_busy":
+                        if load in ("gpu_busy", "deep_queue"):
                             torch.cuda._sleep(BUSY_CYCLES)
+                        if load == "deep_queue":
+                            for _ in range(BACKLOG_KERNELS):
+                                backlog.add_(1)
                         a, c = time.perf_counter(), time.thread_time()
                         for _ in range(n_calls):
                             fn()
@@ -131,7 +142,7 @@ def measure(n_calls: int = 200, rounds: int = 15, loads=LOADS) -> dict:
                 res.setdefault(name, {})[load] = {"wall_us": 1e6 * statistics.median(walls),
                                                   "cpu_us": 1e6 * statistics.median(cpus),
                                                   "wall_us_max": 1e6 * max(walls)}
-        if ld is not None and hasattr(ld, "bytes_per_s") and load != "gpu_busy":
+        if ld is not None and hasattr(ld, "bytes_per_s") and load in ("h2d", "d2h"):
             res.setdefault("_load_GBps", {})[load] = ld.bytes_per_s / 1e9
     return res
 
@@ -150,6 +161,8 @@ def report(folder: Path) -> str:
              "another thread copying 512 MiB pinned blocks back to back "
              + ", ".join(f"{k} at {v:.1f} GB/s" for k, v in rate.items())
              + ("; gpu_busy: the calls launched behind a ~20 ms kernel on their stream" if "gpu_busy" in loads else "")
+             + (f"; deep_queue: behind that kernel and {BACKLOG_KERNELS} small kernels queued after it"
+                if "deep_queue" in loads else "")
              + ".", "",
              "| call | " + " | ".join(f"{ld} wall us | {ld} cpu us" for ld in loads) + " | "
              + " | ".join(f"{ld} / idle" for ld in loads[1:]) + " |",

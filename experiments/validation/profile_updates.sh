@@ -8,7 +8,8 @@
 #   4. CPU attention (offexec's path and FlexGen's, OPT-30B) now, then with the link kept busy as a weight stream
 #      keeps it: does a CPU-attention op slow while weights stream?       -> $OUT/cpuattn.json, $OUT/cpuattn_h2d.json
 #   5. step 4 for opt-6.7b, opt-13b, llama-2-13b, llama-3-8b (offexec's path)  -> $OUT/cpuattn[_h2d]_MODEL.json
-#   6. the issuing loop's CUDA calls, the link idle and busy, incl. copies from memory page-locked in place
+#   6. the issuing loop's CUDA calls, the link idle and busy, behind a busy GPU and a deep launch queue, incl. copies
+#      from memory page-locked in place
 #      (experiments/offexec/issue_under_load.py)                                 -> $OUT/issue_under_load.json
 #   7. OPT's CPU-attention rows again, now reaching 2036 tokens (offexec's path and FlexGen's; the probe dropped
 #      OPT's 2048 point before 369e279)                                         -> $OUT/cpuattn_opt_long.json
