@@ -261,6 +261,20 @@ def test_matrix_v2_split_is_seeded_and_stratified():
         assert {c["tag"]: c["split"] for c in redo} == {c["tag"]: c["split"] for c in doc["cases"]}
 
 
+def _remeasure_folders(tmp_path, tag: str, both: bool) -> tuple[Path, Path]:
+    """Folders 'old' and 'new' under ``tmp_path``, calibration case ``tag``'s files (case and plan) copied into old
+    and, with ``both``, into new."""
+    import shutil
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    new.mkdir()
+    for f in (ROOT / "results" / "validation" / "h200_calib").glob(f"{tag}.*"):
+        for d in (old, new) if both else (old,):
+            shutil.copy(f, d)
+    return old, new
+
+
 def test_remeasure_compare_lists_every_case_measured_twice(tmp_path, capsys):
     """experiments.validation.remeasure_compare sets each case found in both folders beside its re-measurement:
     the change of measured throughput, whether the plan is the same, offsim's error on each; cases in one folder
@@ -272,12 +286,7 @@ def test_remeasure_compare_lists_every_case_measured_twice(tmp_path, capsys):
 
     src = ROOT / "results" / "validation" / "h200_calib"
     tag = "opt-30b_flexgen_b12_p256_g32"
-    old, new = tmp_path / "old", tmp_path / "new"
-    old.mkdir()
-    new.mkdir()
-    for f in src.glob(f"{tag}.*"):
-        shutil.copy(f, old)
-        shutil.copy(f, new)
+    old, new = _remeasure_folders(tmp_path, tag, both=True)
     case = json.loads((new / f"{tag}.case.json").read_text())
     case["metrics"]["total_tok_s"] *= 1.25  # the re-measurement ran 25 % faster
     case["meta"]["date"] = "2099-01-01T00:00:00+00:00"
@@ -305,17 +314,10 @@ def test_remeasure_compare_adds_runs_whose_case_files_were_lost(tmp_path, capsys
     """--runs: a case measured again whose case file did not come back (only its runs.jsonl line did) gets a row
     from that line, its plan and schedule 'unknown', offsim's error against the old case's own plan; a line of a case
     with a new case file is not counted twice; --runs without --runs-commit is refused."""
-    import shutil
-
     from experiments.validation.remeasure_compare import main
 
-    src = ROOT / "results" / "validation" / "h200_calib"
     tag = "opt-13b_tightllm_b32_p128_g32"
-    old, new = tmp_path / "old", tmp_path / "new"
-    old.mkdir()
-    new.mkdir()
-    for f in src.glob(f"{tag}.*"):
-        shutil.copy(f, old)
+    old, new = _remeasure_folders(tmp_path, tag, both=False)
     measured = json.loads((old / f"{tag}.case.json").read_text())["metrics"]["total_tok_s"]
     runs = tmp_path / "runs.jsonl"
     runs.write_text(json.dumps({"case": tag, "measured_total_tok_s": measured * 0.8}) + "\n"
