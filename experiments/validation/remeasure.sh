@@ -7,10 +7,11 @@
 #
 #   CASES="tag1 tag2" SPLIT=calib REPEATS=3 TL=480 COMMIT=abc1234 bash experiments/validation/remeasure.sh
 #
-# CASES: the tags to measure (default: every case of SPLIT); TL: start no case after this many seconds. Keep TL under
-# the device call's limit by (1 + REPEATS) x the longest case: a case started before TL runs to its end.
+# CASES: the tags to measure (default: every case of SPLIT); TL: start no case after this many seconds (a case
+# started before TL runs to its end); LIMIT: the device call's limit in s (default 600): the runs stop 25 s before it.
 # The machine has no network: the wheels of simpy, cvxpy & co. travel in .whl (../shared/tools/device-wheels.sh).
 set -u
+START=$(date +%s)  # the device call's clock starts about here (LIMIT below)
 SPLIT=${SPLIT:-calib}; REPEATS=${REPEATS:-3}; SHORT_S=${SHORT_S:-20}; TL=${TL:-480}
 WMODE=${WMODE:-full}; KEEP=${KEEP:-median}; COMMIT=${COMMIT:?set COMMIT to the code\'s commit (the copy has no .git)}
 if ls .whl/*.whl > /dev/null 2>&1; then
@@ -49,14 +50,18 @@ PY
 M="python3 -u -m experiments.validation.matrix --config results/validation/matrix_v2_config.json \
   --profile results/profiles/h200_offexec.json --out $V --warmup --warmup-mode $WMODE --keep $KEEP \
   --disk-dir /tmp/disktier --commit $COMMIT --kv-solver exact"
+# the device call's own limit (LIMIT s from the script's start): each matrix call is stopped PACK_S before it, so
+# that the folder is packed and comes back whole; a case cut there is lost, the finished ones are not
+LIMIT=${LIMIT:-600}; PACK_S=25
+within() { local left=$((LIMIT - PACK_S - $(date +%s) + START)); echo $(( $1 < left ? $1 : left )); }
 T0=$(date +%s)
 if [ "$SHORT" != "-" ]; then
-  timeout $((TL + SLACK)) $M --cases ${SHORT//,/ } --repeats "$REPEATS" --time-limit-s "$TL" \
+  timeout "$(within $((TL + SLACK)))" $M --cases ${SHORT//,/ } --repeats "$REPEATS" --time-limit-s "$TL" \
     > "$V/run_${SPLIT}_short_$STAMP.log" 2>&1; echo "short rc=$?"
 fi
 LEFT=$((TL - $(date +%s) + T0))
 if [ "$LONG" != "-" ] && [ $LEFT -gt 30 ]; then
-  timeout $((LEFT + SLACK)) $M --cases ${LONG//,/ } --time-limit-s "$LEFT" \
+  timeout "$(within $((LEFT + SLACK)))" $M --cases ${LONG//,/ } --time-limit-s "$LEFT" \
     > "$V/run_${SPLIT}_long_$STAMP.log" 2>&1; echo "long rc=$?"
 fi
 tail -n 4 "$V"/run_${SPLIT}_*_"$STAMP".log 2>/dev/null | cut -c1-300
