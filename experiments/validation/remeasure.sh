@@ -53,7 +53,9 @@ M="python3 -u -m experiments.validation.matrix --config results/validation/matri
 # the device call's own limit (LIMIT s from the script's start): each matrix call is stopped PACK_S before it, so
 # that the folder is packed and comes back whole; a case cut there is lost, the finished ones are not
 LIMIT=${LIMIT:-600}; PACK_S=25
-within() { local left=$((LIMIT - PACK_S - $(date +%s) + START)); echo $(( $1 < left ? $1 : left )); }
+within() {  # min($1, what is left before the stop); at least 1 ('timeout 0' would mean no limit at all)
+  local left=$((LIMIT - PACK_S - $(date +%s) + START)); local t=$(( $1 < left ? $1 : left )); echo $(( t < 1 ? 1 : t ))
+}
 T0=$(date +%s)
 if [ "$SHORT" != "-" ]; then
   timeout "$(within $((TL + SLACK)))" $M --cases ${SHORT//,/ } --repeats "$REPEATS" --time-limit-s "$TL" \
