@@ -89,6 +89,26 @@ def test_host_probe_ratio_sets_the_cases_host_beside_the_profiles(tmp_path):
     assert "1 cases recorded it, 1 ran it more than 15% slower or faster" in md
 
 
+def test_report_counts_host_bound_runs_apart(tmp_path):
+    """A case records its run's host-issue share and host probe (offexec): the report shows both per case and
+    counts the runs that spent HOST_BOUND_ISSUE or more of their time issuing apart from the rest; a case without
+    them (a trace from elsewhere) shows a dash."""
+    for name, frac in (("bound", 0.74), ("free", 0.07)):
+        p = _measured(tmp_path, name=name)
+        c = json.loads(p.read_text())
+        c["meta"]["issue_frac"] = frac
+        c["meta"]["host_probe"] = {"cpu_attn_ms": 2.82 if frac > 0.5 else 1.61}
+        p.write_text(json.dumps(c))
+    _measured(tmp_path, name="plain")
+    df = V.validate_dir(tmp_path)
+    r = df.set_index("case")
+    assert r.loc["bound", "measured_issue_frac"] == pytest.approx(0.74)
+    assert r.loc["free", "host_probe_ms"] == pytest.approx(1.61) and math.isnan(r.loc["plain", "host_probe_ms"])
+    md = V.report_markdown(df, "t", "test", {})
+    assert "host issue | host probe ms |" in md and "| 74% | 2.82 |" in md and "| — | — |" in md
+    assert "1 case spent 50% or more" in md and "the other 1," in md
+
+
 def test_thresholds_and_dir(tmp_path):
     _measured(tmp_path, 1.0, "a")
     _measured(tmp_path, 0.5, "b")

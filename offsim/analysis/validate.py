@@ -117,6 +117,9 @@ def resimulate(measured: Trace | dict, hw: HardwareSpec | str | None = None) -> 
 # a case whose host ran offexec's host probe this much slower or faster than the host the profile was measured on
 # (``host_probe_ratio`` beyond 1 +- this) ran in another state of the machine than the one the profile describes
 HOST_STATE_SLACK = 0.15
+# a run whose issuing thread spent at least this share of it issuing ops is host-bound: its speed is the host's
+# (the report counts such cases apart)
+HOST_BOUND_ISSUE = 0.5
 
 
 @functools.lru_cache(maxsize=None)
@@ -138,6 +141,13 @@ def host_probe_ratio(meta: dict, hw_ref: str) -> float:
     try:
         return float(case["cpu_attn_ms"]) / float(prof["cpu_attn_ms"])
     except (TypeError, KeyError, ValueError, ZeroDivisionError):
+        return float("nan")
+
+
+def _float_or_nan(x) -> float:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
         return float("nan")
 
 
@@ -163,6 +173,10 @@ def validate_case(case: dict, hardware: str | None = None) -> dict:
     out["measured_spread"] = (float((max(reps) - min(reps)) / np.median(reps)) if reps and len(reps) > 1
                               else float("nan"))
     out["host_probe_ratio"] = host_probe_ratio(meta, hw_ref)
+    # the run's host side as offexec recorded it: the share of the run its issuing thread spent issuing ops, and the
+    # host probe's CPU-attention time (ms) before the run -- a host-bound case moves with the host's state
+    out["measured_issue_frac"] = _float_or_nan(meta.get("issue_frac"))
+    out["host_probe_ms"] = _float_or_nan((meta.get("host_probe") or {}).get("cpu_attn_ms"))
     # per op kind: MAPE over (step, layer) groups of total op time
     cols = ["step", "layer", "kind", "count", "sum_s"]
     mo = pd.DataFrame(case["ops_by_kind"], columns=cols)
@@ -297,8 +311,21 @@ def report_markdown(df: pd.DataFrame, title: str, command: str, prov: dict) -> s
                   f"the profile was measured): {len(hp)} cases recorded it, {len(off)} ran it more than "
                   f"{HOST_STATE_SLACK:.0%} slower or faster than the profile's host (ratio "
                   f"{hp.min():.2f}-{hp.max():.2f}); their errors include the machine's change of state."]
-    extra = [("measured spread", "measured_spread", "{:.1%}")] * spread + [("host probe / profile's",
-                                                                             "host_probe_ratio", "{:.2f}")] * probe
+    issue = bool("measured_issue_frac" in df and df["measured_issue_frac"].notna().any())
+    probe_ms = not probe and bool("host_probe_ms" in df and df["host_probe_ms"].notna().any())
+    if issue:
+        bound = df["measured_issue_frac"] >= HOST_BOUND_ISSUE
+        e_b, e_r = errs[bound], errs[~bound & df["measured_issue_frac"].notna()]
+        lines += ["", f"Host issue (the share of each run its issuing thread spent issuing ops, as offexec "
+                  f"recorded it): {int(bound.sum())} case{'' if bound.sum() == 1 else 's'} spent {HOST_BOUND_ISSUE:.0%} or more"
+                  + (f", median |total error| {e_b.median():.1%} (max {e_b.max():.1%})" if len(e_b) else "")
+                  + (f"; the other {len(e_r)}, {e_r.median():.1%} (max {e_r.max():.1%})" if len(e_r) else "")
+                  + ". A host-bound run's speed follows the host's state that day, which the profile cannot "
+                  "know; the host probe column is that state (ms for one fixed CPU-attention op before the run)."]
+    extra = ([("measured spread", "measured_spread", "{:.1%}")] * spread
+             + [("host probe / profile's", "host_probe_ratio", "{:.2f}")] * probe
+             + [("host issue", "measured_issue_frac", "{:.0%}")] * issue
+             + [("host probe ms", "host_probe_ms", "{:.2f}")] * probe_ms)
     lines += ["", "| case | plan | batch | measured total tok/s | predicted | total error | prefill error | "
               "decode error |" + "".join(f" {h} |" for h, _, _ in extra), "| --- " * (8 + len(extra)) + "|"]
     for _, r in df.assign(_a=errs).sort_values("_a", ascending=False).iterrows():
