@@ -635,7 +635,9 @@ def test_first_capture_at_a_new_query_count_costs_the_new_q_row():
     new_q = ((KEY, "capture", "new_q:layer", ((2.0, 0.02), (64.0, 0.04))),)
     base, hw = H200.with_(op_times=ROWS + cap), H200.with_(op_times=ROWS + cap + new_q)
     slow = tuple((x, y * 1e-3) for x, y in H200.h2d_pinned)  # recomputing always wins: N_r = min(cap, context)
-    settings = {"percent": [100, 0, 0, 100, 0, 100], "max_recompute_tokens": 7, "kv_solver": "exact"}
+    # Algorithm 1's per-step N_r (a capture-aware plan would hold one q: this test is about pricing every new one)
+    settings = {"percent": [100, 0, 0, 100, 0, 100], "max_recompute_tokens": 7, "kv_solver": "exact",
+                "capture_aware": False}
     plan = build_plan("tightllm", M, base.with_(h2d_pinned=slow), Workload(4, 6, 2, 1), settings)
     graphed = [op for op in plan.ops if C.graphed(op.kind, op.part, op.q_tokens, op.phase, plan.graph_q_tokens)]
     qs = sorted({op.q_tokens for op in graphed})

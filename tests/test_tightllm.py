@@ -294,6 +294,8 @@ def test_settings_are_checked():
         T.TightLLMSettings(kv_solver="gurobi")
     with pytest.raises(OffsimError, match="max_recompute_tokens"):
         T.TightLLMSettings(max_recompute_tokens=-1)
+    with pytest.raises(OffsimError, match="capture_aware must be true or false"):
+        T.TightLLMSettings(capture_aware="maybe")
     with pytest.raises(OffsimError, match="weight_slices = 4 exceeds the 2 GPU batches"):
         build_plan("tightllm", TINY, _tiny_hw("t4"), Workload(8, 2, 1, 2), {"percent": (0, 100, 0, 100, 100, 0),
                                                                               "weight_slices": 4})
@@ -400,3 +402,30 @@ def test_ilp_with_thousands_of_candidates_equals_brute_force():
     cands, _ = D.certified(d)
     assert len(cands) > 1000
     assert D.solve_ilp(d) == D.brute_force(d)
+
+
+def test_capture_aware_n_r_holds_a_value_that_a_capture_would_not_pay_for():
+    """On a profile with capture rows (the committed H200 one), a new N_r costs every layer's CUDA-graph capture:
+    the capture-aware plan keeps N_r where Algorithm 1 would change it for a gain smaller than the captures, and
+    offsim predicts it no slower (here faster: OPT-13B, prompt 128, 64 sequences, where Algorithm 1 moves N_r from
+    1 to 2 to 3); with ``capture_aware=False`` every step is decided alone; on a preset (no capture rows) both are
+    the same plan; a plan recorded before the setting existed is rebuilt as it ran (``before_inputs``)."""
+    from pathlib import Path
+
+    prof = Path(__file__).resolve().parents[1] / "results" / "profiles" / "h200_offexec_v2.json"
+    hw = get_hardware(prof, gpu_mem_gb=32)
+    m = get_model("opt-13b")
+    wl = Workload(prompt_len=128, gen_len=32, gpu_batch_size=64, num_gpu_batches=1)
+    base = dict(percent=(100, 0, 86, 14, 100, 0), kv_solver="exact")
+    plans = {ca: build_plan("tightllm", m, hw, wl, T.TightLLMSettings(**base, capture_aware=ca))
+             for ca in (False, True)}
+    per_step = [r[0] for r in plans[False].derived["recompute_tokens"]]
+    held = [r[0] for r in plans[True].derived["recompute_tokens"]]
+    assert len(set(per_step)) > 1 and len(set(held)) < len(set(per_step))
+    assert T.capture_seconds(m, hw, wl, max(per_step)) > 0 and T.capture_seconds(m, hw, wl, 20) == 0  # q 21: eager
+    tok = {ca: simulate(p, hw, check_memory=False).metrics()["decode_tok_s"] for ca, p in plans.items()}
+    assert tok[True] >= tok[False] * 1.03
+    preset = get_hardware("a800")
+    a, b = (build_plan("tightllm", m, preset, wl, T.TightLLMSettings(**base, capture_aware=ca)) for ca in (False, True))
+    assert a.derived["recompute_tokens"] == b.derived["recompute_tokens"]
+    assert POLICIES["tightllm"].inputs_of({"kv_solver": "exact"})["capture_aware"] is False

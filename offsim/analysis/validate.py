@@ -316,8 +316,9 @@ def report_markdown(df: pd.DataFrame, title: str, command: str, prov: dict) -> s
     if issue:
         bound = df["measured_issue_frac"] >= HOST_BOUND_ISSUE
         e_b, e_r = errs[bound], errs[~bound & df["measured_issue_frac"].notna()]
+        nb = int(bound.sum())
         lines += ["", f"Host issue (the share of each run its issuing thread spent issuing ops, as offexec "
-                  f"recorded it): {int(bound.sum())} case{'' if bound.sum() == 1 else 's'} spent {HOST_BOUND_ISSUE:.0%} or more"
+                  f"recorded it): {nb} case{'' if nb == 1 else 's'} spent {HOST_BOUND_ISSUE:.0%} or more"
                   + (f", median |total error| {e_b.median():.1%} (max {e_b.max():.1%})" if len(e_b) else "")
                   + (f"; the other {len(e_r)}, {e_r.median():.1%} (max {e_r.max():.1%})" if len(e_r) else "")
                   + ". A host-bound run's speed follows the host's state that day, which the profile cannot "

@@ -59,7 +59,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Iterable
 
-from offsim.core.costmodel import GRAPH_MAX_Q_TOKENS
+from offsim.core.costmodel import (GRAPH_MAX_Q_TOKENS, capture_extra_seconds, graphed, new_q_capture_seconds,
+                                   op_table)
 from offsim.core.errors import OffsimError
 from offsim.policies.tightllm.kv_distributor import SOLVERS, TRANSFER_MODELS, Decision, KVDistributorWarning, distributor, kv_load_bytes
 from offsim.core.plan import Plan, PlanBuilder
@@ -79,7 +80,10 @@ class TightLLMSettings:
     (CLI ``--no-kv-distributor`` / ``--no-weight-loader`` for the ablations). ``weight_slices``: b_n, slices per
     layer (0: one per GPU batch). ``kv_solver``: 'ilp' (cvxpy + HiGHS MILP) or 'exact' (the certified fast path;
     same answers). ``transfer_model``: 'streams' (disk and PCIe overlap) or 'serial' (the paper's sum).
-    ``max_recompute_tokens``: cap on N_r (None: GPU memory is the only cap). ``pin_weights``: pinned host buffers."""
+    ``max_recompute_tokens``: cap on N_r (None: GPU memory is the only cap). ``pin_weights``: pinned host buffers.
+    ``capture_aware``: choose each batch's N_r over the whole run, pricing the CUDA-graph captures a new N_r costs
+    (``hold_for_captures``); False: every step's N_r alone, as Algorithm 1 does. The same where the hardware
+    profile has no capture rows (presets)."""
 
     percent: tuple[int, int, int, int, int, int] = (100, 0, 100, 0, 100, 0)
     kv_distributor: bool = True
@@ -94,6 +98,7 @@ class TightLLMSettings:
     compress_weight: bool = False
     compress_cache: bool = False
     sparse_attention: float = 1.0
+    capture_aware: bool = True
 
     def __post_init__(self):
         FlexGenSettings(percent=tuple(self.percent))  # same placement rules and messages as FlexGen
@@ -107,6 +112,8 @@ class TightLLMSettings:
         if isinstance(self.weight_slices, bool) or not isinstance(self.weight_slices, int) or self.weight_slices < 0:
             raise OffsimError(f"tightllm weight_slices must be an integer >= 0 (0: one per GPU batch), got "
                               f"{self.weight_slices!r}")
+        if not isinstance(self.capture_aware, bool):
+            raise OffsimError(f"tightllm capture_aware must be true or false, got {self.capture_aware!r}")
         if self.max_recompute_tokens is not None and (not isinstance(self.max_recompute_tokens, int)
                                                       or self.max_recompute_tokens < 0):
             raise OffsimError(f"tightllm max_recompute_tokens must be None or an integer >= 0, got "
@@ -248,13 +255,16 @@ def recompute_tokens(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: Tight
     if free_gpu_bytes is None:
         free_gpu_bytes = free_gpu_bytes_of(model, hw, wl, lay, compression_of(st))
     kvd = distributor(model, hw, st.transfer_model, compression_of(st))
+    decisions: dict[tuple[int, int], Decision] = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", KVDistributorWarning)
         for i in range(1, wl.gen_len):
             for k in range(nb):
                 est, padded = batch_ctx_tokens(wl, i, k)
-                d = decision_for(model, hw, wl, st, est, k, lay, free_gpu_bytes, padded)
+                d = decisions[i, k] = decision_for(model, hw, wl, st, est, k, lay, free_gpu_bytes, padded)
                 table[i][k] = kvd.decide(d, st.kv_solver)
+    if st.capture_aware:
+        table = hold_for_captures(model, hw, wl, kvd, decisions, table)
     fell = [w for w in caught if issubclass(w.category, KVDistributorWarning)]
     for w in caught:
         if not issubclass(w.category, KVDistributorWarning):
@@ -263,6 +273,57 @@ def recompute_tokens(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: Tight
         warnings.warn(f"tightllm: {len(fell)} KV-distributor decision(s) of this plan fell back to N_r = 0; the first: "
                       f"{fell[0].message}", KVDistributorWarning, stacklevel=2)
     return table
+
+
+def capture_seconds(model: ModelSpec, hw: HardwareSpec, wl: Workload, n: int) -> float:
+    """What a GPU batch pays, once, the first time the run recomputes ``n`` tokens (q = n + 1 query tokens): offexec
+    captures every decoder layer's op at that q as a CUDA graph, priced as the simulator prices it
+    (``sim._capture_extras``: the profile's 'capture' rows beyond a replay, per layer, plus the 'new_q' row of a
+    query count's first op). 0 where the op runs eagerly (``costmodel.graphed``) or the profile has no capture
+    rows (presets)."""
+    q = n + 1
+    if not graphed("compute", "layer", q, "decode") or op_table(hw, model, "capture", "first") is None:
+        return 0.0
+    rows = wl.gpu_batch_size * q
+    return (model.num_layers * capture_extra_seconds(model, hw, "layer", rows, False)
+            + new_q_capture_seconds(model, hw, "layer", rows))
+
+
+def hold_for_captures(model: ModelSpec, hw: HardwareSpec, wl: Workload, kvd, decisions: dict,
+                      table: list[list[int]]) -> list[list[int]]:
+    """Each GPU batch's N_r over the run, priced with the captures a change costs. Algorithm 1 decides every step
+    alone, but in offexec a step whose N_r differs from the previous one replays no graph it has: every layer's
+    recompute op is captured anew (``capture_seconds``, ~1 ms a layer on the H200), which pays only if the new N_r
+    saves more than that over the steps it holds. Per batch, a shortest path over the steps: at step i the
+    candidates are Algorithm 1's N_r and every feasible N_r whose op is graphed; a step costs the layers' time at
+    that N_r (``num_layers`` x the distributor's per-layer objective), a change of N_r adds the new value's
+    captures (charged again when a value comes back: an upper bound). Ties keep Algorithm 1's choice. Without
+    capture rows in the profile every change is free and the table comes back as it was."""
+    if not any(capture_seconds(model, hw, wl, n) for n in range(GRAPH_MAX_Q_TOKENS)):
+        return table
+    out = [row[:] for row in table]
+    L = model.num_layers
+    cap = {n: capture_seconds(model, hw, wl, n) for n in range(GRAPH_MAX_Q_TOKENS)}
+    for k in range(wl.num_gpu_batches):
+        best: dict[int, tuple[float, tuple[int, ...]]] = {}  # N_r at the step -> (seconds so far, path)
+        for i in range(1, wl.gen_len):
+            d, own = decisions[i, k], table[i][k]
+            lo, hi = kvd._feasible_bounds(d)
+            cands = {own} | (set(range(lo, min(hi, GRAPH_MAX_Q_TOKENS - 1) + 1)) if lo is not None else set())
+            step = {n: L * kvd.objective(d, n) for n in cands}
+            new = {}
+            for n in sorted(cands, key=lambda x: (x != own, x)):  # Algorithm 1's N_r first: it wins ties
+                if not best:
+                    new[n] = (step[n] + cap.get(n, 0.0), (n,))
+                    continue
+                v, path = min(((v + (0.0 if m == n else cap.get(n, 0.0)), p) for m, (v, p) in best.items()),
+                              key=lambda x: x[0])
+                new[n] = (v + step[n], path + (n,))
+            best = new
+        path = min(best.values(), key=lambda x: x[0])[1]
+        for i, n in enumerate(path, start=1):
+            out[i][k] = n
+    return out
 
 
 def _schedule_of(model: ModelSpec, lay: Layout, st: TightLLMSettings) -> Schedule:
@@ -634,4 +695,5 @@ def tightllm_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen
 
 TIGHTLLM = Policy("tightllm", TightLLMSettings, tightllm_plan, tightllm_candidates,
                   "TightLLM: recompute part of the KV cache on the idle GPU (ILP per batch), weight slices per batch",
-                  tightllm_placement, ranks_compression=True)
+                  tightllm_placement, ranks_compression=True,
+                  before_inputs={"capture_aware": False})  # plans made before it decided every step alone
