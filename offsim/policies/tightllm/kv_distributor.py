@@ -243,7 +243,7 @@ class KVDistributor:
     # ---- solvers ---------------------------------------------------------------------------------------------
     def brute_force(self, d: Decision) -> int:
         """The smallest N_r minimising the objective, by evaluating every integer in the bounds (for tests)."""
-        lo, hi = self._feasible_bounds(d)
+        lo, hi = self.feasible_bounds(d)
         if lo is None:
             return 0
         vals = [self.objective(d, n) for n in range(lo, hi + 1)]
@@ -252,7 +252,7 @@ class KVDistributor:
     def candidates(self, d: Decision) -> tuple[list[int], float]:
         """Every N_r the presolve cannot exclude (ascending), and a global lower bound on the objective. All
         minimisers of the objective over the bounds are in the list."""
-        lo, hi = self._feasible_bounds(d)
+        lo, hi = self.feasible_bounds(d)
         if lo is None:
             return [], 0.0
         if not self._presolve_ok or hi - lo <= 16:
@@ -355,7 +355,7 @@ class KVDistributor:
         return hit[0]
 
     # ---- helpers ---------------------------------------------------------------------------------------------
-    def _feasible_bounds(self, d: Decision) -> tuple[int | None, int | None]:
+    def feasible_bounds(self, d: Decision) -> tuple[int | None, int | None]:
         """The user's bounds cut by the GPU-memory cap; (None, None) when nothing is left (infeasible)."""
         lo, hi = d.bounds()
         if d.mem_hi is not None:

@@ -308,7 +308,7 @@ def hold_for_captures(model: ModelSpec, hw: HardwareSpec, wl: Workload, kvd, dec
         best: dict[int, tuple[float, tuple[int, ...]]] = {}  # N_r at the step -> (seconds so far, path)
         for i in range(1, wl.gen_len):
             d, own = decisions[i, k], table[i][k]
-            lo, hi = kvd._feasible_bounds(d)
+            lo, hi = kvd.feasible_bounds(d)
             cands = {own} | (set(range(lo, min(hi, GRAPH_MAX_Q_TOKENS - 1) + 1)) if lo is not None else set())
             step = {n: L * kvd.objective(d, n) for n in cands}
             new = {}
