@@ -15,6 +15,9 @@
 #      OPT's 2048 point before 369e279)                                         -> $OUT/cpuattn_opt_long.json
 #   8. TightLLM at OPT-30B 1984/8, 4 x 4: the compute stream's run-ahead window 16 (the plan's) and 4 -- is part of
 #      its eager recompute ops' host issue the driver waiting on a full launch queue? -> $OUT/runahead_{16,4}.log
+#   9. TightLLM's capture-aware N_r (offsim/policies/tightllm/policy.py hold_for_captures) against Algorithm 1's
+#      per-step N_r, on the one matrix configuration where they differ (opt-13b 128/32, 64 x 1, 32 GiB), planned on
+#      profile v2, run back to back: offsim predicts decode 2,542 -> 2,797 tok/s        -> $OUT/capture_{0,1}.log
 # Then, here: `offexec profile --base results/profiles/h200_offexec_v2.json --merge sus.json store.json --out ...`,
 # re-validate the calibration split before adopting (docs/cost-model.md).
 #
@@ -68,7 +71,19 @@ json.dump(d, open('/tmp/ra/p4.json', 'w'))" &&
          timeout 150 python3 -u -m offexec.cli run --plan /tmp/ra/p$w.json --hardware $BASE > "$OUT/runahead_$w.log" 2>&1
          echo "  run_ahead $w: rc=$? $(grep 'host time' "$OUT/runahead_$w.log")"
        done ;;
-    *) echo "unknown step $s (1 to 8)"; continue ;;
+    9) P="--model opt-13b --hardware $BASE --gpu-mem-gb 32 --policy tightllm --gpu-batch-size 64 --num-gpu-batches 1
+          --prompt-len 128 --gen-len 32 --percent 100 0 86 14 100 0 --set kv_solver=exact"
+       mkdir -p /tmp/ca && for a in false true; do
+         python3 -m offsim.cli simulate $P --set capture_aware=$a --save-plan /tmp/ca/$a.json > /dev/null
+       done
+       for r in 1 2; do  # twice each, alternating: the host's state drifts between runs
+         for a in false true; do
+           LOG="$OUT/capture_$([ $a = true ] && echo 1 || echo 0).log"
+           timeout 120 python3 -u -m offexec.cli run --plan /tmp/ca/$a.json --hardware $BASE >> "$LOG" 2>&1
+           echo "  capture_aware $a run $r: rc=$? $(grep '^decode' "$LOG" | tail -1)"
+         done
+       done ;;
+    *) echo "unknown step $s (1 to 9)"; continue ;;
   esac
   echo "step $s rc=$? $(( $(date +%s) - T0 )) s"
 done
