@@ -9,8 +9,9 @@ one-kernel and of a 24-kernel CUDA graph, a stream switch -- with the link idle,
 busy host-to-GPU (``offexec.profile.H2DLoad``: 512 MiB pinned copies back to back, as a run's weight stream), then
 GPU-to-host, then launched behind a busy GPU ('gpu_busy': a ~20 ms kernel queued first on the stream, as a run's
 issuing thread works ahead of its GPU), then behind that kernel and a backlog of hundreds of small kernels
-('deep_queue': the launches a run's window of eager ops leaves pending). Wall and thread-CPU microseconds per call (medians over rounds of
-``--calls`` calls; the stream is drained between rounds, outside the timing). Writes JSON to ``--out``.
+('deep_queue': the launches a run's window of eager ops leaves pending). Wall and thread-CPU microseconds per call
+(medians over rounds of ``--calls`` calls; the stream is drained between rounds, outside the timing). Writes JSON to
+``--out``.
 
     python -m experiments.offexec.issue_under_load --out issue_under_load.json     # on a CUDA machine
     python -m experiments.offexec.issue_under_load --report results/offexec/issue_under_load/   # here: README
@@ -109,6 +110,7 @@ BUSY_CYCLES = 40_000_000
 # 2026-12-03: a run-ahead window of 4 instead of 16 cut such a run's issue time by a quarter,
 # results/offexec/runahead_7040813/)
 BACKLOG_KERNELS = 600
+BEHIND_KERNEL = ("gpu_busy", "deep_queue")  # the loads whose rounds start behind the ~20 ms kernel, link idle
 
 
 def measure(n_calls: int = 200, rounds: int = 15, loads=LOADS) -> dict:
@@ -119,14 +121,14 @@ def measure(n_calls: int = 200, rounds: int = 15, loads=LOADS) -> dict:
     backlog = torch.zeros(16, device=dev)
     res = {}
     for load in loads:
-        with _load("idle" if load in ("gpu_busy", "deep_queue") else load, dev) as ld:
+        with _load("idle" if load in BEHIND_KERNEL else load, dev) as ld:
             time.sleep(0.3)  # the load reaches its rate
             for name, fn in table.items():
                 walls, cpus = [], []
                 with torch.cuda.stream(s):
                     for r in range(rounds + 1):
                         s.synchronize()
-                        if load in ("gpu_busy", "deep_queue"):
+                        if load in BEHIND_KERNEL:
                             torch.cuda._sleep(BUSY_CYCLES)
                         if load == "deep_queue":
                             for _ in range(BACKLOG_KERNELS):

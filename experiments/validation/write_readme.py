@@ -248,13 +248,14 @@ def _remeasured() -> list[str]:
         for r in df.sort_values("change").itertuples():
             out.append(f"| {r.case} | {r.old_measured_total_tok_s:,.1f} ({r.old_commit}) | "
                        f"{r.new_measured_total_tok_s:,.1f} | {r.change:+.1%} | "
-                       f"{_plan_word(r, set(unknown['case']))} |")
+                       f"{_plan_word(r)} |")
     return out
 
 
-def _plan_word(r, unknown: set) -> str:
-    """How a re-measured case's plan compares with its earlier run's (``remeasure_compare``'s flags)."""
-    if r.case in unknown:
+def _plan_word(r) -> str:
+    """How a re-measured case's plan compares with its earlier run's (``remeasure_compare``'s flags; none where the
+    case file did not come back)."""
+    if pd.isna(r.same_plan):
         return "unknown"
     return "same" if r.same_plan else "same schedule" if r.same_schedule else "changed"
 

@@ -299,11 +299,11 @@ def hold_for_captures(model: ModelSpec, hw: HardwareSpec, wl: Workload, kvd, dec
     that N_r (``num_layers`` x the distributor's per-layer objective), a change of N_r adds the new value's
     captures (charged again when a value comes back: an upper bound). Ties keep Algorithm 1's choice. Without
     capture rows in the profile every change is free and the table comes back as it was."""
-    if not any(capture_seconds(model, hw, wl, n) for n in range(GRAPH_MAX_Q_TOKENS)):
+    cap = {n: capture_seconds(model, hw, wl, n) for n in range(GRAPH_MAX_Q_TOKENS)}
+    if not any(cap.values()):
         return table
     out = [row[:] for row in table]
     L = model.num_layers
-    cap = {n: capture_seconds(model, hw, wl, n) for n in range(GRAPH_MAX_Q_TOKENS)}
     for k in range(wl.num_gpu_batches):
         best: dict[int, tuple[float, tuple[int, ...]]] = {}  # N_r at the step -> (seconds so far, path)
         for i in range(1, wl.gen_len):
