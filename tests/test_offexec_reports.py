@@ -50,3 +50,22 @@ def test_write_readme_before_sets_each_runs_issue_beside_the_earlier_one(tmp_pat
         assert float(cells[2]) == round(r["issue_s"], 2)
     # the committed README is this output (the table lines)
     assert _table(text) == _table((now / "README.md").read_text())
+
+
+def test_runs_table_readme_is_generated_from_its_logs(tmp_path):
+    """results/offexec/capture_aware_ff97435's table is what runs_table makes of its logs; a folder without run
+    lines is refused with a message."""
+    from experiments.offexec import runs_table as RT
+    src = OFFEXEC / "capture_aware_ff97435"
+    work = tmp_path / "ca"
+    shutil.copytree(src, work)
+    RT.write(work, work / "about.md")
+    assert _table((work / "README.md").read_text()) == _table((src / "README.md").read_text())
+    df = RT.runs(work)
+    assert len(df) == 4 and set(df["label"]) == {"capture_aware_false", "capture_aware_true"}
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "x.log").write_text("no result here\n")
+    import pytest
+    with pytest.raises(SystemExit, match="no `offexec run` result lines"):
+        RT.runs(empty)
