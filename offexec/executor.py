@@ -32,7 +32,8 @@ import torch
 from offsim.core import costmodel
 from offsim.core import footprint as fp
 from offsim.core.plan import Plan
-from offsim.core.specs import Compression
+from offsim.core.errors import OffsimError
+from offsim.core.specs import Compression, ModelSpec, get_model
 from offsim.core.trace import Trace
 
 from . import ALLOCATOR_CAPS
@@ -59,6 +60,14 @@ class RunResult:
     # host seconds the issuing thread spent on each op (by op id; 0 for host-stream ops, which it hands to a worker):
     # what ``offexec profile`` reads for its per-part issue rows
     issue_s_by_op: np.ndarray | None = None
+
+
+def _is_preset(spec: ModelSpec) -> bool:
+    """Whether ``spec`` is exactly the preset of its name (then a trace's ``meta.model`` is enough to rebuild it)."""
+    try:
+        return get_model(spec.name) == spec
+    except OffsimError:
+        return False
 
 
 def check_one_host(plan: Plan) -> None:
@@ -625,6 +634,8 @@ class Executor:
             m["graph_max_q_tokens"] = self.plan.graph_max_q_tokens  # offsim prices issue as the run replayed
         if self.plan.disk_cached:
             m["disk_cached"] = True
+        if not _is_preset(self.spec):  # a checkpoint's or a modified spec: the trace carries it whole (validate)
+            m["model_config"] = self.spec.to_dict()
         m.update(meta)
         trace = Trace.from_arrays(self.plan, self.start, self.end, m, peaks)
         kv = {}

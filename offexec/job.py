@@ -46,6 +46,7 @@ GiB = 1 << 30
 # are shorter than the measured run's (results/validation/calib_misses.md: the first decode op of the measured run)
 WARMUP_GEN_LEN = 2
 JOURNAL = "blocks.jsonl"
+TRACES = "traces"  # --traces: each measured block's trace and plan, POLICY_blockI.{trace.csv,plan.json}.gz
 
 
 class TimeLimit(Exception):
@@ -310,17 +311,31 @@ class DeviceJob:
                                     f"blocks measured; the same command again resumes{more}")
             if d is None:
                 plan = built.pop(i, None) or self.plan(policy, wl, st)
+                meta = {"hardware": self.hw.name, "job": self.spec.name, "block": i, **self.prov}
+                stem = self.out / TRACES / f"{policy}_block{i}" if self.args.traces and self.out else None
+                if stem is not None:  # the plan beside its trace: `offsim validate` re-simulates exactly what ran
+                    stem.parent.mkdir(exist_ok=True)
+                    plan.save(stem.with_name(stem.name + ".plan.json.gz"))
+                    meta["plan_file"] = stem.name + ".plan.json.gz"
                 t0 = time.perf_counter()
                 res = self.run(plan, block_prompts(blk, self.lengths, self.model.vocab_size, self.args.seed),
-                               meta={"hardware": self.hw.name, "job": self.spec.name, "block": i, **self.prov})
+                               meta=meta)
                 wall = time.perf_counter() - t0
                 makespan, table = J.token_table(res.trace, wl)
+                if stem is not None:
+                    res.trace.to_csv(stem.with_name(stem.name + ".trace.csv.gz"))
                 toks = {str(idx): res.tokens[s, :self.gens[idx]].tolist()
                         for s, idx in enumerate(blk.slots) if idx is not None}
                 d = {"job": self.key, "policy": policy, "settings_key": skey, "block": i, "makespan_s": makespan,
                      "token_end_s": table.tolist(), "tokens": toks, "wall_s": wall, "ops": len(plan.ops),
                      "peak_gpu_bytes": int(res.trace.peak_bytes.get("gpu", 0)),
                      "issue_frac": res.stats.get("issue_frac"), "graphs": res.stats.get("graphs", {}).get("mode"),
+                     # what explains a block's time without its trace: each stream's busy seconds, the host's
+                     # issue time by handler
+                     "busy_s": {k: float(v) for k, v in
+                                (res.trace.df["end_s"] - res.trace.df["start_s"]).groupby(res.trace.df["kind"]).sum()
+                                .items()},
+                     "issue_s_by_handler": res.stats.get("issue_s_by_handler"),
                      "provenance": self.prov}
                 self.journal.add(key, d)
                 res = plan = None
@@ -401,6 +416,10 @@ def add_job_parser(sub) -> None:
     j.add_argument("--exact", action="store_true",
                    help="offsim's prediction simulates every decode step of every block (default: the spec's "
                         "decode_steps, long blocks in pieces; docs/jobs.md §6)")
+    j.add_argument("--traces", action="store_true",
+                   help="also write each measured block's trace (offsim's trace schema) and plan to "
+                        "--out/traces/POLICY_blockI.trace.csv.gz and .plan.json.gz: `offsim validate --out/traces "
+                        "--hardware PROFILE` compares them op by op with offsim's simulation")
     j.add_argument("--no-progress", action="store_true", help="no progress bar")
     j.set_defaults(func=cmd_job)
 

@@ -408,3 +408,27 @@ def test_selectn_record_warms_up_each_iteration_shape_once(tiny, monkeypatch):
         weights.close()
     assert calls == [1, 1, 1, 2, 2, 2]  # 2 runs at the first interval of each batch, 1 at the next
     assert len(it.log) == 4
+
+
+def test_job_traces_validate_op_by_op(tiny, capsys):
+    """--traces writes each block's measured trace with its plan beside: `offsim validate` re-simulates exactly
+    what ran; the journal keeps each block's busy seconds per kind and its issue time by handler."""
+    from offsim.cli import main as offsim_main
+    d, _ = tiny
+    out = d / "out_traces"
+    rc, lines, err = _run(capsys, ["job", str(d / "job.yaml"), "--device", "cpu", "--dtype", "float32",
+                                   "--checkpoint", str(d / "ck"), "--out", str(out), "--no-progress",
+                                   "--policies", "flexgen", "--max-requests", "6", "--traces"])
+    assert rc == 0, err
+    blocks = read_commented_csv(out / "blocks.csv", "blocks")[1]
+    traces = sorted((out / "traces").glob("*.trace.csv.gz"))
+    assert [t.name for t in traces] == [f"flexgen_block{i}.trace.csv.gz" for i in sorted(blocks["block"])]
+    assert all(t.with_name(t.name.replace(".trace.csv.gz", ".plan.json.gz")).is_file() for t in traces)
+    entry = json.loads((out / "blocks.jsonl").read_text().splitlines()[0])
+    assert entry["busy_s"]["compute"] > 0 and "issue_s_by_handler" in entry  # (empty on the CPU: no issuing thread)
+    rc = offsim_main(["validate", str(out / "traces"), "--hardware", str(d / "cpu.json"), "--out",
+                      str(out / "report")])
+    cap = capsys.readouterr()
+    assert rc in (0, None), cap.err
+    rep = pd.read_csv(out / "report" / "validation.csv", comment="#")
+    assert len(rep) == len(traces) and (rep["plan"] == "stored").all()

@@ -43,11 +43,12 @@ def read_json_object(path: str | Path, what: str, error: type[OffsimError] = Off
 
 
 def write_commented_csv(path: str | Path, header: dict, df: pd.DataFrame) -> None:
-    """CSV with '# ' + ``header`` as JSON on its first line, written atomically."""
+    """CSV with '# ' + ``header`` as JSON on its first line, written atomically (gzipped when the name ends in
+    .gz)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w") as f:
+    with (gzip.open(tmp, "wt") if path.suffix == ".gz" else open(tmp, "w")) as f:
         f.write("# " + json.dumps(header, default=str) + "\n")
         df.to_csv(f, index=False)
     tmp.replace(path)
