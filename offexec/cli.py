@@ -21,7 +21,7 @@ import json
 import math
 import sys
 import time
-
+from pathlib import Path
 
 from offsim.cli import (add_policy_args, add_target_args, build_fitting_plan, check_output_path, check_plan_conflicts,
                         given_options, quiet_broken_pipe)
@@ -220,9 +220,14 @@ def cmd_run(args) -> dict:
 
             prof = cProfile.Profile()
             prof.enable()
+        # the trace names the plan it ran (its fingerprint; and its file where it sits beside the trace), so that
+        # `offsim validate` re-simulates exactly that plan or says that today's code builds another
+        where = {"plan_sha256": plan.fingerprint()}
+        if args.plan and args.trace and Path(args.plan).resolve().parent == Path(args.trace).resolve().parent:
+            where["plan_file"] = Path(args.plan).name
         res = run_plan(plan, weights, args.device, seed=args.seed, gpu_budget_bytes=budget, disk_dir=args.disk_dir,
                        allocator_cap=args.allocator_cap, trace_allocator=bool(args.host_profile),
-                       meta={"hardware": hw.name, "warmup": warm is not None, **prov})
+                       meta={"hardware": hw.name, "warmup": warm is not None, **where, **prov})
         if prof is not None:
             prof.disable()
             prof.dump_stats(args.host_profile)

@@ -134,6 +134,33 @@ def test_run_plan_file(checkpoint, tmp_path, capsys):
     assert Plan.load(path).policy == js["policy"] == "flexgen"
 
 
+def test_run_plan_file_trace_names_its_plan(checkpoint, tmp_path, capsys):
+    """A trace of `--plan FILE` records the plan's fingerprint, and its file where it sits beside the trace: offsim
+    validate then re-simulates that stored plan ('stored'), and the trace carries a non-preset model whole."""
+    from offsim.analysis.validate import load_case, validate_case
+    model = dataclasses.replace(get_model(checkpoint / "config.json"), dtype_bytes=4)
+    plan = build_plan("flexgen", model, get_hardware("h200"), Workload(8, 3, 2, 2),
+                      {"percent": (0, 100, 0, 100, 100, 0)})
+    path = tmp_path / "p.json"
+    plan.save(path)
+    trace = tmp_path / "t.trace.csv"
+    rc = main(["run", "--plan", str(path), "--hardware", "h200", "--device", "cpu", "--no-warmup",
+               "--trace", str(trace)])
+    capsys.readouterr()
+    assert rc == 0
+    meta = Trace.from_csv(trace).meta
+    assert meta["plan_sha256"] == plan.fingerprint() and meta["plan_file"] == "p.json"
+    assert meta["model_config"]["num_layers"] == model.num_layers
+    assert validate_case(load_case(trace))["plan"] == "stored"
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    rc = main(["run", "--plan", str(path), "--hardware", "h200", "--device", "cpu", "--no-warmup",
+               "--trace", str(other / "t.trace.csv")])
+    capsys.readouterr()
+    meta = Trace.from_csv(other / "t.trace.csv").meta
+    assert rc == 0 and "plan_file" not in meta and meta["plan_sha256"] == plan.fingerprint()
+
+
 def test_run_mixed_length_plan_file_warms_up(checkpoint, tmp_path, capsys):
     """A plan of mixed-length requests runs with the default warm-up: the warm-up's plan caps each request's
     generation length too (it was built with the batch's gen_len alone, which a longer request's length refused)."""

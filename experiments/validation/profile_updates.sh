@@ -18,6 +18,10 @@
 #   9. TightLLM's capture-aware N_r (offsim/policies/tightllm/policy.py hold_for_captures) against Algorithm 1's
 #      per-step N_r, on the one matrix configuration where they differ (opt-13b 128/32, 64 x 1, 32 GiB), planned on
 #      profile v2, run back to back: offsim predicts decode 2,542 -> 2,797 tok/s        -> $OUT/capture_{0,1}.log
+#  10. TightLLM's job blocks alone, with traces: block 0 of the summarization and translation jobs (Llama-2-13B,
+#      16 GiB; results/offline_jobs/h200), their first 24 steps, planned as the jobs planned them
+#      (experiments/offexec/job_block_plan.py), each run with `offexec run --trace`: which stream the -13.7 % and
+#      -6.6 % job errors come from (`offsim validate` the folder)          -> $OUT/job_blocks.tgz
 # Then, here: `offexec profile --base results/profiles/h200_offexec_v2.json --merge sus.json store.json --out ...`,
 # re-validate the calibration split before adopting (docs/cost-model.md).
 #
@@ -83,7 +87,15 @@ json.dump(d, open('/tmp/ra/p4.json', 'w'))" &&
            echo "  capture_aware $a run $r: rc=$? $(grep '^decode' "$LOG" | tail -1)"
          done
        done ;;
-    *) echo "unknown step $s (1 to 9)"; continue ;;
+    10) mkdir -p /tmp/jb && for k in summarization translation; do
+          python3 -m experiments.offexec.job_block_plan experiments/offexec/jobs/llama-2-13b_$k.yaml \
+            results/offline_jobs/h200/$k --policy tightllm --block 0 --gen-len 24 --out /tmp/jb/tightllm_$k.plan.json.gz &&
+          timeout 150 python3 -u -m offexec.cli run --plan /tmp/jb/tightllm_$k.plan.json.gz --hardware $BASE \
+            --trace /tmp/jb/tightllm_$k.trace.csv > /tmp/jb/tightllm_$k.log 2>&1
+          echo "  $k rc=$? $(grep '^total' /tmp/jb/tightllm_$k.log)"
+        done
+        (cd /tmp/jb && gzip -f *.trace.csv; tar czf "$OUT/job_blocks.tgz" .) ;;
+    *) echo "unknown step $s (1 to 10)"; continue ;;
   esac
   echo "step $s rc=$? $(( $(date +%s) - T0 )) s"
 done
