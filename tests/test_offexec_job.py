@@ -432,3 +432,26 @@ def test_job_traces_validate_op_by_op(tiny, capsys):
     assert rc in (0, None), cap.err
     rep = pd.read_csv(out / "report" / "validation.csv", comment="#")
     assert len(rep) == len(traces) and (rep["plan"] == "stored").all()
+
+
+def test_job_block_plan_rebuilds_a_measured_block(tmp_path, capsys):
+    """experiments.offexec.job_block_plan: block 0 of the committed summarization job, as the job ran it (its
+    padded prompt lengths in blocks.csv), shortened; a block the job does not have is one line and exit 2."""
+    from pathlib import Path
+
+    from experiments.offexec import job_block_plan as JBP
+    repo = Path(__file__).resolve().parents[1]
+    spec = repo / "experiments" / "offexec" / "jobs" / "llama-2-13b_summarization.yaml"
+    folder = repo / "results" / "offline_jobs" / "h200" / "summarization"
+    blocks = read_commented_csv(folder / "blocks.csv", "blocks")[1]
+    row = blocks[(blocks["policy"] == "tightllm") & (blocks["block"] == 0)].iloc[0]
+    out = tmp_path / "b0.json.gz"
+    assert JBP.main([str(spec), str(folder), "--policy", "tightllm", "--block", "0", "--gen-len", "4",
+                     "--out", str(out)]) == 0
+    from offsim.core.plan import Plan
+    wl = Plan.load(out).workload
+    assert " ".join(map(str, wl.batch_prompt_lens)) == row["batch_prompt_lens"] and wl.gen_len == 4
+    assert wl.gpu_batch_size == row["gpu_batch_size"] and wl.num_gpu_batches == row["num_gpu_batches"]
+    capsys.readouterr()
+    assert JBP.main([str(spec), str(folder), "--policy", "tightllm", "--block", "9", "--out", str(out)]) == 2
+    assert "blocks 0 to 2" in capsys.readouterr().err
