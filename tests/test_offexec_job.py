@@ -455,3 +455,24 @@ def test_job_block_plan_rebuilds_a_measured_block(tmp_path, capsys):
     capsys.readouterr()
     assert JBP.main([str(spec), str(folder), "--policy", "tightllm", "--block", "9", "--out", str(out)]) == 2
     assert "blocks 0 to 2" in capsys.readouterr().err
+
+
+def test_jobs_readme_explains_its_misses(tmp_path):
+    """jobs_readme --explain: the committed translation job's one block off by more than 5 % (TightLLM block 0),
+    split into prefill and decode against offsim's exact simulation, equal to the committed misses.csv's row; the
+    README's section on the misses is generated from it."""
+    import shutil
+    from pathlib import Path
+
+    from experiments.offexec import jobs_readme as JR
+    src = Path(__file__).resolve().parents[1] / "results" / "offline_jobs" / "h200"
+    shutil.copytree(src / "translation", tmp_path / "translation")
+    df = read_commented_csv(JR.explain(tmp_path), "misses")[1]
+    assert list(zip(df["task_kind"], df["policy"], df["block"])) == [("translation", "tightllm", 0)]
+    committed = read_commented_csv(src / JR.MISSES, "misses")[1]
+    want = committed[committed["task_kind"] == "translation"].iloc[0]
+    for col in ("measured_prefill_s", "predicted_prefill_s", "decode_error", "busy_h2d", "predicted_issue_s"):
+        assert df.iloc[0][col] == pytest.approx(want[col], rel=1e-6), col
+    assert df.iloc[0]["decode_error"] < -0.05  # the miss is in decode
+    text = JR.write(tmp_path).read_text()
+    assert "## Where the misses are" in text and "| translation | tightllm | 0 | 99 123 | 154 |" in text
