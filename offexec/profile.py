@@ -1000,6 +1000,52 @@ def profile_disk(directory: str, nbytes: int, reps: int = 3) -> dict[str, float]
     return out
 
 
+# --disk-ops-only: request sizes of 9 x 512 bytes x 4^i, 4.5 KiB to 72 MiB -- a KV slab is 512 x sequences x heads
+# bytes a token (fp16, 128-wide heads), so a run's requests are multiples of 512, and the smaller of these are not
+# whole 4-KiB blocks (read-modify-write at their ends, as a run's token stores often are)
+DISK_OP_SIZES = tuple(9 * 512 * 4 ** i for i in range(8))
+
+
+def profile_disk_ops(directory: str, device, sizes=DISK_OP_SIZES, reps: int = 5) -> dict[str, list]:
+    """Seconds of one request of the executor's O_DIRECT disk tier (``offexec.memory.DiskTier``, the code a run
+    uses) by its size: ``reps`` writes of each size at consecutive offsets of that size (a run's token slabs, one
+    after another), each from a fresh host tensor as the executor's KV stores make them (``.contiguous()``: not
+    page-aligned, so the bytes go through the tier's bounce buffer), then reads of the same ranges into buffers
+    from ``host_tensor`` (pinned on CUDA), as its disk reads are; the medians. Returns the profile's
+    ``disk_write_op`` and ``disk_read_op`` curves ([[bytes, seconds], ...])."""
+    import torch
+
+    from .memory import DiskTier, ExecError, host_tensor
+
+    dev = torch.device(device)
+    need = sum(n * reps for n in sizes)
+    tier = DiskTier(directory, need, cached=False)
+    out = {"disk_write_op": [], "disk_read_op": []}
+    try:
+        for n in sizes:
+            name = f"op{n}.bin"
+            tier.create(name, n * reps)
+            src = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+            writes, reads = [], []
+            for k in range(reps):
+                data = src.clone()  # a fresh tensor a store would write (its address as the allocator gives it)
+                t = time.perf_counter()
+                tier.write(name, data, k * n)
+                writes.append(time.perf_counter() - t)
+            for k in range(reps):
+                buf = host_tensor((n,), torch.uint8, dev)
+                t = time.perf_counter()
+                tier.read(name, buf, k * n)
+                reads.append(time.perf_counter() - t)
+                if k == 0 and not torch.equal(buf, src):
+                    raise ExecError(f"disk probe in {directory}: the bytes read back differ from those written")
+            out["disk_write_op"].append([float(n), float(statistics.median(writes))])
+            out["disk_read_op"].append([float(n), float(statistics.median(reads))])
+    finally:
+        tier.close()
+    return out
+
+
 def host_memory_bytes() -> int:
     try:
         with open("/proc/meminfo") as f:
@@ -1225,6 +1271,11 @@ def add_profile_parser(sub) -> None:
                    help="with --base: measure only the relay copy rates (h2d_relay / d2h_relay: an unpinned host "
                         "tensor staged through a pinned copy, as FlexGen's general_copy does; what flexgen-ref "
                         "prices its unpinned KV copies at) and keep the rest of the base profile")
+    p.add_argument("--disk-ops-only", action="store_true",
+                   help="with --base: measure only the disk tier's time per request by size (disk_read_op / "
+                        "disk_write_op: 4.5 KiB to 72 MiB through offexec's O_DIRECT tier in --disk-dir, as a run's "
+                        "KV stores and loads make them; offsim prices disk ops from them) and keep the rest of the "
+                        "base profile")
     p.add_argument("--host-probe-only", action="store_true",
                    help="with --base: record only the host's state now (provenance.host_probe: offexec.hostprobe's "
                         "fixed CPU-attention op and host copy, CPU model, load), the state offsim validate sets each "
@@ -1442,7 +1493,8 @@ def cmd_profile(args) -> dict:
     if args.merge:
         if not args.base:
             raise OffsimError("--merge combines profiles measured from one base: give --base PROFILE too")
-        if args.ops or args.quant_only or args.multi_gpu_only or args.relay_only or args.host_probe_only:
+        if (args.ops or args.quant_only or args.multi_gpu_only or args.relay_only or args.host_probe_only
+                or args.disk_ops_only):
             raise OffsimError("--merge measures nothing: give it without --ops and the --*-only options")
         d = merge_profiles(read_json_object(args.base, "hardware profile"),
                            [(f, read_json_object(f, "hardware profile")) for f in args.merge])
@@ -1457,6 +1509,9 @@ def cmd_profile(args) -> dict:
         raise OffsimError("--quant-only adds the 4-bit rates to an existing profile: give --base PROFILE too")
     if args.relay_only and not args.base:
         raise OffsimError("--relay-only adds the relay copy rates to an existing profile: give --base PROFILE too")
+    if args.disk_ops_only and not args.base:
+        raise OffsimError("--disk-ops-only adds the disk tier's time per request to an existing profile: give --base "
+                          "PROFILE too")
     if args.host_probe_only and not args.base:
         raise OffsimError("--host-probe-only records the host's state in an existing profile: give --base PROFILE "
                           "too")
@@ -1470,9 +1525,9 @@ def cmd_profile(args) -> dict:
         raise OffsimError("--decode-only re-measures the decode ops' rows of an existing profile: give --base PROFILE "
                           "and --ops MODELS too")
     if args.base and not (args.ops or args.quant_only or args.multi_gpu_only or args.relay_only
-                          or args.host_probe_only):
+                          or args.host_probe_only or args.disk_ops_only):
         raise OffsimError("--base adds op tables to an existing profile: give --ops MODELS (or --quant-only, "
-                          "--multi-gpu-only, --relay-only, --host-probe-only) too")
+                          "--multi-gpu-only, --relay-only, --host-probe-only, --disk-ops-only) too")
     try:
         batches = tuple(int(b) for b in args.op_batches.split(","))
     except ValueError:
@@ -1536,6 +1591,16 @@ def cmd_profile(args) -> dict:
         HardwareSpec.from_dict(d)
         d["provenance"] = {**d.get("provenance", {}), "relay_rates": provenance(device=args.device,
                                                                                   sizes=list(RELAY_SIZES))}
+    if args.disk_ops_only:
+        from offsim.core.provenance import provenance
+        from offsim.core.specs import HardwareSpec
+
+        disk_dir = args.disk_dir or tempfile.gettempdir()
+        ops = profile_disk_ops(disk_dir, args.device, DISK_OP_SIZES)
+        d = {**d, **ops}
+        HardwareSpec.from_dict(d)
+        d["provenance"] = {**d.get("provenance", {}), "disk_ops": provenance(directory=disk_dir,
+                                                                           sizes=list(DISK_OP_SIZES))}
     if args.multi_gpu_only:
         from offsim.core.provenance import provenance
         from offsim.core.specs import HardwareSpec

@@ -2,6 +2,8 @@
 import json
 import os
 
+import pytest
+
 from offsim import Workload, build_plan, simulate
 from offsim.core.specs import HardwareSpec, get_hardware, get_model
 
@@ -170,3 +172,50 @@ def test_profile_asked_for_cuda_without_it_is_one_line(tmp_path, capsys):
         err = capsys.readouterr().err
         assert "no CUDA device" in err and "--device cpu" in err and "Traceback" not in err
     assert not out.exists()
+
+
+def test_profile_disk_ops_prices_each_disk_request(tmp_path, monkeypatch, capsys):
+    """--disk-ops-only: the disk tier's time per request by size, through DiskTier's own O_DIRECT path, added to a
+    base profile (the rest kept); offsim then prices a disk op from that curve (linear between sizes, proportional
+    past the largest), an LP's expression still at the rate; without the curve, bytes at the rate as before."""
+    import offexec.profile as P
+    from offexec.cli import main
+    from offsim.core import costmodel as cm
+
+    monkeypatch.setattr(P, "DISK_OP_SIZES", (4608, 73728, 1 << 20))
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps(get_hardware("h200").to_dict()))
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    out = tmp_path / "p.json"
+    assert main(["profile", "--base", str(base), "--disk-ops-only", "--device", "cpu", "--disk-dir", str(disk),
+                 "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert os.listdir(disk) == []  # the tier removed its files
+    d = json.loads(out.read_text())
+    assert [x for x, _ in d["disk_write_op"]] == [4608, 73728, 1 << 20] and all(y > 0 for _, y in d["disk_read_op"])
+    assert d["provenance"]["disk_ops"]["sizes"] == [4608, 73728, 1 << 20]
+    hw, plain = HardwareSpec.from_dict(d), get_hardware("h200")
+    assert hw.disk_read_bytes_per_s == plain.disk_read_bytes_per_s  # the base profile's rates kept
+    (x0, y0), (x1, y1) = hw.disk_write_op[:2]
+    mid = (x0 + x1) / 2
+    assert cm.disk_seconds(hw, mid, "write") == pytest.approx((y0 + y1) / 2)
+    big = hw.disk_read_op[-1]
+    assert cm.disk_seconds(hw, 4 * big[0], "read") == pytest.approx(4 * big[1])
+    assert cm.disk_seconds(plain, mid, "write") == pytest.approx(mid / plain.disk_write_bytes_per_s)
+    import cvxpy as cp
+    x = cp.Variable()
+    assert cm.disk_seconds(hw, 1000 * x, "write").is_affine()
+    # a plan with KV on disk: its small decode stores cost their measured time, not their bytes at the rate
+    model, wl = get_model("opt-1.3b"), Workload(64, 8, 4, 2)
+    plan = build_plan("flexgen", model, plain, wl, {"percent": (100, 0, 0, 50, 100, 0)})
+    fast, slow = simulate(plan, plain), simulate(plan, hw.with_(disk_write_op=((1.0, 0.01),)))
+    w = lambda t: t.df[t.df["kind"] == "disk_write"]  # noqa: E731
+    assert len(w(fast)) > 0 and (w(slow)["end_s"] - w(slow)["start_s"]).min() >= 0.01 - 1e-12
+
+
+def test_disk_op_curves_are_checked():
+    d = get_hardware("h200").to_dict()
+    assert "disk_read_op" not in d  # not measured: left out, so older profiles read back the same
+    with pytest.raises(Exception, match=r"disk_write_op must be a list of positive \[bytes, seconds\] pairs"):
+        HardwareSpec.from_dict({**d, "disk_write_op": [[4096, 1e-3], [1024, 2e-3]]})

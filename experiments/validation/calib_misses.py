@@ -747,6 +747,38 @@ def prefill_compute_section() -> list[str]:
     return out
 
 
+def disk_requests_section() -> list[str]:
+    """Every calibration case whose plan reads or writes the disk tier: per op kind and phase, its requests' mean
+    size and their measured and priced time per request. A request's fixed cost (offexec's O_DIRECT tier: threads,
+    system calls, the bounce buffer, read-modify-write of partial blocks) shows in the small ones."""
+    rows = []
+    for f in sorted(CALIB.glob("*.case.json")):
+        c = _case(f.name[:-len(".case.json")])
+        ops = [o for o in c.plan.ops if o.kind in ("disk_read", "disk_write")]
+        if not ops:
+            continue
+        for kind in ("disk_read", "disk_write"):
+            for phase, sel in (("prefill", lambda st: st == 0), ("decode", lambda st: st > 0)):
+                mine = [o for o in ops if o.kind == kind and sel(o.step)]
+                if not mine:
+                    continue
+                m = c.mo[(c.mo.kind == kind) & sel(c.mo.step)]
+                p = c.po[(c.po.kind == kind) & sel(c.po.step)]
+                rows.append(f"| {c.name} | {kind} | {phase} | {len(mine)} | "
+                            f"{sum(o.nbytes for o in mine) / len(mine) / 1e3:,.1f} | "
+                            f"{m.sum_s.sum() / len(mine) * 1e3:.3f} | {p.sum_s.sum() / len(mine) * 1e3:.3f} | "
+                            f"{m.sum_s.sum():.3f} | {p.sum_s.sum():.3f} |")
+    if not rows:
+        return []
+    return ["## Disk requests across the calibration set", "",
+            "Every calibration case whose plan reads or writes the disk tier, by op kind and phase: the requests' "
+            "mean size, their measured and predicted time per request and in all (predicted with today's profile, "
+            f"`{PROFILE.relative_to(ROOT)}`: bytes at its disk rates unless it has `disk_read_op` / `disk_write_op`, "
+            "the time per request that `offexec profile --disk-ops-only` measures).", "",
+            "| case | kind | phase | requests | mean KB | measured ms / request | predicted ms / request | "
+            "measured s | predicted s |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |", *rows, ""]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(OUT))
@@ -780,6 +812,7 @@ def main(argv: list[str] | None = None) -> None:
     lines += first_decode_op_section()
     lines += first_decode_step_section()
     lines += prefill_compute_section()
+    lines += disk_requests_section()
     text = "\n".join(lines).rstrip() + "\n"
     write_text_atomic(args.out, text)
     print(f"wrote {args.out}")

@@ -22,6 +22,9 @@
 #      16 GiB; results/offline_jobs/h200), their first 24 steps, planned as the jobs planned them
 #      (experiments/offexec/job_block_plan.py), each run with `offexec run --trace`: which stream the -13.7 % and
 #      -6.6 % job errors come from (`offsim validate` the folder)          -> $OUT/job_blocks.tgz
+#  11. the disk tier's time per request by size, 4.5 KiB to 72 MiB (`offexec profile --disk-ops-only`, in the
+#      system temp directory as runs use it): small KV stores cost far more than their bytes at the rate
+#      (results/validation/calib_misses.md, 'Disk requests')                    -> $OUT/disk_ops.json
 # Then, here: `offexec profile --base results/profiles/h200_offexec_v2.json --merge sus.json store.json --out ...`,
 # re-validate the calibration split before adopting (docs/cost-model.md).
 #
@@ -95,7 +98,9 @@ json.dump(d, open('/tmp/ra/p4.json', 'w'))" &&
           echo "  $k rc=$? $(grep '^total' /tmp/jb/tightllm_$k.log)"
         done
         (cd /tmp/jb && gzip -f *.trace.csv; tar czf "$OUT/job_blocks.tgz" .) ;;
-    *) echo "unknown step $s (1 to 10)"; continue ;;
+    11) timeout 240 python3 -u -m offexec.cli profile --base $BASE --disk-ops-only --out "$OUT/disk_ops.json" \
+          > "$OUT/disk_ops.log" 2>&1 ;;
+    *) echo "unknown step $s (1 to 11)"; continue ;;
   esac
   echo "step $s rc=$? $(( $(date +%s) - T0 )) s"
 done

@@ -192,13 +192,18 @@ def network_p2p_seconds(hw: HardwareSpec, nbytes) -> float:
 
 def disk_seconds(hw: HardwareSpec, nbytes, direction: str, cached: bool = False):
     """Seconds to read ('read': disk -> host) or write ('write': host -> disk) ``nbytes``: past the page cache
-    (offexec's default O_DIRECT disk tier) at the disk's cold rates, or, for a plan whose disk tier is page-cached
-    (``Plan.disk_cached``), at the profile's page-cached rates."""
+    (offexec's default O_DIRECT disk tier) from the profile's time of one request by size where measured
+    (``disk_read_op`` / ``disk_write_op``: linear between sizes, proportional past the largest), else at the disk's
+    cold rates; for a plan whose disk tier is page-cached (``Plan.disk_cached``), at the profile's page-cached
+    rates. An expression (the LP's) is priced at the rate: a per-request cost is not linear in its bytes."""
     if direction not in ("read", "write"):
         raise ValueError(f"disk direction must be 'read' or 'write', got {direction!r}")
     if _is_number(nbytes) and nbytes <= 0:
         return 0.0
     if not cached:
+        per_op = hw.disk_read_op if direction == "read" else hw.disk_write_op
+        if per_op and _is_number(nbytes):
+            return table_seconds(per_op, nbytes)
         return nbytes / (hw.disk_read_bytes_per_s if direction == "read" else hw.disk_write_bytes_per_s)
     bw = hw.disk_cached_read_bytes_per_s if direction == "read" else hw.disk_cached_write_bytes_per_s
     if not bw > 0:

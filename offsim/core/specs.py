@@ -479,6 +479,13 @@ class HardwareSpec:
     # with these; () not measured, then at the pageable curves (a plain copy from pageable memory)
     h2d_relay: Curve = ()
     d2h_relay: Curve = ()
+    # one request of offexec's O_DIRECT disk tier by its size, as a run makes it (``offexec profile
+    # --disk-ops-only``): x = bytes, y = seconds of the request -- its worker threads and system calls, the bounce
+    # buffer and the read-modify-write of partial blocks, the device's own latency. A run's small KV stores (a
+    # token's slab, tens of KB) cost far more than their bytes at the rate (0.86 ms measured against 0.02 priced in
+    # calibration case opt-30b_flexgen_b12_p256_g32). () not measured: bytes at the rate alone
+    disk_read_op: Curve = ()
+    disk_write_op: Curve = ()
 
     def __post_init__(self):
         for f in ("gpu_mem_bytes", "gpu_peak_flops", "gpu_hbm_bytes_per_s", "cpu_mem_bytes", "cpu_attention_flops",
@@ -520,11 +527,12 @@ class HardwareSpec:
                 raise OffsimError(f"hardware {self.name}: {f} must be a non-empty list of positive [x, y] pairs")
             if any(a[0] >= b[0] for a, b in zip(c, c[1:])):
                 raise OffsimError(f"hardware {self.name}: {f} x values must increase")
-        for f in ("h2d_relay", "d2h_relay"):  # optional: empty where not measured
+        for f in ("h2d_relay", "d2h_relay", "disk_read_op", "disk_write_op"):  # optional: empty where not measured
             c = getattr(self, f)
             if any(len(p) != 2 or not p[0] > 0 or not p[1] > 0 for p in c) \
                     or any(a[0] >= b[0] for a, b in zip(c, c[1:])):
-                raise OffsimError(f"hardware {self.name}: {f} must be a list of positive [bytes, bytes/s] pairs with "
+                unit = "seconds" if f.startswith("disk") else "bytes/s"
+                raise OffsimError(f"hardware {self.name}: {f} must be a list of positive [bytes, {unit}] pairs with "
                                   "bytes increasing (empty: not measured)")
 
     def with_(self, **changes) -> "HardwareSpec":
@@ -548,7 +556,8 @@ class HardwareSpec:
         for f in fields(self):
             v = getattr(self, f.name)
             if (f.name in ("gpu_link_bytes_per_s", "quant_store_bytes_per_s", "quant_weight_bytes_per_s",
-                           "network_bytes_per_s", "h2d_relay", "d2h_relay") and not v) \
+                           "network_bytes_per_s", "h2d_relay", "d2h_relay", "disk_read_op", "disk_write_op")
+                and not v) \
                     or (f.name == "link_concurrent_fraction" and v == 1.0):
                 continue  # (not measured: left out, so profiles written before the field read back the same)
             if f.name == "op_times":
