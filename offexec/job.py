@@ -332,9 +332,7 @@ class DeviceJob:
                      "issue_frac": res.stats.get("issue_frac"), "graphs": res.stats.get("graphs", {}).get("mode"),
                      # what explains a block's time without its trace: each stream's busy seconds, the host's
                      # issue time by handler
-                     "busy_s": {k: float(v) for k, v in
-                                (res.trace.df["end_s"] - res.trace.df["start_s"]).groupby(res.trace.df["kind"]).sum()
-                                .items()},
+                     "busy_s": {r.kind: float(r.sum) for r in res.trace.busy_by(("kind",)).itertuples()},
                      "issue_s_by_handler": res.stats.get("issue_s_by_handler"),
                      "provenance": self.prov}
                 self.journal.add(key, d)

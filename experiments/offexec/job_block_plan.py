@@ -25,6 +25,7 @@ from offsim.search import job as J
 
 
 def block_plan(spec_path: Path, job_dir: Path, policy: str, block: int, gen_len: int | None):
+    """The block's plan and the hardware (the spec's profile and GPU budget) it was planned on."""
     spec = J.load_job_spec(spec_path)
     best_path = job_dir / "best.json"
     if not best_path.is_file():
@@ -42,7 +43,7 @@ def block_plan(spec_path: Path, job_dir: Path, policy: str, block: int, gen_len:
             raise OffsimError(f"--gen-len {gen_len}: give 2 to the block's {wl.gen_len}")
         wl = shortened(wl, gen_len)
     hw = get_hardware(spec.hardware, spec.gpu_mem_gb)
-    return build_plan(policy, get_model(spec.model), hw, wl, dict(b["settings"]))
+    return build_plan(policy, get_model(spec.model), hw, wl, dict(b["settings"])), hw
 
 
 def main(argv=None) -> int:
@@ -55,7 +56,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="plan file (.json or .json.gz)")
     a = ap.parse_args(argv)
     try:
-        plan = block_plan(a.spec, a.job_dir, a.policy, a.block, a.gen_len)
+        plan, _ = block_plan(a.spec, a.job_dir, a.policy, a.block, a.gen_len)
     except OffsimError as e:
         print(f"job_block_plan: {e}", file=sys.stderr)
         return 2

@@ -82,10 +82,8 @@ def explain(folder: Path, miss: float = MISS) -> Path:
     from offsim.core import costmodel
     from offsim.core.io import read_commented_csv, write_commented_csv
     from offsim.core.sim import simulate
-    from offsim.core.specs import get_hardware
     from offsim.search.job import token_table
 
-    specs = Path(__file__).resolve().parent / "jobs"
     rows = []
     for job_dir, job, p in _rows(folder):
         blocks_csv = job_dir / "blocks.csv"
@@ -98,19 +96,18 @@ def explain(folder: Path, miss: float = MISS) -> Path:
             d = json.loads(line)
             if d.get("policy") == p["policy"]:
                 journal[d["block"]] = d
-        spec = specs / f"{job['model']}_{job_dir.name}.yaml"
+        spec = Path(job["provenance"]["spec"])  # the spec the job ran (its provenance), from the repository root
         for b in off.itertuples():
-            plan = block_plan(spec, job_dir, p["policy"], int(b.block), None)
-            hw = get_hardware(str(Path(__file__).resolve().parents[2] / "results" / "profiles"
-                                  / "h200_offexec_v2.json"), job["gpu_mem_bytes"] / 2**30)
+            plan, hw = block_plan(spec, job_dir, p["policy"], int(b.block), None)
             trace = simulate(plan, hw)
             _, pred = token_table(trace, plan.workload)
             meas = np.asarray(journal[int(b.block)]["token_end_s"], dtype=float)
             mp, pp = meas.max(axis=1), pred.max(axis=1)
             steps = len(mp) - 1
-            df = trace.df
-            busy = (df["end_s"] - df["start_s"]).groupby(df["stream"]).sum() / trace.makespan_s
-            issue_pred = sum(costmodel.issue_seconds(op, hw, plan.graph_q_tokens, plan.model) for op in plan.ops)
+            busy = trace.busy_by(("stream",)).set_index("stream")["sum"] / trace.makespan_s
+            relay = plan.pageable_copy == "relay"  # as the simulator prices each op's issue (sim.simulate)
+            issue_pred = sum(costmodel.issue_seconds(op, hw, plan.graph_q_tokens, plan.model, relay)
+                             for op in plan.ops)
             rows.append({
                 "task_kind": job_dir.name, "policy": p["policy"], "block": int(b.block),
                 "batch_prompt_lens": b.batch_prompt_lens, "gen_len": int(b.gen_len),
