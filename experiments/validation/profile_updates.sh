@@ -25,6 +25,12 @@
 #  11. the disk tier's time per request by size, 4.5 KiB to 72 MiB (`offexec profile --disk-ops-only`, in the
 #      system temp directory as runs use it): small KV stores cost far more than their bytes at the rate
 #      (results/validation/calib_misses.md, 'Disk requests')                    -> $OUT/disk_ops.json
+#  12. step 10's two blocks again, each twice: with --host-profile (the caching allocator's retries by op handler;
+#      step 10's traces show each decode step's first layer op of each batch taking 10-20x its siblings), and with
+#      the allocator capped at a 16 GiB budget instead of the plan's bytes (--allocator-cap budget)
+#                                                                               -> $OUT/alloc_blocks.tgz
+#  13. what a key mask costs SDPA (time, memory beyond its output) by backend, at the job blocks' shapes
+#      (experiments/offexec/mask_sdpa.py)                                          -> $OUT/mask_sdpa.json
 # Then, here: `offexec profile --base results/profiles/h200_offexec_v2.json --merge sus.json store.json --out ...`,
 # re-validate the calibration split before adopting (docs/cost-model.md).
 #
@@ -100,7 +106,19 @@ json.dump(d, open('/tmp/ra/p4.json', 'w'))" &&
         (cd /tmp/jb && gzip -f *.trace.csv; tar czf "$OUT/job_blocks.tgz" .) ;;
     11) timeout 240 python3 -u -m offexec.cli profile --base $BASE --disk-ops-only --out "$OUT/disk_ops.json" \
           > "$OUT/disk_ops.log" 2>&1 ;;
-    *) echo "unknown step $s (1 to 11)"; continue ;;
+    12) mkdir -p /tmp/ab && for k in translation summarization; do
+          python3 -m experiments.offexec.job_block_plan experiments/offexec/jobs/llama-2-13b_$k.yaml \
+            results/offline_jobs/h200/$k --policy tightllm --block 0 --gen-len 24 --out /tmp/ab/$k.plan.json.gz &&
+          timeout 150 python3 -u -m offexec.cli run --plan /tmp/ab/$k.plan.json.gz --hardware $BASE \
+            --host-profile /tmp/ab/${k}_plan.pstats --trace /tmp/ab/${k}_plan.trace.csv > /tmp/ab/${k}_plan.log 2>&1
+          echo "  $k cap plan rc=$? $(grep '^total' /tmp/ab/${k}_plan.log)"
+          timeout 150 python3 -u -m offexec.cli run --plan /tmp/ab/$k.plan.json.gz --hardware $BASE \
+            --allocator-cap budget --gpu-mem-gb 16 --trace /tmp/ab/${k}_budget.trace.csv > /tmp/ab/${k}_budget.log 2>&1
+          echo "  $k cap budget rc=$? $(grep '^total' /tmp/ab/${k}_budget.log)"
+        done
+        (cd /tmp/ab && gzip -f *.trace.csv; tar czf "$OUT/alloc_blocks.tgz" .) ;;
+    13) timeout 120 python3 -u -m experiments.offexec.mask_sdpa --out "$OUT/mask_sdpa.json" > "$OUT/mask_sdpa.log" 2>&1 ;;
+    *) echo "unknown step $s (1 to 13)"; continue ;;
   esac
   echo "step $s rc=$? $(( $(date +%s) - T0 )) s"
 done
