@@ -1075,17 +1075,19 @@ class Executor:
         top-k sparse: ``_sparse``)."""
         ctx, start = op.ctx_tokens, op.ctx_tokens - op.q_tokens
         sparse = self._sparse(op)
-        if self.comp.cache:
-            return self._attend_packed(self._kv_buffers(op, args), start, ctx, q, k_new, v_new,
-                                       mask=self._mask(op), sparse=sparse)
-        groups = []
-        for lo, hi, buf in self._kv_buffers(op, args):
-            buf[start:ctx, 0] = k_new[:, :, lo:hi].transpose(0, 1)  # [T, B, n, D]
-            buf[start:ctx, 1] = v_new[:, :, lo:hi].transpose(0, 1)
-            K = buf[:ctx, 0].permute(1, 2, 0, 3)  # [B, n, C, D]
-            V = buf[:ctx, 1].permute(1, 2, 0, 3)
-            groups.append((lo, hi, K, V))
-        return M.attention(self.spec, q, groups, mask=self._mask(op), sparse=sparse)
+        # a padded batch's decode mask is a new shape every step: no SDPA backend that plans per shape (model.py)
+        with M.growing_mask_kernels(self.pad is not None and op.phase == "decode", self.device):
+            if self.comp.cache:
+                return self._attend_packed(self._kv_buffers(op, args), start, ctx, q, k_new, v_new,
+                                           mask=self._mask(op), sparse=sparse)
+            groups = []
+            for lo, hi, buf in self._kv_buffers(op, args):
+                buf[start:ctx, 0] = k_new[:, :, lo:hi].transpose(0, 1)  # [T, B, n, D]
+                buf[start:ctx, 1] = v_new[:, :, lo:hi].transpose(0, 1)
+                K = buf[:ctx, 0].permute(1, 2, 0, 3)  # [B, n, C, D]
+                V = buf[:ctx, 1].permute(1, 2, 0, 3)
+                groups.append((lo, hi, K, V))
+            return M.attention(self.spec, q, groups, mask=self._mask(op), sparse=sparse)
 
     # ---- op handlers: compute ---------------------------------------------------------------------------------
     def _op_embed(self, op, args, info):

@@ -20,11 +20,14 @@ same logits within fp32 rounding; tests/test_offexec_model.py).
 """
 from __future__ import annotations
 
+import contextlib
+import inspect
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from offsim.core import footprint as fp
@@ -272,6 +275,27 @@ def _sdpa(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, T: int, G: int,
     else:
         mask, causal = causal_lower_right(T, C), False
     return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, is_causal=causal, enable_gqa=G > 1)
+
+
+# SDPA's backends, in order, for an eager attention under a per-sequence key mask in decode (left-padded mixed-length
+# batches: ``visible``), whose shape grows with the context at every step. For a masked call PyTorch's default on the
+# H200 is cuDNN, which builds an execution plan on the host for every new shape: in Llama-2-13B's TightLLM job blocks
+# that cost ~45 ms at every step's first layer op of each GPU batch, ten times the op (`offexec run --host-profile`:
+# 4.2 s of host time inside SDPA over 1,920 layer ops; results/offexec/masked_decode_*). The memory-efficient kernel
+# builds nothing and at those shapes runs within 15 % of cuDNN (experiments/offexec/mask_sdpa.py). Prefill keeps the
+# default: its shape repeats over every layer of a batch, so cuDNN's plan is built once per batch.
+GROWING_MASK_BACKENDS = (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH)
+_SET_PRIORITY = "set_priority" in inspect.signature(sdpa_kernel).parameters
+
+
+def growing_mask_kernels(on: bool, device: torch.device):
+    """A context for the SDPA calls of one eager op: ``GROWING_MASK_BACKENDS`` in that order when ``on`` (a masked
+    decode op) on a CUDA device, else nothing changes."""
+    if not on or device.type != "cuda":
+        return contextlib.nullcontext()
+    if _SET_PRIORITY:
+        return sdpa_kernel(list(GROWING_MASK_BACKENDS), set_priority=True)
+    return sdpa_kernel(list(GROWING_MASK_BACKENDS[:1]) + [SDPBackend.MATH])  # older torch: no order, so no cuDNN
 
 
 def post_attn(spec: ModelSpec, w: dict, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:

@@ -102,3 +102,36 @@ def test_an_unmasked_pad_changes_the_tokens(monkeypatch):
     monkeypatch.setattr(M, "visible", lambda rows, cols, pad: (cols.unsqueeze(0) <= rows.unsqueeze(1))[None, None])
     _, res, ref = _run("opt", *CASES[0])
     assert any(not np.array_equal(res.tokens[i, :n], ref[i].numpy()) for i, n in enumerate(GEN_LENS))
+
+
+def test_masked_decode_attention_avoids_per_shape_planning_backends(monkeypatch):
+    """A padded batch's decode attention grows its mask's shape every step: the executor runs it under
+    ``model.GROWING_MASK_BACKENDS`` (memory-efficient first, no cuDNN plan per shape); prefill and unpadded batches keep
+    SDPA's default. On the CPU the context changes nothing, so here the calls are recorded."""
+    import offexec.model as M
+
+    calls = []
+    real = M.growing_mask_kernels
+
+    def spy(on, device):
+        calls.append(on)
+        return real(on, device)
+
+    monkeypatch.setattr(M, "growing_mask_kernels", spy)
+    plan, res, ref = _run("llama", "flexgen", {"percent": (20, 80, 0, 100, 100, 0)})
+    _check(res, ref)
+    attn = [o.phase for o in plan.ops if o.kind == "compute" and o.part in ("layer", "attn_layer", "attention")]
+    decode, prefill = attn.count("decode"), attn.count("prefill")
+    assert decode and prefill
+    assert calls.count(True) == decode and calls.count(False) == prefill
+    assert M.GROWING_MASK_BACKENDS[0] == torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION
+
+
+def test_growing_mask_kernels_order_efficient_first():
+    import offexec.model as M
+
+    with M.growing_mask_kernels(True, torch.device("cuda")):
+        assert torch.backends.cuda.mem_efficient_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled()
+    assert torch.backends.cuda.flash_sdp_enabled()
+    with M.growing_mask_kernels(True, torch.device("cpu")):
+        assert torch.backends.cuda.flash_sdp_enabled()
