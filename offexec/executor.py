@@ -349,7 +349,7 @@ class Executor:
         # (length 0) runs unpadded on zero ids, its output unused. None: a uniform workload, no mask, no padding.
         self.pad = None
         lens = wl.batch_prompt_lens
-        if wl.prompt_lens and any(0 < p < lens[i // self.gbs] for i, p in enumerate(wl.prompt_lens)):
+        if wl.padded:
             self.pad = torch.tensor([[lens[k] - p if p else 0
                                       for p in wl.prompt_lens[k * self.gbs:(k + 1) * self.gbs]]
                                      for k in range(self.nb)], dtype=torch.long)  # [nb, B]

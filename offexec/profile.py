@@ -882,7 +882,11 @@ def profile_attention(spec, device: str, peak_flops: float, reps: int = 10) -> l
     """Op-table rows of causal GPU attention's FLOP efficiency by context for one model's heads (GQA included),
     through ``offexec.model.attention`` over the executor's KV layout (views of a [ctx, 2, batch, heads, head_dim]
     buffer): ('attn', 'prefill') with the queries the whole context (the causal kernel), ('attn', 'recompute') with
-    the last 64 of them (TightLLM's recompute: an explicit bottom-right mask). ~16k query tokens a call."""
+    the last 64 of them (TightLLM's recompute: an explicit bottom-right mask). ~16k query tokens a call. Each again
+    under a left-padded batch's per-sequence key mask (``model.visible``; sequence i padded by 7i mod ctx/4
+    positions), with the SDPA backends the executor picks for it (``model.growing_mask_kernels`` for a recompute,
+    the default for a prefill): ('attn', 'prefill_masked') and ('attn', 'recompute_masked') -- a masked call runs
+    another kernel (experiments/offexec/mask_sdpa.py)."""
     import torch
 
     from offexec import model as M
@@ -893,7 +897,7 @@ def profile_attention(spec, device: str, peak_flops: float, reps: int = 10) -> l
     dt = torch.float16 if spec.dtype_bytes == 2 else torch.float32
     H, Hk, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
     ctxs = [c for c in (128, 512, 2048, 4096) if c <= spec.max_positions] if dev.type == "cuda" else [32, 64]
-    rows = {"prefill": [], "recompute": []}
+    rows = {"prefill": [], "recompute": [], "prefill_masked": [], "recompute_masked": []}
     for ctx in ctxs:
         for kind, T in (("prefill", ctx), ("recompute", min(ATTN_RECOMPUTE_QUERIES, ctx // 2))):
             b = max(1, (16384 if dev.type == "cuda" else 256) // ctx)
@@ -902,7 +906,12 @@ def profile_attention(spec, device: str, peak_flops: float, reps: int = 10) -> l
             groups = [(0, Hk, buf[:, 0].permute(1, 2, 0, 3), buf[:, 1].permute(1, 2, 0, 3))]
             t = _median_time(lambda: M.attention(spec, q, groups), dev, reps)
             rows[kind].append([float(ctx), float(attention_flops(spec, b, T, ctx) / t / peak_flops)])
-            del buf, q, groups
+            pad = (7 * torch.arange(b, device=dev)) % max(1, ctx // 4)
+            mask = M.visible(torch.arange(ctx - T, ctx, device=dev), torch.arange(ctx, device=dev), pad)
+            with M.growing_mask_kernels(kind == "recompute", dev):
+                t = _median_time(lambda: M.attention(spec, q, groups, mask=mask), dev, reps)
+            rows[kind + "_masked"].append([float(ctx), float(attention_flops(spec, b, T, ctx) / t / peak_flops)])
+            del buf, q, groups, mask
     key = layer_key(spec)
     return [[key, "attn", kind, pts] for kind, pts in rows.items()]
 

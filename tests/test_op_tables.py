@@ -521,7 +521,8 @@ def test_profile_ops_rows_are_well_formed(probed):
     w = spec.dtype_bytes
     assert [x for x, _ in table["copy", "d2h_qkv"]] == [b * (spec.q_dim + 2 * spec.kv_dim) * w for b in BATCHES]
     assert [x for x, _ in table["copy", "h2d_attn_out"]] == [b * spec.q_dim * w for b in BATCHES]
-    assert {(r[1], r[2]) for r in att} == {("attn", "prefill"), ("attn", "recompute")}
+    assert {(r[1], r[2]) for r in att} == {("attn", k) for k in ("prefill", "recompute", "prefill_masked",
+                                                                  "recompute_masked")}
 
 
 def test_profiled_rows_load_and_price_a_simulated_plan(probed):
@@ -1002,3 +1003,46 @@ def test_profile_sustained_only_needs_a_base_and_models(tmp_path, capsys):
     d = json.loads(out.read_text())
     assert d["op_times"] == json.loads(base.read_text())["op_times"]
     assert d["provenance"]["sustained_tables"]["models"] == ["opt-125m"]
+
+
+MASKED = HW.with_(op_times=ROWS + ((KEY, "attn", "prefill_masked", ((128.0, 0.005), (2048.0, 0.01))),
+                                   (KEY, "attn", "recompute_masked", ((128.0, 0.00025), (2048.0, 0.0005)))))
+
+
+def test_masked_attention_reads_the_masked_rows():
+    """A left-padded batch's eager attention is priced from the '_masked' rows (half the efficiency here: twice the
+    time), with the same log-q interpolation; without them, or unmasked, from the plain rows."""
+    n, ctx = 4, 1024
+    for q in (ctx, C.ATTN_RECOMPUTE_QUERIES, 256):
+        plain = C.attention_seconds(M, MASKED, n, q, ctx)
+        assert plain == pytest.approx(C.attention_seconds(M, HW, n, q, ctx), rel=1e-12)
+        assert C.attention_seconds(M, MASKED, n, q, ctx, masked=True) == pytest.approx(2 * plain, rel=1e-12)
+        assert C.attention_seconds(M, HW, n, q, ctx, masked=True) == pytest.approx(plain, rel=1e-12)
+
+
+def test_padded_plan_prices_its_eager_attention_masked():
+    """The simulator prices a padded workload's eager attention ops from the masked rows (Workload.padded), a
+    uniform one's -- and a padded one's graphed decode ops -- from the plain rows."""
+    from offsim.core.trace import Trace
+
+    lens = (100, 60, 100, 90)
+    padded = Workload(100, 4, 2, 2, prompt_lens=lens, gen_lens=(4,) * 4)
+    uniform = Workload(100, 4, 2, 2)
+    assert padded.padded and not uniform.padded
+    assert not Workload(100, 4, 2, 2, prompt_lens=(100, 100, 90, 90), gen_lens=(4,) * 4).padded
+    st = {"percent": (100, 0, 100, 0, 100, 0)}
+
+    def prefill_s(hw, wl):
+        t: Trace = simulate(build_plan("flexgen", M, hw, wl, st), hw)
+        d = t.df[(t.df.kind == "compute") & (t.df.phase == "prefill") & (t.df.layer == 0)]
+        return float((d.end_s - d.start_s).sum()), t
+
+    base, _ = prefill_s(MASKED, uniform)
+    assert prefill_s(HW, uniform)[0] == pytest.approx(base, rel=1e-12)
+    masked, tr = prefill_s(MASKED, padded)
+    assert masked > base
+    plain_padded, tr_plain = prefill_s(HW, padded)
+    assert plain_padded == pytest.approx(base, rel=1e-12)
+    dec = lambda t: t.df[(t.df.kind == "compute") & (t.df.phase == "decode") & (t.df.layer == 0)]  # graphed
+    d1, d2 = dec(tr), dec(tr_plain)
+    assert ((d1.end_s - d1.start_s).values == pytest.approx((d2.end_s - d2.start_s).values, rel=1e-12))

@@ -31,6 +31,8 @@
 #                                                                               -> $OUT/alloc_blocks.tgz
 #  13. what a key mask costs SDPA (time, memory beyond its output) by backend, at the job blocks' shapes
 #      (experiments/offexec/mask_sdpa.py)                                          -> $OUT/mask_sdpa.json
+#  14. GPU attention again for the job blocks' model, now with the masked rows (('attn', 'prefill_masked'),
+#      ('attn', 'recompute_masked'): a left-padded batch's per-sequence key mask)          -> $OUT/attn_masked.json
 # Then, here: `offexec profile --base results/profiles/h200_offexec_v2.json --merge sus.json store.json --out ...`,
 # re-validate the calibration split before adopting (docs/cost-model.md).
 #
@@ -118,7 +120,9 @@ json.dump(d, open('/tmp/ra/p4.json', 'w'))" &&
         done
         (cd /tmp/ab && gzip -f *.trace.csv; tar czf "$OUT/alloc_blocks.tgz" .) ;;
     13) timeout 120 python3 -u -m experiments.offexec.mask_sdpa --out "$OUT/mask_sdpa.json" > "$OUT/mask_sdpa.log" 2>&1 ;;
-    *) echo "unknown step $s (1 to 13)"; continue ;;
+    14) timeout 240 python3 -u -m offexec.cli profile --base $BASE --ops llama-2-13b --attention-only \
+          --out "$OUT/attn_masked.json" > "$OUT/attn_masked.log" 2>&1 ;;
+    *) echo "unknown step $s (1 to 14)"; continue ;;
   esac
   echo "step $s rc=$? $(( $(date +%s) - T0 )) s"
 done

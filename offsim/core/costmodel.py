@@ -275,17 +275,19 @@ def sparse_share(q_tokens: int, ctx_tokens: int, comp: Compression) -> float:
 
 
 def attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_tokens: int, ctx_tokens: int,
-                      comp: Compression = NO_COMPRESSION):
+                      comp: Compression = NO_COMPRESSION, masked: bool = False):
     """GPU attention: the larger of its FLOPs at the prefill efficiency and its KV read at the decode efficiency.
     The FLOP efficiency of many queries is this model's own where the profile's op tables have it (mode 'attn':
     'prefill' when the queries are the whole context, else 'recompute' -- a masked kernel), else the profile's
-    model-agnostic curve. Sparse attention (``comp``) reads all of K and its share of V, and does its share of
-    PV."""
+    model-agnostic curve. ``masked``: the batch is left-padded (``Workload.padded``), so the kernel takes a
+    per-sequence key mask: the profile's 'prefill_masked' / 'recompute_masked' rows where measured (a masked SDPA
+    call runs another kernel, up to 2.5x slower at these shapes: experiments/offexec/mask_sdpa.py), else the
+    unmasked rows. Sparse attention (``comp``) reads all of K and its share of V, and does its share of PV."""
     sparse = sparse_share(q_tokens, ctx_tokens, comp)
     flops = attention_flops(model, num_seqs, q_tokens, ctx_tokens, sparse)
     eff = None
     if q_tokens > 1 and hw.op_times:
-        eff = _attention_table_efficiency(hw, model, q_tokens, ctx_tokens)
+        eff = _attention_table_efficiency(hw, model, q_tokens, ctx_tokens, masked)
     t_flops = flops / (hw.gpu_peak_flops * (eff if eff is not None else interp(hw.attn_prefill_efficiency,
                                                                                 ctx_tokens)))
     kv_read = num_seqs * ctx_tokens * model.kv_bytes_per_token() * (1 + sparse) / 2  # K whole, V's kept share
@@ -300,18 +302,22 @@ def attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_tokens: in
 ATTN_RECOMPUTE_QUERIES = 64
 
 
-def _attention_table_efficiency(hw: HardwareSpec, model: ModelSpec, q_tokens: int, ctx_tokens: int) -> float | None:
+def _attention_table_efficiency(hw: HardwareSpec, model: ModelSpec, q_tokens: int, ctx_tokens: int,
+                                masked: bool = False) -> float | None:
     """GPU attention's FLOP efficiency for ``q_tokens`` > 1 queries at the end of a ``ctx_tokens`` context from the
     profile's ('attn', ...) rows, or None without them. The rows measure two query counts at each context: the
     whole context ('prefill', q = ctx, the causal kernel) and a recompute block of ``ATTN_RECOMPUTE_QUERIES``
     queries ('recompute', the bottom-right causal mask). A block between them is one kernel over more queries: its
     FLOPs per KV byte read grow with q, so its efficiency lies between the two measured points; it is interpolated
     linearly in log q between them (as ``interp`` does between a curve's points). Up to the recompute row's query
-    count, that row as measured."""
-    pre = op_table(hw, model, "attn", "prefill")
+    count, that row as measured. ``masked``: the '_masked' rows (a per-sequence key mask), where the profile has
+    both; else the unmasked ones."""
+    sfx = "_masked" if masked and op_table(hw, model, "attn", "prefill_masked") is not None \
+        and op_table(hw, model, "attn", "recompute_masked") is not None else ""
+    pre = op_table(hw, model, "attn", "prefill" + sfx)
     if q_tokens >= ctx_tokens:
         return None if pre is None else interp(pre, ctx_tokens)
-    rec = op_table(hw, model, "attn", "recompute")
+    rec = op_table(hw, model, "attn", "recompute" + sfx)
     if rec is None:
         return None
     e_rec = interp(rec, ctx_tokens)
@@ -409,7 +415,8 @@ def _table_compute_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_se
 
 
 def compute_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_tokens: int, ctx_tokens: int,
-                    graphs: bool = True, comp: Compression = NO_COMPRESSION, quant_impl: str = ""):
+                    graphs: bool = True, comp: Compression = NO_COMPRESSION, quant_impl: str = "",
+                    masked: bool = False):
     """One GPU compute op: ``part`` of one layer (or 'embed'/'head') for a batch of ``num_seqs`` sequences.
     'layer' = 'pre_attn' (norm, QKV) + 'attn' + 'post_attn' (output projection, norm, FFN). ``graphs``: the runtime
     replays this op as a CUDA graph (``graphed``: a decode op of at most the plan's ``graph_q_tokens`` tokens).
@@ -418,17 +425,17 @@ def compute_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_t
     table's (measured through the executor at this size) plus attention over its real context; otherwise the
     analytical terms: fixed overhead + GEMM FLOPs at the profiled efficiency + elementwise HBM traffic + attention.
     With compression (``comp``), plus its dequantize and quantize passes (``quant_seconds``; ``quant_impl``: the
-    plan's, whose code runs them)."""
+    plan's, whose code runs them). ``masked``: attention under a per-sequence key mask (``attention_seconds``)."""
     q = quant_seconds(model, hw, part, num_seqs, q_tokens, ctx_tokens, comp, quant_impl) \
         if comp is not NO_COMPRESSION else 0.0
     if hw.op_times and _is_number(num_seqs):
         t = _table_compute_seconds(model, hw, part, num_seqs, q_tokens, graphs)
         if t is not None:
             if part in ("attn", "layer", "attn_layer"):
-                t += attention_seconds(model, hw, num_seqs, q_tokens, ctx_tokens, comp)
+                t += attention_seconds(model, hw, num_seqs, q_tokens, ctx_tokens, comp, masked)
             return _sustained(hw, t, num_seqs * q_tokens, model) + q
-    return _sustained(hw, _analytical_compute_seconds(model, hw, part, num_seqs, q_tokens, ctx_tokens, comp),
-                      num_seqs * q_tokens, model) + q
+    t = _analytical_compute_seconds(model, hw, part, num_seqs, q_tokens, ctx_tokens, comp, masked)
+    return _sustained(hw, t, num_seqs * q_tokens, model) + q
 
 
 # Bytes of HBM traffic per fp16 byte that a dequantize (or quantize) pass moves when no profile measured its rate
@@ -529,7 +536,7 @@ def _sustained(hw: HardwareSpec, t, tokens, model: ModelSpec | None = None):
 
 
 def _analytical_compute_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_tokens: int,
-                                ctx_tokens: int, comp: Compression = NO_COMPRESSION):
+                                ctx_tokens: int, comp: Compression = NO_COMPRESSION, masked: bool = False):
     """``compute_seconds`` from the analytical terms (no op table)."""
     tokens = num_seqs * q_tokens
     if part == "embed":  # a gather: memory-bound, tiny
@@ -539,7 +546,7 @@ def _analytical_compute_seconds(model: ModelSpec, hw: HardwareSpec, part: str, n
     t = hw.kernel_overhead_s + gemm_seconds(hw, tokens, tokens * gemm_flops_per_token(model, part))
     t = t + tokens * elementwise_bytes_per_token(model, part) / hw.gpu_hbm_bytes_per_s
     if part in ("attn", "layer", "attn_layer"):
-        t = t + attention_seconds(model, hw, num_seqs, q_tokens, ctx_tokens, comp)
+        t = t + attention_seconds(model, hw, num_seqs, q_tokens, ctx_tokens, comp, masked)
     return t
 
 
@@ -752,7 +759,7 @@ def duplex_rate(op, model: ModelSpec, hw: HardwareSpec, pageable_copy: str = "",
 def op_seconds(op, model: ModelSpec, hw: HardwareSpec, other_busy_s: float = 0.0, disk_cached: bool = False,
                graph_q_tokens: int = GRAPH_MAX_Q_TOKENS, comp: Compression = NO_COMPRESSION,
                gather_copies: int = 0, cpu_attention_impl: str = "", pageable_copy: str = "",
-               quant_impl: str = "") -> float:
+               quant_impl: str = "", masked: bool = False) -> float:
     """Duration of one plan op (see ``offsim.core.plan.Op``). ``other_busy_s``: for PCIe copies, how long the opposite
     direction stays busy from this op's start (duplex). ``disk_cached``: the plan's disk tier is page-cached.
     ``graph_q_tokens``: the plan's ``graph_q_tokens`` (decode ops of up to this many query tokens replayed as CUDA
@@ -762,11 +769,14 @@ def op_seconds(op, model: ModelSpec, hw: HardwareSpec, other_busy_s: float = 0.0
     that many device copies of its bytes (``gather_seconds``). ``cpu_attention_impl``: the plan's
     ``cpu_attention_impl`` (whose CPU attention path prices its cpu_compute ops). ``pageable_copy``: the plan's
     ``pageable_copy`` ('relay': its unpinned copies are staged through a pinned copy, ``link_bytes_per_s``).
-    ``quant_impl``: the plan's ``quant_impl`` (whose code runs a compute op's dequantize passes)."""
+    ``quant_impl``: the plan's ``quant_impl`` (whose code runs a compute op's dequantize passes). ``masked``: the
+    plan's workload is left-padded (``Workload.padded``): an eager attention takes a per-sequence key mask (a graphed
+    op attends under a mask anyway: its rows are measured so)."""
     k = op.kind
     if k == "compute":
         g = bool(graph_q_tokens) and graphed(k, op.part, op.q_tokens, op.phase, graph_q_tokens)
-        return compute_seconds(model, hw, op.part, op.num_seqs, op.q_tokens, op.ctx_tokens, g, comp, quant_impl)
+        return compute_seconds(model, hw, op.part, op.num_seqs, op.q_tokens, op.ctx_tokens, g, comp, quant_impl,
+                               masked and not g)
     if k == "cpu_compute":
         return cpu_attention_seconds(model, hw, op.num_seqs, op.q_tokens, op.ctx_tokens, comp, cpu_attention_impl)
     if k in ("h2d", "d2h"):

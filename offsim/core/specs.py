@@ -705,6 +705,15 @@ class Workload:
             return (self.prompt_len,) * self.num_gpu_batches
         return tuple(max(self._slice(self.prompt_lens, k)) for k in range(self.num_gpu_batches))
 
+    @functools.cached_property
+    def padded(self) -> bool:
+        """Whether some request is shorter than its GPU batch's prompt length: then offexec left-pads the batches
+        and every attention runs under a per-sequence key mask (docs/jobs.md §4), priced from the profile's masked
+        attention rows (``costmodel.attention_seconds``)."""
+        lens = self.batch_prompt_lens
+        return bool(self.prompt_lens) and any(0 < p < lens[i // self.gpu_batch_size]
+                                              for i, p in enumerate(self.prompt_lens))
+
     def batch_mean_prompt_len(self, k: int) -> int:
         """GPU batch k's mean prompt length over its requests (empty slots left out), rounded to a token (halves
         up): what TightLLM's Algorithm 1 estimates for a batch."""

@@ -155,13 +155,16 @@ class KVDistributor:
     every batch that shares a step)."""
 
     def __init__(self, model: ModelSpec, hw: HardwareSpec, transfer_model: str = "streams",
-                 comp: Compression = NO_COMPRESSION):
+                 comp: Compression = NO_COMPRESSION, masked: bool = False):
         if transfer_model not in TRANSFER_MODELS:
             raise OffsimError(f"transfer_model must be one of {TRANSFER_MODELS}, got {transfer_model!r}")
         self.model, self.hw, self.transfer_model = model, hw, transfer_model
         # compression: KV loads at their stored size, compute with its dequantize / quantize
         # passes -- a compressed cache makes loading cheaper, so recompute pays off later (a smaller N_r)
         self.comp = comp
+        # left-padded batches (``Workload.padded``): an eager recompute attends under a key mask, as the simulator
+        # prices it (``costmodel.attention_seconds``)
+        self.masked = masked
         self.bracket = PRESOLVE_BRACKET
         # the lower-bound hardware: same everything, GEMM efficiency replaced by its suffix maximum
         self._hw_lb = hw.with_(gemm_efficiency=_suffix_max_curve(hw.gemm_efficiency))
@@ -195,8 +198,9 @@ class KVDistributor:
         m, hw = self.model, self.hw
         self.stats["evaluations"] += 1
         # offexec replays a recompute of up to GRAPH_MAX_Q_TOKENS query tokens as a CUDA graph
-        t_c = cm.compute_seconds(m, hw, "layer", d.num_seqs, n + 1, d.ctx_tokens + 1,
-                                 n + 1 <= cm.GRAPH_MAX_Q_TOKENS, comp=self.comp)
+        graphed = n + 1 <= cm.GRAPH_MAX_Q_TOKENS
+        t_c = cm.compute_seconds(m, hw, "layer", d.num_seqs, n + 1, d.ctx_tokens + 1, graphed, comp=self.comp,
+                                 masked=self.masked and not graphed)
         loaded = d.ctx_tokens - n
         kv_d = kv_load_bytes(m, d.num_seqs, d.kv_disk_heads, loaded, self.comp)
         t_kvw = 0.0
@@ -232,7 +236,7 @@ class KVDistributor:
         _, kvw_b, _, disk_b, _ = self._parts(d, b)
         _, _, hid_a, _, dd_a = self._parts(d, a)
         lb_c = cm.compute_seconds(self.model, self._hw_lb, "layer", d.num_seqs, a + 1, d.ctx_tokens + 1, False,
-                                  comp=self.comp)
+                                  comp=self.comp, masked=self.masked)
         if a + 1 <= cm.GRAPH_MAX_Q_TOKENS:  # n in [a, b] may run graphed or eager: the lower of the two at a
             lb_c = min(lb_c, cm.compute_seconds(self.model, self._hw_lb, "layer", d.num_seqs, a + 1,
                                                 d.ctx_tokens + 1, True, comp=self.comp))
@@ -445,7 +449,7 @@ def _solve_choice_milp(T: np.ndarray) -> int:
 
 @lru_cache(maxsize=64)
 def distributor(model: ModelSpec, hw: HardwareSpec, transfer_model: str = "streams",
-                comp: Compression = NO_COMPRESSION) -> KVDistributor:
-    """A shared distributor per (model, hardware, transfer model, compression), so decisions are memoised across
-    plans."""
-    return KVDistributor(model, hw, transfer_model, comp)
+                comp: Compression = NO_COMPRESSION, masked: bool = False) -> KVDistributor:
+    """A shared distributor per (model, hardware, transfer model, compression, masked attention), so decisions are
+    memoised across plans."""
+    return KVDistributor(model, hw, transfer_model, comp, masked)

@@ -254,7 +254,7 @@ def recompute_tokens(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: Tight
         return table  # nothing is loaded, so nothing to trade
     if free_gpu_bytes is None:
         free_gpu_bytes = free_gpu_bytes_of(model, hw, wl, lay, compression_of(st))
-    kvd = distributor(model, hw, st.transfer_model, compression_of(st))
+    kvd = distributor(model, hw, st.transfer_model, compression_of(st), wl.padded)
     decisions: dict[tuple[int, int], Decision] = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", KVDistributorWarning)
@@ -623,7 +623,7 @@ def estimate_seconds_per_token(model: ModelSpec, hw: HardwareSpec, wl: Workload,
     gbs, P = wl.gpu_batch_size, wl.prompt_len
     off_heads = lay.kv_cpu_heads + lay.kv_disk_heads
     cz = compression_of(st)
-    kvd = distributor(model, hw, st.transfer_model, cz)
+    kvd = distributor(model, hw, st.transfer_model, cz, wl.padded)
     mid = P + wl.gen_len // 2 - 1
     pre = dec = 0.0
     for k in range(wl.num_gpu_batches):
@@ -634,7 +634,7 @@ def estimate_seconds_per_token(model: ModelSpec, hw: HardwareSpec, wl: Workload,
         dec += kvd.objective(d, n)
         t_w = sum(cm.transfer_seconds(hw, x, "h2d") for x in (d.weight_cpu_bytes, d.weight_disk_bytes) if x)
         t_st = cm.transfer_seconds(hw, kvb_all(model, gbs, off_heads, P - n, cz), "d2h") if off_heads else 0.0
-        pre += max(cm.compute_seconds(model, hw, "layer", gbs, P, P, graphs=False, comp=cz),
+        pre += max(cm.compute_seconds(model, hw, "layer", gbs, P, P, graphs=False, comp=cz, masked=wl.padded),
                    t_w + cm.disk_seconds(hw, d.weight_disk_bytes, "read"), t_st)
     return model.num_layers * (pre + (wl.gen_len - 1) * dec) / (wl.num_prompts * wl.gen_len)
 
