@@ -33,6 +33,10 @@
 #      (experiments/offexec/mask_sdpa.py)                                          -> $OUT/mask_sdpa.json
 #  14. GPU attention again for the job blocks' model, now with the masked rows (('attn', 'prefill_masked'),
 #      ('attn', 'recompute_masked'): a left-padded batch's per-sequence key mask)          -> $OUT/attn_masked.json
+#  15. prefill under the allocator cap: each plan in build/p15/ (carry it: copy calibration plans there first) run
+#      with the cap at the plan's bytes and at a 24 GiB budget, the runs' JSON 'allocator' retries beside prefill
+#      tok/s (the job blocks' prefill retried 46-126 times and ran ~11 % slower at the plan's cap)
+#                                                                               -> $OUT/p15.tgz
 # Then, here: `offexec profile --base results/profiles/h200_offexec_v2.json --merge sus.json store.json --out ...`,
 # re-validate the calibration split before adopting (docs/cost-model.md).
 #
@@ -122,7 +126,16 @@ json.dump(d, open('/tmp/ra/p4.json', 'w'))" &&
     13) timeout 120 python3 -u -m experiments.offexec.mask_sdpa --out "$OUT/mask_sdpa.json" > "$OUT/mask_sdpa.log" 2>&1 ;;
     14) timeout 240 python3 -u -m offexec.cli profile --base $BASE --ops llama-2-13b --attention-only \
           --out "$OUT/attn_masked.json" > "$OUT/attn_masked.log" 2>&1 ;;
-    *) echo "unknown step $s (1 to 14)"; continue ;;
+    15) mkdir -p /tmp/p15 && for pl in build/p15/*.plan.json.gz; do
+          n=$(basename $pl .plan.json.gz)
+          for cap in plan budget; do
+            timeout 150 python3 -u -m offexec.cli run --plan $pl --hardware $BASE --allocator-cap $cap \
+              --gpu-mem-gb 24 > /tmp/p15/${n}_$cap.log 2>&1
+            echo "  $n cap $cap rc=$? $(grep '^prefill' /tmp/p15/${n}_$cap.log) $(grep -o '"num_alloc_retries": [0-9]*' /tmp/p15/${n}_$cap.log)"
+          done
+        done
+        (cd /tmp/p15 && tar czf "$OUT/p15.tgz" .) ;;
+    *) echo "unknown step $s (1 to 15)"; continue ;;
   esac
   echo "step $s rc=$? $(( $(date +%s) - T0 )) s"
 done
