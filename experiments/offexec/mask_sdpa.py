@@ -2,7 +2,9 @@
 beyond its inputs and output, for the mask offexec builds for left-padded mixed-length batches (bool [B, 1, T, C],
 ``offexec/model.py visible``) against the alternatives (an additive mask in the query's dtype, contiguous or with
 its rows 16-element aligned; no mask at all, i.e. the uniform-length path's bottom-right causal attention), under
-each SDPA backend that accepts it (issue 20: the job blocks' decode layer ops stall at every step's first layer).
+each SDPA backend that accepts it (issue 20: the job blocks' decode layer ops stall at every step's first layer),
+and for decode shapes the host time of the first call at the next step's context (``new_shape_ms``: a backend that
+plans per shape pays it there).
 
     python -m experiments.offexec.mask_sdpa [--out FILE.json] [--shapes B,H,T,C ...]
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -24,8 +27,8 @@ from offsim.core.provenance import provenance
 # Llama-2-13B's TightLLM job blocks (results/offline_jobs/h200): translation decode (64 sequences, ~50 recomputed
 # query rows over ~130 keys), summarization decode (48, ~145 over ~545) and its prefill (48, 592 over 592)
 SHAPES = ((64, 40, 50, 130), (48, 40, 145, 545), (48, 40, 592, 592), (64, 40, 1, 130))
-BACKENDS = {"default": None, "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-            "math": SDPBackend.MATH}
+BACKENDS = {"default": None, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
 
 
 def _masks(B: int, T: int, C: int, dev) -> dict:
@@ -43,6 +46,26 @@ def _masks(B: int, T: int, C: int, dev) -> dict:
             "none": causal_lower_right(T, C) if 1 < T < C else None}
 
 
+def _call(q, K, V, mask, be):
+    T, C = q.shape[2], K.shape[2]
+    if be is None:
+        return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, is_causal=T == C and mask is None)
+    with sdpa_kernel([be]):
+        return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, is_causal=T == C and mask is None)
+
+
+def _new_shape_ms(q, K, V, mask_of, be, T: int, C: int, dev) -> float:
+    """Host wall time of the first call at a context one longer than the one just run (a decode step's next shape):
+    a backend that plans per shape (cuDNN) pays its planning here, on the host."""
+    K1, V1 = torch.cat((K, K[:, :, :1]), 2), torch.cat((V, V[:, :, :1]), 2)
+    m1 = mask_of(C + 1)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    _call(q, K1, V1, m1, be)
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - t0)
+
+
 def measure(B: int, H: int, T: int, C: int, D: int = 128, repeats: int = 20) -> list[dict]:
     dev = torch.device("cuda")
     q = torch.randn(B, H, T, D, dtype=torch.float16, device=dev)
@@ -54,11 +77,7 @@ def measure(B: int, H: int, T: int, C: int, D: int = 128, repeats: int = 20) -> 
             row = {"B": B, "H": H, "T": T, "C": C, "D": D, "mask": name, "backend": bname}
             try:
                 def call():
-                    if be is None:
-                        return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, is_causal=T == C and mask is None)
-                    with sdpa_kernel([be]):
-                        return F.scaled_dot_product_attention(q, K, V, attn_mask=mask,
-                                                              is_causal=T == C and mask is None)
+                    return _call(q, K, V, mask, be)
                 call()
                 torch.cuda.synchronize()
                 base = torch.cuda.memory_allocated()
@@ -75,6 +94,8 @@ def measure(B: int, H: int, T: int, C: int, D: int = 128, repeats: int = 20) -> 
                 torch.cuda.synchronize()
                 ts = sorted(ev[2 * i].elapsed_time(ev[2 * i + 1]) for i in range(repeats))
                 row["ms"] = ts[len(ts) // 2]
+                if T < C:  # a decode shape: what the next step's context costs the first time
+                    row["new_shape_ms"] = _new_shape_ms(q, K, V, lambda c: _masks(B, T, c, dev)[name], be, T, C, dev)
             except RuntimeError as e:  # the backend refuses this mask or shape
                 row["error"] = str(e).splitlines()[0][:160]
             out.append(row)
