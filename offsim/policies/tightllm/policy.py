@@ -192,8 +192,7 @@ def recompute_memory_cap(model: ModelSpec, wl: Workload, lay: Layout, free_gpu_b
         hin = fp.LANDING_BUFFERS * fp.hidden_bytes(model, gbs, n + 1) if lay.hidden_home == "cpu" else 0
         # (at most the longest graphed op's: a plan whose N_r varies by step may hold those graphs too; monotone)
         graphs = fp.decode_graph_bytes(model, wl, min(n + 1, GRAPH_MAX_Q_TOKENS)) - graphs_1
-        return fp.op_peak_bytes(model, "layer", gbs, n + 1, ctx_tokens + 1, groups, masked=wl.padded) + hin + bufs + \
-            graphs
+        return fp.op_peak_bytes(model, "layer", gbs, n + 1, ctx_tokens + 1, groups) + hin + bufs + graphs
 
     # need(n) grows with n: every term of the op peak is linear in the query tokens
     if need(0) > free_gpu_bytes:
@@ -515,7 +514,7 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
             S = stored_upto.get((j, k), 0)
             t = store_target(i, k)
             new_store = max(0, t - S) if (kc or kd) else 0
-            ws = fp.op_peak_bytes(model, "layer", gbs, q, ctx, kv_groups, masked=wl.padded) + dq
+            ws = fp.op_peak_bytes(model, "layer", gbs, q, ctx, kv_groups) + dq
             last_k = k == nb - 1
             w_free = slot if (last_k and u is not None) else 0
             if new_store and kd:
@@ -554,7 +553,7 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
                 stored_upto[(j, k)] = t
                 store_ops[(j, k)] = ops
         else:
-            ws = fp.op_peak_bytes(model, part, gbs, q, ctx, masked=wl.padded)
+            ws = fp.op_peak_bytes(model, part, gbs, q, ctx)
             comp = add("compute", deps, phase, i, j, k, part=part, num_seqs=gbs, q_tokens=q, ctx_tokens=ctx,
                        alloc=(ws, 0, 0), free=(ws + hin, 0, 0))
         computes.append(comp)
