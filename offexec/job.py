@@ -25,6 +25,7 @@ import gc
 import hashlib
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -111,6 +112,29 @@ class Journal:
         if self.path is not None:
             with open(self.path, "a") as f:
                 f.write(json.dumps(d, default=_jsonable) + "\n")
+
+
+REPLACED = "blocks.replaced.jsonl"
+
+
+def retire_policies(path: Path, policies) -> int:
+    """Move ``policies``' lines out of the journal ``path`` into ``REPLACED`` beside it (appended: nothing is lost), so
+    that their blocks are measured again (``--remeasure``, e.g. after an executor change); the other policies' lines
+    stay and resume. The journal is rewritten through a temporary file. Returns the lines moved."""
+    if not path.exists():
+        return 0
+    keep, moved = [], []
+    for ln in path.read_text().splitlines():
+        try:
+            pol = json.loads(ln).get("policy")
+        except (json.JSONDecodeError, AttributeError):
+            pol = None  # a line cut by an interrupt stays where it is (the journal skips it)
+        (moved if pol in policies else keep).append(ln)
+    if moved:
+        with open(path.parent / REPLACED, "a") as f:
+            f.write("".join(ln + "\n" for ln in moved))
+        write_text_atomic(path, "".join(ln + "\n" for ln in keep))
+    return len(moved)
 
 
 def _jsonable(x):
@@ -407,6 +431,10 @@ def add_job_parser(sub) -> None:
                    help="start no block whose predicted time does not fit in what is left of S seconds (the "
                         "blocks measured are kept in the journal; the same command again resumes) -- for device "
                         "sessions with a time limit")
+    j.add_argument("--remeasure", nargs="+", default=None, metavar="POLICY",
+                   help="measure these policies' blocks again in a folder that has them (e.g. after an executor "
+                        "change): their journal lines move to blocks.replaced.jsonl, the other policies resume; "
+                        "their settings stay those the job started with (best.json)")
     j.add_argument("--report-only", action="store_true",
                    help="no device: write the report from the blocks already in --out's journal (e.g. copied back "
                         "from the GPU machine; give the --device they ran on); policies with blocks missing are "
@@ -494,7 +522,17 @@ def cmd_job(args) -> list[dict]:
         raise OffsimError(f"--out {out} is a file; give a folder")
     if not out.parent.resolve().is_dir():
         raise OffsimError(f"--out {out}: folder {out.parent.resolve()} does not exist (create it first)")
+    if args.remeasure:
+        bad = [p for p in args.remeasure if p not in policies]
+        if bad:
+            raise OffsimError(f"--remeasure takes policies the job runs ({', '.join(policies)}), got {', '.join(bad)}")
+        if args.report_only:
+            raise OffsimError("--remeasure measures again: it does not go with --report-only")
     out.mkdir(exist_ok=True)
+    if args.remeasure:
+        n = retire_policies(out / JOURNAL, set(args.remeasure))
+        print(f"--remeasure: {n} measured blocks of {', '.join(args.remeasure)} moved to {out / REPLACED}",
+              file=sys.stderr)
     p_max, g_max = J.job_lengths(requests)
     print(f"offexec job {spec.name}: {len(requests)} requests from {spec.source} (seed {spec.seed}), prompts "
           f"{min(r.prompt_len for r in requests)}-{p_max} tokens, outputs {min(r.gen_len for r in requests)}-{g_max}; "

@@ -476,3 +476,31 @@ def test_jobs_readme_explains_its_misses(tmp_path):
     assert df.iloc[0]["decode_error"] < -0.05  # the miss is in decode
     text = JR.write(tmp_path).read_text()
     assert "## Where the misses are" in text and "| translation | tightllm | 0 | 99 123 | 154 |" in text
+
+
+def test_job_remeasures_a_policy_keeping_the_others(tiny, capsys):
+    """--remeasure POLICY: that policy's journal lines move to blocks.replaced.jsonl (nothing lost) and its blocks
+    run again at the settings the job started with; another policy's blocks resume. Bad use is refused in one line."""
+    d, _ = tiny
+    out = d / "out_re"
+    argv = ["job", str(d / "job.yaml"), "--device", "cpu", "--dtype", "float32", "--out", str(out),
+            "--no-progress", "--max-requests", "6"]
+    rc, lines, err = _run(capsys, argv)
+    assert rc == 0, err
+    first = {r["policy"]: r for r in json.loads(lines[-1])}
+    assert len(first) >= 2
+    pol, other = sorted(first)[0], sorted(first)[1]
+    before = (out / "blocks.jsonl").read_text().splitlines()
+    mine = [ln for ln in before if json.loads(ln)["policy"] == pol]
+    rc, lines, err = _run(capsys, argv + ["--remeasure", pol])
+    assert rc == 0, err
+    again = {r["policy"]: r for r in json.loads(lines[-1])}
+    assert again[pol]["resumed_blocks"] == 0 and again[other]["resumed_blocks"] == first[other]["blocks"]
+    assert again[pol]["settings"] == first[pol]["settings"]
+    assert (out / "blocks.replaced.jsonl").read_text().splitlines() == mine
+    after = (out / "blocks.jsonl").read_text().splitlines()
+    assert len(after) == len(before) and [ln for ln in after if json.loads(ln)["policy"] != pol] == \
+        [ln for ln in before if json.loads(ln)["policy"] != pol]
+    for bad in (["--remeasure", "selectn-nope"], ["--remeasure", pol, "--report-only"]):
+        rc, lines, err = _run(capsys, argv + bad)
+        assert rc == 2 and "--remeasure" in err and "Traceback" not in err
