@@ -4,8 +4,8 @@ batch, ~45 ms; results/offexec/masked_decode_*).
 
     python -m experiments.offexec.first_layer_stall FOLDER
 
-For every ``*.trace.csv.gz`` in FOLDER whose plan sits beside it (the trace's ``plan_file``, or ``X.plan.json.gz``
-for ``X_*.trace.csv.gz``): per decode step, the summed time of layer 0's compute ops (one per GPU batch) and the
+For every ``*.trace.csv.gz`` in FOLDER whose plan sits beside it (the file the trace's ``plan_file`` names): per
+decode step, the summed time of layer 0's compute ops (one per GPU batch) and the
 median time of one layer op of the other layers; their totals over the decode; and the decode time. Writes
 ``stall.csv`` and ``stall.md`` (generated; never edit) in FOLDER and prints the table.
 """
@@ -24,10 +24,10 @@ from offsim.core.trace import Trace
 
 
 def _plan_of(trace_path: Path, tr: Trace) -> Path | None:
+    """The plan the run recorded (``plan_file`` in the trace's metadata), where a copy sits beside the trace."""
     named = tr.meta.get("plan_file")
-    cands = ([trace_path.parent / Path(named).name] if named else []) + \
-        [trace_path.parent / (trace_path.name.split("_")[0].removesuffix(".trace.csv.gz") + ".plan.json.gz")]
-    return next((p for p in cands if p.exists()), None)
+    p = trace_path.parent / Path(named).name if named else None
+    return p if p is not None and p.exists() else None
 
 
 def stall_row(trace_path: Path) -> dict | None:
