@@ -79,6 +79,7 @@ def explain(folder: Path, miss: float = MISS) -> Path:
     """``misses.csv``: each measured block off by more than ``miss``, split into prefill and decode, beside offsim's
     exact simulation of its plan (see the module docstring)."""
     from experiments.offexec.job_block_plan import block_plan
+    from offexec.job import JOURNAL, Journal
     from offsim.core import costmodel
     from offsim.core.io import read_commented_csv, write_commented_csv
     from offsim.core.sim import simulate
@@ -91,11 +92,7 @@ def explain(folder: Path, miss: float = MISS) -> Path:
             continue
         blocks = read_commented_csv(blocks_csv, "blocks")[1]
         off = blocks[(blocks["policy"] == p["policy"]) & (blocks["error"].abs() > miss)]
-        journal = {}
-        for line in (job_dir / "blocks.jsonl").read_text().splitlines():
-            d = json.loads(line)
-            if d.get("policy") == p["policy"]:
-                journal[d["block"]] = d
+        journal = {d["block"]: d for d in Journal(job_dir / JOURNAL).lines.values() if d["policy"] == p["policy"]}
         spec = Path(job["provenance"]["spec"])  # the spec the job ran (its provenance), from the repository root
         for b in off.itertuples():
             plan, hw = block_plan(spec, job_dir, p["policy"], int(b.block), None)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from offexec import model as M
 from offsim.core.provenance import provenance
 
 # Llama-2-13B's TightLLM job blocks (results/offline_jobs/h200): translation decode (64 sequences, ~50 recomputed
@@ -32,12 +33,10 @@ BACKENDS = {"default": None, "flash": SDPBackend.FLASH_ATTENTION, "efficient": S
 
 
 def _masks(B: int, T: int, C: int, dev) -> dict:
-    """The key masks of one left-padded batch: sequence b padded by b mod 7 positions, causal at the bottom right."""
-    rows = torch.arange(C - T, C, device=dev)
-    cols = torch.arange(C, device=dev)
-    pad = torch.arange(B, device=dev) % 7
-    vis = ((cols[None] <= rows[:, None])[None] & (cols[None] >= pad[:, None])[:, None]
-           | (cols[None] == rows[:, None])[None]).unsqueeze(1)  # [B, 1, T, C]
+    """The key masks of one left-padded batch: sequence b padded by b mod 7 positions, causal at the bottom right
+    (offexec's own, ``model.visible``), and the alternatives built from it."""
+    vis = M.visible(torch.arange(C - T, C, device=dev), torch.arange(C, device=dev),
+                    torch.arange(B, device=dev) % 7)  # [B, 1, T, C]
     add = torch.zeros(B, 1, T, C, dtype=torch.float16, device=dev).masked_fill_(~vis, float("-inf"))
     C16 = -(-C // 16) * 16
     aligned = torch.full((B, 1, T, C16), float("-inf"), dtype=torch.float16, device=dev)[..., :C]
