@@ -139,7 +139,7 @@ def op_transient_bytes(plan: Plan, prog: Program) -> int:
     best = 0
     for part, B, T, C in shapes:
         fpart = ("cpu_attn_layer" if whole else "cpu_attn_pre") if part == "pre_attn" else part
-        peak = fp.op_peak_bytes(m, fpart, B, T, C, kv_groups)
+        peak = fp.op_peak_bytes(m, fpart, B, T, C, kv_groups, masked=plan.workload.key_masked)
         best = max(best, peak - fp.op_output_bytes(m, part, B, T))
     return best
 

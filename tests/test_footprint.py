@@ -273,3 +273,26 @@ def test_executor_host_check_uses_meminfo(monkeypatch):
         X.check_plan(plan, "cpu", 1 << 40)
     monkeypatch.setattr(X, "_meminfo_available_bytes", lambda: 1 << 40)
     X.check_plan(plan, "cpu", 1 << 40)
+
+
+def test_padded_batches_count_their_key_mask():
+    """A left-padded batch's attention holds the key mask and SDPA's copies of it (footprint.mask_bytes: positions,
+    the bool mask, two 2-byte copies at 16-column rows); Llama's RoPE gathers cos/sin per sequence; OPT's embed
+    gathers its positions per sequence. Uniform batches are unchanged."""
+    from offsim import Workload
+    from offsim.core import footprint as F
+    from offsim.core.specs import get_model
+
+    for name in ("opt-13b", "llama-2-13b"):
+        m = get_model(name)
+        B, T, C = 48, 145, 545
+        plain, masked = F.layer_stage_bytes(m, B, T, C), F.layer_stage_bytes(m, B, T, C, masked=True)
+        assert masked["attention"] - plain["attention"] == F.mask_bytes(B, T, C) == B * T * (8 + C + 4 * 560)
+        rope = 2 * B * T * m.head_dim * m.dtype_bytes if m.family == "llama" else 0
+        assert masked["pre_attn"] - plain["pre_attn"] in (0, rope) and masked["mlp"] == plain["mlp"]
+        hE = F.hidden_bytes(m, B, T)
+        assert F.op_peak_bytes(m, "embed", B, T, T, masked=True) - F.op_peak_bytes(m, "embed", B, T, T) == \
+            (hE if m.family == "opt" else 0)
+        uniform = Workload(592, 24, 48, 2)
+        padded = Workload(592, 24, 48, 2, prompt_lens=(592,) * 95 + (400,), gen_lens=(24,) * 96)
+        assert F.max_layer_peak_bytes(m, padded) >= F.max_layer_peak_bytes(m, uniform)  # (the MLP may dominate)

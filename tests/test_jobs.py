@@ -157,6 +157,43 @@ def test_search_with_a_shortened_last_stage_picks_the_same(opt125, t4_small):
         check_plan_fits("flexgen", opt125, t4_small, Workload(64, 40, 4096, 4), {"percent": (100, 0, 100, 0, 100, 0)})
 
 
+@pytest.mark.parametrize("policy, settings", [FLEXGEN, TIGHTLLM, ("static-zero", {"offload": "cpu", "kv_on_cpu": True})])
+def test_padded_block_fits_in_the_worst_case_the_job_search_reserves(opt125, t4_small, policy, settings):
+    """A left-padded batch's ops hold a key mask (footprint.mask_bytes, the graphs' per-sequence keys): a padded
+    block at the job's maxima needs more GPU memory than the uniform workload at those maxima, and no more than
+    that workload with the mask reserved -- what the job's search plans at (Workload.reserve_key_mask)."""
+    from offsim.core import footprint as fp
+    from offsim.policies.registry import get_policy
+
+    pol = get_policy(policy)
+    st = pol.settings_from(settings)
+    gbs, nb = (16, 1) if policy == "static-zero" else (8, 2)
+
+    def gpu(wl):
+        return sum(fp.placement_tier_bytes(opt125, wl, pol.placement(opt125, t4_small, wl, st))["gpu"].values())
+
+    reqs = [Request(i, 1024 - 40 * (i % 3), 4 + i % 2) for i in range(16)]
+    blk = make_blocks(reqs, gbs, nb)[0].workload
+    top = Workload(1024, 5, gbs, nb)
+    assert blk.padded and gpu(blk) > gpu(top)  # what the search at the maxima used to place
+    assert gpu(blk) <= gpu(top.with_(reserve_key_mask=True))
+    assert top.with_(reserve_key_mask=True).key_masked and not top.key_masked
+    assert "reserve_key_mask" not in top.to_dict()  # plans without it serialise (and hash) as before
+    assert Workload.from_dict(top.with_(reserve_key_mask=True).to_dict()).reserve_key_mask
+
+
+def test_job_search_reserves_the_key_mask_only_where_prompts_differ(opt125, t4_small):
+    from offsim.search.job import best_for_job
+
+    mixed = [Request(i, 200 - 50 * (i % 3), 4) for i in range(12)]
+    best = best_for_job("flexgen", opt125, t4_small, mixed, max_sims=1)
+    assert best.workload.reserve_key_mask
+    for blk in make_blocks(mixed, best.workload.gpu_batch_size, best.workload.num_gpu_batches):
+        check_plan_fits("flexgen", opt125, t4_small, blk.workload, best.settings)
+    same = [Request(i, 200, 2 + i % 3) for i in range(12)]  # outputs differ, prompts do not: nothing is padded
+    assert not best_for_job("flexgen", opt125, t4_small, same, max_sims=1).workload.reserve_key_mask
+
+
 def test_decode_steps_below_two_refused(opt125, t4_small):
     with pytest.raises(OffsimError, match="decode_steps must be at least 2"):
         run_job("flexgen", opt125, t4_small, [Request(0, 32, 8)], best=fixed(*FLEXGEN, 1, 1), decode_steps=1)

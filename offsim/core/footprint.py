@@ -503,6 +503,17 @@ def scores_bytes(model: ModelSpec, num_seqs: int, q_tokens: int, ctx_tokens: int
     return num_seqs * model.num_heads * q_tokens * ctx_tokens * model.dtype_bytes
 
 
+def mask_bytes(num_seqs: int, q_tokens: int, ctx_tokens: int) -> int:
+    """What an eager attention under a left-padded batch's key mask holds beyond the unmasked call (offexec
+    ``model.visible``, ``Executor._mask``): each sequence's positions [B, T] int64, the bool mask [B, 1, T, C], and
+    inside SDPA its additive copy in the model dtype and the memory-efficient kernel's copy padded to 16 columns --
+    2 bytes per element each, C rounded up to 16 (measured on the H200: 2.0-3.8 bytes per mask element beyond the
+    bool mask, by backend and shape: experiments/offexec/mask_sdpa.py)."""
+    B, T, C = num_seqs, q_tokens, ctx_tokens
+    c16 = -(-C // 16) * 16
+    return B * T * (TOKEN_ID_BYTES + C + 2 * 2 * c16)
+
+
 def token_ids_bytes(num_seqs: int, max_len: int) -> int:
     """Token ids of every sequence, [num_seqs, max_len + 1] int64 (the executor's ``tokens``; TightLLM's recompute
     restarts from them)."""
@@ -537,7 +548,7 @@ def norm_peak_bytes(model: ModelSpec, tokens: int) -> int:
 
 
 def layer_stage_bytes(model: ModelSpec, num_seqs: int, q_tokens: int, ctx_tokens: int,
-                      kv_groups: int = 1) -> dict[str, int]:
+                      kv_groups: int = 1, masked: bool = False) -> dict[str, int]:
     """Bytes alive in each stage of one decoder layer's forward (offexec ``_op_layer``: pre_attn, attention,
     post_attn), beyond its inputs (the hidden state x, the weights and the KV buffers), the output included.
 
@@ -559,7 +570,10 @@ def layer_stage_bytes(model: ModelSpec, num_seqs: int, q_tokens: int, ctx_tokens
       post_attn terms above without x1.
     - above ``MLP_CHUNK_ROWS`` rows the MLP runs in blocks of at most that many (f_b, h_b: a full block's FFN
       intermediate and projection): h and the output (2·hE) stay, beside OPT f_b + h_b (fc1, then fc2 beside it),
-      Llama 2·f_b (gate, silu) or f_b + h_b (g, down)."""
+      Llama 2·f_b (gate, silu) or f_b + h_b (g, down).
+    - ``masked`` (a left-padded batch, or its worst case reserved: ``Workload.key_masked``): attention holds the
+      key mask and SDPA's copies of it (``mask_bytes``); Llama's RoPE gathers cos and sin per sequence
+      ([B, T, 1, D] each) beside its pre_attn."""
     B, T, C = num_seqs, q_tokens, ctx_tokens
     n = B * T
     e = model.dtype_bytes
@@ -570,8 +584,9 @@ def layer_stage_bytes(model: ModelSpec, num_seqs: int, q_tokens: int, ctx_tokens
     norm = norm_peak_bytes(model, n)
     pre = max(norm, hE + qkv)
     if model.family == "llama":
-        pre = max(pre, hE + qkv + max(4 * q, q + 4 * k))
-    attn = qkv + o
+        rope = 2 * B * T * model.head_dim * e if masked else 0  # cos, sin gathered per sequence
+        pre = max(pre, hE + qkv + max(4 * q, q + 4 * k) + rope)
+    attn = qkv + o + (mask_bytes(B, T, C) if masked else 0)
     if kv_groups > 1:
         attn += o
     if not attention_is_fused(model):
@@ -589,7 +604,7 @@ def layer_stage_bytes(model: ModelSpec, num_seqs: int, q_tokens: int, ctx_tokens
 
 
 def op_peak_bytes(model: ModelSpec, part: str, num_seqs: int, q_tokens: int, ctx_tokens: int,
-                  kv_groups: int = 1, record_logits: bool = False) -> int:
+                  kv_groups: int = 1, record_logits: bool = False, masked: bool = False) -> int:
     """Peak bytes a compute op holds beyond its inputs, its output included, as offexec computes it.
 
     - ``layer``: the largest of ``layer_stage_bytes``;
@@ -602,26 +617,28 @@ def op_peak_bytes(model: ModelSpec, part: str, num_seqs: int, q_tokens: int, ctx
     - ``embed``: the gathered embeddings and (OPT) their sum with the positions: 2·hE (OPT), hE (Llama);
     - ``head``: the final norm of the last position [B, E] and the logits [B, V] (+ their fp32 copy when
       ``record_logits``).
+    ``masked``: a left-padded batch or its worst case (``Workload.key_masked``): attention under a key mask
+    (``layer_stage_bytes``), and OPT's learned positions gathered per sequence in ``embed`` (one more hE).
     """
     B, T = num_seqs, q_tokens
     hE = hidden_bytes(model, B, T)
     if part == "layer":
-        return max(layer_stage_bytes(model, B, T, ctx_tokens, kv_groups).values())
+        return max(layer_stage_bytes(model, B, T, ctx_tokens, kv_groups, masked).values())
     if part == "cpu_attn_layer":
-        st = layer_stage_bytes(model, B, T, ctx_tokens, 1)
+        st = layer_stage_bytes(model, B, T, ctx_tokens, 1, masked)
         packed = 2 * qkv_bytes(model, B, T)
         return max(st["pre_attn"], packed, st["post_attn"])
     if part == "attn_layer":  # the attention sub-layer: norm, Q/K/V, attention, output projection, residual
-        st = layer_stage_bytes(model, B, T, ctx_tokens, kv_groups)
+        st = layer_stage_bytes(model, B, T, ctx_tokens, kv_groups, masked)
         return max(st["pre_attn"], st["attention"], st["out_proj"])
     if part == "cpu_attn_pre":  # sub-layer CPU delegation, GPU side: pre_attn and the packed Q/K/V for the d2h
-        return max(layer_stage_bytes(model, B, T, ctx_tokens, 1)["pre_attn"], 2 * qkv_bytes(model, B, T))
+        return max(layer_stage_bytes(model, B, T, ctx_tokens, 1, masked)["pre_attn"], 2 * qkv_bytes(model, B, T))
     if part == "attn_out":  # after CPU attention: output projection and residual, beside its inputs
         return 2 * hE
     if part == "mlp":
         return layer_stage_bytes(model, B, T, ctx_tokens, kv_groups)["mlp"]
     if part == "embed":
-        return 2 * hE if model.family == "opt" else hE
+        return (3 if masked else 2) * hE if model.family == "opt" else hE
     if part == "head":
         norm = norm_peak_bytes(model, B)
         out = max(norm, hidden_bytes(model, B, 1) + logits_bytes(model, B))
@@ -647,21 +664,24 @@ def max_layer_peak_bytes(model: ModelSpec, wl: Workload, cpu_attention: bool = F
     attention and MLP sub-layers instead of whole layers. (TightLLM's recompute blocks are sized against what is
     left: ``offsim.policies.tightllm.policy.recompute_memory_cap``.)"""
     gbs, P, M = wl.gpu_batch_size, wl.prompt_len, wl.max_len
+    mk = wl.key_masked
     if sublayer:
         decode = ("cpu_attn_pre", "attn_out", "mlp") if cpu_attention else ("attn_layer", "mlp")
-        layers = [op_peak_bytes(model, part, gbs, P, P, kv_groups) for part in ("attn_layer", "mlp")] + \
-            [op_peak_bytes(model, part, gbs, 1, M, kv_groups) for part in decode]
+        layers = [op_peak_bytes(model, part, gbs, P, P, kv_groups, masked=mk) for part in ("attn_layer", "mlp")] + \
+            [op_peak_bytes(model, part, gbs, 1, M, kv_groups, masked=mk) for part in decode]
     else:
-        layers = [op_peak_bytes(model, "layer", gbs, P, P, kv_groups),
-                  op_peak_bytes(model, "cpu_attn_layer" if cpu_attention else "layer", gbs, 1, M, kv_groups)]
-    return max(layers + [op_peak_bytes(model, "embed", gbs, P, P), op_peak_bytes(model, "head", gbs, P, P)])
+        layers = [op_peak_bytes(model, "layer", gbs, P, P, kv_groups, masked=mk),
+                  op_peak_bytes(model, "cpu_attn_layer" if cpu_attention else "layer", gbs, 1, M, kv_groups,
+                                masked=mk)]
+    return max(layers + [op_peak_bytes(model, "embed", gbs, P, P, masked=mk),
+                         op_peak_bytes(model, "head", gbs, P, P)])
 
 
 def decode_graph_bytes(model: ModelSpec, wl: Workload, q_tokens: int = 1) -> int:
     """GPU bytes of offexec's decode CUDA graphs (offexec/graphs.py), held from the first decode step to the end,
     when the longest graphed decode op has ``q_tokens`` query tokens (1: one new token; TightLLM's recompute of N_r
     tokens: N_r + 1, up to ``costmodel.GRAPH_MAX_Q_TOKENS``): the shared static tensors, sized for ``q_tokens``
-    (the positions [q] and the key mask [q, max_len], in a mixed-length block per sequence too; hidden states
+    (the positions [q] and the key mask [q, max_len], in a padded block per sequence too; hidden states
     [gbs, q, E] in and out, and with CPU attention
     the attention output in and Q/K/V out: at most four hidden states and two Q/K/V) and the private pool of the
     graphs' intermediates -- one decode op's at a time, the longest at the longest context (a graph attends over the
@@ -672,7 +692,7 @@ def decode_graph_bytes(model: ModelSpec, wl: Workload, q_tokens: int = 1) -> int
              for part in ("layer", "attn_layer", "mlp", "cpu_attn_layer", "cpu_attn_pre", "attn_out"))
     rounding = GRAPH_SMALL_SEGMENT_BYTES + (GRAPH_LARGE_SEGMENT_BYTES if op > (1 << 20) else 0)  # see the constants
     static = 4 * hidden_bytes(model, gbs, q) + 2 * qkv_bytes(model, gbs, q) + q * (TOKEN_ID_BYTES + M)
-    if wl.prompt_lens:  # mixed lengths: per sequence, its keys [q, max_len] and RoPE positions [q] (offexec/graphs.py)
+    if wl.key_masked:  # a padded batch: per sequence, its keys [q, max_len] and RoPE positions [q] (offexec/graphs.py)
         static += gbs * q * (M + TOKEN_ID_BYTES)
     return static + 2 * op + rounding
 

@@ -651,7 +651,13 @@ class Workload:
     ``gen_len`` steps (a request whose ``gen_lens`` entry is smaller is done earlier; its later tokens are padding).
     An entry of 0 (in both lists) is an empty slot of a partly filled last batch: padding only. ``prompt_len`` and
     ``gen_len`` stay the block's maxima, so every size that depends on them (buffers, the footprint) is an upper
-    bound."""
+    bound.
+
+    ``reserve_key_mask``: plan GPU memory for the per-sequence key mask a left-padded batch's ops hold
+    (``footprint.mask_bytes``) although these lengths are uniform -- the worst case an offline job searches its
+    policies at, its longest prompt and generation, so that every padded block of the job fits in what the search
+    placed (``offsim.search.job``). Only the memory arithmetic reads it (``key_masked``); the ops and their prices
+    are those of the lengths given."""
 
     prompt_len: int
     gen_len: int
@@ -659,8 +665,11 @@ class Workload:
     num_gpu_batches: int = 1
     prompt_lens: tuple[int, ...] = field(default=())  # per prompt, batch order; () = all prompt_len; 0 = empty slot
     gen_lens: tuple[int, ...] = field(default=())  # per prompt, batch order; () = all gen_len; 0 = empty slot
+    reserve_key_mask: bool = False  # memory for a padded batch's key mask, lengths uniform (docstring)
 
     def __post_init__(self):
+        if not isinstance(self.reserve_key_mask, bool):
+            raise OffsimError(f"reserve_key_mask is true or false, got {self.reserve_key_mask!r}")
         for f in ("prompt_len", "gen_len", "gpu_batch_size", "num_gpu_batches"):
             v = getattr(self, f)
             if not isinstance(v, int) or v <= 0:
@@ -714,6 +723,12 @@ class Workload:
         return bool(self.prompt_lens) and any(0 < p < lens[i // self.gpu_batch_size]
                                               for i, p in enumerate(self.prompt_lens))
 
+    @property
+    def key_masked(self) -> bool:
+        """Whether the GPU must hold a key mask beside each op (``footprint``): a padded batch, or its worst case
+        reserved (``reserve_key_mask``)."""
+        return self.padded or self.reserve_key_mask
+
     def batch_mean_prompt_len(self, k: int) -> int:
         """GPU batch k's mean prompt length over its requests (empty slots left out), rounded to a token (halves
         up): what TightLLM's Algorithm 1 estimates for a batch."""
@@ -742,6 +757,8 @@ class Workload:
             d["gen_lens"] = list(self.gen_lens)
         else:
             del d["gen_lens"]  # (plans of uniform workloads serialise as they did before mixed lengths)
+        if not self.reserve_key_mask:
+            del d["reserve_key_mask"]  # (and plans without the reserve as they did before it)
         return d
 
     @classmethod

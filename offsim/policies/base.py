@@ -31,7 +31,9 @@ class Candidate(NamedTuple):
 
 
 # (model, hardware, prompt_len, gen_len, batch) -> candidates, best first. ``batch`` None: any block shape;
-# an int: only block shapes with exactly that many sequences (gpu_batch_size x num_gpu_batches).
+# an int: only block shapes with exactly that many sequences (gpu_batch_size x num_gpu_batches). Keyword
+# ``key_mask=True`` (an offline job's search): each candidate's workload reserves a padded batch's key mask
+# (``Workload.reserve_key_mask``) and the candidate fits with it.
 CandidateFn = Callable[[ModelSpec, HardwareSpec, int, int, "int | None"], Iterable[Candidate]]
 
 

@@ -385,7 +385,7 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
 
     @functools.cache
     def op_peak(part: str, q: int, ctx: int) -> int:
-        return fp.op_peak_bytes(model, part, gbs, q, ctx, kv_groups)
+        return fp.op_peak_bytes(model, part, gbs, q, ctx, kv_groups, masked=wl.key_masked)
 
     @functools.cache
     def act_bytes(what: str, q: int) -> int:  # 'hidden', 'qkv' or 'attn_out' of the block's gbs sequences

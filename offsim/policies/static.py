@@ -107,21 +107,22 @@ def _batches(batch: int | None) -> Iterable[int]:
 
 
 def accelerate_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
-                          batch: int | None = None) -> Iterable[Candidate]:
+                          batch: int | None = None, key_mask: bool = False) -> Iterable[Candidate]:
     """One GPU batch of each size (or of ``batch``), layers offloaded to host memory when they fit there, else to
-    disk. Unranked: the search simulates them."""
+    disk. Unranked: the search simulates them. ``key_mask``: ``Workload.reserve_key_mask`` (``base.CandidateFn``)."""
     off = host_offload_tier(model, hw)
     for gbs in _batches(batch):
-        yield Candidate({"offload": off}, Workload(prompt_len, gen_len, gbs, 1))
+        yield Candidate({"offload": off}, Workload(prompt_len, gen_len, gbs, 1, reserve_key_mask=key_mask))
 
 
 def zero_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
-                    batch: int | None = None) -> Iterable[Candidate]:
+                    batch: int | None = None, key_mask: bool = False) -> Iterable[Candidate]:
     """As Accelerate's, each with the KV cache on the GPU (no KV traffic) and in host memory."""
     off = host_offload_tier(model, hw)
     for kv_on_cpu in (False, True):
         for gbs in _batches(batch):
-            yield Candidate({"offload": off, "kv_on_cpu": kv_on_cpu}, Workload(prompt_len, gen_len, gbs, 1))
+            yield Candidate({"offload": off, "kv_on_cpu": kv_on_cpu},
+                            Workload(prompt_len, gen_len, gbs, 1, reserve_key_mask=key_mask))
 
 
 ACCELERATE = Policy("static-accelerate", AccelerateSettings, static_accelerate_plan, accelerate_candidates,

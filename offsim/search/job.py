@@ -6,10 +6,10 @@ the work was padding.
   requests (a named length distribution of ``offsim.core.requests.TASKS`` or a CSV of lengths, a count and a
   seed), batching (``padded`` or ``bucketed``). Every problem is one OffsimError naming the key.
 - ``run_job`` finds the policy's best settings and block shape with ``offsim search`` at the job's longest prompt
-  and generation (so that every block fits: a block padded to less needs no more memory), cuts the requests into
-  blocks (``requests.make_blocks``), simulates each block's own plan -- each GPU batch at its padded length -- one
-  after another, and reads each request's completion from the trace: the end of the step that produced its last
-  token. Blocks of identical shape are simulated once; a long block is simulated in pieces by default, the rest
+  and generation (so that every block fits: a block padded to less needs no more memory; where prompts differ, a
+  padded batch's key mask is reserved), cuts the requests into blocks (``requests.make_blocks``), simulates each
+  block's own plan -- each GPU batch at its padded length -- one after another, and reads each request's
+  completion from the trace: the end of the step that produced its last token. Blocks of identical shape are simulated once; a long block is simulated in pieces by default, the rest
   of its steps interpolated (``simulate_block``; ``decode_steps`` None: every step).
 
 Numbers (``JobResult.summary``): ``completion_s`` (the job's makespan: its blocks back to back), ``output_tok_s``
@@ -302,15 +302,19 @@ def best_for_job(policy: str, model: ModelSpec, hw: HardwareSpec, requests: Sequ
     such candidates, no more sequences a block than the job has requests (a policy whose candidates are all larger
     -- TightLLM's come from FlexGen's LP shapes -- keeps its best shape; ``make_blocks`` then runs the job as one
     partly filled block with fewer GPU batches). ``decode_steps``: the search's last stage simulates that many
-    decode steps of its best candidate, not all (``search(verify_decode_steps=...)``); None: all."""
+    decode steps of its best candidate, not all (``search(verify_decode_steps=...)``); None: all. Where the
+    prompts differ in length a batch may be left-padded, and its ops then hold a key mask: the search reserves its
+    memory at the longest lengths (``search(key_mask=True)``), so that every block fits in what it placed."""
     p, g = job_lengths(requests)
+    mixed = len({r.prompt_len for r in requests}) > 1
     if max_batch is None or max_batch > len(requests):
         try:
             return search(policy, model, hw, p, g, max_sims=max_sims, max_batch=len(requests),
-                          verify_decode_steps=decode_steps)
+                          verify_decode_steps=decode_steps, key_mask=mixed)
         except OffsimError:
             pass
-    return search(policy, model, hw, p, g, max_sims=max_sims, max_batch=max_batch, verify_decode_steps=decode_steps)
+    return search(policy, model, hw, p, g, max_sims=max_sims, max_batch=max_batch, verify_decode_steps=decode_steps,
+                  key_mask=mixed)
 
 
 def run_job(policy: str, model: ModelSpec, hw: HardwareSpec, requests: Sequence[Request], batching: str = "padded",

@@ -64,7 +64,8 @@ def _try(fn, row: dict, reasons: list):
 def search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
            max_sims: int = 3, progress: bool = False, max_batch: int | None = None,
            compression: tuple[Compression, ...] = (NO_COMPRESSION,),
-           verify_decode_steps: int | None = None, num_gpus: int = 1, gpus_per_node: int = 0) -> SearchResult:
+           verify_decode_steps: int | None = None, num_gpus: int = 1, gpus_per_node: int = 0,
+           key_mask: bool = False) -> SearchResult:
     """The best settings and block shape of ``policy`` for this model, hardware and lengths, by simulated total
     throughput.
 
@@ -87,7 +88,9 @@ def search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen
     verified by simulation as above; the result's ``stages`` are the chosen layers per GPU. 1: the single-GPU
     search, exactly. ``gpus_per_node`` (0: all on one host): the GPUs on nodes of that many each (FlexGen's 4 x 1:
     1), every node with ``hw``'s host memory, disk and CPU, hidden states between nodes over
-    ``hw.network_bytes_per_s``."""
+    ``hw.network_bytes_per_s``. ``key_mask`` (``offsim job``): every candidate reserves the GPU memory of a
+    left-padded batch's key mask at these lengths (``Workload.reserve_key_mask``), so that any batch padded to at
+    most them fits in what the result places."""
     # The cyclic garbage collector is paused for the search (``build_plan`` and ``simulate`` pause it while they
     # run, but between them its young-generation passes would walk the ~10^6 objects of a large plan, which form no
     # cycles); what the search makes is freed by reference counting when it returns.
@@ -95,7 +98,7 @@ def search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen
     gc.disable()
     try:
         return _search(policy, model, hw, prompt_len, gen_len, max_sims, progress, max_batch, tuple(compression),
-                       verify_decode_steps, num_gpus, gpus_per_node)
+                       verify_decode_steps, num_gpus, gpus_per_node, key_mask)
     finally:
         if was_enabled:
             gc.enable()
@@ -103,7 +106,8 @@ def search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen
 
 def _search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int, max_sims: int,
             progress: bool, max_batch: int | None, compression: tuple[Compression, ...],
-            verify_decode_steps: int | None = None, num_gpus: int = 1, gpus_per_node: int = 0) -> SearchResult:
+            verify_decode_steps: int | None = None, num_gpus: int = 1, gpus_per_node: int = 0,
+            key_mask: bool = False) -> SearchResult:
     pol = get_policy(policy)
     Workload(prompt_len, gen_len)  # validates the lengths
     check_num_gpus(pol, model, num_gpus, gpus_per_node, hw)
@@ -111,7 +115,7 @@ def _search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, ge
     cands = []
     for comp in compression:
         cands += _candidates(pol, model, hw, prompt_len, gen_len, max_sims, max_batch, comp, num_gpus,
-                             gpus_per_node)
+                             gpus_per_node, key_mask)
     short_gen = min(gen_len, SCREEN_DECODE_STEPS + 1)
     it = cands
     if progress:
@@ -183,12 +187,15 @@ def check_num_gpus(pol, model: ModelSpec, num_gpus: int, gpus_per_node: int = 0,
 
 
 def _candidates(pol, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int, max_sims: int,
-                max_batch: int | None, comp: Compression, num_gpus: int = 1, gpus_per_node: int = 0) -> list:
+                max_batch: int | None, comp: Compression, num_gpus: int = 1, gpus_per_node: int = 0,
+                key_mask: bool = False) -> list:
     """The candidates of one compression choice: a ranked policy's 2 · max_sims best, else all of them (with
     ``num_gpus`` > 1, the policy's pipeline candidates: ``check_num_gpus`` has checked that it has them)."""
-    gpus = {"num_gpus": num_gpus} if num_gpus > 1 else {}
+    kw = {"num_gpus": num_gpus} if num_gpus > 1 else {}
+    if key_mask:
+        kw["key_mask"] = True  # (``base.CandidateFn``)
     if num_gpus > 1 and gpus_per_node:
-        gpus["gpus_per_node"] = gpus_per_node
+        kw["gpus_per_node"] = gpus_per_node
     if comp.any and not pol.compressible:
         from offsim.policies import POLICIES
 
@@ -196,11 +203,11 @@ def _candidates(pol, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_le
         raise OffsimError(f"policy {pol.name} does not model compression or sparse attention (those that do: {can}); "
                           "drop --compress-weight, --compress-cache and --sparse-attention for it")
     if pol.ranks_compression:
-        drawn = pol.candidates(model, hw, prompt_len, gen_len, None, compression=comp, **gpus)
+        drawn = pol.candidates(model, hw, prompt_len, gen_len, None, compression=comp, **kw)
     else:
         extra = comp.settings() if comp.any else {}
         drawn = (c._replace(settings={**c.settings, **extra})
-                 for c in pol.candidates(model, hw, prompt_len, gen_len, None, **gpus))
+                 for c in pol.candidates(model, hw, prompt_len, gen_len, None, **kw))
     cands = []
     for c in drawn:
         if max_batch is not None and c[1].num_prompts > max_batch:  # a cap on prompts per block (latency, host

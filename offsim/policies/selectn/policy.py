@@ -78,7 +78,7 @@ def selectn_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: SelectNSe
 
 
 def selectn_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
-                       batch: int | None = None) -> Iterable[Candidate]:
+                       batch: int | None = None, key_mask: bool = False) -> Iterable[Candidate]:
     """One interval per distinct number of offloaded layers (the largest N with that count; num_layers + 1 = none),
     fewest offloaded first, times one GPU batch (Select-N serves one batch per iteration) of 1, 2, 4, ... sequences
     while the KV cache alone still fits the GPU -- or of ``batch`` sequences. Plans that do not fit are the search's
@@ -95,7 +95,7 @@ def selectn_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_
     # reports (the tier that is short and by how much; filtering it here would leave the search "no candidate").
     gpu_only = dict(capacity_of(hw), cpu=1 << 62, disk=1 << 62)
     for bs in sizes:
-        wl = Workload(prompt_len, gen_len, bs, 1)
+        wl = Workload(prompt_len, gen_len, bs, 1, reserve_key_mask=key_mask)  # (``base.CandidateFn``)
         for n in intervals:
             # what the GPU holds (resident and the minimum working set) must fit: arithmetic, no plan built
             try:

@@ -192,7 +192,8 @@ def recompute_memory_cap(model: ModelSpec, wl: Workload, lay: Layout, free_gpu_b
         hin = fp.LANDING_BUFFERS * fp.hidden_bytes(model, gbs, n + 1) if lay.hidden_home == "cpu" else 0
         # (at most the longest graphed op's: a plan whose N_r varies by step may hold those graphs too; monotone)
         graphs = fp.decode_graph_bytes(model, wl, min(n + 1, GRAPH_MAX_Q_TOKENS)) - graphs_1
-        return fp.op_peak_bytes(model, "layer", gbs, n + 1, ctx_tokens + 1, groups) + hin + bufs + graphs
+        peak = fp.op_peak_bytes(model, "layer", gbs, n + 1, ctx_tokens + 1, groups, masked=wl.key_masked)
+        return peak + hin + bufs + graphs
 
     # need(n) grows with n: every term of the op peak is linear in the query tokens
     if need(0) > free_gpu_bytes:
@@ -514,7 +515,7 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
             S = stored_upto.get((j, k), 0)
             t = store_target(i, k)
             new_store = max(0, t - S) if (kc or kd) else 0
-            ws = fp.op_peak_bytes(model, "layer", gbs, q, ctx, kv_groups) + dq
+            ws = fp.op_peak_bytes(model, "layer", gbs, q, ctx, kv_groups, masked=wl.key_masked) + dq
             last_k = k == nb - 1
             w_free = slot if (last_k and u is not None) else 0
             if new_store and kd:
@@ -553,7 +554,7 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
                 stored_upto[(j, k)] = t
                 store_ops[(j, k)] = ops
         else:
-            ws = fp.op_peak_bytes(model, part, gbs, q, ctx)
+            ws = fp.op_peak_bytes(model, part, gbs, q, ctx, masked=wl.key_masked)
             comp = add("compute", deps, phase, i, j, k, part=part, num_seqs=gbs, q_tokens=q, ctx_tokens=ctx,
                        alloc=(ws, 0, 0), free=(ws + hin, 0, 0))
         computes.append(comp)
@@ -661,13 +662,14 @@ def _fits(model: ModelSpec, hw: HardwareSpec, wl: Workload, percent: tuple,
 
 def tightllm_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
                         batch: int | None = None, max_shapes: int = 12,
-                        compression: Compression = NO_COMPRESSION) -> Iterable[Candidate]:
+                        compression: Compression = NO_COMPRESSION, key_mask: bool = False) -> Iterable[Candidate]:
     """Placements and block shapes for the search: FlexGen's LP optimum (GPU attention) for each block shape (same
     memory constraints; with ``batch`` sequences when given), its GPU weight share trimmed until TightLLM's own
     placement fits (``flexgen.fit_gpu_weights``: the LP's memory row is FlexGen's, a few tens of MB off TightLLM's
     working set), re-ranked by TightLLM's own estimate, plus -- when the batch is free -- twice the GPU batch on the
     same placement (with recompute the KV loads shrink, so a bigger batch can pay). ``compression``: the LP, the fit,
-    the estimate and every candidate run with it."""
+    the estimate and every candidate run with it. ``key_mask``: every workload reserves a padded batch's key mask
+    (``Workload.reserve_key_mask``), the fit included."""
     seen = set()
     extra = compression.settings() if compression.any else {}
     lps = flexgen_candidates(model, hw, prompt_len, gen_len, cpu_attention=(False,), batch=batch,
@@ -679,7 +681,7 @@ def tightllm_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen
             if key in seen:
                 continue
             seen.add(key)
-            wl = Workload(prompt_len, gen_len, gbs, r.num_gpu_batches)
+            wl = Workload(prompt_len, gen_len, gbs, r.num_gpu_batches, reserve_key_mask=key_mask)
             pct = fit_gpu_weights(model, hw, wl, r.percent, False,
                                   fits=lambda p: _fits(model, hw, wl, p, compression))
             st = TightLLMSettings(percent=pct, **extra)
