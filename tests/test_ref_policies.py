@@ -180,3 +180,34 @@ def test_flexgen_ref_refuses_stages():
     from offsim.core.errors import OffsimError
     with pytest.raises(OffsimError, match="single-GPU"):
         build_plan("flexgen-ref", M, HW, Workload(32, 2, 2, 2), {**FG, "num_stages": 2}, check_fits=False)
+
+
+def test_flexgen_ref_candidates_fit_its_own_tensor_placement():
+    """FlexGen places whole tensors by their midpoints and the embedding and head by the same percentages, which can
+    hold more on the GPU than the flat share FlexGen's candidates are trimmed to: flexgen-ref's candidates are
+    trimmed until its own placement fits (the search found no feasible flexgen-ref setting for OPT-30B and
+    Llama-2-13B at 24 GiB before)."""
+    import itertools
+
+    from offsim.core.errors import OffsimError
+    from offsim.policies.flexgen import candidates
+    from offsim.policies.ref import flexgen_ref_candidates
+    from offsim.policies.registry import check_plan_fits
+
+    m, hw = get_model("opt-1.3b"), get_hardware("t4", 1.5)
+
+    def fits(c) -> bool:
+        try:
+            check_plan_fits("flexgen-ref", m, hw, c.workload, c.settings)
+        except OffsimError:
+            return False
+        return True
+
+    flat = list(itertools.islice(candidates(m, hw, 336, 3), 40))
+    ref = flexgen_ref_candidates(m, hw, 336, 3)[:40]
+    assert [c.workload for c in ref] == [c.workload for c in flat]  # the same shapes, in the LP's order
+    assert sum(fits(c) for c in ref) >= sum(fits(c) for c in flat) + 10  # the flat fit left these short
+    # each fits, or holds no weight on the GPU and is short by what FlexGen's placement needs beside the weights
+    # (its slots of whole tensors, the activations): the search's to reject, as it rejects the flat candidates
+    assert all(fits(c) or c.settings["percent"][0] == 0 for c in ref)
+    assert all(r.settings["percent"][0] <= f.settings["percent"][0] for r, f in zip(ref, flat))

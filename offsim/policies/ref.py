@@ -70,9 +70,10 @@ from offsim.core import costmodel
 from offsim.core import footprint as fp
 from offsim.core.errors import OffsimError
 from offsim.core.plan import Plan
-from offsim.core.specs import HardwareSpec, ModelSpec, Workload
-from offsim.policies.base import Policy, capacity_of
-from offsim.policies.flexgen import FlexGenSettings, candidates as flexgen_candidates, flexgen_schedule
+from offsim.core.specs import NO_COMPRESSION, Compression, HardwareSpec, ModelSpec, Workload
+from offsim.policies.base import Candidate, Policy, capacity_of
+from offsim.policies.flexgen import FlexGenSettings, candidates as flexgen_candidates, fit_gpu_weights, \
+    flexgen_schedule
 from offsim.policies.schedule import Schedule, build_block_plan
 from offsim.policies.static import (AccelerateSettings, ZeroSettings, _accelerate_schedule, _zero_schedule,
                                     accelerate_candidates, zero_candidates)
@@ -147,6 +148,33 @@ def flexgen_ref_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: FlexG
     return _eager(build_block_plan(model, wl, flexgen_ref_schedule(model, st, wl, hw), capacity_of(hw)))
 
 
+def flexgen_ref_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
+                           batch: int | None = None, compression: Compression = NO_COMPRESSION,
+                           key_mask: bool = False) -> list[Candidate]:
+    """FlexGen's candidates (``flexgen.candidates``: the LP optimum of each block shape, its GPU weight share trimmed
+    until the flat placement fits), each share trimmed further until FlexGen's own placement fits the GPU too:
+    whole tensors by their midpoints (``flexgen_unit_homes``), the embedding and the head by the same percentages,
+    can hold more on the GPU than the share says (OPT-30B at 24 GiB: 22.97 GiB of resident weights where the flat
+    placement of the same percentages fits). Host memory and disk are left to the plan builder's refusal, as
+    FlexGen's own fit leaves them (lowering the GPU share cannot make them fit)."""
+    gpu_only = dict(capacity_of(hw), cpu=1 << 62, disk=1 << 62)
+    out = []
+    for c in flexgen_candidates(model, hw, prompt_len, gen_len, batch, compression, key_mask=key_mask):
+        ca = c.settings["cpu_attention"]
+
+        def fits(p, wl=c.workload, ca=ca):
+            st = FlexGenSettings(percent=p, cpu_attention=ca, **compression.settings())
+            try:
+                fp.check_fits(model, gpu_only, wl, flexgen_ref_schedule(model, st).placement())
+            except OffsimError:
+                return False
+            return True
+
+        p = fit_gpu_weights(model, hw, c.workload, c.settings["percent"], ca, fits=fits, comp=compression)
+        out.append(c._replace(settings={**c.settings, "percent": p}))
+    return out
+
+
 # ---- HF Accelerate as FlexGen's benchmark ran it ----------------------------------------------------------------
 @dataclass(frozen=True)
 class AccelerateRefSettings(AccelerateSettings):
@@ -177,7 +205,7 @@ def zero_ref_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: ZeroSett
     return _eager(build_block_plan(model, wl, zero_ref_schedule(model, hw, wl, st), capacity_of(hw)))
 
 
-FLEXGEN_REF = Policy("flexgen-ref", FlexGenSettings, flexgen_ref_plan, flexgen_candidates,
+FLEXGEN_REF = Policy("flexgen-ref", FlexGenSettings, flexgen_ref_plan, flexgen_ref_candidates,
                      "FlexGen as its code runs: flexgen's schedule with a sync after every layer x batch and the "
                      "CPU KV cache in pageable memory", lambda m, hw, wl, st: flexgen_ref_schedule(m, st).placement(),
                      ranks_compression=True, implements="flexgen")
