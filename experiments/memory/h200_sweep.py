@@ -5,6 +5,7 @@ offsim's predicted peak?
 Three steps, the first and last on any machine, the second on the GPU machine:
 
     python -m experiments.memory.h200_sweep plan --out results/memory/h200_sweep_config.json
+    python -m experiments.memory.h200_sweep plan --padded --out results/memory/padded/config.json
     python -m experiments.memory.h200_sweep run --config results/memory/h200_sweep_config.json --out OUT --commit C
     python -m experiments.memory.h200_sweep report --runs OUT/runs.jsonl --config results/memory/h200_sweep_config.json \
         --out results/memory
@@ -15,6 +16,12 @@ the full budget, and keeps the cases whose predicted run time is short (device t
 each model's random weights once and runs every case of that model: a two-token warm-up, then the measured run;
 an out-of-memory error is recorded, not fatal. ``report`` writes ``h200_sweep.csv`` (provenance on its first line)
 and a plot of measured against predicted peaks.
+
+``plan --padded``: left-padded blocks of mixed prompt lengths instead (docs/jobs.md §4), whose ops hold a key mask:
+per model and job policy, requests drawn from a task kind's length distribution, the settings of ``offsim job``'s
+search (``best_for_job``: at the requests' longest lengths, the key mask reserved), and as the case the block of
+those settings that reaches the longest prompt, padded in arrival order. Does every padded block fit in what the
+search placed, on the device too?
 """
 from __future__ import annotations
 
@@ -42,6 +49,7 @@ HOST_MEM_GIB = 110.0  # host memory the runs may use on the 125 GiB machine (the
 DISK_HOST_GIB = 12.0  # host memory left to a "disk" case beyond the executor's master copy: forces the disk tier
 MAX_BATCH = 32  # sequences per run: keeps each run to seconds
 MAX_PREDICTED_S = 25.0  # a case whose predicted run is longer is skipped (device time)
+JOB_POLICIES = ("static-accelerate", "static-zero", "flexgen", "tightllm")  # ``plan --padded``
 
 
 def _hardware(budget_gib: float, host_bytes: int):
@@ -82,6 +90,53 @@ def plan_cases(seed: int, per_model: int) -> list[dict]:
     return cases
 
 
+def plan_padded_cases(seed: int, per_model: int) -> list[dict]:
+    """Draw (budget, task kind, disk?) per model and job policy; the padded block of ``offsim job``'s settings that
+    reaches the requests' longest prompt (module docstring)."""
+    from offsim import simulate
+    from offsim.core.requests import TASKS, draw_requests, make_blocks
+    from offsim.search.job import best_for_job
+
+    rng = random.Random(seed)
+    cases = []
+    for mname in MODELS:
+        model = get_model(mname)
+        master = model.weight_bytes()
+        for i in range(per_model):
+            policy = JOB_POLICIES[i % len(JOB_POLICIES)]
+            budget, task = rng.choice(BUDGETS_GIB), rng.choice(sorted(TASKS))
+            disk = rng.random() < 0.2
+            host = (DISK_HOST_GIB * GiB) if disk else (HOST_MEM_GIB * GiB - master)
+            hw = _hardware(budget, host)
+            reqs = [r for r in draw_requests(task, 4 * MAX_BATCH, rng.randrange(1 << 30))
+                    if r.prompt_len + r.gen_len - 1 <= model.max_positions][:MAX_BATCH]
+            tag = f"{mname}_{policy}_b{budget}_{task}" + ("_disk" if disk else "")
+            try:
+                if len({r.prompt_len for r in reqs}) < 2:
+                    raise OffsimError("the draw has one prompt length: nothing to pad")
+                best = best_for_job(policy, model, hw, reqs, max_sims=2, max_batch=MAX_BATCH)
+                blocks = make_blocks(reqs, best.workload.gpu_batch_size, best.workload.num_gpu_batches, "padded")
+                wl = max(blocks, key=lambda b: b.workload.prompt_len).workload
+                plan = build_plan(policy, model, hw, wl, best.settings)
+                m = simulate(plan, hw).metrics()
+                if m["total_s"] > MAX_PREDICTED_S:
+                    raise OffsimError(f"predicted {m['total_s']:.0f} s, over {MAX_PREDICTED_S:.0f} s")
+            except OffsimError as e:
+                print(f"  {tag}: skipped ({str(e)[:160]})", flush=True)
+                continue
+            cases.append({"case": tag, "model": mname, "policy": policy, "settings": best.settings,
+                          "workload": wl.to_dict(), "budget_gib": budget, "host_bytes": int(host), "disk": disk,
+                          "task": task, "padded": wl.padded,
+                          "predicted_peak_gpu_bytes": int(m["peak_gpu_bytes"]),
+                          "predicted_peak_cpu_bytes": int(m["peak_cpu_bytes"]),
+                          "predicted_peak_disk_bytes": int(m["peak_disk_bytes"]),
+                          "predicted_total_s": m["total_s"], "plan_sha256": plan.fingerprint()})
+            print(f"  {tag}: {wl.gpu_batch_size} x {wl.num_gpu_batches} at prompts up to {wl.prompt_len} "
+                  f"{best.settings}, predicted peak {m['peak_gpu_bytes'] / GiB:.2f} GiB, {m['total_s']:.1f} s",
+                  flush=True)
+    return cases
+
+
 def run_cases(cases: list[dict], out: Path, commit: str | None, disk_dir: str | None = None) -> None:
     """Each model's weights once; per case a warm-up and the measured run; one JSON line per case in runs.jsonl."""
     import inspect
@@ -89,6 +144,7 @@ def run_cases(cases: list[dict], out: Path, commit: str | None, disk_dir: str | 
     import torch
 
     from offexec.executor import check_plan, run_plan
+    from offexec.job import shortened
     from offexec.weights import random_weights
 
     out.mkdir(parents=True, exist_ok=True)
@@ -117,7 +173,7 @@ def run_cases(cases: list[dict], out: Path, commit: str | None, disk_dir: str | 
                     kw = {"weights_loaded": True} if "weights_loaded" in inspect.signature(check_plan).parameters else {}
                     need = check_plan(plan, dev, budget, disk_dir, **kw)  # the weights' master copy is already made
                     row["offexec_need_bytes"] = int(sum(need.values()))
-                    warm = build_plan(c["policy"], model, hw, wl.with_(gen_len=2), c["settings"])
+                    warm = build_plan(c["policy"], model, hw, shortened(wl, 2), c["settings"])  # (per request too)
                     run_plan(warm, weights, "cuda", gpu_budget_bytes=budget, disk_dir=disk_dir)
                     res = run_plan(plan, weights, "cuda", gpu_budget_bytes=budget, disk_dir=disk_dir)
                     m = res.trace.metrics()
@@ -280,6 +336,8 @@ def main(argv=None) -> None:
     p.add_argument("--out", required=True, help="config JSON to write")
     p.add_argument("--seed", type=int, default=12)
     p.add_argument("--per-model", type=int, default=12, help="draws per model (default: %(default)s)")
+    p.add_argument("--padded", action="store_true",
+                   help="left-padded blocks of mixed prompt lengths, at offsim job's settings (module docstring)")
     r = sub.add_parser("run", help="run the cases of a config on the GPU")
     r.add_argument("--config", required=True)
     r.add_argument("--out", required=True, help="folder for runs.jsonl (appended: a rerun skips finished cases)")
@@ -293,8 +351,9 @@ def main(argv=None) -> None:
     q.add_argument("--note", default="", help="a sentence for the README (e.g. how the runs differed)")
     a = ap.parse_args(argv)
     if a.cmd == "plan":
-        cases = plan_cases(a.seed, a.per_model)
-        doc = {"seed": a.seed, "profile": PROFILE, "max_batch": MAX_BATCH, "provenance": provenance(), "cases": cases}
+        cases = (plan_padded_cases if a.padded else plan_cases)(a.seed, a.per_model)
+        doc = {"seed": a.seed, "profile": PROFILE, "max_batch": MAX_BATCH, "padded": a.padded,
+               "provenance": provenance(), "cases": cases}
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(doc, indent=1, default=list))
         print(json.dumps({"cases": len(cases), "config": a.out}))
