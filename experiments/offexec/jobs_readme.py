@@ -27,6 +27,11 @@ from experiments.common import provenance
 
 MISS = 0.05  # a block whose offsim time is off by more than this is explained in misses.csv
 MISSES = "misses.csv"
+MISS_COLUMNS = ("task_kind", "policy", "block", "batch_prompt_lens", "gen_len", "measured_s", "job_predicted_s",
+                "exact_predicted_s", "measured_prefill_s", "predicted_prefill_s", "prefill_error",
+                "measured_decode_step_s", "predicted_decode_step_s", "decode_error", "measured_issue_s",
+                "predicted_issue_s")  # and busy_<stream> per simulated stream
+MASK_FIX = "314b9be"  # the commit that took the masked decode attention off cuDNN (``_block_runs``)
 
 
 def _rows(folder: Path) -> list[tuple[Path, dict, dict]]:
@@ -119,8 +124,10 @@ def explain(folder: Path, miss: float = MISS) -> Path:
                 "measured_issue_s": float(b.issue_frac * b.measured_s),
                 "predicted_issue_s": float(issue_pred)})
     out = folder / MISSES
+    # (no miss: the header alone, so that the README can say so)
+    df = pd.DataFrame(rows) if rows else pd.DataFrame(columns=MISS_COLUMNS)
     write_commented_csv(out, provenance(command=f"python -m experiments.offexec.jobs_readme {folder} --explain",
-                                        miss=miss), pd.DataFrame(rows))
+                                        miss=miss), df)
     return out
 
 
@@ -133,7 +140,10 @@ def _misses(folder: Path) -> list[str]:
         return []
     head, df = read_commented_csv(path, "misses")
     if df.empty:
-        return []
+        return ["## Where the misses are", "",
+                f"No measured block is off by more than {head.get('miss', MISS):.0%} against offsim "
+                f"(`{MISSES}`, `python -m experiments.offexec.jobs_readme {folder} --explain`, commit "
+                f"{head.get('commit', '?')}).", ""]
     streams = [c for c in df.columns if c.startswith("busy_")]
     lines = ["## Where the misses are", "",
              f"Generated from `{MISSES}` (`python -m experiments.offexec.jobs_readme {folder} --explain`, commit "
@@ -162,14 +172,47 @@ BLOCK_RUNS = (("before", ROOT / "results" / "offexec" / "masked_decode_8fefc11",
               ("after", ROOT / "results" / "offexec" / "masked_decode_fix_124c502", ""))
 
 
-def _block_runs() -> list[str]:
+def _has_fix(commit: str) -> bool | None:
+    """Whether ``commit`` contains ``MASK_FIX`` (git's ancestry); None where git cannot say."""
+    import subprocess
+
+    try:
+        r = subprocess.run(["git", "merge-base", "--is-ancestor", MASK_FIX, commit.split("+")[0]], cwd=ROOT,
+                           capture_output=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {0: True, 1: False}.get(r.returncode)
+
+
+def _since_fix(folder: Path) -> str:
+    """Which TightLLM jobs ran every block at a commit with the fix, and which not (``_has_fix``), from their
+    journals."""
+    from offexec.job import JOURNAL, Journal
+
+    after, before = [], []
+    for job_dir, _, p in _rows(folder):
+        if p["policy"] != "tightllm" or not (job_dir / JOURNAL).exists():
+            continue
+        commits = {str(d.get("provenance", {}).get("commit", "?")) for d in Journal(job_dir / JOURNAL).lines.values()
+                   if d["policy"] == "tightllm"}
+        fixed = [_has_fix(c) for c in commits]
+        (after if fixed and all(fixed) else before).append(f"{job_dir.name} ({', '.join(sorted(commits))})")
+    said = []
+    if after:
+        said.append("TightLLM's blocks of " + "; ".join(after) + " ran with the fix")
+    if before:
+        said.append("those of " + "; ".join(before) + " ran before it (or git cannot tell)")
+    return (" and ".join(said) + ".") if said else ""
+
+
+def _block_runs(folder: Path) -> list[str]:
     """The README's section on the cause found since the jobs ran: block 0 of TightLLM's long jobs run alone with the
     executor of the jobs and with the fix, from those runs' ``runs.csv`` (``experiments/offexec/runs_table.py``)."""
     got = {}
-    for when, folder, suffix in BLOCK_RUNS:
-        if not (folder / "runs.csv").exists():
+    for when, runs, suffix in BLOCK_RUNS:
+        if not (runs / "runs.csv").exists():
             return []
-        df = pd.read_csv(folder / "runs.csv")
+        df = pd.read_csv(runs / "runs.csv")
         for kind in ("summarization", "translation"):
             r = df[df.label.isin([f"{kind}{suffix}", f"tightllm_{kind}{suffix}"])]
             if not r.empty:
@@ -179,11 +222,11 @@ def _block_runs() -> list[str]:
     lines = ["## Found since: the masked decode attention", "",
              "TightLLM's long jobs decode with eager recompute ops over left-padded batches, so each attention takes a "
              "key mask that grows every step, and SDPA's default backend for it (cuDNN) built a plan at every new "
-             "shape: a stall at each step's first layer op of each GPU batch. Since 314b9be those ops run the "
+             f"shape: a stall at each step's first layer op of each GPU batch. Since {MASK_FIX} those ops run the "
              "memory-efficient kernel (`offexec/model.py GROWING_MASK_BACKENDS`). Block 0 of each job, its first "
              "24 steps, run alone before and after (generated from `results/offexec/masked_decode_8fefc11/runs.csv` "
-             "and `results/offexec/masked_decode_fix_124c502/runs.csv`; their READMEs say how they ran). The jobs "
-             "above ran before the fix; they are to be measured again.", "",
+             "and `results/offexec/masked_decode_fix_124c502/runs.csv`; their READMEs say how they ran). In the "
+             f"table above, {_since_fix(folder)}", "",
              "| task kind | measured decode tok/s, before -> after | offsim's error in the block's time, before -> "
              "after | commits |",
              "| --- | --- | --- | --- |"]
@@ -214,7 +257,7 @@ def write(folder: Path) -> Path:
         "- 1; p50 / p99: when half / 99 % of the requests had their last token, from the job's start.", "",
         *_table(rows), "",
         f"offsim's completion time within 5 % of the measured one: {within} of {len(done)} measured jobs "
-        f"(target of issue 20: every one).", "", *_misses(folder), *_block_runs()]
+        f"(target of issue 20: every one).", "", *_misses(folder), *_block_runs(folder)]
     out = folder / "README.md"
     out.write_text("\n".join(text))
     return out
