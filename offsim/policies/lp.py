@@ -308,7 +308,7 @@ def flexgen_stage_lp(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_le
     beside a stage's weights)."""
     from offsim.policies.schedule import node_sums, stage_model, stage_nodes
 
-    S, L = len(layers), sum(layers)
+    S = len(layers)
     G = micro_batches or min(S, nb)
     nb_g = -(-nb // G)
     x = Affine.basis()
