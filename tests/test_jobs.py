@@ -1,7 +1,6 @@
 """Offline jobs of mixed-length requests (issue 20): per-prompt lengths in a workload, padded and length-bucketed
 blocks, a uniform job that is exactly the plain simulation, TightLLM's distributor deciding on the batch's mean
 length, ``offsim job`` (its table, JSON line and bad input), per-request latency percentiles."""
-import dataclasses
 import json
 
 import numpy as np
@@ -192,6 +191,15 @@ def test_job_search_reserves_the_key_mask_only_where_prompts_differ(opt125, t4_s
         check_plan_fits("flexgen", opt125, t4_small, blk.workload, best.settings)
     same = [Request(i, 200, 2 + i % 3) for i in range(12)]  # outputs differ, prompts do not: nothing is padded
     assert not best_for_job("flexgen", opt125, t4_small, same, max_sims=1).workload.reserve_key_mask
+
+
+@pytest.mark.parametrize("policy", ["tightllm", "flexgen", "static-zero", "selectn"])
+def test_search_honours_a_small_max_batch(opt125, t4_small, policy):
+    """A cap on sequences per block reaches the candidate generators (``max_batch=``): TightLLM keeps its best few LP
+    shapes, which on a 1 GiB T4 all hold more than 12 sequences, so a cap applied after that cut left it none."""
+    for cap in (4, 12):
+        res = search(policy, opt125, t4_small, 64, 8, max_sims=2, max_batch=cap)
+        assert res.workload.num_prompts <= cap
 
 
 def test_decode_steps_below_two_refused(opt125, t4_small):

@@ -139,20 +139,22 @@ def fit_gpu_weights(model: ModelSpec, hw: HardwareSpec, wl: Workload, percent: t
 
 def candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
                batch: int | None = None, compression: Compression = NO_COMPRESSION,
-               num_gpus: int = 1, gpus_per_node: int = 0, key_mask: bool = False) -> Iterable[Candidate]:
+               num_gpus: int = 1, gpus_per_node: int = 0, key_mask: bool = False,
+               max_batch: int | None = None) -> Iterable[Candidate]:
     """FlexGen's LP optimum for every block shape (with ``batch`` sequences when given), with and without CPU
     attention, best LP time first, its GPU weight share trimmed to fit exactly (``fit_gpu_weights``); each also with
     the activations on the other tier (a near-tie in the LP, whose activation traffic is small, but not in a real
     schedule). ``compression``: the LP, the fit and every candidate run with it (its settings in each candidate).
     ``num_gpus`` > 1: pipeline candidates (``stage_candidates``; ``gpus_per_node``: over that many hosts).
     ``key_mask``: every workload reserves a padded batch's key mask (``Workload.reserve_key_mask``), the fit
-    included (the LP's memory row leaves it out, as it leaves out the straddling tensor)."""
+    included (the LP's memory row leaves it out, as it leaves out the straddling tensor). ``max_batch``: no block
+    of more sequences (its LP is not solved)."""
     if num_gpus > 1:
         yield from stage_candidates(model, hw, prompt_len, gen_len, num_gpus, batch, compression, gpus_per_node,
-                                    key_mask)
+                                    key_mask, max_batch)
         return
     extra = compression.settings() if compression.any else {}
-    for r in flexgen_candidates(model, hw, prompt_len, gen_len, batch=batch, comp=compression):
+    for r in flexgen_candidates(model, hw, prompt_len, gen_len, batch=batch, comp=compression, max_batch=max_batch):
         wl = Workload(prompt_len, gen_len, r.gpu_batch_size, r.num_gpu_batches, reserve_key_mask=key_mask)
         p = fit_gpu_weights(model, hw, wl, r.percent, r.cpu_attention, comp=compression)
         yield Candidate({"percent": p, "cpu_attention": r.cpu_attention, **extra}, wl, r.seconds_per_token)
@@ -187,7 +189,8 @@ def fit_stages(model: ModelSpec, hw: HardwareSpec, wl: Workload, percent: tuple,
 
 def stage_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int, num_stages: int,
                      batch: int | None = None, compression: Compression = NO_COMPRESSION,
-                     gpus_per_node: int = 0, key_mask: bool = False) -> Iterable[Candidate]:
+                     gpus_per_node: int = 0, key_mask: bool = False,
+                     max_batch: int | None = None) -> Iterable[Candidate]:
     """Pipeline candidates over ``num_stages`` GPUs, each with ``hw``'s GPU budget: the LP optimum of every block
     shape and stage split (``lp.flexgen_stage_candidates``: balanced, and the last stage's layers moved for the best
     block shapes), best LP time first, each with its layers per stage and micro-batch groups in its settings and its
@@ -197,10 +200,11 @@ def stage_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_le
     the balanced one of the same block and micro-batches, so that the search screens both. Candidates that still do
     not fit (``check_stages_fit``) come after all the others: they give the search its reasons when none fits.
     ``gpus_per_node`` (0: one host): the stages' nodes, each with ``hw``'s host memory and disk (the LP's and the
-    fit's host rows are per node), recorded in every candidate. ``key_mask``: as ``candidates``."""
+    fit's host rows are per node), recorded in every candidate. ``key_mask``, ``max_batch``: as ``candidates``."""
     extra = compression.settings() if compression.any else {}
     rs = flexgen_stage_candidates(model, hw, prompt_len, gen_len, num_stages, batch=batch, comp=compression,
                                   gpus_per_node=gpus_per_node)
+    rs = [r for r in rs if max_batch is None or r.gpu_batch_size * r.num_gpu_batches <= max_batch]
     balanced, even = {}, stage_splits(model.num_layers, num_stages)[0]
     for r in rs:
         if r.stage_layers == even:

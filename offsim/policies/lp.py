@@ -365,9 +365,10 @@ def flexgen_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_
                        gpu_batch_sizes: Iterable[int] = GPU_BATCH_SIZES,
                        num_gpu_batches: Iterable[int] = NUM_GPU_BATCHES,
                        cpu_attention: Iterable[bool] = (False, True), batch: int | None = None,
-                       sublayer: bool = True, comp: Compression = NO_COMPRESSION) -> list[LPResult]:
-    """LP optimum for every block shape that fits (with ``batch`` sequences when given), best (lowest seconds per
-    token) first. ``sublayer``: weights stream per sub-layer (FlexGen) or whole layers (TightLLM). ``comp``: the
+                       sublayer: bool = True, comp: Compression = NO_COMPRESSION,
+                       max_batch: int | None = None) -> list[LPResult]:
+    """LP optimum for every block shape that fits (with ``batch`` sequences when given; at most ``max_batch`` when
+    given), best (lowest seconds per token) first. ``sublayer``: weights stream per sub-layer (FlexGen) or whole layers (TightLLM). ``comp``: the
     compression every candidate runs with (CPU attention is left out with compressed weights or cache, as FlexGen
     turns it off)."""
     out = []
@@ -376,8 +377,8 @@ def flexgen_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_
             continue
         too_big: set[int] = set()  # num_gpu_batches whose smaller GPU batch already did not fit
         for gbs, nb in block_shapes(batch, gpu_batch_sizes, num_gpu_batches):
-            if nb in too_big:
-                continue  # a larger GPU batch needs more memory still
+            if nb in too_big or (max_batch is not None and gbs * nb > max_batch):
+                continue  # a larger GPU batch needs more memory still; a cap on sequences per block
             r = flexgen_lp(model, hw, prompt_len, gen_len, gbs, nb, ca, sublayer, comp)
             if r is None:
                 too_big.add(nb)

@@ -150,7 +150,7 @@ def flexgen_ref_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: FlexG
 
 def flexgen_ref_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
                            batch: int | None = None, compression: Compression = NO_COMPRESSION,
-                           key_mask: bool = False) -> list[Candidate]:
+                           key_mask: bool = False, max_batch: int | None = None) -> list[Candidate]:
     """FlexGen's candidates (``flexgen.candidates``: the LP optimum of each block shape, its GPU weight share trimmed
     until the flat placement fits), each share trimmed further until FlexGen's own placement fits the GPU too:
     whole tensors by their midpoints (``flexgen_unit_homes``), the embedding and the head by the same percentages,
@@ -159,7 +159,8 @@ def flexgen_ref_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, 
     FlexGen's own fit leaves them (lowering the GPU share cannot make them fit)."""
     gpu_only = dict(capacity_of(hw), cpu=1 << 62, disk=1 << 62)
     out = []
-    for c in flexgen_candidates(model, hw, prompt_len, gen_len, batch, compression, key_mask=key_mask):
+    for c in flexgen_candidates(model, hw, prompt_len, gen_len, batch, compression, key_mask=key_mask,
+                                max_batch=max_batch):
         ca = c.settings["cpu_attention"]
 
         def fits(p, wl=c.workload, ca=ca):

@@ -102,25 +102,28 @@ def static_zero_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: ZeroS
     return build_block_plan(model, wl, _zero_schedule(model, hw, wl, st), capacity_of(hw))
 
 
-def _batches(batch: int | None) -> Iterable[int]:
-    return GPU_BATCH_SIZES if batch is None else (batch,)
+def _batches(batch: int | None, max_batch: int | None = None) -> Iterable[int]:
+    sizes = GPU_BATCH_SIZES if batch is None else (batch,)
+    return [b for b in sizes if max_batch is None or b <= max_batch]
 
 
 def accelerate_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
-                          batch: int | None = None, key_mask: bool = False) -> Iterable[Candidate]:
+                          batch: int | None = None, key_mask: bool = False,
+                          max_batch: int | None = None) -> Iterable[Candidate]:
     """One GPU batch of each size (or of ``batch``), layers offloaded to host memory when they fit there, else to
-    disk. Unranked: the search simulates them. ``key_mask``: ``Workload.reserve_key_mask`` (``base.CandidateFn``)."""
+    disk. Unranked: the search simulates them. ``key_mask``, ``max_batch``: ``base.CandidateFn``."""
     off = host_offload_tier(model, hw)
-    for gbs in _batches(batch):
+    for gbs in _batches(batch, max_batch):
         yield Candidate({"offload": off}, Workload(prompt_len, gen_len, gbs, 1, reserve_key_mask=key_mask))
 
 
 def zero_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
-                    batch: int | None = None, key_mask: bool = False) -> Iterable[Candidate]:
+                    batch: int | None = None, key_mask: bool = False,
+                    max_batch: int | None = None) -> Iterable[Candidate]:
     """As Accelerate's, each with the KV cache on the GPU (no KV traffic) and in host memory."""
     off = host_offload_tier(model, hw)
     for kv_on_cpu in (False, True):
-        for gbs in _batches(batch):
+        for gbs in _batches(batch, max_batch):
             yield Candidate({"offload": off, "kv_on_cpu": kv_on_cpu},
                             Workload(prompt_len, gen_len, gbs, 1, reserve_key_mask=key_mask))
 

@@ -194,6 +194,8 @@ def _candidates(pol, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_le
     kw = {"num_gpus": num_gpus} if num_gpus > 1 else {}
     if key_mask:
         kw["key_mask"] = True  # (``base.CandidateFn``)
+    if max_batch is not None:
+        kw["max_batch"] = max_batch  # (a generator that keeps its best few shapes keeps them under the cap)
     if num_gpus > 1 and gpus_per_node:
         kw["gpus_per_node"] = gpus_per_node
     if comp.any and not pol.compressible:

@@ -78,7 +78,8 @@ def selectn_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: SelectNSe
 
 
 def selectn_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
-                       batch: int | None = None, key_mask: bool = False) -> Iterable[Candidate]:
+                       batch: int | None = None, key_mask: bool = False,
+                       max_batch: int | None = None) -> Iterable[Candidate]:
     """One interval per distinct number of offloaded layers (the largest N with that count; num_layers + 1 = none),
     fewest offloaded first, times one GPU batch (Select-N serves one batch per iteration) of 1, 2, 4, ... sequences
     while the KV cache alone still fits the GPU -- or of ``batch`` sequences. Plans that do not fit are the search's
@@ -88,7 +89,8 @@ def selectn_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_
     max_len = prompt_len + gen_len - 1
     sizes = [batch] if batch is not None else []
     bs = 1
-    while batch is None and fp.kv_bytes(model, bs, max_len, layers=model.num_layers) < hw.gpu_mem_bytes and bs <= 4096:
+    top = 4096 if max_batch is None else min(4096, max_batch)  # (``base.CandidateFn``)
+    while batch is None and fp.kv_bytes(model, bs, max_len, layers=model.num_layers) < hw.gpu_mem_bytes and bs <= top:
         sizes.append(bs)
         bs *= 2
     # Only the GPU filters candidates: a host-memory shortfall is left to the plan builder, whose refusal the search

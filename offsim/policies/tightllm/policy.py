@@ -662,23 +662,25 @@ def _fits(model: ModelSpec, hw: HardwareSpec, wl: Workload, percent: tuple,
 
 def tightllm_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
                         batch: int | None = None, max_shapes: int = 12,
-                        compression: Compression = NO_COMPRESSION, key_mask: bool = False) -> Iterable[Candidate]:
+                        compression: Compression = NO_COMPRESSION, key_mask: bool = False,
+                        max_batch: int | None = None) -> Iterable[Candidate]:
     """Placements and block shapes for the search: FlexGen's LP optimum (GPU attention) for each block shape (same
     memory constraints; with ``batch`` sequences when given), its GPU weight share trimmed until TightLLM's own
     placement fits (``flexgen.fit_gpu_weights``: the LP's memory row is FlexGen's, a few tens of MB off TightLLM's
     working set), re-ranked by TightLLM's own estimate, plus -- when the batch is free -- twice the GPU batch on the
     same placement (with recompute the KV loads shrink, so a bigger batch can pay). ``compression``: the LP, the fit,
     the estimate and every candidate run with it. ``key_mask``: every workload reserves a padded batch's key mask
-    (``Workload.reserve_key_mask``), the fit included."""
+    (``Workload.reserve_key_mask``), the fit included. ``max_batch``: no block of more sequences -- the
+    ``max_shapes`` best LP shapes under that cap (kept after the cut, a cap would leave none)."""
     seen = set()
     extra = compression.settings() if compression.any else {}
     lps = flexgen_candidates(model, hw, prompt_len, gen_len, cpu_attention=(False,), batch=batch,
-                             sublayer=False, comp=compression)[:max_shapes]  # the loader streams whole layers
+                             sublayer=False, comp=compression, max_batch=max_batch)[:max_shapes]  # whole layers
     out = []
     for r in lps:
         for gbs in (r.gpu_batch_size,) if batch is not None else (r.gpu_batch_size, 2 * r.gpu_batch_size):
             key = (r.percent, gbs, r.num_gpu_batches)
-            if key in seen:
+            if key in seen or (max_batch is not None and gbs * r.num_gpu_batches > max_batch):
                 continue
             seen.add(key)
             wl = Workload(prompt_len, gen_len, gbs, r.num_gpu_batches, reserve_key_mask=key_mask)
