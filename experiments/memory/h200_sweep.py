@@ -238,20 +238,24 @@ def report(config: Path, runs: Path, out: Path, note: str = "") -> dict:
             "allocated_over_footprint_min": float(ran["allocated_over_footprint"].min()) if len(ran) else None,
             "allocated_over_footprint_max": float(ran["allocated_over_footprint"].max()) if len(ran) else None}
     _plot(df, out / "h200_sweep.png")
-    _readme(df, summ, out / "README.md", commits, note)
+    _readme(df, summ, out / "README.md", commits, note, bool(cfg.get("padded")))
     return summ
 
 
-def _readme(df, summ: dict, path: Path, commits: list[str], note: str = "") -> None:
+def _readme(df, summ: dict, path: Path, commits: list[str], note: str = "", padded: bool = False) -> None:
     """README.md of the results folder: every number in it is computed here from the CSV beside it."""
     G = lambda b: f"{b / GiB:.2f}" if b == b else ""  # noqa: E731  (NaN: no measurement)
     by = df.assign(oom=df["oom"].astype(bool), failed=df["error"].notna() & ~df["oom"].astype(bool)) \
         .groupby("policy").agg(cases=("case", "size"), ooms=("oom", "sum"), refused_or_failed=("failed", "sum"),
                                ratio_min=("measured_over_predicted", "min"),
                                ratio_max=("measured_over_predicted", "max"))
-    lines = ["# The memory contract, measured on the H200", "",
-             "Settings chosen by `offsim search` at 100 % of the GPU budget (no headroom factor), run by offexec under",
-             "that budget (`torch.cuda.set_per_process_memory_fraction`). Written by",
+    what = ("Left-padded blocks of mixed prompt lengths at the settings `offsim job` picks (its search at the "
+            "requests' longest lengths, a padded batch's key mask reserved, at 100 % of the GPU budget), each case the "
+            "block that reaches the longest prompt (`h200_sweep plan --padded`), run by offexec under"
+            if padded else
+            "Settings chosen by `offsim search` at 100 % of the GPU budget (no headroom factor), run by offexec under")
+    lines = ["# The memory contract" + (" for left-padded blocks" if padded else "") + ", measured on the H200", "",
+             what, "that budget (`torch.cuda.set_per_process_memory_fraction`). Written by",
              "`python -m experiments.memory.h200_sweep report` from `h200_sweep.csv` (first line: provenance); runs at "
              f"commit(s) {', '.join(commits) or 'unknown'}.", "",
              f"**{summ['cases']} cases: {summ['ooms']} out of GPU memory, {summ['refused_or_failed']} refused or failed "
@@ -280,8 +284,9 @@ def _readme(df, summ: dict, path: Path, commits: list[str], note: str = "") -> N
                      f"{G(r.measured_peak_gpu_bytes)} | {'yes' if r.oom else ''} | {note} |")
     lines += ["", "![measured against predicted peak](h200_sweep.png)", "",
               "Measured peak: `torch.cuda.max_memory_reserved` over the measured run (after a two-token warm-up); for "
-              "a run that ran out of memory, the peak reached before the failing allocation. `baseline_1011948.log`: "
-              "the same sweep before the footprint module (its printed log)."]
+              "a run that ran out of memory, the peak reached before the failing allocation." + (
+                  "" if padded else " `baseline_1011948.log`: the same sweep before the footprint module (its "
+                  "printed log).")]
     path.write_text("\n".join(lines) + "\n")
 
 

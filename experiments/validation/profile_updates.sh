@@ -37,6 +37,11 @@
 #      with the cap at the plan's bytes and at a 24 GiB budget, the runs' JSON 'allocator' retries beside prefill
 #      tok/s (the job blocks' prefill retried 46-126 times and ran ~11 % slower at the plan's cap)
 #                                                                               -> $OUT/p15.tgz
+#  16. the memory contract for left-padded blocks: the 22 cases of results/memory/padded/config.json (offsim job's
+#      settings, the key mask reserved; `h200_sweep plan --padded`), each run under its budget with the allocator
+#      capped at the plan's bytes: no OOM, measured / predicted peak        -> $OUT/padded_runs.jsonl
+#      (here: `python -m experiments.memory.h200_sweep report --config results/memory/padded/config.json
+#       --runs padded_runs.jsonl --out results/memory/padded`)
 # Then, here: `offexec profile --base results/profiles/h200_offexec_v2.json --merge sus.json store.json --out ...`,
 # re-validate the calibration split before adopting (docs/cost-model.md).
 #
@@ -135,7 +140,10 @@ json.dump(d, open('/tmp/ra/p4.json', 'w'))" &&
           done
         done
         (cd /tmp/p15 && tar czf "$OUT/p15.tgz" .) ;;
-    *) echo "unknown step $s (1 to 15)"; continue ;;
+    16) mkdir -p /tmp/disktier && timeout 540 python3 -u -m experiments.memory.h200_sweep run --config results/memory/padded/config.json \
+          --out /tmp/padded --commit "$COMMIT" --disk-dir /tmp/disktier > "$OUT/padded.log" 2>&1
+        cp /tmp/padded/runs.jsonl "$OUT/padded_runs.jsonl" ;;
+    *) echo "unknown step $s (1 to 16)"; continue ;;
   esac
   echo "step $s rc=$? $(( $(date +%s) - T0 )) s"
 done
