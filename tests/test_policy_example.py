@@ -118,3 +118,8 @@ def test_example_policy_is_searched_like_the_others(registered):
     assert res.policy == "gpu-share"
     assert res.settings["gpu_percent"] in (75, 50, 25, 0) and res.workload.num_gpu_batches == 1
     assert res.metrics["peak_gpu_bytes"] <= hw.gpu_mem_bytes
+    # its generator takes neither optional keyword (base.CandidateFn): the search caps and reserves for it
+    capped = search("gpu-share", model, hw, prompt_len=256, gen_len=8, max_batch=4)
+    assert capped.workload.num_prompts <= 4
+    job = search("gpu-share", model, hw, prompt_len=256, gen_len=8, max_batch=4, key_mask=True)
+    assert job.workload.reserve_key_mask

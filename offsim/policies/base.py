@@ -31,10 +31,11 @@ class Candidate(NamedTuple):
 
 
 # (model, hardware, prompt_len, gen_len, batch) -> candidates, best first. ``batch`` None: any block shape;
-# an int: only block shapes with exactly that many sequences (gpu_batch_size x num_gpu_batches). Keyword
+# an int: only block shapes with exactly that many sequences (gpu_batch_size x num_gpu_batches). Optional keyword
 # ``key_mask=True`` (an offline job's search): each candidate's workload reserves a padded batch's key mask
 # (``Workload.reserve_key_mask``) and the candidate fits with it. Keyword ``max_batch=N``: no block shape of more than N
-# sequences (a generator that keeps only its best few shapes keeps the best few under the cap).
+# sequences (a generator that keeps only its best few shapes keeps the best few under the cap). A generator without
+# them still serves: the search then filters by the cap and reserves the mask itself (docs/architecture.md §5).
 CandidateFn = Callable[[ModelSpec, HardwareSpec, int, int, "int | None"], Iterable[Candidate]]
 
 

@@ -6,6 +6,7 @@ the best *simulated* setting, not the best modelled one.
 from __future__ import annotations
 
 import gc
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,9 +193,11 @@ def _candidates(pol, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_le
     """The candidates of one compression choice: a ranked policy's 2 · max_sims best, else all of them (with
     ``num_gpus`` > 1, the policy's pipeline candidates: ``check_num_gpus`` has checked that it has them)."""
     kw = {"num_gpus": num_gpus} if num_gpus > 1 else {}
-    if key_mask:
-        kw["key_mask"] = True  # (``base.CandidateFn``)
-    if max_batch is not None:
+    # the optional keywords of ``base.CandidateFn``, for a generator that takes them (a policy written without them
+    # still works: its candidates are filtered by the cap below, and reserve the key mask without fitting to it)
+    if key_mask and _takes(pol.candidates, "key_mask"):
+        kw["key_mask"] = True
+    if max_batch is not None and _takes(pol.candidates, "max_batch"):
         kw["max_batch"] = max_batch  # (a generator that keeps its best few shapes keeps them under the cap)
     if num_gpus > 1 and gpus_per_node:
         kw["gpus_per_node"] = gpus_per_node
@@ -210,6 +213,8 @@ def _candidates(pol, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_le
         extra = comp.settings() if comp.any else {}
         drawn = (c._replace(settings={**c.settings, **extra})
                  for c in pol.candidates(model, hw, prompt_len, gen_len, None, **kw))
+    if key_mask and not _takes(pol.candidates, "key_mask"):
+        drawn = (c._replace(workload=c.workload.with_(reserve_key_mask=True)) for c in drawn)
     cands = []
     for c in drawn:
         if max_batch is not None and c[1].num_prompts > max_batch:  # a cap on prompts per block (latency, host
@@ -220,6 +225,12 @@ def _candidates(pol, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_le
             # FlexGen's trims each LP optimum to fit (``fit_gpu_weights``), ~1 ms a candidate
             break
     return cands
+
+
+def _takes(fn, name: str) -> bool:
+    """Whether ``fn`` takes the keyword ``name`` (by name, or through ``**kwargs``)."""
+    params = inspect.signature(fn).parameters
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def extrapolated_metrics(m: dict, wl: Workload) -> dict:
