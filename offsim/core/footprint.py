@@ -869,6 +869,14 @@ def gib(nbytes: float) -> str:
     return f"{x:.2f} GiB" if abs(x) >= 0.1 or x == 0 else f"{x:.3g} GiB"
 
 
+def fits(model: ModelSpec, capacity: Mapping[str, int], wl: Workload, pl: Placement,
+         tiers: tuple[str, ...] = TIERS) -> bool:
+    """Whether the placement's resident bytes plus minimum working set fit each of ``tiers``: ``check_fits``'s test
+    without its message, for the fits that trim a placement in a loop (``tiers=("gpu",)``: the GPU alone)."""
+    t = placement_tier_bytes(model, wl, pl)
+    return all(sum(t[tier].values()) <= int(capacity.get(tier, 0)) for tier in tiers)
+
+
 def check_fits(model: ModelSpec, capacity: Mapping[str, int], wl: Workload, pl: Placement, what: str = "plan") -> None:
     """Refuse, from arithmetic alone, a placement whose resident bytes plus minimum working set exceed a tier:
     one line naming every short tier with its shortfall, need and capacity in GiB and its largest parts

@@ -368,9 +368,9 @@ def flexgen_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_
                        sublayer: bool = True, comp: Compression = NO_COMPRESSION,
                        max_batch: int | None = None) -> list[LPResult]:
     """LP optimum for every block shape that fits (with ``batch`` sequences when given; at most ``max_batch`` when
-    given), best (lowest seconds per token) first. ``sublayer``: weights stream per sub-layer (FlexGen) or whole layers (TightLLM). ``comp``: the
-    compression every candidate runs with (CPU attention is left out with compressed weights or cache, as FlexGen
-    turns it off)."""
+    given), best (lowest seconds per token) first. ``sublayer``: weights stream per sub-layer (FlexGen) or whole
+    layers (TightLLM). ``comp``: the compression every candidate runs with (CPU attention is left out with
+    compressed weights or cache, as FlexGen turns it off)."""
     out = []
     for ca in cpu_attention:
         if ca and (comp.weight or comp.cache):

@@ -157,7 +157,7 @@ def flexgen_ref_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, 
     can hold more on the GPU than the share says (OPT-30B at 24 GiB: 22.97 GiB of resident weights where the flat
     placement of the same percentages fits). Host memory and disk are left to the plan builder's refusal, as
     FlexGen's own fit leaves them (lowering the GPU share cannot make them fit)."""
-    gpu_only = dict(capacity_of(hw), cpu=1 << 62, disk=1 << 62)
+    cap = capacity_of(hw)
     out = []
     for c in flexgen_candidates(model, hw, prompt_len, gen_len, batch, compression, key_mask=key_mask,
                                 max_batch=max_batch):
@@ -165,11 +165,7 @@ def flexgen_ref_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, 
 
         def fits(p, wl=c.workload, ca=ca):
             st = FlexGenSettings(percent=p, cpu_attention=ca, **compression.settings())
-            try:
-                fp.check_fits(model, gpu_only, wl, flexgen_ref_schedule(model, st).placement())
-            except OffsimError:
-                return False
-            return True
+            return fp.fits(model, cap, wl, flexgen_ref_schedule(model, st).placement(), ("gpu",))
 
         p = fit_gpu_weights(model, hw, c.workload, c.settings["percent"], ca, fits=fits, comp=compression)
         out.append(c._replace(settings={**c.settings, "percent": p}))

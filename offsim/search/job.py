@@ -9,8 +9,9 @@ the work was padding.
   and generation (so that every block fits: a block padded to less needs no more memory; where prompts differ, a
   padded batch's key mask is reserved), cuts the requests into blocks (``requests.make_blocks``), simulates each
   block's own plan -- each GPU batch at its padded length -- one after another, and reads each request's
-  completion from the trace: the end of the step that produced its last token. Blocks of identical shape are simulated once; a long block is simulated in pieces by default, the rest
-  of its steps interpolated (``simulate_block``; ``decode_steps`` None: every step).
+  completion from the trace: the end of the step that produced its last token. Blocks of identical shape are
+  simulated once; a long block is simulated in pieces by default, the rest of its steps interpolated
+  (``simulate_block``; ``decode_steps`` None: every step).
 
 Numbers (``JobResult.summary``): ``completion_s`` (the job's makespan: its blocks back to back), ``output_tok_s``
 (generated tokens of the requests / completion_s), ``requests_per_s``, per-request completion times within the

@@ -95,16 +95,13 @@ def selectn_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_
         bs *= 2
     # Only the GPU filters candidates: a host-memory shortfall is left to the plan builder, whose refusal the search
     # reports (the tier that is short and by how much; filtering it here would leave the search "no candidate").
-    gpu_only = dict(capacity_of(hw), cpu=1 << 62, disk=1 << 62)
+    cap = capacity_of(hw)
     for bs in sizes:
         wl = Workload(prompt_len, gen_len, bs, 1, reserve_key_mask=key_mask)  # (``base.CandidateFn``)
         for n in intervals:
             # what the GPU holds (resident and the minimum working set) must fit: arithmetic, no plan built
-            try:
-                fp.check_fits(model, gpu_only, wl, selectn_schedule(model, n).placement())
-            except OffsimError:
-                continue
-            yield Candidate({"interval": n}, wl)
+            if fp.fits(model, cap, wl, selectn_schedule(model, n).placement(), ("gpu",)):
+                yield Candidate({"interval": n}, wl)
 
 
 SELECTN = Policy("selectn", SelectNSettings, selectn_plan, selectn_candidates,

@@ -616,9 +616,8 @@ def estimate_seconds_per_token(model: ModelSpec, hw: HardwareSpec, wl: Workload,
     from offsim.core import costmodel as cm
 
     lay = layout_of(model, wl, st)
-    try:  # resident bytes and the minimum working set (prefill included) on every tier
-        fp.check_fits(model, capacity_of(hw), wl, _schedule_of(model, lay, st).placement())
-    except OffsimError:
+    # resident bytes and the minimum working set (prefill included) on every tier
+    if not fp.fits(model, capacity_of(hw), wl, _schedule_of(model, lay, st).placement()):
         return math.inf
     free = free_gpu_bytes_of(model, hw, wl, lay, compression_of(st))
     gbs, P = wl.gpu_batch_size, wl.prompt_len
@@ -651,13 +650,9 @@ def tightllm_placement(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: Tig
 
 def _fits(model: ModelSpec, hw: HardwareSpec, wl: Workload, percent: tuple,
           comp: Compression = NO_COMPRESSION) -> bool:
-    """Whether TightLLM's placement of ``percent`` fits every tier (``footprint.check_fits``)."""
-    try:
-        fp.check_fits(model, capacity_of(hw), wl, tightllm_placement(model, hw, wl, TightLLMSettings(
-            percent=percent, **comp.settings())))
-    except OffsimError:
-        return False
-    return True
+    """Whether TightLLM's placement of ``percent`` fits every tier (``footprint.fits``)."""
+    return fp.fits(model, capacity_of(hw), wl, tightllm_placement(model, hw, wl, TightLLMSettings(
+        percent=percent, **comp.settings())))
 
 
 def tightllm_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
