@@ -32,7 +32,7 @@ from offsim.core.sim import simulate
 from offsim.core.specs import HARDWARE_PRESETS, Workload, get_hardware, get_model
 from offsim.policies import build_plan
 
-from . import ALLOCATOR_CAPS
+from . import ALLOCATOR_CAPS, DEFAULT_ALLOCATOR_CAP
 
 WARMUP_MODES = ("short", "full")  # offexec run's unmeasured warm-up: 2 tokens, or the whole plan once
 
@@ -72,9 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "prefill's allocations) or the whole plan once (full: twice the time; the measured run is "
                         "then a steady-state run, as offsim predicts it: after 'short' its first decode step ran "
                         "~30-150 ms longer on the H200) (default: %(default)s)")
-    r.add_argument("--allocator-cap", default="plan", choices=ALLOCATOR_CAPS,
-                   help="cap PyTorch's GPU allocator at the plan's own bytes, what offsim predicts (plan, default: "
-                        "the run proves the memory contract) or at the --gpu-mem-gb budget (budget)")
+    r.add_argument("--allocator-cap", default=DEFAULT_ALLOCATOR_CAP, choices=ALLOCATOR_CAPS,
+                   help="cap PyTorch's GPU allocator at the --gpu-mem-gb budget (budget, default) or at the plan's "
+                        "own bytes, what offsim predicts (plan: a run that completes proves the memory contract, "
+                        "but where the allocator fragments beyond the footprint's allowance it retries, "
+                        "synchronising every stream, and runs slower)")
     r.add_argument("--no-cuda-graphs", action="store_true",
                    help="issue decode layer ops kernel by kernel instead of replaying them as CUDA graphs")
     r.add_argument("--device", default="cuda", help="'cuda' (default) or 'cpu' (sequential, for tests)")

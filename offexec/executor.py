@@ -36,7 +36,7 @@ from offsim.core.errors import OffsimError
 from offsim.core.specs import Compression, ModelSpec, get_model
 from offsim.core.trace import Trace
 
-from . import ALLOCATOR_CAPS
+from . import ALLOCATOR_CAPS, DEFAULT_ALLOCATOR_CAP
 from . import model as M
 from . import quant
 from .graphs import GRAPH_MODES, DecodeGraphs
@@ -82,7 +82,7 @@ def run_plan(plan: Plan, weights: ModelWeights, device: str = "cuda", prompts: t
              seed: int = 0, gpu_budget_bytes: int | None = None, disk_dir: str | None = None,
              record_logits: bool = False, keep_kv: bool = False, meta: dict | None = None,
              threaded: bool = False, host_kv_pool: HostBuffer | None = None,
-             allocator_cap: str = "plan", graphs: str | None = None,
+             allocator_cap: str = DEFAULT_ALLOCATOR_CAP, graphs: str | None = None,
              switch_interval_s: float | None = None, trace_allocator: bool = False) -> RunResult:
     """Run ``plan`` with ``weights`` on ``device``; return the measured trace and the generated tokens.
 
@@ -91,9 +91,10 @@ def run_plan(plan: Plan, weights: ModelWeights, device: str = "cuda", prompts: t
     memory cap (default: the plan's GPU capacity). ``threaded``: on the CPU, run the stream scheduler with host
     stand-ins for streams instead of plain plan order (tests). ``host_kv_pool``: a (pinned) host buffer to hold the
     host-homed KV cache, reused across runs in one process (page-locking tens of GB takes seconds).
-    ``allocator_cap``: 'plan' (default) caps PyTorch's allocator at the plan's own GPU bytes (``gpu_need``, what
-    offsim predicts; never above the budget), so that a run proves the memory contract -- it holds at most what was
-    planned; 'budget' caps it at the budget, letting the allocator cache freely up to it. ``graphs``: decode
+    ``allocator_cap``: 'budget' (default, ``offexec.DEFAULT_ALLOCATOR_CAP``: why) caps PyTorch's allocator at the
+    budget, letting it cache freely up to it; 'plan' caps it at the plan's own GPU bytes (``gpu_need``, what offsim
+    predicts; never above the budget), so that a run proves the memory contract -- it holds at most what was
+    planned. ``graphs``: decode
     layer ops as CUDA graphs ('cuda', the default on a GPU), their graph-ready kernels run eagerly ('static', for
     CPU tests of the graph path's numerics), or the plain eager kernels ('off', the default on the CPU)
     (offexec/graphs.py). ``switch_interval_s``: Python's thread switch interval during the run (default
@@ -281,7 +282,8 @@ class Executor:
     switch_interval_s = SWITCH_INTERVAL_S
     def __init__(self, plan: Plan, weights: ModelWeights, device: str, prompts, seed: int,
                  gpu_budget_bytes: int | None, disk_dir: str | None, record_logits: bool, keep_kv: bool,
-                 threaded: bool = False, allocator_cap: str = "plan", graphs: str | None = None, comm=None):
+                 threaded: bool = False, allocator_cap: str = DEFAULT_ALLOCATOR_CAP, graphs: str | None = None,
+                 comm=None):
         self.plan, self.spec, self.wts = plan, plan.model, weights
         self.comm = comm  # one stage of a pipeline: its sends and receives (offexec/distributed.py ``StageComm``)
         if comm is not None and threaded:

@@ -41,6 +41,8 @@ from offsim.core.specs import HARDWARE_PRESETS, Workload, get_hardware, get_mode
 from offsim.policies import POLICIES, build_plan
 from offsim.search import job as J
 
+from . import ALLOCATOR_CAPS, DEFAULT_ALLOCATOR_CAP
+
 GiB = 1 << 30
 # an unmeasured warm-up's steps (offexec run, job blocks): prefill and one decode step. The run's kernel shapes, but
 # not all of them: its plan is built for these steps, so its KV buffers and the graphed decode attention over them
@@ -417,7 +419,7 @@ def add_job_parser(sub) -> None:
     j.add_argument("--seed", type=int, default=0, help="seed of random weights and prompts (default: %(default)s)")
     j.add_argument("--no-warmup", action="store_true",
                    help="skip each policy's unmeasured 2-token warm-up of its first block")
-    j.add_argument("--allocator-cap", default="plan", choices=("plan", "budget"),
+    j.add_argument("--allocator-cap", default=DEFAULT_ALLOCATOR_CAP, choices=ALLOCATOR_CAPS,
                    help="as `offexec run --allocator-cap` (default: %(default)s)")
     j.add_argument("--no-cuda-graphs", action="store_true", help="as `offexec run --no-cuda-graphs`")
     j.add_argument("--disk-dir", default=None, metavar="DIR", help="where the disk tier's files go")

@@ -34,6 +34,8 @@ from offsim.policies.selectn.policy import SelectNSettings, host_weight_bytes, o
 from offsim.policies.selectn.record import (DECODE_STEP, PHASES, IterationResult, _is_memory_error, build_record,
                                             iteration_latency, iteration_workload)
 
+from . import ALLOCATOR_CAPS, DEFAULT_ALLOCATOR_CAP
+
 GiB = 1 << 30
 DEFAULT_BATCHES = (1, 4, 16)
 DEFAULT_SEQ_LENS = (512,)
@@ -58,7 +60,7 @@ class MeasuredIterations:
     the cost of kernels and allocations met for the first time at that shape."""
 
     def __init__(self, weights, device: str = "cuda", budget_bytes: int | None = None, seed: int = 0,
-                 repeats: int = 1, warmup: bool = True, allocator_cap: str = "plan", cuda_graphs: bool = True,
+                 repeats: int = 1, warmup: bool = True, allocator_cap: str = DEFAULT_ALLOCATOR_CAP, cuda_graphs: bool = True,
                  disk_dir: str | None = None):
         self.weights, self.device, self.budget, self.seed = weights, device, budget_bytes, seed
         self.repeats, self.warmup, self.allocator_cap = repeats, warmup, allocator_cap
@@ -138,7 +140,7 @@ def sim_vs_measured(log: list[dict]) -> dict:
 def measure_record(model, hw, weights, ttft_slo_s: float, tpot_slo_s: float, batches=DEFAULT_BATCHES,
                    seq_lens=DEFAULT_SEQ_LENS, phases=PHASES, intervals=None, device: str = "cuda", seed: int = 0,
                    repeats: int = 1, warmup: bool = True, time_limit_s: float | None = None, progress: bool = False,
-                   converge_tol: float = 0.02, allocator_cap: str = "plan", cuda_graphs: bool = True,
+                   converge_tol: float = 0.02, allocator_cap: str = DEFAULT_ALLOCATOR_CAP, cuda_graphs: bool = True,
                    disk_dir: str | None = None, meta: dict | None = None):
     """Select-N's record with every iteration measured on ``device`` (``build_record`` with ``MeasuredIterations``).
     ``intervals`` None: ``default_intervals``. Returns the ``PerformanceRecord`` (source 'offexec')."""
@@ -197,7 +199,7 @@ def add_record_parser(sub) -> None:
     r.add_argument("--seed", type=int, default=0, help="seed of random weights and prompts (default: %(default)s)")
     r.add_argument("--no-warmup", action="store_true",
                    help="no unmeasured first run per iteration shape (phase, batch, sequence length)")
-    r.add_argument("--allocator-cap", default="plan", choices=("plan", "budget"),
+    r.add_argument("--allocator-cap", default=DEFAULT_ALLOCATOR_CAP, choices=ALLOCATOR_CAPS,
                    help="as `offexec run --allocator-cap` (default: %(default)s)")
     r.add_argument("--no-cuda-graphs", action="store_true", help="as `offexec run --no-cuda-graphs`")
     r.add_argument("--disk-dir", default=None, metavar="DIR", help="where a disk tier's files go (none expected)")

@@ -174,8 +174,10 @@ def run_cases(cases: list[dict], out: Path, commit: str | None, disk_dir: str | 
                     need = check_plan(plan, dev, budget, disk_dir, **kw)  # the weights' master copy is already made
                     row["offexec_need_bytes"] = int(sum(need.values()))
                     warm = build_plan(c["policy"], model, hw, shortened(wl, 2), c["settings"])  # (per request too)
-                    run_plan(warm, weights, "cuda", gpu_budget_bytes=budget, disk_dir=disk_dir)
-                    res = run_plan(plan, weights, "cuda", gpu_budget_bytes=budget, disk_dir=disk_dir)
+                    # the allocator capped at the plan's own bytes: a run that completes held at most the prediction
+                    cap = {"allocator_cap": "plan"}
+                    run_plan(warm, weights, "cuda", gpu_budget_bytes=budget, disk_dir=disk_dir, **cap)
+                    res = run_plan(plan, weights, "cuda", gpu_budget_bytes=budget, disk_dir=disk_dir, **cap)
                     m = res.trace.metrics()
                     row.update(oom=False, measured_peak_gpu_bytes=int(res.stats["gpu_max_reserved_bytes"]),
                                measured_max_allocated_bytes=int(res.stats["gpu_max_allocated_bytes"]),
@@ -265,8 +267,8 @@ def _readme(df, summ: dict, path: Path, commits: list[str], note: str = "", padd
              "How the run holds to the plan: every buffer whose size the plan fixes (weights, KV, pools, embeddings, "
              "token ids) is a view of one GPU arena sized from the plan; the executor's CUDA streams live as long as "
              "the process (a fresh stream's cuBLAS workspace would leak 32 MiB a run); the caching allocator runs with "
-             "expandable segments and is capped at the plan's own GPU bytes (`offexec run --allocator-cap plan`, the "
-             "default), so a completed run held at most what offsim predicted. Tensors allocated "
+             "expandable segments and is capped at the plan's own GPU bytes (`offexec run --allocator-cap plan`; "
+             "runs are capped at the budget by default), so a completed run held at most what offsim predicted. Tensors allocated "
              "(`torch.cuda.max_memory_allocated`) were "
              f"{summ['allocated_over_footprint_min']:.3f} to {summ['allocated_over_footprint_max']:.3f} times what the "
              "footprint module adds up for the plan (`offexec_need_bytes`, the sizes offsim plans with, which include "
@@ -296,11 +298,14 @@ def _over_prediction(df) -> list[str]:
     over = df[(df["measured_over_predicted"] > 1) & df["error"].isna()]
     if not len(over):
         return []
-    M = lambda b: f"{b / 2**20:,.0f} MiB"  # noqa: E731
-    items = [f"{r.case} reserved {M(r.measured_peak_gpu_bytes - r.predicted_peak_gpu_bytes)} more than the "
-             f"simulated peak, {M(r.offexec_need_bytes - r.measured_peak_gpu_bytes)} under the allocator cap, "
-             f"its tensors {M(r.predicted_peak_gpu_bytes - r.measured_max_allocated_bytes)} under the simulated peak"
-             for _, r in over.iterrows()]
+    M = lambda b: f"{abs(b) / 2**20:,.0f} MiB"  # noqa: E731
+    side = lambda b: "under" if b >= 0 else "over"  # noqa: E731
+    items = []
+    for _, r in over.iterrows():
+        t = r.predicted_peak_gpu_bytes - r.measured_max_allocated_bytes  # the tensors against the simulated peak
+        items.append(f"{r.case} reserved {M(r.measured_peak_gpu_bytes - r.predicted_peak_gpu_bytes)} more than the "
+                     f"simulated peak, {M(r.offexec_need_bytes - r.measured_peak_gpu_bytes)} under the allocator cap, "
+                     f"its tensors {M(t)} {side(t)} the simulated peak")
     return [f"{len(over)} completed run(s) reserved more than the simulated peak: " + "; ".join(items) + ". The "
             "allocator may reserve up to its cap: the footprint's bound over the whole plan (cuBLAS's workspace and "
             "the allocator's slack included, as in the simulated peak), which can lie above the peak at the "

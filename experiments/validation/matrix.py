@@ -306,6 +306,10 @@ def run_cases(cases: list[dict], args) -> list[dict]:
                 commit = {"commit": args.commit} if args.commit else {}
                 case = case_from_trace(tr, **provenance(gpu=gpu, wall_s=round(wall, 2), **commit,
                                                         issue_frac=res.stats.get("issue_frac"),
+                                                        # the allocator's cap and its retries (each a device-wide
+                                                        # synchronisation: results/validation/allocator_cap_23ec055)
+                                                        allocator_cap_bytes=res.stats.get("allocator_cap_bytes"),
+                                                        allocator=res.stats.get("allocator"),
                                                         warmup=bool(args.warmup),
                                                         **({"warmup_mode": warm_mode} if warm_mode else {}),
                                                         host_mem_gb=args.host_mem_gb, host_probe=probe,
@@ -319,6 +323,7 @@ def run_cases(cases: list[dict], args) -> list[dict]:
                        "predicted_total_tok_s": pred["total_tok_s"],
                        "err": (pred["total_tok_s"] - m["total_tok_s"]) / m["total_tok_s"],
                        "peak_gpu_GiB": m["peak_gpu_bytes"] / GiB, "wall_s": wall,
+                       "alloc_retries": (res.stats.get("allocator") or {}).get("num_alloc_retries"),
                        **({"repeat_total_tok_s": repeats} if args.repeats > 1 else {})}
                 record(row, c)
                 print(f"  {tag}: batch {wl.num_prompts} measured {m['total_tok_s']:.1f} tok/s, offsim "
