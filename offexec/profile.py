@@ -958,12 +958,60 @@ def profile_sustained(device: str, seconds: float = 6.0, h: int = 7168, f: int =
     return min(1.0, held / burst)
 
 
+CLOCK_DUTIES = (0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)  # the duty cycles ``profile_duty`` holds the GPU at
+DUTY_BUSY_S = 0.02  # each busy spell of ``profile_duty``: about a prefill layer's compute
+
+
+def profile_duty(device: str, seconds: float = 2.0, h: int = 7168, f: int = 28672) -> list:
+    """The compute-bound GEMM rate when the GPU works only part of the time, over the rate of a burst after 2 s
+    idle: for each duty cycle d of ``CLOCK_DUTIES``, ``seconds`` of spells of ~``DUTY_BUSY_S`` of back-to-back FFN
+    GEMMs ([``SUSTAINED_TOKENS``, h] x [h, f]), each followed by an idle gap of busy x (1 - d) / d (the host sleeps
+    with nothing queued), as a prefill that waits for its streamed weights between layers loads the GPU; the rate
+    is the median of the last half's spells. [[d, fraction], ...]: what ``costmodel.ClockModel`` reads as its
+    ('clock', 'duty') row (d = 1 is the sustained rate). [] on the CPU."""
+    import torch
+    import torch.nn.functional as F
+
+    if device != "cuda":
+        return []
+    t = SUSTAINED_TOKENS
+    w = torch.randn(f, h, dtype=torch.float16, device=device) * 0.02
+    x = torch.randn(t, h, dtype=torch.float16, device=device)
+
+    def spell(n: int) -> float:  # seconds of n GEMMs, the GPU idle before and after
+        torch.cuda.synchronize()
+        a = time.perf_counter()
+        for _ in range(n):
+            F.linear(x, w)
+        torch.cuda.synchronize()
+        return time.perf_counter() - a
+
+    spell(3)
+    time.sleep(2.0)
+    one = spell(5) / 5  # a GEMM at the burst clock
+    n = max(1, round(DUTY_BUSY_S / one))
+    out = []
+    for d in CLOCK_DUTIES:
+        time.sleep(2.0)  # each duty from the same cool start
+        times, t0 = [], time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            b = spell(n)
+            times.append(b)
+            if d < 1:
+                time.sleep(b * (1 - d) / d)
+        held = statistics.median(times[len(times) // 2:])
+        out.append([float(d), float(min(1.0, one * n / held))])
+    del w, x
+    return out
+
+
 def sustained_rows(spec, device: str) -> list:
     """Row ('clock', 'sustained', [[SUSTAINED_TOKENS, fraction]]): ``profile_sustained`` with the model's own FFN
     GEMM (d_model x ffn_dim), what ``costmodel.sustained_fraction`` reads for its compute-bound ops; and row
-    ('clock', 'held', [[seconds under load, fraction], ...]): the same probe's windows as the load went on, the
-    evidence that one fraction is enough (not read by the cost model: the clock settles within a few tenths of a
-    second, results/profiles/clock_held_55c9fa9/README.md). [] on the CPU (nothing throttles)."""
+    ('clock', 'held', [[seconds under load, fraction], ...]): the same probe's windows as the load went on (the clock
+    settles within a few tenths of a second, results/profiles/clock_held_55c9fa9/README.md); and row ('clock',
+    'duty', [[duty cycle, fraction], ...]): ``profile_duty``. ``costmodel.clock_model`` reads the last two: the
+    clock's response to load. [] on the CPU (nothing throttles)."""
     from offsim.core.specs import layer_key
 
     if device != "cuda":
@@ -972,7 +1020,8 @@ def sustained_rows(spec, device: str) -> list:
     frac = profile_sustained(device, h=spec.d_model, f=spec.ffn_dim, curve=curve)
     key = layer_key(spec)
     return [[key, "clock", "sustained", [[float(SUSTAINED_TOKENS), float(frac)]]],
-            [key, "clock", "held", [[float(t), float(x)] for t, x in curve]]]
+            [key, "clock", "held", [[float(t), float(x)] for t, x in curve]],
+            [key, "clock", "duty", profile_duty(device, h=spec.d_model, f=spec.ffn_dim)]]
 
 
 def profile_disk(directory: str, nbytes: int, reps: int = 3) -> dict[str, float]:

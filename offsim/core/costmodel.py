@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import functools
 import math
+from dataclasses import dataclass
 from numbers import Real
 
 from offsim.core.errors import OffsimError
@@ -519,10 +520,98 @@ def quant_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_tok
 def sustained_fraction(hw: HardwareSpec, model: ModelSpec | None = None) -> float:
     """The share of the burst GEMM rate a compute-bound op holds under sustained load: measured with ``model``'s own
     FFN GEMM where the profile has its ('clock', 'sustained') row (``offexec profile --ops`` / ``--sustained-only``:
-    how far the clocks fall under the power cap depends on the kernel that runs), else the
-    profile's ``sustained_compute_fraction`` (one GEMM shape, OPT-30B's)."""
+    how far the clocks fall under the power cap depends on the kernel that runs), else the profile's
+    ``sustained_compute_fraction`` (one GEMM shape, OPT-30B's). What every static price assumes; the simulator
+    varies it with the load where the profile measured how (``clock_model``)."""
     row = op_table(hw, model, "clock", "sustained") if model is not None and hw.op_times else None
     return row[-1][1] if row else hw.sustained_compute_fraction
+
+
+@dataclass(frozen=True)
+class ClockModel:
+    """The GPU's clock under its power cap as the load varies (``clock_model``). The power controller holds the
+    burst clock while the GPU's recent load stays under what the cap allows and lowers it above: a compute-bound op
+    runs at ``fraction(u)`` of the burst rate, where ``u`` is the GPU's busy share averaged over the last
+    ``window_s`` seconds (an exponential moving average: ``advance``). Under continuous load ``u`` -> 1 and the rate
+    is the sustained one, what every static price assumes (``sustained_fraction``); a GPU that waits for its
+    weights part of the time (a prefill streaming them) can keep a faster clock, and a run's first compute runs
+    faster for a moment. Both from the profile: ``duty`` the measured fraction by duty cycle (``offexec profile``'s
+    ``profile_duty``), ``window_s`` the window that makes the measured settling from idle (``profile_sustained``'s
+    windows) what this model predicts of it (``fit_window``)."""
+
+    duty: tuple  # ((busy share, fraction of the burst rate), ...) by busy share, ending at share 1
+    window_s: float
+
+    def fraction(self, u: float) -> float:
+        return table_value(self.duty, u)
+
+    def speedup(self, u: float) -> float:
+        """How much faster than at the sustained clock a compute-bound op runs at busy share ``u`` (>= 1 where the
+        measured fractions fall with the load): its sustained price over this, relative to the curve's own u = 1."""
+        return self.fraction(u) / self.duty[-1][1]
+
+    @staticmethod
+    def advance(u: float, busy_s: float, idle_s: float, window_s: float) -> float:
+        """The busy share ``u`` after ``busy_s`` seconds busy, then ``idle_s`` idle (the moving average's update)."""
+        if busy_s > 0:
+            u = 1.0 - (1.0 - u) * math.exp(-busy_s / window_s)
+        if idle_s > 0:
+            u *= math.exp(-idle_s / window_s)
+        return u
+
+
+def table_value(curve, x: float) -> float:
+    """A measured curve ((x, y), ...) by increasing x, read at ``x``: linear between its points, flat past its ends."""
+    if x <= curve[0][0]:
+        return curve[0][1]
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y1
+    return curve[-1][1]
+
+
+def fit_window(duty, held) -> float:
+    """The averaging window (seconds) with which ``ClockModel`` reproduces the measured settling from idle:
+    ``held`` ((seconds of continuous load since idle at a window's end, that window's fraction of the burst rate),
+    ...: ``profile_sustained``'s windows), ``duty`` as ``ClockModel``'s. Under continuous load from idle the busy
+    share is 1 - exp(-t / window), and a measured window's fraction is the model's mean over its span; the window is
+    the one, on a log grid of 1 ms to 30 s, whose means come closest to the measured ones (least squares). The
+    profile's own measurement, never a validation case."""
+    spans = [(a, b, f) for (a, _), (b, f) in zip([(0.0, 0.0), *held], held)]
+    best, best_err = 1.0, math.inf
+    for k in range(449):  # 10^-3 .. 10^1.48 s in steps of 10^0.01
+        w = 10 ** (-3 + 0.01 * k)
+        err = 0.0
+        for a, b, f in spans:
+            ts = [a + (b - a) * (j + 0.5) / 8 for j in range(8)]
+            err += (sum(table_value(duty, 1.0 - math.exp(-t / w)) for t in ts) / 8 - f) ** 2
+        if err < best_err:
+            best, best_err = w, err
+    return best
+
+
+def clock_model(hw: HardwareSpec, model: ModelSpec) -> ClockModel | None:
+    """The clock's response to load for ``model``'s GEMMs where the profile measured it (its ('clock', 'duty') and
+    ('clock', 'held') rows: ``offexec profile --ops M --sustained-only``), else None: every compute-bound op at the
+    sustained fraction, as ``compute_seconds`` prices it."""
+    if not hw.op_times:
+        return None
+    duty, held = op_table(hw, model, "clock", "duty"), op_table(hw, model, "clock", "held")
+    if not duty or not held:
+        return None
+    duty = tuple((float(x), float(y)) for x, y in duty)
+    return _clock_model(duty, tuple((float(t), float(f)) for t, f in held))
+
+
+@functools.lru_cache(maxsize=64)
+def _clock_model(duty: tuple, held: tuple) -> ClockModel:
+    return ClockModel(duty, fit_window(duty, held))
+
+
+def clock_bound(hw: HardwareSpec, tokens) -> bool:
+    """Whether an op of ``tokens`` rows is compute-bound, so that its time follows the clock: more rows than the
+    ridge point (peak FLOP/s over HBM bytes/s: a GEMM's FLOP per weight byte is its row count)."""
+    return _is_number(tokens) and tokens >= hw.gpu_peak_flops / hw.gpu_hbm_bytes_per_s
 
 
 def _sustained(hw: HardwareSpec, t, tokens, model: ModelSpec | None = None):
@@ -530,7 +619,7 @@ def _sustained(hw: HardwareSpec, t, tokens, model: ModelSpec | None = None):
     (peak FLOP/s over HBM bytes/s: a GEMM's FLOP per weight byte is its token count) run at
     ``sustained_fraction`` of the burst rate the tables and curves were measured at."""
     f = sustained_fraction(hw, model)
-    if f < 1 and _is_number(tokens) and tokens >= hw.gpu_peak_flops / hw.gpu_hbm_bytes_per_s:
+    if f < 1 and clock_bound(hw, tokens):
         return t / f
     return t
 

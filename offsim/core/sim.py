@@ -45,7 +45,7 @@ from offsim.core import costmodel
 from offsim.core.errors import OffsimError
 from offsim.core.plan import (ALL_KINDS, ALL_STREAMS, SHARED_STREAMS, STREAM_OF_KIND, STREAMS, TIERS, Plan, PlanError,
                                _op_from_row, op_rows)
-from offsim.core.specs import Compression, HardwareSpec
+from offsim.core.specs import NO_COMPRESSION, Compression, HardwareSpec
 from offsim.core.trace import COLUMNS, Trace
 
 _OPPOSITE = {"h2d": "d2h", "d2h": "h2d"}
@@ -128,6 +128,8 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
     comp = Compression.from_settings(plan.settings)  # 4-bit passes and sparse attention of compute ops
     masked = plan.workload.padded  # left-padded batches: eager attention under a per-sequence key mask
     captures = _capture_extras(plan, op_rows(ops), hw)  # graphed ops offexec captures where they first run
+    clock = _Clock(plan, hw, comp)  # the clock under the power cap (None: every op at its price)
+    clock = clock if clock.model is not None else None
 
     def duration(op, now: float) -> float:
         other = _OPPOSITE.get(op.kind)
@@ -261,7 +263,10 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
                                                                     cpu_attention_impl=plan.cpu_attention_impl,
                                                                     pageable_copy=plan.pageable_copy,
                                                                     quant_impl=plan.quant_impl, masked=masked)
-                dt += captures.get(op.id, 0.0)
+                if clock is not None and op.kind == "compute":
+                    dt = clock.start(op.stream, now, dt + captures.get(op.id, 0.0), clock.clocked(op, dt))
+                else:
+                    dt += captures.get(op.id, 0.0)
             busy_until[op.stream] = now + dt
             yield env.timeout(dt)
             end[op.id] = env.now
@@ -341,6 +346,42 @@ def _capture_extras(plan: Plan, rows: list, hw: HardwareSpec) -> dict[int, float
         if t:
             out[i] = t
     return out
+
+
+class _Clock:
+    """The GPU clock's response to load (``costmodel.clock_model``) as both engines apply it: each GPU's busy share
+    (its compute stream's moving average, brought up to date at every compute op's start) sets the rate of the
+    compute-bound part of the op that starts (``clocked``: its seconds at the sustained rate, as priced). None where
+    the profile has no clock rows: every op at its price, as before."""
+
+    def __init__(self, plan: Plan, hw: HardwareSpec, comp: Compression):
+        self.model = costmodel.clock_model(hw, plan.model)
+        self.hw, self.comp, self.quant_impl, self.llm = hw, comp, plan.quant_impl, plan.model
+        self.state: dict = {}  # GPU (its compute stream) -> [busy share, when last brought up to date, busy until]
+
+    def clocked(self, op, seconds: float) -> float:
+        """The part of a compute op's ``seconds`` that follows the clock: all of it but its compression passes, for
+        an op of more rows than the ridge point (``costmodel.clock_bound``); 0 for any other."""
+        if op.kind != "compute" or not costmodel.clock_bound(self.hw, op.num_seqs * op.q_tokens):
+            return 0.0
+        if self.comp is NO_COMPRESSION:
+            return seconds
+        return seconds - costmodel.quant_seconds(self.llm, self.hw, op.part, op.num_seqs, op.q_tokens,
+                                                 op.ctx_tokens, self.comp, self.quant_impl)
+
+    def start(self, gpu, now: float, seconds: float, clocked: float) -> float:
+        """A compute op starting at ``now`` on ``gpu``'s compute stream, priced ``seconds`` of which ``clocked``
+        follow the clock: its duration at the clock its GPU's busy share gives now."""
+        st = self.state.get(gpu)
+        if st is None:
+            st = self.state[gpu] = [0.0, 0.0, 0.0]  # idle since the run's start
+        u, t0, busy_end = st
+        w = self.model.window_s
+        u = costmodel.ClockModel.advance(u, max(0.0, min(busy_end, now) - t0), now - max(busy_end, t0), w)
+        if clocked:
+            seconds += clocked * (1.0 / self.model.speedup(u) - 1.0)
+        st[0], st[1], st[2] = u, now, now + seconds
+        return seconds
 
 
 class _KindOnly:
@@ -510,6 +551,19 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
         rate_seen[id(kw)] = (r[0], x)
         return x
 
+    # the clock under the power cap, where the profile measured its response to load (``_Clock``): each compute
+    # op's seconds that follow it, from its price (before a capture's extra is added below)
+    clock = _Clock(plan, hw, comp)
+    clk = None
+    if clock.model is None:
+        clock = None
+    else:
+        clk_of: dict[int, float] = {}  # id(fields) -> the clocked seconds of ops with those fields (as ``seen``)
+        clk = [0.0] * n
+        for i, r in enumerate(rows):
+            if r[0] == "compute":
+                c = clk_of.get(id(r[6]))
+                clk[i] = clk_of[id(r[6])] = clock.clocked(op_at(i), dur0[i]) if c is None else c
     # graphed ops offexec captures where they first run: host work (the issuing thread runs the static body's
     # launches and records the graph), so with a runtime that has issue costs it is issue time; else op time
     captures = _capture_extras(plan, rows, hw)
@@ -625,6 +679,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     # per stream, until when it is busy; the last entry, never busy, is the opposite direction of a stream that has
     # none (``other_of``): an op's start tests ``busy_until[other_of[s]] > now`` alone
     busy_until = [0.0] * ns + [-math.inf]
+    on_gpu_compute = [r % ns_local == _STREAM_INDEX["compute"] for r in range(ns)]  # each GPU's compute stream
     other_of = [o + (r // ns_local) * ns_local if (o := _OTHER_INDEX[r % ns_local]) >= 0 else ns
                 for r in range(ns)]
     # per op, the streams waiting for it to end, in the order they started waiting (None: none). A list indexed by op
@@ -925,6 +980,8 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                         duplex_seconds(hw, nbytes[i], r[0], busy_until[other_of[s]] - now) + r[1]
                 else:
                     dt = dur0[i]
+                    if clock is not None and on_gpu_compute[s]:  # (the clock's state; a clock-bound op's rate)
+                        dt = clock.start(s, now, dt, clk[i])
                 at = busy_until[s] = now + dt
                 if at > now:
                     if nxt is not None:
