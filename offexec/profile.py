@@ -1349,9 +1349,10 @@ def add_profile_parser(sub) -> None:
                         "device call): every op-table row and provenance record a PROFILE changed or added is taken; "
                         "two PROFILEs changing the same row differently is an error. Nothing is measured")
     p.add_argument("--sustained-only", action="store_true",
-                   help="with --ops: measure only each model's sustained clock fraction (its FFN GEMM held for "
-                        "seconds under load over a burst after idle: 'clock' 'sustained' rows, what offsim divides "
-                        "its compute-bound ops by; ~8 s a model), the rest of the base profile kept")
+                   help="with --ops: measure only each model's clock under load (its FFN GEMM held for seconds "
+                        "over a burst after idle: 'clock' 'sustained' rows, what offsim divides its compute-bound "
+                        "ops by, and 'held' rows, the windows as it settles; then at duty cycles 0.3-1: 'duty' "
+                        "rows; ~45 s a model), the rest of the base profile kept")
     p.add_argument("--op-batches", default="1,4,16,64", metavar="N,N,...",
                    help="sequences per GPU batch of the op-table runs (default: %(default)s)")
     p.set_defaults(func=cmd_profile)

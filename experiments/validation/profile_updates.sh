@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The short GPU measurements that stop 39 built the code for, in one device call (issues 13, 15, 18): each step has
 # its own time limit and its own output under $OUT, so a step that fails or overruns loses only itself.
-#   1. each matrix model's own sustained clock fraction ('clock' 'sustained' rows)      -> $OUT/sus.json
+#   1. each matrix model's clock under load: sustained fraction, settling, duty curve ('clock' 'sustained',
+#      'held', 'duty' rows: costmodel.ClockModel; ~4 min)                                 -> $OUT/sus.json
 #   2. FlexGen 0.1.8's own prefill KV store into a fresh host cache (OPT-30B shapes)    -> $OUT/store.json
 #   3. a 2-stage OPT-30B pipeline plan (16 x 4: the 16 x 8 plan's 146 GiB of host memory do not fit a one-GPU
 #      machine's 125) rehearsed on one GPU (memory contract, tokens)                    -> $OUT/pp_one_gpu.json
@@ -64,7 +65,7 @@ MODELS=opt-6.7b,opt-13b,opt-30b,llama-2-13b,llama-3-8b
 for s in $STEPS; do
   T0=$(date +%s)
   case $s in
-    1) timeout 180 python3 -u -m offexec.cli profile --base $BASE --ops $MODELS --sustained-only \
+    1) timeout 330 python3 -u -m offexec.cli profile --base $BASE --ops $MODELS --sustained-only \
          --out "$OUT/sus.json" > "$OUT/sus.log" 2>&1 ;;
     2) timeout 240 python3 -u -m offexec.cli profile --base $BASE --ops opt-30b --flexgen-only store \
          --out "$OUT/store.json" > "$OUT/store.log" 2>&1 ;;
