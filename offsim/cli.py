@@ -145,7 +145,7 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-weight-loader", action="store_true",
                    help="tightllm ablation: load each layer's weights whole with the first batch")
     p.add_argument("--num-gpus", type=positive_int, default=None, metavar="N",
-                   help="flexgen: pipeline parallelism over N GPUs, each with the hardware's GPU memory: the layers "
+                   help="flexgen, tightllm: pipeline parallelism over N GPUs, each with the hardware's GPU memory: the layers "
                         "in N contiguous stages (balanced; --set stage_layers=[...] to choose), the GPU batches "
                         "in micro-batch groups through them (--set micro_batches=M; default N, at most "
                         "--num-gpu-batches) (the setting "
@@ -164,7 +164,7 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
 def add_search_gpus_arg(p: argparse.ArgumentParser) -> None:
     """``--num-gpus`` of ``search`` and ``compare``: the pipeline's GPU count, chosen with the rest."""
     p.add_argument("--num-gpus", type=positive_int, default=1, metavar="N",
-                   help="flexgen: search FlexGen's pipeline over N GPUs of one host, each with the hardware's GPU "
+                   help="flexgen, tightllm: search a pipeline over N GPUs of one host, each with the hardware's GPU "
                         "memory (host memory and disk shared): block shape, micro-batch groups, placement and "
                         "layers per stage (balanced, or the last stage with a few layers more or fewer), each stage "
                         "checked against its GPU (default: %(default)s; the other policies have no pipeline and are "

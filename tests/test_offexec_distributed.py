@@ -26,6 +26,9 @@ CASES = [
     ("opt", {"percent": (50, 25, 25, 25, 0, 100)}, 2, 2),  # every tier, activations parked on the host
     ("llama", {"percent": (0, 50, 0, 50, 100, 0), "cpu_attention": True}, 2, 2),  # CPU attention, disk heads
     ("llama", {"percent": (100, 0, 100, 0, 100, 0), "sublayer": False, "micro_batches": 1}, 3, 2),
+    # TightLLM's pipeline: each stage recomputes N_r tokens of its layers, KV on the host (and on disk)
+    ("opt", {"policy": "tightllm", "percent": (20, 80, 0, 100, 100, 0), "kv_solver": "exact"}, 2, 3),
+    ("llama", {"policy": "tightllm", "percent": (0, 50, 0, 50, 100, 0), "kv_solver": "exact"}, 2, 2),
 ]
 # a mixed-length block (docs/jobs.md §4): left-padded prompts, each request's tokens those of it alone
 MIXED = ("opt", {"percent": (20, 80, 0, 100, 100, 0), "mixed": True}, 2, 3)
@@ -51,7 +54,8 @@ def _worker(rank, world, init, out_dir, cases):
             settings = dict(settings)
             wl = Workload(PROMPT, GEN, gbs, nb, prompt_lens=PROMPT_LENS, gen_lens=GEN_LENS) \
                 if settings.pop("mixed", False) else Workload(PROMPT, GEN, gbs, nb)
-            plan = build_plan("flexgen", spec, HW, wl, {**settings, "num_stages": world})
+            policy = settings.pop("policy", "flexgen")
+            plan = build_plan(policy, spec, HW, wl, {**settings, "num_stages": world})
             res = run_pipeline(plan, w, "cpu", _prompts(wl.num_prompts, spec.vocab_size), record_logits=True,
                                disk_dir=out_dir)
             if rank == 0:

@@ -303,3 +303,84 @@ def test_link_concurrent_fraction_prices_a_pipelines_links_at_their_shared_rate(
 
     if torch.cuda.device_count() < 2:
         assert profile_multi_gpu() == {}  # measured only where there are two GPUs
+
+
+# ---- TightLLM's pipeline: the same stages, each recomputing N_r tokens of its own layers ---------------------------
+TIGHT = {"percent": (20, 80, 0, 100, 100, 0), "kv_solver": "exact"}
+
+
+def test_tightllm_one_stage_is_the_single_gpu_plan_exactly():
+    m = _tiny()
+    wl = Workload(8, 4, 2, 3)
+    for st in (TIGHT, {"percent": (50, 25, 25, 25, 0, 100), "kv_solver": "exact"}):
+        a = build_plan("tightllm", m, H200, wl, st)
+        b = build_plan("tightllm", m, H200, wl, {**st, "num_stages": 1})
+        assert a.ops == b.ops and a.fingerprint() == b.fingerprint() and a.to_dict() == b.to_dict()
+        assert "num_stages" not in a.settings and not a.stages
+
+
+@pytest.mark.parametrize("stages,micro", [(2, 0), (3, 0), (2, 1), (2, 3)])
+def test_tightllm_stage_plan_structure(stages, micro):
+    """Every op on its layer's GPU, the hidden states of a batch's q = N_r + 1 tokens sent on between stages and each
+    new token's id back to the first; each GPU streams and loads only its own layers' weights and KV; the plan
+    validates per GPU and simulates."""
+    m = _tiny(5)
+    wl = Workload(8, 4, 2, 3)
+    plan = build_plan("tightllm", m, H200, wl, {**TIGHT, "num_stages": stages, "micro_batches": micro,
+                                                 "weight_slices": 1})
+    ranges = balanced_stages(5, stages)
+    assert [tuple(s["layers"]) for s in plan.stages] == list(ranges)
+    dev = {j: d for d, (lo, hi) in enumerate(ranges) for j in range(lo, hi)}
+    dev[-1], dev[5] = 0, stages - 1
+    nr = plan.derived["recompute_tokens"]
+    for op in plan.ops:
+        if op.kind == "p2p":
+            assert op.peer != op.device
+            if op.tensor == "token":
+                assert op.layer == -1 and op.peer == 0 and op.device == stages - 1 and op.hi - op.lo == 1
+            else:
+                assert op.peer == dev[op.layer] and op.device == dev[op.layer] - 1
+                q = 8 if op.step == 0 else nr[op.step - 1][op.batch] + 1
+                assert op.hi - op.lo == q
+            continue
+        assert op.device == dev[op.layer], op.describe()
+    assert any(o.kind == "p2p" and o.tensor == "token" for o in plan.ops)
+    simulate(plan, H200)
+
+
+def test_tightllm_pipeline_overlaps_stages_on_each_gpus_link():
+    """Weights streamed and KV loaded over each GPU's own link: two stages with two micro-batch groups decode
+    faster than one GPU; with one group they take turns."""
+    m = get_model("opt-30b")
+    hw = get_hardware("h200", gpu_mem_gb=16)
+    wl = Workload(512, 8, 16, 4)
+    st = {"percent": (18, 82, 0, 100, 100, 0), "kv_solver": "exact"}
+    one = simulate(build_plan("tightllm", m, hw, wl, st), hw).metrics()["decode_tok_s"]
+    two = simulate(build_plan("tightllm", m, hw, wl, {**st, "num_stages": 2}), hw).metrics()["decode_tok_s"]
+    turns = simulate(build_plan("tightllm", m, hw, wl, {**st, "num_stages": 2, "micro_batches": 1}),
+                     hw).metrics()["decode_tok_s"]
+    assert two > 1.2 * one
+    assert turns < 1.1 * one
+
+
+def test_tightllm_stages_refused_from_arithmetic_and_activations_on_the_gpu():
+    m = get_model("opt-6.7b")
+    hw = H200.with_(gpu_mem_bytes=8 << 30)
+    wl = Workload(256, 4, 8, 2)
+    st = {"percent": (100, 0, 100, 0, 100, 0), "kv_solver": "exact"}
+    with pytest.raises(PlanError, match="GPU memory short"):
+        build_plan("tightllm", m, hw, wl, st)
+    plan = build_plan("tightllm", m, hw, wl, {**st, "num_stages": 2})
+    assert all(s["gpu_resident"] <= s["gpu_capacity"] == hw.gpu_mem_bytes for s in plan.stages)
+    with pytest.raises(PlanError, match=r"stage 0 \(layers 0-27\) does not fit on its GPU"):
+        build_plan("tightllm", m, hw, wl, {**st, "num_stages": 2, "stage_layers": [28, 4]})
+    with pytest.raises(OffsimError, match="keeps the activations on the GPU"):
+        build_plan("tightllm", _tiny(), H200, Workload(8, 4, 2, 2),
+                   {"percent": (20, 80, 0, 100, 0, 100), "num_stages": 2})
+
+
+def test_search_picks_a_tightllm_pipeline():
+    from offsim.search import search
+    res = search("tightllm", get_model("opt-6.7b"), H200.with_(gpu_mem_bytes=8 << 30), 256, 8, max_sims=2,
+                 num_gpus=2)
+    assert res.settings["num_stages"] == 2 and len(res.stages) == 2

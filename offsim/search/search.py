@@ -182,6 +182,8 @@ def check_num_gpus(pol, model: ModelSpec, num_gpus: int, gpus_per_node: int = 0,
         can = ", ".join(p for p, rec in POLICIES.items() if rec.check_stages is not None)
         raise OffsimError(f"policy {pol.name} runs on one GPU (pipeline parallelism over several: {can}); drop "
                           "--num-gpus for it")
+    if gpus_per_node and num_gpus > 1 and not _takes(pol.candidates, "gpus_per_node"):
+        raise OffsimError(f"policy {pol.name}'s pipeline runs on one host: drop --gpus-per-node for it")
     if num_gpus > model.num_layers:
         raise OffsimError(f"--num-gpus {num_gpus} exceeds {model.name}'s {model.num_layers} layers (a stage needs "
                           "one)")

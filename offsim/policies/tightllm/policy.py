@@ -70,7 +70,8 @@ from offsim.policies.base import (Candidate, Policy, capacity_of, compression_of
 from offsim.policies.flexgen import FlexGenSettings, fit_gpu_weights
 from offsim.policies.lp import flexgen_candidates
 from offsim.core import footprint as fp
-from offsim.policies.schedule import DiskStoreBuffers, LandingBuffers, Schedule, resident_bytes
+from offsim.policies.schedule import (DiskStoreBuffers, LandingBuffers, Schedule, balanced_stages, check_stages_fit,
+                                     resident_bytes, stage_model, stage_placements)
 
 
 @dataclass(frozen=True)
@@ -99,11 +100,22 @@ class TightLLMSettings:
     compress_cache: bool = False
     sparse_attention: float = 1.0
     capture_aware: bool = True
+    # pipeline parallelism (issue 18), as FlexGen's (``FlexGenSettings``): ``num_stages`` contiguous stages of
+    # layers, one GPU each with the hardware's budget, the percentages applying within every stage; ``stage_layers``
+    # layers per stage (default balanced); ``micro_batches`` groups of GPU batches flowing through the stages (0:
+    # num_stages, at most num_gpu_batches). One host. N_r is one per (step, GPU batch) on every stage: each stage
+    # holds the same per-layer placement, so the distributor's per-layer problem is the same on every GPU
+    num_stages: int = 1
+    stage_layers: tuple = ()
+    micro_batches: int = 0
 
     def __post_init__(self):
-        FlexGenSettings(percent=tuple(self.percent))  # same placement rules and messages as FlexGen
+        # same placement and pipeline rules and messages as FlexGen
+        FlexGenSettings(percent=tuple(self.percent), num_stages=self.num_stages, stage_layers=self.stage_layers,
+                        micro_batches=self.micro_batches)
         compression_of(self)
         object.__setattr__(self, "percent", tuple(self.percent))
+        object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
         if self.kv_solver not in SOLVERS:
             raise OffsimError(f"tightllm kv_solver must be one of {SOLVERS}, got {self.kv_solver!r}")
         if self.transfer_model not in TRANSFER_MODELS:
@@ -150,7 +162,7 @@ def layout_of(model: ModelSpec, wl: Workload, st: TightLLMSettings) -> Layout:
     W, e = model.layer_weight_bytes(), model.dtype_bytes
     d = W - g - c
     kg, kc = kv_split_from_percent(model, cg, cc)
-    nb = wl.num_gpu_batches
+    nb = min(len(g) for g in batch_groups(wl, st))  # the GPU batches that share one load of a layer
     b_n = (st.weight_slices or nb) if st.weight_loader else 1
     if b_n > nb:
         raise OffsimError(f"tightllm weight_slices = {b_n} exceeds the {nb} GPU batches that share a layer: each "
@@ -162,6 +174,22 @@ def layout_of(model: ModelSpec, wl: Workload, st: TightLLMSettings) -> Layout:
 
     slices = tuple((cut(g, c, s), cut(g + c, d, s)) for s in range(b_n))
     return Layout(g, c, d, kg, kc, model.num_kv_heads - kg - kc, "gpu" if ag >= ac else "cpu", b_n, slices)
+
+
+def stages_of(model: ModelSpec, st: TightLLMSettings) -> tuple[tuple[int, int], ...]:
+    """The pipeline's stages, each [lo, hi) of the decoder layers (one stage: all of them)."""
+    return balanced_stages(model.num_layers, st.num_stages, st.stage_layers) if st.num_stages > 1 else \
+        ((0, model.num_layers),)
+
+
+def batch_groups(wl: Workload, st: TightLLMSettings) -> list[range]:
+    """The block's GPU batches in the micro-batch groups that flow through a pipeline's stages together (a stage
+    loads each of its layers once per group); one group without stages."""
+    nb = wl.num_gpu_batches
+    G = (st.micro_batches or min(st.num_stages, nb)) if st.num_stages > 1 else 1
+    if G > nb:
+        raise OffsimError(f"micro_batches {G} exceeds the block's {nb} GPU batches")
+    return [range(t * nb // G, (t + 1) * nb // G) for t in range(G)]
 
 
 def kv_work_buffers_bytes(model: ModelSpec, wl: Workload, lay: Layout, comp: Compression = NO_COMPRESSION) -> int:
@@ -218,7 +246,7 @@ def decision_for(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLMS
     batch padded to its longest prompt; default ``ctx_tokens``, as for uniform prompts)."""
     lay = lay or layout_of(model, wl, st)
     if free_gpu_bytes is None:
-        free_gpu_bytes = free_gpu_bytes_of(model, hw, wl, lay, compression_of(st))
+        free_gpu_bytes = free_gpu_bytes_of(model, hw, wl, lay, compression_of(st), _schedule_of(model, lay, st).stages)
     comp = compression_of(st)
     mem_hi = recompute_memory_cap(model, wl, lay, free_gpu_bytes,
                                   ctx_tokens if padded_ctx_tokens is None else padded_ctx_tokens, comp)
@@ -226,8 +254,10 @@ def decision_for(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLMS
         # the block's activations between layers live in the buffer reserved for the prompt (``resident``): the
         # N_r + 1 recomputed-plus-new tokens of every sequence must fit in it
         mem_hi = min(mem_hi, wl.prompt_len - 1)
-    if batch_index < lay.num_slices:
-        (c_lo, c_hi), (d_lo, d_hi) = lay.slices[batch_index]
+    # the slice the batch carries: the n-th batch of its micro-batch group carries slice n (one group: batch n)
+    n = batch_index - next(g[0] for g in batch_groups(wl, st) if batch_index in g)
+    if n < lay.num_slices:
+        (c_lo, c_hi), (d_lo, d_hi) = lay.slices[n]
         w_cpu, w_disk = fp.stored_weight_bytes(model, c_lo, c_hi, comp), fp.stored_weight_bytes(model, d_lo, d_hi, comp)
     else:
         w_cpu = w_disk = 0
@@ -254,7 +284,7 @@ def recompute_tokens(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: Tight
     if not st.kv_distributor or lay.kv_cpu_heads + lay.kv_disk_heads == 0:
         return table  # nothing is loaded, so nothing to trade
     if free_gpu_bytes is None:
-        free_gpu_bytes = free_gpu_bytes_of(model, hw, wl, lay, compression_of(st))
+        free_gpu_bytes = free_gpu_bytes_of(model, hw, wl, lay, compression_of(st), _schedule_of(model, lay, st).stages)
     kvd = distributor(model, hw, st.transfer_model, compression_of(st), wl.padded)
     decisions: dict[tuple[int, int], Decision] = {}
     with warnings.catch_warnings(record=True) as caught:
@@ -328,9 +358,10 @@ def hold_for_captures(model: ModelSpec, hw: HardwareSpec, wl: Workload, kvd, dec
 
 
 def _schedule_of(model: ModelSpec, lay: Layout, st: TightLLMSettings) -> Schedule:
+    stages = stages_of(model, st) if st.num_stages > 1 else ()
     return Schedule(policy="tightllm", weight_split=((lay.weight_gpu, lay.weight_cpu),) * model.num_layers,
                     kv_split=(lay.kv_gpu_heads, lay.kv_cpu_heads), hidden_home=lay.hidden_home,
-                    pinned=st.pin_weights, compression=compression_of(st))
+                    pinned=st.pin_weights, compression=compression_of(st), stages=stages)
 
 
 def _resident(model: ModelSpec, wl: Workload, lay: Layout, st: TightLLMSettings) -> dict[str, int]:
@@ -339,12 +370,19 @@ def _resident(model: ModelSpec, wl: Workload, lay: Layout, st: TightLLMSettings)
 
 
 def free_gpu_bytes_of(model: ModelSpec, hw: HardwareSpec, wl: Workload, lay: Layout,
-                      comp: Compression = NO_COMPRESSION) -> int:
+                      comp: Compression = NO_COMPRESSION, stages: tuple = ()) -> int:
     """GPU bytes left for one position's scratch and KV buffers: capacity minus what is resident and the two
-    streamed-weight slots (``footprint.stored_slot_bytes``), at their stored size with compression ``comp``."""
-    res = _resident(model, wl, lay, TightLLMSettings(**comp.settings()))["gpu"]  # (placement comes from lay)
+    streamed-weight slots (``footprint.stored_slot_bytes``), at their stored size with compression ``comp``. With
+    ``stages`` (a pipeline): on the GPU with the least left, each holding its own layers and, but for the last, the
+    hidden states it has sent and not yet seen received (``footprint.p2p_send_bytes``)."""
     slot = fp.stored_slot_bytes(model, lay.weight_gpu, None, comp) if lay.weight_offloaded else 0
-    return int(hw.gpu_mem_bytes) - res - 2 * slot
+    one = TightLLMSettings(**comp.settings())  # (placement comes from lay)
+    left = []
+    for d, (lo, hi) in enumerate(stages or ((0, model.num_layers),)):
+        res = _resident(stage_model(model, lo, hi), wl, lay, one)["gpu"]
+        sends = fp.p2p_send_bytes(model, wl) if stages and d < len(stages) - 1 else 0
+        left.append(int(hw.gpu_mem_bytes) - res - 2 * slot - sends)
+    return min(left)
 
 
 
@@ -353,13 +391,24 @@ def free_gpu_bytes_of(model: ModelSpec, hw: HardwareSpec, wl: Workload, lay: Lay
 # the plan
 # ----------------------------------------------------------------------------------------------------------------
 def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLMSettings) -> Plan:
-    """Algorithm 1: the whole block's plan (all steps, layers, batches)."""
+    """Algorithm 1: the whole block's plan (all steps, layers, batches). With stages (``num_stages`` > 1), a
+    pipeline as FlexGen's: stage d's layers on GPU d (stage 0 also the embedding, the last the head), every op with
+    its ``device``, the hidden states of a batch's q tokens sent on to the next stage and each new token's id back
+    to the first (``p2p`` ops), the batches flowing through the stages in micro-batch groups; each GPU streams its
+    own layers' weights over its own link (once per group) and loads its own layers' KV."""
     if wl.max_len > model.max_positions:
         raise OffsimError(f"prompt-len + gen-len - 1 = {wl.max_len} exceeds {model.name}'s {model.max_positions} "
                           "positions")
     lay = layout_of(model, wl, st)
+    stages = stages_of(model, st)
+    S = len(stages)
+    multi = S > 1
+    if multi and lay.hidden_home != "gpu":
+        raise OffsimError("tightllm with stages keeps the activations on the GPU: give percent's activations as "
+                          "100 0 (a stage sends its last layer's output on from the GPU)")
+    groups = batch_groups(wl, st)
     nr = recompute_tokens(model, hw, wl, st, lay)
-    L, nb, gbs = model.num_layers, wl.num_gpu_batches, wl.gpu_batch_size
+    L, gbs = model.num_layers, wl.gpu_batch_size
     P_of = wl.batch_prompt_lens  # each GPU batch's prompt length (padded to its longest prompt)
     kg, kc, kd = lay.kv_gpu_heads, lay.kv_cpu_heads, lay.kv_disk_heads
     n_kv = model.num_kv_heads
@@ -375,7 +424,19 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
     kv_groups = sum(1 for h in (kg, kc, kd) if h)
     pinned = st.pin_weights
     b = PlanBuilder()
-    add = b.add
+    if multi:  # every op of a pipeline names its GPU (the default: the GPU whose position is being emitted)
+        cur_dev = [0]
+
+        def add(kind, deps, phase, step, layer, batch, **kw):
+            kw.setdefault("device", cur_dev[0])
+            return b.add(kind, deps, phase, step, layer, batch, **kw)
+    else:
+        add = b.add
+    dev_of = {-1: 0, L: S - 1}  # layer -> its stage's GPU
+    for d, (lo, hi) in enumerate(stages):
+        for j in range(lo, hi):
+            dev_of[j] = d
+    group_of = {k: t for t, g in enumerate(groups) for k in g}
 
     def kvb(heads: int, tokens: int) -> int:  # a KV load for GPU attention (the stored KV, sparse too)
         return kv_load_bytes(model, gbs, heads, tokens, cz)
@@ -394,57 +455,77 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
         """After step i (0 = prefill), KV must be stored up to the next step's boundary; after the last, nothing."""
         return boundary(i + 1, k) if i + 1 < wl.gen_len else 0
 
-    # --- streamed weights: instances (step, layer), each loaded in slices during the previous instance ----------
-    instances = [(i, j) for i in range(wl.gen_len) for j in range(L)] if off else []
-    inst_index = {ij: u for u, ij in enumerate(instances)}
-    loaded: dict[int, list[int]] = {}  # instance -> its h2d ops (all slices)
-    free_op: dict[int, int] = {}  # instance -> last compute that used it (frees the buffer)
+    # --- streamed weights: per GPU, instances (step, group, layer) of its layers, each loaded in slices during the
+    #     previous instance (one group, one GPU: an instance per (step, layer), as the paper's loader) --------------
+    instances = [[(i, t, j) for i in range(wl.gen_len) for t in range(len(groups)) for j in range(lo, hi)]
+                 if off else [] for lo, hi in stages]
+    inst_index = {ij: (d, u) for d in range(S) for u, ij in enumerate(instances[d])}
+    loaded: dict[tuple, list[int]] = {}  # instance (GPU, index) -> its h2d ops (all slices)
+    free_op: dict[tuple, int] = {}  # instance -> last compute that used it (frees the buffer)
 
-    def issue_slice(u: int, s: int, part: str) -> None:
-        """Slice s of instance u: its host-memory bytes (``part='cpu'``: one h2d) or its disk bytes (``'disk'``: a
-        disk read into host staging, then an h2d). The h2d waits for its GPU buffer (double buffering: the instance
-        two back must be done); the disk read for its host staging buffer, one instance earlier, so the read runs
-        ahead of the copy by one layer but no further (a plan is static: without that dependency the disk stream
-        would read every layer of every step into host memory as fast as it can)."""
-        if u >= len(instances):
+    def issue_slice(d: int, u: int, s: int, part: str) -> None:
+        """Slice s of GPU d's instance u: its host-memory bytes (``part='cpu'``: one h2d) or its disk bytes
+        (``'disk'``: a disk read into host staging, then an h2d). The h2d waits for its GPU buffer (double
+        buffering: the instance two back must be done); the disk read for its host staging buffer, one instance
+        earlier, so the read runs ahead of the copy by one layer but no further (a plan is static: without that
+        dependency the disk stream would read every layer of every step into host memory as fast as it can)."""
+        if u >= len(instances[d]):
             return
-        i, j = instances[u]
+        i, _, j = instances[d][u]
         phase = "prefill" if i == 0 else "decode"
-        dep = free_op.get(u - 2)
-        stage_dep = free_op.get(u - 3)
+        dep = free_op.get((d, u - 2))
+        stage_dep = free_op.get((d, u - 3))
         (c_lo, c_hi), (d_lo, d_hi) = lay.slices[s]
-        ids = loaded.setdefault(u, [])
+        ids = loaded.setdefault((d, u), [])
         first = straddle if not ids else 0  # the instance's first load takes its whole weight slot
+        dev = {"device": d} if multi else {}
         if part == "cpu" and c_hi > c_lo:
             nbytes = w_bytes(c_lo, c_hi)
             ids.append(add("h2d", [dep], phase, i, j, s, tensor="weight", lo=c_lo, hi=c_hi, nbytes=nbytes,
-                           pinned=pinned, alloc=(nbytes + first, 0, 0)))
+                           pinned=pinned, alloc=(nbytes + first, 0, 0), **dev))
         if part == "disk" and d_hi > d_lo:
             nbytes = w_bytes(d_lo, d_hi)
             first = straddle if not ids else 0
             rd = add("disk_read", [stage_dep], phase, i, j, s, tensor="weight", lo=d_lo, hi=d_hi, nbytes=nbytes,
-                     alloc=(0, nbytes, 0))
+                     alloc=(0, nbytes, 0), **dev)
             ids.append(add("h2d", [rd, dep], phase, i, j, s, tensor="weight", lo=d_lo, hi=d_hi, nbytes=nbytes,
-                           pinned=pinned, alloc=(nbytes + first, 0, 0), free=(0, nbytes, 0)))
+                           pinned=pinned, alloc=(nbytes + first, 0, 0), free=(0, nbytes, 0), **dev))
 
     # --- KV ----------------------------------------------------------------------------------------------------
-    positions = [(i, j, k) for i in range(wl.gen_len) for j in range(-1, L + 1) for k in range(nb)]
-    computes: list[int] = []
+    # positions (step, layer, batch): per step, each micro-batch group through every stage in turn (one stage, one
+    # group: every layer of [embedding, decoder layers, head] over all batches, as the paper's loop)
+    positions = [(i, j, k) for i in range(wl.gen_len) for grp in groups for d, (lo, hi) in enumerate(stages)
+                 for j in ([-1] if d == 0 else []) + list(range(lo, hi)) + ([L] if d == S - 1 else []) for k in grp]
+    # per GPU, its positions in order: the KV work buffers, double-buffered, are reused by a GPU's positions two apart
+    on_dev: list[list[int]] = [[] for _ in range(S)]
+    nth: list[int] = []  # position -> its index among its GPU's positions
+    for p, (_, j, _) in enumerate(positions):
+        d = dev_of[j]
+        nth.append(len(on_dev[d]))
+        on_dev[d].append(p)
+
+    def dev_pos(p: int, back: int) -> int | None:
+        """The position ``back`` before position p on p's GPU (None: none), or with ``back`` -1 the next one."""
+        n, mine = nth[p] - back, on_dev[dev_of[positions[p][1]]]
+        return mine[n] if 0 <= n < len(mine) else None
+
+    computes: dict[int, int] = {}  # position -> its compute
     # per position, the ops that give its KV work buffers back: the stores (their last user) or, with nothing to
-    # store, the compute. A buffer two positions on waits for them (double buffering, as the footprint counts two)
-    releases: list[list[int]] = []
+    # store, the compute. A buffer two positions on (on its GPU) waits for them (double buffering, as the footprint
+    # counts two)
+    releases: dict[int, list[int]] = {}
     pending_loads: dict[int, tuple[list[int], set]] = {}  # position -> (h2d ops, head groups whose buffer they made)
     stored_upto: dict[tuple[int, int], int] = {}  # (layer, batch) -> S: KV tokens [0, S) stored off the GPU
     store_ops: dict[tuple[int, int], list[int]] = {}  # (layer, batch) -> the latest ops that extended S
-    disk_stores = DiskStoreBuffers()  # KV stored to disk: bounded GPU and host staging buffers
+    disk_stores = [DiskStoreBuffers() for _ in range(S)]  # KV stored to disk: bounded GPU and host staging, per GPU
 
-    def emit_kv_loads(p: int, part: str) -> None:
+    def emit_kv_loads(p: int | None, part: str) -> None:
         """The KV prefix [0, b) of position p: the host-homed heads (``part='cpu'``: one h2d) or the disk-homed
         heads (``'disk'``: a disk read into host staging, then an h2d). The h2d waits for its GPU buffer (the compute
-        two positions back: double buffering), the disk read for its host staging (the compute three positions
-        back: it runs one position ahead of the copy, no further); every op waits for the stores that made the
-        prefix durable."""
-        if p >= len(positions):
+        two positions back on its GPU: double buffering), the disk read for its host staging (the compute three
+        positions back: it runs one position ahead of the copy, no further); every op waits for the stores that made
+        the prefix durable."""
+        if p is None:
             return
         i, j, k = positions[p]
         if i == 0 or not 0 <= j < L:
@@ -453,40 +534,62 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
         ids, held = pending_loads.setdefault(p, ([], set()))
         if hi <= 0:
             return
-        buf_dep = releases[p - 2] if p >= 2 else []
-        stage = computes[p - 3] if p >= 3 else None
+        back2 = dev_pos(p, 2)
+        buf_dep = releases[back2] if back2 is not None else []
+        back3 = dev_pos(p, 3)
+        stage = computes.get(back3) if back3 is not None else None
         durable = store_ops.get((j, k), [])
+        dev = {"device": dev_of[j]} if multi else {}
         if part == "cpu" and kc:
             nbytes = kvb(kc, hi)
             ids.append(add("h2d", buf_dep + durable, "decode", i, j, k, tensor="kv", lo=0, hi=hi, head_lo=kg,
-                           head_hi=kg + kc, nbytes=nbytes, pinned=pinned, alloc=(buf["cpu"], 0, 0)))
+                           head_hi=kg + kc, nbytes=nbytes, pinned=pinned, alloc=(buf["cpu"], 0, 0), **dev))
             held.add("cpu")
         if part == "disk" and kd:
             nbytes = kv_stored(kd, hi)
             rd = add("disk_read", [stage] + durable, "decode", i, j, k, tensor="kv", lo=0, hi=hi, head_lo=kg + kc,
-                     head_hi=n_kv, nbytes=nbytes, alloc=(0, nbytes, 0))
+                     head_hi=n_kv, nbytes=nbytes, alloc=(0, nbytes, 0), **dev)
             ids.append(add("h2d", [rd] + buf_dep, "decode", i, j, k, tensor="kv", lo=0, hi=hi, head_lo=kg + kc,
                            head_hi=n_kv, nbytes=kvb(kd, hi), pinned=pinned, alloc=(buf["disk"], 0, 0),
-                           free=(0, nbytes, 0)))
+                           free=(0, nbytes, 0), **dev))
             held.add("disk")
 
     last_out: dict[int, int] = {}
+    last_dev: dict[int, int] = {}  # batch -> the GPU that holds its current hidden state (or its new token id)
     hidden_store: dict[int, int] = {}
     landings = LandingBuffers()
-    if instances:  # the first layer's weights, all slices, before anything runs
-        for s in range(lay.num_slices):
-            issue_slice(0, s, "cpu")
-            issue_slice(0, s, "disk")
+    for d in range(S):  # each GPU's first layer's weights, all slices, before anything runs
+        if instances[d]:
+            for s in range(lay.num_slices):
+                issue_slice(d, 0, s, "cpu")
+                issue_slice(d, 0, s, "disk")
     for p, (i, j, k) in enumerate(positions):
         phase = "prefill" if i == 0 else "decode"
         P = P_of[k]
         q = P if i == 0 else nr[i][k] + 1
         ctx = P + i
         decoder = 0 <= j < L
+        dev = dev_of[j]
+        grp = groups[group_of[k]]
+        u = inst_index.get((i, group_of[k], j)) if decoder else None
+        deps = [last_out.get(k)]
+        recv = 0  # GPU bytes of a hidden state received from the previous stage: counted while this compute runs
+        if multi:
+            cur_dev[0] = dev
+            src = last_dev.get(k)
+            if src is not None and src != dev:
+                # the batch's activations (or, for the next step's embedding, its new token's id) are on another
+                # GPU: a GPU-to-GPU copy on the sender's p2p stream
+                if j < 0:
+                    deps = [add("p2p", [last_out[k]], phase, i, j, k, tensor="token", lo=ctx - 1, hi=ctx,
+                                nbytes=gbs * fp.TOKEN_ID_BYTES, device=src, peer=dev)]
+                else:
+                    recv = fp.hidden_bytes(model, gbs, q)
+                    deps = [add("p2p", [last_out[k]], phase, i, j, k, tensor="hidden", lo=ctx - q, hi=ctx,
+                                nbytes=recv, device=src, peer=dev)]
+            last_dev[k] = dev
         # (1) hidden from the CPU, if parked there: first on the h2d stream, because this compute needs it now
         #     (behind the next layer's weights it would serialise compute and transfer)
-        u = inst_index.get((i, j)) if decoder else None
-        deps = [last_out.get(k)]
         hin = 0  # GPU bytes of the hidden copy loaded for this compute: counted from its load to the compute's end
         if lay.hidden_home == "cpu" and k in hidden_store and j >= 0:
             hin = fp.hidden_bytes(model, gbs, q)
@@ -494,17 +597,20 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
             hl = add("h2d", [hidden_store.pop(k)] + landings.load_deps(), phase, i, j, k, tensor="hidden",
                      lo=ctx - q, hi=ctx, nbytes=hin, pinned=pinned, alloc=(hin, 0, 0))
             deps = [hl]
-        # (2) prefetch the next position's KV prefix (FlexGen: load_cache(k+1)) and (3) the weight loader's slice k
-        #     of the next streamed instance. On the h2d stream (in order, like a CUDA stream) what is already in host
-        #     memory goes first -- KV, then weights -- and what must first come from disk last, so a copy waiting
-        #     for the disk never holds up one that could run (head-of-line blocking)
-        carries = u is not None and k < lay.num_slices
-        emit_kv_loads(p + 1, "cpu")
+        # (2) prefetch the next position's KV prefix on this GPU (FlexGen: load_cache(k+1)) and (3) the weight
+        #     loader's slice of the next streamed instance of this GPU, carried by the group's n-th batch. On the h2d
+        #     stream (in order, like a CUDA stream) what is already in host memory goes first -- KV, then weights --
+        #     and what must first come from disk last, so a copy waiting for the disk never holds up one that could
+        #     run (head-of-line blocking)
+        nxt = dev_pos(p, -1)
+        n_in_grp = k - grp[0]
+        carries = u is not None and n_in_grp < lay.num_slices
+        emit_kv_loads(nxt, "cpu")
         if carries:
-            issue_slice(u + 1, k, "cpu")
-        emit_kv_loads(p + 1, "disk")
+            issue_slice(dev, u[1] + 1, n_in_grp, "cpu")
+        emit_kv_loads(nxt, "disk")
         if carries:
-            issue_slice(u + 1, k, "disk")
+            issue_slice(dev, u[1] + 1, n_in_grp, "disk")
         if u is not None:
             deps += loaded[u]
         load_ids, loaded_groups = pending_loads.pop(p, ([], set()))
@@ -512,24 +618,25 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
         part = "layer" if decoder else ("embed" if j < 0 else "head")
         # (4) compute
         if decoder:
-            S = stored_upto.get((j, k), 0)
+            S_ = stored_upto.get((j, k), 0)
             t = store_target(i, k)
-            new_store = max(0, t - S) if (kc or kd) else 0
+            new_store = max(0, t - S_) if (kc or kd) else 0
             ws = fp.op_peak_bytes(model, "layer", gbs, q, ctx, kv_groups, masked=wl.key_masked) + dq
-            last_k = k == nb - 1
+            last_k = k == grp[-1]
             w_free = slot if (last_k and u is not None) else 0
             if new_store and kd:
-                deps += disk_stores.compute_deps()
+                deps += disk_stores[dev].compute_deps()
             # work buffers of off-GPU head groups: made by their load, else by this compute; freed by their store,
             # else (nothing to store) by this compute
-            groups = [g for g, h in (("cpu", kc), ("disk", kd)) if h]
-            made = sum(buf[g] for g in groups if g not in loaded_groups)
-            if made and p >= 2:  # buffers this compute makes (prefill): not before two positions back gave theirs
-                deps += releases[p - 2]
-            unstored = sum(buf[g] for g in groups) if not new_store else 0
+            hgroups = [g for g, h in (("cpu", kc), ("disk", kd)) if h]
+            made = sum(buf[g] for g in hgroups if g not in loaded_groups)
+            back2 = dev_pos(p, 2)
+            if made and back2 is not None:  # buffers this compute makes (prefill): not before two back gave theirs
+                deps += releases[back2]
+            unstored = sum(buf[g] for g in hgroups) if not new_store else 0
             comp = add("compute", deps, phase, i, j, k, part="layer", num_seqs=gbs, q_tokens=q, ctx_tokens=ctx,
-                       frees_weights=last_k and u is not None, alloc=(ws + made, 0, 0),
-                       free=(ws + hin + w_free + unstored, 0, 0))
+                       frees_weights=last_k and u is not None, alloc=(ws + made + recv, 0, 0),
+                       free=(ws + hin + recv + w_free + unstored, 0, 0))
             if last_k and u is not None:
                 free_op[u] = comp
             # (5) store what a later step will load: tokens [S, t), all inside [ctx - q, ctx) computed just now
@@ -538,29 +645,30 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
                 ops = []
                 if kc:
                     nbytes = kv_stored(kc, new_store)
-                    ops.append(add("d2h", [comp], phase, i, j, k, tensor="kv", lo=S, hi=t, head_lo=kg,
+                    ops.append(add("d2h", [comp], phase, i, j, k, tensor="kv", lo=S_, hi=t, head_lo=kg,
                                    head_hi=kg + kc, nbytes=nbytes, pinned=pinned, free=(buf["cpu"], 0, 0)))
                     rel = [ops[-1]]
                 if kd:
                     nbytes = kv_stored(kd, new_store)
-                    st_ = add("d2h", [comp] + disk_stores.d2h_deps(), phase, i, j, k, tensor="kv", lo=S, hi=t,
+                    st_ = add("d2h", [comp] + disk_stores[dev].d2h_deps(), phase, i, j, k, tensor="kv", lo=S_, hi=t,
                               head_lo=kg + kc, head_hi=n_kv, nbytes=nbytes, pinned=pinned, alloc=(0, nbytes, 0),
                               free=(buf["disk"], 0, 0))
                     rel = rel[:1] if kc else []
                     rel.append(st_)
-                    ops.append(add("disk_write", [st_], phase, i, j, k, tensor="kv", lo=S, hi=t, head_lo=kg + kc,
+                    ops.append(add("disk_write", [st_], phase, i, j, k, tensor="kv", lo=S_, hi=t, head_lo=kg + kc,
                                    head_hi=n_kv, nbytes=nbytes, free=(0, nbytes, 0)))
-                    disk_stores.record(st_, ops[-1])
+                    disk_stores[dev].record(st_, ops[-1])
                 stored_upto[(j, k)] = t
                 store_ops[(j, k)] = ops
         else:
             ws = fp.op_peak_bytes(model, part, gbs, q, ctx, masked=wl.key_masked)
             comp = add("compute", deps, phase, i, j, k, part=part, num_seqs=gbs, q_tokens=q, ctx_tokens=ctx,
-                       alloc=(ws, 0, 0), free=(ws + hin, 0, 0))
-        computes.append(comp)
+                       alloc=(ws + recv, 0, 0), free=(ws + hin + recv, 0, 0))
+            rel = [comp]
+        computes[p] = comp
         if hin:
             landings.record(comp)
-        releases.append(rel if decoder else [comp])
+        releases[p] = rel
         last_out[k] = comp
         # (6) park the hidden on the CPU between layers
         if lay.hidden_home == "cpu" and j < L:
@@ -568,11 +676,34 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
                                   nbytes=fp.hidden_bytes(model, gbs, q), pinned=pinned)
     settings = dataclasses.asdict(st)
     settings["percent"] = list(st.percent)
+    for k, v in _STAGE_DEFAULTS.items():  # the pipeline's settings recorded only when set: a single-GPU plan
+        if settings[k] == v or (k == "stage_layers" and not settings[k]):  # records what it always did
+            del settings[k]
+    if "stage_layers" in settings:
+        settings["stage_layers"] = list(settings["stage_layers"])
     derived = {"weight_slices_used": lay.num_slices,
                "recompute_tokens": nr[1:]}  # N_r per decode step (1..gen_len-1), per GPU batch
-    return Plan(model=model, workload=wl, policy="tightllm", settings=settings, capacity=capacity_of(hw),
+    cap = capacity_of(hw)
+    plan_stages = []
+    if multi:  # every GPU has the budget ``capacity['gpu']``; the plan's gpu capacity and residents are the sums
+        one = dataclasses.replace(st, num_stages=1, stage_layers=(), micro_batches=0)
+        per = [_resident(m, wl, lay, one) for m, _ in stage_placements(model, _schedule_of(model, lay, st))]
+        plan_stages = [{"layers": [lo, hi], "gpu_capacity": int(cap["gpu"]), "gpu_resident": int(r["gpu"])}
+                       for (lo, hi), r in zip(stages, per)]
+        cap = {**cap, "gpu": int(cap["gpu"]) * S}
+    return Plan(model=model, workload=wl, policy="tightllm", settings=settings, capacity=cap,
                 resident=_resident(model, wl, lay, st), weight_split=[(lay.weight_gpu, lay.weight_cpu)] * L,
-                kv_split=(kg, kc), hidden_home=lay.hidden_home, ops=b.ops, derived=derived)
+                kv_split=(kg, kc), hidden_home=lay.hidden_home, ops=b.ops, derived=derived, stages=plan_stages)
+
+
+_STAGE_DEFAULTS = {"num_stages": 1, "stage_layers": (), "micro_batches": 0}
+
+
+def check_tightllm_stages(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLMSettings,
+                          what: str = "plan") -> None:
+    """Every stage of a pipeline on one GPU's budget, the host's memory and disk shared by the stages
+    (``check_stages_fit``), from arithmetic, before any op is built."""
+    check_stages_fit(model, wl, _schedule_of(model, layout_of(model, wl, st), st), capacity_of(hw), what)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -619,7 +750,7 @@ def estimate_seconds_per_token(model: ModelSpec, hw: HardwareSpec, wl: Workload,
     # resident bytes and the minimum working set (prefill included) on every tier
     if not fp.fits(model, capacity_of(hw), wl, _schedule_of(model, lay, st).placement()):
         return math.inf
-    free = free_gpu_bytes_of(model, hw, wl, lay, compression_of(st))
+    free = free_gpu_bytes_of(model, hw, wl, lay, compression_of(st), _schedule_of(model, lay, st).stages)
     gbs, P = wl.gpu_batch_size, wl.prompt_len
     off_heads = lay.kv_cpu_heads + lay.kv_disk_heads
     cz = compression_of(st)
@@ -655,10 +786,45 @@ def _fits(model: ModelSpec, hw: HardwareSpec, wl: Workload, percent: tuple,
         percent=percent, **comp.settings())))
 
 
+def tightllm_stage_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int, num_stages: int,
+                              batch: int | None = None, compression: Compression = NO_COMPRESSION,
+                              key_mask: bool = False, max_batch: int | None = None) -> list[Candidate]:
+    """Pipeline candidates over ``num_stages`` GPUs of one host: FlexGen's (``flexgen.stage_candidates``: the LP of
+    every block shape, stage split and micro-batch count) with GPU attention and the activations on the GPU, each
+    with its GPU weight share trimmed until TightLLM's own stages fit (``check_tightllm_stages``), in the LP's order
+    (the search simulates the best)."""
+    from offsim.policies.flexgen import stage_candidates
+
+    extra = compression.settings() if compression.any else {}
+    out, seen = [], set()
+    for c in stage_candidates(model, hw, prompt_len, gen_len, num_stages, batch, compression, 0, key_mask,
+                              max_batch):
+        s, wl = c.settings, c.workload
+        if s.get("cpu_attention") or s["percent"][4] != 100:
+            continue
+        pipe = {k: s[k] for k in _STAGE_DEFAULTS if k in s}
+
+        def fits(p, wl=wl, pipe=pipe) -> bool:
+            try:
+                check_tightllm_stages(model, hw, wl, TightLLMSettings(percent=p, **pipe, **extra))
+            except OffsimError:
+                return False
+            return True
+
+        pct = fit_gpu_weights(model, hw, wl, tuple(s["percent"]), False, fits=fits)
+        key = (pct, wl.gpu_batch_size, wl.num_gpu_batches, tuple(pipe.get("stage_layers", ())),
+               pipe.get("micro_batches"))
+        if key in seen or not fits(pct):
+            continue
+        seen.add(key)
+        out.append(Candidate({"percent": pct, **pipe, **extra}, wl, c.score_s_per_token))
+    return out
+
+
 def tightllm_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
                         batch: int | None = None, max_shapes: int = 12,
                         compression: Compression = NO_COMPRESSION, key_mask: bool = False,
-                        max_batch: int | None = None) -> Iterable[Candidate]:
+                        max_batch: int | None = None, num_gpus: int = 1) -> Iterable[Candidate]:
     """Placements and block shapes for the search: FlexGen's LP optimum (GPU attention) for each block shape (same
     memory constraints; with ``batch`` sequences when given), its GPU weight share trimmed until TightLLM's own
     placement fits (``flexgen.fit_gpu_weights``: the LP's memory row is FlexGen's, a few tens of MB off TightLLM's
@@ -666,7 +832,11 @@ def tightllm_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen
     same placement (with recompute the KV loads shrink, so a bigger batch can pay). ``compression``: the LP, the fit,
     the estimate and every candidate run with it. ``key_mask``: every workload reserves a padded batch's key mask
     (``Workload.reserve_key_mask``), the fit included. ``max_batch``: no block of more sequences -- the
-    ``max_shapes`` best LP shapes under that cap (kept after the cut, a cap would leave none)."""
+    ``max_shapes`` best LP shapes under that cap (kept after the cut, a cap would leave none). ``num_gpus`` > 1:
+    pipeline candidates (``tightllm_stage_candidates``)."""
+    if num_gpus > 1:
+        return tightllm_stage_candidates(model, hw, prompt_len, gen_len, num_gpus, batch, compression, key_mask,
+                                         max_batch)
     seen = set()
     extra = compression.settings() if compression.any else {}
     lps = flexgen_candidates(model, hw, prompt_len, gen_len, cpu_attention=(False,), batch=batch,
@@ -695,4 +865,5 @@ def tightllm_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen
 TIGHTLLM = Policy("tightllm", TightLLMSettings, tightllm_plan, tightllm_candidates,
                   "TightLLM: recompute part of the KV cache on the idle GPU (ILP per batch), weight slices per batch",
                   tightllm_placement, ranks_compression=True,
-                  before_inputs={"capture_aware": False})  # plans made before it decided every step alone
+                  before_inputs={"capture_aware": False},  # plans made before it decided every step alone
+                  check_stages=check_tightllm_stages)
