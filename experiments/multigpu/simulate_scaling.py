@@ -1,11 +1,11 @@
-"""Simulated scaling of FlexGen's pipeline parallelism over 1, 2, 4 and 8 GPUs (issue 18), every GPU with the same
+"""Simulated scaling of FlexGen's (and, on one host, TightLLM's) pipeline parallelism over 1, 2, 4 and 8 GPUs (issue 18), every GPU with the same
 budget, beside FlexGen's published 1 -> 4 GPU numbers (OPT-175B decode on T4s: 0.83 -> 3.86 tok/s, FlexGen
 ICML'23 §6, from the issue's seeds), in two topologies: every GPU on one host (host memory, disk and host CPU
 shared by all stages) and one GPU per node (``gpus_per_node=1``: FlexGen's testbed for 3.86, four GCP T4 VMs, each
 with its own host memory, disk and CPU, hidden states between them over the network).
 
-Each point is offsim's FlexGen search for that many GPUs (``search(..., num_gpus=S, gpus_per_node=g)``, ``offsim
-search --num-gpus S --gpus-per-node g``): the block shape, micro-batch groups, placement and layers per stage chosen
+Each point is offsim's search of that policy for that many GPUs (``search(..., num_gpus=S, gpus_per_node=g)``,
+``offsim search --num-gpus S --gpus-per-node g``): the block shape, micro-batch groups, placement and layers per stage chosen
 by FlexGen's LP per stage split (``lp.flexgen_stage_lp``), every stage checked against its GPU and each node's
 stages' host memory and disk against its host, the best candidates verified by simulation; the row is the best
 one's full simulation. A second table simulates FlexGen's own 4 x 1 settings (its
@@ -28,12 +28,15 @@ from offsim.search import search
 
 OUT = ROOT / "results" / "multigpu" / "simulated"
 PROMPT, GEN = 512, 32
-# (model, hardware preset, GPU budget GiB or None for the preset's, GPUs per node (0: all on one host), published
-# decode tok/s per GPU count in that topology). FlexGen's 0.83 is one T4 (either topology); its 3.86, 4 nodes x 1 T4
-CASES = [("opt-30b", "h200", 16, 0, {}),
-         ("opt-66b", "h200", 16, 0, {}),
-         ("opt-175b", "t4", None, 0, {1: 0.83}),
-         ("opt-175b", "t4", None, 1, {1: 0.83, 4: 3.86})]
+# (policy, model, hardware preset, GPU budget GiB or None for the preset's, GPUs per node (0: all on one host),
+# published decode tok/s per GPU count in that topology). FlexGen's 0.83 is one T4 (either topology); its 3.86,
+# 4 nodes x 1 T4. TightLLM's pipeline runs on one host
+CASES = [("flexgen", "opt-30b", "h200", 16, 0, {}),
+         ("tightllm", "opt-30b", "h200", 16, 0, {}),
+         ("flexgen", "opt-66b", "h200", 16, 0, {}),
+         ("tightllm", "opt-66b", "h200", 16, 0, {}),
+         ("flexgen", "opt-175b", "t4", None, 0, {1: 0.83}),
+         ("flexgen", "opt-175b", "t4", None, 1, {1: 0.83, 4: 3.86})]
 GPUS = (1, 2, 4, 8)
 # FlexGen's own settings for OPT-175B on 4 nodes x 1 T4 (FlexGen's benchmark/flexgen/bench_175b_4x1.sh; in
 # FlexLLMGen benchmark/flexllmgen/bench_175b_4x1.sh):
@@ -98,19 +101,19 @@ def main() -> None:
     argparser(__doc__).parse_args()
     t0 = time.time()
     rows = []
-    for mname, hwname, budget, per_node, published in CASES:
+    for policy, mname, hwname, budget, per_node, published in CASES:
         model, hw = get_model(mname), get_hardware(hwname, budget)
         one = None
         for S in GPUS:
             t1 = time.time()
             try:
-                r = search("flexgen", model, hw, PROMPT, GEN, num_gpus=S, gpus_per_node=per_node)
+                r = search(policy, model, hw, PROMPT, GEN, num_gpus=S, gpus_per_node=per_node)
             except OffsimError as e:
-                print(f"{mname} {hwname} {topology(per_node)} {S} GPUs: nothing fits: {e}", flush=True)
+                print(f"{policy} {mname} {hwname} {topology(per_node)} {S} GPUs: nothing fits: {e}", flush=True)
                 continue
             st, m, wl = r.settings, r.metrics, r.workload
             one = m["decode_tok_s"] if S == 1 else one
-            row = {"model": mname, "hardware": hwname, "gpu_budget_gib": hw.gpu_mem_bytes / 2**30,
+            row = {"policy": policy, "model": mname, "hardware": hwname, "gpu_budget_gib": hw.gpu_mem_bytes / 2**30,
                    "topology": topology(per_node), "gpus": S,
                    "gpu_batch_size": wl.gpu_batch_size, "num_gpu_batches": wl.num_gpu_batches,
                    "micro_batches": st.get("micro_batches", 1),
@@ -121,7 +124,7 @@ def main() -> None:
                    "peak_gpu_GiB": m["peak_gpu_bytes"] / 2**30, "peak_cpu_GiB": m["peak_cpu_bytes"] / 2**30,
                    "search_s": round(time.time() - t1, 2), "published_decode_tok_s": published.get(S)}
             rows.append(row)
-            print(f"{mname:9s} {hwname:5s} {topology(per_node):15s} {S} GPUs: decode {m['decode_tok_s']:8.2f} tok/s (x{row['decode_speedup']:.2f})"
+            print(f"{policy:8s} {mname:9s} {hwname:5s} {topology(per_node):15s} {S} GPUs: decode {m['decode_tok_s']:8.2f} tok/s (x{row['decode_speedup']:.2f})"
                   f" total {m['total_tok_s']:8.2f}  {wl.gpu_batch_size}x{wl.num_gpu_batches} percent {st['percent']} "
                   f"micro {row['micro_batches']} layers {row['stage_layers']} ({row['search_s']} s)"
                   + (f"  published {published[S]}" if S in published else ""), flush=True)
@@ -133,7 +136,7 @@ def main() -> None:
     write_csv(fx, OUT / "flexgen_4x1.csv", prov)
     net = get_hardware("t4").network_bytes_per_s
     lines = ["# Simulated pipeline-parallel scaling (issue 18)", "",
-             f"`{prov['command']}` at commit {prov.get('commit', '?')}: FlexGen's pipeline over "
+             f"`{prov['command']}` at commit {prov.get('commit', '?')}: FlexGen's pipeline (and TightLLM's, on one host) over "
              f"{', '.join(map(str, GPUS[:-1]))} and {GPUS[-1]} GPUs, prompt {PROMPT}, gen {GEN}, each GPU with the "
              "budget shown, in two topologies: **one host** (every GPU in one machine: host memory, disk, the host "
              "CPU's attention and the disk's bandwidth shared by all stages, each GPU's PCIe link at the profile's "
@@ -141,15 +144,16 @@ def main() -> None:
              "4-GPU number, four GCP VMs with one T4 each; every node has the preset's host memory, disk and CPU, "
              "and hidden states cross the network between nodes, GPU -> host -> network -> host -> GPU, at the "
              f"preset's `network_bytes_per_s` = {net / 1e9:g} GB/s, an upper bound, see the T4 preset's "
-             "provenance). Each row is `offsim search --policy flexgen --num-gpus S [--gpus-per-node 1]`: block "
+             "provenance). Each row is `offsim search --policy POLICY --num-gpus S [--gpus-per-node 1]`: block "
              "shape (batch), micro-batch groups, placement (percent: weights GPU/CPU, cache GPU/CPU, activations "
-             "GPU/CPU) and layers per stage chosen by FlexGen's LP per stage split, every stage checked against its "
+             "GPU/CPU) and layers per stage chosen by FlexGen's LP per stage split (TightLLM: those candidates made to "
+             "fit its own stages), every stage checked against its "
              "GPU and each node's stages' host memory and disk against its host, the best candidates verified by "
              "simulation. Simulated only; the presets' GPU-to-GPU link within a host is PCIe peer at the host "
              "link's rate.", "",
-             "| model | hardware | GPU GiB | topology | GPUs | batch | micro | layers per stage | percent | "
+             "| policy | model | hardware | GPU GiB | topology | GPUs | batch | micro | layers per stage | percent | "
              "decode tok/s | speedup | total tok/s | published decode |",
-             "| --- | --- | ---: | --- | ---: | --- | ---: | --- | --- | ---: | ---: | ---: | ---: |"]
+             "| --- | --- | --- | ---: | --- | ---: | --- | ---: | --- | --- | ---: | ---: | ---: | ---: |"]
     for r in rows:
         pub = "" if r["published_decode_tok_s"] is None else f"{r['published_decode_tok_s']:.2f}"
         st = json.loads(r["settings"])
@@ -157,14 +161,15 @@ def main() -> None:
         layers = json.loads(r["stage_layers"])
         lay = "/".join(map(str, layers)) if len(set(layers)) > 1 or len(layers) == 1 else \
             f"{len(layers)} x {layers[0]}"
-        lines.append(f"| {r['model']} | {r['hardware']} | {r['gpu_budget_gib']:.0f} | {r['topology']} | "
+        lines.append(f"| {r['policy']} | {r['model']} | {r['hardware']} | {r['gpu_budget_gib']:.0f} | {r['topology']} | "
                      f"{r['gpus']} | {r['gpu_batch_size']}x{r['num_gpu_batches']} | {r['micro_batches']} | "
                      f"{lay} | {pct} | {r['decode_tok_s']:.2f} | x{r['decode_speedup']:.2f} | "
                      f"{r['total_tok_s']:.2f} | {pub} |")
-    keys = dict.fromkeys((r["model"], r["hardware"], r["topology"]) for r in rows)
-    gains = "; ".join(f"{m} on {h} ({tp}): " + ", ".join(
+    keys = dict.fromkeys((r["policy"], r["model"], r["hardware"], r["topology"]) for r in rows)
+    gains = "; ".join(f"{po} {m} on {h} ({tp}): " + ", ".join(
         f"x{r['decode_speedup']:.2f} on {r['gpus']}" for r in rows
-        if (r["model"], r["hardware"], r["topology"]) == (m, h, tp) and r["gpus"] > 1) for m, h, tp in keys)
+        if (r["policy"], r["model"], r["hardware"], r["topology"]) == (po, m, h, tp) and r["gpus"] > 1)
+        for po, m, h, tp in keys)
     lines += ["", f"Decode speedup over the single-GPU search: {gains}.", ""]
     lines += ["## FlexGen's own 4 x 1 settings", "",
               "OPT-175B on 4 nodes x 1 T4 with the settings of FlexGen's `benchmark/flexgen/bench_175b_4x1.sh` "
@@ -182,8 +187,8 @@ def main() -> None:
         lines.append(f"| {r['case']} | {r['decode_tok_s']:.2f} | {r['total_tok_s']:.2f} | "
                      f"{r['peak_gpu_GiB']:.1f} | {r['peak_cpu_GiB']:.1f} | {r['busy_h2d_s']:.0f} | "
                      f"{r['busy_cpu_s']:.0f} | {r['total_s']:.0f} |")
-    pick = next((r for r in rows if r["model"] == "opt-175b" and r["topology"] == topology(1) and r["gpus"] == 4),
-                None)
+    pick = next((r for r in rows if r["policy"] == "flexgen" and r["model"] == "opt-175b"
+                 and r["topology"] == topology(1) and r["gpus"] == 4), None)
     own = {r["case"]: r for r in fx.to_dict("records")}
     if pick is not None and not isinstance(own[FLEXGEN_CASES[0]].get("error"), str):
         st = json.loads(pick["settings"])

@@ -791,8 +791,10 @@ def tightllm_stage_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: in
                               key_mask: bool = False, max_batch: int | None = None) -> list[Candidate]:
     """Pipeline candidates over ``num_stages`` GPUs of one host: FlexGen's (``flexgen.stage_candidates``: the LP of
     every block shape, stage split and micro-batch count) with GPU attention and the activations on the GPU, each
-    with its GPU weight share trimmed until TightLLM's own stages fit (``check_tightllm_stages``), in the LP's order
-    (the search simulates the best)."""
+    made to fit TightLLM's own stages (``check_tightllm_stages``; its recompute needs more working memory than
+    FlexGen's LP counts) two ways -- its GPU weight share trimmed, and its GPU share of the KV cache moved to the
+    host first (which TightLLM can recompute instead of loading) -- in the LP's order (the search simulates the
+    best)."""
     from offsim.policies.flexgen import stage_candidates
 
     extra = compression.settings() if compression.any else {}
@@ -811,13 +813,18 @@ def tightllm_stage_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: in
                 return False
             return True
 
-        pct = fit_gpu_weights(model, hw, wl, tuple(s["percent"]), False, fits=fits)
-        key = (pct, wl.gpu_batch_size, wl.num_gpu_batches, tuple(pipe.get("stage_layers", ())),
-               pipe.get("micro_batches"))
-        if key in seen or not fits(pct):
-            continue
-        seen.add(key)
-        out.append(Candidate({"percent": pct, **pipe, **extra}, wl, c.score_s_per_token))
+        kv_first = tuple(s["percent"])
+        while not fits(kv_first) and kv_first[2] > 0:  # the cache's GPU share to the host, a point at a time
+            wg, wc, cg, cc = kv_first[:4]
+            kv_first = (wg, wc, cg - 1, cc + 1) + kv_first[4:]
+        for pct in (fit_gpu_weights(model, hw, wl, tuple(s["percent"]), False, fits=fits),
+                    fit_gpu_weights(model, hw, wl, kv_first, False, fits=fits)):
+            key = (pct, wl.gpu_batch_size, wl.num_gpu_batches, tuple(pipe.get("stage_layers", ())),
+                   pipe.get("micro_batches"))
+            if key in seen or not fits(pct):
+                continue
+            seen.add(key)
+            out.append(Candidate({"percent": pct, **pipe, **extra}, wl, c.score_s_per_token))
     return out
 
 
