@@ -171,6 +171,14 @@ def main() -> None:
         if (r["policy"], r["model"], r["hardware"], r["topology"]) == (po, m, h, tp) and r["gpus"] > 1)
         for po, m, h, tp in keys)
     lines += ["", f"Decode speedup over the single-GPU search: {gains}.", ""]
+    fx_rows = {(r["model"], r["hardware"], r["topology"], r["gpus"]): r for r in rows if r["policy"] == "flexgen"}
+    vs = [(r, fx_rows[(r["model"], r["hardware"], r["topology"], r["gpus"])]) for r in rows
+          if r["policy"] == "tightllm" and (r["model"], r["hardware"], r["topology"], r["gpus"]) in fx_rows]
+    if vs:
+        lines += ["TightLLM's decode over FlexGen's at the same GPU count (each at its searched best): " + "; ".join(
+            f"{m} on {h}: " + ", ".join(f"x{t['decode_tok_s'] / f['decode_tok_s']:.2f} on {t['gpus']}"
+                                      for t, f in vs if (t["model"], t["hardware"]) == (m, h))
+            for m, h in dict.fromkeys((t["model"], t["hardware"]) for t, _ in vs)) + ".", ""]
     lines += ["## FlexGen's own 4 x 1 settings", "",
               "OPT-175B on 4 nodes x 1 T4 with the settings of FlexGen's `benchmark/flexgen/bench_175b_4x1.sh` "
               "(FlexLLMGen: `benchmark/flexllmgen/bench_175b_4x1.sh`) "
