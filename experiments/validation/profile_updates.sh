@@ -43,6 +43,9 @@
 #      capped at the plan's bytes: no OOM, measured / predicted peak        -> $OUT/padded_runs.jsonl
 #      (here: `python -m experiments.memory.h200_sweep report --config results/memory/padded/config.json
 #       --runs padded_runs.jsonl --out results/memory/padded`)
+#  17. step 3 for TightLLM's pipeline: its 2-stage OPT-30B plan (8 x 8, 16 GiB a GPU: the 8 x 16 plan for two GPUs,
+#      results/multigpu/h200/plan_2gpu_tightllm_8x16.json.gz, needs 121 GiB of host memory) rehearsed on one GPU
+#      (memory contract per stage, tokens)                                         -> $OUT/pp_tightllm_one_gpu.json
 # Then, here: `offexec profile --base results/profiles/h200_offexec_v2.json --merge sus.json store.json --out ...`,
 # re-validate the calibration split before adopting (docs/cost-model.md).
 #
@@ -144,7 +147,10 @@ json.dump(d, open('/tmp/ra/p4.json', 'w'))" &&
     16) mkdir -p /tmp/disktier && timeout 540 python3 -u -m experiments.memory.h200_sweep run --config results/memory/padded/config.json \
           --out /tmp/padded --commit "$COMMIT" --disk-dir /tmp/disktier > "$OUT/padded.log" 2>&1
         cp /tmp/padded/runs.jsonl "$OUT/padded_runs.jsonl" ;;
-    *) echo "unknown step $s (1 to 16)"; continue ;;
+    17) timeout 420 torchrun --standalone --nproc-per-node 2 -m offexec.distributed \
+          --plan results/multigpu/h200/plan_2gpu_tightllm_8x8_rehearsal.json.gz --one-gpu --no-warmup \
+          --out "$OUT/pp_tightllm_one_gpu.json" > "$OUT/pp_tightllm_one_gpu.log" 2>&1 ;;
+    *) echo "unknown step $s (1 to 17)"; continue ;;
   esac
   echo "step $s rc=$? $(( $(date +%s) - T0 )) s"
 done
