@@ -185,19 +185,23 @@ def test_simulated_streams_are_per_gpu_and_host_streams_shared(settings):
     assert p["end_s"] - p["start_s"] == pytest.approx(costmodel.p2p_seconds(H200, int(p["nbytes"])))
 
 
-def test_pipeline_overlaps_stages_and_scales_compute_bound_decode():
-    # all on the GPU (compute-bound): with two micro-batch groups the stages work at once, so two GPUs decode
-    # nearly twice as fast as one; with one group they take turns (no faster than one GPU)
-    m = get_model("opt-1.3b")
-    hw = H200
-    wl = Workload(128, 8, 8, 4)
-    st = {"percent": (100, 0, 100, 0, 100, 0)}
-    one = simulate(build_plan("flexgen", m, hw, wl, st), hw).metrics()["decode_tok_s"]
-    two = simulate(build_plan("flexgen", m, hw, wl, {**st, "num_stages": 2}), hw).metrics()["decode_tok_s"]
-    turns = simulate(build_plan("flexgen", m, hw, wl, {**st, "num_stages": 2, "micro_batches": 1}),
-                     hw).metrics()["decode_tok_s"]
-    assert two > 1.6 * one
-    assert turns < 1.1 * one
+@pytest.mark.parametrize("policy,model,gib,wl,st,gain", [
+    # all on the GPU (compute-bound): two GPUs decode nearly twice as fast as one
+    ("flexgen", "opt-1.3b", None, Workload(128, 8, 8, 4), {"percent": (100, 0, 100, 0, 100, 0)}, 1.6),
+    # TightLLM, weights streamed and KV loaded over each GPU's own link
+    ("tightllm", "opt-30b", 16, Workload(512, 8, 16, 4), {"percent": (18, 82, 0, 100, 100, 0), "kv_solver": "exact"},
+     1.2)])
+def test_pipeline_overlaps_stages_and_scales_decode(policy, model, gib, wl, st, gain):
+    """With two micro-batch groups the stages work at once, so two GPUs decode faster than one; with one group they
+    take turns (no faster than one GPU)."""
+    m, hw = get_model(model), get_hardware("h200", gib)
+
+    def decode(**pipe):
+        return simulate(build_plan(policy, m, hw, wl, {**st, **pipe}), hw).metrics()["decode_tok_s"]
+
+    one = decode()
+    assert decode(num_stages=2) > gain * one
+    assert decode(num_stages=2, micro_batches=1) < 1.1 * one
 
 
 def test_gpu_link_bandwidth_prices_p2p():
@@ -346,21 +350,6 @@ def test_tightllm_stage_plan_structure(stages, micro):
         assert op.device == dev[op.layer], op.describe()
     assert any(o.kind == "p2p" and o.tensor == "token" for o in plan.ops)
     simulate(plan, H200)
-
-
-def test_tightllm_pipeline_overlaps_stages_on_each_gpus_link():
-    """Weights streamed and KV loaded over each GPU's own link: two stages with two micro-batch groups decode
-    faster than one GPU; with one group they take turns."""
-    m = get_model("opt-30b")
-    hw = get_hardware("h200", gpu_mem_gb=16)
-    wl = Workload(512, 8, 16, 4)
-    st = {"percent": (18, 82, 0, 100, 100, 0), "kv_solver": "exact"}
-    one = simulate(build_plan("tightllm", m, hw, wl, st), hw).metrics()["decode_tok_s"]
-    two = simulate(build_plan("tightllm", m, hw, wl, {**st, "num_stages": 2}), hw).metrics()["decode_tok_s"]
-    turns = simulate(build_plan("tightllm", m, hw, wl, {**st, "num_stages": 2, "micro_batches": 1}),
-                     hw).metrics()["decode_tok_s"]
-    assert two > 1.2 * one
-    assert turns < 1.1 * one
 
 
 def test_tightllm_stages_refused_from_arithmetic_and_activations_on_the_gpu():
