@@ -65,10 +65,12 @@ def _plans(model, hw):
     wl = Workload(prompt_len=24, gen_len=3, gpu_batch_size=4, num_gpu_batches=2)
     streamed = build_plan("flexgen", model, hw, wl, {"percent": [0, 100, 100, 0, 100, 0]})  # weights on the host
     resident = build_plan("flexgen", model, hw, wl, {"percent": [100, 0, 100, 0, 100, 0]})  # weights on the GPU
-    return streamed, resident
+    # TightLLM, recomputing part of the host-homed KV: decode ops of N_r + 1 tokens, compute-bound past the ridge
+    recompute = build_plan("tightllm", model, hw, wl, {"percent": [40, 60, 0, 100, 100, 0], "kv_solver": "exact"})
+    return streamed, resident, recompute
 
 
-@pytest.mark.parametrize("which", [0, 1])
+@pytest.mark.parametrize("which", [0, 1, 2])
 @pytest.mark.parametrize("window_s", [0.002, 0.03])
 def test_both_engines_apply_the_clock_alike(tiny_opt, t4, which, window_s):
     hw = _clocked_hw(t4, tiny_opt, window_s)
@@ -94,12 +96,12 @@ def test_a_gpu_waiting_for_its_weights_keeps_a_faster_clock(tiny_opt, t4):
     run up to the burst rate (price x the sustained fraction); with every weight resident it computes back to back
     and its ops settle at their price. Without the rows, every op at its price."""
     hw = _clocked_hw(t4, tiny_opt, window_s=0.002)
-    streamed, resident = _plans(tiny_opt, hw)
+    streamed, resident, _ = _plans(tiny_opt, hw)
     fast = _prefill_speedups(streamed, hw)
     assert fast and max(fast) == pytest.approx(1 / SUSTAINED, rel=1e-6) and min(fast) >= 1.0
     busy = _prefill_speedups(resident, hw)
     assert busy and busy[0] > busy[-1] and busy[-1] == pytest.approx(1.0, abs=0.02)  # the first runs faster
     plain = dataclasses.replace(hw, op_times=tuple(r for r in hw.op_times if r[1] != "clock"))
-    p_streamed, _ = _plans(tiny_opt, plain)
+    p_streamed = _plans(tiny_opt, plain)[0]
     assert all(x == pytest.approx(1.0) for x in _prefill_speedups(p_streamed, plain))
     assert simulate(p_streamed, plain).metrics()["prefill_s"] > simulate(streamed, hw).metrics()["prefill_s"]
