@@ -927,23 +927,12 @@ def profile_sustained(device: str, seconds: float = 6.0, h: int = 7168, f: int =
     ``sustained_rows`` gives each model's own). 1.0 on the CPU. ``curve``: a list to receive [seconds under load
     at the window's end, that window's rate over the burst's] for every window: how fast the clocks fall (on the
     H200 within the first few tenths of a second, then held: results/profiles/clock_held_55c9fa9/README.md)."""
-    import torch
-    import torch.nn.functional as F
-
     if device != "cuda":
         return 1.0
-    t = SUSTAINED_TOKENS
-    w = torch.randn(f, h, dtype=torch.float16, device=device) * 0.02
-    x = torch.randn(t, h, dtype=torch.float16, device=device)
-    flops = 2 * t * h * f
+    gemms = _ffn_gemms(device, h, f)
 
-    def rate(n: int) -> float:
-        torch.cuda.synchronize()
-        a = time.perf_counter()
-        for _ in range(n):
-            F.linear(x, w)
-        torch.cuda.synchronize()
-        return flops * n / (time.perf_counter() - a)
+    def rate(n: int) -> float:  # GEMMs a second
+        return n / gemms(n)
 
     rate(3)
     time.sleep(2.0)
@@ -954,8 +943,27 @@ def profile_sustained(device: str, seconds: float = 6.0, h: int = 7168, f: int =
         if curve is not None:
             curve.append([time.perf_counter() - t0, min(1.0, windows[-1] / burst)])
     held = statistics.median(windows[len(windows) // 2:])
-    del w, x
     return min(1.0, held / burst)
+
+
+def _ffn_gemms(device: str, h: int, f: int):
+    """A timer of an FFN GEMM at prefill size, [``SUSTAINED_TOKENS``, h] x [h, f] on ``device``: ``seconds(n)``,
+    n of them back to back, the GPU idle before and after (synchronised). The clock probes' load."""
+    import torch
+    import torch.nn.functional as F
+
+    w = torch.randn(f, h, dtype=torch.float16, device=device) * 0.02
+    x = torch.randn(SUSTAINED_TOKENS, h, dtype=torch.float16, device=device)
+
+    def seconds(n: int) -> float:
+        torch.cuda.synchronize()
+        a = time.perf_counter()
+        for _ in range(n):
+            F.linear(x, w)
+        torch.cuda.synchronize()
+        return time.perf_counter() - a
+
+    return seconds
 
 
 CLOCK_DUTIES = (0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)  # the duty cycles ``profile_duty`` holds the GPU at
@@ -969,23 +977,9 @@ def profile_duty(device: str, seconds: float = 2.0, h: int = 7168, f: int = 2867
     with nothing queued), as a prefill that waits for its streamed weights between layers loads the GPU; the rate
     is the median of the last half's spells. [[d, fraction], ...]: what ``costmodel.ClockModel`` reads as its
     ('clock', 'duty') row (d = 1 is the sustained rate). [] on the CPU."""
-    import torch
-    import torch.nn.functional as F
-
     if device != "cuda":
         return []
-    t = SUSTAINED_TOKENS
-    w = torch.randn(f, h, dtype=torch.float16, device=device) * 0.02
-    x = torch.randn(t, h, dtype=torch.float16, device=device)
-
-    def spell(n: int) -> float:  # seconds of n GEMMs, the GPU idle before and after
-        torch.cuda.synchronize()
-        a = time.perf_counter()
-        for _ in range(n):
-            F.linear(x, w)
-        torch.cuda.synchronize()
-        return time.perf_counter() - a
-
+    spell = _ffn_gemms(device, h, f)  # seconds of n GEMMs, the GPU idle before and after
     spell(3)
     time.sleep(2.0)
     one = spell(5) / 5  # a GEMM at the burst clock
@@ -1001,7 +995,6 @@ def profile_duty(device: str, seconds: float = 2.0, h: int = 7168, f: int = 2867
                 time.sleep(b * (1 - d) / d)
         held = statistics.median(times[len(times) // 2:])
         out.append([float(d), float(min(1.0, one * n / held))])
-    del w, x
     return out
 
 

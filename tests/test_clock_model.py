@@ -22,7 +22,7 @@ def _held(duty, window_s: float, ends=(0.05, 0.1, 0.2, 0.4, 0.8)) -> tuple:
     out, a = [], 0.0
     for b in ends:
         ts = [a + (b - a) * (j + 0.5) / 64 for j in range(64)]
-        out.append((b, sum(C.table_value(duty, 1 - math.exp(-t / window_s)) for t in ts) / 64))
+        out.append((b, sum(C.table_seconds(duty, 1 - math.exp(-t / window_s), True) for t in ts) / 64))
         a = b
     return tuple(out)
 

@@ -543,7 +543,7 @@ class ClockModel:
     window_s: float
 
     def fraction(self, u: float) -> float:
-        return table_value(self.duty, u)
+        return table_seconds(self.duty, u, flat_past_largest=True)  # (a table read: linear, flat past its ends)
 
     def speedup(self, u: float) -> float:
         """How much faster than at the sustained clock a compute-bound op runs at busy share ``u`` (>= 1 where the
@@ -560,16 +560,6 @@ class ClockModel:
         return u
 
 
-def table_value(curve, x: float) -> float:
-    """A measured curve ((x, y), ...) by increasing x, read at ``x``: linear between its points, flat past its ends."""
-    if x <= curve[0][0]:
-        return curve[0][1]
-    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
-        if x <= x1:
-            return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y1
-    return curve[-1][1]
-
-
 def fit_window(duty, held) -> float:
     """The averaging window (seconds) with which ``ClockModel`` reproduces the measured settling from idle:
     ``held`` ((seconds of continuous load since idle at a window's end, that window's fraction of the burst rate),
@@ -584,7 +574,7 @@ def fit_window(duty, held) -> float:
         err = 0.0
         for a, b, f in spans:
             ts = [a + (b - a) * (j + 0.5) / 8 for j in range(8)]
-            err += (sum(table_value(duty, 1.0 - math.exp(-t / w)) for t in ts) / 8 - f) ** 2
+            err += (sum(table_seconds(duty, 1.0 - math.exp(-t / w), True) for t in ts) / 8 - f) ** 2
         if err < best_err:
             best, best_err = w, err
     return best

@@ -120,9 +120,31 @@ def resident_bytes(model: ModelSpec, wl: Workload, s: Schedule) -> dict[str, int
     """Bytes held for the whole run on each tier (``footprint.resident_bytes`` of the schedule's placement; with
     stages, the sums over the stages' own: ``stage_resident_bytes``)."""
     if len(s.stages) > 1:
-        per = [fp.resident_bytes(m, wl, pl) for m, pl in stage_placements(model, s)]
+        per = stage_resident_bytes(model, wl, s)
         return {t: sum(r[t] for r in per) for t in ("gpu", "cpu", "disk")}
     return fp.resident_bytes(model, wl, s.placement())
+
+
+def stage_resident_bytes(model: ModelSpec, wl: Workload, s: Schedule) -> list[dict[str, int]]:
+    """``footprint.resident_bytes`` of each stage of ``s`` (its own layers; the embeddings on every stage)."""
+    return [fp.resident_bytes(m, wl, pl) for m, pl in stage_placements(model, s)]
+
+
+def layer_devices(stages: tuple, num_layers: int) -> dict[int, int]:
+    """Each layer's GPU in a pipeline of ``stages`` ([lo, hi) per stage): stage d's decoder layers on GPU d, the
+    embedding (-1) on the first, the head (``num_layers``) on the last."""
+    dev_of = {-1: 0, num_layers: len(stages) - 1}
+    for d, (lo, hi) in enumerate(stages):
+        for j in range(lo, hi):
+            dev_of[j] = d
+    return dev_of
+
+
+def micro_batch_groups(num_gpu_batches: int, groups: int) -> list[range]:
+    """The block's GPU batches in ``groups`` contiguous micro-batch groups that flow through a pipeline's stages
+    together (the first ones smaller where they do not divide evenly)."""
+    nb = num_gpu_batches
+    return [range(t * nb // groups, (t + 1) * nb // groups) for t in range(groups)]
 
 
 def check_gpus_per_node(num_stages: int, gpus_per_node: int) -> None:
@@ -345,11 +367,8 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
     if stages[0][0] != 0 or stages[-1][1] != L or any(a[1] != b_[0] or a[1] <= a[0]
                                                       for a, b_ in zip(stages, stages[1:])):
         raise OffsimError(f"stages {[list(x) for x in stages]} must tile the layers [0, {L}) in order")
-    dev_of = {-1: 0, L: S - 1}  # layer -> its stage's GPU
-    for d, (lo, hi) in enumerate(stages):
-        for j in range(lo, hi):
-            dev_of[j] = d
-    groups = [range(t * nb // G, (t + 1) * nb // G) for t in range(G)]
+    dev_of = layer_devices(stages, L)  # layer -> its stage's GPU
+    groups = micro_batch_groups(nb, G)
     group_of = {k: t for t, g in enumerate(groups) for k in g}
     if multi:
         cur_dev = [0]  # the GPU the ops being emitted run on (p2p ops name theirs)
@@ -871,7 +890,7 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
     settings = dict(s.settings)
     plan_stages, plan_nodes = [], []
     if multi:  # every GPU has the budget ``capacity['gpu']``; the plan's gpu capacity and residents are the sums
-        per = [fp.resident_bytes(m, wl, pl) for m, pl in stage_placements(model, s)]
+        per = stage_resident_bytes(model, wl, s)
         plan_stages = [{"layers": [lo, hi], "gpu_capacity": int(capacity["gpu"]), "gpu_resident": int(r["gpu"])}
                        for (lo, hi), r in zip(stages, per)]
         cap["gpu"] = int(capacity["gpu"]) * S

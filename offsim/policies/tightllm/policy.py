@@ -71,7 +71,8 @@ from offsim.policies.flexgen import FlexGenSettings, fit_gpu_weights
 from offsim.policies.lp import flexgen_candidates
 from offsim.core import footprint as fp
 from offsim.policies.schedule import (DiskStoreBuffers, LandingBuffers, Schedule, balanced_stages, check_stages_fit,
-                                     resident_bytes, stage_model, stage_placements)
+                                     layer_devices, micro_batch_groups, resident_bytes, stage_model,
+                                     stage_resident_bytes)
 
 
 @dataclass(frozen=True)
@@ -189,7 +190,7 @@ def batch_groups(wl: Workload, st: TightLLMSettings) -> list[range]:
     G = (st.micro_batches or min(st.num_stages, nb)) if st.num_stages > 1 else 1
     if G > nb:
         raise OffsimError(f"micro_batches {G} exceeds the block's {nb} GPU batches")
-    return [range(t * nb // G, (t + 1) * nb // G) for t in range(G)]
+    return micro_batch_groups(nb, G)
 
 
 def kv_work_buffers_bytes(model: ModelSpec, wl: Workload, lay: Layout, comp: Compression = NO_COMPRESSION) -> int:
@@ -246,7 +247,7 @@ def decision_for(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLMS
     batch padded to its longest prompt; default ``ctx_tokens``, as for uniform prompts)."""
     lay = lay or layout_of(model, wl, st)
     if free_gpu_bytes is None:
-        free_gpu_bytes = free_gpu_bytes_of(model, hw, wl, lay, compression_of(st), _schedule_of(model, lay, st).stages)
+        free_gpu_bytes = free_gpu_bytes_of(model, hw, wl, lay, compression_of(st), stages_of(model, st))
     comp = compression_of(st)
     mem_hi = recompute_memory_cap(model, wl, lay, free_gpu_bytes,
                                   ctx_tokens if padded_ctx_tokens is None else padded_ctx_tokens, comp)
@@ -284,7 +285,7 @@ def recompute_tokens(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: Tight
     if not st.kv_distributor or lay.kv_cpu_heads + lay.kv_disk_heads == 0:
         return table  # nothing is loaded, so nothing to trade
     if free_gpu_bytes is None:
-        free_gpu_bytes = free_gpu_bytes_of(model, hw, wl, lay, compression_of(st), _schedule_of(model, lay, st).stages)
+        free_gpu_bytes = free_gpu_bytes_of(model, hw, wl, lay, compression_of(st), stages_of(model, st))
     kvd = distributor(model, hw, st.transfer_model, compression_of(st), wl.padded)
     decisions: dict[tuple[int, int], Decision] = {}
     with warnings.catch_warnings(record=True) as caught:
@@ -373,14 +374,14 @@ def free_gpu_bytes_of(model: ModelSpec, hw: HardwareSpec, wl: Workload, lay: Lay
                       comp: Compression = NO_COMPRESSION, stages: tuple = ()) -> int:
     """GPU bytes left for one position's scratch and KV buffers: capacity minus what is resident and the two
     streamed-weight slots (``footprint.stored_slot_bytes``), at their stored size with compression ``comp``. With
-    ``stages`` (a pipeline): on the GPU with the least left, each holding its own layers and, but for the last, the
-    hidden states it has sent and not yet seen received (``footprint.p2p_send_bytes``)."""
+    ``stages`` (``stages_of``; several: a pipeline): on the GPU with the least left, each holding its own layers and,
+    but for the last, the hidden states it has sent and not yet seen received (``footprint.p2p_send_bytes``)."""
     slot = fp.stored_slot_bytes(model, lay.weight_gpu, None, comp) if lay.weight_offloaded else 0
     one = TightLLMSettings(**comp.settings())  # (placement comes from lay)
     left = []
     for d, (lo, hi) in enumerate(stages or ((0, model.num_layers),)):
         res = _resident(stage_model(model, lo, hi), wl, lay, one)["gpu"]
-        sends = fp.p2p_send_bytes(model, wl) if stages and d < len(stages) - 1 else 0
+        sends = fp.p2p_send_bytes(model, wl) if d < len(stages) - 1 else 0
         left.append(int(hw.gpu_mem_bytes) - res - 2 * slot - sends)
     return min(left)
 
@@ -432,10 +433,7 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
             return b.add(kind, deps, phase, step, layer, batch, **kw)
     else:
         add = b.add
-    dev_of = {-1: 0, L: S - 1}  # layer -> its stage's GPU
-    for d, (lo, hi) in enumerate(stages):
-        for j in range(lo, hi):
-            dev_of[j] = d
+    dev_of = layer_devices(stages, L)  # layer -> its stage's GPU
     group_of = {k: t for t, g in enumerate(groups) for k in g}
 
     def kvb(heads: int, tokens: int) -> int:  # a KV load for GPU attention (the stored KV, sparse too)
@@ -674,20 +672,15 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
         if lay.hidden_home == "cpu" and j < L:
             hidden_store[k] = add("d2h", [comp], phase, i, j, k, tensor="hidden", lo=ctx - q, hi=ctx,
                                   nbytes=fp.hidden_bytes(model, gbs, q), pinned=pinned)
-    settings = dataclasses.asdict(st)
-    settings["percent"] = list(st.percent)
-    for k, v in _STAGE_DEFAULTS.items():  # the pipeline's settings recorded only when set: a single-GPU plan
-        if settings[k] == v or (k == "stage_layers" and not settings[k]):  # records what it always did
-            del settings[k]
-    if "stage_layers" in settings:
-        settings["stage_layers"] = list(settings["stage_layers"])
+    # the pipeline's settings recorded only when set: a single-GPU plan records what it always did
+    settings = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(st).items()
+                if k not in _STAGE_DEFAULTS or v != _STAGE_DEFAULTS[k]}
     derived = {"weight_slices_used": lay.num_slices,
                "recompute_tokens": nr[1:]}  # N_r per decode step (1..gen_len-1), per GPU batch
     cap = capacity_of(hw)
     plan_stages = []
     if multi:  # every GPU has the budget ``capacity['gpu']``; the plan's gpu capacity and residents are the sums
-        one = dataclasses.replace(st, num_stages=1, stage_layers=(), micro_batches=0)
-        per = [_resident(m, wl, lay, one) for m, _ in stage_placements(model, _schedule_of(model, lay, st))]
+        per = stage_resident_bytes(model, wl, _schedule_of(model, lay, st))
         plan_stages = [{"layers": [lo, hi], "gpu_capacity": int(cap["gpu"]), "gpu_resident": int(r["gpu"])}
                        for (lo, hi), r in zip(stages, per)]
         cap = {**cap, "gpu": int(cap["gpu"]) * S}
@@ -750,7 +743,7 @@ def estimate_seconds_per_token(model: ModelSpec, hw: HardwareSpec, wl: Workload,
     # resident bytes and the minimum working set (prefill included) on every tier
     if not fp.fits(model, capacity_of(hw), wl, _schedule_of(model, lay, st).placement()):
         return math.inf
-    free = free_gpu_bytes_of(model, hw, wl, lay, compression_of(st), _schedule_of(model, lay, st).stages)
+    free = free_gpu_bytes_of(model, hw, wl, lay, compression_of(st), stages_of(model, st))
     gbs, P = wl.gpu_batch_size, wl.prompt_len
     off_heads = lay.kv_cpu_heads + lay.kv_disk_heads
     cz = compression_of(st)
