@@ -15,6 +15,7 @@ from offsim.core.provenance import provenance
 
 DIR = Path("results/multigpu/h200")
 PROFILE = "results/profiles/h200_offexec_v2.json"
+GiB = 2 ** 30
 
 
 def _rehearsal(path: Path, hw):
@@ -23,7 +24,6 @@ def _rehearsal(path: Path, hw):
     reh = json.loads(path.read_text())
     plan = Plan.load(reh["plan"])
     pred = simulate(plan, hw).metrics()
-    GiB = 2 ** 30
     table = ["| stage | layers | offsim's plan bytes (allocator cap) | allocated, max | reserved, max | budget | "
              "allocator retries | OOMs |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r, (st, rk) in enumerate(zip(reh["stages"], reh["ranks"])):
@@ -36,7 +36,6 @@ def _rehearsal(path: Path, hw):
 
 def _verdict(reh: dict, pred: dict) -> str:
     """One rehearsal's outcome in a sentence, from its record: within the plan bytes and the budget, OOMs, time."""
-    GiB = 2 ** 30
     ranks = reh["ranks"]
     within = all(rk["gpu_max_reserved_bytes"] <= rk["allocator_cap_bytes"] <= rk["budget_bytes"] for rk in ranks)
     ooms = sum(rk["allocator"]["num_ooms"] for rk in ranks)
@@ -49,7 +48,7 @@ def _verdict(reh: dict, pred: dict) -> str:
 
 def main() -> int:
     one = json.loads((DIR / "one_gpu_run.json").read_text())
-    hw = get_hardware(PROFILE, gpu_mem_gb=one["budget_bytes"] / 2 ** 30)
+    hw = get_hardware(PROFILE, gpu_mem_gb=one["budget_bytes"] / GiB)
     rows = []
     for name, gpus in (("plan_1gpu_flexgen_24x4.json.gz", 1), ("plan_2gpu_flexgen_16x8.json.gz", 2)):
         plan = Plan.load(DIR / name)
@@ -68,7 +67,6 @@ def main() -> int:
     reh, rplan, rpred, rtable = _rehearsal(DIR / "one_gpu_rehearsal_16x4.json", hw)
     treh, tplan, tpred, ttable = _rehearsal(DIR / "one_gpu_rehearsal_tightllm_8x8.json", hw)
     big = Plan.load(DIR / "plan_2gpu_tightllm_8x16.json.gz")
-    GiB = 2 ** 30
     rwl, rp = rplan.workload, reh["provenance"]
     twl, tp = tplan.workload, treh["provenance"]
     text = f"""# Pipeline parallelism on two H200s: OPT-30B, prompt 512, gen 32, 16 GiB per GPU
@@ -122,7 +120,7 @@ with 2 and 3 stages (`tests/test_offexec_distributed.py`).
 
 TightLLM's 2-stage plan for two GPUs (`plan_2gpu_tightllm_8x16.json.gz`, {big.workload.gpu_batch_size}x{big.workload.num_gpu_batches}, weights
 {big.settings['percent'][0]} % on the GPUs; `offsim search --policy tightllm --num-gpus 2`'s stage placement) holds
-{simulate(big, hw).metrics()['peak_cpu_bytes'] / GiB:.0f} GiB of host memory (the one-GPU machine has 128 GiB in all, for both ranks' processes), so its rehearsal on this machine ran the same placement at half the
+{big.resident['cpu'] / GiB:.0f} GiB of host memory (the one-GPU machine has 128 GiB in all, for both ranks' processes), so its rehearsal on this machine ran the same placement at half the
 batches, {twl.gpu_batch_size}x{twl.num_gpu_batches} (`{Path(treh['plan']).name}`): `{tp['command']}` at commit
 {tp['commit']}, {tp['date'][:10]}, no warm-up.
 
