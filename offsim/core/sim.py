@@ -128,8 +128,7 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
     comp = Compression.from_settings(plan.settings)  # 4-bit passes and sparse attention of compute ops
     masked = plan.workload.padded  # left-padded batches: eager attention under a per-sequence key mask
     captures = _capture_extras(plan, op_rows(ops), hw)  # graphed ops offexec captures where they first run
-    clock = _Clock(plan, hw, comp)  # the clock under the power cap (None: every op at its price)
-    clock = clock if clock.model is not None else None
+    clock = _Clock.of(plan, hw, comp)  # the clock under the power cap (None: every op at its price)
 
     def duration(op, now: float) -> float:
         other = _OPPOSITE.get(op.kind)
@@ -359,6 +358,12 @@ class _Clock:
         self.hw, self.comp, self.quant_impl, self.llm = hw, comp, plan.quant_impl, plan.model
         self.state: dict = {}  # GPU (its compute stream) -> [busy share, when last brought up to date, busy until]
 
+    @classmethod
+    def of(cls, plan: Plan, hw: HardwareSpec, comp: Compression) -> "_Clock | None":
+        """The clock for ``plan`` on ``hw``, or None where the profile has no clock rows."""
+        clock = cls(plan, hw, comp)
+        return clock if clock.model is not None else None
+
     def clocked(self, op, seconds: float) -> float:
         """The part of a compute op's ``seconds`` that follows the clock: all of it but its compression passes, for
         an op of more rows than the ridge point (``costmodel.clock_bound``); 0 for any other."""
@@ -553,11 +558,9 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
 
     # the clock under the power cap, where the profile measured its response to load (``_Clock``): each compute
     # op's seconds that follow it, from its price (before a capture's extra is added below)
-    clock = _Clock(plan, hw, comp)
+    clock = _Clock.of(plan, hw, comp)
     clk = None
-    if clock.model is None:
-        clock = None
-    else:
+    if clock is not None:
         clk_of: dict[int, float] = {}  # id(fields) -> the clocked seconds of ops with those fields (as ``seen``)
         clk = [0.0] * n
         for i, r in enumerate(rows):
