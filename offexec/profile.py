@@ -916,6 +916,63 @@ def profile_attention(spec, device: str, peak_flops: float, reps: int = 10) -> l
     return [[key, "attn", kind, pts] for kind, pts in rows.items()]
 
 
+DECODE_GRAPH_LENGTHS = (128, 512, 2048, 4096)  # KV buffer lengths of the graphed decode attention rows
+
+
+def profile_decode_attention(spec, device: str, batches=(1, 4, 16, 64), reps: int = 20) -> list:
+    """Op-table rows ('attn', 'decode_graph:B', [[buffer length, s], ...]): the attention of a graphed decode op
+    (one new token for each of B sequences, every head) as offexec's CUDA graphs run it (offexec/graphs.py):
+    ``offexec.model.attention`` over the whole KV buffer of the executor's layout (views of [length, 2, B, heads,
+    head_dim]) under the graphs' bool key mask [1, 1, 1, length], replayed from a captured graph, so no launch is
+    timed. A graphed op reads its whole buffer at every step whatever its context, and the masked kernel's rate
+    depends on B as much as on the length (few sequences of a long buffer leave the GPU's units idle): hence a row
+    per B, by length, priced by ``costmodel.attention_seconds``. On the CPU (tests): tiny lengths, eager."""
+    import torch
+
+    from offexec import model as M
+    from offsim.core.specs import layer_key
+
+    dev = torch.device(device)
+    dt = torch.float16 if spec.dtype_bytes == 2 else torch.float32
+    H, Hk, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    cuda = dev.type == "cuda"
+    lengths = [n for n in DECODE_GRAPH_LENGTHS if n <= spec.max_positions] if cuda else [16, 32]
+    rows = []
+    for b in batches:
+        pts = []
+        for n in lengths:
+            buf = torch.randn(n, 2, b, Hk, D, dtype=dt, device=dev)
+            q = torch.randn(b, 1, H, D, dtype=dt, device=dev)
+            keys = torch.ones(1, 1, 1, n, dtype=torch.bool, device=dev)  # every position written
+            groups = [(0, Hk, buf[:, 0].permute(1, 2, 0, 3), buf[:, 1].permute(1, 2, 0, 3))]
+            pts.append([float(n), _graph_median_time(lambda: M.attention(spec, q, groups, mask=keys), dev, reps)])
+            del buf, q, keys, groups
+        rows.append([layer_key(spec), "attn", f"decode_graph:{b}", pts])
+    return rows
+
+
+def _graph_median_time(fn, device, reps: int, per_replay: int = 10) -> float:
+    """Median seconds of one ``fn()`` replayed from a CUDA graph that holds ``per_replay`` calls of it (a graph's
+    replay launch spread over them, as over a decode op's kernels); ``_median_time`` of ``fn`` on the CPU."""
+    import torch
+
+    if device.type != "cuda":
+        return _median_time(fn, device, reps)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm the kernels (and cuDNN's plan) up outside the capture
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(per_replay):
+            fn()
+    t = _median_time(g.replay, device, reps)
+    del g
+    return t / per_replay
+
+
 SUSTAINED_TOKENS = 16384  # rows of the sustained-clock probe's GEMM: a prefill's size, compute-bound
 
 
@@ -1277,9 +1334,11 @@ def add_profile_parser(sub) -> None:
     p.add_argument("--base", default=None, metavar="PROFILE",
                    help="with --ops: keep this profile's other measurements and add the op tables (and CPU "
                         "attention through the executor's path) to it, instead of measuring everything")
-    p.add_argument("--attention-only", action="store_true",
-                   help="with --ops: measure only the GPU attention rows (by context, each model's heads) and "
-                        "the sustained compute fraction")
+    p.add_argument("--attention-only", nargs="?", const="all", default=None, choices=("all", "decode"),
+                   metavar="{all,decode}",
+                   help="with --ops: measure only the GPU attention rows (by context, each model's heads; a graphed "
+                        "decode op's by sequences and KV buffer length, 'decode_graph:B') and the sustained compute "
+                        "fraction; decode: only the graphed decode rows, the rest of --base kept (default: all)")
     p.add_argument("--recompute-only", action="store_true",
                    help="with --ops: measure only the graphed recompute rows (TightLLM's decode ops of 2 to 8 "
                         "query tokens as CUDA graphs)")
@@ -1362,13 +1421,13 @@ def _flexgen_attention_tables(spec, device: str, batches, source: dict) -> list:
                   if own else seq)
 
 
-def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64), attention_only: bool = False,
+def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64), attention_only=None,
                   recompute_only: bool = False, capture_only=None, cpu_attention_only=None,
                   flexgen_only: bool = False, decode_only: bool = False, sustained_only: bool = False,
                   under_h2d_load: bool = False) -> dict:
     """Profile dict ``d`` with op tables for ``models`` (replacing rows of the same layer shapes and modes), CPU
     attention re-measured through the executor's path and the sustained compute fraction; ``attention_only``: the
-    GPU attention rows and the sustained fraction alone; ``recompute_only``: the graphed recompute rows alone (the
+    GPU attention rows and the sustained fraction alone ('decode': the graphed decode attention rows alone); ``recompute_only``: the graphed recompute rows alone (the
     rest of ``d`` kept); ``capture_only``: the graph-capture and copy-issue rows alone; ``decode_only``: the decode
     ops' rows (graph, eager, capture, issue) alone, at ``batches``; ``under_h2d_load`` (with ``cpu_attention_only``):
     the CPU-attention rows measured with the host-to-GPU link kept busy (``H2DLoad``), under parts ending in
@@ -1425,11 +1484,14 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
             if not recompute_only:
                 rows += profile_graph_new_q(spec, device, batches=batches)
         if not recompute_only:
-            rows += profile_attention(spec, device, float(d["gpu_peak_flops"]))
+            if attention_only != "decode":
+                rows += profile_attention(spec, device, float(d["gpu_peak_flops"]))
+            rows += profile_decode_attention(spec, device, batches=batches)
     keys = {(r[0], r[1], r[2]) for r in rows}
     d["op_times"] = [r for r in d.get("op_times", []) if tuple(r[:3]) not in keys] + rows
     prov = dict(d.get("provenance", {}))
-    if not (recompute_only or capture_only or cpu_attention_only or flexgen_only or decode_only or sustained_only):
+    if not (recompute_only or capture_only or cpu_attention_only or flexgen_only or decode_only or sustained_only
+            or attention_only == "decode"):
         d["sustained_compute_fraction"] = float(profile_sustained(device))
     if flexgen_only:
         from offsim.core.errors import OffsimError
@@ -1468,12 +1530,16 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
             models=models, batches=list(batches), device=device)
     elif recompute_only:
         prov["recompute_graph_tables"] = provenance(models=models, batches=list(batches), device=device)
+    elif attention_only == "decode":
+        pass  # (its own record below)
     elif attention_only:
         prov["attention_tables"] = provenance(models=models, device=device)
     else:
         d["cpu_attention_flops"] = float(profile_cpu_attention(specs[0], 10))
         prov["op_tables"] = provenance(models=models, batches=list(batches), device=device,
                                        cpu_attention="executor path, model shapes of " + models[0])
+    if not (recompute_only or capture_only or cpu_attention_only or flexgen_only or decode_only or sustained_only):
+        prov["decode_graph_attention_tables"] = provenance(models=models, batches=list(batches), device=device)
     HardwareSpec.from_dict(d)  # the profile must load
     d["provenance"] = prov
     return d

@@ -1046,3 +1046,80 @@ def test_padded_plan_prices_its_eager_attention_masked():
     dec = lambda t: t.df[(t.df.kind == "compute") & (t.df.phase == "decode") & (t.df.layer == 0)]  # graphed
     d1, d2 = dec(tr), dec(tr_plain)
     assert ((d1.end_s - d1.start_s).values == pytest.approx((d2.end_s - d2.start_s).values, rel=1e-12))
+
+
+def test_graphed_decode_attention_reads_the_whole_buffer_from_its_rows():
+    """A graphed decode op attends over its whole KV buffer (offexec/graphs.py: the unwritten tail masked). Where
+    the profile has the model's ('attn', 'decode_graph:B') rows (offexec profile --attention-only decode) they price
+    its attention at the plan's buffer length whatever the step's context -- linear in the length, past the longest
+    proportional, linear in B between rows; an eager op, a recompute of several queries, another model's shape and
+    a profile without the rows are priced as before, at the context."""
+    m, n, buf = get_model("opt-6.7b"), 8, 300
+    key = layer_key(m)
+    rows = [[key, "attn", "decode_graph:4", ((128.0, 1e-5), (512.0, 3e-5))],
+            [key, "attn", "decode_graph:16", ((128.0, 2e-5), (512.0, 9e-5))]]
+    hw = H200.with_(op_times=tuple(tuple(r) for r in rows))
+    assert C.attention_seconds(m, hw, 4, 1, 320, graphed=True) == pytest.approx(2e-5)
+    assert C.attention_seconds(m, hw, 16, 1, 1024, graphed=True) == pytest.approx(1.8e-4)  # proportional past 512
+    assert C.attention_seconds(m, hw, 10, 1, 128, graphed=True) == pytest.approx(1.5e-5)  # halfway in B
+    assert C.attention_seconds(m, hw, 8, 1, 320) == C.attention_seconds(m, H200, 8, 1, 320)  # eager: as before
+    assert C.attention_seconds(m, hw, 8, 3, 320, graphed=True) == C.attention_seconds(m, H200, 8, 3, 320)
+    assert C.attention_seconds(get_model("opt-13b"), hw, 8, 1, 320, graphed=True) == \
+        C.attention_seconds(get_model("opt-13b"), H200, 8, 1, 320)
+    # with the rows the step's context does not matter to a graphed op, its buffer's length does; to an eager one
+    # (or without the rows) the context does
+    early, late = (C.compute_seconds(m, hw, "layer", n, 1, ctx, graphs=True, kv_len=buf) for ctx in (130, 299))
+    assert early == late == C.compute_seconds(m, hw, "layer", n, 1, buf, graphs=True)
+    assert late < C.compute_seconds(m, hw, "layer", n, 1, 299, graphs=True, kv_len=2 * buf)
+    for h, graphs in ((hw, False), (H200, True), (H200, False)):
+        assert C.compute_seconds(m, h, "layer", n, 1, 130, graphs=graphs, kv_len=buf) < \
+            C.compute_seconds(m, h, "layer", n, 1, 299, graphs=graphs, kv_len=buf)
+
+
+def test_simulator_prices_graphed_decode_steps_alike_over_one_buffer():
+    """In a simulated plan whose decode ops are graphed, on a profile with the model's graphed decode attention rows,
+    every step's layer op costs the same (each attends over the whole buffer, as measured runs show); with graphs
+    off, later steps cost more."""
+    plan = build_plan("static-accelerate", M, H200, Workload(prompt_len=64, gen_len=24, gpu_batch_size=8))
+    assert plan.graph_q_tokens >= 1
+    hw = HW.with_(op_times=HW.op_times + ((layer_key(M), "attn", "decode_graph:8", ((64.0, 1e-5), (128.0, 2e-5))),))
+    df = simulate(plan, hw).df
+    dur = (df.end_s - df.start_s)[(df.phase == "decode") & (df.layer == 1) & (df.kind == "compute")]
+    assert dur.max() == pytest.approx(dur.min(), rel=1e-9)
+    eager = dataclasses.replace(plan, cuda_graphs=False)
+    df = simulate(eager, hw).df
+    dur = (df.end_s - df.start_s)[(df.phase == "decode") & (df.layer == 1) & (df.kind == "compute")]
+    assert dur.iloc[-1] > dur.iloc[0]
+
+
+def test_profile_decode_graph_attention_on_the_cpu(tmp_path, capsys):
+    """``offexec profile --attention-only decode``'s probe times offexec's attention over a masked buffer per batch
+    size and length (on the CPU: tiny lengths, eager) and writes one ('attn', 'decode_graph:B') row per batch that
+    the cost model then reads; the CLI adds them to --base, keeping its other rows and its sustained fraction."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from offexec.cli import main
+    from offexec.profile import profile_decode_attention
+    from offexec.testing import tiny_hf
+
+    _, spec = tiny_hf("llama")  # GQA: fewer KV heads than query heads
+    rows = profile_decode_attention(spec, "cpu", batches=(1, 4), reps=2)
+    assert [r[2] for r in rows] == ["decode_graph:1", "decode_graph:4"]
+    for r in rows:
+        assert r[0] == layer_key(spec) and r[1] == "attn"
+        assert [x for x, _ in r[3]] == [16.0, 32.0] and all(t > 0 for _, t in r[3])
+    hw = H200.with_(op_times=tuple((k, mo, p, tuple(map(tuple, c))) for k, mo, p, c in rows))
+    assert C.attention_seconds(spec, hw, 4, 1, 20, graphed=True) == pytest.approx(C.table_seconds(rows[1][3], 20))
+    base = tmp_path / "base.json"
+    d0 = get_hardware("results/profiles/h200_offexec_v2.json").to_dict()
+    base.write_text(json.dumps(d0))
+    out = tmp_path / "out.json"
+    assert main(["profile", "--base", str(base), "--ops", "opt-125m", "--attention-only", "decode", "--device", "cpu",
+                 "--op-batches", "1,2", "--out", str(out)]) == 0
+    capsys.readouterr()
+    d = json.loads(out.read_text())
+    new = [r for r in d["op_times"] if r[1] == "attn" and r[2].startswith("decode_graph:")]
+    assert sorted(r[2] for r in new) == ["decode_graph:1", "decode_graph:2"]
+    assert [r for r in d["op_times"] if r not in new] == [r for r in json.loads(json.dumps(d0["op_times"]))]
+    assert d["sustained_compute_fraction"] == d0["sustained_compute_fraction"]
+    assert "decode_graph_attention_tables" in d["provenance"]

@@ -64,7 +64,8 @@ def compute_scale(plan, trace, hw) -> float:
     for op in plan.ops:
         if op.kind == "compute" and op.step > 0 and op.part == "layer":
             meas += df.at[op.id, "end_s"] - df.at[op.id, "start_s"]
-            pred += costmodel.op_seconds(op, plan.model, hw)
+            pred += costmodel.op_seconds(op, plan.model, hw, graph_q_tokens=plan.graph_q_tokens,
+                                         kv_len=plan.workload.max_len)
     return meas / pred if pred > 0 else 1.0
 
 

@@ -46,6 +46,9 @@
 #  17. step 3 for TightLLM's pipeline: its 2-stage OPT-30B plan (8 x 8, 16 GiB a GPU: the 8 x 16 plan for two GPUs,
 #      results/multigpu/h200/plan_2gpu_tightllm_8x16.json.gz, needs 121 GiB of host memory) rehearsed on one GPU
 #      (memory contract per stage, tokens)                                         -> $OUT/pp_tightllm_one_gpu.json
+#  18. a graphed decode op's attention for the five matrix models: the masked kernel over the whole KV buffer,
+#      replayed from a graph, by sequences and buffer length ('attn' 'decode_graph:B' rows; a decode op's measured
+#      time is flat over the steps, offsim's grew with the context)                 -> $OUT/decode_attn.json
 # Then, here: `offexec profile --base results/profiles/h200_offexec_v2.json --merge sus.json store.json --out ...`,
 # re-validate the calibration split before adopting (docs/cost-model.md).
 #
@@ -150,7 +153,9 @@ json.dump(d, open('/tmp/ra/p4.json', 'w'))" &&
     17) timeout 420 torchrun --standalone --nproc-per-node 2 -m offexec.distributed \
           --plan results/multigpu/h200/plan_2gpu_tightllm_8x8_rehearsal.json.gz --one-gpu --no-warmup \
           --out "$OUT/pp_tightllm_one_gpu.json" > "$OUT/pp_tightllm_one_gpu.log" 2>&1 ;;
-    *) echo "unknown step $s (1 to 17)"; continue ;;
+    18) timeout 300 python3 -u -m offexec.cli profile --base $BASE --ops opt-6.7b,opt-13b,opt-30b,llama-2-13b,llama-3-8b \
+          --attention-only decode --out "$OUT/decode_attn.json" > "$OUT/decode_attn.log" 2>&1 ;;
+    *) echo "unknown step $s (1 to 18)"; continue ;;
   esac
   echo "step $s rc=$? $(( $(date +%s) - T0 )) s"
 done

@@ -276,8 +276,17 @@ def sparse_share(q_tokens: int, ctx_tokens: int, comp: Compression) -> float:
 
 
 def attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_tokens: int, ctx_tokens: int,
-                      comp: Compression = NO_COMPRESSION, masked: bool = False):
+                      comp: Compression = NO_COMPRESSION, masked: bool = False, graphed: bool = False,
+                      kv_len: int = 0):
     """GPU attention: the larger of its FLOPs at the prefill efficiency and its KV read at the decode efficiency.
+    ``graphed``: a decode op replayed as a CUDA graph, which attends over its whole KV buffer of ``kv_len``
+    positions (the plan's ``Workload.max_len``), the ones not written yet masked out (offexec/graphs.py: no length
+    is baked into a captured kernel), so its cost does not follow the step's context. One query per sequence is
+    then priced from the profile's ('attn', 'decode_graph:B') rows where it measured them for this model
+    (``offexec profile --ops M --attention-only decode``: that masked kernel replayed from a graph, by sequences B
+    and buffer length) at the buffer's length. Without them, as below at the context: the model-agnostic
+    ``attn_decode_efficiency`` was measured for one batch size over the context alone (unmasked), and read so it
+    is the closer estimate (results/validation/README.md has both).
     The FLOP efficiency of many queries is this model's own where the profile's op tables have it (mode 'attn':
     'prefill' when the queries are the whole context, else 'recompute' -- a masked kernel), else the profile's
     model-agnostic curve. ``masked``: the batch is left-padded (``Workload.padded``), so the kernel takes a
@@ -285,6 +294,10 @@ def attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_tokens: in
     call runs another kernel, up to 2.5x slower at these shapes: experiments/offexec/mask_sdpa.py), else the
     unmasked rows. Sparse attention (``comp``) reads all of K and its share of V, and does its share of PV."""
     sparse = sparse_share(q_tokens, ctx_tokens, comp)
+    if graphed and q_tokens == 1 and sparse == 1.0 and _is_number(num_seqs):
+        t = _rows_by_batch_and_context(model, hw, num_seqs, max(ctx_tokens, kv_len), "decode_graph:", mode="attn")
+        if t is not None:
+            return t
     flops = attention_flops(model, num_seqs, q_tokens, ctx_tokens, sparse)
     eff = None
     if q_tokens > 1 and hw.op_times:
@@ -417,7 +430,7 @@ def _table_compute_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_se
 
 def compute_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_tokens: int, ctx_tokens: int,
                     graphs: bool = True, comp: Compression = NO_COMPRESSION, quant_impl: str = "",
-                    masked: bool = False):
+                    masked: bool = False, kv_len: int = 0):
     """One GPU compute op: ``part`` of one layer (or 'embed'/'head') for a batch of ``num_seqs`` sequences.
     'layer' = 'pre_attn' (norm, QKV) + 'attn' + 'post_attn' (output projection, norm, FFN). ``graphs``: the runtime
     replays this op as a CUDA graph (``graphed``: a decode op of at most the plan's ``graph_q_tokens`` tokens).
@@ -426,16 +439,18 @@ def compute_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_t
     table's (measured through the executor at this size) plus attention over its real context; otherwise the
     analytical terms: fixed overhead + GEMM FLOPs at the profiled efficiency + elementwise HBM traffic + attention.
     With compression (``comp``), plus its dequantize and quantize passes (``quant_seconds``; ``quant_impl``: the
-    plan's, whose code runs them). ``masked``: attention under a per-sequence key mask (``attention_seconds``)."""
+    plan's, whose code runs them). ``masked``: attention under a per-sequence key mask (``attention_seconds``).
+    ``kv_len``: the length of the op's KV buffer (the plan's ``Workload.max_len``; 0: unknown), what a graphed op's
+    attention reads (``attention_seconds``)."""
     q = quant_seconds(model, hw, part, num_seqs, q_tokens, ctx_tokens, comp, quant_impl) \
         if comp is not NO_COMPRESSION else 0.0
     if hw.op_times and _is_number(num_seqs):
         t = _table_compute_seconds(model, hw, part, num_seqs, q_tokens, graphs)
         if t is not None:
             if part in ("attn", "layer", "attn_layer"):
-                t += attention_seconds(model, hw, num_seqs, q_tokens, ctx_tokens, comp, masked)
+                t += attention_seconds(model, hw, num_seqs, q_tokens, ctx_tokens, comp, masked, graphs, kv_len)
             return _sustained(hw, t, num_seqs * q_tokens, model) + q
-    t = _analytical_compute_seconds(model, hw, part, num_seqs, q_tokens, ctx_tokens, comp, masked)
+    t = _analytical_compute_seconds(model, hw, part, num_seqs, q_tokens, ctx_tokens, comp, masked, graphs, kv_len)
     return _sustained(hw, t, num_seqs * q_tokens, model) + q
 
 
@@ -615,7 +630,8 @@ def _sustained(hw: HardwareSpec, t, tokens, model: ModelSpec | None = None):
 
 
 def _analytical_compute_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_tokens: int,
-                                ctx_tokens: int, comp: Compression = NO_COMPRESSION, masked: bool = False):
+                                ctx_tokens: int, comp: Compression = NO_COMPRESSION, masked: bool = False,
+                                graphed: bool = False, kv_len: int = 0):
     """``compute_seconds`` from the analytical terms (no op table)."""
     tokens = num_seqs * q_tokens
     if part == "embed":  # a gather: memory-bound, tiny
@@ -625,7 +641,7 @@ def _analytical_compute_seconds(model: ModelSpec, hw: HardwareSpec, part: str, n
     t = hw.kernel_overhead_s + gemm_seconds(hw, tokens, tokens * gemm_flops_per_token(model, part))
     t = t + tokens * elementwise_bytes_per_token(model, part) / hw.gpu_hbm_bytes_per_s
     if part in ("attn", "layer", "attn_layer"):
-        t = t + attention_seconds(model, hw, num_seqs, q_tokens, ctx_tokens, comp, masked)
+        t = t + attention_seconds(model, hw, num_seqs, q_tokens, ctx_tokens, comp, masked, graphed, kv_len)
     return t
 
 
@@ -641,9 +657,9 @@ def cpu_attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_tokens
     if not _is_number(num_seqs):
         return flops / hw.cpu_attention_flops
     if q_tokens == 1 and comp.sparse_attention >= 1:
-        t = _cpu_attention_by_context(model, hw, num_seqs, ctx_tokens, f"attn_ctx_{impl}:") if impl else None
+        t = _rows_by_batch_and_context(model, hw, num_seqs, ctx_tokens, f"attn_ctx_{impl}:") if impl else None
         if t is None:
-            t = _cpu_attention_by_context(model, hw, num_seqs, ctx_tokens)
+            t = _rows_by_batch_and_context(model, hw, num_seqs, ctx_tokens)
         if t is not None:
             return t
     rate = op_table(hw, model, "cpu", "attn_flops")
@@ -669,22 +685,23 @@ def cpu_attention_row_holds_sublayer(hw: HardwareSpec, model: ModelSpec, impl: s
     return "attn_ctx_flexgen" in parts and "attn_ctx_flexgen_seq" in parts
 
 
-def _cpu_attention_by_context(model: ModelSpec, hw: HardwareSpec, num_seqs: float, ctx_tokens: int,
-                              prefix: str = "attn_ctx:") -> float | None:
-    """A decode CPU-attention op from the profile's ('cpu', 'attn_ctx:B') rows (``offexec profile --ops M
-    --cpu-attention-only``: measured by context for each batch size B; ``prefix``: another implementation's rows,
-    'attn_ctx_flexgen:'), or None where the model has none:
+def _rows_by_batch_and_context(model: ModelSpec, hw: HardwareSpec, num_seqs: float, ctx_tokens: int,
+                               prefix: str = "attn_ctx:", mode: str = "cpu") -> float | None:
+    """A decode attention op from the profile's rows measured by context for each batch size B, or None where the
+    model has none: by default ('cpu', 'attn_ctx:B') (``offexec profile --ops M --cpu-attention-only``: a CPU
+    attention op; ``prefix`` 'attn_ctx_flexgen:': another implementation's), or with ``mode`` 'attn' and ``prefix``
+    'decode_graph:' a graphed GPU decode op's attention (``attention_seconds``);
     linear in the context between measured contexts, proportional to it past the longest (the work is linear in it),
     the shortest's time below; linear in B between measured batch sizes, proportional to B past the largest."""
     if not hw.op_times:
         return None
     key = _layer_key(model)
-    e = _CTX_INDEX.get((id(hw.op_times), key, prefix))
+    e = _CTX_INDEX.get((id(hw.op_times), key, mode, prefix))
     if e is None or e[0] is not hw.op_times:  # (the entry holds the tables, so their id is not reused while cached)
         if len(_CTX_INDEX) > 256:
             _CTX_INDEX.clear()
-        e = _CTX_INDEX[(id(hw.op_times), key, prefix)] = (hw.op_times, sorted(
-            (int(p.split(":")[1]), c) for k, m, p, c in hw.op_times if k == key and m == "cpu"
+        e = _CTX_INDEX[(id(hw.op_times), key, mode, prefix)] = (hw.op_times, sorted(
+            (int(p.split(":")[1]), c) for k, m, p, c in hw.op_times if k == key and m == mode
             and p.startswith(prefix)))
     by_b = e[1]
     if not by_b:
@@ -704,7 +721,7 @@ def _cpu_attention_by_context(model: ModelSpec, hw: HardwareSpec, num_seqs: floa
     return (1 - w) * at(c0) + w * at(c1)
 
 
-_CTX_INDEX: dict = {}  # (id of a profile's op_times, layer key, row prefix) -> (op_times, [(B, curve by context)])
+_CTX_INDEX: dict = {}  # (id of op_times, layer key, mode, row prefix) -> (op_times, [(B, curve by context)])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -838,7 +855,7 @@ def duplex_rate(op, model: ModelSpec, hw: HardwareSpec, pageable_copy: str = "",
 def op_seconds(op, model: ModelSpec, hw: HardwareSpec, other_busy_s: float = 0.0, disk_cached: bool = False,
                graph_q_tokens: int = GRAPH_MAX_Q_TOKENS, comp: Compression = NO_COMPRESSION,
                gather_copies: int = 0, cpu_attention_impl: str = "", pageable_copy: str = "",
-               quant_impl: str = "", masked: bool = False) -> float:
+               quant_impl: str = "", masked: bool = False, kv_len: int = 0) -> float:
     """Duration of one plan op (see ``offsim.core.plan.Op``). ``other_busy_s``: for PCIe copies, how long the opposite
     direction stays busy from this op's start (duplex). ``disk_cached``: the plan's disk tier is page-cached.
     ``graph_q_tokens``: the plan's ``graph_q_tokens`` (decode ops of up to this many query tokens replayed as CUDA
@@ -850,12 +867,13 @@ def op_seconds(op, model: ModelSpec, hw: HardwareSpec, other_busy_s: float = 0.0
     ``pageable_copy`` ('relay': its unpinned copies are staged through a pinned copy, ``link_bytes_per_s``).
     ``quant_impl``: the plan's ``quant_impl`` (whose code runs a compute op's dequantize passes). ``masked``: the
     plan's workload is left-padded (``Workload.padded``): an eager attention takes a per-sequence key mask (a graphed
-    op attends under a mask anyway: its rows are measured so)."""
+    op attends under a mask anyway: its rows are measured so). ``kv_len``: the plan's KV buffer length
+    (``Workload.max_len``), what a graphed op attends over (``compute_seconds``)."""
     k = op.kind
     if k == "compute":
         g = bool(graph_q_tokens) and graphed(k, op.part, op.q_tokens, op.phase, graph_q_tokens)
         return compute_seconds(model, hw, op.part, op.num_seqs, op.q_tokens, op.ctx_tokens, g, comp, quant_impl,
-                               masked and not g)
+                               masked and not g, kv_len)
     if k == "cpu_compute":
         return cpu_attention_seconds(model, hw, op.num_seqs, op.q_tokens, op.ctx_tokens, comp, cpu_attention_impl)
     if k in ("h2d", "d2h"):

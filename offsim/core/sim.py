@@ -127,6 +127,7 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
     gather = plan.weight_gather_copies  # device copies after each weight copy (DeepSpeed's gather)
     comp = Compression.from_settings(plan.settings)  # 4-bit passes and sparse attention of compute ops
     masked = plan.workload.padded  # left-padded batches: eager attention under a per-sequence key mask
+    kv_len = plan.workload.max_len  # the KV buffers' length: what a graphed decode op attends over
     captures = _capture_extras(plan, op_rows(ops), hw)  # graphed ops offexec captures where they first run
     clock = _Clock.of(plan, hw, comp)  # the clock under the power cap (None: every op at its price)
 
@@ -135,7 +136,8 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
         other_busy = max(0.0, busy_until[other] - now) if other else 0.0
         if other_busy > 0.0:
             return costmodel.op_seconds(op, model, hw, other_busy, disk_cached, plan.graph_q_tokens, comp, gather,
-                                        pageable_copy=plan.pageable_copy, quant_impl=plan.quant_impl, masked=masked)
+                                        pageable_copy=plan.pageable_copy, quant_impl=plan.quant_impl, masked=masked,
+                                        kv_len=kv_len)
         key = (op.kind, op.part, op.num_seqs, op.q_tokens, op.ctx_tokens, op.nbytes, op.pinned, op.tensor)
         d = duration_cache.get(key)
         if d is None:
@@ -144,7 +146,7 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
                                                            gather_copies=gather,
                                                            cpu_attention_impl=plan.cpu_attention_impl,
                                                            pageable_copy=plan.pageable_copy,
-                                                           quant_impl=plan.quant_impl, masked=masked)
+                                                           quant_impl=plan.quant_impl, masked=masked, kv_len=kv_len)
         return d
 
     # the host issues ops one after another in plan order (a single issuing thread); an op cannot start before
@@ -261,7 +263,8 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
                                                                     gather_copies=gather,
                                                                     cpu_attention_impl=plan.cpu_attention_impl,
                                                                     pageable_copy=plan.pageable_copy,
-                                                                    quant_impl=plan.quant_impl, masked=masked)
+                                                                    quant_impl=plan.quant_impl, masked=masked,
+                                                                    kv_len=kv_len)
                 if clock is not None and op.kind == "compute":
                     dt = clock.start(op.stream, now, dt + captures.get(op.id, 0.0), clock.clocked(op, dt))
                 else:
@@ -430,6 +433,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     gather = plan.weight_gather_copies  # device copies after each weight copy (DeepSpeed's gather)
     comp = Compression.from_settings(plan.settings)  # 4-bit passes and sparse attention of compute ops
     masked = plan.workload.padded  # left-padded batches: eager attention under a per-sequence key mask
+    kv_len = plan.workload.max_len  # the KV buffers' length: what a graphed decode op attends over
     from_builder = getattr(ops, "rows", None) is not None
 
     def op_at(i: int):  # the Op itself, for a cost function's duplex price and for messages
@@ -489,7 +493,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                 costmodel.op_seconds(op_at(i), model, hw, disk_cached=disk_cached,
                                      graph_q_tokens=plan.graph_q_tokens, comp=comp, gather_copies=gather,
                                      cpu_attention_impl=plan.cpu_attention_impl, pageable_copy=plan.pageable_copy,
-                                     quant_impl=plan.quant_impl, masked=masked)
+                                     quant_impl=plan.quant_impl, masked=masked, kv_len=kv_len)
         return d
 
     # memory, bytes and duration per op (an alloc or a free of (0, 0, 0), counted as given, changes nothing)
