@@ -36,7 +36,7 @@ def tightllm_balance(model: ModelSpec, hw: HardwareSpec, settings: dict, wl: Wor
     # the very problem the plan generator solves for this batch and context (placement, weight slice, memory caps)
     d = t.decision_for(model, hw, wl, st, ctx_tokens, batch_index)
     mem_hi = -1 if d.mem_hi is None else d.mem_hi
-    kvd = distributor(model, hw, st.transfer_model)
+    kvd = distributor(model, hw, st.transfer_model, t.compression_of(st), wl.padded, wl.max_len)  # the plan's own
     chosen = kvd.decide(d, st.kv_solver)
     top = ctx_tokens if mem_hi < 0 else min(mem_hi, ctx_tokens)
     top = top if d.hi is None else min(top, d.hi)

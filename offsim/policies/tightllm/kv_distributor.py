@@ -155,7 +155,7 @@ class KVDistributor:
     every batch that shares a step)."""
 
     def __init__(self, model: ModelSpec, hw: HardwareSpec, transfer_model: str = "streams",
-                 comp: Compression = NO_COMPRESSION, masked: bool = False):
+                 comp: Compression = NO_COMPRESSION, masked: bool = False, kv_len: int = 0):
         if transfer_model not in TRANSFER_MODELS:
             raise OffsimError(f"transfer_model must be one of {TRANSFER_MODELS}, got {transfer_model!r}")
         self.model, self.hw, self.transfer_model = model, hw, transfer_model
@@ -165,6 +165,9 @@ class KVDistributor:
         # left-padded batches (``Workload.padded``): an eager recompute attends under a key mask, as the simulator
         # prices it (``costmodel.attention_seconds``)
         self.masked = masked
+        # the KV buffers' length (``Workload.max_len``): what a graphed decode op attends over, as the simulator
+        # prices it where the profile measured that kernel (``costmodel.attention_seconds``)
+        self.kv_len = kv_len
         self.bracket = PRESOLVE_BRACKET
         # the lower-bound hardware: same everything, GEMM efficiency replaced by its suffix maximum
         self._hw_lb = hw.with_(gemm_efficiency=_suffix_max_curve(hw.gemm_efficiency))
@@ -200,7 +203,7 @@ class KVDistributor:
         # offexec replays a recompute of up to GRAPH_MAX_Q_TOKENS query tokens as a CUDA graph
         graphed = n + 1 <= cm.GRAPH_MAX_Q_TOKENS
         t_c = cm.compute_seconds(m, hw, "layer", d.num_seqs, n + 1, d.ctx_tokens + 1, graphed, comp=self.comp,
-                                 masked=self.masked and not graphed)
+                                 masked=self.masked and not graphed, kv_len=self.kv_len)
         loaded = d.ctx_tokens - n
         kv_d = kv_load_bytes(m, d.num_seqs, d.kv_disk_heads, loaded, self.comp)
         t_kvw = 0.0
@@ -449,7 +452,7 @@ def _solve_choice_milp(T: np.ndarray) -> int:
 
 @lru_cache(maxsize=64)
 def distributor(model: ModelSpec, hw: HardwareSpec, transfer_model: str = "streams",
-                comp: Compression = NO_COMPRESSION, masked: bool = False) -> KVDistributor:
-    """A shared distributor per (model, hardware, transfer model, compression, masked attention), so decisions are
-    memoised across plans."""
-    return KVDistributor(model, hw, transfer_model, comp, masked)
+                comp: Compression = NO_COMPRESSION, masked: bool = False, kv_len: int = 0) -> KVDistributor:
+    """A shared distributor per (model, hardware, transfer model, compression, masked attention, KV buffer length),
+    so decisions are memoised across plans."""
+    return KVDistributor(model, hw, transfer_model, comp, masked, kv_len)

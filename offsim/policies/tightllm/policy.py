@@ -286,7 +286,7 @@ def recompute_tokens(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: Tight
         return table  # nothing is loaded, so nothing to trade
     if free_gpu_bytes is None:
         free_gpu_bytes = free_gpu_bytes_of(model, hw, wl, lay, compression_of(st), stages_of(model, st))
-    kvd = distributor(model, hw, st.transfer_model, compression_of(st), wl.padded)
+    kvd = distributor(model, hw, st.transfer_model, compression_of(st), wl.padded, wl.max_len)
     decisions: dict[tuple[int, int], Decision] = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", KVDistributorWarning)
@@ -747,7 +747,7 @@ def estimate_seconds_per_token(model: ModelSpec, hw: HardwareSpec, wl: Workload,
     gbs, P = wl.gpu_batch_size, wl.prompt_len
     off_heads = lay.kv_cpu_heads + lay.kv_disk_heads
     cz = compression_of(st)
-    kvd = distributor(model, hw, st.transfer_model, cz, wl.padded)
+    kvd = distributor(model, hw, st.transfer_model, cz, wl.padded, wl.max_len)
     mid = P + wl.gen_len // 2 - 1
     pre = dec = 0.0
     for k in range(wl.num_gpu_batches):
