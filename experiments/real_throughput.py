@@ -55,10 +55,12 @@ def point_key(system: str, model: str, prompt: int, gen: int, budget: float, tag
 
 def jobs_for_point(system: str, model: str, prompt: int, gen: int, budget: float, flexgen_k: int = 3,
                    offexec_policies=None, cache: dict | None = None, settings_cache: str | None = None,
-                   trace_dir: str | None = None) -> list[dict]:
+                   trace_dir: str | None = None, cut_gen_len: int | None = None) -> list[dict]:
     """The subprocess jobs of one system at one point: {key(s), argv, system}. FlexGen: one job per candidate
     policy (``flexgen_ref.candidates``, kept in ``cache`` by point so that every call of a resumed grid runs the
-    same list and computes it once); an OPT-only peer on a Llama: one 'unsupported' record, no job."""
+    same list and computes it once); an OPT-only peer on a Llama: one 'unsupported' record, no job.
+    ``cut_gen_len``: Accelerate and DeepSpeed generate that many tokens where ``gen`` is longer and project the
+    rest (``accelerate_ref.project_decode_s``; the record says projected)."""
     from experiments.peers import flexgen_ref
     from offsim import get_model
 
@@ -93,8 +95,9 @@ def jobs_for_point(system: str, model: str, prompt: int, gen: int, budget: float
                  "argv": ["-m", "experiments.peers.flexgen_ref", *common, *_policy_args(p)]} for p in pols]
     if system in ("accelerate-ref", "deepspeed-ref"):
         mod = "accelerate_ref" if system == "accelerate-ref" else "deepspeed_ref"
+        cut = ["--cut-gen-len", str(cut_gen_len)] if cut_gen_len and cut_gen_len < gen else []
         return [{"system": system, "keys": [point_key(system, model, prompt, gen, budget)],
-                 "argv": ["-m", f"experiments.peers.{mod}", *common], "retry_batch": True}]
+                 "argv": ["-m", f"experiments.peers.{mod}", *common, *cut], "retry_batch": True}]
     raise ValueError(f"unknown system {system!r}; valid: {', '.join(SYSTEMS)}")
 
 
@@ -229,6 +232,12 @@ def table(journal: list[dict]):
             df[c] = None
     extra = [c for c in df.columns if c not in RESULT_FIELDS]
     return df[list(RESULT_FIELDS) + extra]
+
+
+def _projected(r) -> bool:
+    """A run whose decode was projected from its first tokens (``--cut-gen-len``), with how many it measured."""
+    ms = r.get("measured_steps")
+    return bool(r.get("projected")) and ms is not None and ms == ms
 
 
 def best(df):
@@ -416,12 +425,18 @@ def readme(df, b, prov: dict, out: Path | None = None) -> str:
         for _, r in b.iterrows():
             lb = r.get("link_bound_decode_tok_s")
             frac = (float(r["decode_tok_s"]) / float(lb)) if lb not in (None, 0) and lb == lb else None
-            lines.append(f"| {r['model']} | {r['prompt_len']} | {r['gen_len']} | {r['budget_gib']:g} | {r['system']} "
-                         f"| {r['batch']} | {_fmt(r['prefill_tok_s'], 0)} | {_fmt(r['decode_tok_s'], 2)} | "
+            proj = f" (projected from {int(r['measured_steps']) + 1} tokens)" if _projected(r) else ""
+            lines.append(f"| {r['model']} | {r['prompt_len']} | {r['gen_len']} | {r['budget_gib']:g} | "
+                         f"{r['system']}{proj} | {r['batch']} | {_fmt(r['prefill_tok_s'], 0)} | {_fmt(r['decode_tok_s'], 2)} | "
                          f"{_fmt(r['total_tok_s'], 2)} | {_fmt(lb, 2)} | "
                          f"{'–' if frac is None else f'{frac:.0%}'} |")
         over = [r for _, r in b.iterrows() if r.get("link_bound_decode_tok_s") == r.get("link_bound_decode_tok_s")
                 and r.get("link_bound_decode_tok_s") and float(r["decode_tok_s"]) > float(r["link_bound_decode_tok_s"])]
+        if any(_projected(r) for _, r in b.iterrows()):
+            lines += ["", "Rows marked projected ran `--cut-gen-len`: they generated that many tokens and their decode "
+                      "time is the measured steps plus a straight line through them for the rest "
+                      "(`experiments/peers/accelerate_ref.py` `project_decode_s`, as FlexGen's own benchmarks project "
+                      "a cut run): a whole generation would outlast a device call."]
         if over:  # a run cannot beat the link: its bound's denominator (measured in that run) came out low
             lines += ["", "Above 100 % of its bound: " + ", ".join(
                 f"{r['system']} ({float(r['h2d_bytes_per_s']) / 1e9:.1f} GB/s measured in its run)" for r in over)
@@ -572,6 +587,10 @@ def main(argv=None) -> int:
     ap.add_argument("--offexec-policies", nargs="+", default=None, help="default: experiments.peers.offexec_run's")
     ap.add_argument("--quick", action="store_true", help="OPT-30B, 512/32, 16 GiB, one FlexGen policy per mode")
     ap.add_argument("--flexgen-k", type=int, default=3, help="FlexGen policies run per point (best reported)")
+    ap.add_argument("--cut-gen-len", type=int, default=None, metavar="N",
+                    help="Accelerate and DeepSpeed: where --gens is longer, generate N tokens and project the decode "
+                         "from their steps (a straight line; rows marked projected in the README), for runs whose "
+                         "whole generation outlasts a device call (Accelerate at OPT-30B: ~10 s a token)")
     ap.add_argument("--timeout-s", type=float, default=480.0, help="per run")
     ap.add_argument("--time-limit-s", type=float, default=560.0, help="start no run past this (one device call)")
     ap.add_argument("--min-left-s", type=float, default=60.0, help="start no run with less than this left")
@@ -608,7 +627,8 @@ def main(argv=None) -> int:
             for system in args.only:
                 n = len(cache)
                 yield from jobs_for_point(system, m, p, g, b, args.flexgen_k, args.offexec_policies, cache,
-                                          str(spath) if spath.exists() else None, str(out / "traces"))
+                                          str(spath) if spath.exists() else None, str(out / "traces"),
+                                          args.cut_gen_len)
                 if len(cache) != n:
                     cpath.write_text(json.dumps(cache, indent=1))
 

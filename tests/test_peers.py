@@ -206,6 +206,26 @@ def test_accelerate_ref_runs_a_tiny_model_on_the_cpu(tiny_cfg):
         assert rec["system"] == "accelerate-ref"
 
 
+def test_accelerate_ref_cut_run_projects_its_decode(tiny_cfg):
+    """--cut-gen-len: generate fewer tokens than asked and project the decode from the measured steps (a straight
+    line, the measured ones as measured), the record marked projected with its measured steps; the runner passes the
+    option to Accelerate and DeepSpeed only, where the generation is longer."""
+    from experiments import real_throughput as rt
+
+    assert accelerate_ref.project_decode_s([1.0, 1.0, 1.0], 7) == pytest.approx(6.0)  # flat: 6 steps of 1 s
+    assert accelerate_ref.project_decode_s([1.0, 2.0, 3.0], 5) == pytest.approx(10.0)  # 1 + 2 + 3 + 4
+    assert accelerate_ref.project_decode_s([2.0, 1.0, 1.0, 1.0], 3) == pytest.approx(3.0)  # more measured than asked
+    path = tiny_cfg(TINY_OPT, "opt")
+    rec = accelerate_ref.run(path, 12, 10, 16, batch=2, device="cpu", warmup=False, cut_gen_len=4)
+    assert rec["status"] == "ok", rec["reason"]
+    assert rec["projected"] and rec["measured_steps"] == 3 and rec["gen_len"] == 10 and rec["decode_tok_s"] > 0
+    assert not accelerate_ref.run(path, 12, 4, 16, batch=2, device="cpu", warmup=False, cut_gen_len=8)["projected"]
+    for system, cut in (("accelerate-ref", True), ("deepspeed-ref", True), ("flexgen-ref", False)):
+        argv = rt.jobs_for_point(system, "opt-30b", 512, 128, 16, flexgen_k=1, cut_gen_len=32)[0]["argv"]
+        assert ("--cut-gen-len" in argv) == cut
+    assert "--cut-gen-len" not in rt.jobs_for_point("accelerate-ref", "opt-30b", 512, 32, 16, cut_gen_len=32)[0]["argv"]
+
+
 def test_accelerate_materialise_rebuilds_rope(tiny_cfg):
     """Meta construction leaves RoPE's inverse frequencies empty: materialise rebuilds them, so the meta-built model
     computes what a normally built one does with the same weights."""

@@ -147,8 +147,10 @@ class StepClock:
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def timed_generate(model, input_ids, attention_mask, gen_len: int, cuda: bool) -> tuple[float, float, object]:
-    """(prefill seconds, decode seconds, output ids) of greedy ``generate`` for ``gen_len`` new tokens."""
+def timed_generate(model, input_ids, attention_mask, gen_len: int, cuda: bool,
+                   steps: list | None = None) -> tuple[float, float, object]:
+    """(prefill seconds, decode seconds, output ids) of greedy ``generate`` for ``gen_len`` new tokens; ``steps``:
+    a list to receive each decode step's seconds (``gen_len`` - 1 of them)."""
     import torch
     from transformers import StoppingCriteriaList
 
@@ -165,7 +167,32 @@ def timed_generate(model, input_ids, attention_mask, gen_len: int, cuda: bool) -
     t_end = time.perf_counter()
     if not clock.times:
         return t_end - t0, 0.0, out
+    if steps is not None:
+        steps.extend(b - a for a, b in zip(clock.times, clock.times[1:]))
     return clock.times[0] - t0, t_end - clock.times[0], out
+
+
+def project_decode_s(steps: list[float], gen_len: int) -> float:
+    """Decode seconds of ``gen_len`` - 1 steps from the first measured ``steps``: a straight line through the
+    measured steps' seconds by step (least squares: a step reads one more position of KV than the last), summed
+    over every step, the measured ones as measured. The way FlexGen's own benchmarks project a cut run
+    (``--cut-gen-len``); a record so made says ``projected``."""
+    import numpy as np
+
+    n = len(steps)
+    if n >= gen_len - 1:
+        return float(sum(steps[:gen_len - 1]))
+    i = np.arange(1, n + 1, dtype=float)
+    slope, icpt = np.polyfit(i, np.asarray(steps, dtype=float), 1) if n >= 2 else (0.0, float(steps[0]))
+    rest = np.arange(n + 1, gen_len, dtype=float)
+    return float(sum(steps) + np.maximum(icpt + slope * rest, 0.0).sum())
+
+
+def add_cut_option(ap) -> None:
+    """``--cut-gen-len N``, shared by the Accelerate and DeepSpeed harnesses."""
+    ap.add_argument("--cut-gen-len", type=int, default=None, metavar="N",
+                    help="generate N tokens and project the decode to --gen-len from them (a straight line through "
+                         "the measured steps; the record says projected), for runs longer than a device call")
 
 
 def prompts(batch: int, prompt_len: int, vocab: int, device):
@@ -179,10 +206,12 @@ def prompts(batch: int, prompt_len: int, vocab: int, device):
 
 
 def measure_generate(model, rec: dict, b: int, prompt_len: int, gen_len: int, vocab: int, warmup: bool,
-                     cuda: bool) -> None:
+                     cuda: bool, cut_gen_len: int | None = None) -> None:
     """transformers' ``generate`` of ``b`` seeded prompts, after an unmeasured two-token warm-up (its peak memory
     then reset), timed as prefill and decode; FlexGen's throughputs into ``rec``. Accelerate's and DeepSpeed's
-    harnesses measure the same way."""
+    harnesses measure the same way. ``cut_gen_len`` (< ``gen_len``): generate that many tokens and project the
+    decode to ``gen_len`` (``project_decode_s``): ``rec['projected']`` is then true and ``rec['measured_steps']``
+    says how many decode steps ran; for runs whose whole generation outlasts a device call."""
     import torch
 
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -192,15 +221,22 @@ def measure_generate(model, rec: dict, b: int, prompt_len: int, gen_len: int, vo
         if cuda:
             torch.cuda.reset_peak_memory_stats()
     ids, mask = prompts(b, prompt_len, vocab, dev)
-    prefill_s, decode_s, out = timed_generate(model, ids, mask, gen_len, cuda)
-    if out.shape[1] != prompt_len + gen_len:
-        raise RuntimeError(f"generate returned {out.shape[1] - prompt_len} new tokens, asked for {gen_len}")
+    cut = cut_gen_len if cut_gen_len and cut_gen_len < gen_len else None
+    steps: list[float] = []
+    prefill_s, decode_s, out = timed_generate(model, ids, mask, cut or gen_len, cuda, steps)
+    if out.shape[1] != prompt_len + (cut or gen_len):
+        raise RuntimeError(f"generate returned {out.shape[1] - prompt_len} new tokens, asked for {cut or gen_len}")
+    if cut:
+        decode_s = project_decode_s(steps, gen_len)
+        rec.update(projected=True, measured_steps=len(steps))
     rec.update(flexgen_metrics(b, prompt_len, gen_len, prefill_s, decode_s))
 
 
 def run(model_name: str, prompt_len: int, gen_len: int, budget_gib: float, batch: int | None = None,
-        host_limit_gib: float = HOST_LIMIT_GIB, device: str = "cuda", warmup: bool = True) -> dict:
-    """One Accelerate run; the result record."""
+        host_limit_gib: float = HOST_LIMIT_GIB, device: str = "cuda", warmup: bool = True,
+        cut_gen_len: int | None = None) -> dict:
+    """One Accelerate run; the result record. ``cut_gen_len``: ``measure_generate``'s (the batch still sized for
+    ``gen_len``)."""
     import torch
 
     from offsim import get_model
@@ -242,7 +278,7 @@ def run(model_name: str, prompt_len: int, gen_len: int, budget_gib: float, batch
             offloaded = max(spec.weight_bytes() - on_gpu, 0)
             st["gpu_weight_bytes"] = int(on_gpu)
         rec["settings"] = json.dumps(st, sort_keys=True, default=str)
-        measure_generate(model, rec, b, prompt_len, gen_len, spec.vocab_size, warmup, cuda)
+        measure_generate(model, rec, b, prompt_len, gen_len, spec.vocab_size, warmup, cuda, cut_gen_len)
         dec = offloaded * (gen_len - 1)
         rec.update(decode_h2d_bytes=dec, h2d_bytes_per_s=h2d or None,
                    link_bound_decode_tok_s=link_bound(b, gen_len, dec, h2d) if h2d else None)
@@ -258,10 +294,11 @@ def main(argv=None) -> int:
     ap.add_argument("--host-limit-gib", type=float, default=HOST_LIMIT_GIB)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="'cpu': smoke test on a tiny model")
     ap.add_argument("--no-warmup", action="store_true")
+    add_cut_option(ap)
     args = ap.parse_args(argv)
     batch = None if args.batch == "auto" else int(args.batch)
     rec = run(args.model, args.prompt_len, args.gen_len, args.budget_gib, batch, args.host_limit_gib, args.device,
-              not args.no_warmup)
+              not args.no_warmup, args.cut_gen_len)
     emit(rec)
     print(json.dumps({k: rec.get(k) for k in ("system", "status", "batch", "prefill_tok_s", "decode_tok_s",
                                                 "total_tok_s")}, default=str))

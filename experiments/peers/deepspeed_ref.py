@@ -31,8 +31,8 @@ import os
 import sys
 import time
 
-from experiments.peers.accelerate_ref import (BATCHES, hf_model_on_meta, materialise, measure_generate,
-                                              reserve_bytes)
+from experiments.peers.accelerate_ref import (BATCHES, add_cut_option, hf_model_on_meta, materialise,
+                                              measure_generate, reserve_bytes)
 from experiments.peers.common import (GiB, HOST_LIMIT_GIB, base_record, emit, env_offline, finish_record,
                                       link_bound, measure_h2d, point_parser,
                                       record_failure, set_gpu_budget, versions)
@@ -81,7 +81,8 @@ def init_single_process(port: int = 29533, accelerator: str = "cuda") -> None:
 
 
 def run(model_name: str, prompt_len: int, gen_len: int, budget_gib: float, batch: int | None = None,
-        host_limit_gib: float = HOST_LIMIT_GIB, warmup: bool = True, device: str = "cuda") -> dict:
+        host_limit_gib: float = HOST_LIMIT_GIB, warmup: bool = True, device: str = "cuda",
+        cut_gen_len: int | None = None) -> dict:
     """One ZeRO-Inference run; the result record. ``device='cpu'``: a smoke test of the same path on DeepSpeed's CPU
     accelerator (gloo, fp32, unpinned; a tiny model)."""
     from offsim import get_model
@@ -131,7 +132,7 @@ def run(model_name: str, prompt_len: int, gen_len: int, budget_gib: float, batch
         engine = deepspeed.initialize(model=model, config=cfg)[0]
         st["zero_init_s"] = time.perf_counter() - t1
         model = engine.module.eval()
-        measure_generate(model, rec, b, prompt_len, gen_len, spec.vocab_size, warmup, cuda)
+        measure_generate(model, rec, b, prompt_len, gen_len, spec.vocab_size, warmup, cuda, cut_gen_len)
         persistent = sum(p.numel() * 2 for p in model.parameters()
                          if p.numel() <= cfg["zero_optimization"]["stage3_param_persistence_threshold"])
         dec = (spec.weight_bytes() - persistent) * (gen_len - 1)  # ZeRO-3 fetches every other parameter each step
@@ -150,6 +151,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--print-config", action="store_true", help="print the ZeRO config and the batch, then exit")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="'cpu': smoke test on a tiny model")
+    add_cut_option(ap)
     args = ap.parse_args(argv)
     from offsim import get_model
 
@@ -160,7 +162,7 @@ def main(argv=None) -> int:
                           "ds_config": ds_config(spec)}))
         return 0
     rec = run(args.model, args.prompt_len, args.gen_len, args.budget_gib, batch, args.host_limit_gib,
-              not args.no_warmup, args.device)
+              not args.no_warmup, args.device, args.cut_gen_len)
     emit(rec)
     print(json.dumps({k: rec.get(k) for k in ("system", "status", "batch", "prefill_tok_s", "decode_tok_s",
                                                 "total_tok_s", "reason")}, default=str))
