@@ -977,26 +977,27 @@ SUSTAINED_TOKENS = 16384  # rows of the sustained-clock probe's GEMM: a prefill'
 
 
 def profile_sustained(device: str, seconds: float = 6.0, h: int = 7168, f: int = 28672,
-                      curve: list | None = None) -> float:
+                      curve: list | None = None, load=None) -> float:
     """The compute-bound GEMM rate held under ``seconds`` of back-to-back load (the median of the last half's
     0.2-s windows), over the rate of a burst after 2 s idle: how far the clocks fall under the power cap as a
     prefill runs. The GEMM is an FFN's at prefill size, [``SUSTAINED_TOKENS``, h] x [h, f] (default OPT-30B's;
     ``sustained_rows`` gives each model's own). 1.0 on the CPU. ``curve``: a list to receive [seconds under load
     at the window's end, that window's rate over the burst's] for every window: how fast the clocks fall (on the
-    H200 within the first few tenths of a second, then held: results/profiles/clock_held_55c9fa9/README.md)."""
+    H200 within the first few tenths of a second, then held: results/profiles/clock_held_55c9fa9/README.md).
+    ``load``: another load than the FFN GEMM, (timer, ops of a burst, ops of a window) (``_layer_ops``)."""
     if device != "cuda":
         return 1.0
-    gemms = _ffn_gemms(device, h, f)
+    gemms, n_burst, n_window = load or (_ffn_gemms(device, h, f), 5, 40)
 
-    def rate(n: int) -> float:  # GEMMs a second
+    def rate(n: int) -> float:  # GEMMs (or the load's ops) a second
         return n / gemms(n)
 
     rate(3)
     time.sleep(2.0)
-    burst = rate(5)
+    burst = rate(n_burst)
     windows, t0 = [], time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        windows.append(rate(40))
+        windows.append(rate(n_window))
         if curve is not None:
             curve.append([time.perf_counter() - t0, min(1.0, windows[-1] / burst)])
     held = statistics.median(windows[len(windows) // 2:])
@@ -1023,20 +1024,64 @@ def _ffn_gemms(device: str, h: int, f: int):
     return seconds
 
 
+def _layer_ops(spec, device: str, tokens: int = SUSTAINED_TOKENS):
+    """The clock probes' load as a run's prefill puts it on the GPU: the model's whole decoder layer as offexec
+    computes it (``model.pre_attn``, causal attention over each prompt, ``model.post_attn``: norms, rotary, the
+    attention kernel and the FFN, not the FFN GEMM alone, whose power draw is the highest of them) on ``tokens``
+    rows, sequences of the model's positions up to 2048. (timer, ops of a burst, ops of a window) for
+    ``profile_sustained`` / ``profile_duty``: ``seconds(n)``, n layers back to back, the GPU idle before and after;
+    a burst of ~40 ms and windows of ~0.25 s, as the FFN's 5 and 40 GEMMs are at OPT-30B's size."""
+    import math
+
+    import torch
+
+    from offexec import model as M
+
+    dev = torch.device(device)
+    dt = torch.float16 if spec.dtype_bytes == 2 else torch.float32
+    ctx = min(2048, spec.max_positions, tokens)
+    b = max(1, tokens // ctx)
+    flat = torch.empty(sum(math.prod(shape) for _, shape in spec.layer_tensors()), dtype=dt, device=dev)
+    flat.normal_(0.0, 0.02)
+    w = M.layer_views(M.layer_layout(spec), [(0, flat)])
+    x = torch.randn(b, ctx, spec.d_model, dtype=dt, device=dev)
+    rope = None if spec.family == "opt" else M.Rope(spec, dev, dt, ctx + 1)
+    Hk = spec.num_kv_heads
+
+    def layer():
+        q, k, v = M.pre_attn(spec, w, x, 0, rope)
+        o = M.attention(spec, q, [(0, Hk, k.transpose(1, 2), v.transpose(1, 2))])
+        return M.post_attn(spec, w, x, o)
+
+    def seconds(n: int) -> float:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        a = time.perf_counter()
+        for _ in range(n):
+            layer()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return time.perf_counter() - a
+
+    seconds(2)  # kernels loaded, the allocator grown
+    one = seconds(3) / 3
+    return seconds, max(1, round(0.04 / one)), max(1, round(0.25 / one))
+
+
 CLOCK_DUTIES = (0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)  # the duty cycles ``profile_duty`` holds the GPU at
 DUTY_BUSY_S = 0.02  # each busy spell of ``profile_duty``: about a prefill layer's compute
 
 
-def profile_duty(device: str, seconds: float = 2.0, h: int = 7168, f: int = 28672) -> list:
+def profile_duty(device: str, seconds: float = 2.0, h: int = 7168, f: int = 28672, load=None) -> list:
     """The compute-bound GEMM rate when the GPU works only part of the time, over the rate of a burst after 2 s
     idle: for each duty cycle d of ``CLOCK_DUTIES``, ``seconds`` of spells of ~``DUTY_BUSY_S`` of back-to-back FFN
     GEMMs ([``SUSTAINED_TOKENS``, h] x [h, f]), each followed by an idle gap of busy x (1 - d) / d (the host sleeps
     with nothing queued), as a prefill that waits for its streamed weights between layers loads the GPU; the rate
     is the median of the last half's spells. [[d, fraction], ...]: what ``costmodel.ClockModel`` reads as its
-    ('clock', 'duty') row (d = 1 is the sustained rate). [] on the CPU."""
+    ('clock', 'duty') row (d = 1 is the sustained rate). [] on the CPU. ``load``: ``profile_sustained``'s."""
     if device != "cuda":
         return []
-    spell = _ffn_gemms(device, h, f)  # seconds of n GEMMs, the GPU idle before and after
+    spell = (load or (_ffn_gemms(device, h, f),))[0]  # seconds of n GEMMs, the GPU idle before and after
     spell(3)
     time.sleep(2.0)
     one = spell(5) / 5  # a GEMM at the burst clock
@@ -1055,23 +1100,31 @@ def profile_duty(device: str, seconds: float = 2.0, h: int = 7168, f: int = 2867
     return out
 
 
-def sustained_rows(spec, device: str) -> list:
+SUSTAINED_LOADS = ("ffn", "layer")  # the clock probes' load: the model's FFN GEMM, or its whole prefill layer
+
+
+def sustained_rows(spec, device: str, load: str = "ffn") -> list:
     """Row ('clock', 'sustained', [[SUSTAINED_TOKENS, fraction]]): ``profile_sustained`` with the model's own FFN
     GEMM (d_model x ffn_dim), what ``costmodel.sustained_fraction`` reads for its compute-bound ops; and row
     ('clock', 'held', [[seconds under load, fraction], ...]): the same probe's windows as the load went on (the clock
     settles within a few tenths of a second, results/profiles/clock_held_55c9fa9/README.md); and row ('clock',
     'duty', [[duty cycle, fraction], ...]): ``profile_duty``. ``costmodel.clock_model`` reads the last two: the
-    clock's response to load. [] on the CPU (nothing throttles)."""
+    clock's response to load. [] on the CPU (nothing throttles). ``load`` 'layer': the three rows with the model's
+    whole prefill layer as the load (``_layer_ops``) instead of its FFN GEMM -- the clock a run's prefill sees, if
+    the op mix draws less power than the GEMM alone."""
     from offsim.core.specs import layer_key
 
+    if load not in SUSTAINED_LOADS:
+        raise ValueError(f"the clock probes' load must be one of {', '.join(SUSTAINED_LOADS)}, got {load!r}")
     if device != "cuda":
         return []
     curve: list = []
-    frac = profile_sustained(device, h=spec.d_model, f=spec.ffn_dim, curve=curve)
+    ld = _layer_ops(spec, device) if load == "layer" else None
+    frac = profile_sustained(device, h=spec.d_model, f=spec.ffn_dim, curve=curve, load=ld)
     key = layer_key(spec)
     return [[key, "clock", "sustained", [[float(SUSTAINED_TOKENS), float(frac)]]],
             [key, "clock", "held", [[float(t), float(x)] for t, x in curve]],
-            [key, "clock", "duty", profile_duty(device, h=spec.d_model, f=spec.ffn_dim)]]
+            [key, "clock", "duty", profile_duty(device, h=spec.d_model, f=spec.ffn_dim, load=ld)]]
 
 
 def profile_disk(directory: str, nbytes: int, reps: int = 3) -> dict[str, float]:
@@ -1400,11 +1453,13 @@ def add_profile_parser(sub) -> None:
                    help="with --base: combine profiles that were each measured from --base (e.g. one --ops model per "
                         "device call): every op-table row and provenance record a PROFILE changed or added is taken; "
                         "two PROFILEs changing the same row differently is an error. Nothing is measured")
-    p.add_argument("--sustained-only", action="store_true",
+    p.add_argument("--sustained-only", nargs="?", const="ffn", default=None, choices=SUSTAINED_LOADS,
+                   metavar="{ffn,layer}",
                    help="with --ops: measure only each model's clock under load (its FFN GEMM held for seconds "
                         "over a burst after idle: 'clock' 'sustained' rows, what offsim divides its compute-bound "
                         "ops by, and 'held' rows, the windows as it settles; then at duty cycles 0.3-1: 'duty' "
-                        "rows; ~45 s a model), the rest of the base profile kept")
+                        "rows; ~45 s a model), the rest of the base profile kept; layer: the same rows with the "
+                        "model's whole prefill decoder layer as offexec computes it as the load (default: ffn)")
     p.add_argument("--op-batches", default="1,4,16,64", metavar="N,N,...",
                    help="sequences per GPU batch of the op-table runs (default: %(default)s)")
     p.set_defaults(func=cmd_profile)
@@ -1427,11 +1482,13 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
                   under_h2d_load: bool = False) -> dict:
     """Profile dict ``d`` with op tables for ``models`` (replacing rows of the same layer shapes and modes), CPU
     attention re-measured through the executor's path and the sustained compute fraction; ``attention_only``: the
-    GPU attention rows and the sustained fraction alone ('decode': the graphed decode attention rows alone); ``recompute_only``: the graphed recompute rows alone (the
-    rest of ``d`` kept); ``capture_only``: the graph-capture and copy-issue rows alone; ``decode_only``: the decode
-    ops' rows (graph, eager, capture, issue) alone, at ``batches``; ``under_h2d_load`` (with ``cpu_attention_only``):
-    the CPU-attention rows measured with the host-to-GPU link kept busy (``H2DLoad``), under parts ending in
-    '_h2d', beside the others. Provenance says which."""
+    GPU attention rows and the sustained fraction alone ('decode': the graphed decode attention rows alone);
+    ``recompute_only``: the graphed recompute rows alone (the rest of ``d`` kept); ``capture_only``: the
+    graph-capture and copy-issue rows alone; ``decode_only``: the decode ops' rows (graph, eager, capture, issue)
+    alone, at ``batches``; ``sustained_only``: the clock rows alone ('layer': with the prefill layer as the load,
+    ``sustained_rows``); ``under_h2d_load`` (with ``cpu_attention_only``): the CPU-attention rows measured with the
+    host-to-GPU link kept busy (``H2DLoad``), under parts ending in '_h2d', beside the others. Provenance says
+    which."""
     from offsim.core.provenance import provenance
     from offsim.core.specs import HardwareSpec, get_model
 
@@ -1469,7 +1526,7 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
             rows += profile_ops(spec, device, batches=batches, decode_only=True)
             continue
         if sustained_only:
-            rows += sustained_rows(spec, device)
+            rows += sustained_rows(spec, device, "ffn" if sustained_only is True else sustained_only)
             continue
         if capture_only:
             if capture_only != "new_q":
@@ -1524,7 +1581,8 @@ def add_op_tables(d: dict, models: list[str], device: str, batches=(1, 4, 16, 64
     elif decode_only:
         prov["decode_op_tables"] = provenance(models=models, batches=list(batches), device=device)
     elif sustained_only:
-        prov["sustained_tables"] = provenance(models=models, device=device, tokens=SUSTAINED_TOKENS)
+        prov["sustained_tables"] = provenance(models=models, device=device, tokens=SUSTAINED_TOKENS,
+                                              load="ffn" if sustained_only is True else sustained_only)
     elif capture_only:  # (the new-length captures alone keep the other capture rows' record)
         prov["new_q_capture_tables" if capture_only == "new_q" else "capture_tables"] = provenance(
             models=models, batches=list(batches), device=device)

@@ -167,7 +167,8 @@ def test_profile_asked_for_cuda_without_it_is_one_line(tmp_path, capsys):
     base = tmp_path / "base.json"
     base.write_text(json.dumps(get_hardware("h200").to_dict()))
     out = tmp_path / "out.json"
-    for extra in (["--decode-only"], ["--sustained-only"], ["--attention-only"]):
+    for extra in (["--decode-only"], ["--sustained-only"], ["--sustained-only", "layer"], ["--attention-only"],
+                  ["--attention-only", "decode"]):
         assert main(["profile", "--base", str(base), "--ops", "opt-125m", *extra, "--out", str(out)]) == 2
         err = capsys.readouterr().err
         assert "no CUDA device" in err and "--device cpu" in err and "Traceback" not in err
@@ -219,3 +220,22 @@ def test_disk_op_curves_are_checked():
     assert "disk_read_op" not in d  # not measured: left out, so older profiles read back the same
     with pytest.raises(Exception, match=r"disk_write_op must be a list of positive \[bytes, seconds\] pairs"):
         HardwareSpec.from_dict({**d, "disk_write_op": [[4096, 1e-3], [1024, 2e-3]]})
+
+
+def test_clock_probe_layer_load_runs_the_models_layer():
+    """``--sustained-only layer``'s load: the model's whole prefill decoder layer as offexec computes it (OPT and a
+    GQA Llama), timed n at a time, with a burst's and a window's op counts; a load the probe does not know is refused
+    by name; on the CPU no clock rows (nothing throttles)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from offexec.profile import SUSTAINED_LOADS, _layer_ops, sustained_rows
+    from offexec.testing import tiny_hf
+
+    for family in ("opt", "llama"):
+        _, spec = tiny_hf(family)
+        seconds, n_burst, n_window = _layer_ops(spec, "cpu", tokens=64)
+        assert seconds(2) > 0 and 1 <= n_burst <= n_window
+        assert sustained_rows(spec, "cpu", "layer") == []
+    assert SUSTAINED_LOADS == ("ffn", "layer")
+    with pytest.raises(ValueError, match="ffn, layer"):
+        sustained_rows(spec, "cpu", "gemm")

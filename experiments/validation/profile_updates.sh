@@ -49,6 +49,8 @@
 #  18. a graphed decode op's attention for the five matrix models: the masked kernel over the whole KV buffer,
 #      replayed from a graph, by sequences and buffer length ('attn' 'decode_graph:B' rows; a decode op's measured
 #      time is flat over the steps, offsim's grew with the context)                 -> $OUT/decode_attn.json
+#  19. step 1 with each model's whole prefill layer as the clock probes' load instead of its FFN GEMM: does a
+#      prefill's op mix hold another clock (prefill_layers.md: the error differs by model)?  -> $OUT/sus_layer.json
 # Then, here: `offexec profile --base results/profiles/h200_offexec_v2.json --merge sus.json store.json --out ...`,
 # re-validate the calibration split before adopting (docs/cost-model.md).
 #
@@ -155,7 +157,9 @@ json.dump(d, open('/tmp/ra/p4.json', 'w'))" &&
           --out "$OUT/pp_tightllm_one_gpu.json" > "$OUT/pp_tightllm_one_gpu.log" 2>&1 ;;
     18) timeout 300 python3 -u -m offexec.cli profile --base $BASE --ops opt-6.7b,opt-13b,opt-30b,llama-2-13b,llama-3-8b \
           --attention-only decode --out "$OUT/decode_attn.json" > "$OUT/decode_attn.log" 2>&1 ;;
-    *) echo "unknown step $s (1 to 18)"; continue ;;
+    19) timeout 420 python3 -u -m offexec.cli profile --base $BASE --ops opt-6.7b,opt-13b,opt-30b,llama-2-13b,llama-3-8b \
+          --sustained-only layer --out "$OUT/sus_layer.json" > "$OUT/sus_layer.log" 2>&1 ;;
+    *) echo "unknown step $s (1 to 19)"; continue ;;
   esac
   echo "step $s rc=$? $(( $(date +%s) - T0 )) s"
 done
