@@ -284,9 +284,10 @@ def attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_tokens: in
     is baked into a captured kernel), so its cost does not follow the step's context. One query per sequence is
     then priced from the profile's ('attn', 'decode_graph:B') rows where it measured them for this model
     (``offexec profile --ops M --attention-only decode``: that masked kernel replayed from a graph, by sequences B
-    and buffer length) at the buffer's length. Without them, as below at the context: the model-agnostic
+    and buffer length) at the buffer's length. Without them, as below at the step's context: the model-agnostic
     ``attn_decode_efficiency`` was measured for one batch size over the context alone (unmasked), and read so it
-    is the closer estimate (results/validation/README.md has both).
+    is the closer estimate (what the calibration cases' decode ops took beside both prices:
+    results/validation/decode_attention_calib.md).
     The FLOP efficiency of many queries is this model's own where the profile's op tables have it (mode 'attn':
     'prefill' when the queries are the whole context, else 'recompute' -- a masked kernel), else the profile's
     model-agnostic curve. ``masked``: the batch is left-padded (``Workload.padded``), so the kernel takes a
