@@ -29,7 +29,8 @@ NO_CLOCK = "v2 without clock rows"
 def _summary(df: pd.DataFrame) -> dict:
     e = df["err_total_tok_s"].abs()
     return {"cases": len(df), "median": e.median(), "max": e.max(), "within": int((e <= V.MAX_CASE_ERROR).sum()),
-            "prefill": df["err_prefill_tok_s"].abs().median(), "decode": df["err_decode_tok_s"].abs().median()}
+            "prefill": df["err_prefill_tok_s"].abs().median(), "decode": df["err_decode_tok_s"].abs().median(),
+            "step": df["step_latency_mape"].median()}
 
 
 def _pct(x: float) -> str:
@@ -76,7 +77,10 @@ def build(progress: bool = True) -> str:
               f"has median {_pct(v2['calib']['median'])} and max {_pct(v2['calib']['max'])} "
               f"({v2['calib']['within']} of {v2['calib']['cases']} within {_pct(V.MAX_CASE_ERROR)}); the "
               f"held-out set median {_pct(v2['heldout']['median'])} and max {_pct(v2['heldout']['max'])} "
-              f"({v2['heldout']['within']} of {v2['heldout']['cases']}).", ""]
+              f"({v2['heldout']['within']} of {v2['heldout']['cases']}). Per-step latency (each step's predicted "
+              f"against measured time, the prefill's and every decode step's, mean relative error over a case's "
+              f"steps; target ≤ 5 %): median "
+              f"{_pct(v2['calib']['step'])} on the calibration set, {_pct(v2['heldout']['step'])} held out.", ""]
     lines += ["## Matrix v2", "",
               "Configuration `matrix_v2_config.json`: five models (OPT-6.7B, 13B, 30B, Llama-2-13B, Llama-3-8B), "
               "every policy (static-accelerate, static-zero, flexgen with GPU and with CPU attention, tightllm, "
@@ -91,13 +95,13 @@ def build(progress: bool = True) -> str:
               "--disk-dir DIR --commit C`, one NVIDIA H200, 2026-11-30 and 2026-12-01, offexec with CUDA-graph "
               "decode, an unmeasured two-step warm-up before each run.", "",
               "| split | profile | cases | median abs total error | max abs total error | within 10 % | "
-              "median abs prefill error | median abs decode error |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "median abs prefill error | median abs decode error | median step-latency MAPE |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for s in SPLITS:
         for p in (*PROFILES, NO_CLOCK):
             m = _summary(res[s, p])
             lines.append(f"| {s} | {p} | {m['cases']} | {_pct(m['median'])} | {_pct(m['max'])} | {m['within']} | "
-                         f"{_pct(m['prefill'])} | {_pct(m['decode'])} |")
+                         f"{_pct(m['prefill'])} | {_pct(m['decode'])} | {_pct(m['step'])} |")
     lines += [""] + _rounds() + _remeasured() + ["", "Profile v1 (`h200_offexec.json`) prices compute from model-agnostic curves (GEMM efficiency of one "
               "shape, SDPA efficiency, a fixed per-op overhead). Profile v2 (`h200_offexec_v2.json`, `offexec "
               "profile --base h200_offexec.json --ops MODELS`) adds op tables: each compute op timed as offexec "
