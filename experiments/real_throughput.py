@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from experiments.common import RESULTS, argparser, finish, provenance
+from experiments.peers.accelerate_ref import cut_gen_len_arg
 from experiments.peers.common import RESULT_FIELDS, parse_results
 
 MODELS = ("opt-30b", "llama-2-13b")
@@ -587,7 +588,7 @@ def main(argv=None) -> int:
     ap.add_argument("--offexec-policies", nargs="+", default=None, help="default: experiments.peers.offexec_run's")
     ap.add_argument("--quick", action="store_true", help="OPT-30B, 512/32, 16 GiB, one FlexGen policy per mode")
     ap.add_argument("--flexgen-k", type=int, default=3, help="FlexGen policies run per point (best reported)")
-    ap.add_argument("--cut-gen-len", type=int, default=None, metavar="N",
+    ap.add_argument("--cut-gen-len", type=cut_gen_len_arg, default=None, metavar="N",
                     help="Accelerate and DeepSpeed: where --gens is longer, generate N tokens and project the decode "
                          "from their steps (a straight line; rows marked projected in the README), for runs whose "
                          "whole generation outlasts a device call (Accelerate at OPT-30B: ~10 s a token)")

@@ -224,6 +224,9 @@ def test_accelerate_ref_cut_run_projects_its_decode(tiny_cfg):
         argv = rt.jobs_for_point(system, "opt-30b", 512, 128, 16, flexgen_k=1, cut_gen_len=32)[0]["argv"]
         assert ("--cut-gen-len" in argv) == cut
     assert "--cut-gen-len" not in rt.jobs_for_point("accelerate-ref", "opt-30b", 512, 32, 16, cut_gen_len=32)[0]["argv"]
+    for bad in ("2", "0", "-5", "x"):  # refused by name, before anything runs
+        with pytest.raises(SystemExit):
+            rt.main(["--cut-gen-len", bad, "--dry-run"])
 
 
 def test_accelerate_materialise_rebuilds_rope(tiny_cfg):

@@ -188,9 +188,24 @@ def project_decode_s(steps: list[float], gen_len: int) -> float:
     return float(sum(steps) + np.maximum(icpt + slope * rest, 0.0).sum())
 
 
+def cut_gen_len_arg(text: str) -> int:
+    """``--cut-gen-len``'s value: a whole number of at least 3 tokens (two decode steps draw the projection's
+    line), or argparse's clear error."""
+    import argparse
+
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 3:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 3 tokens (two decode steps to draw the "
+                                         f"projection's line from), got {text!r}")
+    return n
+
+
 def add_cut_option(ap) -> None:
     """``--cut-gen-len N``, shared by the Accelerate and DeepSpeed harnesses."""
-    ap.add_argument("--cut-gen-len", type=int, default=None, metavar="N",
+    ap.add_argument("--cut-gen-len", type=cut_gen_len_arg, default=None, metavar="N",
                     help="generate N tokens and project the decode to --gen-len from them (a straight line through "
                          "the measured steps; the record says projected), for runs longer than a device call")
 
