@@ -462,3 +462,41 @@ def test_validation_readme_joins_rounds_that_complete_each_other(tmp_path, monke
     # a later run replaced one of the first round's cases
     (tmp_path / "h200_calib" / "a.case.json").write_text(json.dumps({"meta": {"commit": "new3"}}))
     assert "1 of these runs are the split's files today" in "\n".join(W._remeasured())
+
+
+def test_profile_variants_compares_merged_profiles_on_cases(tmp_path, capsys):
+    """experiments.validation.profile_variants: a variant is the base profile with a part merged in (here graphed
+    decode attention rows for the case's model, as ``offexec profile --attention-only decode`` writes them); each
+    case is re-simulated on both and the table says each profile's figures; a malformed variant is refused."""
+    import shutil
+
+    import pandas as pd
+
+    from experiments.validation import profile_variants as PV
+    from offsim.core.specs import layer_key
+
+    src = Path(__file__).resolve().parents[1] / "results" / "validation" / "h200_calib"
+    cases = tmp_path / "cases"
+    cases.mkdir()
+    name = "opt-6.7b_static-accelerate_b32_p1024_g16"
+    for f in (f"{name}.case.json", f"{name}.plan.json.gz"):
+        shutil.copy(src / f, cases / f)
+    base = Path(__file__).resolve().parents[1] / "results" / "profiles" / "h200_offexec_v2.json"
+    part = json.loads(base.read_text())
+    key = layer_key(get_model("opt-6.7b"))
+    part["op_times"] = part["op_times"] + [[key, "attn", f"decode_graph:{b}", [[128.0, 1e-5 * b], [2048.0, 1e-4 * b]]]
+                                           for b in (1, 64)]
+    pfile = tmp_path / "decode_attn.json"
+    pfile.write_text(json.dumps(part))
+    out = tmp_path / "out"
+    assert PV.main(["--base", str(base), "--variant", f"decode_graph={pfile}", "--cases", str(cases),
+                    "--out", str(out)]) == 0
+    md = (out / "compare.md").read_text()
+    assert "| base | 1 |" in md and "| decode_graph | 1 |" in md
+    a = pd.read_csv(out / "validation_base.csv", comment="#")
+    b = pd.read_csv(out / "validation_decode_graph.csv", comment="#")
+    assert a.err_total_tok_s[0] != b.err_total_tok_s[0]  # the rows moved the prediction
+    assert json.loads((out / "decode_graph.json").read_text())["op_times"][-1][2] == "decode_graph:64"
+    with pytest.raises(SystemExit):
+        PV.main(["--base", str(base), "--variant", "nofiles=", "--out", str(out)])
+    assert "NAME=PART" in capsys.readouterr().err
