@@ -52,8 +52,9 @@
 #  19. step 1 with each model's whole prefill layer as the clock probes' load instead of its FFN GEMM: does a
 #      prefill's op mix hold another clock (prefill_layers.md: the error differs by model)?  -> $OUT/sus_layer.json
 # Then, here: `offexec profile --base results/profiles/h200_offexec_v2.json --merge sus.json store.json --out ...`,
-# re-validate the calibration split before adopting (docs/cost-model.md): `python -m
-# experiments.validation.profile_variants --base results/profiles/h200_offexec_v2.json --variant NAME=PART ... --out DIR`
+# re-validate the calibration split before adopting (docs/cost-model.md):
+#   python -m experiments.validation.profile_variants --base results/profiles/h200_offexec_v2.json \
+#       --variant NAME=PART ... --out DIR
 # tabulates each merged variant beside the base.
 #
 #   COMMIT=abc1234 STEPS="1 2 3 4" bash experiments/validation/profile_updates.sh

@@ -45,7 +45,8 @@ def summary(df: pd.DataFrame) -> dict:
     e = df["err_total_tok_s"].abs()
     return {"cases": len(df), "median_total": e.median(), "max_total": e.max(),
             "within_10": int((e <= V.MAX_CASE_ERROR).sum()), "median_prefill": df["err_prefill_tok_s"].abs().median(),
-            "median_decode": df["err_decode_tok_s"].abs().median(), "median_step_mape": df["step_latency_mape"].median()}
+            "median_decode": df["err_decode_tok_s"].abs().median(),
+            "median_step_mape": df["step_latency_mape"].median()}
 
 
 def _pct(x: float) -> str:
