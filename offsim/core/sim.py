@@ -318,8 +318,9 @@ def _capture_extras(plan: Plan, rows: list, hw: HardwareSpec) -> dict[int, float
     """{op index: extra seconds} of the ops at which offexec captures a CUDA graph
     (``costmodel.capture_extra_seconds``): the first op in plan order of each graph key -- part, query tokens,
     layer, and for parts that attend over the GPU KV buffers the batch (offexec keys a graph by the addresses it
-    reads: weights, KV buffers). Empty without graphs or without the profile's 'capture' rows. Both engines add these to the ops' issue costs -- a capture is host work
-    (the static body's launches, recording, instantiating), which the host overlaps with the GPU's earlier ops --
+    reads: weights, KV buffers). Empty without graphs or without the profile's 'capture' rows. Both engines add
+    these to the ops' issue costs -- a capture is host work (the static body's launches, recording, instantiating),
+    which the host overlaps with the GPU's earlier ops --
     or, for a runtime without issue costs, to the ops' durations. (Priced as GPU time the first decode step came out
     10-20 ms too long. Step 1 case by case today: results/validation/calib_misses.md, 'The first decode step'; a
     run that is its process's first after a short warm-up pays more than these rows, measured in a probe's later
