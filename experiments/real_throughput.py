@@ -502,6 +502,7 @@ def readme(df, b, prov: dict, out: Path | None = None) -> str:
                 lines += ["", f"In the {r['system']} run ({r['model']} {r['prompt_len']}/{r['gen_len']}, batch "
                           f"{r['batch']:.0f}) decode moved its host-to-GPU bytes at {mh:.1f} GB/s over decode's whole "
                           f"time; offsim's plan moves them at {ph:.1f}."]
+    lines += coverage_lines(df)
     notok = df[df["status"] != "ok"]
     answered = notok["key"].isin(set(df.loc[df["status"] == "ok", "key"]))  # retried later with a result
     bad = notok[~answered]
@@ -527,6 +528,39 @@ def readme(df, b, prov: dict, out: Path | None = None) -> str:
             lines += [f"Runs whose log is not in `logs/` ({len(lost)}; their records in the journal are complete): "
                       + ", ".join(f"`{k}`" for k in lost) + ".", ""]
     return "\n".join(lines)
+
+
+COVERAGE_COLUMNS = (("offexec fp16", lambda s: s.startswith("offexec-") and "+4bit" not in s),
+                    ("offexec 4-bit", lambda s: s.startswith("offexec-") and "+4bit" in s),
+                    *((peer, lambda s, peer=peer: s == peer) for peer in SYSTEMS[1:]))
+
+
+def coverage_lines(df) -> list[str]:
+    """The issue's grid (``points`` of the default models, prompts, generation lengths and budgets) by system: the
+    best decode tok/s measured at each point, 'n/a' where the system does not run the model, '–' where nothing has
+    answered yet; and how many cells are filled."""
+    ok = df[df["status"] == "ok"]
+    rows = ["", "## Coverage of the grid (best decode tok/s measured; – not yet run)", "",
+            "| model | prompt | gen | budget GiB | " + " | ".join(c for c, _ in COVERAGE_COLUMNS) + " |",
+            "|---|---|---|---|" + "---|" * len(COVERAGE_COLUMNS)]
+    filled = total = 0
+    for m, p, g, b in points(MODELS, PROMPTS, GENS, BUDGETS):
+        at = ok[(ok["model"] == m) & (ok["prompt_len"] == p) & (ok["gen_len"] == g) & (ok["budget_gib"] == b)]
+        cells = []
+        for name, is_it in COVERAGE_COLUMNS:
+            if name.startswith("flexgen") and not m.startswith("opt"):
+                cells.append("n/a")
+                continue
+            total += 1
+            hit = at[[is_it(s) for s in at["system"]]]
+            if hit.empty:
+                cells.append("–")
+            else:
+                filled += 1
+                cells.append(_fmt(hit["decode_tok_s"].astype(float).max(), 2))
+        rows.append(f"| {m} | {p} | {g} | {b:g} | " + " | ".join(cells) + " |")
+    rows += ["", f"{filled} of {total} cells measured."]
+    return rows
 
 
 _FILES = ["## Files", "",

@@ -439,3 +439,25 @@ def test_report_predicts_each_peer_run_with_its_ref_policy():
     assert fg["policy"] == "flexgen-ref" and fg["total_tok_s"] > 0
     assert predict_peer({**base, "system": "offexec-flexgen", "batch": 8}) is None
     assert predict_peer({**base, "system": "deepspeed-ref", "status": "timeout", "batch": 4}) is None
+
+
+def test_real_throughput_report_shows_the_grids_coverage():
+    """The report's coverage table: every point of the issue's grid by system -- the best decode tok/s measured,
+    'n/a' for FlexGen on a Llama, '–' where nothing answered -- and how many cells are filled."""
+    import pandas as pd
+
+    from experiments import real_throughput as rt
+
+    df = pd.DataFrame([
+        {"system": "offexec-tightllm", "model": "opt-30b", "prompt_len": 512, "gen_len": 32, "budget_gib": 16.0,
+         "status": "ok", "decode_tok_s": 41.4},
+        {"system": "offexec-flexgen", "model": "opt-30b", "prompt_len": 512, "gen_len": 32, "budget_gib": 16.0,
+         "status": "ok", "decode_tok_s": 34.0},
+        {"system": "deepspeed-ref", "model": "opt-30b", "prompt_len": 512, "gen_len": 32, "budget_gib": 16.0,
+         "status": "timeout", "decode_tok_s": float("nan")}])
+    lines = rt.coverage_lines(df)
+    row = next(x for x in lines if x.startswith("| opt-30b | 512 | 32 | 16 |"))
+    assert row.split(" | ")[4:6] == ["41.40", "–"]  # offexec's best fp16; no 4-bit run
+    assert row.endswith("| – |")  # DeepSpeed timed out: not measured
+    assert all("| n/a | n/a |" in x for x in lines if x.startswith("| llama-2-13b |"))
+    assert lines[-1] == "1 of 80 cells measured."
