@@ -158,10 +158,10 @@ json.dump(d, open('/tmp/ra/p4.json', 'w'))" &&
     17) timeout 420 torchrun --standalone --nproc-per-node 2 -m offexec.distributed \
           --plan results/multigpu/h200/plan_2gpu_tightllm_8x8_rehearsal.json.gz --one-gpu --no-warmup \
           --out "$OUT/pp_tightllm_one_gpu.json" > "$OUT/pp_tightllm_one_gpu.log" 2>&1 ;;
-    18) timeout 300 python3 -u -m offexec.cli profile --base $BASE --ops opt-6.7b,opt-13b,opt-30b,llama-2-13b,llama-3-8b \
-          --attention-only decode --out "$OUT/decode_attn.json" > "$OUT/decode_attn.log" 2>&1 ;;
-    19) timeout 420 python3 -u -m offexec.cli profile --base $BASE --ops opt-6.7b,opt-13b,opt-30b,llama-2-13b,llama-3-8b \
-          --sustained-only layer --out "$OUT/sus_layer.json" > "$OUT/sus_layer.log" 2>&1 ;;
+    18) timeout 300 python3 -u -m offexec.cli profile --base $BASE --ops $MODELS --attention-only decode \
+          --out "$OUT/decode_attn.json" > "$OUT/decode_attn.log" 2>&1 ;;
+    19) timeout 420 python3 -u -m offexec.cli profile --base $BASE --ops $MODELS --sustained-only layer \
+          --out "$OUT/sus_layer.json" > "$OUT/sus_layer.log" 2>&1 ;;
     *) echo "unknown step $s (1 to 19)"; continue ;;
   esac
   echo "step $s rc=$? $(( $(date +%s) - T0 )) s"
