@@ -1012,13 +1012,24 @@ def _ffn_gemms(device: str, h: int, f: int):
 
     w = torch.randn(f, h, dtype=torch.float16, device=device) * 0.02
     x = torch.randn(SUSTAINED_TOKENS, h, dtype=torch.float16, device=device)
+    return _back_to_back(lambda: F.linear(x, w), device)
+
+
+def _back_to_back(op, device):
+    """``seconds(n)``: wall seconds of ``op()`` run n times back to back, the device synchronised before and after
+    (idle around the burst): the clock probes' timer of their load."""
+    import torch
+
+    cuda = torch.device(device).type == "cuda"
 
     def seconds(n: int) -> float:
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize(device)
         a = time.perf_counter()
         for _ in range(n):
-            F.linear(x, w)
-        torch.cuda.synchronize()
+            op()
+        if cuda:
+            torch.cuda.synchronize(device)
         return time.perf_counter() - a
 
     return seconds
@@ -1053,16 +1064,7 @@ def _layer_ops(spec, device: str, tokens: int = SUSTAINED_TOKENS):
         o = M.attention(spec, q, [(0, Hk, k.transpose(1, 2), v.transpose(1, 2))])
         return M.post_attn(spec, w, x, o)
 
-    def seconds(n: int) -> float:
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        a = time.perf_counter()
-        for _ in range(n):
-            layer()
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        return time.perf_counter() - a
-
+    seconds = _back_to_back(layer, dev)
     seconds(2)  # kernels loaded, the allocator grown
     one = seconds(3) / 3
     return seconds, max(1, round(0.04 / one)), max(1, round(0.25 / one))

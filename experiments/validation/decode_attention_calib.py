@@ -30,11 +30,6 @@ PROFILE = ROOT / "results" / "profiles" / "h200_offexec_v2.json"
 OUT = ROOT / "results" / "validation" / "decode_attention_calib"
 
 
-def _per_op(durations: dict, ops: list) -> dict:
-    """{(step, layer): seconds} of the decode 'layer' ops (one per step and layer)."""
-    return {(o.step, o.layer): durations[o.id] for o in ops}
-
-
 def case_row(path: Path, hw_path: str) -> dict | None:
     c = load_case(path)
     meta = c["meta"]

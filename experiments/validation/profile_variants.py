@@ -19,8 +19,6 @@ import argparse
 import json
 from pathlib import Path
 
-import pandas as pd
-
 from offexec.profile import merge_profiles
 from offsim.analysis import validate as V
 from offsim.core.errors import OffsimError
@@ -38,15 +36,6 @@ def variant_arg(text: str) -> tuple[str, list[str]]:
     if not sep or not name or not files or name == "base":
         raise argparse.ArgumentTypeError(f"a variant is NAME=PART[,PART...] (NAME not 'base'), got {text!r}")
     return name, files
-
-
-def summary(df: pd.DataFrame) -> dict:
-    """The split's figures of one profile: those results/validation/README.md reports."""
-    e = df["err_total_tok_s"].abs()
-    return {"cases": len(df), "median_total": e.median(), "max_total": e.max(),
-            "within_10": int((e <= V.MAX_CASE_ERROR).sum()), "median_prefill": df["err_prefill_tok_s"].abs().median(),
-            "median_decode": df["err_decode_tok_s"].abs().median(),
-            "median_step_mape": df["step_latency_mape"].median()}
 
 
 def _pct(x: float) -> str:
@@ -86,10 +75,9 @@ def main(argv: list[str] | None = None) -> int:
              "| profile | cases | median total | max total | within 10 % | median prefill | median decode | "
              "median step-latency MAPE |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, df in reports.items():
-        m = summary(df)
-        lines.append(f"| {name} | {m['cases']} | {_pct(m['median_total'])} | {_pct(m['max_total'])} | "
-                     f"{m['within_10']} | {_pct(m['median_prefill'])} | {_pct(m['median_decode'])} | "
-                     f"{_pct(m['median_step_mape'])} |")
+        m = V.split_summary(df)
+        lines.append(f"| {name} | {m['cases']} | {_pct(m['median'])} | {_pct(m['max'])} | {m['within']} | "
+                     f"{_pct(m['prefill'])} | {_pct(m['decode'])} | {_pct(m['step'])} |")
     b = reports["base"].set_index("case")["err_total_tok_s"]
     for name in variants:
         v = reports[name].set_index("case")["err_total_tok_s"]

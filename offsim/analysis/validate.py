@@ -273,6 +273,15 @@ def validate_dir(root: str | Path, hardware: str | None = None, progress: bool =
     return pd.DataFrame([validate_case(load_case(p), hardware) for p in it])
 
 
+def split_summary(df: pd.DataFrame) -> dict:
+    """The headline figures of a validation report (one split on one profile): cases, median and max |total
+    error|, cases within ``MAX_CASE_ERROR``, median |prefill| and |decode| error, median per-step latency MAPE."""
+    e = df["err_total_tok_s"].abs()
+    return {"cases": len(df), "median": e.median(), "max": e.max(), "within": int((e <= MAX_CASE_ERROR).sum()),
+            "prefill": df["err_prefill_tok_s"].abs().median(), "decode": df["err_decode_tok_s"].abs().median(),
+            "step": df["step_latency_mape"].median()}
+
+
 def check_thresholds(df: pd.DataFrame) -> list[str]:
     """What breaks the CI thresholds (empty when the simulator is within them)."""
     errs = df["err_total_tok_s"].abs()

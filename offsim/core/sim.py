@@ -123,11 +123,8 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
     peak = list(mem)
     cap = [plan.capacity.get(t, 0) for t in TIERS]
     duration_cache: dict[tuple, float] = {}
-    disk_cached = plan.disk_cached  # the plan's disk tier goes through the page cache: priced at its rates
-    gather = plan.weight_gather_copies  # device copies after each weight copy (DeepSpeed's gather)
+    price = _op_pricer(plan, model, hw)
     comp = Compression.from_settings(plan.settings)  # 4-bit passes and sparse attention of compute ops
-    masked = plan.workload.padded  # left-padded batches: eager attention under a per-sequence key mask
-    kv_len = plan.workload.max_len  # the KV buffers' length: what a graphed decode op attends over
     captures = _capture_extras(plan, op_rows(ops), hw)  # graphed ops offexec captures where they first run
     clock = _Clock.of(plan, hw, comp)  # the clock under the power cap (None: every op at its price)
 
@@ -135,18 +132,11 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
         other = _OPPOSITE.get(op.kind)
         other_busy = max(0.0, busy_until[other] - now) if other else 0.0
         if other_busy > 0.0:
-            return costmodel.op_seconds(op, model, hw, other_busy, disk_cached, plan.graph_q_tokens, comp, gather,
-                                        pageable_copy=plan.pageable_copy, quant_impl=plan.quant_impl, masked=masked,
-                                        kv_len=kv_len)
+            return price(op, other_busy)
         key = (op.kind, op.part, op.num_seqs, op.q_tokens, op.ctx_tokens, op.nbytes, op.pinned, op.tensor)
         d = duration_cache.get(key)
         if d is None:
-            d = duration_cache[key] = costmodel.op_seconds(op, model, hw, disk_cached=disk_cached,
-                                                           graph_q_tokens=plan.graph_q_tokens, comp=comp,
-                                                           gather_copies=gather,
-                                                           cpu_attention_impl=plan.cpu_attention_impl,
-                                                           pageable_copy=plan.pageable_copy,
-                                                           quant_impl=plan.quant_impl, masked=masked, kv_len=kv_len)
+            d = duration_cache[key] = price(op)
         return d
 
     # the host issues ops one after another in plan order (a single issuing thread); an op cannot start before
@@ -258,13 +248,7 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
                 key = (op.kind, op.part, op.num_seqs, op.q_tokens, op.ctx_tokens, op.nbytes, op.pinned, op.tensor)
                 dt = duration_cache.get(key)
                 if dt is None:
-                    dt = duration_cache[key] = costmodel.op_seconds(op, model, hw, disk_cached=disk_cached,
-                                                                    graph_q_tokens=plan.graph_q_tokens, comp=comp,
-                                                                    gather_copies=gather,
-                                                                    cpu_attention_impl=plan.cpu_attention_impl,
-                                                                    pageable_copy=plan.pageable_copy,
-                                                                    quant_impl=plan.quant_impl, masked=masked,
-                                                                    kv_len=kv_len)
+                    dt = duration_cache[key] = price(op)
                 if clock is not None and op.kind == "compute":
                     dt = clock.start(op.stream, now, dt + captures.get(op.id, 0.0), clock.clocked(op, dt))
                 else:
@@ -312,6 +296,22 @@ _SHARED_INDEX = frozenset(_STREAM_INDEX[s] for s in SHARED_STREAMS)
 _KIND_STREAM_INDEX = {k: _STREAM_INDEX[s] for k, s in STREAM_OF_KIND.items()}
 _KIND_INDEX = {k: i for i, k in enumerate(ALL_KINDS)}
 _KIND_STREAM_CODES = np.array([_KIND_STREAM_INDEX[k] for k in ALL_KINDS], dtype=np.intp)  # kind index -> stream's
+
+
+def _op_pricer(plan: Plan, model, hw: HardwareSpec):
+    """``price(op, other_busy_s=0.0)``: ``costmodel.op_seconds`` of one of ``plan``'s ops with what the plan fixes
+    for all of them -- its disk tier's page cache, graphed decode ops, compression, DeepSpeed's gather copies, whose
+    CPU attention and copy paths run, left-padded batches (eager attention under a key mask) and the KV buffers'
+    length (what a graphed decode op attends over). Both engines price through it."""
+    kw = dict(disk_cached=plan.disk_cached, graph_q_tokens=plan.graph_q_tokens,
+              comp=Compression.from_settings(plan.settings), gather_copies=plan.weight_gather_copies,
+              cpu_attention_impl=plan.cpu_attention_impl, pageable_copy=plan.pageable_copy,
+              quant_impl=plan.quant_impl, masked=plan.workload.padded, kv_len=plan.workload.max_len)
+
+    def price(op, other_busy_s: float = 0.0) -> float:
+        return costmodel.op_seconds(op, model, hw, other_busy_s, **kw)
+
+    return price
 
 
 def _capture_extras(plan: Plan, rows: list, hw: HardwareSpec) -> dict[int, float]:
@@ -430,11 +430,9 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     ops = plan.ops
     rows = op_rows(ops)
     n = len(rows)
-    disk_cached = plan.disk_cached  # the plan's disk tier goes through the page cache: priced at its rates
     gather = plan.weight_gather_copies  # device copies after each weight copy (DeepSpeed's gather)
     comp = Compression.from_settings(plan.settings)  # 4-bit passes and sparse attention of compute ops
-    masked = plan.workload.padded  # left-padded batches: eager attention under a per-sequence key mask
-    kv_len = plan.workload.max_len  # the KV buffers' length: what a graphed decode op attends over
+    op_price = _op_pricer(plan, model, hw)
     from_builder = getattr(ops, "rows", None) is not None
 
     def op_at(i: int):  # the Op itself, for a cost function's duplex price and for messages
@@ -491,10 +489,7 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
         d = cache.get(key)
         if d is None:
             d = cache[key] = costmodel.network_p2p_seconds(hw, nb) if key[0] == "network" else \
-                costmodel.op_seconds(op_at(i), model, hw, disk_cached=disk_cached,
-                                     graph_q_tokens=plan.graph_q_tokens, comp=comp, gather_copies=gather,
-                                     cpu_attention_impl=plan.cpu_attention_impl, pageable_copy=plan.pageable_copy,
-                                     quant_impl=plan.quant_impl, masked=masked, kv_len=kv_len)
+                op_price(op_at(i))
         return d
 
     # memory, bytes and duration per op (an alloc or a free of (0, 0, 0), counted as given, changes nothing)
