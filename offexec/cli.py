@@ -23,8 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-from offsim.cli import (add_policy_args, add_target_args, build_fitting_plan, check_output_path, check_plan_conflicts,
-                        given_options, quiet_broken_pipe)
+from offsim.cli import (add_policy_args, add_runtime_args, add_target_args, apply_runtime_args, build_fitting_plan,
+                        check_output_path, check_plan_conflicts, given_options, quiet_broken_pipe)
 from offsim.core.errors import OffsimError
 from offsim.core.plan import Plan
 from offsim.core.provenance import provenance
@@ -77,8 +77,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "own bytes, what offsim predicts (plan: a run that completes proves the memory contract, "
                         "but where the allocator fragments beyond the footprint's allowance it retries, "
                         "synchronising every stream, and runs slower)")
-    r.add_argument("--no-cuda-graphs", action="store_true",
-                   help="issue decode layer ops kernel by kernel instead of replaying them as CUDA graphs")
     r.add_argument("--device", default="cuda", help="'cuda' (default) or 'cpu' (sequential, for tests)")
     r.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="local transformers checkpoint (config.json + *.safetensors) instead of random weights")
@@ -87,10 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0, help="seed of random weights and prompts (default: %(default)s)")
     r.add_argument("--disk-dir", default=None, metavar="DIR",
                    help="where the disk tier's files go (default: the system temp directory); removed at exit")
-    r.add_argument("--disk-cache", action="store_true",
-                   help="run the disk tier through the OS page cache instead of O_DIRECT (sets the plan's "
-                        "disk_cached; offsim then prices disk ops at the profile's disk_cached_* rates); needed when "
-                        "--disk-dir is on tmpfs or a filesystem that refuses O_DIRECT")
+    add_runtime_args(r, simulated=False)  # --disk-cache, --no-cuda-graphs, --run-ahead
     r.add_argument("--trace", default=None, metavar="FILE",
                    help="write the measured trace: .csv (offsim's trace schema) or Chrome/Perfetto JSON otherwise")
     r.add_argument("--progress", action="store_true", help="show progress bars while weights are prepared")
@@ -163,14 +158,7 @@ def _build(args, hw):
 
         warm = (plan if getattr(args, "warmup_mode", "short") == "full"
                 else build_plan(policy, model, hw, shortened(plan.workload, WARMUP_GEN_LEN), settings))
-    if getattr(args, "disk_cache", False):  # the disk tier's mode is part of the plan: executor, check and simulator all read it there
-        for p in (plan, warm):
-            if p is not None:
-                p.disk_cached = True
-    if getattr(args, "no_cuda_graphs", False):  # so is how decode ops are issued (executor and simulator)
-        for p in (plan, warm):
-            if p is not None:
-                p.cuda_graphs = False
+    apply_runtime_args(args, plan, warm)  # how the ops are issued is part of the plan: executor, check, simulator
     return plan, model, dtype_name, warm
 
 

@@ -636,6 +636,7 @@ class Executor:
             m["graph_max_q_tokens"] = self.plan.graph_max_q_tokens  # offsim prices issue as the run replayed
         if self.plan.disk_cached:
             m["disk_cached"] = True
+        m["run_ahead"] = None if self.plan.run_ahead is None else list(self.plan.run_ahead)  # its flow control
         if not _is_preset(self.spec):  # a checkpoint's or a modified spec: the trace carries it whole (validate)
             m["model_config"] = self.spec.to_dict()
         m.update(meta)

@@ -20,7 +20,7 @@ import pandas as pd
 
 from offsim.core.errors import OffsimError
 from offsim.core.latency import latency_and_bottleneck
-from offsim.core.plan import Plan
+from offsim.core.plan import RUN_AHEAD_OPS, Plan
 from offsim.policies import DEFAULT_POLICIES, POLICIES, build_plan, get_policy
 from offsim.core.sim import simulate
 from offsim.core.specs import HARDWARE_PRESETS, MODEL_PRESETS, Workload, get_hardware, get_model
@@ -286,6 +286,44 @@ def check_plan_conflicts(given: set[str]) -> None:
                           f"(or drop --plan to build a plan from them)")
 
 
+def add_runtime_args(p: argparse.ArgumentParser, simulated: bool) -> None:
+    """How the runtime issues a plan's ops, for `offexec run` and, as the simulator models offexec doing it, for
+    `offsim simulate` (``simulated``): set on the plan, built from flags or loaded by --plan alike
+    (``apply_runtime_args``)."""
+    if simulated:
+        disk = ("the disk tier goes through the OS page cache (as `offexec run --disk-cache`): disk ops are priced at "
+                "the profile's disk_cached_* rates instead of its O_DIRECT rates")
+        graphs = ("the runtime issues decode ops kernel by kernel (as `offexec run --no-cuda-graphs`): their host "
+                  "issue is priced at the profile's issue_compute_s instead of issue_graph_s")
+    else:
+        disk = ("run the disk tier through the OS page cache instead of O_DIRECT (sets the plan's disk_cached; "
+                "offsim then prices disk ops at the profile's disk_cached_* rates); needed when --disk-dir is on "
+                "tmpfs or a filesystem that refuses O_DIRECT")
+        graphs = "issue decode layer ops kernel by kernel instead of replaying them as CUDA graphs"
+    p.add_argument("--disk-cache", action="store_true", help=disk)
+    p.add_argument("--no-cuda-graphs", action="store_true", help=graphs)
+    p.add_argument("--run-ahead", nargs=3, type=positive_int, metavar=("COMPUTE", "H2D", "D2H"), default=None,
+                   help="ops the issuing thread may have outstanding on the compute, host-to-device and "
+                        f"device-to-host streams (the plan's run_ahead; default {' '.join(map(str, RUN_AHEAD_OPS))})"
+                        + (", as `offexec run --run-ahead`" if simulated else "") + ". Long compute ops need few "
+                        "ahead: on the H200, TightLLM's OPT-30B recompute ops (~8 ms) issued 2 ahead instead of 16 "
+                        "took half the host time at the same decode rate (results/offexec/runahead_b76e16a)")
+
+
+def apply_runtime_args(args, *plans) -> None:
+    """``add_runtime_args``'s choices, set on each plan given (None skipped): they are part of the plan, which the
+    executor, its memory check and the simulator all read."""
+    for p in plans:
+        if p is None:
+            continue
+        if getattr(args, "disk_cache", False):
+            p.disk_cached = True
+        if getattr(args, "no_cuda_graphs", False):
+            p.cuda_graphs = False
+        if getattr(args, "run_ahead", None):
+            p.run_ahead = tuple(args.run_ahead)
+
+
 def shortfalls(plan: Plan) -> list[str]:
     """Each tier whose resident bytes (held for the whole run) exceed its capacity, by name, in GiB: the test
     ``Plan.validate`` makes first, with every short tier named instead of the first in bytes."""
@@ -343,10 +381,7 @@ def cmd_simulate(args) -> None:
         model = get_model(args.model)
         wl = Workload(args.prompt_len, args.gen_len, args.gpu_batch_size, args.num_gpu_batches)
         plan = build_fitting_plan(args, model, hw, wl)
-    if getattr(args, "disk_cache", False):
-        plan.disk_cached = True  # price disk ops at the profile's page-cached rates (offexec run --disk-cache)
-    if getattr(args, "no_cuda_graphs", False):
-        plan.cuda_graphs = False  # every op issued kernel by kernel (offexec run --no-cuda-graphs)
+    apply_runtime_args(args, plan)  # (offexec run's --disk-cache, --no-cuda-graphs, --run-ahead)
     if args.save_plan:
         plan.save(args.save_plan)
     t0 = time.perf_counter()
@@ -674,12 +709,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="simulate a saved plan JSON instead of building one (it carries model, policy, settings "
                         "and workload: options that set those are then an error)")
     s.add_argument("--save-plan", metavar="FILE", help="write the plan as JSON (what `offexec run --plan FILE` runs)")
-    s.add_argument("--disk-cache", action="store_true",
-                   help="the disk tier goes through the OS page cache (as `offexec run --disk-cache`): disk ops are "
-                        "priced at the profile's disk_cached_* rates instead of its O_DIRECT rates")
-    s.add_argument("--no-cuda-graphs", action="store_true",
-                   help="the runtime issues decode ops kernel by kernel (as `offexec run --no-cuda-graphs`): their "
-                        "host issue is priced at the profile's issue_compute_s instead of issue_graph_s")
+    add_runtime_args(s, simulated=True)
     s.add_argument("--trace", metavar="FILE",
                    help="write the predicted trace: FILE.csv as CSV, anything else as Chrome/Perfetto JSON")
     s.set_defaults(func=cmd_simulate)

@@ -220,6 +220,28 @@ def test_simulate_no_cuda_graphs_prices_eager_issue(capsys):
     assert tok_s[0] > 1.5 * tok_s[1]
 
 
+def test_simulate_run_ahead_sets_the_plans_windows_and_a_host_bound_plan_feels_it(capsys, tmp_path):
+    """`offsim simulate --run-ahead C H D` writes the windows into the plan it saves (what `offexec run --plan` then
+    issues with) and predicts with them: on a profile with issue costs, a host-bound plan whose compute stream may
+    run one op ahead is predicted slower than at the default 16; --plan takes it too; 0 is refused by argparse."""
+    argv = ["simulate", "--model", "opt-125m", "--hardware", str(REPO / "results/profiles/h200_offexec.json"),
+            "--prompt-len", "32", "--gen-len", "16", "--gpu-batch-size", "2", "--num-gpu-batches", "2",
+            "--percent", "100", "0", "100", "0", "100", "0"]
+    tok_s = []
+    for i, extra in enumerate(([], ["--run-ahead", "1", "1", "1"])):
+        assert main(argv + extra + ["--save-plan", str(tmp_path / f"p{i}.json")]) == 0
+        tok_s.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["decode_tok_s"])
+    saved = [json.loads((tmp_path / f"p{i}.json").read_text())["run_ahead"] for i in range(2)]
+    assert saved == [[16, 6, 16], [1, 1, 1]]
+    assert tok_s[0] > tok_s[1]
+    assert main(["simulate", "--plan", str(tmp_path / "p0.json"), "--hardware",
+                 str(REPO / "results/profiles/h200_offexec.json"), "--run-ahead", "1", "1", "1"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["decode_tok_s"] == pytest.approx(tok_s[1])
+    with pytest.raises(SystemExit) as e:
+        main(argv + ["--run-ahead", "0", "6", "16"])
+    assert e.value.code == 2 and "--run-ahead" in capsys.readouterr().err
+
+
 def test_set_takes_a_comma_separated_list_and_a_bad_percent_says_what_is_valid(capsys):
     """--set percent=20,80,0,100,100,0 (no brackets) is the list a user means; a percent that is not six numbers is
     refused with an example of a valid one, never iterated as characters."""

@@ -161,6 +161,25 @@ def test_run_plan_file_trace_names_its_plan(checkpoint, tmp_path, capsys):
     assert rc == 0 and "plan_file" not in meta and meta["plan_sha256"] == plan.fingerprint()
 
 
+def test_run_ahead_is_part_of_the_plan_run_and_of_its_trace(checkpoint, tmp_path, capsys):
+    """`offexec run --plan FILE --run-ahead C H D` issues with those windows: the trace records them, and offsim
+    validate re-simulates the stored plan with them (the file beside the trace keeps its own)."""
+    from offsim.analysis.validate import _plan_of, load_case
+    model = dataclasses.replace(get_model(checkpoint / "config.json"), dtype_bytes=4)
+    plan = build_plan("flexgen", model, get_hardware("h200"), Workload(8, 3, 2, 2),
+                      {"percent": (0, 100, 0, 100, 100, 0)})
+    path = tmp_path / "p.json"
+    plan.save(path)
+    trace = tmp_path / "t.trace.csv"
+    rc = main(["run", "--plan", str(path), "--hardware", "h200", "--device", "cpu", "--no-warmup",
+               "--trace", str(trace), "--run-ahead", "2", "3", "4"])
+    capsys.readouterr()
+    assert rc == 0 and Trace.from_csv(trace).meta["run_ahead"] == [2, 3, 4]
+    case = load_case(trace)
+    ran, where = _plan_of(case, model, get_hardware("h200"), plan.workload)
+    assert where == "stored" and ran.run_ahead == (2, 3, 4) and Plan.load(path).run_ahead == plan.run_ahead
+
+
 def test_run_mixed_length_plan_file_warms_up(checkpoint, tmp_path, capsys):
     """A plan of mixed-length requests runs with the default warm-up: the warm-up's plan caps each request's
     generation length too (it was built with the batch's gen_len alone, which a longer request's length refused)."""

@@ -219,10 +219,12 @@ def _plan_of(case: dict, model: ModelSpec, hw, wl: Workload) -> tuple[Plan, str]
 def _as_ran(plan: Plan, meta: dict) -> Plan:
     """How the run issued its ops and where its disk tier was, as its trace recorded them: a run from before
     offexec's CUDA graphs carries no 'cuda_graphs' (it issued kernel by kernel), a stored plan from before the field
-    reads as graphed."""
+    reads as graphed; a run from before its trace recorded 'run_ahead' ran with the plan's."""
     plan.cuda_graphs = bool(meta.get("cuda_graphs", False))
     plan.graph_max_q_tokens = int(meta.get("graph_max_q_tokens", 1))  # runs before recompute graphs: one token
     plan.disk_cached = bool(meta.get("disk_cached", plan.disk_cached))
+    if "run_ahead" in meta:  # (`offexec run --run-ahead`)
+        plan.run_ahead = None if meta["run_ahead"] is None else tuple(meta["run_ahead"])
     return plan
 
 
