@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from offsim.cli import add_runtime_args, apply_runtime_args
 from offsim.core import footprint as fp
 from offsim.core.errors import OffsimError
 from offsim.core.io import write_commented_csv, write_text_atomic
@@ -211,10 +212,7 @@ class DeviceJob:
     # ---- the plan of a block, as ``offexec run`` builds it --------------------------------------------------------
     def plan(self, policy: str, wl: Workload, settings: dict):
         plan = build_plan(policy, self.model, self.hw, wl, settings)
-        if self.args.disk_cache:
-            plan.disk_cached = True
-        if self.args.no_cuda_graphs:
-            plan.cuda_graphs = False
+        apply_runtime_args(self.args, plan)  # --disk-cache, --no-cuda-graphs, --run-ahead, as offexec run's
         return plan
 
     def check(self, plan, weights_loaded: bool) -> None:
@@ -421,9 +419,8 @@ def add_job_parser(sub) -> None:
                    help="skip each policy's unmeasured 2-token warm-up of its first block")
     j.add_argument("--allocator-cap", default=DEFAULT_ALLOCATOR_CAP, choices=ALLOCATOR_CAPS,
                    help="as `offexec run --allocator-cap` (default: %(default)s)")
-    j.add_argument("--no-cuda-graphs", action="store_true", help="as `offexec run --no-cuda-graphs`")
     j.add_argument("--disk-dir", default=None, metavar="DIR", help="where the disk tier's files go")
-    j.add_argument("--disk-cache", action="store_true", help="as `offexec run --disk-cache`")
+    add_runtime_args(j, simulated=False)  # --disk-cache, --no-cuda-graphs, --run-ahead: as `offexec run`'s
     j.add_argument("--host-mem-gb", type=float, default=None, metavar="GB",
                    help="host memory (GiB) the searched plans may hold, offsim's cpu_mem (default on cuda: this "
                         "machine's MemAvailable minus the weights' host master copy -- offexec keeps every weight in "
