@@ -119,12 +119,18 @@ def test_trace_allocator_attributes_retries_on_cuda(checkpoint):
     assert off is None
 
 
-def test_run_plan_file(checkpoint, tmp_path, capsys):
+def _flexgen_plan_file(checkpoint, tmp_path):
+    """(model, plan, path): a small FlexGen plan of the tiny checkpoint's model (fp32), saved as tmp_path/p.json."""
     model = dataclasses.replace(get_model(checkpoint / "config.json"), dtype_bytes=4)
     plan = build_plan("flexgen", model, get_hardware("h200"), Workload(8, 3, 2, 2),
                       {"percent": (0, 100, 0, 100, 100, 0)})
     path = tmp_path / "p.json"
     plan.save(path)
+    return model, plan, path
+
+
+def test_run_plan_file(checkpoint, tmp_path, capsys):
+    model, plan, path = _flexgen_plan_file(checkpoint, tmp_path)
     rc = main(["run", "--plan", str(path), "--hardware", "h200", "--device", "cpu", "--no-warmup"])
     out = capsys.readouterr().out.strip().splitlines()
     assert rc == 0
@@ -138,11 +144,7 @@ def test_run_plan_file_trace_names_its_plan(checkpoint, tmp_path, capsys):
     """A trace of `--plan FILE` records the plan's fingerprint, and its file where it sits beside the trace: offsim
     validate then re-simulates that stored plan ('stored'), and the trace carries a non-preset model whole."""
     from offsim.analysis.validate import load_case, validate_case
-    model = dataclasses.replace(get_model(checkpoint / "config.json"), dtype_bytes=4)
-    plan = build_plan("flexgen", model, get_hardware("h200"), Workload(8, 3, 2, 2),
-                      {"percent": (0, 100, 0, 100, 100, 0)})
-    path = tmp_path / "p.json"
-    plan.save(path)
+    model, plan, path = _flexgen_plan_file(checkpoint, tmp_path)
     trace = tmp_path / "t.trace.csv"
     rc = main(["run", "--plan", str(path), "--hardware", "h200", "--device", "cpu", "--no-warmup",
                "--trace", str(trace)])
@@ -165,11 +167,7 @@ def test_run_ahead_is_part_of_the_plan_run_and_of_its_trace(checkpoint, tmp_path
     """`offexec run --plan FILE --run-ahead C H D` issues with those windows: the trace records them, and offsim
     validate re-simulates the stored plan with them (the file beside the trace keeps its own)."""
     from offsim.analysis.validate import _plan_of, load_case
-    model = dataclasses.replace(get_model(checkpoint / "config.json"), dtype_bytes=4)
-    plan = build_plan("flexgen", model, get_hardware("h200"), Workload(8, 3, 2, 2),
-                      {"percent": (0, 100, 0, 100, 100, 0)})
-    path = tmp_path / "p.json"
-    plan.save(path)
+    model, plan, path = _flexgen_plan_file(checkpoint, tmp_path)
     trace = tmp_path / "t.trace.csv"
     rc = main(["run", "--plan", str(path), "--hardware", "h200", "--device", "cpu", "--no-warmup",
                "--trace", str(trace), "--run-ahead", "2", "3", "4"])
