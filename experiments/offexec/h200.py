@@ -11,6 +11,7 @@ rate its 'tightllm' run measured: a fit, run only when asked, kept out of the ta
 
     python -m experiments.offexec.h200 [--out results/offexec] [--configs flexgen_gpu_attn tightllm ...]
         [--prompt-len 1984 --gpu-batch-size 4 --num-gpu-batches 4]   # the long-prompt workload of issue 14
+        [--run-ahead 2 6 16]   # every plan's flow-control windows (compute, h2d, d2h; default each plan's own)
 
 Writes OUT/offexec_h200.json (+ traces, cases), prints a table, and ends with one JSON line.
 """
@@ -35,6 +36,7 @@ from offexec.memory import HostBuffer
 from offexec.weights import random_weights
 from offsim import POLICIES, Workload, build_plan, get_hardware, get_model, simulate
 from offsim.analysis.validate import case_from_trace, save_case
+from offsim.cli import positive_int
 
 GiB = 1 << 30
 TARGET_PERCENT = (20, 80, 0, 100, 100, 0)  # FlexGen's placement of the run in docs/anchors.md §2
@@ -154,6 +156,7 @@ def summarize(name: str, plan, res, pred: dict, bw: dict, budget: int) -> dict:
         "peak_disk_bytes": m["peak_disk_bytes"], "pool_buffers": st["pool_buffers"],
         "pool_buffers_plan_order": st["pool_buffers_plan_order"],
         "recompute_tokens_min_max": recompute_tokens(plan),
+        "run_ahead": None if plan.run_ahead is None else list(plan.run_ahead),
     }
     return out
 
@@ -175,7 +178,15 @@ def main(argv=None) -> int:
     ap.add_argument("--no-cases", action="store_true", help="skip the offsim validation cases (make them later from "
                     "the trace CSVs)")
     ap.add_argument("--device", default="cuda", help="'cuda'; 'cpu' only to smoke-test this script on a tiny model")
+    ap.add_argument("--run-ahead", nargs=3, type=positive_int, default=None, metavar=("COMPUTE", "H2D", "D2H"),
+                    help="every plan's run_ahead (as `offexec run --run-ahead`); default: each plan's own")
     args = ap.parse_args(argv)
+
+    def windowed(plan):
+        if args.run_ahead:
+            plan.run_ahead = tuple(args.run_ahead)
+        return plan
+
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         print("offexec_h200: needs a CUDA GPU", file=sys.stderr)
@@ -198,7 +209,7 @@ def main(argv=None) -> int:
         if name == "tightllm_calibrated":
             plans[name] = None  # planned after the 'tightllm' run measured the compute rate
             continue
-        plans[name] = build_plan(pol, model, hw, wl, st)
+        plans[name] = windowed(build_plan(pol, model, hw, wl, st))
         check_plan(plans[name], args.device, budget)  # refuse before the weights are made
     t0 = time.perf_counter()
     weights = random_weights(model, seed=0, device=args.device, pinned=cuda, progress=False)
@@ -229,13 +240,13 @@ def main(argv=None) -> int:
                     continue
                 hw_pred = hw.with_(gemm_efficiency=tuple((x, y / scale) for x, y in hw.gemm_efficiency),
                                    name=f"{hw.name}-fit")
-                plan = build_plan(CONFIGS[name][0], model, hw_pred, wl, CONFIGS[name][1])
+                plan = windowed(build_plan(CONFIGS[name][0], model, hw_pred, wl, CONFIGS[name][1]))
                 check_plan(plan, args.device, budget)
             t0 = time.perf_counter()
             # warm-up: the same policy for 2 tokens (prefill + 1 decode step) loads kernels, picks GEMM algorithms
             # and settles the allocator; not measured
             pol, st = CONFIGS[name]
-            warm = build_plan(pol, model, hw_pred, wl.with_(gen_len=2), st)
+            warm = windowed(build_plan(pol, model, hw_pred, wl.with_(gen_len=2), st))
             run_plan(warm, weights, args.device, seed=1, gpu_budget_bytes=budget, host_kv_pool=kv_pool)
             warm_s = time.perf_counter() - t0
             meta = {"hardware": args.hardware, "gpu_mem_gb": args.budget_gb, "fit": name in FITS, **prov}
