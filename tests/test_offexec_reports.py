@@ -69,3 +69,18 @@ def test_runs_table_readme_is_generated_from_its_logs(tmp_path):
     import pytest
     with pytest.raises(SystemExit, match="no `offexec run` result lines"):
         RT.runs(empty)
+
+
+def test_write_readme_shows_the_windows_only_where_a_run_was_given_others(tmp_path):
+    """A folder whose runs carry another ``run_ahead`` than the plans' default (`h200 --run-ahead`) gets a column
+    with each run's windows; runs at the default (or from before the field) get none."""
+    work = tmp_path / "now"
+    shutil.copytree(OFFEXEC / "h200_0b8e77a", work)
+    assert "run-ahead" not in W.write(work, None).read_text()
+    f = work / "p512_g32" / "offexec_h200.json"
+    d = json.loads(f.read_text())
+    d["runs"][0]["run_ahead"] = [2, 6, 16]
+    f.write_text(json.dumps(d))
+    rows = _table(W.write(work, None).read_text().split("### `p512_g32`")[1])
+    assert "run-ahead (compute, h2d, d2h)" in rows[0]
+    assert rows[2].rstrip(" |").endswith("2 6 16") and rows[3].rstrip(" |").endswith("16 6 16")

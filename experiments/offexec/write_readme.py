@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from experiments.common import provenance
+from offsim.core.plan import RUN_AHEAD_OPS
 
 GiB = 2 ** 30
 ISSUE_FRAC_MAX = 0.05  # issue 14: host issue <= 5 % of the run
@@ -36,6 +37,10 @@ def _table(runs) -> str:
     head = ["config", "fit", "N_r", "prefill tok/s (offsim)", "decode tok/s (offsim)", "total tok/s (offsim)",
             "decode error", "total error", "% of link bound", "host issue % of run", "GPU idle on the host",
             "GPU peak GiB"]
+    # the flow-control windows, where a run was given other than the plans' default (`h200 --run-ahead`)
+    windows = any(r.get("run_ahead", list(RUN_AHEAD_OPS)) != list(RUN_AHEAD_OPS) for _, _, r in runs)
+    if windows:
+        head.append("run-ahead (compute, h2d, d2h)")
     rows = []
     for _, d, r in runs:
         m, p, e = r["measured"], r["predicted"], r["error"]
@@ -49,6 +54,9 @@ def _table(runs) -> str:
                      f"{r['decode_link_bound_frac']:.1%}", f"{r['issue_frac']:.1%}",
                      f"{r['host_bound_idle_frac']:.2%}" if r.get("host_bound_idle_frac") is not None else "",
                      f"{r['peak_gpu_reserved_bytes'] / GiB:.2f}"])
+        if windows:
+            w = r.get("run_ahead", list(RUN_AHEAD_OPS))  # (runs before the field: the default)
+            rows[-1].append("unbounded" if w is None else " ".join(map(str, w)))
     return "\n".join(["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
                      + ["| " + " | ".join(x) + " |" for x in rows])
 
