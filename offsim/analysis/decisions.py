@@ -9,7 +9,6 @@ import pandas as pd
 
 from offsim.core.specs import HardwareSpec, ModelSpec, Workload
 from offsim.policies.tightllm import policy as t
-from offsim.policies.tightllm.kv_distributor import distributor
 
 
 def tightllm_nr_vs_context(model: ModelSpec, hw: HardwareSpec, settings: dict, gpu_batch_size: int,
@@ -36,7 +35,7 @@ def tightllm_balance(model: ModelSpec, hw: HardwareSpec, settings: dict, wl: Wor
     # the very problem the plan generator solves for this batch and context (placement, weight slice, memory caps)
     d = t.decision_for(model, hw, wl, st, ctx_tokens, batch_index)
     mem_hi = -1 if d.mem_hi is None else d.mem_hi
-    kvd = distributor(model, hw, st.transfer_model, t.compression_of(st), wl.padded, wl.max_len)  # the plan's own
+    kvd = t.kv_distributor_of(model, hw, wl, st)  # the plan's own
     chosen = kvd.decide(d, st.kv_solver)
     top = ctx_tokens if mem_hi < 0 else min(mem_hi, ctx_tokens)
     top = top if d.hi is None else min(top, d.hi)

@@ -200,6 +200,12 @@ def kv_work_buffers_bytes(model: ModelSpec, wl: Workload, lay: Layout, comp: Com
                for h in (lay.kv_cpu_heads, lay.kv_disk_heads))
 
 
+def kv_distributor_of(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLMSettings):
+    """The KV distributor a plan of these settings asks (``kv_distributor.distributor``, shared and memoised): its
+    transfer model and compression, the workload's padded-batch masking and KV buffer length."""
+    return distributor(model, hw, st.transfer_model, compression_of(st), wl.padded, wl.max_len)
+
+
 def recompute_memory_cap(model: ModelSpec, wl: Workload, lay: Layout, free_gpu_bytes: int, ctx_tokens: int,
                          comp: Compression = NO_COMPRESSION) -> int:
     """The largest N_r whose decode step fits: the op peak of a layer over (N_r + 1)·batch tokens at a context of
@@ -286,7 +292,7 @@ def recompute_tokens(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: Tight
         return table  # nothing is loaded, so nothing to trade
     if free_gpu_bytes is None:
         free_gpu_bytes = free_gpu_bytes_of(model, hw, wl, lay, compression_of(st), stages_of(model, st))
-    kvd = distributor(model, hw, st.transfer_model, compression_of(st), wl.padded, wl.max_len)
+    kvd = kv_distributor_of(model, hw, wl, st)
     decisions: dict[tuple[int, int], Decision] = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", KVDistributorWarning)
@@ -747,7 +753,7 @@ def estimate_seconds_per_token(model: ModelSpec, hw: HardwareSpec, wl: Workload,
     gbs, P = wl.gpu_batch_size, wl.prompt_len
     off_heads = lay.kv_cpu_heads + lay.kv_disk_heads
     cz = compression_of(st)
-    kvd = distributor(model, hw, st.transfer_model, cz, wl.padded, wl.max_len)
+    kvd = kv_distributor_of(model, hw, wl, st)
     mid = P + wl.gen_len // 2 - 1
     pre = dec = 0.0
     for k in range(wl.num_gpu_batches):
