@@ -1,0 +1,113 @@
+"""What one eager call costs the issuing thread on the GPU machine (issue 14's host issue time).
+
+TightLLM's eager layer ops cost the issuing thread 0.45 to 1.3 ms each in runs of the same plan
+(results/offexec/runahead_*), a few dozen microseconds per kernel where a small kernel's launch costs 7-10 us. This
+times, on the host (wall and thread CPU time, microseconds per call), the calls such an op makes at OPT-30B's
+decode and recompute shapes -- ``F.linear`` with and without bias, the attention ``F.scaled_dot_product_attention``
+with a lower-right causal mask, a KV row copy -- with the GPU idle and with the GPU busy far ahead (a long kernel
+queued first, as in a run whose host is ahead of its GPU), and how many launches the host can queue behind a busy
+GPU before a launch blocks (the depth of CUDA's launch queue).
+
+    python -m experiments.offexec.launch_cost [--out FILE.json]
+
+Run it once as is and once with ``DISABLE_ADDMM_CUDA_LT=1`` (PyTorch reads it once per process: linear with bias
+through cuBLAS instead of cuBLASLt's fused bias epilogue, which asks cuBLASLt for an algorithm at every call).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from experiments.common import provenance
+
+
+def _time(fn, n: int, busy_s: float) -> dict:
+    """Host wall and CPU microseconds per call of ``fn`` over ``n`` calls; with ``busy_s`` > 0 a kernel of that
+    length is queued first, so every call is issued behind a busy GPU."""
+    torch.cuda.synchronize()
+    if busy_s:
+        torch.cuda._sleep(int(busy_s * 2e9))  # ~2 GHz cycles
+    w0, c0 = time.perf_counter(), time.thread_time()
+    for _ in range(n):
+        fn()
+    w1, c1 = time.perf_counter(), time.thread_time()
+    torch.cuda.synchronize()
+    return {"wall_us": (w1 - w0) / n * 1e6, "cpu_us": (c1 - c0) / n * 1e6}
+
+
+def queue_depth(max_launches: int = 4096, busy_s: float = 2.0) -> dict:
+    """Launch tiny kernels behind a long one and record when a launch first takes more than 1 ms of wall time:
+    the launches CUDA queues before the host blocks."""
+    x = torch.zeros(16, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(busy_s * 2e9))
+    blocked_at, lat = None, []
+    for i in range(max_launches):
+        t = time.perf_counter()
+        x.add_(1.0)
+        dt = time.perf_counter() - t
+        lat.append(dt)
+        if dt > 1e-3 and blocked_at is None:
+            blocked_at = i
+            break
+    torch.cuda.synchronize()
+    lat_us = sorted(v * 1e6 for v in lat[:-1] or lat)
+    return {"blocked_at_launch": blocked_at, "median_launch_us": lat_us[len(lat_us) // 2],
+            "launches_tried": len(lat)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--calls", type=int, default=200)
+    args = ap.parse_args(argv)
+    dev, dt = torch.device("cuda"), torch.float16
+    E, B = 7168, 16  # OPT-30B's hidden size, the 16-sequence GPU batch
+    H, D = 56, 128
+    w = torch.randn(E, E, device=dev, dtype=dt) * 0.02
+    w4 = torch.randn(4 * E, E, device=dev, dtype=dt) * 0.02
+    bias, bias4 = torch.zeros(E, device=dev, dtype=dt), torch.zeros(4 * E, device=dev, dtype=dt)
+    rows = {}
+    for q in (1, 8, 254):
+        x = torch.randn(B, q, E, device=dev, dtype=dt)
+        rows[f"linear_bias q={q}"] = lambda x=x: F.linear(x, w, bias)
+        rows[f"linear q={q}"] = lambda x=x: F.linear(x, w)
+        rows[f"fc1_bias q={q}"] = lambda x=x: F.linear(x, w4, bias4)
+        rows[f"layer_norm q={q}"] = lambda x=x: F.layer_norm(x, (E,), bias, bias)
+        C = 512 + q
+        qq = torch.randn(B, H, q, D, device=dev, dtype=dt)
+        kk = torch.randn(B, H, C, D, device=dev, dtype=dt)
+        mask = None if q == 1 else causal_lower_right(q, C)
+        rows[f"sdpa q={q} ctx={C}"] = lambda qq=qq, kk=kk, mask=mask: F.scaled_dot_product_attention(
+            qq, kk, kk, attn_mask=mask)
+        buf = torch.zeros(1024, 2, B, H, D, device=dev, dtype=dt)
+        kn = torch.randn(B, q, H, D, device=dev, dtype=dt)
+        rows[f"kv_row_copy q={q}"] = lambda buf=buf, kn=kn, q=q: buf[512:512 + q, 0].copy_(kn.transpose(0, 1))
+    tiny = torch.zeros(16, device=dev)
+    rows["add_ tiny"] = lambda: tiny.add_(1.0)
+    out = {"provenance": provenance(), "env": {"DISABLE_ADDMM_CUDA_LT": os.environ.get("DISABLE_ADDMM_CUDA_LT")},
+           "calls": args.calls, "rows": {}}
+    for name, fn in rows.items():
+        for _ in range(5):
+            fn()  # warm: kernels loaded, algorithms chosen
+        idle = _time(fn, args.calls, 0.0)
+        busy = _time(fn, args.calls, 1.0)
+        out["rows"][name] = {"idle": idle, "busy": busy}
+        print(f"{name:28s} idle {idle['wall_us']:8.1f} us wall {idle['cpu_us']:8.1f} cpu | "
+              f"busy {busy['wall_us']:8.1f} wall {busy['cpu_us']:8.1f} cpu", flush=True)
+    out["queue"] = queue_depth()
+    print("launch queue:", out["queue"], flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
