@@ -1123,3 +1123,38 @@ def test_profile_decode_graph_attention_on_the_cpu(tmp_path, capsys):
     assert [r for r in d["op_times"] if r not in new] == [r for r in json.loads(json.dumps(d0["op_times"]))]
     assert d["sustained_compute_fraction"] == d0["sustained_compute_fraction"]
     assert "decode_graph_attention_tables" in d["provenance"]
+
+
+def test_extend_rows_appends_only_points_past_the_base_curve(tmp_path):
+    """experiments.validation.extend_rows: a re-measured curve's points past the base's last one are appended (the
+    mean where two parts measured them); the base's own points, and rows of other modes or parts, are kept; the
+    cost model then reads the measured long point instead of extrapolating."""
+    from experiments.validation.extend_rows import main
+
+    base_rows = [[KEY, "cpu", "attn_ctx:4", [[22.5, 1e-3], [518.5, 4e-3]]], [KEY, "cpu", "attn", [[1.0, 1e-4]]]]
+    base = {**H200.with_(op_times=()).to_dict(), "op_times": base_rows}
+    part = lambda short, long: {**base, "op_times": [  # noqa: E731
+        [KEY, "cpu", "attn_ctx:4", [[22.5, short], [518.5, 9e-3], [2042.5, long]]],
+        [KEY, "cpu", "attn", [[1.0, 5e-4], [4.0, 6e-4]]]]}
+    paths = []
+    for i, (s, lg) in enumerate(((2e-3, 10e-3), (3e-3, 12e-3))):
+        paths.append(tmp_path / f"p{i}.json")
+        paths[-1].write_text(json.dumps(part(s, lg)))
+    out = tmp_path / "ext.json"
+    assert main(["--base", str(tmp_path / "b.json"), "--part", str(paths[0]), "--out", str(out)]) == 2  # unreadable
+    (tmp_path / "b.json").write_text(json.dumps(base))
+    assert main(["--base", str(tmp_path / "b.json"), "--part", str(paths[0]), "--part", str(paths[1]),
+                 "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    rows = {tuple(r[:3]): r[3] for r in d["op_times"]}
+    assert rows[(KEY, "cpu", "attn_ctx:4")] == [[22.5, 1e-3], [518.5, 4e-3], [2042.5, pytest.approx(11e-3)]]
+    assert rows[(KEY, "cpu", "attn")] == [[1.0, 1e-4]]  # another part: untouched
+    assert "extended_rows" in d["provenance"]
+    hw = HardwareSpec.from_dict(d)
+    assert C.cpu_attention_seconds(M, hw, 4, 1, 2042) == pytest.approx(11e-3, rel=1e-3)
+    # a part with nothing past the base's curve: refused, nothing written
+    (tmp_path / "same.json").write_text(json.dumps(base))
+    with pytest.raises(SystemExit, match="nothing to extend"):
+        main(["--base", str(tmp_path / "b.json"), "--part", str(tmp_path / "same.json"), "--out",
+              str(tmp_path / "none.json")])
+    assert not (tmp_path / "none.json").exists()
