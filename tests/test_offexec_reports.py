@@ -84,3 +84,21 @@ def test_write_readme_shows_the_windows_only_where_a_run_was_given_others(tmp_pa
     rows = _table(W.write(work, None).read_text().split("### `p512_g32`")[1])
     assert "run-ahead (compute, h2d, d2h)" in rows[0]
     assert rows[2].rstrip(" |").endswith("2 6 16") and rows[3].rstrip(" |").endswith("16 6 16")
+
+
+def test_window_predict_tabulates_the_most_host_bound_calibration_plan(tmp_path):
+    """experiments.offexec.window_predict: the most host-bound calibration case re-simulated at two windows, its
+    measured issue and the commands to measure it; a malformed window is refused by argparse."""
+    import pytest
+
+    from experiments.offexec import window_predict as WP
+
+    out = tmp_path / "w.md"
+    assert WP.main(["--out", str(out), "--cases", "1", "--windows", "16,6,16", "2,6,16"]) == 0
+    text = out.read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| ") and "%" in line)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert len(cells) == 6 and cells[-1].endswith("%")  # case, issue, measured, two predictions, their ratio
+    assert text.count("offexec run --plan") == 2 and "--run-ahead 2 6 16" in text
+    with pytest.raises(SystemExit):
+        WP.main(["--out", str(out), "--windows", "2,6"])
