@@ -62,6 +62,35 @@ def queue_depth(max_launches: int = 4096, busy_s: float = 2.0) -> dict:
             "launches_tried": len(lat)}
 
 
+def interleaved_rows(dev, dt, E: int, B: int) -> dict:
+    """Calls as a run issues them: a linear on the compute stream after a switch from the copy streams and a wait
+    on a copy's event (as ``Executor`` issues an op after its weights' H2D), against the same linear with no
+    switch -- whether a stream switch or a cross-stream wait makes the launches after it dearer, which the
+    single-stream rows above cannot show."""
+    compute, h2d = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    x = torch.randn(B, 254, E, device=dev, dtype=dt)
+    w = torch.randn(E, E, device=dev, dtype=dt) * 0.02
+    src = torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(1 << 20, dtype=torch.uint8, device=dev)
+    ev = torch.cuda.Event()
+
+    def switched():
+        torch.cuda.set_stream(h2d)
+        dst.copy_(src, non_blocking=True)
+        ev.record(h2d)
+        torch.cuda.set_stream(compute)
+        compute.wait_event(ev)
+        F.linear(x, w)
+
+    def same_stream():
+        torch.cuda.set_stream(compute)
+        dst.copy_(src, non_blocking=True)
+        ev.record(compute)
+        F.linear(x, w)
+
+    return {"copy+wait+linear, 2 streams": switched, "copy+linear, 1 stream": same_stream}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="write the results as JSON here")
@@ -91,6 +120,7 @@ def main(argv=None) -> int:
         rows[f"kv_row_copy q={q}"] = lambda buf=buf, kn=kn, q=q: buf[512:512 + q, 0].copy_(kn.transpose(0, 1))
     tiny = torch.zeros(16, device=dev)
     rows["add_ tiny"] = lambda: tiny.add_(1.0)
+    rows.update(interleaved_rows(dev, dt, E, B))
     out = {"provenance": provenance(), "env": {"DISABLE_ADDMM_CUDA_LT": os.environ.get("DISABLE_ADDMM_CUDA_LT")},
            "calls": args.calls, "rows": {}}
     for name, fn in rows.items():
