@@ -160,9 +160,9 @@ def gpu_need(prog: Program, plan: Plan) -> dict[str, int]:
     values (hidden states, Q/K/V, attention outputs) live at once in plan order, and op transients the largest
     compute op's peak beyond its output. The decode graphs are sized for the plan's longest graphed op. Compressed
     weights: stored sizes plus the fp16 working copy of the largest unit."""
-    gq = plan.graph_q_tokens
-    longest = max((op.q_tokens for op in plan.ops if gq and costmodel.graphed(op.kind, op.part, op.q_tokens,
-                                                                               op.phase, gq)), default=1)
+    gq, eager = plan.graph_q_tokens, costmodel.eager_graph_shapes(plan)
+    longest = max((op.q_tokens for op in plan.ops if costmodel.op_graphed(op.kind, op.part, op.q_tokens, op.phase,
+                                                                          gq, eager)), default=1)
     return fp.executor_gpu_bytes(plan.model, plan.workload, plan.weight_split, plan.kv_split, prog.pool_peak,
                                  prog.gpu_value_peak_bytes, op_transient_bytes(plan, prog), longest,
                                  compression_of(plan), None not in prog.units,
@@ -512,6 +512,7 @@ class Executor:
             pool.reserve(p.pool_peak.get(name, 0), self.arena)
         if self.arena.used != self.arena.nbytes:
             raise ExecError(f"GPU arena: {self.arena.used} of {self.arena.nbytes} bytes taken (a bug)")
+        self.eager_shapes = costmodel.eager_graph_shapes(self.plan)  # graphable, but too few steps to pay a capture
         if self.graph_mode != "off":
             self.graphs = DecodeGraphs(dev, self.cap, self.graph_mode, max(1, self.plan.graph_q_tokens))
             for g in ("cpu", "disk"):  # a graph attends over whole buffers: no NaN in a masked position
@@ -634,6 +635,8 @@ class Executor:
              "cuda_graphs": self.graph_mode == "cuda" and self.graphs is not None}
         if m["cuda_graphs"]:
             m["graph_max_q_tokens"] = self.plan.graph_max_q_tokens  # offsim prices issue as the run replayed
+            if self.plan.graph_min_uses != 1:
+                m["graph_min_uses"] = self.plan.graph_min_uses
         if self.plan.disk_cached:
             m["disk_cached"] = True
         m["run_ahead"] = None if self.plan.run_ahead is None else list(self.plan.run_ahead)  # its flow control
@@ -1152,8 +1155,8 @@ class Executor:
         ``body(*static_inputs, kv_buffers)`` is the op's math on the graphs' static inputs; the graph is keyed by
         the addresses it bakes in: the layer's weights (a slot's address, or the resident views) and the KV buffers
         it attends over. ``out(result)``: what the op leaves as its value (default: the result itself)."""
-        if self.graphs is None or not costmodel.graphed(op.kind, op.part, op.q_tokens, op.phase,
-                                                        self.plan.graph_q_tokens):
+        if self.graphs is None or not costmodel.op_graphed(op.kind, op.part, op.q_tokens, op.phase,
+                                                           self.plan.graph_q_tokens, self.eager_shapes):
             return False
         bufs = self._kv_buffers(op, args) if op.part in ("layer", "attn_layer") else []
         slot = self.vals[args["w"]].data_ptr() if "w" in args else None

@@ -305,9 +305,16 @@ def add_runtime_args(p: argparse.ArgumentParser, simulated: bool) -> None:
     p.add_argument("--run-ahead", nargs=3, type=positive_int, metavar=("COMPUTE", "H2D", "D2H"), default=None,
                    help="ops the issuing thread may have outstanding on the compute, host-to-device and "
                         f"device-to-host streams (the plan's run_ahead; default {' '.join(map(str, RUN_AHEAD_OPS))})"
-                        + (", as `offexec run --run-ahead`" if simulated else "") + ". Long compute ops need few "
-                        "ahead: on the H200, TightLLM's OPT-30B recompute ops (~8 ms) issued 2 ahead instead of 16 "
-                        "took half the host time at the same decode rate (results/offexec/runahead_b76e16a)")
+                        + (", as `offexec run --run-ahead`" if simulated else "") + ". On the H200, 2 compute ops "
+                        "ahead instead of 16 issued less on every OPT-30B run of results/offexec/runahead2_b450f9a at "
+                        "the same decode rates; offsim predicts it up to 5 %% slower on host-bound small-model plans "
+                        "(results/offexec/runahead2_b450f9a/window_predict.md)")
+    p.add_argument("--graph-min-uses", type=positive_int, default=None, metavar="N",
+                   help="run a graphable decode shape (part, query tokens) eagerly when the plan meets it at fewer "
+                        "than N decode steps: a graph captured for one or two replays costs the issuing thread more "
+                        "than it saves, as TightLLM's recompute lengths that last a step (the plan's graph_min_uses; "
+                        "default 1: every graphable op graphed)" + (", as `offexec run --graph-min-uses`"
+                                                                    if simulated else ""))
 
 
 def apply_runtime_args(args, *plans) -> None:
@@ -322,6 +329,8 @@ def apply_runtime_args(args, *plans) -> None:
             p.cuda_graphs = False
         if getattr(args, "run_ahead", None):
             p.run_ahead = tuple(args.run_ahead)
+        if getattr(args, "graph_min_uses", None):
+            p.graph_min_uses = int(args.graph_min_uses)
 
 
 def shortfalls(plan: Plan) -> list[str]:

@@ -253,3 +253,21 @@ def test_set_takes_a_comma_separated_list_and_a_bad_percent_says_what_is_valid(c
         assert main(["simulate", "--model", "opt-30b", "--hardware", "t4", "--policy", "flexgen", "--set", bad]) == 2
         err = capsys.readouterr().err
         assert "six numbers" in err and "e.g. 20 80 0 100 100 0" in err and "Traceback" not in err
+
+
+def test_simulate_graph_min_uses_is_saved_with_the_plan(capsys, tmp_path):
+    """`offsim simulate --graph-min-uses N` writes the field into the plan it saves; a plan whose decode shapes are
+    all met at fewer steps than N is predicted as issued kernel by kernel (--no-cuda-graphs); 0 is refused."""
+    argv = ["simulate", "--model", "opt-125m", "--hardware", str(REPO / "results/profiles/h200_offexec.json"),
+            "--prompt-len", "32", "--gen-len", "16", "--gpu-batch-size", "2", "--num-gpu-batches", "2",
+            "--percent", "100", "0", "100", "0", "100", "0"]
+    tok_s = []
+    for i, extra in enumerate((["--graph-min-uses", "99"], ["--no-cuda-graphs"], [])):
+        assert main(argv + extra + ["--save-plan", str(tmp_path / f"p{i}.json")]) == 0
+        tok_s.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["decode_tok_s"])
+    assert json.loads((tmp_path / "p0.json").read_text())["graph_min_uses"] == 99
+    assert "graph_min_uses" not in json.loads((tmp_path / "p2.json").read_text())
+    assert tok_s[0] == pytest.approx(tok_s[1]) and tok_s[2] != pytest.approx(tok_s[0])
+    with pytest.raises(SystemExit) as e:
+        main(argv + ["--graph-min-uses", "0"])
+    assert e.value.code == 2 and "--graph-min-uses" in capsys.readouterr().err

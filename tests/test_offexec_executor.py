@@ -338,3 +338,32 @@ def test_host_bound_idle_counts_only_gaps_the_host_caused():
     assert host_bound_idle_s(plan, start, end, issued) == pytest.approx(0.2)
     issued[comp[2]] = 4.5  # issued late: the whole 2 s gap is the host's (never more than the gap itself)
     assert host_bound_idle_s(plan, start, end, issued) == pytest.approx(0.2 + 2.0)
+
+
+@pytest.mark.skipif("tightllm" not in POLICIES, reason="offsim.policies.tightllm not present")
+def test_graph_min_uses_runs_short_lived_recompute_shapes_eagerly():
+    """``Plan.graph_min_uses``: the executor sends through the graph path exactly the ops offsim counts as graphed
+    (``costmodel.op_graphed`` less ``eager_graph_shapes``) -- none when every shape is met at fewer steps -- and
+    the tokens, logits and stored KV still equal transformers'."""
+    from offsim.core import costmodel
+
+    hf, spec, w = _model("opt")
+    settings = CASES[-1][1]  # N_r = 4: recompute blocks of up to 5 query tokens, graphable
+    plan = build_plan("tightllm", spec, HW, Workload(PROMPT, GEN, 2, 2), settings)
+    shapes: dict = {}
+    for o in plan.ops:
+        if graphed(o.kind, o.part, o.q_tokens, o.phase, plan.graph_q_tokens):
+            shapes.setdefault((o.part, o.q_tokens), set()).add(o.step)
+    counts = sorted({len(s) for s in shapes.values()})
+    assert shapes  # recompute blocks of q = 5 at every decode step
+    for need in (counts[-1], counts[-1] + 1):
+        plan.graph_min_uses = need
+        eager = costmodel.eager_graph_shapes(plan)
+        through = [o for o in plan.ops if costmodel.op_graphed(o.kind, o.part, o.q_tokens, o.phase,
+                                                               plan.graph_q_tokens, eager)]
+        res = run_plan(plan, w, "cpu", _MODELS["opt"][3][:plan.workload.num_prompts], record_logits=True,
+                       keep_kv=True, graphs="static")
+        _check_against_transformers(hf, spec, plan, None, res)
+        assert res.stats["graphs"]["ops"] == len(through)
+        if need > counts[-1]:
+            assert not through  # every shape met at fewer steps: all eager

@@ -225,3 +225,32 @@ def test_stream_order_issue_switch(tiny_opt, t4, monkeypatch):
         for d in o.deps:
             if d in host and o.stream not in S.HOST_STREAMS:
                 assert df.at[o.id, "start_s"] >= df.at[d, "end_s"]
+
+
+def test_graph_min_uses_issues_short_lived_shapes_eagerly(tiny_opt, t4):
+    """``Plan.graph_min_uses``: a graphable decode shape (part, query tokens) met at fewer decode steps than that is
+    issued at the eager cost (``costmodel.eager_graph_shapes``); 1 (the default) graphs all as before; both engines
+    agree; the field survives a JSON round trip (left out at 1) and a bad value is refused."""
+    from offsim.core import costmodel
+    from offsim.core.plan import PlanError
+
+    hw = dataclasses.replace(t4, issue_compute_s=2e-3, issue_copy_s=1e-4, issue_graph_s=1e-4)
+    plan = build_plan("flexgen", tiny_opt, hw, Workload(8, 6, 2, 2), {"percent": (100, 0, 0, 100, 100, 0)})
+    steps = {o.step for o in plan.ops if costmodel.graphed(o.kind, o.part, o.q_tokens, o.phase)}
+    assert costmodel.eager_graph_shapes(plan) == frozenset()
+    assert "graph_min_uses" not in plan.to_dict()
+    totals = {}
+    for need in (1, len(steps), len(steps) + 1):
+        plan.graph_min_uses = need
+        same(plan, hw)
+        totals[need] = simulate(plan, hw).metrics()["total_s"]
+    assert totals[len(steps)] == totals[1]  # every shape is met at all decode steps: all still graphed
+    assert costmodel.eager_graph_shapes(plan)  # one more than there are steps: every shape eager
+    plan.cuda_graphs = False
+    assert totals[len(steps) + 1] == simulate(plan, hw).metrics()["total_s"] > totals[1]
+    plan.cuda_graphs = True
+    d = plan.to_dict()
+    assert d["graph_min_uses"] == len(steps) + 1 and Plan.from_dict(d).graph_min_uses == len(steps) + 1
+    d["graph_min_uses"] = 0
+    with pytest.raises(PlanError, match="graph_min_uses must be a positive integer"):
+        Plan.from_dict(d).validate()

@@ -222,6 +222,7 @@ def _as_ran(plan: Plan, meta: dict) -> Plan:
     reads as graphed; a run from before its trace recorded 'run_ahead' ran with the plan's."""
     plan.cuda_graphs = bool(meta.get("cuda_graphs", False))
     plan.graph_max_q_tokens = int(meta.get("graph_max_q_tokens", 1))  # runs before recompute graphs: one token
+    plan.graph_min_uses = int(meta.get("graph_min_uses", 1))  # (`offexec run --graph-min-uses`)
     plan.disk_cached = bool(meta.get("disk_cached", plan.disk_cached))
     if "run_ahead" in meta:  # (`offexec run --run-ahead`)
         plan.run_ahead = None if meta["run_ahead"] is None else tuple(meta["run_ahead"])

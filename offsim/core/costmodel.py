@@ -745,6 +745,29 @@ def graphed(kind: str, part: str, q_tokens: int, phase: str, max_q_tokens: int =
     return kind == "compute" and phase == "decode" and 1 <= q_tokens <= max_q_tokens and part in GRAPHED_PARTS
 
 
+def eager_graph_shapes(plan) -> frozenset:
+    """(part, query tokens) of the decode ops ``graphed`` allows that offexec nevertheless runs eagerly: those met at
+    fewer than ``Plan.graph_min_uses`` decode steps. Each (part, q, layer, batch) graph is captured where it first
+    runs and replayed at the later steps with that q, so a shape that lasts a step or two (a TightLLM recompute
+    length) pays its captures for few replays. Empty where ``graph_min_uses`` is 1 (every graphable op graphed, as
+    before the field). The simulator and the executor both read it (``op_graphed``)."""
+    need = getattr(plan, "graph_min_uses", 1)
+    gq = plan.graph_q_tokens
+    if need <= 1 or not gq:
+        return frozenset()
+    steps: dict[tuple, set] = {}
+    for op in plan.ops:
+        if graphed(op.kind, op.part, op.q_tokens, op.phase, gq):
+            steps.setdefault((op.part, op.q_tokens), set()).add(op.step)
+    return frozenset(k for k, st in steps.items() if len(st) < need)
+
+
+def op_graphed(kind: str, part: str, q_tokens: int, phase: str, graph_q_tokens: int, eager: frozenset) -> bool:
+    """``graphed``, less the shapes of ``eager_graph_shapes``: whether offexec replays this op of a plan as a graph."""
+    return bool(graph_q_tokens) and graphed(kind, part, q_tokens, phase, graph_q_tokens) \
+        and (part, q_tokens) not in eager
+
+
 def capture_extra_seconds(model: ModelSpec, hw: HardwareSpec, part: str, rows: int, first: bool,
                           flat_past_largest: bool = True) -> float:
     """What a graphed decode op costs beyond its replay the first time offexec meets it: it runs its static body

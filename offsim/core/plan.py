@@ -287,6 +287,9 @@ class Plan:
     # the longest decode op, in query tokens, that offexec replays as a graph (``costmodel.GRAPH_MAX_Q_TOKENS``):
     # TightLLM's short recomputes too. Plans and runs from before recompute graphs replayed one-token ops only (1)
     graph_max_q_tokens: int = GRAPH_MAX_Q_TOKENS
+    # a graph key (``costmodel.graph_key``) the plan uses fewer times than this runs eagerly (``costmodel.graphed_ops``):
+    # its capture would cost more than its replays save. 1: every graphable op is graphed (plans before the field)
+    graph_min_uses: int = 1
     # the runtime's flow control: how many ops its single issuing thread may have outstanding on the compute, h2d and
     # d2h streams (offexec's ``Executor`` reads it; before issuing an op it waits for the op this many places earlier
     # on the same stream to finish). The simulator models it (offsim.core.sim: the issuer). None: unbounded (an
@@ -400,6 +403,7 @@ class Plan:
                 "hidden_home": self.hidden_home, "derived": self.derived, "disk_cached": self.disk_cached,
                 "cuda_graphs": self.cuda_graphs, "graph_max_q_tokens": self.graph_max_q_tokens,
                 "run_ahead": None if self.run_ahead is None else list(self.run_ahead),
+                **({"graph_min_uses": self.graph_min_uses} if self.graph_min_uses != 1 else {}),
                 "op_fields": OP_FIELDS + DEVICE_FIELDS if multi else OP_FIELDS, "ops": rows, **extra}
 
     @classmethod
@@ -428,6 +432,7 @@ class Plan:
                        hidden_home=d["hidden_home"], ops=ops, derived=d.get("derived", {}),
                        disk_cached=d.get("disk_cached", False), cuda_graphs=d.get("cuda_graphs", True),
                        graph_max_q_tokens=d.get("graph_max_q_tokens", 1),
+                       graph_min_uses=d.get("graph_min_uses", 1),
                        run_ahead=_run_ahead(d.get("run_ahead", list(RUN_AHEAD_OPS))),
                        stages=[dict(st) for st in stages], nodes=[dict(x) for x in d.get("nodes", [])],
                        weight_gather_copies=d.get("weight_gather_copies", 0),
@@ -499,6 +504,9 @@ class Plan:
         if isinstance(self.graph_max_q_tokens, bool) or not isinstance(self.graph_max_q_tokens, int) \
                 or self.graph_max_q_tokens < 1:
             raise PlanError(f"plan: graph_max_q_tokens must be a positive integer, got {self.graph_max_q_tokens!r}")
+        if isinstance(self.graph_min_uses, bool) or not isinstance(self.graph_min_uses, int) \
+                or self.graph_min_uses < 1:
+            raise PlanError(f"plan: graph_min_uses must be a positive integer, got {self.graph_min_uses!r}")
         ra = self.run_ahead
         if ra is not None and (not isinstance(ra, tuple) or len(ra) != 3
                                or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in ra)):

@@ -143,7 +143,8 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
     # it is issued. With an ideal runtime (zero issue cost, no run-ahead window) this is a no-op.
     has_cost = _prices_issue(hw)
     relay = plan.pageable_copy == "relay"
-    costs = [costmodel.issue_seconds(o, hw, plan.graph_q_tokens, model, relay) for o in ops] if has_cost else None
+    gq_of = _issue_graph_q(plan)
+    costs = [costmodel.issue_seconds(o, hw, gq_of(o), model, relay) for o in ops] if has_cost else None
     if costs is not None:  # a capture is host work: the issuing thread records the graph (as ``simulate``)
         for i, extra in captures.items():
             costs[i] += extra
@@ -208,7 +209,7 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
             yield from issue(i)
 
     gate_s = _host_gates(is_host, blocks, [op.deps for op in ops],
-                         lambda i: costmodel.issue_seconds(ops[i], hw, plan.graph_q_tokens, model, relay)) \
+                         lambda i: costmodel.issue_seconds(ops[i], hw, gq_of(ops[i]), model, relay)) \
         if has_cost else None
 
     def stream(stream_ops):
@@ -308,10 +309,26 @@ def _op_pricer(plan: Plan, model, hw: HardwareSpec):
               cpu_attention_impl=plan.cpu_attention_impl, pageable_copy=plan.pageable_copy,
               quant_impl=plan.quant_impl, masked=plan.workload.padded, kv_len=plan.workload.max_len)
 
-    def price(op, other_busy_s: float = 0.0) -> float:
-        return costmodel.op_seconds(op, model, hw, other_busy_s, **kw)
+    eager = costmodel.eager_graph_shapes(plan)
+    if not eager:
+        def price(op, other_busy_s: float = 0.0) -> float:
+            return costmodel.op_seconds(op, model, hw, other_busy_s, **kw)
 
-    return price
+        return price
+    kw_eager = {**kw, "graph_q_tokens": 0}  # a shape the plan runs eagerly (``Plan.graph_min_uses``)
+
+    def price_some_eager(op, other_busy_s: float = 0.0) -> float:
+        eager_op = (getattr(op, "part", ""), getattr(op, "q_tokens", 0)) in eager
+        return costmodel.op_seconds(op, model, hw, other_busy_s, **(kw_eager if eager_op else kw))
+
+    return price_some_eager
+
+
+def _issue_graph_q(plan: Plan):
+    """``gq(op)``: the graph_q_tokens ``costmodel.issue_seconds`` takes for one of ``plan``'s ops -- the plan's, or 0
+    for a shape it runs eagerly (``costmodel.eager_graph_shapes``)."""
+    gq, eager = plan.graph_q_tokens, costmodel.eager_graph_shapes(plan)
+    return lambda op: 0 if (getattr(op, "part", ""), getattr(op, "q_tokens", 0)) in eager else gq
 
 
 def _capture_extras(plan: Plan, rows: list, hw: HardwareSpec) -> dict[int, float]:
@@ -330,12 +347,13 @@ def _capture_extras(plan: Plan, rows: list, hw: HardwareSpec) -> dict[int, float
     if not gq or not hw.op_times or costmodel.op_table(hw, plan.model, "capture", "first") is None:
         return {}
     seen, seen_q, out = set(), set(), {}
+    eager = costmodel.eager_graph_shapes(plan)
     for i, r in enumerate(rows):
         if r[0] != "compute":
             continue
         kw = r[6]
         part, q = kw.get("part", ""), kw.get("q_tokens", 0)
-        if not costmodel.graphed("compute", part, q, r[2], gq):
+        if not costmodel.op_graphed("compute", part, q, r[2], gq, eager):
             continue
         key = (part, q, r[4], r[5] if part in ("layer", "attn_layer") else -1)
         if key in seen:
@@ -610,20 +628,22 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
         part_rows = any(m == "issue" and ":" in part for _, m, part, _ in (hw.op_times or ()))
         comp_s: dict[tuple, float] = {}  # (part, q, phase, sequences) -> a compute op's cost (its part's row)
 
+        eager = costmodel.eager_graph_shapes(plan)  # shapes run eagerly (``Plan.graph_min_uses``)
+
         def compute_issue(r) -> float:
             g = r[6].get
             k = (g("part", ""), g("q_tokens", 0), r[2], g("num_seqs", 1))
             c = comp_s.get(k)
             if c is None:
                 c = comp_s[k] = costmodel.issue_seconds(_KindOnly("compute", k[0], k[1], k[2], num_seqs=k[3]), hw,
-                                                        graph_q, model)
+                                                        0 if k[:2] in eager else graph_q, model)
             return c
 
         if part_rows:  # the profile prices each part's compute ops apart ('issue', 'graph:PART' / 'eager:PART')
             costs = [compute_issue(r) if r[0] == "compute" else copy_issue(r) for r in rows]
         else:
-            costs = [(graph_s if graph_q and costmodel.graphed(r[0], r[6].get("part", ""),
-                                                               r[6].get("q_tokens", 0), r[2], graph_q)
+            costs = [(graph_s if costmodel.op_graphed(r[0], r[6].get("part", ""), r[6].get("q_tokens", 0), r[2],
+                                                      graph_q, eager)
                       else compute_s) if r[0] == "compute" else copy_issue(r) for r in rows]
         for i, extra in captures.items():  # a capture is host work: the issuing thread records the graph
             costs[i] += extra
