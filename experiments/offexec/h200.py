@@ -36,7 +36,7 @@ from offexec.memory import HostBuffer
 from offexec.weights import random_weights
 from offsim import POLICIES, Workload, build_plan, get_hardware, get_model, simulate
 from offsim.analysis.validate import case_from_trace, save_case
-from offsim.cli import positive_int
+from offsim.cli import apply_runtime_args, positive_int
 
 GiB = 1 << 30
 TARGET_PERCENT = (20, 80, 0, 100, 100, 0)  # FlexGen's placement of the run in docs/anchors.md §2
@@ -182,9 +182,8 @@ def main(argv=None) -> int:
                     help="every plan's run_ahead (as `offexec run --run-ahead`); default: each plan's own")
     args = ap.parse_args(argv)
 
-    def windowed(plan):
-        if args.run_ahead:
-            plan.run_ahead = tuple(args.run_ahead)
+    def windowed(plan):  # --run-ahead on every plan, as `offexec run` sets it
+        apply_runtime_args(args, plan)
         return plan
 
     cuda = args.device == "cuda"

@@ -13,14 +13,12 @@ on a GPU machine.
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
-import gzip
-import json
 from pathlib import Path
 
 from experiments.common import provenance
 from offsim import get_hardware, simulate
+from offsim.core.io import read_commented_csv, read_json_object
 from offsim.core.plan import Plan
 
 CALIB = Path("results/validation/h200_calib")
@@ -44,9 +42,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", type=int, default=6, help="how many of the most host-bound calibration cases")
     ap.add_argument("--windows", type=_windows, nargs="+", default=[(16, 6, 16), (4, 6, 16), (2, 6, 16)])
     args = ap.parse_args(argv)
-    rows = [r for r in csv.DictReader(line for line in REPORT.open() if not line.startswith("#"))
-            if r["measured_issue_frac"]]
-    rows.sort(key=lambda r: -float(r["measured_issue_frac"]))
+    _, report = read_commented_csv(REPORT, "validation report")
+    rows = report.dropna(subset=["measured_issue_frac"]).sort_values("measured_issue_frac", ascending=False)
+    rows = rows.to_dict("records")
     head = ["case", "measured host issue", "measured total tok/s"] + \
         [f"offsim total tok/s, window {w[0]}" for w in args.windows] + \
         [f"window {w[0]} / {args.windows[0][0]}" for w in args.windows[1:]]
@@ -54,8 +52,8 @@ def main(argv=None) -> int:
     cmds = []
     for r in rows[:args.cases]:
         case = r["case"]
-        meta = json.loads((CALIB / f"{case}.case.json").read_text())["meta"]
-        plan = Plan.from_dict(json.loads(gzip.open(CALIB / f"{case}.plan.json.gz").read()))
+        meta = read_json_object(CALIB / f"{case}.case.json", "case")["meta"]
+        plan = Plan.load(CALIB / f"{case}.plan.json.gz")
         hw = get_hardware(PROFILE, gpu_mem_gb=meta.get("gpu_mem_gb", 16))
         tps = [simulate(dataclasses.replace(plan, run_ahead=w), hw, check_memory=False).metrics()["total_tok_s"]
                for w in args.windows]

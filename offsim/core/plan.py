@@ -287,8 +287,9 @@ class Plan:
     # the longest decode op, in query tokens, that offexec replays as a graph (``costmodel.GRAPH_MAX_Q_TOKENS``):
     # TightLLM's short recomputes too. Plans and runs from before recompute graphs replayed one-token ops only (1)
     graph_max_q_tokens: int = GRAPH_MAX_Q_TOKENS
-    # a graph key (``costmodel.graph_key``) the plan uses fewer times than this runs eagerly (``costmodel.graphed_ops``):
-    # its capture would cost more than its replays save. 1: every graphable op is graphed (plans before the field)
+    # a graphable decode shape (part, query tokens) met at fewer decode steps than this runs eagerly
+    # (``costmodel.eager_graph_shapes``): its captures would cost more than their replays save. 1: every graphable op
+    # is graphed (plans before the field)
     graph_min_uses: int = 1
     # the runtime's flow control: how many ops its single issuing thread may have outstanding on the compute, h2d and
     # d2h streams (offexec's ``Executor`` reads it; before issuing an op it waits for the op this many places earlier
