@@ -5,7 +5,8 @@ TightLLM's eager layer ops cost the issuing thread 0.45 to 1.3 ms each in runs o
 times, on the host (wall and thread CPU time, microseconds per call), the calls such an op makes at OPT-30B's
 decode and recompute shapes -- ``F.linear`` with and without bias, the attention ``F.scaled_dot_product_attention``
 with a lower-right causal mask, a KV row copy -- with the GPU idle and with the GPU busy far ahead (a long kernel
-queued first, as in a run whose host is ahead of its GPU), and how many launches the host can queue behind a busy
+queued first, as in a run whose host is ahead of its GPU), with the link saturated in either direction by queued
+pinned copies (as a link-bound run's weight stream keeps it), and how many launches the host can queue behind a busy
 GPU before a launch blocks (the depth of CUDA's launch queue).
 
     python -m experiments.offexec.launch_cost [--out FILE.json]
@@ -27,10 +28,36 @@ from torch.nn.attention.bias import causal_lower_right
 from experiments.common import provenance
 
 
-def _time(fn, n: int, busy_s: float) -> dict:
+class LinkLoad:
+    """Pinned copies queued on a stream of their own, enough to keep one direction of the link saturated for
+    ``seconds`` (at ~53 GB/s) while calls are timed -- as a run's weight stream keeps H2D busy 99 % of decode.
+    Queued from the timing thread before the clock starts: no second host thread competes for the CPU or the GIL
+    (``issue_under_load`` loaded the link from a thread of its own and reached 7 GB/s, not the run's 53)."""
+    CHUNK = 256 << 20
+
+    def __init__(self, direction: str):
+        self.direction = direction
+        self.host = torch.empty(self.CHUNK, dtype=torch.uint8, pin_memory=True)
+        self.dev = torch.empty(self.CHUNK, dtype=torch.uint8, device="cuda")
+        self.stream = torch.cuda.Stream()
+
+    def start(self, seconds: float) -> None:
+        n = max(1, int(seconds * 53e9 / self.CHUNK))
+        with torch.cuda.stream(self.stream):
+            for _ in range(n):
+                if self.direction == "h2d":
+                    self.dev.copy_(self.host, non_blocking=True)
+                else:
+                    self.host.copy_(self.dev, non_blocking=True)
+
+
+def _time(fn, n: int, busy_s: float, load: LinkLoad | None = None) -> dict:
     """Host wall and CPU microseconds per call of ``fn`` over ``n`` calls; with ``busy_s`` > 0 a kernel of that
-    length is queued first, so every call is issued behind a busy GPU."""
+    length is queued first, so every call is issued behind a busy GPU; with ``load``, the link is kept saturated
+    in its direction the whole time (``LinkLoad``)."""
     torch.cuda.synchronize()
+    if load is not None:
+        load.start(0.3)
     if busy_s:
         torch.cuda._sleep(int(busy_s * 2e9))  # ~2 GHz cycles
     w0, c0 = time.perf_counter(), time.thread_time()
@@ -123,14 +150,16 @@ def main(argv=None) -> int:
     rows.update(interleaved_rows(dev, dt, E, B))
     out = {"provenance": provenance(), "env": {"DISABLE_ADDMM_CUDA_LT": os.environ.get("DISABLE_ADDMM_CUDA_LT")},
            "calls": args.calls, "rows": {}}
+    loads = {d: LinkLoad(d) for d in ("h2d", "d2h")}
     for name, fn in rows.items():
         for _ in range(5):
             fn()  # warm: kernels loaded, algorithms chosen
-        idle = _time(fn, args.calls, 0.0)
-        busy = _time(fn, args.calls, 1.0)
-        out["rows"][name] = {"idle": idle, "busy": busy}
-        print(f"{name:28s} idle {idle['wall_us']:8.1f} us wall {idle['cpu_us']:8.1f} cpu | "
-              f"busy {busy['wall_us']:8.1f} wall {busy['cpu_us']:8.1f} cpu", flush=True)
+        r = out["rows"][name] = {"idle": _time(fn, args.calls, 0.0), "busy": _time(fn, args.calls, 1.0)}
+        for d, load in loads.items():  # the link saturated while the calls are made (the GPU's compute idle)
+            r[f"{d}_saturated"] = _time(fn, args.calls, 0.0, load)
+        r["busy_h2d_saturated"] = _time(fn, args.calls, 1.0, loads["h2d"])  # as in a link-bound run, host ahead
+        print(f"{name:28s} " + " | ".join(f"{k} {v['wall_us']:7.1f} us wall {v['cpu_us']:7.1f} cpu"
+                                          for k, v in r.items()), flush=True)
     out["queue"] = queue_depth()
     print("launch queue:", out["queue"], flush=True)
     if args.out:
