@@ -279,6 +279,8 @@ def predict_peer(r: dict) -> dict | None:
             settings = {"percent": tuple(st["percent"]), "cpu_attention": bool(st.get("cpu_cache_compute")),
                         "compress_weight": bool(st.get("compress_weight")),
                         "compress_cache": bool(st.get("compress_cache"))}
+        elif pol == "static-accelerate-ref":
+            settings = {"gpu_layers": accelerate_gpu_layers(r, st)}
         hw = get_hardware(PEER_PROFILE, float(r["budget_gib"]))
         wl = Workload(int(r["prompt_len"]), int(r["gen_len"]), int(gbs), int(nb or 1))
         tr = simulate(build_plan(pol, get_model(r["model"]), hw, wl, settings), hw)
@@ -290,6 +292,22 @@ def predict_peer(r: dict) -> dict | None:
     return {"policy": pol, "decode_tok_s": m["decode_tok_s"], "total_tok_s": m["total_tok_s"],
             "prefill_tok_s": m["prefill_tok_s"],
             "decode_h2d_bytes_per_s": float(h2d) / m["decode_s"] if m["decode_s"] else float("nan")}
+
+
+def accelerate_gpu_layers(r: dict, st: dict) -> int:
+    """The decoder layers an Accelerate run kept on the GPU (the device map's, what static-accelerate-ref's
+    ``gpu_layers`` prices; its default, 0, is FlexGen's benchmark's map, not ``device_map='auto'``'s): the run's
+    ``gpu_layers`` (``accelerate_ref.gpu_modules``, recorded since 2026-12-04), else, for an older record, its
+    ``gpu_weight_bytes`` in whole layers -- the GPU tier holds whole decoder layers and the input embeddings, which
+    are smaller than one layer in every model of the grid, so the floor is the count. Raises KeyError without
+    either (no prediction)."""
+    from offsim import get_model
+    from offsim.core import footprint as fp
+
+    if st.get("gpu_layers") is not None:
+        return int(st["gpu_layers"])
+    spec = get_model(r["model"])
+    return min(int(st["gpu_weight_bytes"]) // fp.layer_weight_bytes(spec), spec.num_layers)
 
 
 def _rate_gbps(nbytes, seconds) -> float:

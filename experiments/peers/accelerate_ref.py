@@ -29,7 +29,7 @@ import sys
 import time
 
 from experiments.peers.common import (GiB, HOST_LIMIT_GIB, base_record, emit, env_offline, finish_record,
-                                      flexgen_metrics, link_bound, measure_h2d, point_parser,
+                                      flexgen_metrics, link_bound, measure_h2d, measure_h2d_pageable, point_parser,
                                       record_failure, set_gpu_budget, versions)
 
 SYSTEM = "accelerate-ref"
@@ -292,6 +292,8 @@ def run(model_name: str, prompt_len: int, gen_len: int, budget_gib: float, batch
             on_gpu = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cuda")
             offloaded = max(spec.weight_bytes() - on_gpu, 0)
             st["gpu_weight_bytes"] = int(on_gpu)
+            st.update(gpu_modules(model))
+            st["h2d_pageable_bytes_per_s"] = measure_h2d_pageable()
         rec["settings"] = json.dumps(st, sort_keys=True, default=str)
         measure_generate(model, rec, b, prompt_len, gen_len, spec.vocab_size, warmup, cuda, cut_gen_len)
         dec = offloaded * (gen_len - 1)
@@ -301,6 +303,21 @@ def run(model_name: str, prompt_len: int, gen_len: int, budget_gib: float, batch
         record_failure(rec, e)
     rec["settings"] = json.dumps(st, sort_keys=True, default=str)
     return finish_record(rec, t0, cuda)
+
+
+def gpu_modules(model) -> dict:
+    """Where the device map put the decoder layers and the LM head: ``gpu_layers``, the decoder layers (the classes
+    in ``model._no_split_modules``) whose every parameter is on the GPU -- what offsim's static-accelerate-ref
+    prices as ``gpu_layers`` -- and ``lm_head_on_gpu`` (device_map='auto' fills the GPU in module order, so the
+    head, last, is offloaded whenever a layer is)."""
+    kinds = set(model._no_split_modules or ())
+    n = 0
+    for mod in model.modules():
+        if type(mod).__name__ in kinds:
+            ps = list(mod.parameters())
+            n += bool(ps) and all(p.device.type == "cuda" for p in ps)
+    head = model.get_output_embeddings()
+    return {"gpu_layers": n, "lm_head_on_gpu": bool(head is not None and head.weight.device.type == "cuda")}
 
 
 def main(argv=None) -> int:

@@ -111,6 +111,30 @@ def set_gpu_budget(budget_gib: float, device: int = 0) -> dict:
     return {"fraction": frac, "gpu_total_bytes": total, "budget_bytes": int(budget_gib * GiB)}
 
 
+def measure_h2d_pageable(nbytes: int = 128 << 20, reps: int = 5) -> float | None:
+    """Host-to-device copy rate from pageable memory (bytes/s, the median of ``reps`` blocking copies of
+    ``nbytes``), what Accelerate's hooks move every offloaded tensor at; None without a GPU. A state of the host
+    (its memcpy into the driver's staging buffers), not a bound: the median. Recorded beside a run so a report
+    can set it against the rate the profile was measured at (the H200 VM's host drifts between days)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    src = torch.ones(nbytes, dtype=torch.uint8)  # touched: the pages exist before the clock starts
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(reps + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    torch.cuda.empty_cache()
+    times = sorted(times[1:])
+    return nbytes / times[len(times) // 2]
+
+
 def measure_h2d(nbytes: int = 256 << 20, reps: int = 10) -> float:
     """Pinned host-to-device copy rate of ``nbytes`` copies (bytes/s, the fastest of ``reps``), the link bound's
     denominator (copies of >= 16 MB reach the full rate on the H200 machine, docs/anchors.md); the default rate when
