@@ -261,6 +261,9 @@ def cmd_run(args) -> dict:
     if "host_bound_idle_s" in st:
         print(f"GPU compute idle waiting for the host to issue: {st['host_bound_idle_s']:.3f} s = "
               f"{st['host_bound_idle_frac']:.1%} of the run (issue time that overlapped GPU work is not counted)")
+    if "host_in_op_s" in st:
+        print(f"GPU compute ops running while the host still issued them: {st['host_in_op_s']:.3f} s = "
+              f"{st['host_in_op_frac']:.1%} of the run (inside the ops' spans: an upper bound on the host's share)")
     if args.host_profile:
         import pstats
 
@@ -284,6 +287,7 @@ def cmd_run(args) -> dict:
                                                 "gen_len": warm.workload.gen_len, "wall_s": warmup_s},
            "issue_s": st["issue_s"], "issue_frac": st["issue_frac"], "issue_s_by_handler": st["issue_s_by_handler"],
            "host_bound_idle_s": st.get("host_bound_idle_s"), "host_bound_idle_frac": st.get("host_bound_idle_frac"),
+           "host_in_op_s": st.get("host_in_op_s"), "host_in_op_frac": st.get("host_in_op_frac"),
            "run_ahead_wait_s": st["run_ahead_wait_s"], "graphs": st["graphs"], "allocator": st.get("allocator"),
            "budget_bytes": budget, "within_budget": measured["peak_gpu_bytes"] <= budget,
            "policy": plan.policy, "settings": plan.settings, "model": model.name, "workload": wl.to_dict(),

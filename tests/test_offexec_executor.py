@@ -340,6 +340,23 @@ def test_host_bound_idle_counts_only_gaps_the_host_caused():
     assert host_bound_idle_s(plan, start, end, issued) == pytest.approx(0.2 + 2.0)
 
 
+def test_host_in_op_counts_the_part_of_each_span_before_its_issue_ended():
+    """Compute ops at [0,1] issued at 0.4 s (0.4 s of its span ran while the host still issued it), [1.5,2] issued
+    at 1.2 s (before it began: none), [4,5] issued at 6 s (never more than the span: 1 s); the gaps are
+    host_bound_idle_s's, not counted here."""
+    from offexec.executor import host_in_op_s
+
+    plan = build_plan("flexgen", _MODELS["opt"][1], HW, Workload(PROMPT, 2, 1, 1), {})
+    comp = [op.id for op in plan.ops if op.stream == "compute"]
+    n = len(plan.ops)
+    start, end, issued = np.full(n, 5.0), np.full(n, 5.0), np.zeros(n)
+    for oid, (a, z, i) in zip(comp, ((0.0, 1.0, 0.4), (1.5, 2.0, 1.2), (4.0, 5.0, 6.0))):
+        start[oid], end[oid], issued[oid] = a, z, i
+    assert host_in_op_s(plan, start, end, issued) == pytest.approx(0.4 + 0.0 + 1.0)
+    issued[comp[0]] = np.nan  # an op without an issue time (a host op's) counts nothing
+    assert host_in_op_s(plan, start, end, issued) == pytest.approx(1.0)
+
+
 @pytest.mark.skipif("tightllm" not in POLICIES, reason="offsim.policies.tightllm not present")
 def test_graph_min_uses_runs_short_lived_recompute_shapes_eagerly():
     """``Plan.graph_min_uses``: the executor sends through the graph path exactly the ops offsim counts as graphed

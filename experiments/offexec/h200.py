@@ -148,6 +148,7 @@ def summarize(name: str, plan, res, pred: dict, bw: dict, budget: int) -> dict:
         "run_ahead_wait_s": st["run_ahead_wait_s"], "wall_s": st["wall_s"],
         # the host issue the run paid: GPU compute idle before the host issued (offexec.executor.host_bound_idle_s)
         "host_bound_idle_s": st.get("host_bound_idle_s"), "host_bound_idle_frac": st.get("host_bound_idle_frac"),
+        "host_in_op_s": st.get("host_in_op_s"), "host_in_op_frac": st.get("host_in_op_frac"),
         "issue_s_by_handler": st["issue_s_by_handler"], "allocator": st.get("allocator"),
         "budget_bytes": budget, "peak_gpu_reserved_bytes": st.get("gpu_max_reserved_bytes", 0),
         "peak_gpu_allocated_bytes": st.get("gpu_max_allocated_bytes", 0),

@@ -5,7 +5,8 @@
 Reads every ``*.log`` in the folder (a log may hold several runs appended one after another; its file name, less
 ``.log``, labels them), and writes ``runs.csv`` and ``README.md`` beside them: measured and offsim's prefill, decode
 and total tok/s with offsim's error, the share of the run the host spent issuing (and in which handlers), the time
-it waited for the run-ahead window, the share the GPU's compute stream sat idle waiting for it, the GPU memory peak against the budget, CUDA graphs captured and replayed, and the run's commit
+it waited for the run-ahead window, the share the GPU's compute stream sat idle waiting for it and the share its
+ops ran while the host was still issuing them (``host_in_op_frac``, runs since 2026-12-04), the GPU memory peak against the budget, CUDA graphs captured and replayed, and the run's commit
 and date. ``--about`` is a Markdown file whose text heads the README (what was run, and why);
 the table and the per-label medians under it are generated here, never edited.
 """
@@ -42,7 +43,7 @@ def runs(folder: Path) -> pd.DataFrame:
                         **{f"offsim_{ph}_tok_s": p.get(f"{ph}_tok_s") for ph in ("prefill", "decode", "total")},
                         **{f"{ph}_err": e.get(ph) for ph in ("prefill", "decode", "total")},
                         "issue_frac": d.get("issue_frac"), "host_bound_idle_frac": d.get("host_bound_idle_frac"),
-                        "issue_s": d.get("issue_s"), "run_ahead_wait_s": d.get("run_ahead_wait_s"),
+                        "host_in_op_frac": d.get("host_in_op_frac"), "issue_s": d.get("issue_s"), "run_ahead_wait_s": d.get("run_ahead_wait_s"),
                         "issue_s_by_handler": json.dumps(d.get("issue_s_by_handler") or {}, sort_keys=True),
                         "peak_gpu_gib": (m.get("peak_gpu_bytes") or float("nan")) / 2 ** 30,
                         "budget_gib": (d.get("budget_bytes") or float("nan")) / 2 ** 30,
@@ -66,16 +67,17 @@ def write(folder: Path, about: Path | None) -> Path:
               f"here (`runs.csv` holds every column); do not edit by hand.", "",
               "| label | run | prefill tok/s (offsim, error) | decode tok/s (offsim, error) | total tok/s (offsim, error) "
               "| host issuing | issue s by handler (largest three) | host waiting on the run-ahead window s "
-              "| GPU idle on the host | GPU peak / budget GiB | allocator retries "
+              "| GPU idle on the host | GPU ops running while issued | GPU peak / budget GiB | allocator retries "
               "| graphs / replays (capture s) | commit, date |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in df.itertuples():
         ph = [f"{_f(getattr(r, f'{p}_tok_s'), ',.1f')} ({_f(getattr(r, f'offsim_{p}_tok_s'), ',.1f')}, "
               f"{_f(getattr(r, f'{p}_err'), '+.1%')})" for p in ("prefill", "decode", "total")]
         by = sorted(json.loads(r.issue_s_by_handler).items(), key=lambda kv: -kv[1])[:3]
         lines.append(f"| {r.label} | {r.run} | {' | '.join(ph)} | {_f(r.issue_frac, '.1%')} | "
                      f"{', '.join(f'{k} {v:.3f}' for k, v in by)} | {_f(r.run_ahead_wait_s, '.3f')} | "
-                     f"{_f(r.host_bound_idle_frac, '.1%')} | {_f(r.peak_gpu_gib, '.2f')} / {_f(r.budget_gib, '.1f')} | "
+                     f"{_f(r.host_bound_idle_frac, '.1%')} | {_f(r.host_in_op_frac, '.1%')} | "
+                     f"{_f(r.peak_gpu_gib, '.2f')} / {_f(r.budget_gib, '.1f')} | "
                      f"{_f(r.alloc_retries, 'd')} | {r.graphs} / {r.replays} ({_f(r.capture_s, '.3f')}) | {r.commit}, {r.date} |")
     lines += ["", "Medians by label:", "",
               "| label | runs | prefill tok/s | decode tok/s | total tok/s | offsim prefill error | offsim decode error "
