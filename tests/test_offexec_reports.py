@@ -102,3 +102,30 @@ def test_window_predict_tabulates_the_most_host_bound_calibration_plan(tmp_path)
     assert text.count("offexec run --plan") == 2 and "--run-ahead 2 6 16" in text
     with pytest.raises(SystemExit):
         WP.main(["--out", str(out), "--windows", "2,6"])
+
+
+def test_host_stacks_attributes_handler_samples_to_the_innermost_library(tmp_path):
+    """experiments.offexec.host_stacks: samples through an `_op_*` frame are counted per innermost handler and
+    grouped by the library of the stack's innermost frame; samples outside any handler are counted apart; a file
+    with no handler sample is refused with a message."""
+    from experiments.offexec import host_stacks as HS
+    raw = tmp_path / "stacks.txt"
+    raw.write_text(
+        "run (offexec/executor.py:800);_op_layer (offexec/executor.py:1111);linear (torch/nn/functional.py:1);"
+        "at::native::addmm (libtorch_cpu.so);cuLaunchKernel (libcuda.so.1) 30\n"
+        "run (offexec/executor.py:800);_op_layer (offexec/executor.py:1111);_attend_gpu (offexec/executor.py:1090) 10\n"
+        "run (offexec/executor.py:800);_op_h2d_weight (offexec/executor.py:1246);0x7f00 (libcudart.so.13) 5\n"
+        "run (offexec/executor.py:800);synchronize (torch/cuda/streams.py:1);cuEventSynchronize (libcuda.so.1) 99\n"
+        "not a stack line\n")
+    s = HS.summarise(HS.parse(raw.read_text().splitlines()))
+    assert s["total"] == {"layer": 40, "h2d_weight": 5} and s["outside"] == 99
+    assert s["libraries"]["layer"] == {"CUDA driver": 30, "Python code": 10}
+    assert s["leaves"]["layer"] == [("cuLaunchKernel (libcuda.so.1)", 30)]
+    assert HS.main([str(raw), "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "host_stacks.md").read_text()
+    head = next(ln for ln in text.splitlines() if ln.startswith("| handler |")).split(" | ")
+    row = next(ln for ln in text.splitlines() if ln.startswith("| layer |")).split(" | ")
+    assert row[head.index("CUDA driver")] == "75%" and row[head.index("CUDA runtime")] == "0%"
+    empty = tmp_path / "empty.txt"
+    empty.write_text("main (x.py:1) 3\n")
+    assert HS.main([str(empty)]) == 2
