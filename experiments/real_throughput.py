@@ -310,6 +310,37 @@ def accelerate_gpu_layers(r: dict, st: dict) -> int:
     return min(int(st["gpu_weight_bytes"]) // fp.layer_weight_bytes(spec), spec.num_layers)
 
 
+def _host_state(r) -> tuple[str, str]:
+    """The run's host as it started beside the profile's (``common.probe_host``; Accelerate's pageable copy rate,
+    ``common.measure_h2d_pageable``, against the profile's ``h2d_pageable`` curve at the same size): what a peer's
+    CPU attention and pageable copies ran on, which the VM's host changes from day to day. '–' where the run or
+    the profile lacks it (runs before 2026-12-04)."""
+    from offsim.analysis.validate import _profile_host_probe
+    from offsim.core.costmodel import interp
+    from offsim.core.specs import get_hardware
+
+    def num(x) -> float:
+        try:
+            return float(x)
+        except (TypeError, ValueError):
+            return float("nan")
+
+    prof = _profile_host_probe(PEER_PROFILE) or {}
+    probe, prof_ms = num(r.get("host_probe_cpu_attn_ms")), num(prof.get("cpu_attn_ms"))
+    a = "–" if probe != probe else f"{probe:.2f} ({'–' if prof_ms != prof_ms else f'{prof_ms:.2f}'})"
+    try:
+        st = json.loads(r["settings"]) if isinstance(r.get("settings"), str) else (r.get("settings") or {})
+    except (KeyError, ValueError):
+        st = {}
+    rate = num(st.get("h2d_pageable_bytes_per_s"))
+    if rate != rate:
+        return a, "–"
+    from experiments.peers.common import PAGEABLE_PROBE_BYTES
+
+    curve = get_hardware(PEER_PROFILE).h2d_pageable
+    return a, f"{rate / 1e9:.1f} ({interp(curve, PAGEABLE_PROBE_BYTES) / 1e9:.1f})"
+
+
 def _rate_gbps(nbytes, seconds) -> float:
     """GB/s from a record's fields; NaN where either is missing (a record from an older harness) or zero."""
     try:
@@ -499,8 +530,9 @@ def readme(df, b, prov: dict, out: Path | None = None) -> str:
                   f"with the run's settings and block, on `{PEER_PROFILE}` at the run's budget, simulated when this "
                   "report was written (nothing fitted to the run). Error = (predicted - measured) / measured.", "",
                   "| system | model | prompt | gen | budget GiB | batch | offsim policy | decode tok/s | offsim decode "
-                  "| decode error | total tok/s | offsim total | total error | decode H2D GB/s | offsim |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| decode error | total tok/s | offsim total | total error | decode H2D GB/s | offsim "
+                  "| host probe ms (profile's) | pageable H2D GB/s at start (profile's) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for _, r in pred.iterrows():
             md, pd_ = float(r["decode_tok_s"]), float(r["predicted_decode_tok_s"])
             mt, pt = float(r["total_tok_s"]), float(r["predicted_total_tok_s"])
@@ -509,7 +541,8 @@ def readme(df, b, prov: dict, out: Path | None = None) -> str:
             ph = _rate_gbps(r.get("predicted_decode_h2d_bytes_per_s"), 1.0)
             lines.append(f"| {r['system']} | {r['model']} | {r['prompt_len']} | {r['gen_len']} | {r['budget_gib']:g} "
                          f"| {r['batch']} | {r['predicted_policy']} | {md:.2f} | {pd_:.2f} | {(pd_ - md) / md:+.1%} | "
-                         f"{mt:.2f} | {pt:.2f} | {(pt - mt) / mt:+.1%} | {mh:.1f} | {ph:.1f} |")
+                         f"{mt:.2f} | {pt:.2f} | {(pt - mt) / mt:+.1%} | {mh:.1f} | {ph:.1f} | "
+                         f"{' | '.join(_host_state(r))} |")
         if (pred["predicted_policy"] == "flexgen-ref").any():
             lines += _flexgen_profile_notes(json.loads(Path(PEER_PROFILE).read_text()))
             lines += [""] + [_flexgen_attention_check(r) for _, r in pred.iterrows()

@@ -204,6 +204,7 @@ def test_accelerate_ref_runs_a_tiny_model_on_the_cpu(tiny_cfg):
         assert rec["status"] == "ok", rec["reason"]
         assert rec["batch"] == 2 and rec["decode_tok_s"] > 0 and rec["prefill_tok_s"] > 0
         assert rec["system"] == "accelerate-ref"
+        assert rec["host_probe_cpu_attn_ms"] > 0 and rec["host_probe_copy_GB_s"] > 0  # the host as the run started
 
 
 def test_accelerate_ref_cut_run_projects_its_decode(tiny_cfg):
@@ -439,6 +440,31 @@ def test_report_predicts_each_peer_run_with_its_ref_policy():
     assert fg["policy"] == "flexgen-ref" and fg["total_tok_s"] > 0
     assert predict_peer({**base, "system": "offexec-flexgen", "batch": 8}) is None
     assert predict_peer({**base, "system": "deepspeed-ref", "status": "timeout", "batch": 4}) is None
+
+
+def test_report_predicts_an_accelerate_run_with_the_layers_its_device_map_kept_on_the_gpu():
+    """An Accelerate run is priced with the decoder layers its device map put on the GPU: the record's
+    ``gpu_layers``, else its GPU weight bytes in whole layers; more layers on the GPU, less streamed, a faster
+    decode; a record with neither gets no prediction. The host columns show a run's probe and pageable rate, '–'
+    without them."""
+    from offsim import get_model
+    from offsim.core import footprint as fp
+    from experiments.real_throughput import _host_state, accelerate_gpu_layers, predict_peer
+
+    W = fp.layer_weight_bytes(get_model("opt-1.3b"))
+    base = {"system": "accelerate-ref", "model": "opt-1.3b", "prompt_len": 64, "gen_len": 4, "budget_gib": 4.0,
+            "status": "ok", "batch": 4, "gpu_batch_size": 4, "num_gpu_batches": 1}
+    assert accelerate_gpu_layers(base, {"gpu_layers": 7, "gpu_weight_bytes": 0}) == 7
+    assert accelerate_gpu_layers(base, {"gpu_weight_bytes": 3 * W + W // 2}) == 3
+    none = predict_peer({**base, "settings": json.dumps({"gpu_layers": 0})})
+    half = predict_peer({**base, "settings": json.dumps({"gpu_layers": 12})})
+    assert none["policy"] == half["policy"] == "static-accelerate-ref"
+    assert half["decode_tok_s"] > 1.5 * none["decode_tok_s"]
+    assert predict_peer({**base, "settings": "{}"}) is None
+    assert _host_state({**base, "settings": "{}"}) == ("–", "–")
+    probe, rate = _host_state({**base, "host_probe_cpu_attn_ms": 2.5,
+                               "settings": json.dumps({"h2d_pageable_bytes_per_s": 7.2e9})})
+    assert probe.startswith("2.50 (") and rate.startswith("7.2 (")
 
 
 def test_real_throughput_report_shows_the_grids_coverage():

@@ -75,11 +75,31 @@ def parse_results(text: str) -> list[dict]:
     return out
 
 
-def base_record(system: str, model: str, prompt_len: int, gen_len: int, budget_gib: float, **kw) -> dict:
+def base_record(system: str, model: str, prompt_len: int, gen_len: int, budget_gib: float, probe: bool = False,
+                **kw) -> dict:
+    """A run's record; ``probe``: with the host's state as the run starts (``probe_host``)."""
     rec = {"system": system, "model": model, "prompt_len": int(prompt_len), "gen_len": int(gen_len),
            "budget_gib": float(budget_gib), "status": "ok", "reason": "", "projected": False}
     rec.update(kw)
+    if probe:
+        rec.update(probe_host())
     return rec
+
+
+def probe_host() -> dict:
+    """``offexec.hostprobe``'s probe of the host now (a fixed decode CPU-attention op and a host memory copy, ~0.3 s)
+    as flat record fields: the lent H200 is a virtual machine whose host runs CPU attention and pageable copies up
+    to 2.5x slower on some days (results/validation/calib_misses.md), and the profile the report predicts from
+    recorded the same probe, so the report can set the run's host beside the profile's. A failed probe is recorded,
+    not raised: it must not cost the run."""
+    try:
+        from offexec.hostprobe import host_probe
+
+        p = host_probe()
+    except Exception as e:  # noqa: BLE001 -- the probe is context, never the result
+        return {"host_probe_error": repr(e)[:200]}
+    return {"host_probe_cpu_attn_ms": p["cpu_attn_ms"], "host_probe_copy_GB_s": p["host_copy_GB_s"],
+            "host_probe_load_1m": p["load_avg_1m"]}
 
 
 def versions(*mods: str) -> str:
@@ -111,7 +131,10 @@ def set_gpu_budget(budget_gib: float, device: int = 0) -> dict:
     return {"fraction": frac, "gpu_total_bytes": total, "budget_bytes": int(budget_gib * GiB)}
 
 
-def measure_h2d_pageable(nbytes: int = 128 << 20, reps: int = 5) -> float | None:
+PAGEABLE_PROBE_BYTES = 128 << 20  # measure_h2d_pageable's copy: Accelerate's tensors are 50-600 MB (OPT-30B, Llama)
+
+
+def measure_h2d_pageable(nbytes: int = PAGEABLE_PROBE_BYTES, reps: int = 5) -> float | None:
     """Host-to-device copy rate from pageable memory (bytes/s, the median of ``reps`` blocking copies of
     ``nbytes``), what Accelerate's hooks move every offloaded tensor at; None without a GPU. A state of the host
     (its memcpy into the driver's staging buffers), not a bound: the median. Recorded beside a run so a report

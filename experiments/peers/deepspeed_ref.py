@@ -89,7 +89,7 @@ def run(model_name: str, prompt_len: int, gen_len: int, budget_gib: float, batch
 
     spec = get_model(model_name)
     b = batch or auto_batch(spec, prompt_len, gen_len, budget_gib)
-    rec = base_record(SYSTEM, model_name, prompt_len, gen_len, budget_gib, batch=b, gpu_batch_size=b,
+    rec = base_record(SYSTEM, model_name, prompt_len, gen_len, budget_gib, probe=True, batch=b, gpu_batch_size=b,
                       num_gpu_batches=1, versions=versions("torch", "transformers", "deepspeed"))
     if b is None:
         rec.update(status="skipped", reason="even one sequence's KV cache and activations leave no GPU room")

@@ -419,7 +419,7 @@ def run_policy(model_name: str, pol: FlexGenPolicy, prompt_len: int, gen_len: in
     from offsim import get_model
 
     model = get_model(model_name)
-    rec = base_record(pol.system, model_name, prompt_len, gen_len, budget_gib, batch=pol.num_prompts,
+    rec = base_record(pol.system, model_name, prompt_len, gen_len, budget_gib, probe=True, batch=pol.num_prompts,
                       gpu_batch_size=pol.gpu_batch_size, num_gpu_batches=pol.num_gpu_batches,
                       settings=json.dumps(pol.settings(), sort_keys=True))
     t0 = time.perf_counter()

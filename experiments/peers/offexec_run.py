@@ -181,7 +181,7 @@ def run_point(model_name: str, prompt_len: int, gen_len: int, budget_gib: float,
     budget = int(hw.gpu_mem_bytes)
     planned, recs = [], []
     for name in policies:
-        rec = base_record(f"offexec-{name}", model_name, prompt_len, gen_len, budget_gib,
+        rec = base_record(f"offexec-{name}", model_name, prompt_len, gen_len, budget_gib, probe=True,
                           versions=versions("torch", "offsim"))
         try:
             key = settings_key(name, model_name, prompt_len, gen_len, budget_gib)
