@@ -476,6 +476,10 @@ class Executor:
                 self.w_res[j] = t.copy_(src[j, :t.numel()])
         self.w_deq = arena("w_deq") if self.comp.weight else None
         self.view_cache: dict = {}
+        # a weight slot's straddling-tensor head (its resident part), copied on the compute stream by the first compute
+        # op that reads the slot: slot address -> (source, destination) views (``_op_h2d_weight``, ``_straddle``)
+        self.straddle_pending: dict = {}
+        self.straddle_copies = 0
         # KV homes
         groups = self.prog.groups
         self.kv_heads = {g: hi - lo for g, (lo, hi) in groups.items()}
@@ -619,6 +623,7 @@ class Executor:
                  "allocator_retries_by_handler": (dict(self.retries_by_fn) if self.trace_allocator and self.cuda
                                                   else None),
                  "pool_buffers": {k: p.count for k, p in self.pools.items()},
+                 "straddle_copies": self.straddle_copies,  # heads copied by compute ops (``_straddle``)
                  "pool_buffers_plan_order": dict(self.prog.pool_peak),
                  "host_staging_peak_bytes_plan_order": self.prog.host_peak_bytes,
                  "host_weights_master_bytes": self.wts.host.nbytes,
@@ -972,7 +977,7 @@ class Executor:
             if w is None:
                 w = self.view_cache[key] = M.layer_views(self.wts.layout, [(0, self.w_res[j])], ulo, uhi)
             return w
-        slot = self._pool_get(args["w"])
+        slot = self._straddle(self._pool_get(args["w"]))
         key = (j, unit, slot.data_ptr())
         w = self.view_cache.get(key)
         if w is None:
@@ -982,6 +987,16 @@ class Executor:
                 pieces.insert(0, (0, self.w_res[j][:base]))
             w = self.view_cache[key] = M.layer_views(self.wts.layout, pieces, ulo, uhi)
         return w
+
+    def _straddle(self, slot: torch.Tensor) -> torch.Tensor:
+        """``slot``, its straddling tensor's resident head copied in first if its load left that to the first compute
+        op that reads it (``_op_h2d_weight``): on the current (compute) stream, ordered after the load's end, which
+        the op waits for."""
+        pending = self.straddle_pending.pop(slot.data_ptr(), None)
+        if pending is not None:
+            pending[1].copy_(pending[0], non_blocking=True)
+            self.straddle_copies += 1
+        return slot
 
     def _dequantized(self, j: int, args: dict, unit, part: str) -> dict:
         """Compressed weights: dequantize the tensors compute part ``part`` reads (``part_reads``) from their stored
@@ -995,7 +1010,7 @@ class Executor:
             views = self.view_cache[("deq", unit)] = M.layer_views(self.wts.layout, [(ulo, self.w_deq[:uhi - ulo])],
                                                                    ulo, uhi)
         pk, e = self.packed, self.e
-        slot = self._pool_get(args["w"]) if "w" in args else None
+        slot = self._straddle(self._pool_get(args["w"])) if "w" in args else None
         base = pk.offset(self.prog.slot_base[(j, unit)] * e)  # the slot's first stored byte (a tensor's start)
         for i, (t, off, n, _) in enumerate(pk.tensors):
             if t.lo < ulo or t.hi > uhi or not part_reads(t.name, part):
@@ -1268,9 +1283,13 @@ class Executor:
         j = op.layer
         base = self.prog.slot_base[(j, info["unit"])]
         slot = self._pool_get(args["slot"])
-        if info.get("init"):
-            if base < self.g_el[j]:  # the straddling tensor's resident head, so that it is whole in the slot
-                slot[:self.g_el[j] - base].copy_(self.w_res[j][base:], non_blocking=True)
+        if info.get("init") and base < self.g_el[j]:
+            # the straddling tensor's resident head, so that it is whole in the slot: a device-to-device copy that
+            # the first compute op reading the slot makes on the compute stream (``_straddle``). On the H2D stream
+            # it waited for SMs the compute stream's GEMMs held and stalled the link behind it: OPT-30B TightLLM at
+            # 24 GiB (74 MB heads) moved every layer's first slice at 36.5 GB/s instead of 55
+            # (results/real_throughput/traces/offexec-tightllm_opt-30b_p512_g32_b24, 2026-12-04)
+            self.straddle_pending[slot.data_ptr()] = (self.w_res[j][base:], slot[:self.g_el[j] - base])
         lo, hi = op.lo // self.e, op.hi // self.e
         if "stage" in args:
             a = lo - info["stage_lo"]
@@ -1295,7 +1314,8 @@ class Executor:
         base = pk.offset(self.prog.slot_base[(j, info["unit"])] * self.e)
         slot = self._pool_get(args["slot"])
         if info.get("init") and self.w_res[j] is not None and base < self.w_res[j].numel():
-            slot[:self.w_res[j].numel() - base].copy_(self.w_res[j][base:], non_blocking=True)
+            # (on the compute stream, as ``_op_h2d_weight``'s)
+            self.straddle_pending[slot.data_ptr()] = (self.w_res[j][base:], slot[:self.w_res[j].numel() - base])
         a, n = pk.range(op.lo, op.hi)
         if "stage" in args:
             stage = self.vals[args["stage"]]

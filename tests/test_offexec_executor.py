@@ -340,6 +340,20 @@ def test_host_bound_idle_counts_only_gaps_the_host_caused():
     assert host_bound_idle_s(plan, start, end, issued) == pytest.approx(0.2 + 2.0)
 
 
+def test_straddling_heads_are_copied_by_the_compute_op_that_reads_the_slot():
+    """A GPU share that splits a tensor: each load of a slot leaves the straddling tensor's resident head to the
+    first compute op reading the slot (on the compute stream, not the link's), once per load -- and the tokens are
+    transformers'."""
+    hf, spec, plan, prompts, res = _run("opt", "flexgen", {"percent": (30, 70, 0, 100, 100, 0), "sublayer": False},
+                                        2, 2)
+    _check_against_transformers(hf, spec, plan, prompts, res)
+    loads = [op for op in plan.ops if op.kind == "h2d" and op.tensor == "weight"]
+    first = {j: min(op.lo for op in loads if op.layer == j) for j in {op.layer for op in loads}}
+    inits = sum(op.lo == first[op.layer] for op in loads)  # each load's first slice (whole layers: every load)
+    assert res.stats["straddle_copies"] > 0
+    assert res.stats["straddle_copies"] == inits  # one per load of a layer's slot
+
+
 def test_host_in_op_counts_the_part_of_each_span_before_its_issue_ended():
     """Compute ops at [0,1] issued at 0.4 s (0.4 s of its span ran while the host still issued it), [1.5,2] issued
     at 1.2 s (before it began: none), [4,5] issued at 6 s (never more than the span: 1 s); the gaps are
