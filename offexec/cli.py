@@ -93,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="profile the measured run's issuing thread with cProfile (where host issue time goes): "
                         "pstats to FILE, the 25 costliest functions printed; on CUDA also the caching allocator's "
                         "retries (device-wide synchronisations) by the op handler that caused them")
+    r.add_argument("--cuda-sched", default="auto", choices=("auto", "spin", "yield", "blocking"),
+                   help="how the host threads wait on the GPU (the CUDA context's scheduling flag): auto (CUDA's "
+                        "default, which spins on a machine with more cores than contexts), spin, yield, blocking "
+                        "(sleep: a blocked CUDA call then costs the issuing thread wall time but no CPU time, so the "
+                        "run's issue CPU time is its work alone). Default: %(default)s")
     from .profile import add_profile_parser
 
     add_profile_parser(sub)  # `offexec profile`: the hardware-profile JSON offsim loads
@@ -166,11 +171,15 @@ def cmd_run(args) -> dict:
     import torch  # imported here so that `offexec --help` and argument errors stay fast
 
     from .executor import check_plan, run_plan
-    from .memory import require_device
+    from .memory import require_device, set_cuda_sched
     from .weights import load_checkpoint, random_weights
 
     check_output_path(args.trace, "--trace")
     check_output_path(args.host_profile, "--host-profile")
+    if args.cuda_sched != "auto":  # before anything touches CUDA (the driver fixes it with the context)
+        if torch.device(args.device).type != "cuda":
+            raise OffsimError(f"--cuda-sched {args.cuda_sched} applies to a CUDA run, not --device {args.device}")
+        set_cuda_sched(args.cuda_sched, torch.device(args.device).index or 0)
     device = require_device(args.device)
     if device.type not in ("cuda", "cpu"):
         raise OffsimError(f"--device must be 'cuda' or 'cpu', got {args.device!r}")
@@ -204,6 +213,8 @@ def cmd_run(args) -> dict:
 
         probe = host_probe()  # the host's state as the measured run starts (offsim validate sets it beside a profile's)
         prov["host_probe"] = probe
+        if args.cuda_sched != "auto":
+            prov["cuda_sched"] = args.cuda_sched
         prof = None
         if args.host_profile:  # the issuing thread is this one (host-stream workers are not profiled)
             import cProfile
@@ -256,7 +267,8 @@ def cmd_run(args) -> dict:
     print(f"host before the run: CPU-attention probe {probe['cpu_attn_ms']:.2f} ms, host copy "
           f"{probe['host_copy_GB_s']:.1f} GB/s, load {probe['load_avg_1m']:.2f} ({probe['usable_cpus']} CPUs, "
           f"{probe['torch_threads']} torch threads; offexec/hostprobe.py)")
-    print(f"host time issuing ops: {st['issue_s']:.3f} s = {st['issue_frac']:.1%} of the run; by handler: "
+    print(f"host time issuing ops: {st['issue_s']:.3f} s = {st['issue_frac']:.1%} of the run ({st['issue_cpu_s']:.3f} s "
+          f"of it on the CPU, CUDA waits {args.cuda_sched}); by handler: "
           + ", ".join(f"{k} {v:.3f} s" for k, v in sorted(st["issue_s_by_handler"].items(), key=lambda kv: -kv[1])))
     if "host_bound_idle_s" in st:
         print(f"GPU compute idle waiting for the host to issue: {st['host_bound_idle_s']:.3f} s = "
@@ -286,6 +298,7 @@ def cmd_run(args) -> dict:
            "warmup": None if warm is None else {"mode": "full" if warm is plan else "short",
                                                 "gen_len": warm.workload.gen_len, "wall_s": warmup_s},
            "issue_s": st["issue_s"], "issue_frac": st["issue_frac"], "issue_s_by_handler": st["issue_s_by_handler"],
+           "issue_cpu_s": st.get("issue_cpu_s"), "cuda_sched": args.cuda_sched,
            "host_bound_idle_s": st.get("host_bound_idle_s"), "host_bound_idle_frac": st.get("host_bound_idle_frac"),
            "host_in_op_s": st.get("host_in_op_s"), "host_in_op_frac": st.get("host_in_op_frac"),
            "run_ahead_wait_s": st["run_ahead_wait_s"], "graphs": st["graphs"], "allocator": st.get("allocator"),

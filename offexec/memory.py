@@ -55,6 +55,37 @@ def require_device(name) -> "torch.device":
     return dev
 
 
+# how the host thread waits on the GPU (CUDA's CU_CTX_SCHED_* flags of the primary context): 'auto' (CUDA's
+# default: spin while the process has fewer active contexts than cores, which on the 16-core H200 machine means
+# spin), 'spin', 'yield' (spin, yielding the core), 'blocking' (sleep on an OS primitive). Spinning makes a blocked
+# CUDA call cost the thread's CPU time as well as its wall time, so a run's issue CPU time cannot tell waiting from
+# working; with 'blocking' it can (results/offexec/runtime_ab_f1562d2: the issue share includes blocked calls)
+CUDA_SCHED = {"auto": 0x0, "spin": 0x1, "yield": 0x2, "blocking": 0x4}
+
+
+def set_cuda_sched(mode: str, device_index: int = 0) -> None:
+    """Set how this process's threads wait on GPU ``device_index`` (``CUDA_SCHED``), through the driver's primary
+    context flags. Call it before anything uses CUDA in the process: once the primary context is made the driver
+    may refuse (an error that says so). 'auto' leaves the flags as they are."""
+    if mode not in CUDA_SCHED:
+        raise ExecError(f"--cuda-sched must be one of {', '.join(CUDA_SCHED)}, got {mode!r}")
+    if mode == "auto":
+        return
+    import ctypes
+
+    try:
+        cu = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        raise ExecError(f"--cuda-sched {mode}: cannot load the CUDA driver (libcuda.so.1): {e}") from None
+    dev = ctypes.c_int()
+    for call, args in (("cuInit", (0,)), ("cuDeviceGet", (ctypes.byref(dev), device_index)),
+                       ("cuDevicePrimaryCtxSetFlags", (dev, CUDA_SCHED[mode]))):
+        err = getattr(cu, call)(*args)
+        if err:
+            raise ExecError(f"--cuda-sched {mode}: {call} failed with CUDA driver error {err} (set it before the "
+                            "process first uses CUDA)")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # host memory
 # ----------------------------------------------------------------------------------------------------------------

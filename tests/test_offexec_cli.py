@@ -226,6 +226,7 @@ def test_run_with_checkpoint_generates_its_tokens(checkpoint, capsys):
     (["--policy", "flexgen", "--set", "bogus=1"], "no such setting"),
     (["--policy", "flexgen", "--gpu-mem-gb", "0.00001"], "GPU memory short by"),  # the plan does not fit the budget
     (["--trace", "/nonexistent/t.csv"], "does not exist"),
+    (["--cuda-sched", "blocking"], "--cuda-sched blocking applies to a CUDA run"),  # (TINY_ARGS run on the CPU)
 ])
 def test_bad_input_exits_2_with_one_line(checkpoint, capsys, extra, msg):
     rc = main(["run", "--model", str(checkpoint / "config.json")] + TINY_ARGS + extra)
@@ -237,6 +238,15 @@ def test_checkpoint_that_does_not_match_the_model_exits_2(checkpoint, capsys):
     rc = main(["run", "--model", "opt-125m", "--checkpoint", str(checkpoint)] + TINY_ARGS)
     err = capsys.readouterr().err
     assert rc == 2 and "does not match model opt-125m" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_sched_without_a_driver_exits_2(checkpoint, capsys):
+    """--cuda-sched on a machine without a usable CUDA driver: one line that says what failed, before any work."""
+    args = [a if a != "cpu" else "cuda" for a in TINY_ARGS]
+    rc = main(["run", "--model", str(checkpoint / "config.json"), "--cuda-sched", "blocking"] + args)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "--cuda-sched blocking: " in err and len(err.splitlines()) == 1
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

@@ -43,7 +43,8 @@ def runs(folder: Path) -> pd.DataFrame:
                         **{f"offsim_{ph}_tok_s": p.get(f"{ph}_tok_s") for ph in ("prefill", "decode", "total")},
                         **{f"{ph}_err": e.get(ph) for ph in ("prefill", "decode", "total")},
                         "issue_frac": d.get("issue_frac"), "host_bound_idle_frac": d.get("host_bound_idle_frac"),
-                        "host_in_op_frac": d.get("host_in_op_frac"), "issue_s": d.get("issue_s"), "run_ahead_wait_s": d.get("run_ahead_wait_s"),
+                        "host_in_op_frac": d.get("host_in_op_frac"), "issue_s": d.get("issue_s"),
+                        "issue_cpu_s": d.get("issue_cpu_s"), "cuda_sched": d.get("cuda_sched"), "run_ahead_wait_s": d.get("run_ahead_wait_s"),
                         "issue_s_by_handler": json.dumps(d.get("issue_s_by_handler") or {}, sort_keys=True),
                         "peak_gpu_gib": (m.get("peak_gpu_bytes") or float("nan")) / 2 ** 30,
                         "budget_gib": (d.get("budget_bytes") or float("nan")) / 2 ** 30,
@@ -74,7 +75,9 @@ def write(folder: Path, about: Path | None) -> Path:
         ph = [f"{_f(getattr(r, f'{p}_tok_s'), ',.1f')} ({_f(getattr(r, f'offsim_{p}_tok_s'), ',.1f')}, "
               f"{_f(getattr(r, f'{p}_err'), '+.1%')})" for p in ("prefill", "decode", "total")]
         by = sorted(json.loads(r.issue_s_by_handler).items(), key=lambda kv: -kv[1])[:3]
-        lines.append(f"| {r.label} | {r.run} | {' | '.join(ph)} | {_f(r.issue_frac, '.1%')} | "
+        cpu = (f" (CPU {r.issue_frac * r.issue_cpu_s / r.issue_s:.1%})"
+               if r.issue_cpu_s == r.issue_cpu_s and r.issue_cpu_s is not None and r.issue_s else "")
+        lines.append(f"| {r.label} | {r.run} | {' | '.join(ph)} | {_f(r.issue_frac, '.1%')}{cpu} | "
                      f"{', '.join(f'{k} {v:.3f}' for k, v in by)} | {_f(r.run_ahead_wait_s, '.3f')} | "
                      f"{_f(r.host_bound_idle_frac, '.1%')} | {_f(r.host_in_op_frac, '.1%')} | "
                      f"{_f(r.peak_gpu_gib, '.2f')} / {_f(r.budget_gib, '.1f')} | "
