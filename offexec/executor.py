@@ -1221,16 +1221,23 @@ class Executor:
         return M.attention(self.spec, q, groups, mask=self.graphs.keys, sparse=sparse)
 
     def _op_pre_attn(self, op, args, info):
+        """Q, K and V of the new tokens packed in one tensor [B, T, H + 2 Hk, D] (made here, on the compute stream,
+        inside the graph when graphed), so that the CPU delegation's ``d2h_qkv`` is one copy and no kernel on the
+        copy stream; the value is (residual, q, k, v, packed) with q, k, v views of the packed tensor."""
         x = self._val(args["x"])
         w = self._weights(op.layer, args, self._unit("pre_attn"), "pre_attn")
-        if self._graphed(op, args, (x,), lambda xs, bufs: M.pre_attn(self.spec, w, xs, self.graphs.rpos, self.rope),
-                         out=lambda qkv: (x,) + qkv):
+        H, Hk = self.spec.num_heads, self.spec.num_kv_heads
+
+        def value(qkv):
+            return x, qkv[:, :, :H], qkv[:, :, H:H + Hk], qkv[:, :, H + Hk:], qkv
+
+        if self._graphed(op, args, (x,), lambda xs, bufs: torch.cat(
+                M.pre_attn(self.spec, w, xs, self.graphs.rpos, self.rope), 2), out=value):
             return
-        q, k, v = M.pre_attn(self.spec, w, x, self._start(op), self.rope)
-        self._put(args["out"], (x, q, k, v))
+        self._put(args["out"], value(torch.cat(M.pre_attn(self.spec, w, x, self._start(op), self.rope), 2)))
 
     def _op_attn_gpu(self, op, args, info):
-        _, q, k, v = self._val(args["pre"])
+        _, q, k, v, _ = self._val(args["pre"])
         self._load_kv(op, args)
         self._put(args["out"], self._attend_gpu(op, args, q, k, v))
 
@@ -1410,8 +1417,7 @@ class Executor:
         self.vals[args["out"]] = x
 
     def _op_d2h_qkv(self, op, args, info):
-        _, q, k, v = self._val(args["src"])
-        packed = torch.cat((q, k, v), 2)  # [B, T, H + 2 Hk, D] (made on this stream, which then owns it)
+        packed = self._val(args["src"])[4]  # [B, T, H + 2 Hk, D], packed by pre_attn on the compute stream
         out = host_tensor(packed.shape, packed.dtype, self.device)
         out.copy_(packed, non_blocking=True)
         self.vals[args["out"]] = out
