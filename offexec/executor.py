@@ -521,7 +521,7 @@ class Executor:
                         self.disk.write("weights.bin", row[a:a + n].contiguous(), j * self.disk_w_stride)
             if self.disk_kv_stride:
                 self.disk.create("kv.bin", self.disk_kv_stride * L * self.nb)
-        # pools, from the arena, as many buffers as plan order has live at once
+        # pools, from the arena: as many buffers as plan order has live at once, or the KV work buffers' binding needs
         p = self.prog
         for name in ("wslot", "wslot_attn", "wslot_mlp", "hidden_in"):
             (numel,), pdt = self._pool_buffer(name)
@@ -933,7 +933,11 @@ class Executor:
         self.val_stream.pop(vid, None)
         t = self.pool_flat.pop(vid, t)  # a pool buffer goes back whole, not the view its handler shaped
         if v.kind in self.pools and t is not None:
-            self.pools[v.kind].release(t, _last_per_stream(evs))
+            i = self.prog.buffer_of.get(vid)
+            if i is None:
+                self.pools[v.kind].release(t, _last_per_stream(evs))
+            else:
+                self.pools[v.kind].give(i, _last_per_stream(evs))
 
     # ---- helpers ----------------------------------------------------------------------------------------------
     def _val(self, vid: int):
@@ -956,7 +960,9 @@ class Executor:
         """The pool buffer of value ``vid``, taken from its pool at the value's first use."""
         t = self.vals.get(vid)
         if t is None:
-            t = self.vals[vid] = self.pool_flat[vid] = self.pools[self.prog.values[vid].kind].acquire(self.stream)
+            pool, i = self.pools[self.prog.values[vid].kind], self.prog.buffer_of.get(vid)
+            t = pool.acquire(self.stream) if i is None else pool.take(i, self.stream)
+            self.vals[vid] = self.pool_flat[vid] = t
         return t
 
     def _unit(self, part: str):

@@ -263,7 +263,8 @@ class BufferPool:
 
     def __init__(self, name: str, numel: int, dtype: torch.dtype, device: torch.device):
         self.name, self.numel, self.dtype, self.device = name, numel, dtype, device
-        self.free: deque = deque()
+        self.free: deque = deque()  # acquire / release: first free, first taken
+        self.slots: list = []  # take / give by index: [buffer, events its next user waits for, taken]
         self.count = 0
         self.lock = threading.Lock()
 
@@ -278,7 +279,27 @@ class BufferPool:
             buf = arena.take((self.numel,), self.dtype) if arena is not None else \
                 torch.empty(self.numel, dtype=self.dtype, device=self.device)
             self.free.append((buf, ()))
+            self.slots.append([buf, (), False])
             self.count += 1
+
+    def take(self, index: int, stream=None) -> torch.Tensor:
+        """Buffer ``index`` (a value bound to it ahead of the run: ``program.bind_pool_buffers``) for work about to be
+        issued on ``stream``, which waits (on the GPU) until the buffer's last users ended."""
+        with self.lock:
+            slot = self.slots[index]
+            if slot[2]:
+                raise ExecError(f"{self.name} buffer {index} taken while its previous value is live (a binding bug)")
+            slot[2] = True
+        if stream is not None:
+            for ev in slot[1]:
+                stream.wait_event(ev)
+        return slot[0]
+
+    def give(self, index: int, events=()) -> None:
+        """Buffer ``index`` back, with the events its next value's work waits for."""
+        with self.lock:
+            slot = self.slots[index]
+            slot[1], slot[2] = tuple(events), False
 
     def acquire(self, stream=None) -> torch.Tensor:
         """A buffer for work about to be issued on ``stream``, which waits (on the GPU) until its last users ended."""

@@ -44,6 +44,10 @@ GPU_STREAMS = ("compute", "h2d", "d2h")
 P2P_STREAM = "p2p"  # a pipeline stage's sends and receives (offexec/distributed.py)
 HOST_STREAMS = ("cpu", "disk")
 POOL_KINDS = ("wslot", "wslot_attn", "wslot_mlp", "kvwork_cpu", "kvwork_disk", "hidden_in")
+# pools whose values are bound to buffers ahead of the run (``bind_pool_buffers``): the KV work buffers, up to the
+# count offsim's placement reserves (``footprint.placement_tier_bytes``: two per off-GPU group, one with CPU
+# attention); weight slots and landing buffers are handed out in plan order as before
+BOUND_POOL_KINDS = ("kvwork_cpu", "kvwork_disk")
 SUBLAYER_PARTS = ("attn_layer", "attn_out", "mlp")  # compute parts of a plan that streams weights per sub-layer
 GPU_VALUE_KINDS = ("hidden", "pre", "attn")  # GPU activations, sized by offsim.core.footprint
 HOST_VALUE_KINDS = ("wstage", "kvread", "kvout", "qkv_host", "attn_host")  # host staging
@@ -76,7 +80,7 @@ class Program:
     plan: Plan
     bound: list[Bound]
     values: list[Value]
-    pool_peak: dict[str, int]  # most pool buffers live at once, in plan order
+    pool_peak: dict[str, int]  # buffers of each pool: most live at once in plan order, or what binding them needs
     host_peak_bytes: int  # most bytes of host staging values live at once, in plan order
     gpu_value_peak_bytes: int  # most bytes of GPU activation values (GPU_VALUE_KINDS) live at once, in plan order
     slot_base: dict[tuple, int]  # (layer, unit) -> first element of its streamed slot (the straddling tensor's start)
@@ -84,6 +88,7 @@ class Program:
     groups: dict[str, tuple[int, int]]  # home group -> KV heads [lo, hi)
     units: dict  # unit (None: whole layer; 'attn', 'mlp') -> its elements [lo, hi) of a layer's flat buffer
     landing_tokens: int = 0  # positions of the plan's longest activation load (h2d hidden): a landing buffer's size
+    buffer_of: dict = field(default_factory=dict)  # pool value id -> its buffer in the pool (``bind_pool_buffers``)
 
 
 def weight_slot_base(layout, g_elems: int) -> int:
@@ -447,8 +452,63 @@ def bind(plan: Plan, layout, rank: int = 0) -> Program:
                 gpu_live -= v.nbytes
     if peak["hidden_in"]:  # loads run ahead of plan order up to the schedule's bound (``LandingBuffers``)
         peak["hidden_in"] = max(peak["hidden_in"], fp.LANDING_BUFFERS)
+    cap = 1 if any(op.kind == "cpu_compute" for op in plan.ops) else 2
+    buffer_of, counts = bind_pool_buffers(plan, values, bound, {k: max(cap, peak[k]) for k in BOUND_POOL_KINDS})
+    for k, c in counts.items():
+        peak[k] = max(peak[k], c)
     return Program(plan, bound, values, peak, host_peak, gpu_peak, slot_base, slot_numel, groups, units,
-                   landing_tokens)
+                   landing_tokens, buffer_of)
+
+
+def bind_pool_buffers(plan: Plan, values: list, bound: list, caps: dict) -> tuple[dict[int, int], dict[str, int]]:
+    """Which buffer of its pool each value of the kinds in ``caps`` (kind -> most buffers) lives in, so that reusing
+    a buffer orders an op after no work the plan does not order it after, where the pool's buffers allow: a value
+    takes a buffer whose previous value's every user is the value's first op itself, one of its dependencies
+    (transitively), or an earlier op of its own stream (stream order); else a new buffer up to the cap; else the
+    buffer taken longest ago (the pool's own order). Handing out buffers in plan order -- a buffer free again once its
+    value's last user is issued -- made a FlexGen plan whose KV load of layer j+1 depends on the store of layer j-1
+    wait on the GPU for the store of layer j as well, serialising every load with the attention before it (heldout
+    opt-6.7b_flexgen_b32_p1024_g128: one KV work buffer where offsim's placement counts two; decode 1,641 tok/s,
+    offsim 2,588). Returns (value id -> buffer index, kind -> buffers)."""
+    kinds = tuple(caps)
+    users: dict[int, list[int]] = {}
+    for b in bound:
+        for vid in b.args.values():
+            if isinstance(vid, int) and values[vid].kind in kinds:
+                users.setdefault(vid, []).append(b.op.id)
+    ops = plan.ops
+    # done[x][s]: the last op of stream s that has ended on the GPU whenever op x starts -- x's own stream's ops up to
+    # x in stream order, and whatever its dependencies (transitively) had (plan order is a topological order)
+    streams = sorted({op.stream for op in ops})
+    sidx = {st: i for i, st in enumerate(streams)}
+    done: list[list[int]] = []
+    last_on = [-1] * len(streams)
+    for op in ops:
+        row = list(done[last_on[sidx[op.stream]]]) if last_on[sidx[op.stream]] >= 0 else [-1] * len(streams)
+        for d in op.deps:
+            row = [a if a >= b else b for a, b in zip(row, done[d])]
+        row[sidx[op.stream]] = op.id
+        done.append(row)
+        last_on[sidx[op.stream]] = op.id
+
+    def covered(prev: list[int], first: int) -> bool:
+        row = done[first]
+        return all(u == first or u <= row[sidx[ops[u].stream]] for u in prev)
+
+    buffer_of: dict[int, int] = {}
+    holders: dict[str, list[list[int]]] = {k: [] for k in kinds}  # per buffer: its current value's users
+    for vid in sorted(users, key=lambda v: min(users[v])):
+        us, kind = users[vid], values[vid].kind
+        bufs, first = holders[kind], min(us)
+        i = next((i for i, prev in enumerate(bufs) if covered(prev, first)), None)
+        if i is None and len(bufs) < caps[kind]:
+            i = len(bufs)
+            bufs.append(us)
+        if i is None:  # the cap reached: the buffer whose value began longest ago, as a FIFO pool would give
+            i = min(range(len(bufs)), key=lambda b: min(bufs[b]))
+        bufs[i] = us
+        buffer_of[vid] = i
+    return buffer_of, {k: len(b) for k, b in holders.items()}
 
 
 def pool_of(unit) -> str:

@@ -354,6 +354,32 @@ def test_straddling_heads_are_copied_by_the_compute_op_that_reads_the_slot():
     assert res.stats["straddle_copies"] == inits  # one per load of a layer's slot
 
 
+def test_kv_work_buffers_are_bound_so_that_a_load_overlaps_the_attention_before_it():
+    """FlexGen with the weights on the GPU and part of the KV on the host, one GPU batch: the KV load of layer j+1
+    depends on the store of layer j-1, so two work buffers let it run beside layer j's attention. Plan order has
+    one live at a time; the binding (``program.bind_pool_buffers``) gives two, alternating, as offsim's placement
+    reserves -- and no reuse waits for an op the load does not depend on. With CPU attention: one. Tokens are
+    transformers'."""
+    from offexec.program import bind
+    from offexec.weights import layer_layout
+    from offsim.core import footprint as fp
+
+    hf, spec, plan, prompts, res = _run("opt", "flexgen", {"percent": (100, 0, 50, 50, 100, 0)}, 2, 1)
+    _check_against_transformers(hf, spec, plan, prompts, res)
+    prog = bind(plan, layer_layout(spec))
+    kv = [v for v in prog.values if v.kind == "kvwork_cpu"]
+    assert prog.pool_peak["kvwork_cpu"] == 2 == res.stats["pool_buffers"]["kvwork_cpu"]
+    assert [prog.buffer_of[v.id] for v in kv[:6]] == [0, 1, 0, 1, 0, 1]
+    placement = POLICIES["flexgen"].placement(spec, HW, plan.workload,
+                                              POLICIES["flexgen"].settings_from({"percent": (100, 0, 50, 50, 100, 0)}))
+    # the executor's two buffers are what offsim's placement reserves
+    assert fp.placement_tier_bytes(spec, plan.workload, placement)["gpu"]["KV work buffers"] == \
+        res.stats["gpu_need_bytes"]["KV work buffers"]
+    cpu_plan = build_plan("flexgen", spec, HW, Workload(PROMPT, GEN, 2, 1),
+                          {"percent": (100, 0, 0, 100, 100, 0), "cpu_attention": True})
+    assert bind(cpu_plan, layer_layout(spec)).pool_peak["kvwork_cpu"] == 1
+
+
 def test_host_in_op_counts_the_part_of_each_span_before_its_issue_ended():
     """Compute ops at [0,1] issued at 0.4 s (0.4 s of its span ran while the host still issued it), [1.5,2] issued
     at 1.2 s (before it began: none), [4,5] issued at 6 s (never more than the span: 1 s); the gaps are
