@@ -480,6 +480,7 @@ class Executor:
         # op that reads the slot: slot address -> (source, destination) views (``_op_h2d_weight``, ``_straddle``)
         self.straddle_pending: dict = {}
         self.straddle_copies = 0
+        self.pool_index: dict[int, int] = {}  # bound pool value -> the buffer it took (``BufferPool.take``)
         # KV homes
         groups = self.prog.groups
         self.kv_heads = {g: hi - lo for g, (lo, hi) in groups.items()}
@@ -933,7 +934,7 @@ class Executor:
         self.val_stream.pop(vid, None)
         t = self.pool_flat.pop(vid, t)  # a pool buffer goes back whole, not the view its handler shaped
         if v.kind in self.pools and t is not None:
-            i = self.prog.buffer_of.get(vid)
+            i = self.pool_index.pop(vid, None)
             if i is None:
                 self.pools[v.kind].release(t, _last_per_stream(evs))
             else:
@@ -961,7 +962,10 @@ class Executor:
         t = self.vals.get(vid)
         if t is None:
             pool, i = self.pools[self.prog.values[vid].kind], self.prog.buffer_of.get(vid)
-            t = pool.acquire(self.stream) if i is None else pool.take(i, self.stream)
+            if i is None:
+                t = pool.acquire(self.stream)
+            else:
+                self.pool_index[vid], t = pool.take(i, self.stream)
             self.vals[vid] = self.pool_flat[vid] = t
         return t
 

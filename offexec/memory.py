@@ -282,21 +282,27 @@ class BufferPool:
             self.slots.append([buf, (), False])
             self.count += 1
 
-    def take(self, index: int, stream=None) -> torch.Tensor:
-        """Buffer ``index`` (a value bound to it ahead of the run: ``program.bind_pool_buffers``) for work about to be
-        issued on ``stream``, which waits (on the GPU) until the buffer's last users ended."""
+    def take(self, index: int, stream=None) -> tuple[int, torch.Tensor]:
+        """(index, buffer) for a value bound to buffer ``index`` ahead of the run (``program.bind_pool_buffers``), for
+        work about to be issued on ``stream``, which waits (on the GPU) until the buffer's last users ended. Where the
+        issuing loop reached the value before the one holding that buffer let it go (the binding orders by the
+        plan's dependencies, issuing can run ahead of plan order), the first free buffer instead, or a new one
+        (reported as pool growth): the binding is a preference, never a wait on the host."""
         with self.lock:
+            if self.slots[index][2]:
+                index = next((i for i, sl in enumerate(self.slots) if not sl[2]), len(self.slots))
+                if index == len(self.slots):
+                    self.slots.append([torch.empty(self.numel, dtype=self.dtype, device=self.device), (), False])
+                    self.count += 1
             slot = self.slots[index]
-            if slot[2]:
-                raise ExecError(f"{self.name} buffer {index} taken while its previous value is live (a binding bug)")
             slot[2] = True
         if stream is not None:
             for ev in slot[1]:
                 stream.wait_event(ev)
-        return slot[0]
+        return index, slot[0]
 
     def give(self, index: int, events=()) -> None:
-        """Buffer ``index`` back, with the events its next value's work waits for."""
+        """Buffer ``index`` back (as ``take`` returned it), with the events its next value's work waits for."""
         with self.lock:
             slot = self.slots[index]
             slot[1], slot[2] = tuple(events), False

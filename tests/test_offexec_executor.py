@@ -380,6 +380,21 @@ def test_kv_work_buffers_are_bound_so_that_a_load_overlaps_the_attention_before_
     assert bind(cpu_plan, layer_layout(spec)).pool_peak["kvwork_cpu"] == 1
 
 
+def test_a_bound_buffer_still_in_use_falls_back_to_a_free_one_then_grows():
+    """``BufferPool.take``: the bound buffer when free; while it is taken, the first free buffer; with none free, a
+    new one (counted); given back, the bound one again."""
+    from offexec.memory import BufferPool
+
+    pool = BufferPool("kvwork_cpu", 4, torch.float32, torch.device("cpu"))
+    pool.reserve(2)
+    i0, b0 = pool.take(0)
+    i1, b1 = pool.take(0)  # buffer 0 is live: the other
+    i2, b2 = pool.take(1)  # both live: a third
+    assert (i0, i1, i2) == (0, 1, 2) and pool.count == 3 and len({id(b0), id(b1), id(b2)}) == 3
+    pool.give(0)
+    assert pool.take(0) == (0, b0)
+
+
 def test_host_in_op_counts_the_part_of_each_span_before_its_issue_ended():
     """Compute ops at [0,1] issued at 0.4 s (0.4 s of its span ran while the host still issued it), [1.5,2] issued
     at 1.2 s (before it began: none), [4,5] issued at 6 s (never more than the span: 1 s); the gaps are
