@@ -315,15 +315,9 @@ def _host_state(r) -> tuple[str, str]:
     ``common.measure_h2d_pageable``, against the profile's ``h2d_pageable`` curve at the same size): what a peer's
     CPU attention and pageable copies ran on, which the VM's host changes from day to day. '–' where the run or
     the profile lacks it (runs before 2026-12-04)."""
-    from offsim.analysis.validate import _profile_host_probe
+    from offsim.analysis.validate import _float_or_nan as num, _profile_host_probe
     from offsim.core.costmodel import interp
     from offsim.core.specs import get_hardware
-
-    def num(x) -> float:
-        try:
-            return float(x)
-        except (TypeError, ValueError):
-            return float("nan")
 
     prof = _profile_host_probe(PEER_PROFILE) or {}
     probe, prof_ms = num(r.get("host_probe_cpu_attn_ms")), num(prof.get("cpu_attn_ms"))

@@ -452,7 +452,7 @@ def bind(plan: Plan, layout, rank: int = 0) -> Program:
                 gpu_live -= v.nbytes
     if peak["hidden_in"]:  # loads run ahead of plan order up to the schedule's bound (``LandingBuffers``)
         peak["hidden_in"] = max(peak["hidden_in"], fp.LANDING_BUFFERS)
-    cap = 1 if any(op.kind == "cpu_compute" for op in plan.ops) else 2
+    cap = fp.kv_work_buffers(any(op.kind == "cpu_compute" for op in plan.ops))
     buffer_of, counts = bind_pool_buffers(plan, values, bound, {k: max(cap, peak[k]) for k in BOUND_POOL_KINDS})
     for k, c in counts.items():
         peak[k] = max(peak[k], c)

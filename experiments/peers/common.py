@@ -131,6 +131,30 @@ def set_gpu_budget(budget_gib: float, device: int = 0) -> dict:
     return {"fraction": frac, "gpu_total_bytes": total, "budget_bytes": int(budget_gib * GiB)}
 
 
+def _copy_times(make_src, reps: int, blocking: bool) -> list[float]:
+    """Seconds of each of ``reps`` copies of the host tensor ``make_src()`` makes to a GPU tensor of its size (one
+    unmeasured copy first), each between two device synchronisations; both tensors given back after (the pinned
+    host block too, where PyTorch names the call: made here, so no caller holds it)."""
+    import torch
+
+    src = make_src()
+    dst = torch.empty_like(src, device="cuda")
+    times = []
+    for _ in range(reps + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=not blocking)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    torch.cuda.empty_cache()
+    for name in ("_accelerator_emptyHostCache", "_host_emptyCache"):  # give the pinned block back (names vary)
+        if hasattr(torch._C, name):
+            getattr(torch._C, name)()
+            break
+    return times[1:]
+
+
 PAGEABLE_PROBE_BYTES = 128 << 20  # measure_h2d_pageable's copy: Accelerate's tensors are 50-600 MB (OPT-30B, Llama)
 
 
@@ -143,18 +167,8 @@ def measure_h2d_pageable(nbytes: int = PAGEABLE_PROBE_BYTES, reps: int = 5) -> f
 
     if not torch.cuda.is_available():
         return None
-    src = torch.ones(nbytes, dtype=torch.uint8)  # touched: the pages exist before the clock starts
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    times = []
-    for _ in range(reps + 1):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    del src, dst
-    torch.cuda.empty_cache()
-    times = sorted(times[1:])
+    # ones, not empty: the pages exist before the clock starts
+    times = sorted(_copy_times(lambda: torch.ones(nbytes, dtype=torch.uint8), reps, blocking=True))
     return nbytes / times[len(times) // 2]
 
 
@@ -168,22 +182,9 @@ def measure_h2d(nbytes: int = 256 << 20, reps: int = 10) -> float:
 
     if not torch.cuda.is_available():
         return H2D_DEFAULT_BYTES_PER_S
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    times = []
-    for _ in range(reps + 1):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    del src, dst
-    torch.cuda.empty_cache()
-    for name in ("_accelerator_emptyHostCache", "_host_emptyCache"):  # give the pinned block back (names vary)
-        if hasattr(torch._C, name):
-            getattr(torch._C, name)()
-            break
-    return nbytes / min(times[1:])
+    times = _copy_times(lambda: torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), reps,
+                        blocking=False)
+    return nbytes / min(times)
 
 
 def host_mem_bytes() -> dict:

@@ -164,6 +164,13 @@ def stored_slot_bytes(model: ModelSpec, gpu_bytes: int, sub: str | None,
     return stored_weight_bytes(model, max(lo, weight_slot_base_bytes(model, gpu_bytes)), hi, comp)
 
 
+def kv_work_buffers(cpu_attention: bool) -> int:
+    """Full-length KV work buffers per off-GPU head group: two (a decode step loads one layer's prefix while the
+    previous layer's is attended and stored), one with CPU attention (only new tokens' K/V pass through the GPU).
+    offexec binds its work buffers up to this count (``offexec/program.py`` ``bind_pool_buffers``)."""
+    return 1 if cpu_attention else 2
+
+
 def weight_slots_bytes(model: ModelSpec, weight_split, weight_buffers: int, sublayer: bool,
                        comp: Compression = NO_COMPRESSION) -> int:
     """GPU bytes of the streamed-weight slots a schedule holds at once: ``weight_buffers`` whole-layer slots of the
@@ -780,7 +787,7 @@ def tier_bytes(model: ModelSpec, wl: Workload, x: Mapping[str, Any], cpu_attenti
            "resident weights": x["wg"] * (L * W),
            "weight slots": w_off * (slot_layers * W),
            "resident KV": x["cg"] * kv_all,
-           "KV work buffers": c_off * ((1 if cpu_attention else 2) * kv_buf),
+           "KV work buffers": c_off * (kv_work_buffers(cpu_attention) * kv_buf),
            "activations": x["hg"] * hidden_block + x["hc"] * (2 * hidden_batch),
            "op peak": op_peak}
     if comp.weight or comp.cache:
@@ -811,7 +818,7 @@ def placement_tier_bytes(model: ModelSpec, wl: Workload, pl: Placement) -> dict[
     gpu["resident weights"] = sum(sw(0, g) for g, _ in pl.weight_split)
     gpu["weight slots"] = weight_slots_bytes(model, pl.weight_split, pl.weight_buffers, pl.sublayer, cz)
     gpu["resident KV"] = skv(wl.num_prompts, M, kg, L)
-    gpu["KV work buffers"] = (1 if pl.cpu_attention else 2) * sum(skv(gbs, M, h) for h in (kc, kd))
+    gpu["KV work buffers"] = kv_work_buffers(pl.cpu_attention) * sum(skv(gbs, M, h) for h in (kc, kd))
     cpu["weights"] = sum(sw(g, g + c) for g, c in pl.weight_split)
     cpu["KV"] = skv(wl.num_prompts, M, kc, L)
     disk_w = sum(sw(g + c, W) for g, c in pl.weight_split)
