@@ -677,6 +677,9 @@ def main(argv=None) -> int:
     ap.add_argument("--commit", default=None, help="the commit these runs are of (no .git on the GPU machine)")
     ap.add_argument("--retry", nargs="*", default=[], choices=["timeout", "oom", "host_oom", "skipped"],
                     help="statuses to run again (e.g. timeout, with a longer --timeout-s)")
+    ap.add_argument("--rerun", action="store_true",
+                    help="run the selected jobs again even if answered (after an executor change): the new record "
+                         "replaces the old one in the tables, runs.jsonl keeps both, the log appends")
     ap.add_argument("--dry-run", action="store_true", help="list the jobs (and which are answered), run nothing")
     ap.add_argument("--plan-only", action="store_true", help="on any machine: plan every point -- FlexGen's "
                     "candidate policies and offexec's searched settings -- into OUT's caches, run nothing (the GPU "
@@ -720,10 +723,11 @@ def main(argv=None) -> int:
         journal = read_journal(jpath)
         done, batch = job_state(job, journal, tuple(args.retry))
         if args.dry_run:
-            print(f"{'done' if done else 'todo'}  {job['keys'][0]}{'' if batch is None else f' (batch {batch})'}"
+            state = "todo" if not done else "rerun" if args.rerun and job["argv"] is not None else "done"
+            print(f"{state}  {job['keys'][0]}{'' if batch is None else f' (batch {batch})'}"
                   f"  {' '.join(job['argv'] or ['(no run)'])}")
             continue
-        if done:
+        if done and not (args.rerun and job["argv"] is not None):
             skipped += 1
             continue
         if job["argv"] is None:  # answered without a run (an OPT-only peer on a Llama, nothing fits)

@@ -389,6 +389,15 @@ def test_driver_report_and_dry_run(tmp_path, capsys):
              "--models", "llama-2-13b", "--prompts", "512", "--gens", "32", "--budgets", "16"])
     out = capsys.readouterr().out
     assert "todo  accelerate-ref|llama-2-13b|p512|g32|b16" in out and "deepspeed_ref" in out
+    key = "deepspeed-ref|llama-2-13b|p512|g32|b16"
+    rt.append_journal(tmp_path / "runs.jsonl", [{"key": key, "status": "ok", "system": "deepspeed-ref"}])
+    args = ["--out", str(tmp_path), "--dry-run", "--only", "deepspeed-ref", "flexgen-ref", "--models", "llama-2-13b",
+            "--prompts", "512", "--gens", "32", "--budgets", "16"]
+    rt.main(args)
+    assert f"done  {key}" in capsys.readouterr().out
+    rt.main(args + ["--rerun"])  # answered runs again; a cell answered without a run (FlexGen on a Llama) does not
+    out = capsys.readouterr().out
+    assert f"rerun  {key}" in out and "rerun  flexgen-ref" not in out
 
 
 # -- on the GPU (each run in a subprocess: a GPU budget set in this process would cap the other GPU tests) ---------------
