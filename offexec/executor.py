@@ -1303,10 +1303,9 @@ class Executor:
         if info.get("init") and base < self.g_el[j]:
             # the straddling tensor's resident head, so that it is whole in the slot: a device-to-device copy that
             # the first compute op reading the slot makes on the compute stream (``_straddle``). Made here, on the
-            # H2D stream, the slices behind it were slow: OPT-30B TightLLM at 24 GiB (74 MB heads) moved 1,467 of
-            # 1,488 first slices at 36.5 GB/s, the rest at 55 (results/real_throughput/traces/
-            # offexec-tightllm_opt-30b_p512_g32_b24, 2026-12-04) -- most likely the copy waiting for SMs the compute
-            # stream's GEMMs held, the link idle behind it
+            # H2D stream, the slices behind it were slow: OPT-30B TightLLM at 24 GiB (74 MB heads) moved its first
+            # slices at 38 GB/s, the rest at 55 -- the copy waiting for SMs the compute stream's GEMMs held, the link
+            # idle behind it; moved here, 55 and 55, decode +7.8 % (docs/architecture.md, 2026-12-04)
             self.straddle_pending[slot.data_ptr()] = (self.w_res[j][base:], slot[:self.g_el[j] - base])
         lo, hi = op.lo // self.e, op.hi // self.e
         if "stage" in args:
