@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -98,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "default, which spins on a machine with more cores than contexts), spin, yield, blocking "
                         "(sleep: a blocked CUDA call then costs the issuing thread wall time but no CPU time, so the "
                         "run's issue CPU time is its work alone). Default: %(default)s")
+    r.add_argument("--cpu-threads", type=int, default=None, metavar="N",
+                   help="torch's intra-op threads during the run, which CPU attention's kernels use (default: "
+                        "torch's, one per usable core); fewer leave cores to the issuing thread and the host workers")
     from .profile import add_profile_parser
 
     add_profile_parser(sub)  # `offexec profile`: the hardware-profile JSON offsim loads
@@ -180,6 +184,9 @@ def cmd_run(args) -> dict:
         if torch.device(args.device).type != "cuda":
             raise OffsimError(f"--cuda-sched {args.cuda_sched} applies to a CUDA run, not --device {args.device}")
         set_cuda_sched(args.cuda_sched, torch.device(args.device).index or 0)
+    if args.cpu_threads is not None and not 1 <= args.cpu_threads <= len(os.sched_getaffinity(0)):
+        raise OffsimError(f"--cpu-threads must be between 1 and this process's {len(os.sched_getaffinity(0))} usable "
+                          f"cores, got {args.cpu_threads}")
     device = require_device(args.device)
     if device.type not in ("cuda", "cpu"):
         raise OffsimError(f"--device must be 'cuda' or 'cpu', got {args.device!r}")
@@ -207,7 +214,7 @@ def cmd_run(args) -> dict:
         if warm is not None:  # unmeasured: its trace is dropped
             t0 = time.perf_counter()
             run_plan(warm, weights, args.device, seed=args.seed, gpu_budget_bytes=budget, disk_dir=args.disk_dir,
-                     allocator_cap=args.allocator_cap)
+                     allocator_cap=args.allocator_cap, cpu_threads=args.cpu_threads)
             warmup_s = time.perf_counter() - t0
         from .hostprobe import host_probe
 
@@ -228,6 +235,7 @@ def cmd_run(args) -> dict:
             where["plan_file"] = Path(args.plan).name
         res = run_plan(plan, weights, args.device, seed=args.seed, gpu_budget_bytes=budget, disk_dir=args.disk_dir,
                        allocator_cap=args.allocator_cap, trace_allocator=bool(args.host_profile),
+                       cpu_threads=args.cpu_threads,
                        meta={"hardware": hw.name, "warmup": warm is not None, **where, **prov})
         if prof is not None:
             prof.disable()
@@ -298,7 +306,7 @@ def cmd_run(args) -> dict:
            "warmup": None if warm is None else {"mode": "full" if warm is plan else "short",
                                                 "gen_len": warm.workload.gen_len, "wall_s": warmup_s},
            "issue_s": st["issue_s"], "issue_frac": st["issue_frac"], "issue_s_by_handler": st["issue_s_by_handler"],
-           "issue_cpu_s": st.get("issue_cpu_s"), "cuda_sched": args.cuda_sched,
+           "issue_cpu_s": st.get("issue_cpu_s"), "cuda_sched": args.cuda_sched, "cpu_threads": st.get("cpu_threads"),
            "host_bound_idle_s": st.get("host_bound_idle_s"), "host_bound_idle_frac": st.get("host_bound_idle_frac"),
            "host_in_op_s": st.get("host_in_op_s"), "host_in_op_frac": st.get("host_in_op_frac"),
            "run_ahead_wait_s": st["run_ahead_wait_s"], "graphs": st["graphs"], "allocator": st.get("allocator"),

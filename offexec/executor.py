@@ -83,7 +83,8 @@ def run_plan(plan: Plan, weights: ModelWeights, device: str = "cuda", prompts: t
              record_logits: bool = False, keep_kv: bool = False, meta: dict | None = None,
              threaded: bool = False, host_kv_pool: HostBuffer | None = None,
              allocator_cap: str = DEFAULT_ALLOCATOR_CAP, graphs: str | None = None,
-             switch_interval_s: float | None = None, trace_allocator: bool = False) -> RunResult:
+             switch_interval_s: float | None = None, trace_allocator: bool = False,
+             cpu_threads: int | None = None) -> RunResult:
     """Run ``plan`` with ``weights`` on ``device``; return the measured trace and the generated tokens.
 
     ``prompts``: [num_prompts, prompt_len] token ids (default: seeded random ids); in a mixed-length workload prompt
@@ -101,7 +102,8 @@ def run_plan(plan: Plan, weights: ModelWeights, device: str = "cuda", prompts: t
     ``Executor.SWITCH_INTERVAL_S``; see there). ``trace_allocator``: on CUDA, attribute the caching allocator's
     retries (each a device-wide synchronisation) to the op handler that was issuing when they happened
     (``stats['allocator_retries_by_handler']``; reading the counters costs ~0.1 ms per op, so it is a diagnostic).
-    A plan over several GPUs (``Plan.stages``) runs one process per GPU: ``offexec.distributed``."""
+    ``cpu_threads``: torch's intra-op threads during the run -- CPU attention's parallelism (default: torch's own,
+    one per usable core; ``Executor.cpu_threads``). A plan over several GPUs (``Plan.stages``) runs one process per GPU: ``offexec.distributed``."""
     check_one_host(plan)
     if plan.stages:
         raise ExecError(f"the plan runs on {plan.num_devices} GPUs (pipeline stages): run it with one process per "
@@ -115,6 +117,10 @@ def run_plan(plan: Plan, weights: ModelWeights, device: str = "cuda", prompts: t
         if not switch_interval_s > 0:
             raise ExecError(f"switch interval must be a positive number of seconds, got {switch_interval_s!r}")
         ex.switch_interval_s = float(switch_interval_s)
+    if cpu_threads is not None:
+        if isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int) or cpu_threads < 1:
+            raise ExecError(f"cpu_threads must be a positive whole number of threads, got {cpu_threads!r}")
+        ex.cpu_threads = cpu_threads
     try:
         return ex.run(meta or {})
     finally:
@@ -297,6 +303,10 @@ class Executor:
     # (experiments/offexec/gil_check.py measures it). A shorter interval hands the GIL back within it.
     SWITCH_INTERVAL_S = 2e-4
     switch_interval_s = SWITCH_INTERVAL_S
+    # torch's intra-op threads during the run (None: leave torch's, one per usable core). CPU attention runs its
+    # kernels on them while the issuing thread and the host workers also want a core: with every core taken by the
+    # pool, a descheduled pool thread stalls the op at its next barrier (an A/B knob, `offexec run --cpu-threads`)
+    cpu_threads: int | None = None
     def __init__(self, plan: Plan, weights: ModelWeights, device: str, prompts, seed: int,
                  gpu_budget_bytes: int | None, disk_dir: str | None, record_logits: bool, keep_kv: bool,
                  threaded: bool = False, allocator_cap: str = DEFAULT_ALLOCATOR_CAP, graphs: str | None = None,
@@ -596,7 +606,10 @@ class Executor:
             gc.collect()
         gc.freeze()
         t_wall = time.perf_counter()
+        old_threads = torch.get_num_threads()
         try:
+            if self.cpu_threads is not None:
+                torch.set_num_threads(self.cpu_threads)
             if self.cuda or self.threaded:
                 old = sys.getswitchinterval()
                 sys.setswitchinterval(self.switch_interval_s)
@@ -608,6 +621,7 @@ class Executor:
                 self._run_sequential()
         finally:
             gc.unfreeze()
+            torch.set_num_threads(old_threads)
         if self.comm is not None:
             self.comm.finish()  # every send delivered before the buffers go
         wall_s = time.perf_counter() - t_wall
@@ -620,6 +634,7 @@ class Executor:
         stats = {"wall_s": wall_s, "issue_s": self.issue_s, "issue_cpu_s": self.issue_cpu_s,
                  "dispatch_s": self.dispatch_s, "dispatch_s_per_op": self.dispatch_s / n if n else 0.0,
                  "run_ahead_wait_s": self.wait_s, "switch_interval_s": self.switch_interval_s,
+                 "cpu_threads": self.cpu_threads or torch.get_num_threads(),
                  "issue_s_by_handler": dict(self.issue_by_fn), "gpu_need_bytes": self.gpu_need,
                  "allocator_retries_by_handler": (dict(self.retries_by_fn) if self.trace_allocator and self.cuda
                                                   else None),

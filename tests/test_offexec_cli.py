@@ -227,11 +227,22 @@ def test_run_with_checkpoint_generates_its_tokens(checkpoint, capsys):
     (["--policy", "flexgen", "--gpu-mem-gb", "0.00001"], "GPU memory short by"),  # the plan does not fit the budget
     (["--trace", "/nonexistent/t.csv"], "does not exist"),
     (["--cuda-sched", "blocking"], "--cuda-sched blocking applies to a CUDA run"),  # (TINY_ARGS run on the CPU)
+    (["--cpu-threads", "0"], "--cpu-threads must be between 1 and"),
+    (["--cpu-threads", "100000"], "--cpu-threads must be between 1 and"),
 ])
 def test_bad_input_exits_2_with_one_line(checkpoint, capsys, extra, msg):
     rc = main(["run", "--model", str(checkpoint / "config.json")] + TINY_ARGS + extra)
     err = capsys.readouterr().err.strip()
     assert rc == 2 and msg in err and len(err.splitlines()) == 1
+
+
+def test_cpu_threads_hold_for_the_run_only(checkpoint, capsys):
+    """--cpu-threads sets torch's intra-op threads for the run (reported in the JSON line) and gives them back."""
+    before = torch.get_num_threads()
+    rc = main(["run", "--model", str(checkpoint / "config.json"), "--cpu-threads", "1", "--no-warmup"] + TINY_ARGS)
+    assert rc == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["cpu_threads"] == 1
+    assert torch.get_num_threads() == before
 
 
 def test_checkpoint_that_does_not_match_the_model_exits_2(checkpoint, capsys):
