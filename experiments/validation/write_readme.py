@@ -244,7 +244,12 @@ def _remeasured() -> list[str]:
                        if t in files and json.loads(files[t].read_text())["meta"].get("commit") in new})
         if warm:  # the protocol is part of the change measured (see the rounds table)
             kept += f" These runs came after the `{'`/`'.join(warm)}` warm-up."
-        out += ["", f"### Re-measured at one commit: `{f.parent.name}/`", "",
+        why = f.parent / "why.md"  # the round's reason in its own words, where it has one (a round of cases that an
+        # executor change touches says which change), quoted before the generated account
+        out += ["", f"### Re-measured at one commit: `{f.parent.name}/`", ""]
+        if why.exists():
+            out += [why.read_text().strip(), ""]
+        out += [
                 f"{whole} of `h200_{split}/` measured again at {', '.join(new)} "
                 f"({prov['date'][:10]}; not chosen by error; the runs' logs, `runs.jsonl` and this "
                 f"table in `{f.parent.name}/`, the old runs being `h200_{split}/` as of that commit), {purpose}. {kept} "
