@@ -6,11 +6,13 @@ GPU budgets 16 and 24 GiB; prefill, decode and total tok/s (FlexGen's definition
 Every run is a subprocess (``experiments/peers/*``), so a GPU or host OOM, a hang or a crash of one leaves the rest;
 each has a timeout. Results are appended, one JSON record per run, to OUT/runs.jsonl (the journal); after every
 run OUT/real_throughput.csv is rewritten from it (provenance on its first line). Rerun the same command to resume:
-runs already answered are skipped (``error`` records are retried). ``--time-limit-s`` stops starting runs when
+runs already answered are skipped (``error`` records are retried; ``--rerun`` runs the selected ones again after an
+executor change, the newer record winning in the tables). ``--time-limit-s`` stops starting runs when
 the call's time is nearly spent, so the grid runs in pieces of one 10-minute device call each.
 
     python -m experiments.real_throughput [--only offexec flexgen-ref ...] [--models opt-30b] [--prompts 512]
-        [--gens 32] [--budgets 16] [--quick] [--flexgen-k 3] [--timeout-s 480] [--time-limit-s 560] [--dry-run]
+        [--gens 32] [--budgets 16] [--quick] [--flexgen-k 3] [--timeout-s 480] [--time-limit-s 560] [--rerun]
+        [--dry-run]
     python -m experiments.real_throughput --report          # CSV, bar chart, README from the journal; no GPU
 
 Writes OUT (default results/real_throughput/): runs.jsonl, real_throughput.csv, real_throughput.png, README.md,
