@@ -664,6 +664,9 @@ class Executor:
         peaks["cpu"] = stats["host_weights_tier_bytes"] + stats["host_kv_bytes"] + self.prog.host_peak_bytes
         makespan = float(self.end.max()) if n else 0.0
         stats["issue_frac"] = self.issue_s / makespan if makespan > 0 else 0.0
+        # the issuing thread's CPU time in the same terms: its work alone when CUDA waits block (`--cuda-sched
+        # blocking`); with CUDA's default spinning a blocked call counts as CPU time too, as in issue_frac
+        stats["issue_cpu_frac"] = self.issue_cpu_s / makespan if makespan > 0 else 0.0
         if self.cuda and n:
             stats["host_bound_idle_s"] = host_bound_idle_s(self.plan, self.start, self.end, self.issued_at)
             stats["host_bound_idle_frac"] = stats["host_bound_idle_s"] / makespan if makespan > 0 else 0.0
