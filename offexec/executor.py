@@ -103,7 +103,8 @@ def run_plan(plan: Plan, weights: ModelWeights, device: str = "cuda", prompts: t
     retries (each a device-wide synchronisation) to the op handler that was issuing when they happened
     (``stats['allocator_retries_by_handler']``; reading the counters costs ~0.1 ms per op, so it is a diagnostic).
     ``cpu_threads``: torch's intra-op threads during the run -- CPU attention's parallelism (default: torch's own,
-    one per usable core; ``Executor.cpu_threads``). A plan over several GPUs (``Plan.stages``) runs one process per GPU: ``offexec.distributed``."""
+    one per usable core; ``Executor.cpu_threads``). A plan over several GPUs (``Plan.stages``) runs one process per
+    GPU: ``offexec.distributed``."""
     check_one_host(plan)
     if plan.stages:
         raise ExecError(f"the plan runs on {plan.num_devices} GPUs (pipeline stages): run it with one process per "
@@ -300,13 +301,14 @@ class Executor:
     # Python's GIL switch interval during a run. The host workers (CPU attention, disk) and the issuing thread share
     # the GIL; each torch call releases it, and taking it back while another thread runs Python waits up to the
     # interval (5 ms by default) -- a CPU attention op of a few small torch calls then takes several intervals
-    # (experiments/offexec/gil_check.py measures it). A shorter interval hands the GIL back within it.
+    # (experiments/offexec/host_threads_check.py measured it). A shorter interval hands the GIL back within it.
     SWITCH_INTERVAL_S = 2e-4
     switch_interval_s = SWITCH_INTERVAL_S
     # torch's intra-op threads during the run (None: leave torch's, one per usable core). CPU attention runs its
     # kernels on them while the issuing thread and the host workers also want a core: with every core taken by the
     # pool, a descheduled pool thread stalls the op at its next barrier (an A/B knob, `offexec run --cpu-threads`)
     cpu_threads: int | None = None
+
     def __init__(self, plan: Plan, weights: ModelWeights, device: str, prompts, seed: int,
                  gpu_budget_bytes: int | None, disk_dir: str | None, record_logits: bool, keep_kv: bool,
                  threaded: bool = False, allocator_cap: str = DEFAULT_ALLOCATOR_CAP, graphs: str | None = None,

@@ -281,8 +281,8 @@ def main(argv=None) -> int:
             m = row["measured"]
             print(f"{name}: prefill {m['prefill_tok_s']:.0f} decode {m['decode_tok_s']:.2f} total "
                   f"{m['total_tok_s']:.2f} tok/s; link bound {row['decode_link_bound_tok_s']:.2f} "
-                  f"({row['decode_link_bound_frac']:.1%}); issue {row['issue_frac']:.2%} (CPU {row['issue_cpu_frac']:.2%}, "
-                  f"CUDA waits {args.cuda_sched}; GPU idle on the host "
+                  f"({row['decode_link_bound_frac']:.1%}); issue {row['issue_frac']:.2%} "
+                  f"(CPU {row['issue_cpu_frac']:.2%}, CUDA waits {args.cuda_sched}; GPU idle on the host "
                   f"{row['host_bound_idle_frac'] or 0:.2%}); GPU peak "
                   f"{row['peak_gpu_reserved_bytes'] / GiB:.2f} GiB", flush=True)
         except Exception as e:  # keep the other configurations' evidence
