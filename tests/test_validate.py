@@ -500,3 +500,63 @@ def test_profile_variants_compares_merged_profiles_on_cases(tmp_path, capsys):
     with pytest.raises(SystemExit):
         PV.main(["--base", str(base), "--variant", "nofiles=", "--out", str(out)])
     assert "NAME=PART" in capsys.readouterr().err
+
+
+def test_mixed_lengths_reach_the_tops_within_the_ranges():
+    """matrix v2's mixed-length draw: each request's lengths within the ranges, the longest request at both tops
+    (the lengths the settings were searched at), the same draw for the same seed."""
+    import random
+
+    from experiments.validation.matrix import mixed_lengths
+
+    p, g = mixed_lengths(random.Random(3), 16, (128, 1024), (16, 64))
+    assert len(p) == len(g) == 16 and max(p) == 1024 and max(g) == 64
+    assert all(128 <= x <= 1024 for x in p) and all(16 <= x <= 64 for x in g)
+    assert (p, g) == mixed_lengths(random.Random(3), 16, (128, 1024), (16, 64))
+    with pytest.raises(ValueError, match="bad ranges"):
+        mixed_lengths(random.Random(3), 4, (512, 128), (16, 64))
+
+
+def test_mixed_config_split_is_its_seeds_and_its_cases_are_mixed():
+    """The committed mixed-length extension of matrix v2: every case has per-request lengths (not all equal), its
+    split is the one its seed gives, and no tag clashes with v2's."""
+    import copy
+
+    from experiments.validation.matrix import split_cases
+
+    doc = json.loads((CASES / "matrix_v2_mixed_config.json").read_text())
+    v2 = {c["tag"] for c in json.loads((CASES / "matrix_v2_config.json").read_text())["cases"]}
+    for c in doc["cases"]:
+        wl = c["workload"]
+        assert c["tag"].endswith("_mixed") and c["tag"] not in v2
+        assert len(set(wl["prompt_lens"])) > 1 or len(set(wl["gen_lens"])) > 1
+        assert max(wl["prompt_lens"]) == wl["prompt_len"] and max(wl["gen_lens"]) == wl["gen_len"]
+    redo = copy.deepcopy(doc["cases"])
+    split_cases(redo, doc["seed"])
+    assert {c["tag"]: c["split"] for c in redo} == {c["tag"]: c["split"] for c in doc["cases"]}
+
+
+def test_matrix_runs_a_mixed_length_case_that_validate_reads(tmp_path):
+    """A mixed-length case through the matrix on the CPU (tiny OPT, fp32): its case file lands in its split's
+    folder with the per-request lengths, and `offsim validate` re-simulates it from its stored plan."""
+    import dataclasses
+    import subprocess
+    import sys
+
+    from offsim import Workload, get_model
+
+    model = dataclasses.replace(get_model("opt-125m"), dtype_bytes=4)
+    wl = Workload(32, 4, 2, 2, prompt_lens=(32, 9, 20, 5), gen_lens=(4, 2, 3, 4))
+    case = {"tag": "opt-125m_flexgen_b1_p5-32_g2-4_mixed", "model": "opt-125m", "model_config": model.to_dict(),
+            "policy": "flexgen", "settings": {"percent": [0, 100, 0, 100, 100, 0]}, "workload": wl.to_dict(),
+            "gpu_mem_gb": 1, "split": "calib"}
+    cfg = tmp_path / "mixed.json"
+    cfg.write_text(json.dumps({"cases": [case]}))
+    r = subprocess.run([sys.executable, "-m", "experiments.validation.matrix", "--config", str(cfg), "--out",
+                        str(tmp_path / "v"), "--device", "cpu"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    f = tmp_path / "v" / "h200_calib" / f"{case['tag']}.case.json"
+    c = V.load_case(f)
+    assert tuple(c["meta"]["workload"]["prompt_lens"]) == wl.prompt_lens
+    row = V.validate_case(c)
+    assert row["plan"] == "stored" and math.isfinite(row["err_total_tok_s"])

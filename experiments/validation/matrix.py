@@ -15,6 +15,8 @@ a calibration set and a held-out set *before* anything is measured (the split is
 resumable: a case whose file exists is skipped.
 
     python -m experiments.validation.matrix --v2-seed 2026 --plan-only results/validation/matrix_v2_config.json
+    python -m experiments.validation.matrix --v2-mixed-seed 2026 --plan-only \
+        results/validation/matrix_v2_mixed_config.json          # mixed prompt lengths, split the same way
     python -m experiments.validation.matrix --config results/validation/matrix_v2_config.json \
         --out results/validation --warmup --disk-dir DIR --commit C          # on the H200: h200_calib/, h200_heldout/
 
@@ -131,6 +133,90 @@ def plan_v2(seed: int, per_model: int, profile: str, host_mem_gb: float) -> dict
     return {"schema": "offsim.matrix/2", "seed": seed, "profile": profile, "host_mem_gb": host_mem_gb,
             "splits": {s: sum(c["split"] == s for c in cases) for s in SPLITS}, "provenance": provenance(),
             "cases": cases}
+
+
+# mixed prompt lengths (issue 13: "some batches of mixed prompt lengths"): a seeded draw of its own, the same models,
+# budgets and policies; each request's prompt and generation length drawn in a range (a batch is padded to its
+# longest prompt and runs until its longest generation, docs/jobs.md), settings searched at the ranges' tops
+V2_MIXED_PROMPT_TOPS = (512, 1024, 2048)
+V2_MIXED_PROMPT_SPREAD = (2, 4, 8)  # the shortest prompt is the top over one of these
+V2_MIXED_GENS = (32, 64, 128)  # generation tops; the shortest generation is a quarter of its top
+
+
+def mixed_lengths(rng: random.Random, n: int, prompt_range: tuple[int, int], gen_range: tuple[int, int]):
+    """``n`` requests' (prompt_lens, gen_lens), uniform in the ranges; the first request has both tops, so that
+    the workload's prompt_len and gen_len (its longest) are the ranges' tops, the lengths the settings were
+    searched at."""
+    (plo, phi), (glo, ghi) = prompt_range, gen_range
+    if not (1 <= plo <= phi and 1 <= glo <= ghi and n >= 1):
+        raise ValueError(f"bad ranges or count: prompts {prompt_range}, generations {gen_range}, {n} requests")
+    prompts = [phi] + [rng.randint(plo, phi) for _ in range(n - 1)]
+    gens = [ghi] + [rng.randint(glo, ghi) for _ in range(n - 1)]
+    order = list(range(n))
+    rng.shuffle(order)  # the longest request lands in any GPU batch
+    return tuple(prompts[i] for i in order), tuple(gens[i] for i in order)
+
+
+def plan_v2_mixed(seed: int, n_cases: int, profile: str, host_mem_gb: float) -> dict:
+    """The mixed-length extension of matrix v2: ``n_cases`` cases over the five models in turn and the policy
+    variants in turn (a variant with no feasible draw in V2_TRIES is passed over for that case), each request's
+    lengths from ``mixed_lengths``; a draw predicted over V2_MAX_PREDICTED_S at the search's best batch (up to
+    MAX_BATCH) is searched again at half, a quarter, an eighth of it, then redrawn. Split by ``split_cases``
+    with the same seed, before anything is measured. Tags end in ``_mixed``: ``..._p{lo}-{hi}_g{lo}-{hi}_mixed``."""
+    rng = random.Random(f"mixed-{seed}")
+    cases: list[dict] = []
+    turn = 0
+    while len(cases) < n_cases and turn < 4 * n_cases * len(VARIANTS):
+        mname = V2_MODELS[len(cases) % len(V2_MODELS)]
+        policy, fixed = VARIANTS[turn % len(VARIANTS)]
+        turn += 1
+        base = get_model(mname)
+        for _ in range(V2_TRIES):
+            budget = rng.choice(V2_BUDGETS_GIB)
+            phi = rng.choice(V2_MIXED_PROMPT_TOPS)
+            plo = phi // rng.choice(V2_MIXED_PROMPT_SPREAD)
+            ghi = rng.choice(V2_MIXED_GENS)
+            glo = ghi // 4
+            model = base
+            if phi + ghi - 1 > base.max_positions:  # random weights: extend OPT's learned positions (as v1)
+                model = dataclasses.replace(base, max_positions=4096)
+            host = int(host_mem_gb * GiB) - base.weight_bytes()  # the executor keeps a host master copy
+            hw = get_hardware(profile, budget).with_(cpu_mem_bytes=max(host, GiB))
+            tag = (f"{mname}_{policy}{'-cpuattn' if fixed.get('cpu_attention') else ''}_b{budget}_p{plo}-{phi}"
+                   f"_g{glo}-{ghi}_mixed")
+            if any(c["tag"] == tag for c in cases):
+                continue
+            try:
+                for max_batch in (MAX_BATCH, MAX_BATCH // 2, MAX_BATCH // 4, MAX_BATCH // 8):
+                    try:  # a long generation at the largest batch outlasts the device time: a smaller batch
+                        st, uniform, _, _ = searched_case(policy, fixed, model, hw, phi, ghi, max_batch,
+                                                          V2_MAX_PREDICTED_S)
+                        break
+                    except OffsimError as e:
+                        if "predicted" not in str(e) or max_batch == MAX_BATCH // 8:
+                            raise
+                prompt_lens, gen_lens = mixed_lengths(rng, uniform.num_prompts, (plo, phi), (glo, ghi))
+                wl = Workload(phi, ghi, uniform.gpu_batch_size, uniform.num_gpu_batches, prompt_lens=prompt_lens,
+                              gen_lens=gen_lens)
+                plan = build_plan(policy, model, hw, wl, st)
+                pm = simulate(plan, hw).metrics()
+                if pm["total_s"] > V2_MAX_PREDICTED_S:
+                    raise OffsimError(f"predicted {pm['total_s']:.0f} s, over {V2_MAX_PREDICTED_S:.0f} s")
+            except OffsimError as e:
+                print(f"  {tag}: redrawn ({str(e)[:120]})", flush=True)
+                continue
+            cases.append({"tag": tag, "model": mname, "model_config": model.to_dict(), "policy": policy,
+                          "settings": st, "workload": wl.to_dict(), "gpu_mem_gb": budget, "host_bytes": host,
+                          "disk": False, "plan_sha256": plan.fingerprint(),
+                          "predicted": {k: pm[k] for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s",
+                                                           "total_s", "peak_gpu_bytes")}})
+            print(f"  {tag}: {wl.gpu_batch_size} x {wl.num_gpu_batches} {st}, predicted {pm['total_s']:.1f} s",
+                  flush=True)
+            break
+    split_cases(cases, seed)
+    return {"schema": "offsim.matrix/2", "seed": seed, "mixed": True, "profile": profile,
+            "host_mem_gb": host_mem_gb, "splits": {s: sum(c["split"] == s for c in cases) for s in SPLITS},
+            "provenance": provenance(), "cases": cases}
 
 
 def split_cases(cases: list[dict], seed: int) -> None:
@@ -385,6 +471,11 @@ def main() -> None:
     ap.add_argument("--v2-seed", type=int, default=None,
                     help="plan matrix v2 with this seed (five models, every policy, split into calib/heldout)")
     ap.add_argument("--v2-per-model", type=int, default=14, help="v2 cases per model (default: %(default)s)")
+    ap.add_argument("--v2-mixed-seed", type=int, default=None,
+                    help="plan matrix v2's mixed-length extension with this seed (each request's prompt and "
+                         "generation length drawn in a range; split into calib/heldout like v2)")
+    ap.add_argument("--v2-mixed-cases", type=int, default=12,
+                    help="cases of the mixed-length extension (default: %(default)s)")
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
@@ -393,6 +484,9 @@ def main() -> None:
         cases = doc["cases"] if isinstance(doc, dict) else doc
     elif args.v2_seed is not None:
         doc = plan_v2(args.v2_seed, args.v2_per_model, args.profile, args.host_mem_gb)
+        cases = doc["cases"]
+    elif args.v2_mixed_seed is not None:
+        doc = plan_v2_mixed(args.v2_mixed_seed, args.v2_mixed_cases, args.profile, args.host_mem_gb)
         cases = doc["cases"]
     else:
         cases = doc = plan_cases(args)

@@ -7,13 +7,16 @@
 #
 #   CASES="tag1 tag2" SPLIT=calib REPEATS=3 TL=480 COMMIT=abc1234 bash experiments/validation/remeasure.sh
 #
-# CASES: the tags to measure (default: every case of SPLIT); TL: start no case after this many seconds (a case
+# CONFIG: the matrix configuration (default results/validation/matrix_v2_config.json; the mixed-length extension:
+# results/validation/matrix_v2_mixed_config.json, whose cases' first runs are measured this way too, a case never
+# run before timed by its predicted run); CASES: the tags to measure (default: every case of SPLIT); TL: start no
+# case after this many seconds (a case
 # started before TL runs to its end); LIMIT: the device call's limit in s (default 600): the runs stop 25 s before it.
 # The machine has no network: the wheels of simpy, cvxpy & co. travel in .whl (../shared/tools/device-wheels.sh).
 set -u
 START=$(date +%s)  # the device call's clock starts about here (LIMIT below)
 SPLIT=${SPLIT:-calib}; REPEATS=${REPEATS:-3}; SHORT_S=${SHORT_S:-20}; TL=${TL:-480}
-WMODE=${WMODE:-full}; KEEP=${KEEP:-median}; COMMIT=${COMMIT:?set COMMIT to the code\'s commit (the copy has no .git)}
+WMODE=${WMODE:-full}; KEEP=${KEEP:-median}; CONFIG=${CONFIG:-results/validation/matrix_v2_config.json}; COMMIT=${COMMIT:?set COMMIT to the code\'s commit (the copy has no .git)}
 if ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
@@ -28,8 +31,8 @@ trap 'pack $?' EXIT
 [ -d build/remeasure ] && cp -r build/remeasure/. "$V"/
 read -r SHORT LONG SLACK < <(python3 - <<PY
 import json
-cfg = json.load(open('results/validation/matrix_v2_config.json'))['cases']
-wall = {}
+cfg = json.load(open('$CONFIG'))['cases']
+wall = {c['tag']: c['predicted']['total_s'] for c in cfg if 'predicted' in c}  # never run: its predicted run
 for line in open('results/validation/matrix_v2_runs.jsonl'):
     r = json.loads(line)
     if 'wall_s' in r:
@@ -47,7 +50,7 @@ slack = 120 + (1 + $REPEATS) * max([wall.get(t, 300) for t in tags] or [0])
 print(','.join(short) or '-', ','.join(long_) or '-', int(slack))
 PY
 )
-M="python3 -u -m experiments.validation.matrix --config results/validation/matrix_v2_config.json \
+M="python3 -u -m experiments.validation.matrix --config $CONFIG \
   --profile results/profiles/h200_offexec.json --out $V --warmup --warmup-mode $WMODE --keep $KEEP \
   --disk-dir /tmp/disktier --commit $COMMIT --kv-solver exact"
 # the device call's own limit (LIMIT s from the script's start): each matrix call is stopped PACK_S before it, so

@@ -86,7 +86,7 @@ def build(progress: bool = True) -> str:
               "`python -m experiments.validation.matrix --config "
               "results/validation/matrix_v2_config.json --profile results/profiles/h200_offexec.json --warmup "
               "--disk-dir DIR --commit C`, one NVIDIA H200, 2026-11-30 and 2026-12-01, offexec with CUDA-graph "
-              "decode, an unmeasured two-step warm-up before each run.", "",
+              "decode, an unmeasured two-step warm-up before each run.", "", *_mixed_extension(),
               "| split | profile | cases | median abs total error | max abs total error | within 10 % | "
               "median abs prefill error | median abs decode error | median step-latency MAPE |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -185,6 +185,24 @@ def _rounds() -> list[str]:
         for c in ch.sort_values(ascending=False).index:
             out.append(f"| {c} | {again[c][0]:.1f} | {again[c][-1]:.1f} | {ch[c]:+.1%} |")
     return out
+
+
+def _mixed_extension() -> list[str]:
+    """A paragraph on matrix v2's mixed-length extension (``matrix_v2_mixed_config.json``): what it draws, how many
+    of its cases each split holds measured so far."""
+    path = VAL / "matrix_v2_mixed_config.json"
+    if not path.exists():
+        return []
+    doc = json.loads(path.read_text())
+    measured = {s: sum((VAL / f"h200_{s}" / f"{c['tag']}.case.json").exists()
+                       for c in doc["cases"] if c["split"] == s) for s in SPLITS}
+    return [f"Mixed prompt lengths: `matrix_v2_mixed_config.json` ({len(doc['cases'])} cases, seed {doc['seed']}, "
+            "`python -m experiments.validation.matrix --v2-mixed-seed SEED --plan-only FILE`) draws each request's "
+            "prompt and generation length in a range (a GPU batch padded to its longest prompt and run to its "
+            "longest generation, each request's output its own length), the same models, budgets and policies, settings searched at the ranges' "
+            "tops; split the same way before anything is measured, its cases tagged `_mixed` in the same folders. "
+            + ", ".join(f"{measured[s]} of its {doc['splits'][s]} {s} cases" for s in SPLITS)
+            + " are measured so far and counted in the tables below.", ""]
 
 
 def _remeasured() -> list[str]:
