@@ -123,12 +123,19 @@ def searched_case(policy: str, fixed: dict, model, hw, prompt_len: int, gen_len:
     """A drawn case at its best setting (``best_settings``): (settings, workload, plan, predicted metrics).
     OffsimError when nothing fits, or when the run is predicted to take longer than ``max_predicted_s`` (device
     time is scarce)."""
+    st, wl = best_settings(policy, fixed, model, hw, prompt_len, gen_len, max_batch)
+    plan, m = predicted_within(policy, model, hw, wl, st, max_predicted_s)
+    return st, wl, plan, m
+
+
+def predicted_within(policy: str, model, hw, wl, settings: dict, max_predicted_s: float):
+    """(plan, predicted metrics) of a drawn case; OffsimError when its run is predicted to take longer than
+    ``max_predicted_s`` (device time is scarce: the draw is redrawn)."""
     from offsim import build_plan, simulate
     from offsim.core.errors import OffsimError
 
-    st, wl = best_settings(policy, fixed, model, hw, prompt_len, gen_len, max_batch)
-    plan = build_plan(policy, model, hw, wl, st)
+    plan = build_plan(policy, model, hw, wl, settings)
     m = simulate(plan, hw).metrics()
     if m["total_s"] > max_predicted_s:
         raise OffsimError(f"predicted {m['total_s']:.0f} s, over {max_predicted_s:.0f} s")
-    return st, wl, plan, m
+    return plan, m

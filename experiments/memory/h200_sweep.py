@@ -35,7 +35,7 @@ from pathlib import Path
 from offsim import Workload, build_plan, get_hardware, get_model
 from offsim.core.errors import OffsimError
 from offsim.core.provenance import provenance, write_csv
-from experiments.common import case_tag, searched_case
+from experiments.common import case_tag, predicted_within, searched_case
 
 GiB = 1 << 30
 PROFILE = "results/profiles/h200_offexec.json"
@@ -93,7 +93,6 @@ def plan_cases(seed: int, per_model: int) -> list[dict]:
 def plan_padded_cases(seed: int, per_model: int) -> list[dict]:
     """Draw (budget, task kind, disk?) per model and job policy; the padded block of ``offsim job``'s settings that
     reaches the requests' longest prompt (module docstring)."""
-    from offsim import simulate
     from offsim.core.requests import TASKS, draw_requests, make_blocks
     from offsim.search.job import best_for_job
 
@@ -117,10 +116,7 @@ def plan_padded_cases(seed: int, per_model: int) -> list[dict]:
                 best = best_for_job(policy, model, hw, reqs, max_sims=2, max_batch=MAX_BATCH)
                 blocks = make_blocks(reqs, best.workload.gpu_batch_size, best.workload.num_gpu_batches, "padded")
                 wl = max(blocks, key=lambda b: b.workload.prompt_len).workload
-                plan = build_plan(policy, model, hw, wl, best.settings)
-                m = simulate(plan, hw).metrics()
-                if m["total_s"] > MAX_PREDICTED_S:
-                    raise OffsimError(f"predicted {m['total_s']:.0f} s, over {MAX_PREDICTED_S:.0f} s")
+                plan, m = predicted_within(policy, model, hw, wl, best.settings, MAX_PREDICTED_S)
             except OffsimError as e:
                 print(f"  {tag}: skipped ({str(e)[:160]})", flush=True)
                 continue

@@ -32,7 +32,7 @@ import random
 import time
 from pathlib import Path
 
-from experiments.common import case_tag, finish, provenance, searched_case
+from experiments.common import case_tag, finish, predicted_within, provenance, searched_case
 from offsim import POLICIES, Workload, build_plan, get_hardware, get_model, simulate
 from offsim.core.errors import OffsimError
 from offsim.search import search
@@ -89,6 +89,16 @@ V2_TRIES = 4  # draws per case; a variant that finds no case in as many is passe
 SPLITS = ("calib", "heldout")
 
 
+def _drawn(tag, mname, model, policy, st, wl, budget, host, disk, plan, pm) -> dict:
+    """A drawn case's config entry (printed as it is drawn): what the GPU run rebuilds and what offsim predicted."""
+    print(f"  {tag}: {wl.gpu_batch_size} x {wl.num_gpu_batches} {st}, predicted {pm['total_s']:.1f} s", flush=True)
+    return {"tag": tag, "model": mname, "model_config": model.to_dict(), "policy": policy, "settings": st,
+            "workload": wl.to_dict(), "gpu_mem_gb": budget, "host_bytes": host, "disk": disk,
+            "plan_sha256": plan.fingerprint(),
+            "predicted": {k: pm[k] for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s", "total_s",
+                                             "peak_gpu_bytes")}}
+
+
 def plan_v2(seed: int, per_model: int, profile: str, host_mem_gb: float) -> dict:
     """The v2 config: ``per_model`` cases per model, each variant in turn; a draw with no feasible setting or a
     predicted run over V2_MAX_PREDICTED_S is redrawn, up to V2_TRIES times, then the next variant takes the turn.
@@ -122,13 +132,7 @@ def plan_v2(seed: int, per_model: int, profile: str, host_mem_gb: float) -> dict
                 print(f"  {tag}: redrawn ({str(e)[:120]})", flush=True)
                 continue
             made, turn, tries = made + 1, turn + 1, 0
-            cases.append({"tag": tag, "model": mname, "model_config": model.to_dict(), "policy": policy,
-                          "settings": st, "workload": wl.to_dict(), "gpu_mem_gb": budget, "host_bytes": host,
-                          "disk": disk, "plan_sha256": plan.fingerprint(),
-                          "predicted": {k: pm[k] for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s",
-                                                           "total_s", "peak_gpu_bytes")}})
-            print(f"  {tag}: {wl.gpu_batch_size} x {wl.num_gpu_batches} {st}, predicted {pm['total_s']:.1f} s",
-                  flush=True)
+            cases.append(_drawn(tag, mname, model, policy, st, wl, budget, host, disk, plan, pm))
     split_cases(cases, seed)
     return {"schema": "offsim.matrix/2", "seed": seed, "profile": profile, "host_mem_gb": host_mem_gb,
             "splits": {s: sum(c["split"] == s for c in cases) for s in SPLITS}, "provenance": provenance(),
@@ -198,20 +202,11 @@ def plan_v2_mixed(seed: int, n_cases: int, profile: str, host_mem_gb: float) -> 
                 prompt_lens, gen_lens = mixed_lengths(rng, uniform.num_prompts, (plo, phi), (glo, ghi))
                 wl = Workload(phi, ghi, uniform.gpu_batch_size, uniform.num_gpu_batches, prompt_lens=prompt_lens,
                               gen_lens=gen_lens)
-                plan = build_plan(policy, model, hw, wl, st)
-                pm = simulate(plan, hw).metrics()
-                if pm["total_s"] > V2_MAX_PREDICTED_S:
-                    raise OffsimError(f"predicted {pm['total_s']:.0f} s, over {V2_MAX_PREDICTED_S:.0f} s")
+                plan, pm = predicted_within(policy, model, hw, wl, st, V2_MAX_PREDICTED_S)
             except OffsimError as e:
                 print(f"  {tag}: redrawn ({str(e)[:120]})", flush=True)
                 continue
-            cases.append({"tag": tag, "model": mname, "model_config": model.to_dict(), "policy": policy,
-                          "settings": st, "workload": wl.to_dict(), "gpu_mem_gb": budget, "host_bytes": host,
-                          "disk": False, "plan_sha256": plan.fingerprint(),
-                          "predicted": {k: pm[k] for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s",
-                                                           "total_s", "peak_gpu_bytes")}})
-            print(f"  {tag}: {wl.gpu_batch_size} x {wl.num_gpu_batches} {st}, predicted {pm['total_s']:.1f} s",
-                  flush=True)
+            cases.append(_drawn(tag, mname, model, policy, st, wl, budget, host, False, plan, pm))
             break
     split_cases(cases, seed)
     return {"schema": "offsim.matrix/2", "seed": seed, "mixed": True, "profile": profile,
