@@ -216,6 +216,7 @@ def _remeasured() -> list[str]:
         prov, df = read_commented_csv(f, "re-measurement table",
                                       dtype={"old_commit": str, "new_commit": str})  # '779e620' reads as a float
         rounds.append((f, f.parent.name.split("_")[1], prov, df))
+    out += _spread_by_kind([df for *_, df in rounds])
     for f, split, prov, df in rounds:
         new = sorted(set(df["new_commit"]))
         # a case whose case file did not come back (``remeasure_compare --runs``) has no plan to compare: unknown
@@ -289,6 +290,26 @@ def _remeasured() -> list[str]:
                        f"{r.new_measured_total_tok_s:,.1f} | {r.change:+.1%} | "
                        f"{_plan_word(r)} |")
     return out
+
+
+def _spread_by_kind(tables: list) -> list[str]:
+    """Across every re-measurement round, the cases run again on the same schedule: how much a CPU-attention case
+    moved beside the others -- the host's share of the run-to-run spread (generated from the rounds' tables)."""
+    import pandas as pd
+
+    if not tables:
+        return []
+    d = pd.concat(tables, ignore_index=True)
+    d = d[d["same_schedule"].where(d["same_schedule"].notna(), False).astype(bool)]
+    cpu = d["case"].str.contains("cpuattn")
+    parts = []
+    for name, g in (("CPU-attention cases", d[cpu]), ("the others", d[~cpu])):
+        a = g["change"].abs()
+        parts.append(f"{name} median |change| {a.median():.1%}, {int((a > 0.05).sum())} of {len(a)} over 5 %"
+                     if len(a) else f"{name}: none")
+    return ["", "Across the rounds below, the same schedule measured again (the run-to-run spread of a case plus "
+            "any executor change in between): " + "; ".join(parts) + ". CPU attention runs on the host, whose "
+            "state moves between device calls on this virtual machine."]
 
 
 def _plan_word(r) -> str:
