@@ -94,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="profile the measured run's issuing thread with cProfile (where host issue time goes): "
                         "pstats to FILE, the 25 costliest functions printed; on CUDA also the caching allocator's "
                         "retries (device-wide synchronisations) by the op handler that caused them")
+    # (memory.CUDA_SCHED's keys, spelled out: importing memory brings torch, and --help stays fast without it)
     r.add_argument("--cuda-sched", default="auto", choices=("auto", "spin", "yield", "blocking"),
                    help="how the host threads wait on the GPU (the CUDA context's scheduling flag): auto (CUDA's "
                         "default, which spins on a machine with more cores than contexts), spin, yield, blocking "

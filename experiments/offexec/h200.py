@@ -32,7 +32,7 @@ import torch
 
 from experiments.common import finish, provenance
 from offexec.executor import check_plan, run_plan
-from offexec.memory import HostBuffer
+from offexec.memory import CUDA_SCHED, HostBuffer, set_cuda_sched
 from offexec.weights import random_weights
 from offsim import POLICIES, Workload, build_plan, get_hardware, get_model, simulate
 from offsim.analysis.validate import case_from_trace, save_case
@@ -182,7 +182,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="'cuda'; 'cpu' only to smoke-test this script on a tiny model")
     ap.add_argument("--run-ahead", nargs=3, type=positive_int, default=None, metavar=("COMPUTE", "H2D", "D2H"),
                     help="every plan's run_ahead (as `offexec run --run-ahead`); default: each plan's own")
-    ap.add_argument("--cuda-sched", default="auto", choices=("auto", "spin", "yield", "blocking"),
+    ap.add_argument("--cuda-sched", default="auto", choices=tuple(CUDA_SCHED),
                     help="how the host threads wait on the GPU (as `offexec run --cuda-sched`): with 'blocking' a "
                          "blocked CUDA call costs no CPU time, so each run's issue CPU time is the issuing work alone")
     args = ap.parse_args(argv)
@@ -190,8 +190,6 @@ def main(argv=None) -> int:
         if args.device != "cuda":
             print(f"offexec_h200: --cuda-sched {args.cuda_sched} applies to a CUDA run", file=sys.stderr)
             return 2
-        from offexec.memory import set_cuda_sched
-
         set_cuda_sched(args.cuda_sched)
 
     def windowed(plan):  # --run-ahead on every plan, as `offexec run` sets it
