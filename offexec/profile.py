@@ -846,7 +846,12 @@ def profile_graph_new_q(spec, device: str = "cuda", batches=(1, 4, 16, 64), prom
                         progress: bool = True) -> list:
     """Rows ('capture', 'new_q:PART', [[rows, s], ...]): what a graphed decode op costs at the first layer of a step
     where TightLLM's recompute reaches a query count q the run has not captured before, beyond what the same step's
-    op costs at the next layer (which captures too), by rows = sequences x q. Measured on the H200 inside a run
+    op costs at the next layer (which captures too), by rows = sequences x q. And rows ('capture', 'recompute:PART',
+    [[rows, s], ...]): that next layer's op itself -- a capture at a recompute's own shape (its static body run
+    eagerly, then recorded), which ``costmodel.capture_extra_seconds`` sets against the replay at the same rows; the
+    ('capture', PART) rows are one-token ops of at most 64 rows, and a recompute of 64 x q rows measured 2.8-4.3 ms
+    a layer inside a run against their 1.4 (results/validation/calib_misses.md, opt-13b_tightllm_b32_p128_g32).
+    The first layer's extra was measured on the H200 inside a run
     (results/validation/calib_misses.md: 61-87 ms at the first layer against about 1.2 ms at the others) and
     priced by ``sim._capture_extras``. Two-layer TightLLM plans with a ``prompt``-token prompt, the KV cache and
     the activations in host memory, N_r capped at ``GRAPH_MAX_Q_TOKENS`` - 1: N_r = min(cap, context) grows by one
@@ -859,6 +864,7 @@ def profile_graph_new_q(spec, device: str = "cuda", batches=(1, 4, 16, 64), prom
     gen_len = cap - prompt + 3  # q = prompt + 1 at step 1, then one more each step up to cap + 1, then steady
     runs = [(b, prompt, gen_len, cap, [100, 0, 0, 100, 0, 100]) for b in batches]
     samples: dict[tuple, list] = {}
+    recapture: dict[tuple, list] = {}  # (part, rows) -> the second layer's op at a new q: a capture at that shape
     for _, plan, res in _tightllm_probe_runs(spec, device, runs, "new-q captures", progress):
         dur = dict(zip(res.trace.df["op_id"], res.trace.df["end_s"] - res.trace.df["start_s"]))
         by_step: dict[tuple, dict] = {}  # (step, part, q, sequences) -> {layer: seconds}
@@ -872,10 +878,12 @@ def profile_graph_new_q(spec, device: str = "cuda", batches=(1, 4, 16, 64), prom
             if (part, q) in seen:
                 continue
             seen.add((part, q))
+            if 1 in t:  # layer 1 meets a new graph key (part, q, layer) too, at any step: never the run's first
+                recapture.setdefault((part, n * q), []).append(t[1])
             if step > first_step and 0 in t and 1 in t and t[0] > t[1]:
                 samples.setdefault((part, n * q), []).append(t[0] - t[1])
         del res  # before the next run
-    return _median_rows(spec, samples, "capture", "new_q:")
+    return _median_rows(spec, samples, "capture", "new_q:") + _median_rows(spec, recapture, "capture", "recompute:")
 
 
 def profile_attention(spec, device: str, peak_flops: float, reps: int = 10) -> list:

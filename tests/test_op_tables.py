@@ -676,6 +676,31 @@ def test_a_capture_past_the_rows_largest_size_costs_what_it_costs_there():
         0.07 - C.table_seconds(curve(hw, "graph", "layer"), 8), rel=1e-12)  # the run's first capture: its own row
 
 
+def test_a_recompute_capture_costs_its_own_row_where_the_profile_has_one():
+    """A recompute op (q > 1) that offexec captures costs, where the profile has ('capture', 'recompute:PART') rows
+    (captures timed at the recompute's own rows), that row less the replay at the same rows ('graph_tokens'), not the
+    one-token 'capture' row read flat; one-token ops and the run's first capture keep their rows; without the
+    recompute row nothing changes. The TightLLM policy's capture price and the simulator read the same number."""
+    cap = ((KEY, "capture", "layer", ((1.0, 5e-3), (8.0, 6e-3))), (KEY, "capture", "first", ((1.0, 0.05), (8.0, 0.07))))
+    rc = ((KEY, "capture", "recompute:layer", ((6.0, 0.010), (24.0, 0.016), (96.0, 0.030))),)
+    base, hw = H200.with_(op_times=ROWS + cap), H200.with_(op_times=ROWS + cap + rc)
+    rep = C._graph_tokens_curve(hw, M, "layer")
+    for rows, q in ((24, 3), (60, 5), (500, 5)):
+        got = C.capture_extra_seconds(M, hw, "layer", rows, False, q_tokens=q)
+        want = C.table_seconds(curve(hw, "capture", "recompute:layer"), rows, True) - C.table_seconds(rep, rows, True)
+        assert got == pytest.approx(max(0.0, want), rel=1e-12) and got > C.capture_extra_seconds(
+            M, base, "layer", rows, False, q_tokens=q)
+    for args in ((8, False), (24, True)):  # a one-token op; the run's first capture
+        q = 1 if not args[1] else 3
+        assert C.capture_extra_seconds(M, hw, "layer", *args, q_tokens=q) == \
+            C.capture_extra_seconds(M, base, "layer", *args, q_tokens=q)
+    from offsim.policies.tightllm.policy import capture_seconds
+
+    wl = Workload(4, 6, 2, 1)
+    assert capture_seconds(M, hw, wl, 2) == pytest.approx(
+        M.num_layers * C.capture_extra_seconds(M, hw, "layer", 2 * 3, False, q_tokens=3), rel=1e-12)
+
+
 def test_copy_issue_costs_follow_the_profiles_issue_rows():
     """A copy whose handler (KIND_TENSOR) has an 'issue' row costs that row at its bytes to issue, in both engines;
     other copies cost ``issue_copy_s``; a cost function asked without the model reads no rows."""
@@ -964,8 +989,11 @@ def test_profile_new_q_captures_on_the_cpu():
     rows = profile_graph_new_q(spec, "cpu", batches=(1, 2), progress=False)
     HardwareSpec.from_dict({**H200.to_dict(), "op_times": [[k, m, p, c] for k, m, p, c in rows]})  # loads
     for k, m, p, c in rows:
-        assert k == layer_key(spec) and m == "capture" and p.startswith("new_q:")
+        assert k == layer_key(spec) and m == "capture" and p.split(":")[0] in ("new_q", "recompute")
         assert [x for x, _ in c] == sorted({x for x, _ in c}) and all(t > 0 for _, t in c)
+    # the second layer's op at every new q is a capture at the recompute's own rows: one point per (batch, q)
+    rc = [c for _, _, p, c in rows if p == "recompute:layer"]
+    assert rc and {x for x, _ in rc[0]} >= {2.0 * q for q in range(2, 4)}
 
 
 def test_a_models_own_sustained_clock_row_replaces_the_profiles_fraction():

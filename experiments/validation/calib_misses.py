@@ -235,8 +235,9 @@ def tightllm_captures(c: Case) -> list[str]:
     for s in new_q:
         q = int(qs[s])
         rows_x = seqs * q
-        extra_flat[s] = cm.capture_extra_seconds(c.model, c.hw, "layer", rows_x, False)  # the model: flat
-        extra_prop[s] = cm.capture_extra_seconds(c.model, c.hw, "layer", rows_x, False, flat_past_largest=False)
+        extra_flat[s] = cm.capture_extra_seconds(c.model, c.hw, "layer", rows_x, False, q_tokens=q)  # the model
+        extra_prop[s] = cm.capture_extra_seconds(c.model, c.hw, "layer", rows_x, False, flat_past_largest=False,
+                                                 q_tokens=q)
         others = mc[s].drop(index=[first_layer, -1, mc.index.max()], errors="ignore")
         rows.append(f"| {s} | {q} | {_ms(ms[s])} | {_ms(ps[s])} | {_ms(mc.loc[first_layer, s])} | "
                     f"{_ms(others.mean())} | {_ms(extra_flat[s])} |")

@@ -51,6 +51,9 @@
 #      time is flat over the steps, offsim's grew with the context)                 -> $OUT/decode_attn.json
 #  19. step 1 with each model's whole prefill layer as the clock probes' load instead of its FFN GEMM: does a
 #      prefill's op mix hold another clock (prefill_layers.md: the error differs by model)?  -> $OUT/sus_layer.json
+#  20. TightLLM's graph captures at a recompute's own rows ('capture', 'recompute:PART'; with the 'new_q:PART'
+#      rows again, from the same runs): calibration case opt-13b_tightllm_b32_p128_g32 spent 2.8-4.3 ms a layer
+#      at each new q in its run, where the one-token 'capture' row read flat prices 1.16      -> $OUT/new_q.json
 # Then, here: `offexec profile --base results/profiles/h200_offexec_v2.json --merge sus.json store.json --out ...`,
 # re-validate the calibration split before adopting (docs/cost-model.md):
 #   python -m experiments.validation.profile_variants --base results/profiles/h200_offexec_v2.json \
@@ -162,7 +165,9 @@ json.dump(d, open('/tmp/ra/p4.json', 'w'))" &&
           --out "$OUT/decode_attn.json" > "$OUT/decode_attn.log" 2>&1 ;;
     19) timeout 420 python3 -u -m offexec.cli profile --base $BASE --ops $MODELS --sustained-only layer \
           --out "$OUT/sus_layer.json" > "$OUT/sus_layer.log" 2>&1 ;;
-    *) echo "unknown step $s (1 to 19)"; continue ;;
+    20) timeout 420 python3 -u -m offexec.cli profile --base $BASE --ops $MODELS --capture-only new_q \
+          --out "$OUT/new_q.json" > "$OUT/new_q.log" 2>&1 ;;
+    *) echo "unknown step $s (1 to 20)"; continue ;;
   esac
   echo "step $s rc=$? $(( $(date +%s) - T0 )) s"
 done

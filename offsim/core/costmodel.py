@@ -769,14 +769,22 @@ def op_graphed(kind: str, part: str, q_tokens: int, phase: str, graph_q_tokens: 
 
 
 def capture_extra_seconds(model: ModelSpec, hw: HardwareSpec, part: str, rows: int, first: bool,
-                          flat_past_largest: bool = True) -> float:
+                          flat_past_largest: bool = True, q_tokens: int = 1) -> float:
     """What a graphed decode op costs beyond its replay the first time offexec meets it: it runs its static body
     eagerly (issued kernel by kernel) and then records it as a CUDA graph (offexec/graphs.py). From the profile's
     'capture' rows (``offexec profile --ops``: the probe's step-1 ops, by sequences) less its 'graph' row; ``first``:
     the run's first capture, which also creates the graphs' pool and context (row 'capture', 'first'). 0 where the
     profile has no such rows. ``rows``: sequences x query tokens. The simulator charges it to the host (issue time:
     ``sim._capture_extras``). ``flat_past_largest=False``: the proportional reading the model used until 2026-12-02
-    (a counterfactual for reports, ``experiments/validation/calib_misses.py``)."""
+    (a counterfactual for reports, ``experiments/validation/calib_misses.py``). ``q_tokens`` > 1 (a TightLLM
+    recompute) where the profile has ('capture', 'recompute:PART') rows (``profile_graph_new_q``: captures measured
+    at the recompute's own rows): that row less the replay at the same rows (``_graph_tokens_curve``), read flat past
+    their largest size; without them, the one-token rows as below."""
+    if q_tokens > 1 and not first:
+        rc, rep_q = op_table(hw, model, "capture", f"recompute:{part}"), _graph_tokens_curve(hw, model, part)
+        if rc is not None and rep_q is not None:
+            return max(0.0, table_seconds(rc, rows, flat_past_largest)
+                       - table_seconds(rep_q, rows, flat_past_largest))
     cap = op_table(hw, model, "capture", "first" if first else part)
     rep = op_table(hw, model, "graph", part)
     if cap is None or rep is None:

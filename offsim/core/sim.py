@@ -359,7 +359,7 @@ def _capture_extras(plan: Plan, rows: list, hw: HardwareSpec) -> dict[int, float
         if key in seen:
             continue
         n_rows = kw.get("num_seqs", 0) * q
-        t = costmodel.capture_extra_seconds(plan.model, hw, part, n_rows, not seen)
+        t = costmodel.capture_extra_seconds(plan.model, hw, part, n_rows, not seen, q_tokens=q)
         if q > 1 and (part, q) not in seen_q:  # the run's first op at this query count (TightLLM's recompute)
             t += costmodel.new_q_capture_seconds(plan.model, hw, part, n_rows)
         seen.add(key)

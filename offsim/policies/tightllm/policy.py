@@ -323,7 +323,7 @@ def capture_seconds(model: ModelSpec, hw: HardwareSpec, wl: Workload, n: int) ->
     if not graphed("compute", "layer", q, "decode") or op_table(hw, model, "capture", "first") is None:
         return 0.0
     rows = wl.gpu_batch_size * q
-    return (model.num_layers * capture_extra_seconds(model, hw, "layer", rows, False)
+    return (model.num_layers * capture_extra_seconds(model, hw, "layer", rows, False, q_tokens=q)
             + new_q_capture_seconds(model, hw, "layer", rows))
 
 
