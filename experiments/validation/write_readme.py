@@ -86,7 +86,8 @@ def build(progress: bool = True) -> str:
               "`python -m experiments.validation.matrix --config "
               "results/validation/matrix_v2_config.json --profile results/profiles/h200_offexec.json --warmup "
               "--disk-dir DIR --commit C`, one NVIDIA H200, 2026-11-30 and 2026-12-01, offexec with CUDA-graph "
-              "decode, an unmeasured two-step warm-up before each run.", "", *_mixed_extension(),
+              "decode, an unmeasured two-step warm-up before each run.", "",
+              *_mixed_extension({s: res[s, "v2"] for s in SPLITS}),
               "| split | profile | cases | median abs total error | max abs total error | within 10 % | "
               "median abs prefill error | median abs decode error | median step-latency MAPE |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -187,9 +188,10 @@ def _rounds() -> list[str]:
     return out
 
 
-def _mixed_extension() -> list[str]:
+def _mixed_extension(v2: dict) -> list[str]:
     """A paragraph on matrix v2's mixed-length extension (``matrix_v2_mixed_config.json``): what it draws, how many
-    of its cases each split holds measured so far."""
+    of its cases each split holds measured so far, and offsim's error on them with profile v2 (``v2``: each split's
+    validation table)."""
     path = VAL / "matrix_v2_mixed_config.json"
     if not path.exists():
         return []
@@ -202,7 +204,20 @@ def _mixed_extension() -> list[str]:
             "longest generation, each request's output its own length), the same models, budgets and policies, settings searched at the ranges' "
             "tops; split the same way before anything is measured, its cases tagged `_mixed` in the same folders. "
             + ", ".join(f"{measured[s]} of its {doc['splits'][s]} {s} cases" for s in SPLITS)
-            + " are measured so far and counted in the tables below.", ""]
+            + " are measured so far and counted in the tables below." + _mixed_errors(doc, v2), ""]
+
+
+def _mixed_errors(doc: dict, v2: dict) -> str:
+    """' With profile v2 ...': offsim's median and max |total error| over each split's measured mixed-length cases."""
+    tags = {c["tag"] for c in doc["cases"]}
+    parts = []
+    for s in SPLITS:
+        df = v2[s][v2[s]["case"].isin(tags)]
+        if len(df):
+            e = df["err_total_tok_s"].abs()
+            parts.append(f"{s} median {_pct(e.median())}, max {_pct(e.max())} ({int((e <= V.MAX_CASE_ERROR).sum())} "
+                         f"of {len(df)} within {_pct(V.MAX_CASE_ERROR)})")
+    return f" With profile v2 on them alone: {'; '.join(parts)}." if parts else ""
 
 
 def _remeasured() -> list[str]:
@@ -217,6 +232,7 @@ def _remeasured() -> list[str]:
                                       dtype={"old_commit": str, "new_commit": str})  # '779e620' reads as a float
         rounds.append((f, f.parent.name.split("_")[1], prov, df))
     out += _spread_by_kind([df for *_, df in rounds])
+    born = _first_measured(rounds)
     for f, split, prov, df in rounds:
         new = sorted(set(df["new_commit"]))
         # a case whose case file did not come back (``remeasure_compare --runs``) has no plan to compare: unknown
@@ -233,7 +249,10 @@ def _remeasured() -> list[str]:
         def cases(n):
             return f"{n} case" + ("" if n == 1 else "s")
 
-        files = {p.name[:-len(".case.json")]: p for p in (VAL / f"h200_{split}").glob("*.case.json")}
+        # the split's cases as they stood when the round ran: a case first measured after it (the mixed-length
+        # extension's) was never the round's to measure
+        files = {p.name[:-len(".case.json")]: p for p in (VAL / f"h200_{split}").glob("*.case.json")
+                 if born.get(p.name[:-len(".case.json")], "") <= prov["date"]}
         left = set(files) - set(df["case"])
         # a round that did not reach every case can be completed by another partial round of the same split (a
         # round that re-measured every case is a round of its own, not the completion of this one)
@@ -290,6 +309,24 @@ def _remeasured() -> list[str]:
                        f"{r.new_measured_total_tok_s:,.1f} | {r.change:+.1%} | "
                        f"{_plan_word(r)} |")
     return out
+
+
+def _first_measured(rounds: list) -> dict[str, str]:
+    """When each case of matrix v2's mixed-length extension was first measured (ISO date): the earliest of its case
+    file's date and the dates of the re-measurement rounds that list it. The cases of ``matrix_v2_config.json`` were
+    all measured before the first round and are not in this map."""
+    path = VAL / "matrix_v2_mixed_config.json"
+    if not path.exists():
+        return {}
+    born = {}
+    for c in json.loads(path.read_text())["cases"]:
+        f = VAL / f"h200_{c['split']}" / f"{c['tag']}.case.json"
+        dates = [prov["date"] for _, _, prov, df in rounds if c["tag"] in set(df["case"])]
+        if f.exists():
+            dates.append(json.loads(f.read_text())["meta"].get("date", ""))
+        if dates:
+            born[c["tag"]] = min(dates)
+    return born
 
 
 def _spread_by_kind(tables: list) -> list[str]:
