@@ -59,6 +59,18 @@ LIMIT=${LIMIT:-600}; PACK_S=25
 within() {  # min($1, what is left before the stop); at least 1 ('timeout 0' would mean no limit at all)
   local left=$((LIMIT - PACK_S - $(date +%s) + START)); local t=$(( $1 < left ? $1 : left )); echo $(( t < 1 ? 1 : t ))
 }
+# HOST_ROWS: models (comma-separated) whose CPU-attention rows (offexec's path, 'attn_ctx:B') are measured first, in
+# this call: $V/session_cpu_rows.json, profile v2 with those rows as the host is now. The same CPU-attention plans
+# ran up to 25 % apart from one call to the next while repeats within a call agreed within a few per cent
+# (results/offexec/cpu_threads_3732f5b): validating those cases on the call's own rows (`offsim validate DIR
+# --hardware session_cpu_rows.json`, beside profile v2) says whether the model or the host's state misses them.
+# About 100 s a model, before the cases (not counted in TL).
+if [ -n "${HOST_ROWS:-}" ]; then
+  NM=$(echo "$HOST_ROWS" | tr ',' '\n' | wc -l)
+  timeout "$(within $((150 * NM)))" python3 -u -m offexec.cli profile --base results/profiles/h200_offexec_v2.json \
+    --ops "$HOST_ROWS" --cpu-attention-only offexec --out "$V/session_cpu_rows.json" \
+    > "$V/session_cpu_rows.log" 2>&1; echo "host rows rc=$?"
+fi
 T0=$(date +%s)
 if [ "$SHORT" != "-" ]; then
   timeout "$(within $((TL + SLACK)))" $M --cases ${SHORT//,/ } --repeats "$REPEATS" --time-limit-s "$TL" \
