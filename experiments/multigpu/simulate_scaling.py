@@ -97,6 +97,31 @@ READING = (
     "measured only 5 of the 32 tokens (`--cut-gen-len 5`) and extrapolated.")
 
 
+def tightllm_shortfall(tl: dict, fx: dict) -> str | None:
+    """Why TightLLM's search ends below FlexGen's at the same GPU count, where it does: FlexGen's chosen block and
+    placement tried on TightLLM's own stages (``check_tightllm_stages``), whose streamed weights sit in two
+    whole-layer slots where FlexGen's code streams the attention's and the MLP's weights apart (``sublayer``).
+    None where TightLLM is not behind or FlexGen's choice fits it (then the schedules, not memory, differ)."""
+    from offsim.policies.tightllm.policy import TightLLMSettings, check_tightllm_stages
+
+    if tl["decode_tok_s"] >= fx["decode_tok_s"]:
+        return None
+    st = json.loads(fx["settings"])
+    if st.get("cpu_attention") or st["percent"][4] != 100:
+        return None  # a placement TightLLM's pipeline does not take (CPU attention, activations off the GPU)
+    model, hw = get_model(fx["model"]), get_hardware(fx["hardware"], fx["gpu_budget_gib"])
+    wl = Workload(PROMPT, GEN, fx["gpu_batch_size"], fx["num_gpu_batches"])
+    pipe = {k: tuple(v) if isinstance(v, list) else v for k, v in st.items()
+            if k in ("num_stages", "stage_layers", "micro_batches")}
+    try:
+        check_tightllm_stages(model, hw, wl, TightLLMSettings(percent=tuple(st["percent"]), **pipe))
+    except OffsimError as e:
+        return (f"{fx['model']} on {fx['gpus']} GPUs: FlexGen's block {fx['gpu_batch_size']} x "
+                f"{fx['num_gpu_batches']} at percent {' '.join(map(str, st['percent']))} as a TightLLM plan: "
+                f"{str(e).split(': ', 1)[-1].split('; use ')[0]}")
+    return None
+
+
 def main() -> None:
     argparser(__doc__).parse_args()
     t0 = time.time()
@@ -179,6 +204,13 @@ def main() -> None:
             f"{m} on {h}: " + ", ".join(f"x{t['decode_tok_s'] / f['decode_tok_s']:.2f} on {t['gpus']}"
                                       for t, f in vs if (t["model"], t["hardware"]) == (m, h))
             for m, h in dict.fromkeys((t["model"], t["hardware"]) for t, _ in vs)) + ".", ""]
+        short = [x for x in (tightllm_shortfall(t, f) for t, f in vs) if x]
+        if short:
+            lines += ["Where TightLLM ends behind, FlexGen's choice does not fit TightLLM's stages: TightLLM streams "
+                      "each layer's offloaded weights into two whole-layer slots (its weight loader slices a layer "
+                      "across the GPU batches), FlexGen's code into slots of the attention's or the MLP's weights, "
+                      "half the bytes; and where the host is nearly full, moving weights off the GPU to make room "
+                      "overfills it. " + "; ".join(short) + ".", ""]
     lines += ["## FlexGen's own 4 x 1 settings", "",
               "OPT-175B on 4 nodes x 1 T4 with the settings of FlexGen's `benchmark/flexgen/bench_175b_4x1.sh` "
               "(FlexLLMGen: `benchmark/flexllmgen/bench_175b_4x1.sh`) "
