@@ -849,8 +849,8 @@ def profile_graph_new_q(spec, device: str = "cuda", batches=(1, 4, 16, 64), prom
     op costs at the next layer (which captures too), by rows = sequences x q. And rows ('capture', 'recompute:PART',
     [[rows, s], ...]): that next layer's op itself -- a capture at a recompute's own shape (its static body run
     eagerly, then recorded), which ``costmodel.capture_extra_seconds`` sets against the replay at the same rows; the
-    ('capture', PART) rows are one-token ops of at most 64 rows, and a recompute of 64 x q rows measured 2.8-4.3 ms
-    a layer inside a run against their 1.4 (results/validation/calib_misses.md, opt-13b_tightllm_b32_p128_g32).
+    ('capture', PART) rows are one-token ops of at most 64 rows. (Measured on the H200 at 07babc2, these rows read
+    1.0-1.9 ms a layer at 5-512 rows, close to the one-token rows: results/profiles/new_q_07babc2.)
     The first layer's extra was measured on the H200 inside a run
     (results/validation/calib_misses.md: 61-87 ms at the first layer against about 1.2 ms at the others) and
     priced by ``sim._capture_extras``. Two-layer TightLLM plans with a ``prompt``-token prompt, the KV cache and

@@ -230,9 +230,9 @@ def _mixed_errors(doc: dict, v2: dict) -> str:
     for s in SPLITS:
         df = v2[s][v2[s]["case"].isin(tags)]
         if len(df):
-            e = df["err_total_tok_s"].abs()
-            parts.append(f"{s} median {_pct(e.median())}, max {_pct(e.max())} ({int((e <= V.MAX_CASE_ERROR).sum())} "
-                         f"of {len(df)} within {_pct(V.MAX_CASE_ERROR)})")
+            a = V.split_summary(df)
+            parts.append(f"{s} median {_pct(a['median'])}, max {_pct(a['max'])} ({a['within']} of {a['cases']} "
+                         f"within {_pct(V.MAX_CASE_ERROR)})")
     return f" With profile v2 on them alone: {'; '.join(parts)}." if parts else ""
 
 
