@@ -273,8 +273,36 @@ def _sdpa(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, T: int, G: int,
     elif T == C:
         mask, causal = None, True
     else:
+        o = _lower_right_flash(q, K, V, G)
+        if o is not None:
+            return o
         mask, causal = causal_lower_right(T, C), False
     return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, is_causal=causal, enable_gqa=G > 1)
+
+
+_FLASH_OK: dict = {}  # (dtype, head dim, device, strides' last, flash enabled) -> flash can run it
+
+
+def _lower_right_flash(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, G: int) -> torch.Tensor | None:
+    """A recompute block's causal attention (T < C queries at the end of the context, aligned to the bottom right)
+    straight through the flash kernel, whose causal mask is bottom-right aligned: the kernel PyTorch's
+    ``causal_lower_right`` bias dispatches to, without that dispatch's Python work per call (input validation, an
+    ``SDPAParams`` and the backend checks: ~70 us of the issuing thread's time a TightLLM recompute op under cProfile,
+    results/offexec/host_profile_cf26d6a). The backend check runs once per input signature. None where flash cannot
+    run it (not CUDA, GQA, a head size that would need padding, flash disabled or unsupported): the caller then goes
+    through ``causal_lower_right``, which picks another backend."""
+    if q.device.type != "cuda" or G != 1 or q.shape[-1] % 8:
+        return None
+    key = (q.dtype, q.shape[-1], q.device, q.stride(-1), K.stride(-1), V.stride(-1),
+           torch.backends.cuda.flash_sdp_enabled())
+    ok = _FLASH_OK.get(key)
+    if ok is None:
+        from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+        ok = _FLASH_OK[key] = bool(key[-1]) and can_use_flash_attention(SDPAParams(q, K, V, None, 0.0, False, False))
+    if not ok:
+        return None
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, K, V, 0.0, True, False)[0]
 
 
 # SDPA's backends, in order, for an eager attention under a per-sequence key mask in decode (left-padded mixed-length

@@ -123,3 +123,23 @@ def test_blocked_mlp_peak_within_the_footprint(model):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(fp, "MLP_CHUNK_ROWS", B * T)  # the same MLP unblocked, as the footprint counts it
         assert st["mlp"] < fp.layer_stage_bytes(spec, B, T, T)["mlp"]
+
+
+def test_recompute_attention_direct_flash_matches_lower_right_bias():
+    """A recompute block's attention (T < C queries, bottom-right causal) goes straight to the flash kernel
+    (``model._lower_right_flash``): the same kernel and result as PyTorch's ``causal_lower_right`` dispatch, over the
+    executor's KV layout (permuted views of a [C, 2, B, n, D] buffer)."""
+    from torch.nn.attention.bias import causal_lower_right
+    import torch.nn.functional as F
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, H, D, C, T = 4, 8, 64, 300, 37
+    buf = torch.randn(C, 2, B, H, D, dtype=torch.float16, device="cuda", generator=g)
+    q = torch.randn(B, T, H, D, dtype=torch.float16, device="cuda", generator=g).transpose(1, 2)
+    K, V = buf[:, 0].permute(1, 2, 0, 3), buf[:, 1].permute(1, 2, 0, 3)
+    direct = M._lower_right_flash(q, K, V, 1)
+    assert direct is not None, "flash should take an fp16 MHA recompute block on this GPU"
+    ref = F.scaled_dot_product_attention(q, K, V, attn_mask=causal_lower_right(T, C))
+    assert torch.equal(direct, ref)
+    assert torch.equal(M._sdpa(q, K, V, T, 1), ref)
+    assert M._lower_right_flash(q, K[:, :2], V[:, :2], 4) is None  # GQA: through the bias's dispatch
