@@ -560,3 +560,34 @@ def test_matrix_runs_a_mixed_length_case_that_validate_reads(tmp_path):
     assert tuple(c["meta"]["workload"]["prompt_lens"]) == wl.prompt_lens
     row = V.validate_case(c)
     assert row["plan"] == "stored" and math.isfinite(row["err_total_tok_s"])
+
+
+def test_coverage_gaps_name_variants_measured_only_held_out():
+    """The coverage extension's rule (``matrix.coverage_gaps``): a model and policy variant (FlexGen's GPU and CPU
+    attention apart) that the configs hold only in the held-out set is a gap; one with a calibration case is not.
+    The committed coverage config fills exactly the gaps of the two v2 configs, every case in the calibration set,
+    no tag repeated."""
+    from pathlib import Path
+
+    from experiments.validation.matrix import VARIANTS, coverage_gaps
+
+    def case(m, p, ca, split):
+        return {"tag": f"{m}_{p}_{ca}_{split}", "model": m, "policy": p,
+                "settings": {"cpu_attention": ca} if p == "flexgen" else {}, "split": split}
+
+    doc = {"cases": [case("a", "flexgen", True, "calib"), case("a", "flexgen", False, "heldout"),
+                     case("a", "tightllm", None, "heldout"), case("a", "tightllm", None, "calib"),
+                     case("b", "selectn", None, "heldout")]}
+    got = [(m, VARIANTS[v]) for m, v in coverage_gaps([doc])]
+    assert got == [("a", ("flexgen", {"cpu_attention": False})), ("b", ("selectn", {}))]
+    val = Path(__file__).parent.parent / "results" / "validation"
+    if (val / "matrix_v2_coverage_config.json").exists():
+        base = [json.loads((val / f).read_text()) for f in ("matrix_v2_config.json", "matrix_v2_mixed_config.json")]
+        cov = json.loads((val / "matrix_v2_coverage_config.json").read_text())
+        assert {c["split"] for c in cov["cases"]} == {"calib"}
+        filled = {(c["model"], c["policy"], bool(c["settings"].get("cpu_attention"))) for c in cov["cases"]}
+        want = {(m, VARIANTS[v][0], bool(VARIANTS[v][1].get("cpu_attention"))) for m, v in coverage_gaps(base)}
+        assert filled == want
+        assert coverage_gaps(base + [cov]) == []
+        tags = [c["tag"] for d in base + [cov] for c in d["cases"]]
+        assert len(set(tags)) == len(tags) - 1  # v2's one repeated draw (opt-13b_static-zero_b40_p512_g128) only

@@ -114,7 +114,8 @@ def report(d: Path, about: str, traces: list[Path]) -> str:
         out.append(f"| {name} | {j['measured']['decode_tok_s']:.2f} ({j['predicted']['decode_tok_s']:.2f}) | "
                    f"{100 * j['issue_frac']:.1f}% | {h} | {g.get('graphs', 0)} / {g.get('replays', 0)} "
                    f"({g.get('capture_s', 0):.2f}) |")
-    out += ["", "Calls under cProfile: calls / cumulative s / cumulative us per call.", "", "| call | " + " | ".join(data) + " |", "| --- |" + " --- |" * len(data)]
+    out += ["", "Calls under cProfile: calls / cumulative s / cumulative us per call.", "",
+            "| call | " + " | ".join(data) + " |", "| --- |" + " --- |" * len(data)]
     for label, _ in CALLS:
         cells = []
         for c, _ in data.values():

@@ -17,6 +17,8 @@ resumable: a case whose file exists is skipped.
     python -m experiments.validation.matrix --v2-seed 2026 --plan-only results/validation/matrix_v2_config.json
     python -m experiments.validation.matrix --v2-mixed-seed 2026 --plan-only \
         results/validation/matrix_v2_mixed_config.json          # mixed prompt lengths, split the same way
+    python -m experiments.validation.matrix --v2-coverage-seed 2026 --plan-only \
+        results/validation/matrix_v2_coverage_config.json       # a calibration case per held-out-only variant
     python -m experiments.validation.matrix --config results/validation/matrix_v2_config.json \
         --out results/validation --warmup --disk-dir DIR --commit C          # on the H200: h200_calib/, h200_heldout/
 
@@ -211,6 +213,61 @@ def plan_v2_mixed(seed: int, n_cases: int, profile: str, host_mem_gb: float) -> 
     split_cases(cases, seed)
     return {"schema": "offsim.matrix/2", "seed": seed, "mixed": True, "profile": profile,
             "host_mem_gb": host_mem_gb, "splits": {s: sum(c["split"] == s for c in cases) for s in SPLITS},
+            "provenance": provenance(), "cases": cases}
+
+
+def coverage_gaps(configs: list[dict]) -> list[tuple[str, int]]:
+    """(model, index into VARIANTS) of every model and policy variant the configs measure (in either set) with no
+    calibration case: where the held-out set would test the model on something it was never developed on."""
+    seen: dict[tuple, set] = {}
+    for doc in configs:
+        for c in doc["cases"]:
+            v = VARIANTS.index((c["policy"], {"cpu_attention": True} if c["settings"].get("cpu_attention") else
+                                {"cpu_attention": False} if c["policy"] == "flexgen" else {}))
+            seen.setdefault((c["model"], v), set()).add(c["split"])
+    return sorted(k for k, splits in seen.items() if "calib" not in splits)
+
+
+def plan_v2_coverage(seed: int, configs: list[dict], profile: str, host_mem_gb: float) -> dict:
+    """Matrix v2's coverage extension (issue 13): one calibration case for each model and policy variant that the
+    configs measure only in the held-out set (``coverage_gaps``), drawn as v2 draws (budget, prompt, generation,
+    the disk tier's share; redrawn up to 2 x V2_TRIES times), every one in the calibration set. The rule is
+    coverage, not error: it names the gaps from the configs alone, and the draws are seeded, so the cases do not
+    copy a held-out workload. Tags never repeat a config's."""
+    rng = random.Random(f"coverage-{seed}")
+    taken = {c["tag"] for doc in configs for c in doc["cases"]}
+    cases: list[dict] = []
+    for mname, v in coverage_gaps(configs):
+        policy, fixed = VARIANTS[v]
+        base = get_model(mname)
+        master = base.weight_bytes()
+        for _ in range(2 * V2_TRIES):
+            budget, prompt, gen = rng.choice(V2_BUDGETS_GIB), rng.choice(V2_PROMPTS), rng.choice(V2_GENS)
+            disk = policy != "selectn" and rng.random() < V2_DISK_SHARE
+            model = base
+            if prompt + gen - 1 > base.max_positions:  # random weights: extend OPT's learned positions (as v1)
+                model = dataclasses.replace(base, max_positions=4096)
+            host = int(V2_DISK_HOST_GIB * GiB) if disk else int(host_mem_gb * GiB) - master
+            hw = get_hardware(profile, budget).with_(cpu_mem_bytes=max(host, GiB))
+            tag = case_tag(mname, policy, fixed, budget, prompt, gen, disk)
+            if tag in taken:
+                continue
+            try:
+                st, wl, plan, pm = searched_case(policy, fixed, model, hw, prompt, gen, MAX_BATCH,
+                                                 V2_MAX_PREDICTED_S)
+            except OffsimError as e:
+                print(f"  {tag}: redrawn ({str(e)[:120]})", flush=True)
+                continue
+            c = _drawn(tag, mname, model, policy, st, wl, budget, host, disk, plan, pm)
+            c["split"] = "calib"
+            cases.append(c)
+            taken.add(tag)
+            break
+        else:
+            print(f"  {mname} {policy} {fixed}: no feasible draw in {2 * V2_TRIES}", flush=True)
+    return {"schema": "offsim.matrix/2", "seed": seed, "coverage": True, "profile": profile,
+            "host_mem_gb": host_mem_gb, "splits": {s: sum(c["split"] == s for c in cases) for s in SPLITS},
+            "gaps": [[m, VARIANTS[v][0], VARIANTS[v][1]] for m, v in coverage_gaps(configs)],
             "provenance": provenance(), "cases": cases}
 
 
@@ -471,6 +528,13 @@ def main() -> None:
                          "generation length drawn in a range; split into calib/heldout like v2)")
     ap.add_argument("--v2-mixed-cases", type=int, default=12,
                     help="cases of the mixed-length extension (default: %(default)s)")
+    ap.add_argument("--v2-coverage-seed", type=int, default=None,
+                    help="plan matrix v2's coverage extension with this seed: one calibration case per model and "
+                         "policy variant that --coverage-of measures only in the held-out set")
+    ap.add_argument("--coverage-of", nargs="+", default=["results/validation/matrix_v2_config.json",
+                                                          "results/validation/matrix_v2_mixed_config.json"],
+                    metavar="CONFIG", help="with --v2-coverage-seed: the configs whose gaps it fills "
+                                           "(default: %(default)s)")
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
@@ -482,6 +546,15 @@ def main() -> None:
         cases = doc["cases"]
     elif args.v2_mixed_seed is not None:
         doc = plan_v2_mixed(args.v2_mixed_seed, args.v2_mixed_cases, args.profile, args.host_mem_gb)
+        cases = doc["cases"]
+    elif args.v2_coverage_seed is not None:
+        configs = []
+        for f in args.coverage_of:
+            try:
+                configs.append(json.loads(Path(f).read_text()))
+            except (OSError, ValueError) as e:
+                ap.error(f"--coverage-of {f}: cannot read a matrix config ({e})")
+        doc = plan_v2_coverage(args.v2_coverage_seed, configs, args.profile, args.host_mem_gb)
         cases = doc["cases"]
     else:
         cases = doc = plan_cases(args)

@@ -104,6 +104,7 @@ def build(progress: bool = True) -> str:
               "--disk-dir DIR --commit C`, one NVIDIA H200, 2026-11-30 and 2026-12-01, offexec with CUDA-graph "
               "decode, an unmeasured two-step warm-up before each run.", "",
               *_mixed_extension({s: res[s, "v2"] for s in SPLITS}),
+              *_coverage_extension({s: res[s, "v2"] for s in SPLITS}),
               "| split | profile | cases | median abs total error | max abs total error | within 10 % | "
               "median abs prefill error | median abs decode error | median step-latency MAPE |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -223,8 +224,28 @@ def _mixed_extension(v2: dict) -> list[str]:
             + " are measured so far and counted in the tables below." + _mixed_errors(doc, v2), ""]
 
 
+def _coverage_extension(v2: dict) -> list[str]:
+    """A paragraph on matrix v2's coverage extension (``matrix_v2_coverage_config.json``): the model and policy
+    variants it covers, how many of its cases are measured, offsim's error on them (``v2`` as ``_mixed_extension``)."""
+    path = VAL / "matrix_v2_coverage_config.json"
+    if not path.exists():
+        return []
+    doc = json.loads(path.read_text())
+    n = len(doc["cases"])
+    measured = sum((VAL / "h200_calib" / f"{c['tag']}.case.json").exists() for c in doc["cases"])
+    gaps = ", ".join(f"{m} {p}{' (GPU attention)' if f.get('cpu_attention') is False else ''}"
+                     for m, p, f in doc["gaps"])
+    return [f"Coverage: `matrix_v2_coverage_config.json` ({n} cases, seed {doc['seed']}, `python -m "
+            "experiments.validation.matrix --v2-coverage-seed SEED --plan-only FILE`, written 2026-12-04 after the "
+            "held-out results were seen) adds one calibration case for each model and policy variant the two "
+            f"configs above measure only in the held-out set ({gaps}), drawn as v2 draws, by a rule on the configs "
+            f"alone (coverage, not error); all go to the calibration set. {measured} of its {n} cases are measured "
+            "so far and counted in the tables below." + _mixed_errors(doc, v2), ""]
+
+
 def _mixed_errors(doc: dict, v2: dict) -> str:
-    """' With profile v2 ...': offsim's median and max |total error| over each split's measured mixed-length cases."""
+    """' With profile v2 ...': offsim's median and max |total error| over each split's measured cases of an extension
+    (mixed lengths, coverage)."""
     tags = {c["tag"] for c in doc["cases"]}
     parts = []
     for s in SPLITS:
@@ -328,14 +349,13 @@ def _remeasured() -> list[str]:
 
 
 def _first_measured(rounds: list) -> dict[str, str]:
-    """When each case of matrix v2's mixed-length extension was first measured (ISO date): the earliest of its case
-    file's date and the dates of the re-measurement rounds that list it. The cases of ``matrix_v2_config.json`` were
-    all measured before the first round and are not in this map."""
-    path = VAL / "matrix_v2_mixed_config.json"
-    if not path.exists():
-        return {}
+    """When each case of matrix v2's mixed-length and coverage extensions was first measured (ISO date): the earliest
+    of its case file's date and the dates of the re-measurement rounds that list it. The cases of
+    ``matrix_v2_config.json`` were all measured before the first round and are not in this map."""
+    ext = [c for name in ("matrix_v2_mixed_config.json", "matrix_v2_coverage_config.json") if (VAL / name).exists()
+           for c in json.loads((VAL / name).read_text())["cases"]]
     born = {}
-    for c in json.loads(path.read_text())["cases"]:
+    for c in ext:
         f = VAL / f"h200_{c['split']}" / f"{c['tag']}.case.json"
         dates = [prov["date"] for _, _, prov, df in rounds if c["tag"] in set(df["case"])]
         if f.exists():
