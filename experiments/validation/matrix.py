@@ -101,6 +101,21 @@ def _drawn(tag, mname, model, policy, st, wl, budget, host, disk, plan, pm) -> d
                                              "peak_gpu_bytes")}}
 
 
+def _v2_draw(rng: random.Random, mname: str, policy: str, fixed: dict, profile: str, host_mem_gb: float) -> tuple:
+    """One v2 draw for a model and policy variant: (tag, model, hardware, budget GiB, prompt, gen, disk, host bytes)
+    -- a budget, prompt and generation length, the disk tier (V2_DISK_SHARE of the draws but Select-N's: host memory
+    cut to V2_DISK_HOST_GIB), the host memory beside the executor's master copy of the weights."""
+    base = get_model(mname)
+    budget, prompt, gen = rng.choice(V2_BUDGETS_GIB), rng.choice(V2_PROMPTS), rng.choice(V2_GENS)
+    disk = policy != "selectn" and rng.random() < V2_DISK_SHARE
+    model = base
+    if prompt + gen - 1 > base.max_positions:  # random weights: extend OPT's learned positions (as v1)
+        model = dataclasses.replace(base, max_positions=4096)
+    host = int(V2_DISK_HOST_GIB * GiB) if disk else int(host_mem_gb * GiB) - base.weight_bytes()
+    hw = get_hardware(profile, budget).with_(cpu_mem_bytes=max(host, GiB))
+    return case_tag(mname, policy, fixed, budget, prompt, gen, disk), model, hw, budget, prompt, gen, disk, host
+
+
 def plan_v2(seed: int, per_model: int, profile: str, host_mem_gb: float) -> dict:
     """The v2 config: ``per_model`` cases per model, each variant in turn; a draw with no feasible setting or a
     predicted run over V2_MAX_PREDICTED_S is redrawn, up to V2_TRIES times, then the next variant takes the turn.
@@ -108,22 +123,14 @@ def plan_v2(seed: int, per_model: int, profile: str, host_mem_gb: float) -> dict
     rng = random.Random(seed)
     cases = []
     for mname in V2_MODELS:
-        base = get_model(mname)
-        master = base.weight_bytes()  # the executor keeps a host master copy of every weight
         made = turn = tries = 0
         while made < per_model and turn < made + 2 * len(VARIANTS):
             if tries == V2_TRIES:  # this variant found nothing: the next one's turn
                 turn, tries = turn + 1, 0
             tries += 1
             policy, fixed = VARIANTS[turn % len(VARIANTS)]
-            budget, prompt, gen = rng.choice(V2_BUDGETS_GIB), rng.choice(V2_PROMPTS), rng.choice(V2_GENS)
-            disk = policy != "selectn" and rng.random() < V2_DISK_SHARE
-            model = base
-            if prompt + gen - 1 > base.max_positions:  # random weights: extend OPT's learned positions (as v1)
-                model = dataclasses.replace(base, max_positions=4096)
-            host = int(V2_DISK_HOST_GIB * GiB) if disk else int(host_mem_gb * GiB) - master
-            hw = get_hardware(profile, budget).with_(cpu_mem_bytes=max(host, GiB))
-            tag = case_tag(mname, policy, fixed, budget, prompt, gen, disk)
+            tag, model, hw, budget, prompt, gen, disk, host = _v2_draw(rng, mname, policy, fixed, profile,
+                                                                       host_mem_gb)
             if any(c["tag"] == tag for c in cases):  # the same draw again (v2's config holds one such repeat)
                 print(f"  {tag}: redrawn (drawn before)", flush=True)
                 continue
@@ -239,17 +246,9 @@ def plan_v2_coverage(seed: int, configs: list[dict], profile: str, host_mem_gb: 
     cases: list[dict] = []
     for mname, v in coverage_gaps(configs):
         policy, fixed = VARIANTS[v]
-        base = get_model(mname)
-        master = base.weight_bytes()
         for _ in range(2 * V2_TRIES):
-            budget, prompt, gen = rng.choice(V2_BUDGETS_GIB), rng.choice(V2_PROMPTS), rng.choice(V2_GENS)
-            disk = policy != "selectn" and rng.random() < V2_DISK_SHARE
-            model = base
-            if prompt + gen - 1 > base.max_positions:  # random weights: extend OPT's learned positions (as v1)
-                model = dataclasses.replace(base, max_positions=4096)
-            host = int(V2_DISK_HOST_GIB * GiB) if disk else int(host_mem_gb * GiB) - master
-            hw = get_hardware(profile, budget).with_(cpu_mem_bytes=max(host, GiB))
-            tag = case_tag(mname, policy, fixed, budget, prompt, gen, disk)
+            tag, model, hw, budget, prompt, gen, disk, host = _v2_draw(rng, mname, policy, fixed, profile,
+                                                                       host_mem_gb)
             if tag in taken:
                 continue
             try:
