@@ -11,7 +11,11 @@ set -u
 : "${OFFSIM_COMMIT:?set OFFSIM_COMMIT to the commit of the code (the copy has no .git)}"
 : "${PLANS:?set PLANS to 'plan.json[.gz]:GIB ...'}"
 FLAGS=${FLAGS:-}
-RATE=${RATE:-500}
+# 2026-12-04: at 500 Hz with --native an OPT-30B 16 x 3 run (weights made, warm-up, run) did not finish in 240 s and
+# the timeout's SIGTERM left no profile at all. So: 100 Hz, and py-spy stops itself after DURATION s (writing what
+# it has) before the outer timeout; `offexec run --host-profile` (cProfile, one thread) is the cheaper first look.
+RATE=${RATE:-100}
+DURATION=${DURATION:-200}
 PROFILE=${PROFILE:-results/profiles/h200_offexec_v2.json}
 python3 -m pip install -q --no-index --no-deps --target /tmp/tools .whl-tools/py_spy-*.whl
 SPY=$(find /tmp/tools -name py-spy -type f | head -1)
@@ -25,7 +29,7 @@ for entry in $PLANS; do
   case "$src" in *.gz) gunzip -c "$src" ;; *) cat "$src" ;; esac > "$D/$name.plan.json"
   tag=$name$(echo " $FLAGS" | tr -c 'A-Za-z0-9\n' '_' | tr -s '_')
   # shellcheck disable=SC2086  # FLAGS are words
-  timeout 240 "$SPY" record --native --threads -r "$RATE" -f raw -o "$D/$tag.txt" -- \
+  timeout $((DURATION + 40)) "$SPY" record --native --threads -r "$RATE" -d "$DURATION" -f raw -o "$D/$tag.txt" -- \
     python3 -u -m offexec.cli run --plan "$D/$name.plan.json" --hardware "$PROFILE" --gpu-mem-gb "$gib" $FLAGS \
     > "$D/$tag.log" 2>&1
   echo "$tag rc=$? $(grep 'host time' "$D/$tag.log" | cut -c1-120)"
