@@ -420,7 +420,28 @@ def cmd_simulate(args) -> None:
     lat = latency_and_bottleneck(m)
     print(f"time to first token {lat['ttft_s']:.2f} s; decode {_ms(lat['decode_ms_per_token'])} per token; "
           f"bottleneck: {lat['bottleneck_stream']} busy {lat['bottleneck_busy_frac']:.0%} of the makespan")
+    note = host_bound_note(lat)
+    if note:
+        print(note)
     _print_json(summary(m, plan.settings, plan.derived))
+
+
+# a prediction whose CPU stream (CPU attention) is busy this share of the makespan or more follows the host's state
+HOST_STREAM_NOTE_FRAC = 0.5
+
+
+def host_bound_note(m: dict) -> str:
+    """A caution for a prediction that rests on the host's CPU (``m``: simulate's metrics): where CPU attention keeps
+    the CPU stream busy ``HOST_STREAM_NOTE_FRAC`` of the decode or more, its rate is the profile's CPU rows, which
+    follow the host's state (threads, load, the day on a shared machine) more than any GPU row does
+    (docs/profiling.md §4: on the H200's virtual machine such runs moved by a fifth between sessions). '' else."""
+    f = m.get("cpu_decode_frac") or 0.0
+    if f < HOST_STREAM_NOTE_FRAC:
+        return ""
+    return (f"note: CPU attention keeps the host's CPU busy for {f:.0%} of the decode's time; its time "
+            "is the profile's CPU rows, which follow the host's state (threads, load, the machine's day): read this "
+            "prediction as good to about a fifth unless the profile was measured beside the run (docs/profiling.md "
+            "§4)")
 
 
 def _ms(v: float | None) -> str:
@@ -535,6 +556,10 @@ def cmd_compare(args) -> None:
                     f"{w['bottleneck_stream']} ({w['bottleneck_busy_frac']:.0%} busy), {r['policy']}'s "
                     f"{r['bottleneck_stream']} ({r['bottleneck_busy_frac']:.0%})")
         print(why)
+        fragile = [o["policy"] for o in feasible if host_bound_note(o)]
+        if fragile:
+            print(f"note: {', '.join(fragile)}'s decode rests on CPU attention on the host: such predictions follow "
+                  "the host's state (docs/profiling.md §4)")
     _print_json(out)
     if not feasible:
         raise OffsimError(f"no policy fits {model.name} on {hw.name} (prompt {args.prompt_len}, gen "

@@ -65,10 +65,10 @@ def test_summary_bottleneck_is_the_busiest_stream():
     from offsim.cli import latency_and_bottleneck
 
     m = {"gen_len": 5, "prefill_s": 2.0, "decode_s": 8.0, "total_s": 10.0, "busy_compute_s": 3.0, "busy_h2d_s": 9.0,
-         "busy_d2h_s": 1.0, "busy_disk_s": 0.0, "busy_cpu_s": 0.0}
+         "busy_d2h_s": 1.0, "busy_disk_s": 0.0, "busy_cpu_s": 2.0}
     lat = latency_and_bottleneck(m)
     assert lat == {"ttft_s": 2.0, "decode_ms_per_token": 2000.0, "bottleneck_stream": "h2d",
-                   "bottleneck_busy_frac": 0.9}
+                   "bottleneck_busy_frac": 0.9, "cpu_decode_frac": 0.25}
 
 
 # ---- model configs -------------------------------------------------------------------------------------------------
@@ -271,3 +271,16 @@ def test_simulate_graph_min_uses_is_saved_with_the_plan(capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         main(argv + ["--graph-min-uses", "0"])
     assert e.value.code == 2 and "--graph-min-uses" in capsys.readouterr().err
+
+
+def test_simulate_notes_a_prediction_bound_by_cpu_attention(capsys):
+    """A plan whose CPU attention keeps the host's CPU busy most of its decode is predicted with a note that its
+    time follows the host's state (docs/profiling.md §4); the same placement with attention on the GPU has none."""
+    argv = ["simulate", "--model", "opt-30b", "--hardware", "t4", "--prompt-len", "512", "--gen-len", "8",
+            "--gpu-batch-size", "64", "--num-gpu-batches", "1", "--percent", "6", "94", "0", "100", "100", "0"]
+    assert main(argv + ["--cpu-attention"]) == 0
+    out = capsys.readouterr().out
+    m = json.loads(out.strip().splitlines()[-1])
+    assert m["cpu_decode_frac"] >= 0.5 and "note: CPU attention keeps the host's CPU busy" in out
+    assert main(argv) == 0
+    assert "note:" not in capsys.readouterr().out
