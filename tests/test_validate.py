@@ -591,3 +591,17 @@ def test_coverage_gaps_name_variants_measured_only_held_out():
         assert coverage_gaps(base + [cov]) == []
         tags = [c["tag"] for d in base + [cov] for c in d["cases"]]
         assert len(set(tags)) == len(tags) - 1  # v2's one repeated draw (opt-13b_static-zero_b40_p512_g128) only
+
+
+def test_preregistered_prediction_builds_the_configs_plan():
+    """``preregister.predict`` builds a case's plan as the GPU run will (the config's profile, the case's host memory)
+    -- the fingerprint the config recorded -- and predicts it on profile v2, as ``offsim validate`` will."""
+    from pathlib import Path
+
+    from experiments.validation.preregister import predict
+
+    val = Path(__file__).parent.parent / "results" / "validation"
+    cfg = json.loads((val / "matrix_v2_coverage_config.json").read_text())
+    case = next(c for c in cfg["cases"] if c["policy"] == "selectn")
+    r = predict(case, cfg["profile"], str(val.parent / "profiles" / "h200_offexec_v2.json"))
+    assert r["plan_is_the_configs"] and r["total_tok_s"] > 0 and r["decode_tok_s"] > r["total_tok_s"]
