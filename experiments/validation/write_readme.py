@@ -240,7 +240,10 @@ def _coverage_extension(v2: dict) -> list[str]:
             "held-out results were seen) adds one calibration case for each model and policy variant the two "
             f"configs above measure only in the held-out set ({gaps}), drawn as v2 draws, by a rule on the configs "
             f"alone (coverage, not error); all go to the calibration set. {measured} of its {n} cases are measured "
-            "so far and counted in the tables below." + _mixed_errors(doc, v2), ""]
+            "so far and counted in the tables below." + _mixed_errors(doc, v2)
+            + (" offsim's predictions for them were written down before any was measured: "
+               "`coverage_predictions.md` (`python -m experiments.validation.preregister`)."
+               if (VAL / "coverage_predictions.md").exists() else ""), ""]
 
 
 def _mixed_errors(doc: dict, v2: dict) -> str:
