@@ -116,6 +116,23 @@ def _v2_draw(rng: random.Random, mname: str, policy: str, fixed: dict, profile: 
     return case_tag(mname, policy, fixed, budget, prompt, gen, disk), model, hw, budget, prompt, gen, disk, host
 
 
+def _v2_case(rng: random.Random, mname: str, policy: str, fixed: dict, profile: str, host_mem_gb: float,
+             taken: set) -> dict | None:
+    """One v2 draw (``_v2_draw``) searched at its best setting (``searched_case``, up to MAX_BATCH prompts, a run
+    predicted within V2_MAX_PREDICTED_S): its config entry, or None (printed why) where the tag is in ``taken`` or
+    no setting qualifies -- the caller draws again."""
+    tag, model, hw, budget, prompt, gen, disk, host = _v2_draw(rng, mname, policy, fixed, profile, host_mem_gb)
+    if tag in taken:
+        print(f"  {tag}: redrawn (drawn before)", flush=True)
+        return None
+    try:
+        st, wl, plan, pm = searched_case(policy, fixed, model, hw, prompt, gen, MAX_BATCH, V2_MAX_PREDICTED_S)
+    except OffsimError as e:
+        print(f"  {tag}: redrawn ({str(e)[:120]})", flush=True)
+        return None
+    return _drawn(tag, mname, model, policy, st, wl, budget, host, disk, plan, pm)
+
+
 def plan_v2(seed: int, per_model: int, profile: str, host_mem_gb: float) -> dict:
     """The v2 config: ``per_model`` cases per model, each variant in turn; a draw with no feasible setting or a
     predicted run over V2_MAX_PREDICTED_S is redrawn, up to V2_TRIES times, then the next variant takes the turn.
@@ -129,19 +146,12 @@ def plan_v2(seed: int, per_model: int, profile: str, host_mem_gb: float) -> dict
                 turn, tries = turn + 1, 0
             tries += 1
             policy, fixed = VARIANTS[turn % len(VARIANTS)]
-            tag, model, hw, budget, prompt, gen, disk, host = _v2_draw(rng, mname, policy, fixed, profile,
-                                                                       host_mem_gb)
-            if any(c["tag"] == tag for c in cases):  # the same draw again (v2's config holds one such repeat)
-                print(f"  {tag}: redrawn (drawn before)", flush=True)
-                continue
-            try:
-                st, wl, plan, pm = searched_case(policy, fixed, model, hw, prompt, gen, MAX_BATCH,
-                                                 V2_MAX_PREDICTED_S)
-            except OffsimError as e:
-                print(f"  {tag}: redrawn ({str(e)[:120]})", flush=True)
+            # (a tag drawn before is drawn again; v2's committed config nevertheless holds one such repeat)
+            c = _v2_case(rng, mname, policy, fixed, profile, host_mem_gb, {c["tag"] for c in cases})
+            if c is None:
                 continue
             made, turn, tries = made + 1, turn + 1, 0
-            cases.append(_drawn(tag, mname, model, policy, st, wl, budget, host, disk, plan, pm))
+            cases.append(c)
     split_cases(cases, seed)
     return {"schema": "offsim.matrix/2", "seed": seed, "profile": profile, "host_mem_gb": host_mem_gb,
             "splits": {s: sum(c["split"] == s for c in cases) for s in SPLITS}, "provenance": provenance(),
@@ -247,20 +257,12 @@ def plan_v2_coverage(seed: int, configs: list[dict], profile: str, host_mem_gb: 
     for mname, v in coverage_gaps(configs):
         policy, fixed = VARIANTS[v]
         for _ in range(2 * V2_TRIES):
-            tag, model, hw, budget, prompt, gen, disk, host = _v2_draw(rng, mname, policy, fixed, profile,
-                                                                       host_mem_gb)
-            if tag in taken:
+            c = _v2_case(rng, mname, policy, fixed, profile, host_mem_gb, taken)
+            if c is None:
                 continue
-            try:
-                st, wl, plan, pm = searched_case(policy, fixed, model, hw, prompt, gen, MAX_BATCH,
-                                                 V2_MAX_PREDICTED_S)
-            except OffsimError as e:
-                print(f"  {tag}: redrawn ({str(e)[:120]})", flush=True)
-                continue
-            c = _drawn(tag, mname, model, policy, st, wl, budget, host, disk, plan, pm)
             c["split"] = "calib"
             cases.append(c)
-            taken.add(tag)
+            taken.add(c["tag"])
             break
         else:
             print(f"  {mname} {policy} {fixed}: no feasible draw in {2 * V2_TRIES}", flush=True)
