@@ -266,3 +266,26 @@ def test_missing_cuda_exits_2(checkpoint, capsys):
     args = [a if a != "cpu" else "cuda" for a in TINY_ARGS]
     rc = main(["run", "--model", str(checkpoint / "config.json")] + args)
     assert rc == 2 and "no CUDA device" in capsys.readouterr().err
+
+
+def test_handler_profile_tabulates_a_host_profiled_run(checkpoint, tmp_path, capsys):
+    """``experiments.offexec.handler_profile`` reads a ``--host-profile`` run's .pstats and its log (the JSON last
+    line): the run's issue figures and the layer handler's calls, counted once per decode and prefill layer op."""
+    from experiments.offexec import handler_profile
+
+    d = tmp_path / "hp"
+    d.mkdir()
+    rc = main(["run", "--model", str(checkpoint / "config.json"), "--policy", "tightllm", "--no-warmup",
+               "--host-profile", str(d / "tiny.pstats")] + TINY_ARGS)
+    out = capsys.readouterr().out
+    assert rc == 0
+    (d / "tiny_cprofile.log").write_text(out)
+    (d / "about.md").write_text("# tiny\n\nA CPU run.")
+    handler_profile.main([str(d)])
+    text = (d / "README.md").read_text()
+    js = json.loads(out.strip().splitlines()[-1])
+    assert f"| tiny | {js['measured']['decode_tok_s']:.2f} (" in text
+    n, _, cum, ok = handler_profile.calls(d / "tiny.pstats")["layer handler (_op_layer)"]
+    _, spec = tiny_hf("opt", seed=3)
+    assert ok and cum > 0 and n == spec.num_layers * 4 * 2  # every (step, layer, GPU batch): gen 4, 2 batches
+    assert f"| layer handler (_op_layer) | {n:,} / " in text
