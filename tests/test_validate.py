@@ -605,3 +605,23 @@ def test_preregistered_prediction_builds_the_configs_plan():
     case = next(c for c in cfg["cases"] if c["policy"] == "selectn")
     r = predict(case, cfg["profile"], str(val.parent / "profiles" / "h200_offexec_v2.json"))
     assert r["plan_is_the_configs"] and r["total_tok_s"] > 0 and r["decode_tok_s"] > r["total_tok_s"]
+
+
+def test_validation_readme_sets_measured_coverage_cases_beside_their_registered_predictions(tmp_path, monkeypatch):
+    """write_readme's table of the coverage cases measured so far: each against the prediction written before it was
+    measured (error = registered / measured - 1) and today's model's error; nothing before any is measured."""
+    import pandas as pd
+
+    import experiments.validation.write_readme as W
+
+    monkeypatch.setattr(W, "VAL", tmp_path)
+    calib = pd.DataFrame({"case": ["a", "x"], "measured_total_tok_s": [100.0, 5.0], "err_total_tok_s": [0.02, 0.0]})
+    assert W._preregistered(calib) == []  # no registered predictions
+    (tmp_path / "coverage_predictions.json").write_text(json.dumps(
+        {"provenance": {"commit": "abc1234", "date": "2026-12-04T14:41:44+00:00"},
+         "cases": [{"case": "a", "total_tok_s": 110.0}, {"case": "b", "total_tok_s": 50.0},
+                   {"case": "c", "error": "no fit"}]}))
+    text = "\n".join(W._preregistered(calib))
+    assert "1 of 3 coverage cases measured, median |total error| 10.0 %, max 10.0 %" in text
+    assert "| a | 100.0 | 110.0 | +10.0% | +2.0% |" in text and "| b |" not in text
+    assert W._preregistered(calib[calib["case"] == "x"]) == []  # none of them measured yet

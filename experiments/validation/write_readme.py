@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import warnings
 from pathlib import Path
@@ -243,7 +244,32 @@ def _coverage_extension(v2: dict) -> list[str]:
             "so far and counted in the tables below." + _mixed_errors(doc, v2)
             + (" offsim's predictions for them were written down before any was measured: "
                "`coverage_predictions.md` (`python -m experiments.validation.preregister`)."
-               if (VAL / "coverage_predictions.md").exists() else ""), ""]
+               if (VAL / "coverage_predictions.md").exists() else ""), "", *_preregistered(v2["calib"])]
+
+
+def _preregistered(calib) -> list[str]:
+    """Each measured coverage case against the prediction written down before it was measured
+    (``coverage_predictions.json``) and against today's model (``calib``: the calibration split's validation
+    table): the first is a test of a prediction, the second may already have learnt from the case."""
+    path = VAL / "coverage_predictions.json"
+    if not path.exists():
+        return []
+    doc = json.loads(path.read_text())
+    got = calib.set_index("case")
+    rows = [(r, got.loc[r["case"]]) for r in doc["cases"] if "error" not in r and r["case"] in got.index]
+    if not rows:
+        return []
+    errs = [r["total_tok_s"] / float(m["measured_total_tok_s"]) - 1 for r, m in rows]
+    a = [abs(e) for e in errs]
+    out = [f"Against the predictions written before measurement ({doc['provenance']['commit']}, "
+           f"{doc['provenance']['date'][:10]}): {len(rows)} of {len(doc['cases'])} coverage cases measured, median "
+           f"|total error| {_pct(statistics.median(a))}, max {_pct(max(a))}.", "",
+           "| case | measured tok/s | registered prediction | error | today's model's error |",
+           "| --- | --- | --- | --- | --- |"]
+    for (r, m), e in zip(rows, errs):
+        out.append(f"| {r['case']} | {float(m['measured_total_tok_s']):,.1f} | {r['total_tok_s']:,.1f} | "
+                   f"{e:+.1%} | {float(m['err_total_tok_s']):+.1%} |")
+    return out + [""]
 
 
 def _mixed_errors(doc: dict, v2: dict) -> str:
