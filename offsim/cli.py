@@ -426,14 +426,14 @@ def cmd_simulate(args) -> None:
     _print_json(summary(m, plan.settings, plan.derived))
 
 
-# a prediction whose CPU stream (CPU attention) is busy this share of the makespan or more follows the host's state
+# a prediction whose CPU stream (CPU attention) is busy this share of the decode or more follows the host's state
 HOST_STREAM_NOTE_FRAC = 0.5
 
 
 def host_bound_note(m: dict) -> str:
-    """A caution for a prediction that rests on the host's CPU (``m``: simulate's metrics): where CPU attention keeps
-    the CPU stream busy ``HOST_STREAM_NOTE_FRAC`` of the decode or more, its rate is the profile's CPU rows, which
-    follow the host's state (threads, load, the day on a shared machine) more than any GPU row does
+    """A caution for a prediction that rests on the host's CPU (``m``: a summary with ``latency_and_bottleneck``'s
+    ``cpu_decode_frac``): where CPU attention keeps the CPU stream busy ``HOST_STREAM_NOTE_FRAC`` of the decode or
+    more, its rate is the profile's CPU rows, which follow the host's state (threads, load, the day on a shared machine) more than any GPU row does
     (docs/profiling.md §4: on the H200's virtual machine such runs moved by a fifth between sessions). '' else."""
     f = m.get("cpu_decode_frac") or 0.0
     if f < HOST_STREAM_NOTE_FRAC:

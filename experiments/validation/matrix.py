@@ -272,6 +272,24 @@ def plan_v2_coverage(seed: int, configs: list[dict], profile: str, host_mem_gb: 
             "provenance": provenance(), "cases": cases}
 
 
+def case_settings(c: dict, kv_solver: str | None = None) -> dict:
+    """A config case's settings as a run uses them: with ``kv_solver`` TightLLM's N_r by that solver ('exact': the
+    ILP's N_r on its exact path, no cvxpy needed on the GPU machine)."""
+    if kv_solver and c["policy"] == "tightllm":
+        return {**c["settings"], "kv_solver": kv_solver}
+    return c["settings"]
+
+
+def case_plan(c: dict, model, profile: str):
+    """(plan, hardware, workload) of a config case as its GPU run builds it: on ``profile`` at the case's GPU budget,
+    with the host memory it was drawn with (v2: the disk cases' cut), from ``c['settings']``."""
+    base = get_hardware(profile, c["gpu_mem_gb"])
+    if "host_bytes" in c:
+        base = base.with_(cpu_mem_bytes=max(int(c["host_bytes"]), GiB))
+    wl = Workload.from_dict(c["workload"])
+    return build_plan(c["policy"], model, base, wl, c["settings"]), base, wl
+
+
 def split_cases(cases: list[dict], seed: int) -> None:
     """Each case's set, 'calib' or 'heldout', drawn before anything is measured: within each policy variant (CPU
     attention apart, the disk tier apart) the cases are shuffled by ``seed`` and dealt alternately, from a
@@ -390,16 +408,11 @@ def run_cases(cases: list[dict], args) -> list[dict]:
                     print(f"  {c['tag']}: not started (--time-limit-s)", flush=True)
                     continue
                 tag, policy = c["tag"], c["policy"]
-                base = get_hardware(args.profile, c["gpu_mem_gb"])
-                if "host_bytes" in c:  # v2: the host memory the case was planned with (the disk cases' cut)
-                    base = base.with_(cpu_mem_bytes=max(int(c["host_bytes"]), GiB))
                 dest = out / f"h200_{c['split']}" if "split" in c else out
                 dest.mkdir(parents=True, exist_ok=True)
-                wl = Workload.from_dict(c["workload"])
-                if args.kv_solver and policy == "tightllm":  # the ILP's N_r (its exact path), no cvxpy needed
-                    c = {**c, "settings": {**c["settings"], "kv_solver": args.kv_solver}}
+                c = {**c, "settings": case_settings(c, args.kv_solver)}
                 try:
-                    plan = build_plan(policy, model, base, wl, c["settings"])
+                    plan, base, wl = case_plan(c, model, args.profile)
                     check_plan(plan, torch.device(args.device), int(base.gpu_mem_bytes), args.disk_dir,
                                weights_loaded=True)
                     warm_mode = None

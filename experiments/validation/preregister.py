@@ -19,23 +19,16 @@ import json
 from pathlib import Path
 
 from experiments.common import finish, provenance
-from offsim import Workload, build_plan, get_hardware, simulate
+from experiments.validation.matrix import case_plan, case_settings
+from offsim import get_hardware, simulate
 from offsim.core.errors import OffsimError
 from offsim.core.specs import ModelSpec
-
-GiB = 1 << 30
 
 
 def predict(case: dict, plan_profile: str, profile: str) -> dict:
     """One case's plan (built as the GPU run builds it) and its prediction on ``profile``."""
-    model = ModelSpec.from_dict(case["model_config"])
-    base = get_hardware(plan_profile, case["gpu_mem_gb"])
-    if "host_bytes" in case:
-        base = base.with_(cpu_mem_bytes=max(int(case["host_bytes"]), GiB))
-    settings = dict(case["settings"])
-    if case["policy"] == "tightllm":
-        settings["kv_solver"] = "exact"  # remeasure.sh's --kv-solver exact: the ILP's N_r without cvxpy
-    plan = build_plan(case["policy"], model, base, Workload.from_dict(case["workload"]), settings)
+    case = {**case, "settings": case_settings(case, "exact")}  # remeasure.sh's --kv-solver exact
+    plan, _, _ = case_plan(case, ModelSpec.from_dict(case["model_config"]), plan_profile)
     m = simulate(plan, get_hardware(profile, case["gpu_mem_gb"]), check_memory=False).metrics()
     fp = plan.fingerprint()
     return {"case": case["tag"], "split": case.get("split"), "plan_sha256": fp,
