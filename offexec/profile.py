@@ -225,6 +225,11 @@ CAPTURE_RUNS = 5
 
 # an extra probe form: weights on the GPU, the KV cache and the activations in host memory (offloaded runs' copies)
 _ISSUE_FORM = {"sublayer": True, "cpu_attention": False}
+# and one with half of each layer's weights in host memory: its streamed weight copies give the 'h2d_weight' issue
+# row (without it a weight copy's issue was the profile's one constant for every copy, ``issue_copy_s``: 140 us
+# where runs of small models measured 50-110 us, results/offexec/host_bound_d753770). Only that row is taken from it.
+_ISSUE_WEIGHT_FORM = {"sublayer": True, "cpu_attention": False}
+_ISSUE_FORMS = (_ISSUE_FORM, _ISSUE_WEIGHT_FORM)
 
 
 def _copy_handlers(plan) -> dict:
@@ -235,6 +240,14 @@ def _copy_handlers(plan) -> dict:
         if op.kind in ("h2d", "d2h"):
             sizes.setdefault(f"{op.kind}_{op.tensor}", []).append(op.nbytes)
     return {fn: (len(v), int(statistics.median(v))) for fn, v in sizes.items()}
+
+
+def _issue_sample(samples: dict, res, op, take: bool) -> None:
+    """The issuing thread's time on a decode op that is never graphed (the head, the embedding: 'issue',
+    'eager:PART' by sequences), past the first decode step. Without these rows each was priced at the profile's
+    one eager constant (``issue_compute_s``, 646 us on the H200) where runs of small models measured 70-420 us."""
+    if take and op.step >= 2 and res.issue_s_by_op is not None:
+        samples.setdefault(("issue", f"eager:{op.part}", op.num_seqs), []).append(float(res.issue_s_by_op[op.id]))
 
 
 def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16, 512), gen_len: int = 8,
@@ -252,9 +265,11 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
     - ('eager', 'head', ...) by sequences (the LM head reads the last position only);
     - ('issue', KIND_TENSOR, [[bytes, s], ...]): the host time offexec spends issuing one copy of a handler
       (``issue_s_by_handler`` over the plan's copies of it), by their median size; an extra form with the KV cache
-      and the activations in host memory adds the copies of offloaded runs;
+      and the activations in host memory adds the copies of offloaded runs, another with half the weights there
+      the weight copies ('h2d_weight');
     - ('issue', 'graph:PART' | 'eager:PART', [[num_seqs, s], ...]): the host time of one decode compute op, replayed
-      or eager (``RunResult.issue_s_by_op``, median over the steps after the captures);
+      or eager (``RunResult.issue_s_by_op``, median over the steps after the captures), the head and the
+      embedding ('eager:head', 'eager:embed') included;
     - ('capture', part, [[num_seqs, s], ...]): a graphed decode op at the first decode step, where offexec runs its
       static body eagerly and captures it; ('capture', 'first', ...): the run's first such op (it also sets up the
       graphs' memory pool);
@@ -295,7 +310,7 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
     elif decode_only:  # the decode ops' rows come from the short prompt's runs (graphs on and off)
         runs = [r for r in runs if r[0] == prompts[0]]
     if cuda:  # the KV cache and the activations in host memory: the copies of offloaded runs, for 'issue' rows
-        runs += [(prompts[0], b, _ISSUE_FORM, "cuda") for b in batches]
+        runs += [(prompts[0], b, form, "cuda") for form in _ISSUE_FORMS for b in batches]
     try:
         from tqdm import tqdm
 
@@ -304,10 +319,11 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
         it = runs
     try:
         for p, b, form, g in it:
-            issue_only = form is _ISSUE_FORM
+            issue_only = any(form is f for f in _ISSUE_FORMS)
             kv = [0, 100] if form["cpu_attention"] or issue_only else [100, 0]  # the KV cache on the host
             act = [0, 100] if issue_only else [100, 0]
-            settings = {"percent": [100, 0] + kv + act, "overlap": True, "pin_weights": True, **form}
+            w = [50, 50] if form is _ISSUE_WEIGHT_FORM else [100, 0]
+            settings = {"percent": w + kv + act, "overlap": True, "pin_weights": True, **form}
             # CPU attention reads a host cache far larger than the CPU's caches in a real run: so many GPU batches
             # that even one sequence's cache (16 x 2 layers) spills past the last-level cache
             nb = max(1, 16 // b) if form["cpu_attention"] else 1
@@ -326,10 +342,13 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
                 res = run_plan(plan, weights, device, graphs=g, allocator_cap="budget")
                 if g == "cuda" and p == prompts[0]:
                     # the issuing loop's own time per op between handlers (Executor.dispatch_s): the 'dispatch' row
-                    samples.setdefault(("issue", "dispatch", b), []).append(res.stats["dispatch_s_per_op"])
+                    if form is not _ISSUE_WEIGHT_FORM:
+                        samples.setdefault(("issue", "dispatch", b), []).append(res.stats["dispatch_s_per_op"])
                     # a copy handler's host issue time per op (offexec times each handler: issue_s_by_handler), by the
                     # median size of its copies
                     for fn, (count, nbytes) in _copy_handlers(plan).items():
+                        if (fn == "h2d_weight") != (form is _ISSUE_WEIGHT_FORM):
+                            continue  # each form gives its own rows (the weight form: the weight copies alone)
                         spent = res.stats["issue_s_by_handler"].get(fn)
                         if spent is not None and count:
                             samples.setdefault(("issue", fn, nbytes), []).append(spent / count)
@@ -353,8 +372,10 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
                                 (dur, attention_flops(spec, op.num_seqs, 1, op.ctx_tokens)))
                     elif op.part == "head":
                         samples.setdefault(("eager", "head", op.num_seqs), []).append(dur)
+                        _issue_sample(samples, res, op, p == prompts[0] and cuda)
                     elif op.q_tokens > 1 or op.part == "embed":
                         samples.setdefault(("tokens", op.part, op.num_seqs * op.q_tokens), []).append(dur)
+                        _issue_sample(samples, res, op, p == prompts[0] and cuda and op.q_tokens == 1)
                     elif op.step >= 2 and p == prompts[0]:  # step 1 captures the graphs
                         mode = "graph" if g == "cuda" and op.part in GRAPHED_PARTS else "eager"
                         samples.setdefault((mode, op.part, op.num_seqs), []).append(dur)

@@ -289,3 +289,36 @@ def test_handler_profile_tabulates_a_host_profiled_run(checkpoint, tmp_path, cap
     _, spec = tiny_hf("opt", seed=3)
     assert ok and cum > 0 and n == spec.num_layers * 4 * 2  # every (step, layer, GPU batch): gen 4, 2 batches
     assert f"| layer handler (_op_layer) | {n:,} / " in text
+
+
+def test_issue_rows_sets_a_runs_handlers_beside_the_profiles_pricing(checkpoint, tmp_path, capsys):
+    """``experiments.offexec.issue_rows``: a plan's runs (a log with several runs appended, as runtime_ab.sh writes
+    them) per executor handler beside each profile's pricing of the same ops; every handler of the plan has a row,
+    the ops counted once, and the runs' whole issue time is the logs'."""
+    from experiments.offexec import issue_rows
+    from offsim.cli import main as offsim_main
+
+    d = tmp_path / "ir"
+    d.mkdir()
+    plan = d / "tiny.plan.json"
+    assert offsim_main(["simulate", "--model", str(checkpoint / "config.json"), "--hardware", "h200", "--policy",
+                        "flexgen", "--prompt-len", "8", "--gen-len", "4", "--gpu-batch-size", "2",
+                        "--num-gpu-batches", "2", "--set", "percent=50,50,0,100,0,100",
+                        "--save-plan", str(plan)]) == 0
+    capsys.readouterr()
+    js = []
+    for _ in range(2):
+        assert main(["run", "--plan", str(plan), "--hardware", "h200", "--device", "cpu",
+                     "--no-warmup"]) == 0
+        out = capsys.readouterr().out
+        js.append(json.loads(out.strip().splitlines()[-1]))
+        with open(d / "tiny_a.log", "a") as f:
+            f.write(out)
+    assert issue_rows.main([str(d), "--plans", str(plan), "--profile", "preset=results/profiles/h200_offexec_v2.json"]) == 0
+    text = (d / "issue_rows.md").read_text()
+    ops, _ = issue_rows.predicted_by_handler(Plan.load(plan), "results/profiles/h200_offexec_v2.json")
+    assert sum(ops.values()) == len(Plan.load(plan).ops)
+    for fn in ("h2d_weight", "d2h_hidden", "h2d_hidden"):
+        assert f"| {fn} | {ops[fn]:,} |" in text
+    assert f"| **all (s)** | {len(Plan.load(plan).ops):,} | {js[0]['issue_s']:.2f} | {js[1]['issue_s']:.2f} |" in text
+    assert issue_rows.main([str(d), "--plans", str(d / "missing.json")]) == 2

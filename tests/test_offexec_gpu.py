@@ -143,3 +143,20 @@ def test_recompute_attention_direct_flash_matches_lower_right_bias():
     assert torch.equal(direct, ref)
     assert torch.equal(M._sdpa(q, K, V, T, 1), ref)
     assert M._lower_right_flash(q, K[:, :2], V[:, :2], 4) is None  # GQA: through the bias's dispatch
+
+
+def test_capture_only_profile_has_issue_rows_for_head_embed_and_weight_copies():
+    """``offexec profile --capture-only`` measures the host's issue time of the ops that had no row of their own
+    (priced at one constant before: the head and the embedding at ``issue_compute_s``, weight copies at
+    ``issue_copy_s``): ('issue', 'eager:head'), ('issue', 'eager:embed') by sequences and ('issue', 'h2d_weight') by
+    bytes, each positive and below a millisecond (a few launches)."""
+    from offexec.profile import profile_ops
+    from offexec.testing import tiny_hf
+
+    _, spec = tiny_hf("opt")
+    rows = profile_ops(spec, "cuda", batches=(1, 4), prompts=(16,), capture_only=True, progress=False)
+    issue = {name: curve for _, kind, name, curve in rows if kind == "issue"}
+    for name in ("eager:head", "eager:embed", "h2d_weight"):
+        assert name in issue, f"no ('issue', {name!r}) row: {sorted(issue)}"
+        assert all(0 < s < 1e-3 for _, s in issue[name]), (name, issue[name])
+    assert [x for x, _ in issue["eager:head"]] == [1, 4]
