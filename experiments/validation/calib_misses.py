@@ -525,10 +525,56 @@ def _stream_order_section(cpu_rows: list[str], off: dict[str, float], ratio: dic
         f"({', '.join(further) or 'none'}).", ""]
 
 
+HOST_BOUND = ROOT / "results" / "offexec" / "host_bound_d753770"
+
+
+def host_bound_issue(c: Case) -> list[str]:
+    """A FlexGen GPU-attention case of many small GPU batches (the coverage extension): the issuing thread is the
+    bottleneck, so the prediction is the profile's issue rows summed over the plan's ops; how far the same plan's runs
+    spread (the split's later round, ``remeasure_calib_d753770/second_round``, and the runs of ``HOST_BOUND``)."""
+    from experiments.offexec.issue_rows import predicted_by_handler
+
+    ops, secs = predicted_by_handler(c.plan, str(PROFILE))
+    m_issue = c.c["meta"]["issue_frac"] * c.metric("m", "total_s")
+    totals = [c.metric("m", "total_tok_s")]
+    later = ROOT / "results" / "validation" / "remeasure_calib_d753770" / "second_round" / f"{c.name}.case.json"
+    if later.exists():
+        totals.append(json.loads(later.read_text())["metrics"]["total_tok_s"])
+    runs = pd.read_csv(HOST_BOUND / "ab_hostbound" / "runs.csv", comment="#")
+    runs = runs[runs.label.str.startswith(c.name)]
+    totals += list(runs.total_tok_s)
+    pred = c.metric("p", "total_tok_s")
+    per_op = []  # each run's issue seconds per op, by handler (a graph replay under its handler)
+    for js in runs.issue_s_by_handler:
+        h: dict = {}
+        for fn, v in json.loads(js).items():
+            h[fn.removesuffix(" (graph)")] = h.get(fn.removesuffix(" (graph)"), 0.0) + v / ops[fn.removesuffix(" (graph)")]
+        per_op.append(h)
+    moves = max(max(h[fn] for h in per_op) / min(h[fn] for h in per_op) for fn in per_op[0]) if per_op else float("nan")
+    rowless = [fn for fn in ("head", "embed", "h2d_weight") if fn in ops]
+    over = [secs[fn] / ops[fn] / h[fn] for fn in rowless for h in per_op if h.get(fn)]
+    return [
+        f"**Where the time goes.** The host: the issuing thread is busy {c.c['meta']['issue_frac']:.0%} of the run "
+        f"({m_issue:.2f} s; GPU idle {c.metric('m', 'gpu_idle_frac'):.0%}). The plan has {sum(ops.values()):,} ops "
+        f"({c.plan.workload.num_gpu_batches} GPU batches of {c.plan.workload.gpu_batch_size}, activations and KV in "
+        f"host memory: two activation copies and a KV load per layer and batch), and profile v2's issue rows price "
+        f"them at {sum(secs.values()):.2f} s in all (the GPU-side op times: the table above).", "",
+        f"**Mechanism: the host's state.** The same plan measured {len(totals)} times on three machines "
+        f"(this case, its second round, `{HOST_BOUND.relative_to(ROOT)}`): {min(totals):,.1f}-{max(totals):,.1f} "
+        f"total tok/s; the prediction, {pred:,.1f}, lies "
+        f"{'inside' if min(totals) <= pred <= max(totals) else 'outside'} that range. Per handler, "
+        f"`{(HOST_BOUND / 'ab_hostbound' / 'issue_rows.md').relative_to(ROOT)}` sets each run's issue time per op "
+        f"beside the rows: one handler moves up to {moves:.1f}x between runs of one plan; the head, the embedding and "
+        f"the weight copies had no row of their own (priced at the profile's constants, {min(over):.1f}-{max(over):.1f}x "
+        "their measured time; `offexec profile --capture-only` now measures them, not yet in profile v2).", ""]
+
+
 HANDLERS = {"opt-6.7b_flexgen-cpuattn_b32_p128_g16": cpu_attention_small_batch_many,
             "opt-13b_tightllm_b32_p128_g32": tightllm_captures,
             "opt-30b_flexgen-cpuattn_b8_p128_g32": cpu_attention_many_batches,
-            "opt-30b_tightllm_b40_p2048_g64": tightllm_long_recompute}
+            "opt-30b_tightllm_b40_p2048_g64": tightllm_long_recompute,
+            "llama-3-8b_flexgen_b12_p1024_g16": host_bound_issue,
+            "opt-6.7b_flexgen_b12_p128_g64": host_bound_issue}
 
 
 def _kept_run(c: dict) -> int:
@@ -659,9 +705,15 @@ def _earlier_runs() -> dict[str, str]:
         prov, df = read_commented_csv(t, "re-measurement table", dtype={"old_commit": str, "new_commit": str})
         tables.append((str(prov.get("date", "")), df))
     for _, df in sorted(tables, key=lambda t: t[0]):
-        out.update({r.case: f"{r.old_measured_total_tok_s:,.1f} tok/s at {r.old_commit} ({r.change:+.1%} since; "
-                            f"{'same plan' if r.same_plan else 'same schedule' if r.same_schedule else 'changed schedule'})"
-                    for r in df.itertuples()})
+        for r in df.itertuples():
+            how = 'same plan' if r.same_plan else 'same schedule' if r.same_schedule else 'changed schedule'
+            f = CALIB / f"{r.case}.case.json"
+            kept = json.loads(f.read_text())["metrics"]["total_tok_s"] if f.exists() else None
+            if kept is not None and abs(kept - r.old_measured_total_tok_s) < abs(kept - r.new_measured_total_tok_s):
+                # the split keeps the round's first run (the coverage cases: judged on their first measurement)
+                out[r.case] = f"later: {r.new_measured_total_tok_s:,.1f} tok/s at {r.new_commit} ({r.change:+.1%}; {how})"
+            else:
+                out[r.case] = f"{r.old_measured_total_tok_s:,.1f} tok/s at {r.old_commit} ({r.change:+.1%} since; {how})"
     return out
 
 
@@ -710,7 +762,11 @@ VERDICT = {"opt-6.7b_flexgen-cpuattn_b32_p128_g16": "the 64-sequence CPU-attenti
                                             "read flat past its row (modelled, 2026-12-02)",
            "opt-30b_flexgen-cpuattn_b8_p128_g32": "host load on CPU attention; issue in stream order behind each CPU "
                                                   "op (modelled); since: the host's state (table at the end)",
-           "opt-30b_tightllm_b40_p2048_g64": "recompute attention efficiency read at 64 queries (modelled)"}
+           "opt-30b_tightllm_b40_p2048_g64": "recompute attention efficiency read at 64 queries (modelled)",
+           "llama-3-8b_flexgen_b12_p1024_g16": "host-bound: the issue rows follow the host's state (runs spread "
+                                               "wider than the miss)",
+           "opt-6.7b_flexgen_b12_p128_g64": "host-bound: the issue rows follow the host's state (runs spread wider "
+                                            "than the miss)"}
 
 
 def prefill_compute_section() -> list[str]:
@@ -794,7 +850,7 @@ def main(argv: list[str] | None = None) -> None:
              "model. Error = (predicted - measured) / measured; an op kind's time is the sum of its ops' durations "
              "(`case['ops_by_kind']`). Only the calibration split is read here. The cases are those the baseline "
              "puts beyond 10 % today, and those analysed earlier (a section each).", "",
-             "| case | baseline error | today's error | measured at | earlier run | largest gap | analysed | "
+             "| case | baseline error | today's error | measured at | other run | largest gap | analysed | "
              "within 10 % |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     misses = sorted(base.index[base.abs() > 0.10], key=lambda n: -abs(base[n]))
     cases = {n: _case(n) for n in misses + [n for n in VERDICT if n not in misses]}
@@ -808,7 +864,7 @@ def main(argv: list[str] | None = None) -> None:
     for n, c in cases.items():
         lines += _header(c, base[n]) + (HANDLERS[n](c) if n in HANDLERS else [
             f"Not analysed yet. {_largest_gap(c)[0].upper() + _largest_gap(c)[1:]}"
-            + (f"; its earlier run: {earlier[n]}." if n in earlier else "."), ""])
+            + (f"; its other run: {earlier[n]}." if n in earlier else "."), ""])
     lines += _stream_order_section(*cpu_attention_calibration())
     lines += first_decode_op_section()
     lines += first_decode_step_section()
