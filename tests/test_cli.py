@@ -284,3 +284,22 @@ def test_simulate_notes_a_prediction_bound_by_cpu_attention(capsys):
     assert m["cpu_decode_frac"] >= 0.5 and "note: CPU attention keeps the host's CPU busy" in out
     assert main(argv) == 0
     assert "note:" not in capsys.readouterr().out
+
+
+def test_simulate_notes_a_prediction_bound_by_the_issuing_thread(capsys):
+    """A plan of many tiny GPU batches with the KV cache and the activations in host memory is issue-bound: on a
+    profile that prices issue, the JSON carries the issuing thread's share of the decode and the printout a note
+    that the prediction follows the host's state; a link-bound OPT-30B plan (weights streamed) has a small share and
+    no note."""
+    prof = str(REPO / "results/profiles/h200_offexec_v2.json")
+    argv = ["simulate", "--model", "opt-125m", "--hardware", prof, "--prompt-len", "32", "--gen-len", "8"]
+    assert main(argv + ["--gpu-batch-size", "2", "--num-gpu-batches", "8",
+                        "--percent", "100", "0", "0", "100", "0", "100"]) == 0
+    out = capsys.readouterr().out
+    m = json.loads(out.strip().splitlines()[-1])
+    assert m["host_issue_decode_frac"] >= 0.5 and "the runtime's issuing thread is busy for about" in out
+    assert main(["simulate", "--model", "opt-30b", "--hardware", prof, "--prompt-len", "512", "--gen-len", "8",
+                 "--gpu-batch-size", "16", "--num-gpu-batches", "3", "--percent", "20", "80", "0", "100", "100",
+                 "0"]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1])["host_issue_decode_frac"] < 0.2 and "note:" not in out

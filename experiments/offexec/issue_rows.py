@@ -24,8 +24,7 @@ from pathlib import Path
 from experiments.offexec.handler_profile import run_json
 from offexec.model import layer_layout
 from offexec.program import bind
-from offsim.core import costmodel
-from offsim.core import sim as S
+from offsim.core.sim import issue_costs
 from offsim.core.plan import Plan
 from offsim.core.provenance import provenance
 from offsim.core.specs import get_hardware
@@ -36,19 +35,14 @@ def plan_name(path: Path) -> str:
 
 
 def predicted_by_handler(plan: Plan, hw_path: str) -> tuple[Counter, Counter]:
-    """(ops, predicted issue seconds) per executor handler over the whole plan, on profile ``hw_path``."""
-    hw = get_hardware(hw_path)
-    gq = S._issue_graph_q(plan)  # the graph_q_tokens the simulator prices each op with
-    relay = plan.pageable_copy == "relay"
+    """(ops, predicted issue seconds) per executor handler over the whole plan, on profile ``hw_path``: each op's
+    cost as the simulator charges the issuing thread (``sim.issue_costs``; 0 where the profile prices no issue)."""
+    costs = issue_costs(plan, get_hardware(hw_path)) or [0.0] * len(plan.ops)
     fns = [b.fn for b in bind(plan, layer_layout(plan.model)).bound]
-    # as the simulator charges the issuing thread: a host op (CPU attention) handed to its worker costs the loop's
-    # own time alone where the runtime issues in stream order with a window (sim.STREAM_ORDER_ISSUE)
-    handed = S.STREAM_ORDER_ISSUE and plan.run_ahead is not None
     ops, secs = Counter(), Counter()
-    for op, fn in zip(plan.ops, fns):
+    for fn, c in zip(fns, costs):
         ops[fn] += 1
-        secs[fn] += costmodel.dispatch_seconds(op, hw, plan.model) if handed and op.stream in S.HOST_STREAMS \
-            else costmodel.issue_seconds(op, hw, gq(op), plan.model, relay)
+        secs[fn] += c
     return ops, secs
 
 

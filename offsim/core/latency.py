@@ -3,7 +3,8 @@ token and the stream that limits throughput. One place for these, read by ``offs
 the sweep's table (``offsim.search.grid``)."""
 from __future__ import annotations
 
-from offsim.core.plan import STREAMS
+from offsim.core.plan import STREAMS, Plan
+from offsim.core.specs import HardwareSpec
 
 
 def latency_and_bottleneck(m: dict) -> dict:
@@ -21,3 +22,17 @@ def latency_and_bottleneck(m: dict) -> dict:
     return {"ttft_s": m["prefill_s"], "decode_ms_per_token": 1e3 * m["decode_s"] / steps if steps else None,
             "bottleneck_stream": worst, "bottleneck_busy_frac": busy[worst],
             "cpu_decode_frac": m.get("busy_cpu_s", 0.0) / m["decode_s"] if m.get("decode_s") else 0.0}
+
+
+def host_issue_share(plan: Plan, hw: HardwareSpec, m: dict) -> dict:
+    """``host_issue_decode_frac``: the runtime's issuing thread's priced time over the decode ops (``sim.issue_costs``:
+    the profile's issue rows, graph captures apart) over the decode's predicted time -- how much of a prediction
+    rests on the host's single-thread speed (``offsim.cli.host_bound_note``). {} where the profile prices no issue
+    (an ideal runtime) or the plan has no decode."""
+    from offsim.core.sim import issue_costs  # (sim imports this module's neighbours; import late)
+
+    costs = issue_costs(plan, hw)
+    if costs is None or not m.get("decode_s"):
+        return {}
+    busy = sum(c for c, op in zip(costs, plan.ops) if op.phase == "decode")
+    return {"host_issue_decode_frac": busy / m["decode_s"]}

@@ -144,7 +144,7 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
     has_cost = _prices_issue(hw)
     relay = plan.pageable_copy == "relay"
     gq_of = _issue_graph_q(plan)
-    costs = [costmodel.issue_seconds(o, hw, gq_of(o), model, relay) for o in ops] if has_cost else None
+    costs = issue_costs(plan, hw)
     if costs is not None:  # a capture is host work: the issuing thread records the graph (as ``simulate``)
         for i, extra in captures.items():
             costs[i] += extra
@@ -153,10 +153,6 @@ def simulate_simpy(plan: Plan, hw: HardwareSpec, check_memory: bool = True) -> T
     stream_order = STREAM_ORDER_ISSUE and pred is not None and has_cost
     is_host = [op.stream in HOST_STREAMS for op in ops]
     blocks = _blocks_issue(plan, is_host)
-    if stream_order and costs is not None:  # a host op is handed to its worker: the issuing loop's own time only
-        for i, op in enumerate(ops):
-            if is_host[i]:
-                costs[i] = costmodel.dispatch_seconds(op, hw, model)
     issued_at = np.cumsum(costs) if has_cost and pred is None else None
     issued = [False] * n
     issue_waiters: dict[int, simpy.Event] = {}
@@ -322,6 +318,21 @@ def _op_pricer(plan: Plan, model, hw: HardwareSpec):
         return costmodel.op_seconds(op, model, hw, other_busy_s, **(kw_eager if eager_op else kw))
 
     return price_some_eager
+
+
+def issue_costs(plan: Plan, hw: HardwareSpec) -> list[float] | None:
+    """The issuing thread's seconds for each of ``plan``'s ops (plan order) as the simulator charges them, graph
+    captures apart (``_capture_extras``): ``costmodel.issue_seconds``, and for an op of a host stream (CPU attention,
+    the disk) handed to its worker thread only the issuing loop's own time (``costmodel.dispatch_seconds``) where the
+    runtime issues in stream order with a window (``STREAM_ORDER_ISSUE``). None where the profile prices no issue
+    (an ideal runtime). Also what ``offsim simulate`` reports as the host's issue share (``host_issue_decode_frac``)."""
+    if not _prices_issue(hw):
+        return None
+    gq_of, model = _issue_graph_q(plan), plan.model
+    relay = plan.pageable_copy == "relay"
+    handed = STREAM_ORDER_ISSUE and plan.run_ahead is not None
+    return [costmodel.dispatch_seconds(o, hw, model) if handed and o.stream in HOST_STREAMS
+            else costmodel.issue_seconds(o, hw, gq_of(o), model, relay) for o in plan.ops]
 
 
 def _issue_graph_q(plan: Plan):
