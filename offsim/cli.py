@@ -417,13 +417,14 @@ def cmd_simulate(args) -> None:
                         f"disk {m[f'peak_disk{n}_bytes'] / GiB:.1f} GiB of {x['disk_capacity'] / GiB:.1f}"
                         for n, x in enumerate(plan.nodes))
         print(f"{plan.num_nodes} nodes (cpu and disk busy times are per-node means): {per}")
-    lat = {**latency_and_bottleneck(m), **host_issue_share(plan, hw, m)}
+    issue = host_issue_share(plan, hw, m)  # (a pass over every op: once)
+    lat = {**latency_and_bottleneck(m), **issue}
     print(f"time to first token {lat['ttft_s']:.2f} s; decode {_ms(lat['decode_ms_per_token'])} per token; "
           f"bottleneck: {lat['bottleneck_stream']} busy {lat['bottleneck_busy_frac']:.0%} of the makespan")
     note = host_bound_note(lat)
     if note:
         print(note)
-    _print_json({**summary(m, plan.settings, plan.derived), **host_issue_share(plan, hw, m)})
+    _print_json({**summary(m, plan.settings, plan.derived), **issue})
 
 
 # a prediction whose CPU stream (CPU attention) is busy this share of the decode or more follows the host's state
