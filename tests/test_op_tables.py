@@ -1186,3 +1186,40 @@ def test_extend_rows_appends_only_points_past_the_base_curve(tmp_path):
         main(["--base", str(tmp_path / "b.json"), "--part", str(tmp_path / "same.json"), "--out",
               str(tmp_path / "none.json")])
     assert not (tmp_path / "none.json").exists()
+
+
+def test_extend_rows_new_only_adds_the_row_kinds_the_base_lacks(tmp_path):
+    """extend_rows --new-only: a capture-only re-measurement's rows that the base has no row for (the issue rows of
+    the head and the weight copies) are added, point by point the mean of the parts; the base's existing issue rows
+    stay as they were however the parts re-measured them; the cost model then prices the head with its new row
+    instead of the profile's constant."""
+    from experiments.validation.extend_rows import main
+
+    base_rows = [[KEY, "issue", "graph:layer", [[1.0, 1e-4]]]]
+    base = {**H200.with_(op_times=(), issue_compute_s=6e-4, issue_copy_s=1.4e-4).to_dict(), "op_times": base_rows}
+    (tmp_path / "b.json").write_text(json.dumps(base))
+    paths = []
+    for i, t in enumerate((1e-4, 3e-4)):
+        paths.append(tmp_path / f"p{i}.json")
+        paths[-1].write_text(json.dumps({**base, "op_times": [
+            [KEY, "issue", "graph:layer", [[1.0, 9e-4]]],
+            [KEY, "issue", "eager:head", [[1.0, t], [4.0, t]]],
+            [KEY, "issue", "h2d_weight", [[1e6, t / 2]]],
+            [KEY, "cpu", "attn_ctx:4", [[22.5, 1e-3]]]]}))
+    out = tmp_path / "new.json"
+    assert main(["--base", str(tmp_path / "b.json"), "--part", str(paths[0]), "--part", str(paths[1]),
+                 "--mode", "issue", "--prefix", "", "--new-only", "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    rows = {tuple(r[:3]): r[3] for r in d["op_times"]}
+    assert rows[(KEY, "issue", "graph:layer")] == [[1.0, 1e-4]]  # the base's row: kept
+    assert rows[(KEY, "issue", "eager:head")] == [[1.0, pytest.approx(2e-4)], [4.0, pytest.approx(2e-4)]]
+    assert rows[(KEY, "issue", "h2d_weight")] == [[1e6, pytest.approx(1e-4)]]
+    assert (KEY, "cpu", "attn_ctx:4") not in rows  # another mode: not taken
+    assert "new_rows" in d["provenance"]
+    head = next(o for o in build_plan("flexgen", M, H200, Workload(16, 4, 1, 1), {}).ops if o.part == "head")
+    assert C._handler_issue_seconds(head, HardwareSpec.from_dict(d), 0, M) == pytest.approx(2e-4)
+    assert C._handler_issue_seconds(head, HardwareSpec.from_dict(base), 0, M) == pytest.approx(6e-4)
+    with pytest.raises(SystemExit, match="nothing to add"):  # nothing new: refused, nothing written
+        main(["--base", str(out), "--part", str(paths[0]), "--mode", "issue", "--prefix", "", "--new-only",
+              "--out", str(tmp_path / "none.json")])
+    assert not (tmp_path / "none.json").exists()

@@ -12,6 +12,8 @@ extrapolation is replaced by a measurement.
 
     python -m experiments.validation.extend_rows --base results/profiles/h200_offexec_v2.json \
         --part A.json [--part B.json] --mode cpu --prefix attn_ctx: --out PART.json
+    python -m experiments.validation.extend_rows --base ... --part CAPTURE_ONLY.json --mode issue --prefix "" \
+        --new-only --out PART.json     (only the row kinds the base lacks: e.g. ('issue', 'eager:head'))
 
 Writes PART.json: the base profile with the extended rows, a part that ``offexec profile --merge`` and
 ``experiments.validation.profile_variants`` take like any other (the rows it changes are those extended).
@@ -55,12 +57,33 @@ def extend(base: dict, parts: list[dict], mode: str, prefix: str) -> tuple[dict,
     return {**base, "op_times": out}, lines
 
 
+def add_new(base: dict, parts: list[dict], mode: str, prefix: str) -> tuple[dict, list[str]]:
+    """``base`` with the parts' (layer shape, ``mode``, ``prefix``...) rows that ``base`` has no row for at all (a
+    row kind the probe did not measure when the base was made, e.g. the issue rows of the head, the embedding and
+    the weight copies since stop 56); the base's own rows stay as they are, however the part re-measured them (the
+    mean over the parts where several measured a new row, point by point). Returns the profile and a line per row."""
+    rows = {tuple(r[:3]) for r in base.get("op_times", [])}
+    new: dict[tuple, dict[float, list[float]]] = {}
+    for p in parts:
+        for r in p.get("op_times", []):
+            k = tuple(r[:3])
+            if r[1] == mode and str(r[2]).startswith(prefix) and k not in rows:
+                for x, t in r[3]:
+                    new.setdefault(k, {}).setdefault(float(x), []).append(float(t))
+    added = [[*k, [[x, statistics.mean(ts)] for x, ts in sorted(pts.items())]] for k, pts in sorted(new.items())]
+    lines = [f"{r[0]} {r[1]} {r[2]}: new, {len(r[3])} points" for r in added]
+    return {**base, "op_times": list(base.get("op_times", [])) + added}, lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", required=True, help="the profile whose curves to extend")
     ap.add_argument("--part", action="append", required=True, help="a re-measurement (`offexec profile --base BASE`)")
     ap.add_argument("--mode", default="cpu", help="the rows' mode (default: cpu)")
     ap.add_argument("--prefix", default="attn_ctx:", help="the rows' part prefix (default: attn_ctx:)")
+    ap.add_argument("--new-only", action="store_true",
+                    help="instead of extending curves, add only the parts' rows (of --mode, --prefix) the base has "
+                         "no row for: a new kind of row adopted without re-measuring the base's")
     ap.add_argument("--out", required=True, help="where to write the extended profile (a part for --merge)")
     args = ap.parse_args(argv)
     try:
@@ -69,13 +92,14 @@ def main(argv=None) -> int:
     except (OSError, json.JSONDecodeError) as exc:
         print(f"extend_rows: cannot read a profile: {exc}", file=sys.stderr)
         return 2
-    out, lines = extend(base, parts, args.mode, args.prefix)
+    out, lines = (add_new if args.new_only else extend)(base, parts, args.mode, args.prefix)
     if not lines:
-        raise SystemExit(f"extend_rows: no {args.mode!r} row starting {args.prefix!r} in the parts reaches past "
-                         "the base's last point; nothing to extend")
+        raise SystemExit(f"extend_rows: no {args.mode!r} row starting {args.prefix!r} in the parts "
+                         + ("is missing from the base; nothing to add" if args.new_only
+                            else "reaches past the base's last point; nothing to extend"))
     prov = dict(out.get("provenance", {}))
-    prov["extended_rows"] = provenance(base=args.base, parts=args.part, mode=args.mode, prefix=args.prefix,
-                                       rows=lines)
+    prov["new_rows" if args.new_only else "extended_rows"] = provenance(base=args.base, parts=args.part,
+                                                                         mode=args.mode, prefix=args.prefix, rows=lines)
     out["provenance"] = prov
     try:
         from offsim.core.specs import HardwareSpec
