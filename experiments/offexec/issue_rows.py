@@ -46,6 +46,14 @@ def predicted_by_handler(plan: Plan, hw_path: str) -> tuple[Counter, Counter]:
     return ops, secs
 
 
+def per_handler(issue_s_by_handler: dict) -> Counter:
+    """A run's ``issue_s_by_handler`` with each graph replay's time ("NAME (graph)") counted under its handler."""
+    out = Counter()
+    for fn, s in issue_s_by_handler.items():
+        out[fn.removesuffix(" (graph)")] += s
+    return out
+
+
 def runs_of(log: Path) -> list[dict]:
     """Every run's JSON line in ``log`` (runtime_ab.sh appends the runs of one side to one log)."""
     out = [json.loads(ln) for ln in log.read_text().splitlines() if ln.startswith('{"measured"')]
@@ -60,12 +68,7 @@ def table(plan_path: Path, logs: list[Path], profiles: dict[str, str]) -> list[s
             for lg in logs for i, r in enumerate(runs_of(lg))]
     pred = {k: predicted_by_handler(plan, p) for k, p in profiles.items()}
     ops = next(iter(pred.values()))[0]
-    measured = []
-    for _, r in runs:
-        m = Counter()
-        for fn, s in r["issue_s_by_handler"].items():
-            m[fn.removesuffix(" (graph)")] += s
-        measured.append(m)
+    measured = [per_handler(r["issue_s_by_handler"]) for _, r in runs]
     order = sorted(ops, key=lambda fn: -max(m[fn] for m in measured))
     head = ["handler", "ops"] + [f"{n} us/op" for n, _ in runs] + [f"{k} us/op" for k in pred]
     rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]

@@ -532,7 +532,7 @@ def host_bound_issue(c: Case) -> list[str]:
     """A FlexGen GPU-attention case of many small GPU batches (the coverage extension): the issuing thread is the
     bottleneck, so the prediction is the profile's issue rows summed over the plan's ops; how far the same plan's runs
     spread (the split's later round, ``remeasure_calib_d753770/second_round``, and the runs of ``HOST_BOUND``)."""
-    from experiments.offexec.issue_rows import predicted_by_handler
+    from experiments.offexec.issue_rows import per_handler, predicted_by_handler
 
     ops, secs = predicted_by_handler(c.plan, str(PROFILE))
     m_issue = c.c["meta"]["issue_frac"] * c.metric("m", "total_s")
@@ -544,12 +544,8 @@ def host_bound_issue(c: Case) -> list[str]:
     runs = runs[runs.label.str.startswith(c.name)]
     totals += list(runs.total_tok_s)
     pred = c.metric("p", "total_tok_s")
-    per_op = []  # each run's issue seconds per op, by handler (a graph replay under its handler)
-    for js in runs.issue_s_by_handler:
-        h: dict = {}
-        for fn, v in json.loads(js).items():
-            h[fn.removesuffix(" (graph)")] = h.get(fn.removesuffix(" (graph)"), 0.0) + v / ops[fn.removesuffix(" (graph)")]
-        per_op.append(h)
+    # each run's issue seconds per op, by handler (a graph replay under its handler)
+    per_op = [{fn: v / ops[fn] for fn, v in per_handler(json.loads(js)).items()} for js in runs.issue_s_by_handler]
     moves = max(max(h[fn] for h in per_op) / min(h[fn] for h in per_op) for fn in per_op[0]) if per_op else float("nan")
     rowless = [fn for fn in ("head", "embed", "h2d_weight") if fn in ops]
     over = [secs[fn] / ops[fn] / h[fn] for fn in rowless for h in per_op if h.get(fn)]

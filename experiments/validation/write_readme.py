@@ -186,8 +186,8 @@ def _rounds() -> list[str]:
             runs.setdefault(r["case"], []).append(r["measured_total_tok_s"])
     # the 2026-12-01 re-run covered the cases measured before it: not the coverage extension's (first measured
     # 2026-12-04, its second round in remeasure_calib_d753770/, reported with the re-measured rounds below)
-    later = VAL / "matrix_v2_coverage_config.json"
-    later = {c["tag"] for c in json.loads(later.read_text())["cases"]} if later.exists() else set()
+    cov = VAL / "matrix_v2_coverage_config.json"
+    later = {c["tag"] for c in json.loads(cov.read_text())["cases"]} if cov.exists() else set()
     again = {c: v for c, v in runs.items() if len(v) > 1 and c not in later}
     if again:
         ch = pd.Series({c: v[-1] / v[0] - 1 for c, v in again.items()})

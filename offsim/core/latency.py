@@ -4,6 +4,7 @@ the sweep's table (``offsim.search.grid``)."""
 from __future__ import annotations
 
 from offsim.core.plan import STREAMS, Plan
+from offsim.core.sim import issue_costs
 from offsim.core.specs import HardwareSpec
 
 
@@ -29,8 +30,6 @@ def host_issue_share(plan: Plan, hw: HardwareSpec, m: dict) -> dict:
     the profile's issue rows, graph captures apart) over the decode's predicted time -- how much of a prediction
     rests on the host's single-thread speed (``offsim.cli.host_bound_note``). {} where the profile prices no issue
     (an ideal runtime) or the plan has no decode."""
-    from offsim.core.sim import issue_costs  # (sim imports this module's neighbours; import late)
-
     costs = issue_costs(plan, hw)
     if costs is None or not m.get("decode_s"):
         return {}
