@@ -84,7 +84,7 @@ def run_plan(plan: Plan, weights: ModelWeights, device: str = "cuda", prompts: t
              threaded: bool = False, host_kv_pool: HostBuffer | None = None,
              allocator_cap: str = DEFAULT_ALLOCATOR_CAP, graphs: str | None = None,
              switch_interval_s: float | None = None, trace_allocator: bool = False,
-             cpu_threads: int | None = None) -> RunResult:
+             cpu_threads: int | None = None, split_recompute_graphs: bool = False) -> RunResult:
     """Run ``plan`` with ``weights`` on ``device``; return the measured trace and the generated tokens.
 
     ``prompts``: [num_prompts, prompt_len] token ids (default: seeded random ids); in a mixed-length workload prompt
@@ -104,7 +104,9 @@ def run_plan(plan: Plan, weights: ModelWeights, device: str = "cuda", prompts: t
     (``stats['allocator_retries_by_handler']``; reading the counters costs ~0.1 ms per op, so it is a diagnostic).
     ``cpu_threads``: torch's intra-op threads during the run -- CPU attention's parallelism (default: torch's own,
     one per usable core; ``Executor.cpu_threads``). A plan over several GPUs (``Plan.stages``) runs one process per
-    GPU: ``offexec.distributed``."""
+    GPU: ``offexec.distributed``. ``split_recompute_graphs`` (experimental, issue 14): TightLLM's recompute ops longer
+    than the plan graphs whole run as two graphs around eager attention (``Executor._split_recompute``); not in the
+    plan, so offsim prices those ops eager and their graphs' memory is not in the footprint (give the run room)."""
     check_one_host(plan)
     if plan.stages:
         raise ExecError(f"the plan runs on {plan.num_devices} GPUs (pipeline stages): run it with one process per "
@@ -114,6 +116,7 @@ def run_plan(plan: Plan, weights: ModelWeights, device: str = "cuda", prompts: t
                   threaded, allocator_cap, graphs)
     ex.host_kv_pool = host_kv_pool
     ex.trace_allocator = trace_allocator
+    ex.split_recompute = bool(split_recompute_graphs)
     if switch_interval_s is not None:
         if not switch_interval_s > 0:
             raise ExecError(f"switch interval must be a positive number of seconds, got {switch_interval_s!r}")
@@ -328,6 +331,10 @@ class Executor:
         if self.cuda and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.threaded = threaded
+        # TightLLM's recompute ops longer than the plan's graphed ones as two graphs around eager attention
+        # (``_split_recompute``); experimental, set by run_plan's ``split_recompute_graphs``
+        self.split_recompute = False
+        self.split_ops = 0
         self.dtype = weights.dtype
         self.e = self.spec.dtype_bytes
         self.record_logits, self.keep_kv = record_logits, keep_kv
@@ -548,7 +555,10 @@ class Executor:
             raise ExecError(f"GPU arena: {self.arena.used} of {self.arena.nbytes} bytes taken (a bug)")
         self.eager_shapes = costmodel.eager_graph_shapes(self.plan)  # graphable, but too few steps to pay a capture
         if self.graph_mode != "off":
-            self.graphs = DecodeGraphs(dev, self.cap, self.graph_mode, max(1, self.plan.graph_q_tokens))
+            max_q = max(1, self.plan.graph_q_tokens)
+            if self.split_recompute:  # the split's statics hold the longest recompute block
+                max_q = max([max_q] + [o.q_tokens for o in self.plan.ops if self._splits(o)])
+            self.graphs = DecodeGraphs(dev, self.cap, self.graph_mode, max_q)
             for g in ("cpu", "disk"):  # a graph attends over whole buffers: no NaN in a masked position
                 for buf, _ in self.pools[f"kvwork_{g}"].free:
                     buf.zero_()
@@ -649,7 +659,8 @@ class Executor:
                  "disk_weights_tier_bytes": sum(n for _, n in self.disk_w_range),
                  "host_kv_bytes": self.host_kv_bytes,
                  "budget_bytes": self.budget,
-                 "graphs": self.graphs.stats() if self.graphs is not None else {"mode": "off"}}
+                 "graphs": ({**self.graphs.stats(), "split_ops": self.split_ops} if self.graphs is not None
+                            else {"mode": "off", "split_ops": self.split_ops})}
         if self.comp.sparse_attention < 1:  # V rows the sparse attention ops multiplied (``quant.sparse_sdpa``)
             stats["sparse_v_rows"] = int(self.sparse_rows.item()) + int(self.sparse_rows_host.item())
         if self.cuda:
@@ -682,6 +693,8 @@ class Executor:
             m["graph_max_q_tokens"] = self.plan.graph_max_q_tokens  # offsim prices issue as the run replayed
             if self.plan.graph_min_uses != 1:
                 m["graph_min_uses"] = self.plan.graph_min_uses
+        if self.split_recompute and self.graphs is not None:  # not in the plan: offsim prices these ops eager
+            m["split_recompute_graphs"] = {"mode": self.graph_mode, "ops": self.split_ops}
         if self.plan.disk_cached:
             m["disk_cached"] = True
         m["run_ahead"] = None if self.plan.run_ahead is None else list(self.plan.run_ahead)  # its flow control
@@ -894,7 +907,8 @@ class Executor:
                 issue_cpu += thread_time() - ca
                 fn = bound[best].fn
                 if self.replayed:  # per handler, graphed apart (the profile's
-                    fn += " (graph)"  # issue_graph_s: experiments/validation/calibrate_issue.py)
+                    fn += " (split graphs)" if self.replayed == "split" else " (graph)"  # issue_graph_s:
+                    # experiments/validation/calibrate_issue.py)
                 by_fn[fn] = by_fn.get(fn, 0.0) + dt
                 if trace_alloc:  # retries since the last op: made by this handler's allocations (this thread's)
                     r = torch.cuda.memory_stats(dev).get("num_alloc_retries", 0)
@@ -1179,6 +1193,8 @@ class Executor:
         if self._graphed(op, args, (x,), lambda xs, bufs: M.post_attn(self.spec, w, xs, self._attend_static(
                 bufs, *M.pre_attn(self.spec, w, xs, self.graphs.rpos, self.rope)))):
             return
+        if self._splits(op) and self._split_recompute(op, args, x, w):
+            return
         q, k, v = M.pre_attn(self.spec, w, x, self._start(op), self.rope)
         o = self._attend_gpu(op, args, q, k, v)
         self._put(args["out"], M.post_attn(self.spec, w, x, o))
@@ -1234,6 +1250,48 @@ class Executor:
             return False
         self._put(args["out"], y if out is None else out(y))
         self.replayed = self.graphs.mode == "cuda"
+        return True
+
+    def _splits(self, op) -> bool:
+        """Whether ``op`` runs as the recompute split (``_split_recompute``): with ``split_recompute`` on, a decode
+        layer op of several query tokens (a TightLLM recompute block) that the plan does not graph whole, in a batch
+        without padding, an fp16 cache and dense attention (the split's eager attention is ``_attend_gpu``'s plain
+        path)."""
+        return (self.split_recompute and op.kind == "compute" and op.part == "layer" and op.phase == "decode"
+                and op.q_tokens > 1 and self.pad is None and not self.comp.cache and self.comp.sparse_attention >= 1
+                and not costmodel.op_graphed(op.kind, op.part, op.q_tokens, op.phase, self.plan.graph_q_tokens,
+                                             self.eager_shapes))
+
+    def _split_recompute(self, op, args, x, w) -> bool:
+        """A recompute block of q query tokens as two CUDA graphs around eager attention (issue 14, experimental):
+        the pre-attention part (norm, Q/K/V, RoPE at device-side positions) and the post-attention part (output
+        projection, MLP, residuals) are row-wise, so one graph per (part, q, layer, weight slot) serves every step
+        with that q whatever the context; the attention between them stays eager -- the KV write and flash's
+        bottom-right causal kernel over the written rows, as ``_attend_gpu`` runs it -- so no masked full-length
+        attention and no graph per context. Copies: the hidden state into the graphs' static input (shared by both
+        parts), the attention output into the post part's, the layer output out; Q/K/V are read from the pre part's
+        static output in place. A held N_r (the same q at every step) is what makes the captures pay. False when
+        graphs failed for the run: the caller runs the op eagerly."""
+        g, spec, q = self.graphs, self.spec, op.q_tokens
+        if g is None:  # graphs off, or a capture failed earlier in the run
+            return False
+        H, Hk = spec.num_heads, spec.num_kv_heads
+        slot = self.vals[args["w"]].data_ptr() if "w" in args else None
+        g.set_ctx(op.ctx_tokens, q)
+        qkv = g.run(("split_pre", q, op.layer, slot),
+                    lambda xs: torch.cat(M.pre_attn(spec, w, xs, g.rpos, self.rope), 2), x, clone=False)
+        if qkv is None:
+            self.graphs = None
+            return False
+        o = self._attend_gpu(op, args, qkv[:, :, :H], qkv[:, :, H:H + Hk], qkv[:, :, H + Hk:])
+        xs = g.inputs_of(x)[0]  # the pre part's static input, already holding x
+        y = g.run(("split_post", q, op.layer, slot), lambda xs_, os: M.post_attn(spec, w, xs_, os), xs, o)
+        if y is None:
+            self.graphs = None
+            return False
+        self._put(args["out"], y)
+        self.split_ops += 1
+        self.replayed = "split" if g.mode == "cuda" else False
         return True
 
     def _attend_static(self, bufs, q, k_new, v_new) -> torch.Tensor:

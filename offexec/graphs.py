@@ -126,16 +126,25 @@ class DecodeGraphs:
             table[sig] = tuple(views)
         return table[sig]
 
-    def run(self, key, body: Callable, *xs: torch.Tensor):
+    def inputs_of(self, *xs: torch.Tensor) -> tuple:
+        """The static input tensors a graph with inputs like ``xs`` reads (what ``run`` copies ``xs`` into). Passing
+        one of them back to ``run`` at the same position costs no copy: the recompute split (``Executor._op_layer``)
+        hands the pre-attention graph's static hidden state to the post-attention graph this way."""
+        return self._statics(self.static_in, self._sig(xs))
+
+    def run(self, key, body: Callable, *xs: torch.Tensor, clone: bool = True):
         """The op's output(s) for inputs ``xs``: ``body(*static inputs)`` (a tensor or a tuple of tensors) replayed
         from its graph, captured at the first call; fresh tensors, copied from the shared static outputs. None when
-        graphs failed for this run: the caller runs the op eagerly."""
+        graphs failed for this run: the caller runs the op eagerly. ``clone=False``: the static outputs themselves,
+        valid only until the next graph with outputs of the same sizes per token runs -- for a consumer issued next
+        on the same stream (every graph replays on the compute stream), which saves a copy of each output."""
         if self.failed is not None:
             return None
         self.calls += 1
         ins = self._statics(self.static_in, self._sig(xs))
         for d, x in zip(ins, xs):
-            d.copy_(x)
+            if d.data_ptr() != x.data_ptr():  # an input already in place (``inputs_of``) is not copied
+                d.copy_(x)
         g = self.graphs.get(key)
         if g is not None and self.mode == "cuda":
             g.replay()
@@ -151,6 +160,8 @@ class DecodeGraphs:
             del ys
             if self.mode == "cuda":
                 self._capture(key, body, ins, outs)
+        if not clone:
+            return outs[0] if len(outs) == 1 else tuple(outs)
         if len(outs) == 1:
             return outs[0].clone()
         return tuple(o.clone() for o in outs)

@@ -83,6 +83,26 @@ def test_recompute_plan_tokens(setup):
             assert (top2[0] - top2[1]).item() < 0.05, (p, s)
 
 
+@pytest.mark.skipif("tightllm" not in POLICIES, reason="offsim.policies.tightllm not present")
+def test_split_recompute_graphs_replay_the_eager_tokens(setup):
+    """``split_recompute_graphs`` (issue 14, experimental) with a held N_r: every recompute op runs as two captured
+    graphs around eager attention, one graph per (part, q, layer, weight slot), replayed at the later steps; the
+    tokens are the same plan's run eagerly (the same kernels, bit-equal), within a budget with room for the graphs."""
+    spec, w, prompts, hw, wl, ref = setup
+    plan = build_plan("tightllm", spec, hw, wl, {"percent": (20, 80, 0, 100, 100, 0), "kv_solver": "exact",
+                                                "hold_recompute": True})
+    split = [o for o in plan.ops if o.kind == "compute" and o.part == "layer" and o.phase == "decode"
+             and o.q_tokens > plan.graph_q_tokens]
+    assert split and len({o.q_tokens for o in split}) <= NB  # held: one q per GPU batch
+    eager = run_plan(plan, w, "cuda", prompts, gpu_budget_bytes=hw.gpu_mem_bytes + GiB)
+    res = run_plan(plan, w, "cuda", prompts, gpu_budget_bytes=hw.gpu_mem_bytes + GiB, split_recompute_graphs=True)
+    g = res.stats["graphs"]
+    assert g["failed"] is None and g["split_ops"] == len(split)
+    assert 0 < g["graphs"] < 2 * len(split) and g["replays"] > g["graphs"]
+    assert (res.tokens == eager.tokens).all()
+    assert res.stats["issue_s_by_handler"].get("layer (split graphs)", 0) > 0
+
+
 def test_budget_respected_and_overflow_refused(setup):
     spec, w, prompts, hw, wl, ref = setup
     small = get_hardware("h200", gpu_mem_gb=1.5)

@@ -1223,3 +1223,25 @@ def test_extend_rows_new_only_adds_the_row_kinds_the_base_lacks(tmp_path):
         main(["--base", str(out), "--part", str(paths[0]), "--mode", "issue", "--prefix", "", "--new-only",
               "--out", str(tmp_path / "none.json")])
     assert not (tmp_path / "none.json").exists()
+
+
+def test_issue_share_counts_the_graph_captures_the_simulator_adds():
+    """``host_issue_decode_frac`` reads the issuing thread's time as the simulator charges it: with ``captures`` the
+    per-op issue costs carry the CUDA-graph captures (``_capture_extras``, host work at the first op of each graph
+    key, all in decode), so the share of a graphed plan is that much larger than the issue rows alone."""
+    from pathlib import Path
+
+    from offsim.core.latency import host_issue_share
+    from offsim.core.plan import op_rows
+    from offsim.core.sim import _capture_extras, issue_costs
+
+    hw = get_hardware(str(Path(__file__).resolve().parents[1] / "results/profiles/h200_offexec_v2.json"))
+    plan = build_plan("flexgen", get_model("opt-6.7b"), hw, Workload(32, 8, 2, 2),
+                      {"percent": [100, 0, 100, 0, 100, 0]})
+    extras = _capture_extras(plan, op_rows(plan.ops), hw)
+    assert extras and all(plan.ops[i].phase == "decode" for i in extras)
+    bare, full = issue_costs(plan, hw), issue_costs(plan, hw, captures=True)
+    assert sum(full) - sum(bare) == pytest.approx(sum(extras.values()), rel=1e-12)
+    decode_s = 1.0
+    busy = sum(c for c, op in zip(full, plan.ops) if op.phase == "decode")
+    assert host_issue_share(plan, hw, {"decode_s": decode_s}) == {"host_issue_decode_frac": pytest.approx(busy)}

@@ -296,6 +296,8 @@ def test_settings_are_checked():
         T.TightLLMSettings(max_recompute_tokens=-1)
     with pytest.raises(OffsimError, match="capture_aware must be true or false"):
         T.TightLLMSettings(capture_aware="maybe")
+    with pytest.raises(OffsimError, match="hold_recompute must be true or false"):
+        T.TightLLMSettings(hold_recompute=1)
     with pytest.raises(OffsimError, match="weight_slices = 4 exceeds the 2 GPU batches"):
         build_plan("tightllm", TINY, _tiny_hw("t4"), Workload(8, 2, 1, 2), {"percent": (0, 100, 0, 100, 100, 0),
                                                                               "weight_slices": 4})
@@ -429,3 +431,25 @@ def test_capture_aware_n_r_holds_a_value_that_a_capture_would_not_pay_for():
     a, b = (build_plan("tightllm", m, preset, wl, T.TightLLMSettings(**base, capture_aware=ca)) for ca in (False, True))
     assert a.derived["recompute_tokens"] == b.derived["recompute_tokens"]
     assert POLICIES["tightllm"].inputs_of({"kv_solver": "exact"})["capture_aware"] is False
+
+
+def test_hold_recompute_keeps_each_batchs_smallest_n_r():
+    """``hold_recompute``: every decode step of a GPU batch recomputes the smallest N_r Algorithm 1 chose for that
+    batch over the run (one recompute shape per batch, for CUDA graphs); prefill stays 0; the held plan is a valid
+    plan the simulator prices, no faster than the free one on the H200 profile. OPT-30B 512/32 16 x 3 at 16 GiB:
+    N_r moves over the run unheld."""
+    hw = get_hardware(str(__import__("pathlib").Path(__file__).resolve().parents[1]
+                          / "results/profiles/h200_offexec_v2.json"), gpu_mem_gb=16)
+    m, wl = get_model("opt-30b"), Workload(512, 8, 16, 3)
+    st = {"percent": (20, 80, 0, 100, 100, 0), "kv_solver": "exact"}
+    free = T.recompute_tokens(m, hw, wl, T.TightLLMSettings(**st))
+    held = T.recompute_tokens(m, hw, wl, T.TightLLMSettings(hold_recompute=True, **st))
+    assert held[0] == free[0] == [0] * wl.num_gpu_batches
+    for k in range(wl.num_gpu_batches):
+        col = [row[k] for row in free[1:]]
+        assert len(set(col)) > 1  # the free choice moves with the context
+        assert {row[k] for row in held[1:]} == {min(col)}
+    assert T.hold_recompute_tokens([[0, 0]]) == [[0, 0]]  # no decode step
+    m_free = simulate(build_plan("tightllm", m, hw, wl, st), hw).metrics()
+    m_held = simulate(build_plan("tightllm", m, hw, wl, {**st, "hold_recompute": True}), hw).metrics()
+    assert 0.97 * m_free["decode_tok_s"] <= m_held["decode_tok_s"] <= m_free["decode_tok_s"] * 1.001

@@ -27,10 +27,10 @@ def latency_and_bottleneck(m: dict) -> dict:
 
 def host_issue_share(plan: Plan, hw: HardwareSpec, m: dict) -> dict:
     """``host_issue_decode_frac``: the runtime's issuing thread's priced time over the decode ops (``sim.issue_costs``:
-    the profile's issue rows, graph captures apart) over the decode's predicted time -- how much of a prediction
-    rests on the host's single-thread speed (``offsim.cli.host_bound_note``). {} where the profile prices no issue
-    (an ideal runtime) or the plan has no decode."""
-    costs = issue_costs(plan, hw)
+    the profile's issue rows and the CUDA-graph captures the simulator adds) over the decode's predicted time -- how
+    much of a prediction rests on the host's single-thread speed (``offsim.cli.host_bound_note``). {} where the
+    profile prices no issue (an ideal runtime) or the plan has no decode."""
+    costs = issue_costs(plan, hw, captures=True)
     if costs is None or not m.get("decode_s"):
         return {}
     busy = sum(c for c, op in zip(costs, plan.ops) if op.phase == "decode")

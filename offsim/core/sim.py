@@ -320,19 +320,24 @@ def _op_pricer(plan: Plan, model, hw: HardwareSpec):
     return price_some_eager
 
 
-def issue_costs(plan: Plan, hw: HardwareSpec) -> list[float] | None:
-    """The issuing thread's seconds for each of ``plan``'s ops (plan order) as the simulator charges them, graph
-    captures apart (``_capture_extras``): ``costmodel.issue_seconds``, and for an op of a host stream (CPU attention,
-    the disk) handed to its worker thread only the issuing loop's own time (``costmodel.dispatch_seconds``) where the
-    runtime issues in stream order with a window (``STREAM_ORDER_ISSUE``). None where the profile prices no issue
-    (an ideal runtime). Also what ``offsim simulate`` reports as the host's issue share (``host_issue_decode_frac``)."""
+def issue_costs(plan: Plan, hw: HardwareSpec, captures: bool = False) -> list[float] | None:
+    """The issuing thread's seconds for each of ``plan``'s ops (plan order) as the simulator charges them:
+    ``costmodel.issue_seconds``, and for an op of a host stream (CPU attention, the disk) handed to its worker thread
+    only the issuing loop's own time (``costmodel.dispatch_seconds``) where the runtime issues in stream order with a
+    window (``STREAM_ORDER_ISSUE``); with ``captures`` also the CUDA-graph captures the simulator adds where a graph
+    key first runs (``_capture_extras``: host work too). None where the profile prices no issue (an ideal runtime).
+    With captures, what ``offsim simulate`` reports as the host's issue share (``host_issue_decode_frac``)."""
     if not _prices_issue(hw):
         return None
     gq_of, model = _issue_graph_q(plan), plan.model
     relay = plan.pageable_copy == "relay"
     handed = STREAM_ORDER_ISSUE and plan.run_ahead is not None
-    return [costmodel.dispatch_seconds(o, hw, model) if handed and o.stream in HOST_STREAMS
-            else costmodel.issue_seconds(o, hw, gq_of(o), model, relay) for o in plan.ops]
+    costs = [costmodel.dispatch_seconds(o, hw, model) if handed and o.stream in HOST_STREAMS
+             else costmodel.issue_seconds(o, hw, gq_of(o), model, relay) for o in plan.ops]
+    if captures:
+        for i, extra in _capture_extras(plan, op_rows(plan.ops), hw).items():
+            costs[i] += extra
+    return costs
 
 
 def _issue_graph_q(plan: Plan):
