@@ -129,3 +129,25 @@ def test_host_stacks_attributes_handler_samples_to_the_innermost_library(tmp_pat
     empty = tmp_path / "empty.txt"
     empty.write_text("main (x.py:1) 3\n")
     assert HS.main([str(empty)]) == 2
+
+
+def test_write_readme_keeps_a_run_beyond_its_plans_budget_out_of_the_targets(tmp_path):
+    """A run given more GPU memory than its plan (`h200 --split-headroom-gb`: split recompute graphs, not yet in the
+    footprint) gets a run-budget column with its runtime options and no line among the targets; the others keep
+    theirs."""
+    work = tmp_path / "now"
+    shutil.copytree(OFFEXEC / "h200_0b8e77a", work)
+    assert "run budget GiB" not in W.write(work, None).read_text()
+    f = work / "p512_g32" / "offexec_h200.json"
+    d = json.loads(f.read_text())
+    r = d["runs"][0]
+    r["plan_budget_bytes"], r["budget_bytes"] = r["budget_bytes"], r["budget_bytes"] + 2 * W.GiB
+    r["runtime"] = {"split_recompute_graphs": True}
+    f.write_text(json.dumps(d))
+    text = W.write(work, None).read_text()
+    rows = _table(text.split("### `p512_g32`")[1])
+    assert "run budget GiB (runtime)" in rows[0]
+    assert rows[2].rstrip(" |").endswith("18 (split_recompute_graphs)") and rows[3].rstrip(" |").endswith("| 16")
+    targets = text.split("## Issue 14's targets")[1].split("\n## ")[0]
+    assert f"p512_g32 {r['config']} |" not in targets
+    assert f"p512_g32 {d['runs'][1]['config']} |" in targets
