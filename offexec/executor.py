@@ -1277,7 +1277,7 @@ class Executor:
             return False
         H, Hk = spec.num_heads, spec.num_kv_heads
         slot = self.vals[args["w"]].data_ptr() if "w" in args else None
-        g.set_ctx(op.ctx_tokens, q)
+        g.set_ctx(op.ctx_tokens, q, keys=False)  # RoPE's positions; the attention is eager, over the written rows
         qkv = g.run(("split_pre", q, op.layer, slot),
                     lambda xs: torch.cat(M.pre_attn(spec, w, xs, g.rpos, self.rope), 2), x, clone=False)
         if qkv is None:

@@ -74,12 +74,23 @@ class DecodeGraphs:
         self.capture_s = 0.0
         self.failed: str | None = None
 
-    def set_ctx(self, ctx: int, q_tokens: int = 1, pad: torch.Tensor | None = None) -> None:
+    def set_ctx(self, ctx: int, q_tokens: int = 1, pad: torch.Tensor | None = None, keys: bool = True) -> None:
         """The op's ``q_tokens`` queries sit at positions [ctx - q, ctx) and query t sees keys [0, ctx - q + t]
         (written on the current stream, before the op's kernels). ``pad``: int64 [B] on the device, each sequence's
-        left padding in a mixed-length batch (None: no padding, the masks above unchanged)."""
-        tag = (ctx, q_tokens, None if pad is None else pad.data_ptr())
-        if tag == self.ctx:
+        left padding in a mixed-length batch (None: no padding, the masks above unchanged). ``keys=False``: the
+        positions alone, for graphs that attend nowhere (the recompute split's parts): no key mask written."""
+        tag = (ctx, q_tokens, None if pad is None else pad.data_ptr(), keys)
+        if tag == self.ctx or (not keys and self.ctx is not None and self.ctx[:3] == tag[:3]):
+            return
+        if not keys:
+            if pad is not None:
+                raise ValueError("positions without keys are for batches without padding")
+            if not 1 <= q_tokens <= self.max_q:
+                raise ValueError(f"a graphed op has 1 to {self.max_q} query tokens, got {q_tokens}")
+            self.pos = self._pos[:q_tokens]
+            torch.add(self._steps[:q_tokens], ctx - q_tokens, out=self.pos)
+            self.rpos = self.pos
+            self.ctx = tag
             return
         if not 1 <= q_tokens <= self.max_q:
             raise ValueError(f"a graphed op has 1 to {self.max_q} query tokens, got {q_tokens}")
