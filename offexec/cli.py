@@ -107,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="experimental (issue 14): run TightLLM's recompute ops that the plan does not graph whole "
                         "(more query tokens than its graph_max_q_tokens) as two CUDA graphs, before and after an "
                         "eager attention, one per (part, query tokens, layer, weight slot); pays where N_r is held "
-                        "over the steps (e.g. a plan made with max_recompute_tokens). offsim still prices these ops "
+                        "over the steps (a TightLLM plan made with --set hold_recompute=true). offsim still prices "
+                        "these ops "
                         "eagerly and the graphs' memory is not in the plan's footprint: give the run room "
                         "(--gpu-mem-gb)")
     from .profile import add_profile_parser
