@@ -106,17 +106,17 @@ def run_plan(plan: Plan, weights: ModelWeights, device: str = "cuda", prompts: t
     one per usable core; ``Executor.cpu_threads``). A plan over several GPUs (``Plan.stages``) runs one process per
     GPU: ``offexec.distributed``. ``split_recompute_graphs`` (experimental, issue 14): TightLLM's recompute ops longer
     than the plan graphs whole run as two graphs around eager attention (``Executor._split_recompute``); not in the
-    plan, so offsim prices those ops eager and their graphs' memory is not in the footprint (give the run room)."""
+    plan, so offsim prices those ops eager, and their graphs' memory (``footprint.split_graph_bytes``) is in no
+    plan's footprint: the run adds it to its need and refuses a budget without room."""
     check_one_host(plan)
     if plan.stages:
         raise ExecError(f"the plan runs on {plan.num_devices} GPUs (pipeline stages): run it with one process per "
                         f"GPU, `torchrun --nproc-per-node {plan.num_devices} -m offexec.distributed --plan FILE` "
                         "(docs/architecture.md §7.1)")
     ex = Executor(plan, weights, device, prompts, seed, gpu_budget_bytes, disk_dir, record_logits, keep_kv,
-                  threaded, allocator_cap, graphs)
+                  threaded, allocator_cap, graphs, split_recompute=bool(split_recompute_graphs))
     ex.host_kv_pool = host_kv_pool
     ex.trace_allocator = trace_allocator
-    ex.split_recompute = bool(split_recompute_graphs)
     if switch_interval_s is not None:
         if not switch_interval_s > 0:
             raise ExecError(f"switch interval must be a positive number of seconds, got {switch_interval_s!r}")
@@ -162,6 +162,19 @@ def compression_of(plan: Plan) -> Compression:
     comp = Compression.from_settings(plan.settings)
     comp.check_cpu_attention(any(op.kind == "cpu_compute" for op in plan.ops))
     return comp
+
+
+def splits(plan: Plan, op, comp, eager: frozenset | None = None) -> bool:
+    """Whether ``op`` runs as the recompute split when the run asks for it (``Executor._split_recompute``): a decode
+    layer op of several query tokens (a TightLLM recompute block) that the plan does not graph whole, in a workload
+    without padding, with an fp16 cache and dense attention (the split's eager attention is ``_attend_gpu``'s plain
+    path). ``eager``: ``costmodel.eager_graph_shapes(plan)`` (computed here if not given)."""
+    if not (op.kind == "compute" and op.part == "layer" and op.phase == "decode" and op.q_tokens > 1):
+        return False
+    if plan.workload.padded or comp.cache or comp.sparse_attention < 1:
+        return False
+    eager = costmodel.eager_graph_shapes(plan) if eager is None else eager
+    return not costmodel.op_graphed(op.kind, op.part, op.q_tokens, op.phase, plan.graph_q_tokens, eager)
 
 
 def gpu_need(prog: Program, plan: Plan) -> dict[str, int]:
@@ -315,7 +328,7 @@ class Executor:
     def __init__(self, plan: Plan, weights: ModelWeights, device: str, prompts, seed: int,
                  gpu_budget_bytes: int | None, disk_dir: str | None, record_logits: bool, keep_kv: bool,
                  threaded: bool = False, allocator_cap: str = DEFAULT_ALLOCATOR_CAP, graphs: str | None = None,
-                 comm=None):
+                 comm=None, split_recompute: bool = False):
         self.plan, self.spec, self.wts = plan, plan.model, weights
         self.comm = comm  # one stage of a pipeline: its sends and receives (offexec/distributed.py ``StageComm``)
         if comm is not None and threaded:
@@ -332,8 +345,8 @@ class Executor:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.threaded = threaded
         # TightLLM's recompute ops longer than the plan's graphed ones as two graphs around eager attention
-        # (``_split_recompute``); experimental, set by run_plan's ``split_recompute_graphs``
-        self.split_recompute = False
+        # (``_split_recompute``); experimental: run_plan's ``split_recompute_graphs``
+        self.split_recompute = split_recompute
         self.split_ops = 0
         self.dtype = weights.dtype
         self.e = self.spec.dtype_bytes
@@ -353,6 +366,12 @@ class Executor:
             (D, weights.dtype)
         self.kv_e = torch.empty(0, dtype=self.kv_dtype).element_size()
         self.gpu_need = gpu_need(self.prog, plan)
+        if split_recompute:  # its graphs are in no plan's footprint yet: counted here, so a budget without room is
+            # refused below, before anything large is allocated (``footprint.split_graph_bytes``)
+            eager = costmodel.eager_graph_shapes(plan)
+            qs = [o.q_tokens for o in plan.ops if splits(plan, o, self.comp, eager)]
+            if qs:
+                self.gpu_need["split recompute graphs"] = fp.split_graph_bytes(plan.model, plan.workload, max(qs))
         # a pipeline stage's GPU-to-GPU sends and receives get a stream of their own
         self.gpu_streams = GPU_STREAMS + ((P2P_STREAM,) if any(o.kind == "p2p" for o in plan.ops) else ())
         if self.cuda:
@@ -1257,10 +1276,7 @@ class Executor:
         layer op of several query tokens (a TightLLM recompute block) that the plan does not graph whole, in a batch
         without padding, an fp16 cache and dense attention (the split's eager attention is ``_attend_gpu``'s plain
         path)."""
-        return (self.split_recompute and op.kind == "compute" and op.part == "layer" and op.phase == "decode"
-                and op.q_tokens > 1 and self.pad is None and not self.comp.cache and self.comp.sparse_attention >= 1
-                and not costmodel.op_graphed(op.kind, op.part, op.q_tokens, op.phase, self.plan.graph_q_tokens,
-                                             self.eager_shapes))
+        return self.split_recompute and splits(self.plan, op, self.comp, self.eager_shapes)
 
     def _split_recompute(self, op, args, x, w) -> bool:
         """A recompute block of q query tokens as two CUDA graphs around eager attention (issue 14, experimental):

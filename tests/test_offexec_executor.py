@@ -463,3 +463,10 @@ def test_split_recompute_graphs_reproduce_transformers(family, case):
     g = res.stats["graphs"]
     assert g["split_ops"] == len(split) and g["failed"] is None
     assert res.trace.meta["split_recompute_graphs"] == {"mode": "static", "ops": len(split)}
+    # the split's graphs are in no plan's footprint: the run counts them in its need (refused on a GPU without room)
+    from offsim.core.footprint import split_graph_bytes
+
+    assert res.stats["gpu_need_bytes"]["split recompute graphs"] == split_graph_bytes(
+        spec, plan.workload, max(o.q_tokens for o in split))
+    plain = run_plan(plan, w, "cpu", _MODELS[family][3][:plan.workload.num_prompts], graphs="static")
+    assert "split recompute graphs" not in plain.stats["gpu_need_bytes"]

@@ -50,8 +50,9 @@ CONFIGS = {
     "flexgen_cpu_attn": ("flexgen", {"percent": TARGET_PERCENT, "cpu_attention": True}),
     # issue 14's experiment (run only when asked): TightLLM with each batch's N_r held over the run (one recompute
     # shape), eager, and the same plan with its recompute ops as two CUDA graphs around eager attention
-    # (`offexec run --split-recompute-graphs`), whose graphs' memory is not in the plan's footprint yet: that run gets
-    # --split-headroom-gb beyond the plan's budget, so it is no evidence for a target at the budget
+    # (`offexec run --split-recompute-graphs`), whose graphs' memory (``footprint.split_graph_bytes``) is not in the
+    # plan's footprint yet: that run gets --split-headroom-gb beyond the plan's budget, so it is no evidence for a
+    # target at the budget
     "tightllm_held": ("tightllm", {"percent": TARGET_PERCENT, "kv_solver": "exact", "hold_recompute": True}),
     "tightllm_held_split": ("tightllm", {"percent": TARGET_PERCENT, "kv_solver": "exact", "hold_recompute": True}),
 }
