@@ -593,6 +593,44 @@ def test_coverage_gaps_name_variants_measured_only_held_out():
         assert len(set(tags)) == len(tags) - 1  # v2's one repeated draw (opt-13b_static-zero_b40_p512_g128) only
 
 
+def test_gen_coverage_gaps_name_variants_held_out_at_longer_generations():
+    """The generation-length coverage rule (``matrix.gen_coverage_gaps``): a model and policy variant whose longest
+    held-out generation exceeds its longest calibration one is a gap at that held-out length; a variant without any
+    calibration case is left to ``coverage_gaps``; one measured as long in calibration is none. The committed config,
+    where there is one, fills exactly the gaps of the three configs before it, each at its gap's generation, all in
+    the calibration set, no tag repeated, and leaves none."""
+    from pathlib import Path
+
+    from experiments.validation.matrix import VARIANTS, gen_coverage_gaps
+
+    def case(m, p, gen, split):
+        return {"tag": f"{m}_{p}_{gen}_{split}", "model": m, "policy": p, "settings": {}, "split": split,
+                "workload": {"gen_len": gen}}
+
+    doc = {"cases": [case("a", "tightllm", 32, "calib"), case("a", "tightllm", 128, "heldout"),
+                     case("a", "tightllm", 64, "heldout"), case("a", "selectn", 128, "calib"),
+                     case("a", "selectn", 64, "heldout"), case("b", "selectn", 128, "heldout")]}
+    assert [(m, VARIANTS[v][0], g) for m, v, g in gen_coverage_gaps([doc])] == [("a", "tightllm", 128)]
+    val = Path(__file__).parent.parent / "results" / "validation"
+    if (val / "matrix_v2_gencoverage_config.json").exists():
+        base = [json.loads((val / f).read_text()) for f in ("matrix_v2_config.json", "matrix_v2_mixed_config.json",
+                                                             "matrix_v2_coverage_config.json")]
+        cov = json.loads((val / "matrix_v2_gencoverage_config.json").read_text())
+        assert {c["split"] for c in cov["cases"]} == {"calib"}
+        filled = {(c["model"], c["policy"], bool(c["settings"].get("cpu_attention")), c["workload"]["gen_len"])
+                  for c in cov["cases"]}
+        want = {(m, VARIANTS[v][0], bool(VARIANTS[v][1].get("cpu_attention")), g)
+                for m, v, g in gen_coverage_gaps(base)}
+        assert filled == want
+        assert gen_coverage_gaps(base + [cov]) == []
+        tags = [c["tag"] for d in base + [cov] for c in d["cases"]]
+        assert len(set(tags)) == len(tags) - 1  # v2's one repeated draw only
+        held = {(c["model"], c["policy"], bool(c["settings"].get("cpu_attention")), c["workload"]["prompt_len"],
+                 c["workload"]["gen_len"]) for d in base for c in d["cases"] if c["split"] == "heldout"}
+        assert not any((c["model"], c["policy"], bool(c["settings"].get("cpu_attention")),
+                        c["workload"]["prompt_len"], c["workload"]["gen_len"]) in held for c in cov["cases"])
+
+
 def test_preregistered_prediction_builds_the_configs_plan():
     """``preregister.predict`` builds a case's plan as the GPU run will (the config's profile, the case's host memory)
     -- the fingerprint the config recorded -- and predicts it on profile v2, as ``offsim validate`` will."""

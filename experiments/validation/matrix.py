@@ -19,6 +19,10 @@ resumable: a case whose file exists is skipped.
         results/validation/matrix_v2_mixed_config.json          # mixed prompt lengths, split the same way
     python -m experiments.validation.matrix --v2-coverage-seed 2026 --plan-only \
         results/validation/matrix_v2_coverage_config.json       # a calibration case per held-out-only variant
+    python -m experiments.validation.matrix --v2-gen-coverage-seed 2026 --profile results/profiles/h200_offexec.json \
+        --plan-only results/validation/matrix_v2_gencoverage_config.json --coverage-of results/validation/matrix_v2_config.json \
+        results/validation/matrix_v2_mixed_config.json results/validation/matrix_v2_coverage_config.json
+                                                                # a calibration case per variant at its held-out gen
     python -m experiments.validation.matrix --config results/validation/matrix_v2_config.json \
         --out results/validation --warmup --disk-dir DIR --commit C          # on the H200: h200_calib/, h200_heldout/
 
@@ -101,12 +105,15 @@ def _drawn(tag, mname, model, policy, st, wl, budget, host, disk, plan, pm) -> d
                                              "peak_gpu_bytes")}}
 
 
-def _v2_draw(rng: random.Random, mname: str, policy: str, fixed: dict, profile: str, host_mem_gb: float) -> tuple:
+def _v2_draw(rng: random.Random, mname: str, policy: str, fixed: dict, profile: str, host_mem_gb: float,
+             gen: int | None = None) -> tuple:
     """One v2 draw for a model and policy variant: (tag, model, hardware, budget GiB, prompt, gen, disk, host bytes)
     -- a budget, prompt and generation length, the disk tier (V2_DISK_SHARE of the draws but Select-N's: host memory
-    cut to V2_DISK_HOST_GIB), the host memory beside the executor's master copy of the weights."""
+    cut to V2_DISK_HOST_GIB), the host memory beside the executor's master copy of the weights. ``gen``: that
+    generation length instead of the drawn one (the draw still consumes its number: earlier configs redraw alike)."""
     base = get_model(mname)
-    budget, prompt, gen = rng.choice(V2_BUDGETS_GIB), rng.choice(V2_PROMPTS), rng.choice(V2_GENS)
+    budget, prompt, drawn = rng.choice(V2_BUDGETS_GIB), rng.choice(V2_PROMPTS), rng.choice(V2_GENS)
+    gen = drawn if gen is None else gen
     disk = policy != "selectn" and rng.random() < V2_DISK_SHARE
     model = base
     if prompt + gen - 1 > base.max_positions:  # random weights: extend OPT's learned positions (as v1)
@@ -117,11 +124,11 @@ def _v2_draw(rng: random.Random, mname: str, policy: str, fixed: dict, profile: 
 
 
 def _v2_case(rng: random.Random, mname: str, policy: str, fixed: dict, profile: str, host_mem_gb: float,
-             taken: set) -> dict | None:
-    """One v2 draw (``_v2_draw``) searched at its best setting (``searched_case``, up to MAX_BATCH prompts, a run
-    predicted within V2_MAX_PREDICTED_S): its config entry, or None (printed why) where the tag is in ``taken`` or
-    no setting qualifies -- the caller draws again."""
-    tag, model, hw, budget, prompt, gen, disk, host = _v2_draw(rng, mname, policy, fixed, profile, host_mem_gb)
+             taken: set, gen: int | None = None) -> dict | None:
+    """One v2 draw (``_v2_draw``; ``gen`` fixes its generation length) searched at its best setting
+    (``searched_case``, up to MAX_BATCH prompts, a run predicted within V2_MAX_PREDICTED_S): its config entry, or
+    None (printed why) where the tag is in ``taken`` or no setting qualifies -- the caller draws again."""
+    tag, model, hw, budget, prompt, gen, disk, host = _v2_draw(rng, mname, policy, fixed, profile, host_mem_gb, gen)
     if tag in taken:
         print(f"  {tag}: redrawn (drawn before)", flush=True)
         return None
@@ -233,16 +240,35 @@ def plan_v2_mixed(seed: int, n_cases: int, profile: str, host_mem_gb: float) -> 
             "provenance": provenance(), "cases": cases}
 
 
+def _variant(c: dict) -> int:
+    """A config case's index into VARIANTS."""
+    return VARIANTS.index((c["policy"], {"cpu_attention": True} if c["settings"].get("cpu_attention") else
+                           {"cpu_attention": False} if c["policy"] == "flexgen" else {}))
+
+
 def coverage_gaps(configs: list[dict]) -> list[tuple[str, int]]:
     """(model, index into VARIANTS) of every model and policy variant the configs measure (in either set) with no
     calibration case: where the held-out set would test the model on something it was never developed on."""
     seen: dict[tuple, set] = {}
     for doc in configs:
         for c in doc["cases"]:
-            v = VARIANTS.index((c["policy"], {"cpu_attention": True} if c["settings"].get("cpu_attention") else
-                                {"cpu_attention": False} if c["policy"] == "flexgen" else {}))
-            seen.setdefault((c["model"], v), set()).add(c["split"])
+            seen.setdefault((c["model"], _variant(c)), set()).add(c["split"])
     return sorted(k for k, splits in seen.items() if "calib" not in splits)
+
+
+def gen_coverage_gaps(configs: list[dict]) -> list[tuple[str, int, int]]:
+    """(model, index into VARIANTS, generation length) of every model and policy variant whose longest held-out
+    generation is longer than its longest calibration one, at that held-out length: where the held-out set tests
+    the model at a decode length it was never developed on for that variant (a longer decode: more steps over a
+    longer context, more of the KV cache to load or recompute). A variant with no calibration case at all is
+    ``coverage_gaps``' (its first draw) and is left to it. Mixed-length cases count by their longest generation."""
+    longest: dict[tuple, dict] = {}
+    for doc in configs:
+        for c in doc["cases"]:
+            g = longest.setdefault((c["model"], _variant(c)), {})
+            g[c["split"]] = max(g.get(c["split"], 0), int(c["workload"]["gen_len"]))
+    return sorted((m, v, g["heldout"]) for (m, v), g in longest.items()
+                  if "calib" in g and g.get("heldout", 0) > g["calib"])
 
 
 def plan_v2_coverage(seed: int, configs: list[dict], profile: str, host_mem_gb: float) -> dict:
@@ -269,6 +295,43 @@ def plan_v2_coverage(seed: int, configs: list[dict], profile: str, host_mem_gb: 
     return {"schema": "offsim.matrix/2", "seed": seed, "coverage": True, "profile": profile,
             "host_mem_gb": host_mem_gb, "splits": {s: sum(c["split"] == s for c in cases) for s in SPLITS},
             "gaps": [[m, VARIANTS[v][0], VARIANTS[v][1]] for m, v in coverage_gaps(configs)],
+            "provenance": provenance(), "cases": cases}
+
+
+def plan_v2_gen_coverage(seed: int, configs: list[dict], profile: str, host_mem_gb: float) -> dict:
+    """Matrix v2's generation-length coverage (issue 13): one calibration case for each model and policy variant at
+    the longest generation its held-out cases run and its calibration cases do not (``gen_coverage_gaps``), the
+    budget, prompt and disk tier drawn as v2 draws them (up to 2 x V2_TRIES draws), every one in the calibration
+    set. Coverage, not error: the rule reads the configs alone (written 2026-12-04, after the held-out results were
+    seen: its README says so); the predictions are registered before any is measured
+    (``experiments.validation.preregister``)."""
+    rng = random.Random(f"gen-coverage-{seed}")
+    taken = {c["tag"] for doc in configs for c in doc["cases"]}
+    # a held-out workload (model, variant, prompt, generation) is never drawn again at another budget: with the
+    # generation fixed, a repeated prompt would copy a held-out case into the calibration set
+    held = {(c["model"], _variant(c), c["workload"]["prompt_len"], c["workload"]["gen_len"])
+            for doc in configs for c in doc["cases"] if c["split"] == "heldout"}
+    cases: list[dict] = []
+    gaps = gen_coverage_gaps(configs)
+    for mname, v, gen in gaps:
+        policy, fixed = VARIANTS[v]
+        for _ in range(2 * V2_TRIES):
+            c = _v2_case(rng, mname, policy, fixed, profile, host_mem_gb, taken, gen)
+            if c is None:
+                continue
+            if (mname, v, c["workload"]["prompt_len"], gen) in held:
+                print(f"  {c['tag']}: redrawn (a held-out workload at another budget)", flush=True)
+                taken.add(c["tag"])
+                continue
+            c["split"] = "calib"
+            cases.append(c)
+            taken.add(c["tag"])
+            break
+        else:
+            print(f"  {mname} {policy} {fixed} gen {gen}: no feasible draw in {2 * V2_TRIES}", flush=True)
+    return {"schema": "offsim.matrix/2", "seed": seed, "gen_coverage": True, "profile": profile,
+            "host_mem_gb": host_mem_gb, "splits": {s: sum(c["split"] == s for c in cases) for s in SPLITS},
+            "gaps": [[m, VARIANTS[v][0], VARIANTS[v][1], gen] for m, v, gen in gaps],
             "provenance": provenance(), "cases": cases}
 
 
@@ -545,9 +608,14 @@ def main() -> None:
     ap.add_argument("--v2-coverage-seed", type=int, default=None,
                     help="plan matrix v2's coverage extension with this seed: one calibration case per model and "
                          "policy variant that --coverage-of measures only in the held-out set")
+    ap.add_argument("--v2-gen-coverage-seed", type=int, default=None,
+                    help="plan matrix v2's generation-length coverage with this seed: one calibration case per "
+                         "model and policy variant at the longest generation --coverage-of measures for it only in "
+                         "the held-out set")
     ap.add_argument("--coverage-of", nargs="+", default=["results/validation/matrix_v2_config.json",
                                                           "results/validation/matrix_v2_mixed_config.json"],
-                    metavar="CONFIG", help="with --v2-coverage-seed: the configs whose gaps it fills "
+                    metavar="CONFIG", help="with --v2-coverage-seed / --v2-gen-coverage-seed: the configs whose "
+                                           "gaps it fills "
                                            "(default: %(default)s)")
     args = ap.parse_args()
     if args.repeats < 1:
@@ -561,14 +629,17 @@ def main() -> None:
     elif args.v2_mixed_seed is not None:
         doc = plan_v2_mixed(args.v2_mixed_seed, args.v2_mixed_cases, args.profile, args.host_mem_gb)
         cases = doc["cases"]
-    elif args.v2_coverage_seed is not None:
+    elif args.v2_coverage_seed is not None or args.v2_gen_coverage_seed is not None:
         configs = []
         for f in args.coverage_of:
             try:
                 configs.append(json.loads(Path(f).read_text()))
             except (OSError, ValueError) as e:
                 ap.error(f"--coverage-of {f}: cannot read a matrix config ({e})")
-        doc = plan_v2_coverage(args.v2_coverage_seed, configs, args.profile, args.host_mem_gb)
+        if args.v2_coverage_seed is not None:
+            doc = plan_v2_coverage(args.v2_coverage_seed, configs, args.profile, args.host_mem_gb)
+        else:
+            doc = plan_v2_gen_coverage(args.v2_gen_coverage_seed, configs, args.profile, args.host_mem_gb)
         cases = doc["cases"]
     else:
         cases = doc = plan_cases(args)

@@ -106,6 +106,7 @@ def build(progress: bool = True) -> str:
               "decode, an unmeasured two-step warm-up before each run.", "",
               *_mixed_extension({s: res[s, "v2"] for s in SPLITS}),
               *_coverage_extension({s: res[s, "v2"] for s in SPLITS}),
+              *_gen_coverage_extension({s: res[s, "v2"] for s in SPLITS}),
               "| split | profile | cases | median abs total error | max abs total error | within 10 % | "
               "median abs prefill error | median abs decode error | median step-latency MAPE |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -186,8 +187,8 @@ def _rounds() -> list[str]:
             runs.setdefault(r["case"], []).append(r["measured_total_tok_s"])
     # the 2026-12-01 re-run covered the cases measured before it: not the coverage extension's (first measured
     # 2026-12-04, its second round in remeasure_calib_d753770/, reported with the re-measured rounds below)
-    cov = VAL / "matrix_v2_coverage_config.json"
-    later = {c["tag"] for c in json.loads(cov.read_text())["cases"]} if cov.exists() else set()
+    later = {c["tag"] for name in ("matrix_v2_coverage_config.json", "matrix_v2_gencoverage_config.json")
+             if (VAL / name).exists() for c in json.loads((VAL / name).read_text())["cases"]}
     again = {c: v for c, v in runs.items() if len(v) > 1 and c not in later}
     if again:
         ch = pd.Series({c: v[-1] / v[0] - 1 for c, v in again.items()})
@@ -251,11 +252,35 @@ def _coverage_extension(v2: dict) -> list[str]:
                if (VAL / "coverage_predictions.md").exists() else ""), "", *_preregistered(v2["calib"])]
 
 
-def _preregistered(calib) -> list[str]:
-    """Each measured coverage case against the prediction written down before it was measured
-    (``coverage_predictions.json``) and against today's model (``calib``: the calibration split's validation
-    table): the first is a test of a prediction, the second may already have learnt from the case."""
-    path = VAL / "coverage_predictions.json"
+def _gen_coverage_extension(v2: dict) -> list[str]:
+    """A paragraph on matrix v2's generation-length coverage (``matrix_v2_gencoverage_config.json``): the variants and
+    lengths it covers, how many of its cases are measured, offsim's error on them, and the registered predictions."""
+    path = VAL / "matrix_v2_gencoverage_config.json"
+    if not path.exists():
+        return []
+    doc = json.loads(path.read_text())
+    n = len(doc["cases"])
+    measured = sum((VAL / "h200_calib" / f"{c['tag']}.case.json").exists() for c in doc["cases"])
+    gaps = ", ".join(f"{m} {p}{' (GPU attention)' if f.get('cpu_attention') is False else ''}"
+                     f"{' (CPU attention)' if f.get('cpu_attention') else ''} at gen {g}" for m, p, f, g in doc["gaps"])
+    return [f"Generation-length coverage: `matrix_v2_gencoverage_config.json` ({n} cases, seed {doc['seed']}, `python "
+            "-m experiments.validation.matrix --v2-gen-coverage-seed SEED --plan-only FILE --coverage-of ...`, "
+            "written 2026-12-04 after the held-out results were seen) adds one calibration case for each model and "
+            "policy variant whose held-out cases generate longer than its calibration cases, at that length "
+            f"({gaps}), the budget, prompt and disk tier drawn as v2 draws them, by a rule on the configs alone; "
+            f"all go to the calibration set. {measured} of its {n} cases are measured so far and counted in the "
+            "tables below." + _mixed_errors(doc, v2)
+            + (" offsim's predictions for them were written down before any was measured: "
+               "`gencoverage_predictions.md` (`python -m experiments.validation.preregister`)."
+               if (VAL / "gencoverage_predictions.md").exists() else ""), "",
+            *_preregistered(v2["calib"], "gencoverage", "generation-length coverage")]
+
+
+def _preregistered(calib, stem: str = "coverage", what: str = "coverage") -> list[str]:
+    """Each measured case of an extension against the prediction written down before it was measured
+    (``STEM_predictions.json``) and against today's model (``calib``: the calibration split's validation table):
+    the first is a test of a prediction, the second may already have learnt from the case."""
+    path = VAL / f"{stem}_predictions.json"
     if not path.exists():
         return []
     doc = json.loads(path.read_text())
@@ -266,7 +291,7 @@ def _preregistered(calib) -> list[str]:
     errs = [r["total_tok_s"] / float(m["measured_total_tok_s"]) - 1 for r, m in rows]
     a = [abs(e) for e in errs]
     out = [f"Against the predictions written before measurement ({doc['provenance']['commit']}, "
-           f"{doc['provenance']['date'][:10]}): {len(rows)} of {len(doc['cases'])} coverage cases measured, median "
+           f"{doc['provenance']['date'][:10]}): {len(rows)} of {len(doc['cases'])} {what} cases measured, median "
            f"|total error| {_pct(statistics.median(a))}, max {_pct(max(a))}.", "",
            "| case | measured tok/s | registered prediction | error | today's model's error |",
            "| --- | --- | --- | --- | --- |"]
@@ -385,7 +410,8 @@ def _first_measured(rounds: list) -> dict[str, str]:
     """When each case of matrix v2's mixed-length and coverage extensions was first measured (ISO date): the earliest
     of its case file's date and the dates of the re-measurement rounds that list it. The cases of
     ``matrix_v2_config.json`` were all measured before the first round and are not in this map."""
-    ext = [c for name in ("matrix_v2_mixed_config.json", "matrix_v2_coverage_config.json") if (VAL / name).exists()
+    ext = [c for name in ("matrix_v2_mixed_config.json", "matrix_v2_coverage_config.json",
+                          "matrix_v2_gencoverage_config.json") if (VAL / name).exists()
            for c in json.loads((VAL / name).read_text())["cases"]]
     born = {}
     for c in ext:
