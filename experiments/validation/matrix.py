@@ -271,6 +271,34 @@ def gen_coverage_gaps(configs: list[dict]) -> list[tuple[str, int, int]]:
                   if "calib" in g and g.get("heldout", 0) > g["calib"])
 
 
+def _fill_gaps(rng: random.Random, gaps: list[tuple], configs: list[dict], profile: str, host_mem_gb: float,
+               held: set | None = None) -> list[dict]:
+    """One calibration case per gap (model, index into VARIANTS, generation length or None: drawn): v2 draws
+    (``_v2_case``) until one qualifies, up to 2 x V2_TRIES; its tag new to ``configs``, and where ``held`` is given
+    its (model, variant, prompt, generation) none of those. A gap with no qualifying draw is printed and passed
+    over."""
+    taken = {c["tag"] for doc in configs for c in doc["cases"]}
+    cases: list[dict] = []
+    for mname, v, gen in gaps:
+        policy, fixed = VARIANTS[v]
+        for _ in range(2 * V2_TRIES):
+            c = _v2_case(rng, mname, policy, fixed, profile, host_mem_gb, taken, gen)
+            if c is None:
+                continue
+            if held is not None and (mname, v, c["workload"]["prompt_len"], c["workload"]["gen_len"]) in held:
+                print(f"  {c['tag']}: redrawn (a held-out workload at another budget)", flush=True)
+                taken.add(c["tag"])
+                continue
+            c["split"] = "calib"
+            cases.append(c)
+            taken.add(c["tag"])
+            break
+        else:
+            print(f"  {mname} {policy} {fixed}{'' if gen is None else f' gen {gen}'}: no feasible draw in "
+                  f"{2 * V2_TRIES}", flush=True)
+    return cases
+
+
 def plan_v2_coverage(seed: int, configs: list[dict], profile: str, host_mem_gb: float) -> dict:
     """Matrix v2's coverage extension (issue 13): one calibration case for each model and policy variant that the
     configs measure only in the held-out set (``coverage_gaps``), drawn as v2 draws (budget, prompt, generation,
@@ -278,20 +306,7 @@ def plan_v2_coverage(seed: int, configs: list[dict], profile: str, host_mem_gb: 
     coverage, not error: it names the gaps from the configs alone, and the draws are seeded, so the cases do not
     copy a held-out workload. Tags never repeat a config's."""
     rng = random.Random(f"coverage-{seed}")
-    taken = {c["tag"] for doc in configs for c in doc["cases"]}
-    cases: list[dict] = []
-    for mname, v in coverage_gaps(configs):
-        policy, fixed = VARIANTS[v]
-        for _ in range(2 * V2_TRIES):
-            c = _v2_case(rng, mname, policy, fixed, profile, host_mem_gb, taken)
-            if c is None:
-                continue
-            c["split"] = "calib"
-            cases.append(c)
-            taken.add(c["tag"])
-            break
-        else:
-            print(f"  {mname} {policy} {fixed}: no feasible draw in {2 * V2_TRIES}", flush=True)
+    cases = _fill_gaps(rng, [(m, v, None) for m, v in coverage_gaps(configs)], configs, profile, host_mem_gb)
     return {"schema": "offsim.matrix/2", "seed": seed, "coverage": True, "profile": profile,
             "host_mem_gb": host_mem_gb, "splits": {s: sum(c["split"] == s for c in cases) for s in SPLITS},
             "gaps": [[m, VARIANTS[v][0], VARIANTS[v][1]] for m, v in coverage_gaps(configs)],
@@ -306,29 +321,12 @@ def plan_v2_gen_coverage(seed: int, configs: list[dict], profile: str, host_mem_
     seen: its README says so); the predictions are registered before any is measured
     (``experiments.validation.preregister``)."""
     rng = random.Random(f"gen-coverage-{seed}")
-    taken = {c["tag"] for doc in configs for c in doc["cases"]}
+    gaps = gen_coverage_gaps(configs)
     # a held-out workload (model, variant, prompt, generation) is never drawn again at another budget: with the
     # generation fixed, a repeated prompt would copy a held-out case into the calibration set
     held = {(c["model"], _variant(c), c["workload"]["prompt_len"], c["workload"]["gen_len"])
             for doc in configs for c in doc["cases"] if c["split"] == "heldout"}
-    cases: list[dict] = []
-    gaps = gen_coverage_gaps(configs)
-    for mname, v, gen in gaps:
-        policy, fixed = VARIANTS[v]
-        for _ in range(2 * V2_TRIES):
-            c = _v2_case(rng, mname, policy, fixed, profile, host_mem_gb, taken, gen)
-            if c is None:
-                continue
-            if (mname, v, c["workload"]["prompt_len"], gen) in held:
-                print(f"  {c['tag']}: redrawn (a held-out workload at another budget)", flush=True)
-                taken.add(c["tag"])
-                continue
-            c["split"] = "calib"
-            cases.append(c)
-            taken.add(c["tag"])
-            break
-        else:
-            print(f"  {mname} {policy} {fixed} gen {gen}: no feasible draw in {2 * V2_TRIES}", flush=True)
+    cases = _fill_gaps(rng, gaps, configs, profile, host_mem_gb, held)
     return {"schema": "offsim.matrix/2", "seed": seed, "gen_coverage": True, "profile": profile,
             "host_mem_gb": host_mem_gb, "splits": {s: sum(c["split"] == s for c in cases) for s in SPLITS},
             "gaps": [[m, VARIANTS[v][0], VARIANTS[v][1], gen] for m, v, gen in gaps],

@@ -230,50 +230,59 @@ def _mixed_extension(v2: dict) -> list[str]:
             + " are measured so far and counted in the tables below." + _mixed_errors(doc, v2), ""]
 
 
-def _coverage_extension(v2: dict) -> list[str]:
-    """A paragraph on matrix v2's coverage extension (``matrix_v2_coverage_config.json``): the model and policy
-    variants it covers, how many of its cases are measured, offsim's error on them (``v2`` as ``_mixed_extension``)."""
-    path = VAL / "matrix_v2_coverage_config.json"
+def _extension(name: str) -> tuple | None:
+    """A calibration extension's config (``name`` under results/validation/): (its doc, its case count, how many are
+    measured, its gaps in words -- model, policy, FlexGen's attention side, and the generation length where the
+    rule fixes one); None without the file."""
+    path = VAL / name
     if not path.exists():
-        return []
+        return None
     doc = json.loads(path.read_text())
-    n = len(doc["cases"])
     measured = sum((VAL / "h200_calib" / f"{c['tag']}.case.json").exists() for c in doc["cases"])
-    gaps = ", ".join(f"{m} {p}{' (GPU attention)' if f.get('cpu_attention') is False else ''}"
-                     for m, p, f in doc["gaps"])
-    return [f"Coverage: `matrix_v2_coverage_config.json` ({n} cases, seed {doc['seed']}, `python -m "
-            "experiments.validation.matrix --v2-coverage-seed SEED --plan-only FILE`, written 2026-12-04 after the "
-            "held-out results were seen) adds one calibration case for each model and policy variant the two "
-            f"configs above measure only in the held-out set ({gaps}), drawn as v2 draws, by a rule on the configs "
-            f"alone (coverage, not error); all go to the calibration set. {measured} of its {n} cases are measured "
-            "so far and counted in the tables below." + _mixed_errors(doc, v2)
+    side = {False: " (GPU attention)", True: " (CPU attention)"}
+    gaps = ", ".join(f"{g[0]} {g[1]}{side.get(g[2].get('cpu_attention'), '')}"
+                     + (f" at gen {g[3]}" if len(g) > 3 else "") for g in doc["gaps"])
+    return doc, len(doc["cases"]), measured, gaps
+
+
+def _calib_extension(v2: dict, config: str, stem: str, what: str, rule) -> list[str]:
+    """A paragraph on one of matrix v2's calibration extensions (``config`` under results/validation/): ``rule(doc,
+    n, gaps)`` says what it adds and by which rule, then how many of its cases are measured, offsim's error on them
+    (``v2`` as ``_mixed_extension``), where its predictions were registered before measuring
+    (``STEM_predictions.md``) and how the measured ones compare with them (``_preregistered``)."""
+    ext = _extension(config)
+    if ext is None:
+        return []
+    doc, n, measured, gaps = ext
+    return [rule(doc, n, gaps) + f" {measured} of its {n} cases are measured so far and counted in the tables below."
+            + _mixed_errors(doc, v2)
             + (" offsim's predictions for them were written down before any was measured: "
-               "`coverage_predictions.md` (`python -m experiments.validation.preregister`)."
-               if (VAL / "coverage_predictions.md").exists() else ""), "", *_preregistered(v2["calib"])]
+               f"`{stem}_predictions.md` (`python -m experiments.validation.preregister`)."
+               if (VAL / f"{stem}_predictions.md").exists() else ""), "", *_preregistered(v2["calib"], stem, what)]
+
+
+def _coverage_extension(v2: dict) -> list[str]:
+    """The coverage extension (``matrix_v2_coverage_config.json``): a calibration case for each model and policy
+    variant measured only held out."""
+    return _calib_extension(v2, "matrix_v2_coverage_config.json", "coverage", "coverage", lambda doc, n, gaps: (
+        f"Coverage: `matrix_v2_coverage_config.json` ({n} cases, seed {doc['seed']}, `python -m "
+        "experiments.validation.matrix --v2-coverage-seed SEED --plan-only FILE`, written 2026-12-04 after the "
+        "held-out results were seen) adds one calibration case for each model and policy variant the two "
+        f"configs above measure only in the held-out set ({gaps}), drawn as v2 draws, by a rule on the configs "
+        "alone (coverage, not error); all go to the calibration set."))
 
 
 def _gen_coverage_extension(v2: dict) -> list[str]:
-    """A paragraph on matrix v2's generation-length coverage (``matrix_v2_gencoverage_config.json``): the variants and
-    lengths it covers, how many of its cases are measured, offsim's error on them, and the registered predictions."""
-    path = VAL / "matrix_v2_gencoverage_config.json"
-    if not path.exists():
-        return []
-    doc = json.loads(path.read_text())
-    n = len(doc["cases"])
-    measured = sum((VAL / "h200_calib" / f"{c['tag']}.case.json").exists() for c in doc["cases"])
-    gaps = ", ".join(f"{m} {p}{' (GPU attention)' if f.get('cpu_attention') is False else ''}"
-                     f"{' (CPU attention)' if f.get('cpu_attention') else ''} at gen {g}" for m, p, f, g in doc["gaps"])
-    return [f"Generation-length coverage: `matrix_v2_gencoverage_config.json` ({n} cases, seed {doc['seed']}, `python "
-            "-m experiments.validation.matrix --v2-gen-coverage-seed SEED --plan-only FILE --coverage-of ...`, "
-            "written 2026-12-04 after the held-out results were seen) adds one calibration case for each model and "
-            "policy variant whose held-out cases generate longer than its calibration cases, at that length "
-            f"({gaps}), the budget, prompt and disk tier drawn as v2 draws them, by a rule on the configs alone; "
-            f"all go to the calibration set. {measured} of its {n} cases are measured so far and counted in the "
-            "tables below." + _mixed_errors(doc, v2)
-            + (" offsim's predictions for them were written down before any was measured: "
-               "`gencoverage_predictions.md` (`python -m experiments.validation.preregister`)."
-               if (VAL / "gencoverage_predictions.md").exists() else ""), "",
-            *_preregistered(v2["calib"], "gencoverage", "generation-length coverage")]
+    """The generation-length coverage (``matrix_v2_gencoverage_config.json``): a calibration case for each variant
+    at the longest generation it has only held out."""
+    return _calib_extension(v2, "matrix_v2_gencoverage_config.json", "gencoverage", "generation-length coverage",
+                            lambda doc, n, gaps: (
+        f"Generation-length coverage: `matrix_v2_gencoverage_config.json` ({n} cases, seed {doc['seed']}, `python "
+        "-m experiments.validation.matrix --v2-gen-coverage-seed SEED --plan-only FILE --coverage-of ...`, "
+        "written 2026-12-04 after the held-out results were seen) adds one calibration case for each model and "
+        "policy variant whose held-out cases generate longer than its calibration cases, at that length "
+        f"({gaps}), the budget, prompt and disk tier drawn as v2 draws them, by a rule on the configs alone; "
+        "all go to the calibration set."))
 
 
 def _preregistered(calib, stem: str = "coverage", what: str = "coverage") -> list[str]:
