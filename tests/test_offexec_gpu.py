@@ -94,13 +94,21 @@ def test_split_recompute_graphs_replay_the_eager_tokens(setup):
     split = [o for o in plan.ops if o.kind == "compute" and o.part == "layer" and o.phase == "decode"
              and o.q_tokens > plan.graph_q_tokens]
     assert split and len({o.q_tokens for o in split}) <= NB  # held: one q per GPU batch
-    eager = run_plan(plan, w, "cuda", prompts, gpu_budget_bytes=hw.gpu_mem_bytes + GiB)
+    eager = run_plan(plan, w, "cuda", prompts, gpu_budget_bytes=hw.gpu_mem_bytes + GiB, record_logits=True)
     res = run_plan(plan, w, "cuda", prompts, gpu_budget_bytes=hw.gpu_mem_bytes + GiB, split_recompute_graphs=True)
     g = res.stats["graphs"]
     assert g["failed"] is None and g["split_ops"] == len(split)
     assert 0 < g["graphs"] < 2 * len(split) and g["replays"] > g["graphs"]
-    assert (res.tokens == eager.tokens).all()
     assert res.stats["issue_s_by_handler"].get("layer (split graphs)", 0) > 0
+    # the same kernels (Q/K/V read as views of their packed tensor): equal tokens, unless the eager run's top-2
+    # logits at the first difference are within fp16 rounding (a near tie), as test_recompute_plan_tokens allows
+    logits = {(s, b): lg for s, b, lg in eager.logits}
+    for p in range(GBS * NB):
+        diff = (res.tokens[p] != eager.tokens[p]).nonzero()[0]
+        if len(diff):
+            s = int(diff[0])
+            top2 = logits[(s, p // GBS)][p % GBS].topk(2).values
+            assert (top2[0] - top2[1]).item() < 0.05, (p, s)
 
 
 def test_budget_respected_and_overflow_refused(setup):
