@@ -1285,21 +1285,20 @@ class Executor:
         with that q whatever the context; the attention between them stays eager -- the KV write and flash's
         bottom-right causal kernel over the written rows, as ``_attend_gpu`` runs it -- so no masked full-length
         attention and no graph per context. Copies: the hidden state into the graphs' static input (shared by both
-        parts), the attention output into the post part's, the layer output out; Q/K/V are read from the pre part's
-        static output in place. A held N_r (the same q at every step) is what makes the captures pay. False when
+        parts), Q, K and V into the pre part's static outputs (read there in place: no packed copy), the attention
+        output into the post part's static input, the layer output out. A held N_r (the same q at every step) is what makes the captures pay. False when
         graphs failed for the run: the caller runs the op eagerly."""
         g, spec, q = self.graphs, self.spec, op.q_tokens
         if g is None:  # graphs off, or a capture failed earlier in the run
             return False
-        H, Hk = spec.num_heads, spec.num_kv_heads
         slot = self.vals[args["w"]].data_ptr() if "w" in args else None
         g.set_ctx(op.ctx_tokens, q, keys=False)  # RoPE's positions; the attention is eager, over the written rows
-        qkv = g.run(("split_pre", q, op.layer, slot),
-                    lambda xs: torch.cat(M.pre_attn(spec, w, xs, g.rpos, self.rope), 2), x, clone=False)
+        qkv = g.run(("split_pre", q, op.layer, slot), lambda xs: M.pre_attn(spec, w, xs, g.rpos, self.rope), x,
+                    clone=False)
         if qkv is None:
             self.graphs = None
             return False
-        o = self._attend_gpu(op, args, qkv[:, :, :H], qkv[:, :, H:H + Hk], qkv[:, :, H + Hk:])
+        o = self._attend_gpu(op, args, *qkv)
         xs = g.inputs_of(x)[0]  # the pre part's static input, already holding x
         y = g.run(("split_post", q, op.layer, slot), lambda xs_, os: M.post_attn(spec, w, xs_, os), xs, o)
         if y is None:

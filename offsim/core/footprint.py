@@ -708,7 +708,7 @@ def split_graph_bytes(model: ModelSpec, wl: Workload, q_tokens: int) -> int:
     """GPU bytes of offexec's recompute split (``offexec run --split-recompute-graphs``, experimental: a recompute op
     of ``q_tokens`` query tokens as a pre- and a post-attention graph around eager attention), held from the first
     split op to the end, beyond ``decode_graph_bytes``: its static tensors sized for ``q_tokens`` -- the hidden state
-    in (shared by both parts), the attention output in, the packed Q/K/V out and the layer's output out
+    in (shared by both parts), the attention output in, Q, K and V out and the layer's output out
     (3 hidden states and one Q/K/V) -- and the graphs' private pool, one part's intermediates at a time (the
     pre-attention part's norm and Q/K/V, or the post-attention part's projection and MLP), twice over as for the
     decode graphs, plus its segment rounding. Not in any plan's footprint yet: the executor adds it to its need when
