@@ -348,6 +348,7 @@ class Executor:
         # (``_split_recompute``); experimental: run_plan's ``split_recompute_graphs``
         self.split_recompute = split_recompute
         self.split_ops = 0
+        self.split_max_q = 0  # the longest recompute block the split runs (its graphs' statics are sized for it)
         self.dtype = weights.dtype
         self.e = self.spec.dtype_bytes
         self.record_logits, self.keep_kv = record_logits, keep_kv
@@ -369,9 +370,10 @@ class Executor:
         if split_recompute:  # its graphs are in no plan's footprint yet: counted here, so a budget without room is
             # refused below, before anything large is allocated (``footprint.split_graph_bytes``)
             eager = costmodel.eager_graph_shapes(plan)
-            qs = [o.q_tokens for o in plan.ops if splits(plan, o, self.comp, eager)]
-            if qs:
-                self.gpu_need["split recompute graphs"] = fp.split_graph_bytes(plan.model, plan.workload, max(qs))
+            self.split_max_q = max((o.q_tokens for o in plan.ops if splits(plan, o, self.comp, eager)), default=0)
+            if self.split_max_q:
+                self.gpu_need["split recompute graphs"] = fp.split_graph_bytes(plan.model, plan.workload,
+                                                                             self.split_max_q)
         # a pipeline stage's GPU-to-GPU sends and receives get a stream of their own
         self.gpu_streams = GPU_STREAMS + ((P2P_STREAM,) if any(o.kind == "p2p" for o in plan.ops) else ())
         if self.cuda:
@@ -574,10 +576,9 @@ class Executor:
             raise ExecError(f"GPU arena: {self.arena.used} of {self.arena.nbytes} bytes taken (a bug)")
         self.eager_shapes = costmodel.eager_graph_shapes(self.plan)  # graphable, but too few steps to pay a capture
         if self.graph_mode != "off":
-            max_q = max(1, self.plan.graph_q_tokens)
-            if self.split_recompute:  # the split's statics hold the longest recompute block
-                max_q = max([max_q] + [o.q_tokens for o in self.plan.ops if self._splits(o)])
-            self.graphs = DecodeGraphs(dev, self.cap, self.graph_mode, max_q)
+            # the statics hold the longest graphed op, or the split's longest recompute block
+            self.graphs = DecodeGraphs(dev, self.cap, self.graph_mode,
+                                       max(1, self.plan.graph_q_tokens, self.split_max_q))
             for g in ("cpu", "disk"):  # a graph attends over whole buffers: no NaN in a masked position
                 for buf, _ in self.pools[f"kvwork_{g}"].free:
                     buf.zero_()

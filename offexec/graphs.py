@@ -82,25 +82,20 @@ class DecodeGraphs:
         tag = (ctx, q_tokens, None if pad is None else pad.data_ptr(), keys)
         if tag == self.ctx or (not keys and self.ctx is not None and self.ctx[:3] == tag[:3]):
             return
-        if not keys:
-            if pad is not None:
-                raise ValueError("positions without keys are for batches without padding")
-            if not 1 <= q_tokens <= self.max_q:
-                raise ValueError(f"a graphed op has 1 to {self.max_q} query tokens, got {q_tokens}")
-            self.pos = self._pos[:q_tokens]
-            torch.add(self._steps[:q_tokens], ctx - q_tokens, out=self.pos)
-            self.rpos = self.pos
-            self.ctx = tag
-            return
         if not 1 <= q_tokens <= self.max_q:
             raise ValueError(f"a graphed op has 1 to {self.max_q} query tokens, got {q_tokens}")
-        M = self.max_len
+        if not keys and pad is not None:
+            raise ValueError("positions without keys are for batches without padding")
         self.pos = self._pos[:q_tokens]
         torch.add(self._steps[:q_tokens], ctx - q_tokens, out=self.pos)
+        self.rpos = self.pos
+        self.ctx = tag
+        if not keys:
+            return
+        M = self.max_len
         mask = self._mask[:q_tokens * M].view(q_tokens, M)
         torch.le(self._cols.unsqueeze(0), self.pos.unsqueeze(1), out=mask)
         self.keys = mask.view(1, 1, q_tokens, M)
-        self.rpos = self.pos
         if pad is not None:
             B = pad.shape[0]
             if self._bmask is None:  # once, at fixed addresses every graph bakes in
@@ -110,7 +105,6 @@ class DecodeGraphs:
             self.keys.copy_(M_.visible(self.pos, self._cols, pad))
             self.rpos = self._rpos[:B * q_tokens].view(B, q_tokens)
             self.rpos.copy_(M_.positions(self.pos, pad))
-        self.ctx = tag
 
     @staticmethod
     def _sig(ts) -> tuple:
