@@ -103,14 +103,6 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--cpu-threads", type=int, default=None, metavar="N",
                    help="torch's intra-op threads during the run, which CPU attention's kernels use (default: "
                         "torch's, one per usable core); fewer leave cores to the issuing thread and the host workers")
-    r.add_argument("--split-recompute-graphs", action="store_true",
-                   help="experimental (issue 14): run TightLLM's recompute ops that the plan does not graph whole "
-                        "(more query tokens than its graph_max_q_tokens) as two CUDA graphs, before and after an "
-                        "eager attention, one per (part, query tokens, layer, weight slot); pays where N_r is held "
-                        "over the steps (a TightLLM plan made with --set hold_recompute=true). offsim still prices "
-                        "these ops "
-                        "eagerly, and the graphs' memory (about 1 GiB for OPT-30B at N_r 252, 16 sequences) is not "
-                        "in the plan's footprint: the run counts it and refuses a --gpu-mem-gb without room")
     from .profile import add_profile_parser
 
     add_profile_parser(sub)  # `offexec profile`: the hardware-profile JSON offsim loads
@@ -223,8 +215,7 @@ def cmd_run(args) -> dict:
         if warm is not None:  # unmeasured: its trace is dropped
             t0 = time.perf_counter()
             run_plan(warm, weights, args.device, seed=args.seed, gpu_budget_bytes=budget, disk_dir=args.disk_dir,
-                     allocator_cap=args.allocator_cap, cpu_threads=args.cpu_threads,
-                     split_recompute_graphs=args.split_recompute_graphs)
+                     allocator_cap=args.allocator_cap, cpu_threads=args.cpu_threads)
             warmup_s = time.perf_counter() - t0
         from .hostprobe import host_probe
 
@@ -245,7 +236,7 @@ def cmd_run(args) -> dict:
             where["plan_file"] = Path(args.plan).name
         res = run_plan(plan, weights, args.device, seed=args.seed, gpu_budget_bytes=budget, disk_dir=args.disk_dir,
                        allocator_cap=args.allocator_cap, trace_allocator=bool(args.host_profile),
-                       cpu_threads=args.cpu_threads, split_recompute_graphs=args.split_recompute_graphs,
+                       cpu_threads=args.cpu_threads,
                        meta={"hardware": hw.name, "warmup": warm is not None, **where, **prov})
         if prof is not None:
             prof.disable()
@@ -306,7 +297,6 @@ def cmd_run(args) -> dict:
     g = st["graphs"]
     if g["mode"] == "cuda":
         print(f"CUDA graphs: {g['graphs']} decode ops captured in {g['capture_s']:.2f} s, {g['replays']} replays"
-              + (f"; {g['split_ops']} recompute ops split around eager attention" if g.get("split_ops") else "")
               + (f"; capture failed, the rest ran eagerly: {g['failed']}" if g["failed"] else ""))
     out = {"measured": {k: measured[k] for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s", "prefill_s",
                                                   "decode_s", "total_s", "peak_gpu_bytes", "peak_cpu_bytes",

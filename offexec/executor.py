@@ -84,7 +84,7 @@ def run_plan(plan: Plan, weights: ModelWeights, device: str = "cuda", prompts: t
              threaded: bool = False, host_kv_pool: HostBuffer | None = None,
              allocator_cap: str = DEFAULT_ALLOCATOR_CAP, graphs: str | None = None,
              switch_interval_s: float | None = None, trace_allocator: bool = False,
-             cpu_threads: int | None = None, split_recompute_graphs: bool = False) -> RunResult:
+             cpu_threads: int | None = None) -> RunResult:
     """Run ``plan`` with ``weights`` on ``device``; return the measured trace and the generated tokens.
 
     ``prompts``: [num_prompts, prompt_len] token ids (default: seeded random ids); in a mixed-length workload prompt
@@ -104,17 +104,14 @@ def run_plan(plan: Plan, weights: ModelWeights, device: str = "cuda", prompts: t
     (``stats['allocator_retries_by_handler']``; reading the counters costs ~0.1 ms per op, so it is a diagnostic).
     ``cpu_threads``: torch's intra-op threads during the run -- CPU attention's parallelism (default: torch's own,
     one per usable core; ``Executor.cpu_threads``). A plan over several GPUs (``Plan.stages``) runs one process per
-    GPU: ``offexec.distributed``. ``split_recompute_graphs`` (experimental, issue 14): TightLLM's recompute ops longer
-    than the plan graphs whole run as two graphs around eager attention (``Executor._split_recompute``); not in the
-    plan, so offsim prices those ops eager, and their graphs' memory (``footprint.split_graph_bytes``) is in no
-    plan's footprint: the run adds it to its need and refuses a budget without room."""
+    GPU: ``offexec.distributed``."""
     check_one_host(plan)
     if plan.stages:
         raise ExecError(f"the plan runs on {plan.num_devices} GPUs (pipeline stages): run it with one process per "
                         f"GPU, `torchrun --nproc-per-node {plan.num_devices} -m offexec.distributed --plan FILE` "
                         "(docs/architecture.md §7.1)")
     ex = Executor(plan, weights, device, prompts, seed, gpu_budget_bytes, disk_dir, record_logits, keep_kv,
-                  threaded, allocator_cap, graphs, split_recompute=bool(split_recompute_graphs))
+                  threaded, allocator_cap, graphs)
     ex.host_kv_pool = host_kv_pool
     ex.trace_allocator = trace_allocator
     if switch_interval_s is not None:
@@ -162,19 +159,6 @@ def compression_of(plan: Plan) -> Compression:
     comp = Compression.from_settings(plan.settings)
     comp.check_cpu_attention(any(op.kind == "cpu_compute" for op in plan.ops))
     return comp
-
-
-def splits(plan: Plan, op, comp, eager: frozenset | None = None) -> bool:
-    """Whether ``op`` runs as the recompute split when the run asks for it (``Executor._split_recompute``): a decode
-    layer op of several query tokens (a TightLLM recompute block) that the plan does not graph whole, in a workload
-    without padding, with an fp16 cache and dense attention (the split's eager attention is ``_attend_gpu``'s plain
-    path). ``eager``: ``costmodel.eager_graph_shapes(plan)`` (computed here if not given)."""
-    if not (op.kind == "compute" and op.part == "layer" and op.phase == "decode" and op.q_tokens > 1):
-        return False
-    if plan.workload.padded or comp.cache or comp.sparse_attention < 1:
-        return False
-    eager = costmodel.eager_graph_shapes(plan) if eager is None else eager
-    return not costmodel.op_graphed(op.kind, op.part, op.q_tokens, op.phase, plan.graph_q_tokens, eager)
 
 
 def gpu_need(prog: Program, plan: Plan) -> dict[str, int]:
@@ -328,7 +312,7 @@ class Executor:
     def __init__(self, plan: Plan, weights: ModelWeights, device: str, prompts, seed: int,
                  gpu_budget_bytes: int | None, disk_dir: str | None, record_logits: bool, keep_kv: bool,
                  threaded: bool = False, allocator_cap: str = DEFAULT_ALLOCATOR_CAP, graphs: str | None = None,
-                 comm=None, split_recompute: bool = False):
+                 comm=None):
         self.plan, self.spec, self.wts = plan, plan.model, weights
         self.comm = comm  # one stage of a pipeline: its sends and receives (offexec/distributed.py ``StageComm``)
         if comm is not None and threaded:
@@ -344,11 +328,6 @@ class Executor:
         if self.cuda and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.threaded = threaded
-        # TightLLM's recompute ops longer than the plan's graphed ones as two graphs around eager attention
-        # (``_split_recompute``); experimental: run_plan's ``split_recompute_graphs``
-        self.split_recompute = split_recompute
-        self.split_ops = 0
-        self.split_max_q = 0  # the longest recompute block the split runs (its graphs' statics are sized for it)
         self.dtype = weights.dtype
         self.e = self.spec.dtype_bytes
         self.record_logits, self.keep_kv = record_logits, keep_kv
@@ -367,13 +346,6 @@ class Executor:
             (D, weights.dtype)
         self.kv_e = torch.empty(0, dtype=self.kv_dtype).element_size()
         self.gpu_need = gpu_need(self.prog, plan)
-        if split_recompute:  # its graphs are in no plan's footprint yet: counted here, so a budget without room is
-            # refused below, before anything large is allocated (``footprint.split_graph_bytes``)
-            eager = costmodel.eager_graph_shapes(plan)
-            self.split_max_q = max((o.q_tokens for o in plan.ops if splits(plan, o, self.comp, eager)), default=0)
-            if self.split_max_q:
-                self.gpu_need["split recompute graphs"] = fp.split_graph_bytes(plan.model, plan.workload,
-                                                                             self.split_max_q)
         # a pipeline stage's GPU-to-GPU sends and receives get a stream of their own
         self.gpu_streams = GPU_STREAMS + ((P2P_STREAM,) if any(o.kind == "p2p" for o in plan.ops) else ())
         if self.cuda:
@@ -576,9 +548,7 @@ class Executor:
             raise ExecError(f"GPU arena: {self.arena.used} of {self.arena.nbytes} bytes taken (a bug)")
         self.eager_shapes = costmodel.eager_graph_shapes(self.plan)  # graphable, but too few steps to pay a capture
         if self.graph_mode != "off":
-            # the statics hold the longest graphed op, or the split's longest recompute block
-            self.graphs = DecodeGraphs(dev, self.cap, self.graph_mode,
-                                       max(1, self.plan.graph_q_tokens, self.split_max_q))
+            self.graphs = DecodeGraphs(dev, self.cap, self.graph_mode, max(1, self.plan.graph_q_tokens))
             for g in ("cpu", "disk"):  # a graph attends over whole buffers: no NaN in a masked position
                 for buf, _ in self.pools[f"kvwork_{g}"].free:
                     buf.zero_()
@@ -679,8 +649,7 @@ class Executor:
                  "disk_weights_tier_bytes": sum(n for _, n in self.disk_w_range),
                  "host_kv_bytes": self.host_kv_bytes,
                  "budget_bytes": self.budget,
-                 "graphs": ({**self.graphs.stats(), "split_ops": self.split_ops} if self.graphs is not None
-                            else {"mode": "off", "split_ops": self.split_ops})}
+                 "graphs": self.graphs.stats() if self.graphs is not None else {"mode": "off"}}
         if self.comp.sparse_attention < 1:  # V rows the sparse attention ops multiplied (``quant.sparse_sdpa``)
             stats["sparse_v_rows"] = int(self.sparse_rows.item()) + int(self.sparse_rows_host.item())
         if self.cuda:
@@ -713,8 +682,6 @@ class Executor:
             m["graph_max_q_tokens"] = self.plan.graph_max_q_tokens  # offsim prices issue as the run replayed
             if self.plan.graph_min_uses != 1:
                 m["graph_min_uses"] = self.plan.graph_min_uses
-        if self.split_recompute and self.graphs is not None:  # not in the plan: offsim prices these ops eager
-            m["split_recompute_graphs"] = {"mode": self.graph_mode, "ops": self.split_ops}
         if self.plan.disk_cached:
             m["disk_cached"] = True
         m["run_ahead"] = None if self.plan.run_ahead is None else list(self.plan.run_ahead)  # its flow control
@@ -927,8 +894,7 @@ class Executor:
                 issue_cpu += thread_time() - ca
                 fn = bound[best].fn
                 if self.replayed:  # per handler, graphed apart (the profile's
-                    fn += " (split graphs)" if self.replayed == "split" else " (graph)"  # issue_graph_s:
-                    # experiments/validation/calibrate_issue.py)
+                    fn += " (graph)"  # issue_graph_s: experiments/validation/calibrate_issue.py)
                 by_fn[fn] = by_fn.get(fn, 0.0) + dt
                 if trace_alloc:  # retries since the last op: made by this handler's allocations (this thread's)
                     r = torch.cuda.memory_stats(dev).get("num_alloc_retries", 0)
@@ -1213,8 +1179,6 @@ class Executor:
         if self._graphed(op, args, (x,), lambda xs, bufs: M.post_attn(self.spec, w, xs, self._attend_static(
                 bufs, *M.pre_attn(self.spec, w, xs, self.graphs.rpos, self.rope)))):
             return
-        if self._splits(op) and self._split_recompute(op, args, x, w):
-            return
         q, k, v = M.pre_attn(self.spec, w, x, self._start(op), self.rope)
         o = self._attend_gpu(op, args, q, k, v)
         self._put(args["out"], M.post_attn(self.spec, w, x, o))
@@ -1270,44 +1234,6 @@ class Executor:
             return False
         self._put(args["out"], y if out is None else out(y))
         self.replayed = self.graphs.mode == "cuda"
-        return True
-
-    def _splits(self, op) -> bool:
-        """Whether ``op`` runs as the recompute split (``_split_recompute``): with ``split_recompute`` on, a decode
-        layer op of several query tokens (a TightLLM recompute block) that the plan does not graph whole, in a batch
-        without padding, an fp16 cache and dense attention (the split's eager attention is ``_attend_gpu``'s plain
-        path)."""
-        return self.split_recompute and splits(self.plan, op, self.comp, self.eager_shapes)
-
-    def _split_recompute(self, op, args, x, w) -> bool:
-        """A recompute block of q query tokens as two CUDA graphs around eager attention (issue 14, experimental):
-        the pre-attention part (norm, Q/K/V, RoPE at device-side positions) and the post-attention part (output
-        projection, MLP, residuals) are row-wise, so one graph per (part, q, layer, weight slot) serves every step
-        with that q whatever the context; the attention between them stays eager -- the KV write and flash's
-        bottom-right causal kernel over the written rows, as ``_attend_gpu`` runs it -- so no masked full-length
-        attention and no graph per context. Copies: the hidden state into the graphs' static input (shared by both
-        parts), Q, K and V into the pre part's static outputs (read there in place: no packed copy), the attention
-        output into the post part's static input, the layer output out. A held N_r (the same q at every step) is what makes the captures pay. False when
-        graphs failed for the run: the caller runs the op eagerly."""
-        g, spec, q = self.graphs, self.spec, op.q_tokens
-        if g is None:  # graphs off, or a capture failed earlier in the run
-            return False
-        slot = self.vals[args["w"]].data_ptr() if "w" in args else None
-        g.set_ctx(op.ctx_tokens, q, keys=False)  # RoPE's positions; the attention is eager, over the written rows
-        qkv = g.run(("split_pre", q, op.layer, slot), lambda xs: M.pre_attn(spec, w, xs, g.rpos, self.rope), x,
-                    clone=False)
-        if qkv is None:
-            self.graphs = None
-            return False
-        o = self._attend_gpu(op, args, *qkv)
-        xs = g.inputs_of(x)[0]  # the pre part's static input, already holding x
-        y = g.run(("split_post", q, op.layer, slot), lambda xs_, os: M.post_attn(spec, w, xs_, os), xs, o)
-        if y is None:
-            self.graphs = None
-            return False
-        self._put(args["out"], y)
-        self.split_ops += 1
-        self.replayed = "split" if g.mode == "cuda" else False
         return True
 
     def _attend_static(self, bufs, q, k_new, v_new) -> torch.Tensor:

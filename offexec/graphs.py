@@ -74,28 +74,22 @@ class DecodeGraphs:
         self.capture_s = 0.0
         self.failed: str | None = None
 
-    def set_ctx(self, ctx: int, q_tokens: int = 1, pad: torch.Tensor | None = None, keys: bool = True) -> None:
+    def set_ctx(self, ctx: int, q_tokens: int = 1, pad: torch.Tensor | None = None) -> None:
         """The op's ``q_tokens`` queries sit at positions [ctx - q, ctx) and query t sees keys [0, ctx - q + t]
         (written on the current stream, before the op's kernels). ``pad``: int64 [B] on the device, each sequence's
-        left padding in a mixed-length batch (None: no padding, the masks above unchanged). ``keys=False``: the
-        positions alone, for graphs that attend nowhere (the recompute split's parts): no key mask written."""
-        tag = (ctx, q_tokens, None if pad is None else pad.data_ptr(), keys)
-        if tag == self.ctx or (not keys and self.ctx is not None and self.ctx[:3] == tag[:3]):
+        left padding in a mixed-length batch (None: no padding, the masks above unchanged)."""
+        tag = (ctx, q_tokens, None if pad is None else pad.data_ptr())
+        if tag == self.ctx:
             return
         if not 1 <= q_tokens <= self.max_q:
             raise ValueError(f"a graphed op has 1 to {self.max_q} query tokens, got {q_tokens}")
-        if not keys and pad is not None:
-            raise ValueError("positions without keys are for batches without padding")
+        M = self.max_len
         self.pos = self._pos[:q_tokens]
         torch.add(self._steps[:q_tokens], ctx - q_tokens, out=self.pos)
-        self.rpos = self.pos
-        self.ctx = tag
-        if not keys:
-            return
-        M = self.max_len
         mask = self._mask[:q_tokens * M].view(q_tokens, M)
         torch.le(self._cols.unsqueeze(0), self.pos.unsqueeze(1), out=mask)
         self.keys = mask.view(1, 1, q_tokens, M)
+        self.rpos = self.pos
         if pad is not None:
             B = pad.shape[0]
             if self._bmask is None:  # once, at fixed addresses every graph bakes in
@@ -105,6 +99,7 @@ class DecodeGraphs:
             self.keys.copy_(M_.visible(self.pos, self._cols, pad))
             self.rpos = self._rpos[:B * q_tokens].view(B, q_tokens)
             self.rpos.copy_(M_.positions(self.pos, pad))
+        self.ctx = tag
 
     @staticmethod
     def _sig(ts) -> tuple:
@@ -131,25 +126,16 @@ class DecodeGraphs:
             table[sig] = tuple(views)
         return table[sig]
 
-    def inputs_of(self, *xs: torch.Tensor) -> tuple:
-        """The static input tensors a graph with inputs like ``xs`` reads (what ``run`` copies ``xs`` into). Passing
-        one of them back to ``run`` at the same position costs no copy: the recompute split (``Executor._op_layer``)
-        hands the pre-attention graph's static hidden state to the post-attention graph this way."""
-        return self._statics(self.static_in, self._sig(xs))
-
-    def run(self, key, body: Callable, *xs: torch.Tensor, clone: bool = True):
+    def run(self, key, body: Callable, *xs: torch.Tensor):
         """The op's output(s) for inputs ``xs``: ``body(*static inputs)`` (a tensor or a tuple of tensors) replayed
         from its graph, captured at the first call; fresh tensors, copied from the shared static outputs. None when
-        graphs failed for this run: the caller runs the op eagerly. ``clone=False``: the static outputs themselves,
-        valid only until the next graph with outputs of the same sizes per token runs -- for a consumer issued next
-        on the same stream (every graph replays on the compute stream), which saves a copy of each output."""
+        graphs failed for this run: the caller runs the op eagerly."""
         if self.failed is not None:
             return None
         self.calls += 1
         ins = self._statics(self.static_in, self._sig(xs))
         for d, x in zip(ins, xs):
-            if d.data_ptr() != x.data_ptr():  # an input already in place (``inputs_of``) is not copied
-                d.copy_(x)
+            d.copy_(x)
         g = self.graphs.get(key)
         if g is not None and self.mode == "cuda":
             g.replay()
@@ -165,8 +151,6 @@ class DecodeGraphs:
             del ys
             if self.mode == "cuda":
                 self._capture(key, body, ins, outs)
-        if not clone:
-            return outs[0] if len(outs) == 1 else tuple(outs)
         if len(outs) == 1:
             return outs[0].clone()
         return tuple(o.clone() for o in outs)

@@ -439,34 +439,3 @@ def test_graph_min_uses_runs_short_lived_recompute_shapes_eagerly():
         assert res.stats["graphs"]["ops"] == len(through)
         if need > counts[-1]:
             assert not through  # every shape met at fewer steps: all eager
-
-
-@pytest.mark.skipif("tightllm" not in POLICIES, reason="tightllm policy not registered")
-@pytest.mark.parametrize("family", ["opt", "llama"])
-@pytest.mark.parametrize("case", [c for c in CASES if c[0] == "tightllm" and c[1]["percent"][4] == 0], ids=_case_id)
-def test_split_recompute_graphs_reproduce_transformers(family, case):
-    """``split_recompute_graphs`` (issue 14, experimental): every TightLLM recompute op the plan does not graph whole
-    runs as its pre-attention graph body (Q/K/V at device-side RoPE positions, read in place from the static
-    output), eager attention over the written rows, and its post-attention graph body (reading the hidden state from
-    the pre part's static input without a copy); through the static bodies on the CPU it gives transformers' tokens,
-    logits and stored KV, and every such op went that way."""
-    hf, spec, w = _model(family)
-    policy, settings, gbs, nb = case
-    plan = build_plan(policy, spec, HW, Workload(PROMPT, GEN, gbs, nb), settings)
-    plan.graph_max_q_tokens = 1  # no recompute block graphed whole: all of them through the split
-    split = [o for o in plan.ops if o.kind == "compute" and o.part == "layer" and o.phase == "decode"
-             and o.q_tokens > 1]
-    assert split
-    res = run_plan(plan, w, "cpu", _MODELS[family][3][:plan.workload.num_prompts], record_logits=True,
-                   keep_kv=True, graphs="static", split_recompute_graphs=True)
-    _check_against_transformers(hf, spec, plan, None, res)
-    g = res.stats["graphs"]
-    assert g["split_ops"] == len(split) and g["failed"] is None
-    assert res.trace.meta["split_recompute_graphs"] == {"mode": "static", "ops": len(split)}
-    # the split's graphs are in no plan's footprint: the run counts them in its need (refused on a GPU without room)
-    from offsim.core.footprint import split_graph_bytes
-
-    assert res.stats["gpu_need_bytes"]["split recompute graphs"] == split_graph_bytes(
-        spec, plan.workload, max(o.q_tokens for o in split))
-    plain = run_plan(plan, w, "cpu", _MODELS[family][3][:plan.workload.num_prompts], graphs="static")
-    assert "split recompute graphs" not in plain.stats["gpu_need_bytes"]

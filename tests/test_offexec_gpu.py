@@ -74,12 +74,6 @@ def test_recompute_plan_tokens(setup):
     plan = build_plan("tightllm", spec, hw, wl, {"percent": (20, 80, 0, 100, 100, 0), "kv_solver": "exact"})
     assert max(o.q_tokens for o in plan.ops if o.kind == "compute" and o.step > 0) > 1
     res = run_plan(plan, w, "cuda", prompts, gpu_budget_bytes=hw.gpu_mem_bytes)
-    _equal_but_near_ties(res, ref)
-
-
-def _equal_but_near_ties(res, ref):
-    """``res``'s tokens are ``ref``'s, except where ``ref``'s top-2 logits at a sequence's first difference are
-    within fp16 rounding (a near tie); ``ref`` ran with ``record_logits``."""
     logits = {(s, b): lg for s, b, lg in ref.logits}
     for p in range(GBS * NB):
         diff = (res.tokens[p] != ref.tokens[p]).nonzero()[0]
@@ -87,26 +81,6 @@ def _equal_but_near_ties(res, ref):
             s = int(diff[0])
             top2 = logits[(s, p // GBS)][p % GBS].topk(2).values
             assert (top2[0] - top2[1]).item() < 0.05, (p, s)
-
-
-@pytest.mark.skipif("tightllm" not in POLICIES, reason="offsim.policies.tightllm not present")
-def test_split_recompute_graphs_replay_the_eager_tokens(setup):
-    """``split_recompute_graphs`` (issue 14, experimental) with a held N_r: every recompute op runs as two captured
-    graphs around eager attention, one graph per (part, q, layer, weight slot), replayed at the later steps; the
-    tokens are the same plan's run eagerly (the same kernels, bit-equal), within a budget with room for the graphs."""
-    spec, w, prompts, hw, wl, ref = setup
-    plan = build_plan("tightllm", spec, hw, wl, {"percent": (20, 80, 0, 100, 100, 0), "kv_solver": "exact",
-                                                "hold_recompute": True})
-    split = [o for o in plan.ops if o.kind == "compute" and o.part == "layer" and o.phase == "decode"
-             and o.q_tokens > plan.graph_q_tokens]
-    assert split and len({o.q_tokens for o in split}) <= NB  # held: one q per GPU batch
-    eager = run_plan(plan, w, "cuda", prompts, gpu_budget_bytes=hw.gpu_mem_bytes + GiB, record_logits=True)
-    res = run_plan(plan, w, "cuda", prompts, gpu_budget_bytes=hw.gpu_mem_bytes + GiB, split_recompute_graphs=True)
-    g = res.stats["graphs"]
-    assert g["failed"] is None and g["split_ops"] == len(split)
-    assert 0 < g["graphs"] < 2 * len(split) and g["replays"] > g["graphs"]
-    assert res.stats["issue_s_by_handler"].get("layer (split graphs)", 0) > 0
-    _equal_but_near_ties(res, eager)  # the same kernels, as test_recompute_plan_tokens allows
 
 
 def test_budget_respected_and_overflow_refused(setup):

@@ -48,16 +48,10 @@ CONFIGS = {
     # compute rate this GPU actually delivers, as the paper's profiling step intends
     "tightllm_calibrated": ("tightllm", {"percent": TARGET_PERCENT, "kv_solver": "exact"}),
     "flexgen_cpu_attn": ("flexgen", {"percent": TARGET_PERCENT, "cpu_attention": True}),
-    # issue 14's experiment (run only when asked): TightLLM with each batch's N_r held over the run (one recompute
-    # shape), eager, and the same plan with its recompute ops as two CUDA graphs around eager attention
-    # (`offexec run --split-recompute-graphs`), whose graphs' memory (``footprint.split_graph_bytes``) is not in the
-    # plan's footprint yet: that run gets --split-headroom-gb beyond the plan's budget, so it is no evidence for a
-    # target at the budget
+    # an experiment (run only when asked): TightLLM with each batch's N_r held over the run (one recompute shape)
     "tightllm_held": ("tightllm", {"percent": TARGET_PERCENT, "kv_solver": "exact", "hold_recompute": True}),
-    "tightllm_held_split": ("tightllm", {"percent": TARGET_PERCENT, "kv_solver": "exact", "hold_recompute": True}),
 }
-RUNTIME = {"tightllm_held_split": {"split_recompute_graphs": True}}  # run_plan options of a configuration
-EXPERIMENTS = ("tightllm_held", "tightllm_held_split")
+EXPERIMENTS = ("tightllm_held",)
 # (tightllm_calibrated is re-planned on its own run's measurement: a fit, kept out of the targets and of accuracy claims)
 TARGETS = {"flexgen_gpu_attn": {"decode_tok_s": 19.5, "link_bound_frac": 0.90}, "tightllm": {"decode_tok_s": 39.0},
            "all": {"issue_frac": 0.05}}
@@ -187,9 +181,6 @@ def main(argv=None) -> int:
                     choices=list(CONFIGS),
                     help="default: all but the fits (" + ", ".join(FITS) + ") and the experiments ("
                          + ", ".join(EXPERIMENTS) + ")")
-    ap.add_argument("--split-headroom-gb", type=float, default=2.0,
-                    help="GPU memory a run with split recompute graphs gets beyond the plan's budget (their graphs "
-                         "are not in the footprint yet); default %(default)s")
     ap.add_argument("--time-limit-s", type=float, default=1e9, help="skip configurations that would start after this")
     ap.add_argument("--no-cases", action="store_true", help="skip the offsim validation cases (make them later from "
                     "the trace CSVs)")
@@ -269,18 +260,13 @@ def main(argv=None) -> int:
             # warm-up: the same policy for 2 tokens (prefill + 1 decode step) loads kernels, picks GEMM algorithms
             # and settles the allocator; not measured
             pol, st = CONFIGS[name]
-            rt = RUNTIME.get(name, {})
-            run_budget = budget + int(args.split_headroom_gb * GiB) if rt.get("split_recompute_graphs") else budget
             warm = windowed(build_plan(pol, model, hw_pred, wl.with_(gen_len=2), st))
-            run_plan(warm, weights, args.device, seed=1, gpu_budget_bytes=run_budget, host_kv_pool=kv_pool, **rt)
+            run_plan(warm, weights, args.device, seed=1, gpu_budget_bytes=budget, host_kv_pool=kv_pool)
             warm_s = time.perf_counter() - t0
             meta = {"hardware": args.hardware, "gpu_mem_gb": args.budget_gb, "fit": name in FITS, **prov}
-            res = run_plan(plan, weights, args.device, seed=1, gpu_budget_bytes=run_budget, meta=meta,
-                           host_kv_pool=kv_pool, **rt)
+            res = run_plan(plan, weights, args.device, seed=1, gpu_budget_bytes=budget, meta=meta, host_kv_pool=kv_pool)
             pred = simulate(plan, hw_pred).metrics()
-            row = summarize(name, plan, res, pred, bw, run_budget)
-            row["plan_budget_bytes"] = budget  # a run given more (split graphs) is no evidence at the plan's budget
-            row["runtime"] = rt
+            row = summarize(name, plan, res, pred, bw, budget)
             row["warmup_s"] = warm_s
             if name == "tightllm":
                 scale = compute_scale(plan, res.trace, hw)

@@ -41,7 +41,7 @@ def _table(runs) -> str:
     windows = any(r.get("run_ahead", list(RUN_AHEAD_OPS)) != list(RUN_AHEAD_OPS) for _, _, r in runs)
     if windows:
         head.append("run-ahead (compute, h2d, d2h)")
-    beyond = any(_beyond_plan(r) for _, _, r in runs)  # a run given more GPU memory than its plan (split graphs)
+    beyond = any(_beyond_plan(r) for _, _, r in runs)  # a run given more GPU memory than its plan
     if beyond:
         head.append("run budget GiB (runtime)")
     rows = []
@@ -68,7 +68,8 @@ def _table(runs) -> str:
 
 
 def _beyond_plan(r: dict) -> bool:
-    """A run given more GPU memory than its plan was made for (``h200 --split-headroom-gb``)."""
+    """A run given more GPU memory than its plan was made for (the recompute split's runs of 2026-12-04,
+    ``results/offexec/split_a518028/``: ``plan_budget_bytes`` below the run's ``budget_bytes``)."""
     return r.get("plan_budget_bytes", r["budget_bytes"]) < r["budget_bytes"]
 
 
@@ -144,8 +145,8 @@ from the `offexec_h200.json` files below; do not edit by hand. Each sub-folder a
 the run's log. Configurations (`experiments/offexec/h200.py`): `flexgen_gpu_attn` FlexGen's schedule with attention
 on the GPU; `tightllm` TightLLM planned by offsim on the profile (KV distributor `exact`); `flexgen_cpu_attn`
 FlexGen's CPU delegation; `tightllm_held` TightLLM with each GPU batch's N_r held over the run (`hold_recompute`),
-`tightllm_held_split` the same plan with its recompute ops as two CUDA graphs around eager attention
-(`--split-recompute-graphs`, experimental). "GPU idle on the host" is the time GPU compute waited for the host to
+`tightllm_held_split` (2026-12-04 only) the same plan with its recompute ops as two CUDA graphs around eager
+attention (`offexec run --split-recompute-graphs`, an experiment since removed). "GPU idle on the host" is the time GPU compute waited for the host to
 issue its next op (issue time that overlapped GPU work is not counted); "host issue" is all the issuing thread's time
 in op handlers. A run marked FIT was planned on its own measurements, and a run given more GPU memory than its plan
 (a run budget column, where there is one) ran beyond what offsim planned: neither is evidence for a target.

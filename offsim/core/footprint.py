@@ -704,21 +704,6 @@ def decode_graph_bytes(model: ModelSpec, wl: Workload, q_tokens: int = 1) -> int
     return static + 2 * op + rounding
 
 
-def split_graph_bytes(model: ModelSpec, wl: Workload, q_tokens: int) -> int:
-    """GPU bytes of offexec's recompute split (``offexec run --split-recompute-graphs``, experimental: a recompute op
-    of ``q_tokens`` query tokens as a pre- and a post-attention graph around eager attention), held from the first
-    split op to the end, beyond ``decode_graph_bytes``: its static tensors sized for ``q_tokens`` -- the hidden state
-    in (shared by both parts), the attention output in, Q, K and V out and the layer's output out
-    (3 hidden states and one Q/K/V) -- and the graphs' private pool, one part's intermediates at a time (the
-    pre-attention part's norm and Q/K/V, or the post-attention part's projection and MLP), twice over as for the
-    decode graphs, plus its segment rounding. Not in any plan's footprint yet: the executor adds it to its need when
-    the split is on, and refuses a budget without room before allocating."""
-    gbs, M, q = wl.gpu_batch_size, wl.max_len, q_tokens
-    op = max(op_peak_bytes(model, part, gbs, q, M) for part in ("cpu_attn_pre", "attn_out", "mlp"))
-    rounding = GRAPH_SMALL_SEGMENT_BYTES + (GRAPH_LARGE_SEGMENT_BYTES if op > (1 << 20) else 0)
-    return 3 * hidden_bytes(model, gbs, q) + qkv_bytes(model, gbs, q) + q * TOKEN_ID_BYTES + 2 * op + rounding
-
-
 # ================================================================================================================
 # 3. per-plan totals by tier
 # ================================================================================================================
