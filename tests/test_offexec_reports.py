@@ -133,8 +133,8 @@ def test_host_stacks_attributes_handler_samples_to_the_innermost_library(tmp_pat
 
 def test_write_readme_keeps_a_run_beyond_its_plans_budget_out_of_the_targets(tmp_path):
     """A run given more GPU memory than its plan (2026-12-04's split recompute graphs, whose graphs were in no plan's
-    footprint: results/offexec/split_a518028/) gets a run-budget column with its runtime options and no line among the targets; the others keep
-    theirs."""
+    footprint: results/offexec/split_a518028/) gets a run-budget column with its runtime options and no line among
+    the targets; the others keep theirs."""
     work = tmp_path / "now"
     shutil.copytree(OFFEXEC / "h200_0b8e77a", work)
     assert "run budget GiB" not in W.write(work, None).read_text()
