@@ -326,6 +326,11 @@ def finish_record(rec: dict, t0: float, cuda: bool = True) -> dict:
     import torch
 
     rec["peak_gpu_bytes"] = int(torch.cuda.max_memory_reserved()) if cuda else 0
+    if cuda:  # a run near its budget makes the caching allocator free and retry (each a device-wide sync): a peer
+        # that slows at a larger budget's larger batch (DeepSpeed, Llama-2-13B 24 GiB) says here whether that is why
+        ms = torch.cuda.memory_stats()
+        rec.update({f"allocator_{k}": int(ms.get(k, 0)) for k in ("num_alloc_retries", "num_ooms",
+                                                                    "num_sync_all_streams")})
     rec["peak_host_bytes"] = peak_rss_bytes()
     rec["wall_s"] = time.perf_counter() - t0
     return rec
