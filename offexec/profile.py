@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from offsim.core.costmodel import OP_TABLE_PROBE_GEN, OP_TABLE_PROBE_PROMPT
+
 GiB = 1 << 30
 DATASHEET_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
                         "RTX 3090": 71e12, "RTX 4090": 165e12, "T4": 65e12}
@@ -250,7 +252,8 @@ def _issue_sample(samples: dict, res, op, take: bool) -> None:
         samples.setdefault(("issue", f"eager:{op.part}", op.num_seqs), []).append(float(res.issue_s_by_op[op.id]))
 
 
-def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16, 512), gen_len: int = 8,
+def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(OP_TABLE_PROBE_PROMPT, 512),
+                gen_len: int = OP_TABLE_PROBE_GEN,
                 progress: bool = True, capture_only: bool = False, decode_only: bool = False) -> list:
     """Op tables: seconds of each compute op as offexec itself runs it, by size, for one model's layer shape.
 
@@ -280,7 +283,9 @@ def profile_ops(spec, device: str = "cuda", batches=(1, 4, 16, 64), prompts=(16,
       them (the Q/K/V packing kernel, the copy, the output's allocation), by bytes.
 
     Times include attention over the probe's short contexts (at most prompt + gen tokens); the cost model adds
-    attention at the op's real context on top (a double count below 1 % at these sizes).
+    attention at the op's real context on top, and takes a graphed op's own back out where the profile has the
+    ('attn', 'decode_graph:B') rows that price it (``costmodel.graph_row_attention_seconds``: ~0.05 ms of a
+    64-sequence op's ~0.35 ms row; the probe's buffer is ``costmodel.OP_TABLE_PROBE_KV_LEN``, from these defaults).
 
     ``capture_only``: the 'capture' and 'issue' rows alone; ``decode_only``: every row of the decode ops ('graph',
     'eager', 'capture', 'issue'), the runs at the short prompt alone -- to time them at more sequence counts

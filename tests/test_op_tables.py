@@ -1104,6 +1104,36 @@ def test_graphed_decode_attention_reads_the_whole_buffer_from_its_rows():
             C.compute_seconds(m, h, "layer", n, 1, 299, graphs=graphs, kv_len=buf)
 
 
+def test_graphed_layer_row_holds_the_probes_attention_once():
+    """A graphed decode op's ('graph', part) row was timed on the probe's ops, which attend over the probe's buffer
+    (costmodel.OP_TABLE_PROBE_KV_LEN positions); where the profile's ('attn', 'decode_graph:B') rows price that
+    attention it is taken back out of the row, the op's own buffer's added: the op = row + rows(buffer) -
+    rows(probe's buffer), the latter on the line through the rows' two shortest lengths (the probe's buffer is
+    below them), never below zero. An eager op, a recompute block, and a profile without the rows are priced as
+    before."""
+    assert C.OP_TABLE_PROBE_KV_LEN == C.OP_TABLE_PROBE_PROMPT + C.OP_TABLE_PROBE_GEN - 1
+    n, buf, key = 8, 300, layer_key(M)
+    row = ((64.0, 1e-5), (128.0, 2e-5))  # the kernel: 1e-5 s at 64 positions, 2e-5 s at 128
+    hw = HW.with_(op_times=HW.op_times + ((key, "attn", f"decode_graph:{n}", row),))
+    probe = 1e-5 - (64 - C.OP_TABLE_PROBE_KV_LEN) * (1e-5 / 64)  # the line below its shortest length
+    assert C.graph_row_attention_seconds(M, hw, n, 1, 200) == pytest.approx(probe)
+    table = C._table_compute_seconds(M, hw, "layer", n, 1, True)
+    own = C.attention_seconds(M, hw, n, 1, 200, graphed=True, kv_len=buf)
+    assert own == pytest.approx(2e-5 * buf / 128)  # proportional past the longest
+    assert C.compute_seconds(M, hw, "layer", n, 1, 200, graphs=True, kv_len=buf) == pytest.approx(
+        C._sustained(hw, table + own - probe, n, M))
+    # without the rows, a recompute block, an eager op: nothing taken out
+    assert C.graph_row_attention_seconds(M, HW, n, 1, 200) == 0.0
+    assert C.graph_row_attention_seconds(M, hw, n, 5, 200) == 0.0
+    eager = C.compute_seconds(M, hw, "layer", n, 1, 200, graphs=False, kv_len=buf)
+    assert eager == pytest.approx(C._sustained(hw, C._table_compute_seconds(M, hw, "layer", n, 1, False)
+                                               + C.attention_seconds(M, hw, n, 1, 200), n, M))
+    # the line below a table's shortest size stays within [0, its time] (table_seconds' affine_below)
+    assert C.table_seconds(((100.0, 1.0), (200.0, 3.0)), 10.0, affine_below=True) == 0.0
+    assert C.table_seconds(((100.0, 1.0), (200.0, 0.5)), 10.0, affine_below=True) == 1.0
+    assert C.table_seconds(((100.0, 1.0), (200.0, 3.0)), 10.0) == 1.0
+
+
 def test_simulator_prices_graphed_decode_steps_alike_over_one_buffer():
     """In a simulated plan whose decode ops are graphed, on a profile with the model's graphed decode attention rows,
     every step's layer op costs the same (each attends over the whole buffer, as measured runs show); with graphs
@@ -1146,7 +1176,8 @@ def test_profile_decode_graph_attention_on_the_cpu(tmp_path, capsys):
                  "--op-batches", "1,2", "--out", str(out)]) == 0
     capsys.readouterr()
     d = json.loads(out.read_text())
-    new = [r for r in d["op_times"] if r[1] == "attn" and r[2].startswith("decode_graph:")]
+    key = layer_key(get_model("opt-125m"))  # (the base has other models' rows)
+    new = [r for r in d["op_times"] if r[0] == key and r[1] == "attn" and r[2].startswith("decode_graph:")]
     assert sorted(r[2] for r in new) == ["decode_graph:1", "decode_graph:2"]
     assert [r for r in d["op_times"] if r not in new] == [r for r in json.loads(json.dumps(d0["op_times"]))]
     assert d["sustained_compute_fraction"] == d0["sustained_compute_fraction"]

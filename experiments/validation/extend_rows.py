@@ -28,6 +28,7 @@ from pathlib import Path
 
 from experiments.common import provenance
 from offsim.core.errors import OffsimError
+from offsim.core.io import read_json_object
 
 
 def extend(base: dict, parts: list[dict], mode: str, prefix: str) -> tuple[dict, list[str]]:
@@ -86,11 +87,11 @@ def main(argv=None) -> int:
                          "no row for: a new kind of row adopted without re-measuring the base's")
     ap.add_argument("--out", required=True, help="where to write the extended profile (a part for --merge)")
     args = ap.parse_args(argv)
-    try:
-        base = json.loads(Path(args.base).read_text())
-        parts = [json.loads(Path(p).read_text()) for p in args.part]
-    except (OSError, json.JSONDecodeError) as exc:
-        print(f"extend_rows: cannot read a profile: {exc}", file=sys.stderr)
+    try:  # (a part may be gzipped, as committed evidence is)
+        base = read_json_object(args.base, "profile")
+        parts = [read_json_object(p, "profile part") for p in args.part]
+    except OffsimError as exc:
+        print(f"extend_rows: {exc}", file=sys.stderr)
         return 2
     out, lines = (add_new if args.new_only else extend)(base, parts, args.mode, args.prefix)
     if not lines:

@@ -312,6 +312,29 @@ def attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_tokens: in
     return t_flops + t_mem  # an upper bound that stays linear (expressions only)
 
 
+# The KV buffer (positions) the op tables' graphed decode ops attend over: ``offexec profile`` times them in plans of
+# prompt 16 and gen 8 (``offexec.profile.profile_ops``, whose defaults these are), and a graphed op attends over its
+# whole buffer, Workload.max_len = 16 + 8 - 1 positions
+OP_TABLE_PROBE_PROMPT, OP_TABLE_PROBE_GEN = 16, 8
+OP_TABLE_PROBE_KV_LEN = OP_TABLE_PROBE_PROMPT + OP_TABLE_PROBE_GEN - 1
+
+
+def graph_row_attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_tokens: int, ctx_tokens: int,
+                                comp: Compression = NO_COMPRESSION) -> float:
+    """The attention a graphed decode op's ('graph', part) row already holds: the row was timed on the probe's ops,
+    which attend over the probe's buffer (``OP_TABLE_PROBE_KV_LEN`` positions), and ``compute_seconds`` adds the
+    attention over the op's own buffer on top. Priced from the profile's ('attn', 'decode_graph:B') rows where it
+    has them, as ``attention_seconds`` prices the op's own (their shortest buffer is 128 positions: below it the
+    line through their two shortest, the kernel's time being close to affine in the buffer's length); 0 without
+    them (the model-agnostic price at so short a context is below 1 % of a row, and the profiles without these
+    rows predict as before). Without this the rows' 64-sequence ops counted ~0.05 ms twice beside ~0.35 ms rows."""
+    if q_tokens != 1 or sparse_share(q_tokens, ctx_tokens, comp) != 1.0 or not _is_number(num_seqs):
+        return 0.0
+    t = _rows_by_batch_and_context(model, hw, num_seqs, OP_TABLE_PROBE_KV_LEN, "decode_graph:", mode="attn",
+                                   affine_below=True)
+    return 0.0 if t is None else t
+
+
 # the query tokens of the profile's ('attn', 'recompute') rows: ``offexec profile`` times a recompute block of the
 # last min(ATTN_RECOMPUTE_QUERIES, ctx // 2) queries of each context (``offexec.profile.profile_attention``)
 ATTN_RECOMPUTE_QUERIES = 64
@@ -367,13 +390,18 @@ def op_table(hw: HardwareSpec, model: ModelSpec, mode: str, part: str) -> Curve 
     return e[1].get((_layer_key(model), mode, part))
 
 
-def table_seconds(curve: Curve, x: float, flat_past_largest: bool = False) -> float:
+def table_seconds(curve: Curve, x: float, flat_past_largest: bool = False, affine_below: bool = False) -> float:
     """Seconds at size ``x`` on an op table: linear between measured sizes (an op's time is close to affine in its
     rows), the smallest size's time below them, and proportional to ``x`` past the largest (where the GEMMs are
     compute-bound: time per row is constant) -- or, with ``flat_past_largest``, the largest size's time (host issue
-    time: a copy's host work does not grow with its bytes)."""
+    time: a copy's host work does not grow with its bytes). ``affine_below``: below the smallest size, the line
+    through the two smallest (clamped to [0, the smallest's time]): where a size well below the table's is wanted
+    and its time is known to follow the line (``graph_row_attention_seconds``)."""
     _, xs, _, ys = _prepared(curve)
     if x <= xs[0]:
+        if affine_below and len(xs) > 1:
+            slope = (ys[1] - ys[0]) / (xs[1] - xs[0])
+            return min(ys[0], max(0.0, ys[0] - slope * (xs[0] - x)))
         return ys[0]
     if x >= xs[-1]:
         return ys[-1] if flat_past_largest else ys[-1] * x / xs[-1]
@@ -450,6 +478,8 @@ def compute_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_t
         if t is not None:
             if part in ("attn", "layer", "attn_layer"):
                 t += attention_seconds(model, hw, num_seqs, q_tokens, ctx_tokens, comp, masked, graphs, kv_len)
+                if graphs and part in GRAPHED_PARTS:  # its row holds the probe's attention: not counted twice
+                    t -= graph_row_attention_seconds(model, hw, num_seqs, q_tokens, ctx_tokens, comp)
             return _sustained(hw, t, num_seqs * q_tokens, model) + q
     t = _analytical_compute_seconds(model, hw, part, num_seqs, q_tokens, ctx_tokens, comp, masked, graphs, kv_len)
     return _sustained(hw, t, num_seqs * q_tokens, model) + q
@@ -687,13 +717,14 @@ def cpu_attention_row_holds_sublayer(hw: HardwareSpec, model: ModelSpec, impl: s
 
 
 def _rows_by_batch_and_context(model: ModelSpec, hw: HardwareSpec, num_seqs: float, ctx_tokens: int,
-                               prefix: str = "attn_ctx:", mode: str = "cpu") -> float | None:
+                               prefix: str = "attn_ctx:", mode: str = "cpu", affine_below: bool = False) -> float | None:
     """A decode attention op from the profile's rows measured by context for each batch size B, or None where the
     model has none: by default ('cpu', 'attn_ctx:B') (``offexec profile --ops M --cpu-attention-only``: a CPU
     attention op; ``prefix`` 'attn_ctx_flexgen:': another implementation's), or with ``mode`` 'attn' and ``prefix``
     'decode_graph:' a graphed GPU decode op's attention (``attention_seconds``);
     linear in the context between measured contexts, proportional to it past the longest (the work is linear in it),
-    the shortest's time below; linear in B between measured batch sizes, proportional to B past the largest."""
+    the shortest's time below (``affine_below``: as ``table_seconds``); linear in B between measured batch sizes,
+    proportional to B past the largest."""
     if not hw.op_times:
         return None
     key = _layer_key(model)
@@ -709,7 +740,7 @@ def _rows_by_batch_and_context(model: ModelSpec, hw: HardwareSpec, num_seqs: flo
         return None
 
     def at(curve) -> float:
-        return table_seconds(curve, ctx_tokens)
+        return table_seconds(curve, ctx_tokens, affine_below=affine_below)
 
     bs = [b for b, _ in by_b]
     if num_seqs >= bs[-1]:
