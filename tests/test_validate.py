@@ -631,6 +631,44 @@ def test_gen_coverage_gaps_name_variants_held_out_at_longer_generations():
                         c["workload"]["prompt_len"], c["workload"]["gen_len"]) in held for c in cov["cases"])
 
 
+def test_fresh_heldout_draw_repeats_nothing_and_holds_every_case_out(monkeypatch):
+    """``matrix.plan_v2_fresh_heldout``: a few v2 draws per model, the policy variants in turn across the models,
+    every case held out, none with a tag or a workload (model, variant, prompt, generation) of the configs before
+    it (a repeat is redrawn). The committed draw, where there is one, says the same of the committed configs."""
+    from pathlib import Path
+
+    import experiments.validation.matrix as MX
+
+    def fake_case(rng, mname, policy, fixed, profile, host_mem_gb, taken, gen=None):
+        prompt = rng.choice((128, 256))
+        tag = f"{mname}_{policy}{'-cpuattn' if fixed.get('cpu_attention') else ''}_p{prompt}_g32"
+        if tag in taken:
+            return None
+        return {"tag": tag, "model": mname, "policy": policy, "settings": dict(fixed),
+                "workload": {"prompt_len": prompt, "gen_len": 32}}
+
+    monkeypatch.setattr(MX, "_v2_case", fake_case)
+    monkeypatch.setattr(MX, "provenance", lambda: {})
+    old = {"cases": [{"tag": "old", "model": "opt-13b", "policy": "static-zero", "settings": {}, "split": "calib",
+                      "workload": {"prompt_len": 128, "gen_len": 32}}]}
+    doc = MX.plan_v2_fresh_heldout(7, [old], "h200", 110.0, per_model=2)
+    cases = doc["cases"]
+    assert len(cases) == 2 * len(MX.V2_MODELS) and {c["split"] for c in cases} == {"heldout"}
+    assert doc["splits"] == {"calib": 0, "heldout": len(cases)}
+    assert len({c["tag"] for c in cases}) == len(cases)
+    assert MX._workload_of(old["cases"][0]) not in {MX._workload_of(c) for c in cases}
+    assert len({MX._variant(c) for c in cases}) == len(MX.VARIANTS)  # ten draws reach all six variants
+    assert MX.plan_v2_fresh_heldout(7, [old], "h200", 110.0, per_model=2)["cases"] == cases  # seeded
+    val = Path(__file__).parent.parent / "results" / "validation"
+    if (val / "matrix_v2_fresh_heldout_config.json").exists():
+        fresh = json.loads((val / "matrix_v2_fresh_heldout_config.json").read_text())["cases"]
+        before = [c for f in ("matrix_v2_config.json", "matrix_v2_mixed_config.json", "matrix_v2_coverage_config.json",
+                              "matrix_v2_gencoverage_config.json") for c in json.loads((val / f).read_text())["cases"]]
+        assert {c["split"] for c in fresh} == {"heldout"}
+        assert not {c["tag"] for c in fresh} & {c["tag"] for c in before}
+        assert not {MX._workload_of(c) for c in fresh} & {MX._workload_of(c) for c in before}
+
+
 def test_preregistered_prediction_builds_the_configs_plan():
     """``preregister.predict`` builds a case's plan as the GPU run will (the config's profile, the case's host memory)
     -- the fingerprint the config recorded -- and predicts it on profile v2, as ``offsim validate`` will."""

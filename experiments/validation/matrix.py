@@ -23,6 +23,9 @@ resumable: a case whose file exists is skipped.
         --plan-only results/validation/matrix_v2_gencoverage_config.json --coverage-of results/validation/matrix_v2_config.json \
         results/validation/matrix_v2_mixed_config.json results/validation/matrix_v2_coverage_config.json
                                                                 # a calibration case per variant at its held-out gen
+    python -m experiments.validation.matrix --v2-fresh-heldout-seed 2026 --profile results/profiles/h200_offexec.json \
+        --plan-only results/validation/matrix_v2_fresh_heldout_config.json --coverage-of results/validation/matrix_v2_*config.json
+                                                                # ten new held-out cases, predictions registered first
     python -m experiments.validation.matrix --config results/validation/matrix_v2_config.json \
         --out results/validation --warmup --disk-dir DIR --commit C          # on the H200: h200_calib/, h200_heldout/
 
@@ -145,24 +148,68 @@ def plan_v2(seed: int, per_model: int, profile: str, host_mem_gb: float) -> dict
     predicted run over V2_MAX_PREDICTED_S is redrawn, up to V2_TRIES times, then the next variant takes the turn.
     Then ``split_cases``."""
     rng = random.Random(seed)
-    cases = []
+    cases: list[dict] = []
     for mname in V2_MODELS:
-        made = turn = tries = 0
-        while made < per_model and turn < made + 2 * len(VARIANTS):
-            if tries == V2_TRIES:  # this variant found nothing: the next one's turn
-                turn, tries = turn + 1, 0
-            tries += 1
-            policy, fixed = VARIANTS[turn % len(VARIANTS)]
-            # (a tag drawn before is drawn again; v2's committed config nevertheless holds one such repeat)
-            c = _v2_case(rng, mname, policy, fixed, profile, host_mem_gb, {c["tag"] for c in cases})
-            if c is None:
-                continue
-            made, turn, tries = made + 1, turn + 1, 0
-            cases.append(c)
+        _draw_model(rng, mname, per_model, profile, host_mem_gb, cases)
     split_cases(cases, seed)
     return {"schema": "offsim.matrix/2", "seed": seed, "profile": profile, "host_mem_gb": host_mem_gb,
             "splits": {s: sum(c["split"] == s for c in cases) for s in SPLITS}, "provenance": provenance(),
             "cases": cases}
+
+
+def _draw_model(rng: random.Random, mname: str, per_model: int, profile: str, host_mem_gb: float, cases: list,
+                start: int = 0, taken: frozenset = frozenset(), seen: frozenset = frozenset()) -> None:
+    """v2's draws for one model, appended to ``cases``: ``per_model`` of them, the policy variants in turn from
+    VARIANTS[``start``]; a variant with no qualifying draw in V2_TRIES passes its turn to the next. A draw qualifies
+    when ``_v2_case`` finds a setting, its tag is none of ``cases``' and ``taken``, and its workload (model, variant,
+    prompt, generation) none of ``seen``."""
+    made = turn = tries = 0
+    while made < per_model and turn < made + 2 * len(VARIANTS):
+        if tries == V2_TRIES:  # this variant found nothing: the next one's turn
+            turn, tries = turn + 1, 0
+        tries += 1
+        policy, fixed = VARIANTS[(start + turn) % len(VARIANTS)]
+        # (a tag drawn before is drawn again; v2's committed config nevertheless holds one such repeat)
+        c = _v2_case(rng, mname, policy, fixed, profile, host_mem_gb, {c["tag"] for c in cases} | taken)
+        if c is None:
+            continue
+        if _workload_of(c) in seen:
+            print(f"  {c['tag']}: redrawn (a workload measured before, at another budget)", flush=True)
+            continue
+        made, turn, tries = made + 1, turn + 1, 0
+        cases.append(c)
+
+
+def _workload_of(c: dict) -> tuple:
+    """A config case's workload as the draws compare them: (model, variant index, prompt, generation)."""
+    return c["model"], _variant(c), c["workload"]["prompt_len"], c["workload"]["gen_len"]
+
+
+# a fresh held-out draw: cases per model (five models: ten cases, every policy variant in turn across them)
+V2_FRESH_PER_MODEL = 2
+
+
+def plan_v2_fresh_heldout(seed: int, configs: list[dict], profile: str, host_mem_gb: float,
+                          per_model: int = V2_FRESH_PER_MODEL) -> dict:
+    """A fresh held-out set for matrix v2 (issue 13): ``per_model`` cases per model drawn as v2 draws them, the
+    policy variants in turn across the models from a seeded start (so that ten cases reach all six), every one
+    held out, none repeating a tag or a workload (model, variant, prompt, generation) of ``configs``. The first
+    held-out set has been reported beside every model change since it was measured; this one is drawn after the
+    model was developed (written 2026-12-04, after profile v2 adopted the graphed-attention rows) and its
+    predictions are registered before any is measured (``experiments.validation.preregister``): its first
+    measurement tests the model as it stands, on workloads nobody has looked at."""
+    rng = random.Random(f"fresh-heldout-{seed}")
+    taken = frozenset(c["tag"] for doc in configs for c in doc["cases"])
+    seen = frozenset(_workload_of(c) for doc in configs for c in doc["cases"])
+    start = rng.randrange(len(VARIANTS))
+    cases: list[dict] = []
+    for i, mname in enumerate(V2_MODELS):
+        _draw_model(rng, mname, per_model, profile, host_mem_gb, cases, start + i * per_model, taken, seen)
+    for c in cases:
+        c["split"] = "heldout"
+    return {"schema": "offsim.matrix/2", "seed": seed, "fresh_heldout": True, "profile": profile,
+            "host_mem_gb": host_mem_gb, "splits": {s: sum(c["split"] == s for c in cases) for s in SPLITS},
+            "provenance": provenance(), "cases": cases}
 
 
 # mixed prompt lengths (issue 13: "some batches of mixed prompt lengths"): a seeded draw of its own, the same models,
@@ -285,7 +332,7 @@ def _fill_gaps(rng: random.Random, gaps: list[tuple], configs: list[dict], profi
             c = _v2_case(rng, mname, policy, fixed, profile, host_mem_gb, taken, gen)
             if c is None:
                 continue
-            if held is not None and (mname, v, c["workload"]["prompt_len"], c["workload"]["gen_len"]) in held:
+            if held is not None and _workload_of(c) in held:
                 print(f"  {c['tag']}: redrawn (a held-out workload at another budget)", flush=True)
                 taken.add(c["tag"])
                 continue
@@ -324,8 +371,7 @@ def plan_v2_gen_coverage(seed: int, configs: list[dict], profile: str, host_mem_
     gaps = gen_coverage_gaps(configs)
     # a held-out workload (model, variant, prompt, generation) is never drawn again at another budget: with the
     # generation fixed, a repeated prompt would copy a held-out case into the calibration set
-    held = {(c["model"], _variant(c), c["workload"]["prompt_len"], c["workload"]["gen_len"])
-            for doc in configs for c in doc["cases"] if c["split"] == "heldout"}
+    held = {_workload_of(c) for doc in configs for c in doc["cases"] if c["split"] == "heldout"}
     cases = _fill_gaps(rng, gaps, configs, profile, host_mem_gb, held)
     return {"schema": "offsim.matrix/2", "seed": seed, "gen_coverage": True, "profile": profile,
             "host_mem_gb": host_mem_gb, "splits": {s: sum(c["split"] == s for c in cases) for s in SPLITS},
@@ -610,10 +656,14 @@ def main() -> None:
                     help="plan matrix v2's generation-length coverage with this seed: one calibration case per "
                          "model and policy variant at the longest generation --coverage-of measures for it only in "
                          "the held-out set")
+    ap.add_argument("--v2-fresh-heldout-seed", type=int, default=None,
+                    help="plan a fresh held-out draw with this seed: v2's draws, a few per model, every one held "
+                         "out, none repeating a workload of --coverage-of")
     ap.add_argument("--coverage-of", nargs="+", default=["results/validation/matrix_v2_config.json",
                                                           "results/validation/matrix_v2_mixed_config.json"],
                     metavar="CONFIG", help="with --v2-coverage-seed / --v2-gen-coverage-seed: the configs whose "
-                                           "gaps it fills "
+                                           "gaps it fills; with --v2-fresh-heldout-seed: the configs it repeats "
+                                           "nothing of "
                                            "(default: %(default)s)")
     args = ap.parse_args()
     if args.repeats < 1:
@@ -627,7 +677,7 @@ def main() -> None:
     elif args.v2_mixed_seed is not None:
         doc = plan_v2_mixed(args.v2_mixed_seed, args.v2_mixed_cases, args.profile, args.host_mem_gb)
         cases = doc["cases"]
-    elif args.v2_coverage_seed is not None or args.v2_gen_coverage_seed is not None:
+    elif (args.v2_coverage_seed, args.v2_gen_coverage_seed, args.v2_fresh_heldout_seed) != (None, None, None):
         configs = []
         for f in args.coverage_of:
             try:
@@ -636,6 +686,8 @@ def main() -> None:
                 ap.error(f"--coverage-of {f}: cannot read a matrix config ({e})")
         if args.v2_coverage_seed is not None:
             doc = plan_v2_coverage(args.v2_coverage_seed, configs, args.profile, args.host_mem_gb)
+        elif args.v2_fresh_heldout_seed is not None:
+            doc = plan_v2_fresh_heldout(args.v2_fresh_heldout_seed, configs, args.profile, args.host_mem_gb)
         else:
             doc = plan_v2_gen_coverage(args.v2_gen_coverage_seed, configs, args.profile, args.host_mem_gb)
         cases = doc["cases"]

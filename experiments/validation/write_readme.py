@@ -107,6 +107,7 @@ def build(progress: bool = True) -> str:
               *_mixed_extension({s: res[s, "v2"] for s in SPLITS}),
               *_coverage_extension({s: res[s, "v2"] for s in SPLITS}),
               *_gen_coverage_extension({s: res[s, "v2"] for s in SPLITS}),
+              *_fresh_heldout_extension({s: res[s, "v2"] for s in SPLITS}),
               "| split | profile | cases | median abs total error | max abs total error | within 10 % | "
               "median abs prefill error | median abs decode error | median step-latency MAPE |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -187,7 +188,8 @@ def _rounds() -> list[str]:
             runs.setdefault(r["case"], []).append(r["measured_total_tok_s"])
     # the 2026-12-01 re-run covered the cases measured before it: not the coverage extension's (first measured
     # 2026-12-04, its second round in remeasure_calib_d753770/, reported with the re-measured rounds below)
-    later = {c["tag"] for name in ("matrix_v2_coverage_config.json", "matrix_v2_gencoverage_config.json")
+    later = {c["tag"] for name in ("matrix_v2_coverage_config.json", "matrix_v2_gencoverage_config.json",
+                                   "matrix_v2_fresh_heldout_config.json")
              if (VAL / name).exists() for c in json.loads((VAL / name).read_text())["cases"]}
     again = {c: v for c, v in runs.items() if len(v) > 1 and c not in later}
     if again:
@@ -230,27 +232,27 @@ def _mixed_extension(v2: dict) -> list[str]:
             + " are measured so far and counted in the tables below." + _mixed_errors(doc, v2), ""]
 
 
-def _extension(name: str) -> tuple | None:
-    """A calibration extension's config (``name`` under results/validation/): (its doc, its case count, how many are
-    measured, its gaps in words -- model, policy, FlexGen's attention side, and the generation length where the
-    rule fixes one); None without the file."""
+def _extension(name: str, split: str = "calib") -> tuple | None:
+    """An extension's config (``name`` under results/validation/, its cases all in ``split``): (its doc, its case
+    count, how many are measured, its gaps in words -- model, policy, FlexGen's attention side, and the generation
+    length where the rule fixes one; '' for a draw without gaps); None without the file."""
     path = VAL / name
     if not path.exists():
         return None
     doc = json.loads(path.read_text())
-    measured = sum((VAL / "h200_calib" / f"{c['tag']}.case.json").exists() for c in doc["cases"])
+    measured = sum((VAL / f"h200_{split}" / f"{c['tag']}.case.json").exists() for c in doc["cases"])
     side = {False: " (GPU attention)", True: " (CPU attention)"}
     gaps = ", ".join(f"{g[0]} {g[1]}{side.get(g[2].get('cpu_attention'), '')}"
-                     + (f" at gen {g[3]}" if len(g) > 3 else "") for g in doc["gaps"])
+                     + (f" at gen {g[3]}" if len(g) > 3 else "") for g in doc.get("gaps", []))
     return doc, len(doc["cases"]), measured, gaps
 
 
-def _calib_extension(v2: dict, config: str, stem: str, what: str, rule) -> list[str]:
-    """A paragraph on one of matrix v2's calibration extensions (``config`` under results/validation/): ``rule(doc,
-    n, gaps)`` says what it adds and by which rule, then how many of its cases are measured, offsim's error on them
-    (``v2`` as ``_mixed_extension``), where its predictions were registered before measuring
+def _calib_extension(v2: dict, config: str, stem: str, what: str, rule, split: str = "calib") -> list[str]:
+    """A paragraph on one of matrix v2's extensions (``config`` under results/validation/, its cases in ``split``):
+    ``rule(doc, n, gaps)`` says what it adds and by which rule, then how many of its cases are measured, offsim's
+    error on them (``v2`` as ``_mixed_extension``), where its predictions were registered before measuring
     (``STEM_predictions.md``) and how the measured ones compare with them (``_preregistered``)."""
-    ext = _extension(config)
+    ext = _extension(config, split)
     if ext is None:
         return []
     doc, n, measured, gaps = ext
@@ -258,7 +260,20 @@ def _calib_extension(v2: dict, config: str, stem: str, what: str, rule) -> list[
             + _mixed_errors(doc, v2)
             + (" offsim's predictions for them were written down before any was measured: "
                f"`{stem}_predictions.md` (`python -m experiments.validation.preregister`)."
-               if (VAL / f"{stem}_predictions.md").exists() else ""), "", *_preregistered(v2["calib"], stem, what)]
+               if (VAL / f"{stem}_predictions.md").exists() else ""), "", *_preregistered(v2[split], stem, what)]
+
+
+def _fresh_heldout_extension(v2: dict) -> list[str]:
+    """The fresh held-out draw (``matrix_v2_fresh_heldout_config.json``): new held-out cases drawn after the model
+    was developed, their predictions registered before any is measured."""
+    return _calib_extension(v2, "matrix_v2_fresh_heldout_config.json", "fresh_heldout", "fresh held-out",
+                            lambda doc, n, gaps: (
+        f"Fresh held-out draw: `matrix_v2_fresh_heldout_config.json` ({n} cases, seed {doc['seed']}, `python -m "
+        "experiments.validation.matrix --v2-fresh-heldout-seed SEED --plan-only FILE --coverage-of ...`, written "
+        "2026-12-04, after profile v2 adopted the graphed decode attention rows) draws new cases as v2 draws them, "
+        "a few per model with the policy variants in turn, none repeating a workload of the configs above, all held "
+        "out: the first held-out set has been reported beside every model change since it was measured, this one "
+        "tests the model as it stood when its predictions were registered."), split="heldout")
 
 
 def _coverage_extension(v2: dict) -> list[str]:
@@ -287,7 +302,7 @@ def _gen_coverage_extension(v2: dict) -> list[str]:
 
 def _preregistered(calib, stem: str = "coverage", what: str = "coverage") -> list[str]:
     """Each measured case of an extension against the prediction written down before it was measured
-    (``STEM_predictions.json``) and against today's model (``calib``: the calibration split's validation table):
+    (``STEM_predictions.json``) and against today's model (``calib``: the validation table of the split it is in):
     the first is a test of a prediction, the second may already have learnt from the case."""
     path = VAL / f"{stem}_predictions.json"
     if not path.exists():
@@ -420,7 +435,8 @@ def _first_measured(rounds: list) -> dict[str, str]:
     of its case file's date and the dates of the re-measurement rounds that list it. The cases of
     ``matrix_v2_config.json`` were all measured before the first round and are not in this map."""
     ext = [c for name in ("matrix_v2_mixed_config.json", "matrix_v2_coverage_config.json",
-                          "matrix_v2_gencoverage_config.json") if (VAL / name).exists()
+                          "matrix_v2_gencoverage_config.json", "matrix_v2_fresh_heldout_config.json")
+           if (VAL / name).exists()
            for c in json.loads((VAL / name).read_text())["cases"]]
     born = {}
     for c in ext:
