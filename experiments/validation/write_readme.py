@@ -247,7 +247,7 @@ def _extension(name: str, split: str = "calib") -> tuple | None:
     return doc, len(doc["cases"]), measured, gaps
 
 
-def _calib_extension(v2: dict, config: str, stem: str, what: str, rule, split: str = "calib") -> list[str]:
+def _extension_paragraph(v2: dict, config: str, stem: str, what: str, rule, split: str = "calib") -> list[str]:
     """A paragraph on one of matrix v2's extensions (``config`` under results/validation/, its cases in ``split``):
     ``rule(doc, n, gaps)`` says what it adds and by which rule, then how many of its cases are measured, offsim's
     error on them (``v2`` as ``_mixed_extension``), where its predictions were registered before measuring
@@ -266,7 +266,7 @@ def _calib_extension(v2: dict, config: str, stem: str, what: str, rule, split: s
 def _fresh_heldout_extension(v2: dict) -> list[str]:
     """The fresh held-out draw (``matrix_v2_fresh_heldout_config.json``): new held-out cases drawn after the model
     was developed, their predictions registered before any is measured."""
-    return _calib_extension(v2, "matrix_v2_fresh_heldout_config.json", "fresh_heldout", "fresh held-out",
+    return _extension_paragraph(v2, "matrix_v2_fresh_heldout_config.json", "fresh_heldout", "fresh held-out",
                             lambda doc, n, gaps: (
         f"Fresh held-out draw: `matrix_v2_fresh_heldout_config.json` ({n} cases, seed {doc['seed']}, `python -m "
         "experiments.validation.matrix --v2-fresh-heldout-seed SEED --plan-only FILE --coverage-of ...`, written "
@@ -279,7 +279,7 @@ def _fresh_heldout_extension(v2: dict) -> list[str]:
 def _coverage_extension(v2: dict) -> list[str]:
     """The coverage extension (``matrix_v2_coverage_config.json``): a calibration case for each model and policy
     variant measured only held out."""
-    return _calib_extension(v2, "matrix_v2_coverage_config.json", "coverage", "coverage", lambda doc, n, gaps: (
+    return _extension_paragraph(v2, "matrix_v2_coverage_config.json", "coverage", "coverage", lambda doc, n, gaps: (
         f"Coverage: `matrix_v2_coverage_config.json` ({n} cases, seed {doc['seed']}, `python -m "
         "experiments.validation.matrix --v2-coverage-seed SEED --plan-only FILE`, written 2026-12-04 after the "
         "held-out results were seen) adds one calibration case for each model and policy variant the two "
@@ -290,7 +290,7 @@ def _coverage_extension(v2: dict) -> list[str]:
 def _gen_coverage_extension(v2: dict) -> list[str]:
     """The generation-length coverage (``matrix_v2_gencoverage_config.json``): a calibration case for each variant
     at the longest generation it has only held out."""
-    return _calib_extension(v2, "matrix_v2_gencoverage_config.json", "gencoverage", "generation-length coverage",
+    return _extension_paragraph(v2, "matrix_v2_gencoverage_config.json", "gencoverage", "generation-length coverage",
                             lambda doc, n, gaps: (
         f"Generation-length coverage: `matrix_v2_gencoverage_config.json` ({n} cases, seed {doc['seed']}, `python "
         "-m experiments.validation.matrix --v2-gen-coverage-seed SEED --plan-only FILE --coverage-of ...`, "
