@@ -24,7 +24,8 @@ resumable: a case whose file exists is skipped.
         results/validation/matrix_v2_mixed_config.json results/validation/matrix_v2_coverage_config.json
                                                                 # a calibration case per variant at its held-out gen
     python -m experiments.validation.matrix --v2-fresh-heldout-seed 2026 --profile results/profiles/h200_offexec.json \
-        --plan-only results/validation/matrix_v2_fresh_heldout_config.json --coverage-of results/validation/matrix_v2_*config.json
+        --plan-only results/validation/matrix_v2_fresh_heldout_config.json --coverage-of \
+        results/validation/matrix_v2_{,mixed_,coverage_,gencoverage_}config.json
                                                                 # ten new held-out cases, predictions registered first
     python -m experiments.validation.matrix --config results/validation/matrix_v2_config.json \
         --out results/validation --warmup --disk-dir DIR --commit C          # on the H200: h200_calib/, h200_heldout/
