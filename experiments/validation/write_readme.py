@@ -105,9 +105,7 @@ def build(progress: bool = True) -> str:
               "--disk-dir DIR --commit C`, one NVIDIA H200, 2026-11-30 and 2026-12-01, offexec with CUDA-graph "
               "decode, an unmeasured two-step warm-up before each run.", "",
               *_mixed_extension({s: res[s, "v2"] for s in SPLITS}),
-              *_coverage_extension({s: res[s, "v2"] for s in SPLITS}),
-              *_gen_coverage_extension({s: res[s, "v2"] for s in SPLITS}),
-              *_fresh_heldout_extension({s: res[s, "v2"] for s in SPLITS}),
+              *_extensions({s: res[s, "v2"] for s in SPLITS}),
               "| split | profile | cases | median abs total error | max abs total error | within 10 % | "
               "median abs prefill error | median abs decode error | median step-latency MAPE |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -188,8 +186,7 @@ def _rounds() -> list[str]:
             runs.setdefault(r["case"], []).append(r["measured_total_tok_s"])
     # the 2026-12-01 re-run covered the cases measured before it: not the coverage extension's (first measured
     # 2026-12-04, its second round in remeasure_calib_d753770/, reported with the re-measured rounds below)
-    later = {c["tag"] for name in ("matrix_v2_coverage_config.json", "matrix_v2_gencoverage_config.json",
-                                   "matrix_v2_fresh_heldout_config.json")
+    later = {c["tag"] for name, *_ in EXTENSIONS
              if (VAL / name).exists() for c in json.loads((VAL / name).read_text())["cases"]}
     again = {c: v for c, v in runs.items() if len(v) > 1 and c not in later}
     if again:
@@ -263,41 +260,37 @@ def _extension_paragraph(v2: dict, config: str, stem: str, what: str, rule, spli
                if (VAL / f"{stem}_predictions.md").exists() else ""), "", *_preregistered(v2[split], stem, what)]
 
 
-def _fresh_heldout_extension(v2: dict) -> list[str]:
-    """The fresh held-out draw (``matrix_v2_fresh_heldout_config.json``): new held-out cases drawn after the model
-    was developed, their predictions registered before any is measured."""
-    return _extension_paragraph(v2, "matrix_v2_fresh_heldout_config.json", "fresh_heldout", "fresh held-out",
-                            lambda doc, n, gaps: (
-        f"Fresh held-out draw: `matrix_v2_fresh_heldout_config.json` ({n} cases, seed {doc['seed']}, `python -m "
-        "experiments.validation.matrix --v2-fresh-heldout-seed SEED --plan-only FILE --coverage-of ...`, written "
-        "2026-12-04, after profile v2 adopted the graphed decode attention rows) draws new cases as v2 draws them, "
-        "a few per model with the policy variants in turn, none repeating a workload of the configs above, all held "
-        "out: the first held-out set has been reported beside every model change since it was measured, this one "
-        "tests the model as it stood when its predictions were registered."), split="heldout")
-
-
-def _coverage_extension(v2: dict) -> list[str]:
-    """The coverage extension (``matrix_v2_coverage_config.json``): a calibration case for each model and policy
-    variant measured only held out."""
-    return _extension_paragraph(v2, "matrix_v2_coverage_config.json", "coverage", "coverage", lambda doc, n, gaps: (
+# matrix v2's extensions after the mixed-length one, in the README's order: (config under results/validation/, stem
+# of its registered predictions, what its cases are called, the split they are in, what it adds and by which rule:
+# ``rule(doc, n, gaps)``)
+EXTENSIONS = (
+    ("matrix_v2_coverage_config.json", "coverage", "coverage", "calib", lambda doc, n, gaps: (
         f"Coverage: `matrix_v2_coverage_config.json` ({n} cases, seed {doc['seed']}, `python -m "
         "experiments.validation.matrix --v2-coverage-seed SEED --plan-only FILE`, written 2026-12-04 after the "
         "held-out results were seen) adds one calibration case for each model and policy variant the two "
         f"configs above measure only in the held-out set ({gaps}), drawn as v2 draws, by a rule on the configs "
-        "alone (coverage, not error); all go to the calibration set."))
-
-
-def _gen_coverage_extension(v2: dict) -> list[str]:
-    """The generation-length coverage (``matrix_v2_gencoverage_config.json``): a calibration case for each variant
-    at the longest generation it has only held out."""
-    return _extension_paragraph(v2, "matrix_v2_gencoverage_config.json", "gencoverage", "generation-length coverage",
-                            lambda doc, n, gaps: (
+        "alone (coverage, not error); all go to the calibration set.")),
+    ("matrix_v2_gencoverage_config.json", "gencoverage", "generation-length coverage", "calib", lambda doc, n, gaps: (
         f"Generation-length coverage: `matrix_v2_gencoverage_config.json` ({n} cases, seed {doc['seed']}, `python "
         "-m experiments.validation.matrix --v2-gen-coverage-seed SEED --plan-only FILE --coverage-of ...`, "
         "written 2026-12-04 after the held-out results were seen) adds one calibration case for each model and "
         "policy variant whose held-out cases generate longer than its calibration cases, at that length "
         f"({gaps}), the budget, prompt and disk tier drawn as v2 draws them, by a rule on the configs alone; "
-        "all go to the calibration set."))
+        "all go to the calibration set.")),
+    ("matrix_v2_fresh_heldout_config.json", "fresh_heldout", "fresh held-out", "heldout", lambda doc, n, gaps: (
+        f"Fresh held-out draw: `matrix_v2_fresh_heldout_config.json` ({n} cases, seed {doc['seed']}, `python -m "
+        "experiments.validation.matrix --v2-fresh-heldout-seed SEED --plan-only FILE --coverage-of ...`, written "
+        "2026-12-04, after profile v2 adopted the graphed decode attention rows) draws new cases as v2 draws them, "
+        "a few per model with the policy variants in turn, none repeating a workload of the configs above, all held "
+        "out: the first held-out set has been reported beside every model change since it was measured, this one "
+        "tests the model as it stood when its predictions were registered.")),
+)
+
+
+def _extensions(v2: dict) -> list[str]:
+    """The paragraphs of ``EXTENSIONS`` (``_extension_paragraph``), those whose config exists."""
+    return [line for config, stem, what, split, rule in EXTENSIONS
+            for line in _extension_paragraph(v2, config, stem, what, rule, split)]
 
 
 def _preregistered(calib, stem: str = "coverage", what: str = "coverage") -> list[str]:
@@ -434,9 +427,7 @@ def _first_measured(rounds: list) -> dict[str, str]:
     """When each case of matrix v2's mixed-length and coverage extensions was first measured (ISO date): the earliest
     of its case file's date and the dates of the re-measurement rounds that list it. The cases of
     ``matrix_v2_config.json`` were all measured before the first round and are not in this map."""
-    ext = [c for name in ("matrix_v2_mixed_config.json", "matrix_v2_coverage_config.json",
-                          "matrix_v2_gencoverage_config.json", "matrix_v2_fresh_heldout_config.json")
-           if (VAL / name).exists()
+    ext = [c for name in ("matrix_v2_mixed_config.json", *(e[0] for e in EXTENSIONS)) if (VAL / name).exists()
            for c in json.loads((VAL / name).read_text())["cases"]]
     born = {}
     for c in ext:
