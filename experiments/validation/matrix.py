@@ -153,9 +153,16 @@ def plan_v2(seed: int, per_model: int, profile: str, host_mem_gb: float) -> dict
     for mname in V2_MODELS:
         _draw_model(rng, mname, per_model, profile, host_mem_gb, cases)
     split_cases(cases, seed)
-    return {"schema": "offsim.matrix/2", "seed": seed, "profile": profile, "host_mem_gb": host_mem_gb,
-            "splits": {s: sum(c["split"] == s for c in cases) for s in SPLITS}, "provenance": provenance(),
-            "cases": cases}
+    return _config(seed, profile, host_mem_gb, cases)
+
+
+def _config(seed: int, profile: str, host_mem_gb: float, cases: list[dict], kind: str | None = None,
+            gaps: list | None = None) -> dict:
+    """A matrix v2 config document (``--plan-only``): its draw (seed, profile, host memory), which extension it is
+    (``kind``: a key set true) and the gaps it fills, how many cases each split holds, provenance and the cases."""
+    return {"schema": "offsim.matrix/2", "seed": seed, **({kind: True} if kind else {}), "profile": profile,
+            "host_mem_gb": host_mem_gb, "splits": {s: sum(c["split"] == s for c in cases) for s in SPLITS},
+            **({"gaps": gaps} if gaps is not None else {}), "provenance": provenance(), "cases": cases}
 
 
 def _draw_model(rng: random.Random, mname: str, per_model: int, profile: str, host_mem_gb: float, cases: list,
@@ -208,9 +215,7 @@ def plan_v2_fresh_heldout(seed: int, configs: list[dict], profile: str, host_mem
         _draw_model(rng, mname, per_model, profile, host_mem_gb, cases, start + i * per_model, taken, seen)
     for c in cases:
         c["split"] = "heldout"
-    return {"schema": "offsim.matrix/2", "seed": seed, "fresh_heldout": True, "profile": profile,
-            "host_mem_gb": host_mem_gb, "splits": {s: sum(c["split"] == s for c in cases) for s in SPLITS},
-            "provenance": provenance(), "cases": cases}
+    return _config(seed, profile, host_mem_gb, cases, "fresh_heldout")
 
 
 # mixed prompt lengths (issue 13: "some batches of mixed prompt lengths"): a seeded draw of its own, the same models,
@@ -283,9 +288,7 @@ def plan_v2_mixed(seed: int, n_cases: int, profile: str, host_mem_gb: float) -> 
             cases.append(_drawn(tag, mname, model, policy, st, wl, budget, host, False, plan, pm))
             break
     split_cases(cases, seed)
-    return {"schema": "offsim.matrix/2", "seed": seed, "mixed": True, "profile": profile,
-            "host_mem_gb": host_mem_gb, "splits": {s: sum(c["split"] == s for c in cases) for s in SPLITS},
-            "provenance": provenance(), "cases": cases}
+    return _config(seed, profile, host_mem_gb, cases, "mixed")
 
 
 def _variant(c: dict) -> int:
@@ -355,10 +358,8 @@ def plan_v2_coverage(seed: int, configs: list[dict], profile: str, host_mem_gb: 
     copy a held-out workload. Tags never repeat a config's."""
     rng = random.Random(f"coverage-{seed}")
     cases = _fill_gaps(rng, [(m, v, None) for m, v in coverage_gaps(configs)], configs, profile, host_mem_gb)
-    return {"schema": "offsim.matrix/2", "seed": seed, "coverage": True, "profile": profile,
-            "host_mem_gb": host_mem_gb, "splits": {s: sum(c["split"] == s for c in cases) for s in SPLITS},
-            "gaps": [[m, VARIANTS[v][0], VARIANTS[v][1]] for m, v in coverage_gaps(configs)],
-            "provenance": provenance(), "cases": cases}
+    return _config(seed, profile, host_mem_gb, cases, "coverage",
+                   gaps=[[m, VARIANTS[v][0], VARIANTS[v][1]] for m, v in coverage_gaps(configs)])
 
 
 def plan_v2_gen_coverage(seed: int, configs: list[dict], profile: str, host_mem_gb: float) -> dict:
@@ -374,10 +375,8 @@ def plan_v2_gen_coverage(seed: int, configs: list[dict], profile: str, host_mem_
     # generation fixed, a repeated prompt would copy a held-out case into the calibration set
     held = {_workload_of(c) for doc in configs for c in doc["cases"] if c["split"] == "heldout"}
     cases = _fill_gaps(rng, gaps, configs, profile, host_mem_gb, held)
-    return {"schema": "offsim.matrix/2", "seed": seed, "gen_coverage": True, "profile": profile,
-            "host_mem_gb": host_mem_gb, "splits": {s: sum(c["split"] == s for c in cases) for s in SPLITS},
-            "gaps": [[m, VARIANTS[v][0], VARIANTS[v][1], gen] for m, v, gen in gaps],
-            "provenance": provenance(), "cases": cases}
+    return _config(seed, profile, host_mem_gb, cases, "gen_coverage",
+                   gaps=[[m, VARIANTS[v][0], VARIANTS[v][1], gen] for m, v, gen in gaps])
 
 
 def case_settings(c: dict, kv_solver: str | None = None) -> dict:

@@ -295,7 +295,7 @@ def attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_tokens: in
     call runs another kernel, up to 2.5x slower at these shapes: experiments/offexec/mask_sdpa.py), else the
     unmasked rows. Sparse attention (``comp``) reads all of K and its share of V, and does its share of PV."""
     sparse = sparse_share(q_tokens, ctx_tokens, comp)
-    if graphed and q_tokens == 1 and sparse == 1.0 and _is_number(num_seqs):
+    if graphed and _decode_graph_rows_price(num_seqs, q_tokens, sparse):
         t = _rows_by_batch_and_context(model, hw, num_seqs, max(ctx_tokens, kv_len), "decode_graph:", mode="attn")
         if t is not None:
             return t
@@ -310,6 +310,12 @@ def attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_tokens: in
     if _is_number(t_flops) and _is_number(t_mem):
         return max(t_flops, t_mem)
     return t_flops + t_mem  # an upper bound that stays linear (expressions only)
+
+
+def _decode_graph_rows_price(num_seqs, q_tokens: int, sparse: float) -> bool:
+    """Whether the profile's ('attn', 'decode_graph:B') rows price a graphed op's attention: one query per sequence,
+    dense (the rows time the dense masked kernel), a numeric batch (not an LP expression)."""
+    return q_tokens == 1 and sparse == 1.0 and _is_number(num_seqs)
 
 
 # The KV buffer (positions) the op tables' graphed decode ops attend over: ``offexec profile`` times them in plans of
@@ -328,7 +334,7 @@ def graph_row_attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_
     line through their two shortest, the kernel's time being close to affine in the buffer's length); 0 without
     them (the model-agnostic price at so short a context is below 1 % of a row, and the profiles without these
     rows predict as before). Without this the rows' 64-sequence ops counted ~0.05 ms twice beside ~0.35 ms rows."""
-    if q_tokens != 1 or sparse_share(q_tokens, ctx_tokens, comp) != 1.0 or not _is_number(num_seqs):
+    if not _decode_graph_rows_price(num_seqs, q_tokens, sparse_share(q_tokens, ctx_tokens, comp)):
         return 0.0
     t = _rows_by_batch_and_context(model, hw, num_seqs, OP_TABLE_PROBE_KV_LEN, "decode_graph:", mode="attn",
                                    affine_below=True)
