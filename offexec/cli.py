@@ -24,8 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-from offsim.cli import (add_policy_args, add_runtime_args, add_target_args, apply_runtime_args, build_fitting_plan,
-                        check_output_path, check_plan_conflicts, given_options, quiet_broken_pipe)
+from offsim.cli import (add_compression_args, add_policy_args, add_runtime_args, add_target_args, apply_runtime_args,
+                        build_fitting_plan, check_output_path, check_plan_conflicts, given_options, quiet_broken_pipe)
 from offsim.core.errors import OffsimError
 from offsim.core.plan import Plan
 from offsim.core.provenance import provenance
@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run a policy's plan with real tensors and compare with offsim's prediction")
     add_target_args(r)
     add_policy_args(r)
+    add_compression_args(r)  # (as `offsim simulate`'s: the executor runs the 4-bit formats and sparse attention)
     r.set_defaults(model=None)  # None: the checkpoint's config.json, else DEFAULT_MODEL
     for a in r._actions:  # the shared help says opt-30b, the default of `offsim`; here it depends on --checkpoint
         if a.dest == "model":
@@ -63,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
         if a.dest == "hardware":
             a.help += ("; with --device cpu give a profile JSON written by `offexec profile --device cpu`, else the "
                        "comparison is skipped (a GPU preset says nothing about a CPU run)")
+        if a.dest == "gpu_mem_gb":
+            a.help += "; with --plan, default: the budget the plan was made for"
     r.add_argument("--plan", metavar="FILE",
                    help="run a plan JSON written by `offsim simulate --save-plan` (it carries model, policy, "
                         "settings and workload: options that set those are then an error)")
@@ -88,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the disk tier's files go (default: the system temp directory); removed at exit")
     add_runtime_args(r, simulated=False)  # --disk-cache, --no-cuda-graphs, --run-ahead
     r.add_argument("--trace", default=None, metavar="FILE",
-                   help="write the measured trace: .csv (offsim's trace schema) or Chrome/Perfetto JSON otherwise")
+                   help="write the measured trace: .csv or .csv.gz (offsim's trace schema) or Chrome/Perfetto JSON "
+                        "otherwise")
     r.add_argument("--progress", action="store_true", help="show progress bars while weights are prepared")
     r.add_argument("--host-profile", default=None, metavar="FILE",
                    help="profile the measured run's issuing thread with cProfile (where host issue time goes): "
@@ -141,11 +145,15 @@ def _dtype_of(args, plan_dtype_bytes: int | None) -> str:
 
 
 def _build(args, hw):
-    """(plan, model, dtype name, warm-up plan or None), from --plan or from the flags; the warm-up plan is the same
-    policy and settings at gen_len 2, built the same way (``experiments/offexec/h200.py`` does the same)."""
+    """(plan, model, dtype name, warm-up plan or None, hardware), from --plan or from the flags; the warm-up plan is
+    the same policy and settings at gen_len 2, built the same way (``experiments/offexec/h200.py`` does the same).
+    With --plan and no --gpu-mem-gb the GPU budget is the one the plan was made for (its ``capacity``), not the
+    --hardware's whole GPU (a plan saved for an H200 budget was refused against the default T4's 15 GiB)."""
     if args.plan:
         check_plan_conflicts(getattr(args, "given", set()))
-        plan = Plan.load(args.plan).validate()
+        plan = Plan.load_valid(args.plan)
+        if args.gpu_mem_gb is None and not plan.stages:
+            hw = hw.with_(gpu_mem_bytes=int(plan.capacity["gpu"]))
         from .executor import check_one_host
 
         check_one_host(plan)  # (before the weights or any buffer)
@@ -169,7 +177,7 @@ def _build(args, hw):
         warm = (plan if getattr(args, "warmup_mode", "short") == "full"
                 else build_plan(policy, model, hw, shortened(plan.workload, WARMUP_GEN_LEN), settings))
     apply_runtime_args(args, plan, warm)  # how the ops are issued is part of the plan: executor, check, simulator
-    return plan, model, dtype_name, warm
+    return plan, model, dtype_name, warm, hw
 
 
 def cmd_run(args) -> dict:
@@ -182,9 +190,10 @@ def cmd_run(args) -> dict:
     check_output_path(args.trace, "--trace")
     check_output_path(args.host_profile, "--host-profile")
     if args.cuda_sched != "auto":  # before anything touches CUDA (the driver fixes it with the context)
-        if torch.device(args.device).type != "cuda":
+        dev = require_device(args.device)
+        if dev.type != "cuda":
             raise OffsimError(f"--cuda-sched {args.cuda_sched} applies to a CUDA run, not --device {args.device}")
-        set_cuda_sched(args.cuda_sched, torch.device(args.device).index or 0)
+        set_cuda_sched(args.cuda_sched, dev.index or 0)
     if args.cpu_threads is not None and not 1 <= args.cpu_threads <= len(os.sched_getaffinity(0)):
         raise OffsimError(f"--cpu-threads must be between 1 and this process's {len(os.sched_getaffinity(0))} usable "
                           f"cores, got {args.cpu_threads}")
@@ -194,7 +203,7 @@ def cmd_run(args) -> dict:
     hw = get_hardware(args.hardware, args.gpu_mem_gb)
     # a CPU run compares only with a measured CPU profile: a preset describes a GPU
     comparable = device.type == "cuda" or str(args.hardware).lower() not in HARDWARE_PRESETS
-    plan, model, dtype_name, warm = _build(args, hw)
+    plan, model, dtype_name, warm, hw = _build(args, hw)
     wl = plan.workload
     budget = int(hw.gpu_mem_bytes)
     # every refusal before anything large is allocated: budget, disk room, checkpoint shapes
@@ -246,7 +255,7 @@ def cmd_run(args) -> dict:
     measured = res.trace.metrics()
     predicted = simulate(plan, hw).metrics()
     if args.trace:
-        (res.trace.to_csv if str(args.trace).endswith(".csv") else res.trace.to_chrome)(args.trace)
+        res.trace.write(args.trace)
     st = res.stats
     rows = compare_rows(measured, predicted)
     print(f"offexec {plan.policy} on {prov['gpu'] or device.type} (budget {budget / GiB:.2f} GiB), {model.name} "

@@ -303,7 +303,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="seed of random weights and prompts (default: %(default)s)")
     ap.add_argument("--disk-dir", default=None, metavar="DIR", help="where each rank's disk tier goes")
     ap.add_argument("--trace", default=None, metavar="FILE",
-                    help="write the merged trace: .csv (offsim's schema, with a device column) or Chrome JSON")
+                    help="write the merged trace: .csv or .csv.gz (offsim's schema, with a device column) or "
+                         "Chrome JSON")
     ap.add_argument("--no-warmup", action="store_true",
                     help="skip the unmeasured warm-up (the whole plan once before the measured run: kernel loading, "
                          "NCCL's first connections, CUDA-graph captures)")
@@ -316,13 +317,16 @@ def main(argv=None) -> int:
                          "stages share one GPU and one PCIe link), and the output says so")
     args = ap.parse_args(argv)
     try:
-        plan = Plan.load(args.plan).validate()
+        plan = Plan.load_valid(args.plan)
         check_one_host(plan)  # (before the process group, the weights or any buffer)
         if not plan.stages:
             raise OffsimError(f"{args.plan} has no pipeline stages: run it with `offexec run --plan`")
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise OffsimError(f"launch with torchrun, one process per stage: `torchrun --nproc-per-node "
                               f"{plan.num_devices} -m offexec.distributed --plan {args.plan}`")
+        if int(os.environ["WORLD_SIZE"]) != len(plan.stages):  # (every rank says so: none indexes a missing stage)
+            raise OffsimError(f"the plan has {len(plan.stages)} stages but {os.environ['WORLD_SIZE']} processes run "
+                              f"it: `torchrun --nproc-per-node {len(plan.stages)} ...`")
         check_pipeline(plan, args.device, args.disk_dir, args.one_gpu)  # every rank, before anything is made
         device = init_process_group(args.device, one_gpu=args.one_gpu)
         from .weights import dtype_of, load_checkpoint, random_weights
@@ -348,7 +352,7 @@ def main(argv=None) -> int:
     if res is not None:
         m = res.trace.metrics()
         if args.trace:
-            (res.trace.to_csv if str(args.trace).endswith(".csv") else res.trace.to_chrome)(args.trace)
+            res.trace.write(args.trace)
         where = (f"{plan.num_devices} stages on one GPU (a rehearsal: memory and tokens; these times are not a "
                  f"{plan.num_devices}-GPU run's)" if args.one_gpu else f"{plan.num_devices} GPUs")
         print(f"{plan.policy} on {where}: prefill {m['prefill_tok_s']:.1f} tok/s, decode "

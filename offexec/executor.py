@@ -1396,7 +1396,9 @@ class Executor:
         glo = self.prog.groups[g][0]
         h0, h1 = op.head_lo - glo, op.head_hi - glo
         src = _kv_rows(self._kv_work(args["src"], g), op.lo, op.hi, h0, h1)
-        if g == "cpu":
+        if g == "cpu" and info.get("scratch"):  # (``program.bind``: CPU attention already stored these rows)
+            host_tensor(src.shape, src.dtype, self.device).copy_(src, non_blocking=True)
+        elif g == "cpu":
             _kv_rows(self._kv_home("cpu", op.layer, op.batch), op.lo, op.hi, h0, h1).copy_(src, non_blocking=True)
         else:
             out = host_tensor(src.shape, src.dtype, self.device)

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from offsim.cli import add_runtime_args, apply_runtime_args
+from offsim.cli import add_runtime_args, apply_runtime_args, make_output_dir
 from offsim.core import footprint as fp
 from offsim.core.errors import OffsimError
 from offsim.core.io import write_commented_csv, write_text_atomic
@@ -527,7 +527,7 @@ def cmd_job(args) -> list[dict]:
             raise OffsimError(f"--remeasure takes policies the job runs ({', '.join(policies)}), got {', '.join(bad)}")
         if args.report_only:
             raise OffsimError("--remeasure measures again: it does not go with --report-only")
-    out.mkdir(exist_ok=True)
+    make_output_dir(out, "--out")
     if args.remeasure:
         n = retire_policies(out / JOURNAL, set(args.remeasure))
         print(f"--remeasure: {n} measured blocks of {', '.join(args.remeasure)} moved to {out / REPLACED}",

@@ -49,7 +49,11 @@ class ExecError(OffsimError):
 def require_device(name) -> "torch.device":
     """``name`` as a torch device, refused in one line when it asks for CUDA on a machine without it (every
     offexec command and the executor check it the same way)."""
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError) as e:
+        raise ExecError(f"--device {name!r} is not a device ({' '.join(str(e).split())}); valid: cpu, cuda, "
+                        "cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ExecError("--device cuda was asked but no CUDA device is available (use --device cpu)")
     return dev

@@ -1715,6 +1715,13 @@ def cmd_profile(args) -> dict:
         print(json.dumps(summary))
         return summary
 
+    only = [f"--{n.replace('_', '-')}" for n in ("attention_only", "recompute_only", "capture_only",
+                                                 "cpu_attention_only") if getattr(args, n, None)]
+    if only and not args.ops:  # (without --ops they would be ignored and the whole profile measured)
+        raise OffsimError(f"{', '.join(only)} narrows the op tables that --ops MODELS measures: give --ops MODELS "
+                          "(and --base PROFILE) too")
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        raise OffsimError(f"--peak-tflops must be a positive number of TFLOP/s, got {args.peak_tflops}")
     if args.multi_gpu_only and not args.base:
         raise OffsimError("--multi-gpu-only adds the multi-GPU rates to an existing profile: give --base PROFILE too")
     if args.quant_only and not args.base:
@@ -1762,7 +1769,7 @@ def cmd_profile(args) -> dict:
                  or (models and not (args.attention_only or args.recompute_only or args.capture_only
                                      or args.cpu_attention_only or args.flexgen_only or args.decode_only
                                      or args.sustained_only)))
-    if models or args.quant_only or args.relay_only or args.multi_gpu_only:
+    if models or args.quant_only or args.relay_only or args.multi_gpu_only or not args.base:
         from .memory import require_device
 
         require_device(args.device)  # one line, before anything is read or measured

@@ -296,6 +296,10 @@ def bind(plan: Plan, layout, rank: int = 0) -> Program:
         elif op.tensor == "weight":
             if kind == "h2d":
                 fn = "h2d_weight"
+                if not 0 <= j < len(g_el):
+                    fail(op, "streams the embedding or the LM head, which the executor keeps on the GPU; such a "
+                             "plan (flexgen-ref with weights off the GPU: FlexGen's code places those by --percent "
+                             "too) is simulated only -- run flexgen-ref with the weights all on the GPU, or flexgen")
                 lo, hi = op.lo // e, op.hi // e
                 if lo < g_el[j]:
                     fail(op, f"loads weight bytes [{op.lo}, {op.hi}) of which [{op.lo}, {g_el[j] * e}) are GPU-resident")
@@ -362,6 +366,12 @@ def bind(plan: Plan, layout, rank: int = 0) -> Program:
                 if vid is None:
                     fail(op, f"stores KV of layer {j} batch {k} that no compute produced")
                 args["src"] = use(vid, op)
+                frag = host_frag.get((j, k))
+                if g == "cpu" and frag is not None and frag[5] == "qkv" and frag[1] <= op.lo and op.hi <= frag[2]:
+                    # these positions' K/V came from CPU attention, which wrote them into the host cache itself and
+                    # never into the GPU work buffer: the store (flexgen-ref's token stores, FlexGen's store_cache)
+                    # moves its bytes over the link as planned, into scratch, not over the cache with stale rows
+                    info["scratch"] = True
                 if g == "disk":
                     out = new("kvout", (j, k), op, nbytes=op.nbytes)
                     args["out"] = use(out, op)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pandas as pd
 
 from offsim.core.errors import OffsimError
+from offsim.core.io import write_text_atomic
 from offsim.core.latency import host_issue_share, latency_and_bottleneck
 from offsim.core.plan import RUN_AHEAD_OPS, Plan
 from offsim.policies import DEFAULT_POLICIES, POLICIES, build_plan, get_policy
@@ -30,7 +31,7 @@ TIER_NAMES = {"gpu": "GPU memory", "cpu": "host memory", "disk": "disk"}
 # Options that define a plan: with --plan FILE the plan is the file's, so any of these is a conflict.
 PLAN_DEFINING = ("model", "policy", "gpu_batch_size", "num_gpu_batches", "percent", "prompt_len", "gen_len",
                  "cpu_attention", "no_overlap", "whole_layers", "no_kv_distributor", "no_weight_loader", "set",
-                 "compress_weight", "compress_cache", "sparse_attention")
+                 "compress_weight", "compress_cache", "sparse_attention", "num_gpus", "gpus_per_node")
 SUMMARY_KEYS = ("model", "hardware", "policy", "batch", "gpu_batch_size", "num_gpu_batches", "prompt_len",
                 "gen_len", "prefill_s", "decode_s", "total_s", "prefill_tok_s", "decode_tok_s", "total_tok_s",
                 "gpu_idle_frac", "peak_gpu_bytes", "peak_cpu_bytes", "peak_disk_bytes")
@@ -176,6 +177,13 @@ def add_search_gpus_arg(p: argparse.ArgumentParser) -> None:
                         "hardware's network_bytes_per_s (default: all N GPUs on one host)")
 
 
+def check_gpu_args(args) -> None:
+    """--gpus-per-node places the GPUs of a pipeline on nodes: without --num-gpus N > 1 there is none to place."""
+    if getattr(args, "gpus_per_node", None) is not None and (getattr(args, "num_gpus", None) or 1) < 2:
+        raise OffsimError(f"--gpus-per-node {args.gpus_per_node} places a pipeline's GPUs on nodes: give --num-gpus N "
+                          f"too (N > 1, a multiple of {args.gpus_per_node})")
+
+
 def policy_settings(args) -> dict:
     """Settings dict for ``args.policy`` from the flags; a flag that the policy does not take is an error."""
     names = set(get_policy(args.policy).input_names())
@@ -198,8 +206,9 @@ def policy_settings(args) -> dict:
         given["compress_cache"] = True
     if getattr(args, "sparse_attention", None) is not None:
         given["sparse_attention"] = args.sparse_attention
-    if getattr(args, "num_gpus", None) is not None:
-        given["num_stages"] = args.num_gpus
+    check_gpu_args(args)
+    if getattr(args, "num_gpus", None) is not None and (args.num_gpus > 1 or "num_stages" in names):
+        given["num_stages"] = args.num_gpus  # (one GPU is every policy's: --num-gpus 1 applies to all)
     if getattr(args, "gpus_per_node", None) is not None:
         given["gpus_per_node"] = args.gpus_per_node
     flag = {"num_stages": "--num-gpus", "gpus_per_node": "--gpus-per-node", "percent": "--percent", "cpu_attention": "--cpu-attention", "overlap": "--no-overlap",
@@ -249,8 +258,22 @@ def _fmt_table(rows: list[dict]) -> str:
     return df.to_string(index=False, float_format=lambda x: f"{x:,.3f}")
 
 
+def _finite(obj):
+    """``obj`` with every float that is not finite (a decode rate with no decode step: gen-len 1) as None: strict
+    JSON has no Infinity or NaN, and a reader that parses it strictly would fail on the whole line."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def _print_json(obj) -> None:
-    print(json.dumps(obj, default=lambda x: None if isinstance(x, float) and not math.isfinite(x) else str(x)))
+    print(json.dumps(_finite(obj), allow_nan=False,
+                     default=lambda x: _finite(x.item()) if hasattr(x, "item") and not hasattr(x, "__len__")
+                     else str(x)))
 
 
 # ---- checks made before anything is simulated --------------------------------------------------------------------
@@ -263,6 +286,19 @@ def check_output_path(path: str | None, option: str) -> None:
         raise OffsimError(f"{option} {path}: directory {parent} does not exist (create it first)")
     if Path(path).is_dir():
         raise OffsimError(f"{option} {path} is a directory; give a file name")
+
+
+def make_output_dir(path: str | Path, option: str) -> Path:
+    """The output directory ``path`` made (with its parents) before any work, or an error naming ``option`` that
+    says why it cannot be: a file is there, or the system refuses (no permission, a read-only place)."""
+    out = Path(path).expanduser()
+    if out.exists() and not out.is_dir():
+        raise OffsimError(f"{option} {path} is a file; give a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OffsimError(f"{option} {path}: cannot make the directory ({e.strerror or e})") from None
+    return out
 
 
 def given_options(build: callable, argv: list[str]) -> set[str]:
@@ -378,6 +414,21 @@ def build_fitting_plan(args, model, hw, wl: Workload, model_arg: str | None = No
         raise
 
 
+def check_plan_budget(plan: Plan, hw, path) -> None:
+    """``--plan FILE --gpu-mem-gb G``: the saved plan held to that GPU budget (each GPU's, for a pipeline) instead
+    of the one it was planned for -- its memory rules checked again, so that a plan that does not fit is refused,
+    not simulated as if it did."""
+    gpu = int(hw.gpu_mem_bytes)
+    for st in plan.stages:
+        st["gpu_capacity"] = gpu
+    plan.capacity = {**plan.capacity, "gpu": gpu * max(1, len(plan.stages))}
+    try:
+        plan.validate()
+    except OffsimError as e:
+        raise OffsimError(f"plan {path} does not fit --gpu-mem-gb {gpu / GiB:g} GiB: {e} (it was planned for "
+                          f"another budget; drop --gpu-mem-gb, or plan again for this one)") from None
+
+
 # ---- commands --------------------------------------------------------------------------------------------------
 def cmd_simulate(args) -> None:
     check_output_path(args.trace, "--trace")
@@ -385,7 +436,9 @@ def cmd_simulate(args) -> None:
     hw = get_hardware(args.hardware, args.gpu_mem_gb)
     if args.plan:
         check_plan_conflicts(getattr(args, "given", set()))
-        plan = Plan.load(args.plan).validate()
+        plan = Plan.load_valid(args.plan)
+        if args.gpu_mem_gb is not None:
+            check_plan_budget(plan, hw, args.plan)
     else:
         model = get_model(args.model)
         wl = Workload(args.prompt_len, args.gen_len, args.gpu_batch_size, args.num_gpu_batches)
@@ -398,7 +451,7 @@ def cmd_simulate(args) -> None:
     wall = time.perf_counter() - t0
     m = trace.metrics()
     if args.trace:
-        (trace.to_csv if str(args.trace).endswith(".csv") else trace.to_chrome)(args.trace)
+        trace.write(args.trace)
     print(f"{plan.policy} on {hw.name} ({hw.gpu_mem_bytes / GiB:.1f} GiB GPU), {plan.model.name}, "
           f"prompt {plan.workload.prompt_len}, gen {plan.workload.gen_len}, {len(plan.ops)} ops simulated in "
           f"{wall:.2f} s")
@@ -462,6 +515,7 @@ def _ms(v: float | None) -> str:
 def cmd_search(args) -> None:
     from offsim.search import search
 
+    check_gpu_args(args)
     hw = get_hardware(args.hardware, args.gpu_mem_gb)
     model = get_model(args.model)
     res = search(args.policy, model, hw, args.prompt_len, args.gen_len, max_sims=args.max_sims,
@@ -486,6 +540,11 @@ def cmd_search(args) -> None:
         out["num_gpus"], out["stages"] = args.num_gpus, [list(x) for x in res.stages]
         if args.gpus_per_node:
             out["gpus_per_node"] = args.gpus_per_node
+    else:  # the issuing thread's share of the decode, from the winning plan, as simulate and compare give it
+        out.update(host_issue_share(build_plan(args.policy, model, hw, res.workload, res.settings), hw, res.metrics))
+        note = host_bound_note({**latency_and_bottleneck(res.metrics), **out})
+        if note:
+            print(note)
     by_comp = res.best_by_compression()
     if len(compression_choices(args)) > 1:  # the user asked to compare: the best of each choice
         print("\nbest screened total tok/s by compression: " +
@@ -533,7 +592,8 @@ def cmd_compare(args) -> None:
 
     hw = get_hardware(args.hardware, args.gpu_mem_gb)
     model = get_model(args.model)
-    policies = args.policies or list(DEFAULT_POLICIES)
+    policies = list(dict.fromkeys(args.policies or DEFAULT_POLICIES))  # (a policy named twice is compared once)
+    check_gpu_args(args)
     for pol in policies:
         if pol not in POLICIES:
             raise OffsimError(f"unknown policy {pol!r}; valid: {', '.join(POLICIES)}")
@@ -599,6 +659,8 @@ def _validate_table(df: pd.DataFrame) -> str:
 def cmd_validate(args) -> None:
     from offsim.analysis import validate as V
 
+    if args.out:
+        make_output_dir(args.out, "--out")
     df = V.validate_dir(args.dir, hardware=args.hardware, progress=args.progress)
     print(_validate_table(df))
     if not args.out:
@@ -616,13 +678,12 @@ def cmd_validate(args) -> None:
     bad = V.check_thresholds(df)
     out = Path(args.out) if args.out else None
     if out:
-        out.mkdir(parents=True, exist_ok=True)
         from offsim.core.provenance import provenance, write_csv
 
         prov = provenance(cases=str(args.dir))
         write_csv(df, out / "validation.csv", prov)
         V.plot(df, out / "validation.png")
-        (out / "README.md").write_text(V.report_markdown(
+        write_text_atomic(out / "README.md", V.report_markdown(
             df, f"offsim vs measured runs: {args.dir}",
             f"offsim validate {args.dir}" + (f" --hardware {args.hardware}" if args.hardware else "") + f" --out {out}",
             prov))
@@ -654,10 +715,9 @@ def cmd_sweep(args) -> None:
         raise OffsimError(f"--workers must be at least 1, got {args.workers}")
     spec = grid.load_spec(args.spec)
     out = Path(args.out) if args.out else Path(f"sweep-{spec.name}")
-    if out.exists() and not out.is_dir():
-        raise OffsimError(f"--out {out} is a file; give a directory")
     if not out.expanduser().resolve().parent.is_dir():
         raise OffsimError(f"--out {out}: directory {out.expanduser().resolve().parent} does not exist (create it first)")
+    make_output_dir(out, "--out")
     rec = grid.run_sweep(spec, out, workers=args.workers, address=args.address, progress=not args.no_progress,
                          max_points=args.max_points)
     _, df = grid.read_table(out)
@@ -758,7 +818,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--save-plan", metavar="FILE", help="write the plan as JSON (what `offexec run --plan FILE` runs)")
     add_runtime_args(s, simulated=True)
     s.add_argument("--trace", metavar="FILE",
-                   help="write the predicted trace: FILE.csv as CSV, anything else as Chrome/Perfetto JSON")
+                   help="write the predicted trace: FILE.csv (or .csv.gz) as CSV, anything else as Chrome/Perfetto "
+                        "JSON")
     s.set_defaults(func=cmd_simulate)
     q = sub.add_parser("search", help="find a policy's best settings (FlexGen: LP + simulation)",
                        description="Search a policy's block shape and placement; prints the chosen settings.")

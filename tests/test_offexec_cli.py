@@ -322,3 +322,74 @@ def test_issue_rows_sets_a_runs_handlers_beside_the_profiles_pricing(checkpoint,
         assert f"| {fn} | {ops[fn]:,} |" in text
     assert f"| **all (s)** | {len(Plan.load(plan).ops):,} | {js[0]['issue_s']:.2f} | {js[1]['issue_s']:.2f} |" in text
     assert issue_rows.main([str(d), "--plans", str(d / "missing.json")]) == 2
+
+
+# ---- bad or unusual input (a new-user audit, 2026-12-04: each failed before its fix) ----------------------------
+def _error(capsys, argv) -> str:
+    rc = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, (rc, err)
+    return err
+
+
+@pytest.mark.parametrize("device", ["cuda:x", ""])
+def test_a_device_that_is_no_device_is_one_line(checkpoint, capsys, device):
+    base = ["run", "--model", str(checkpoint / "config.json"), "--no-warmup"] + TINY_ARGS[:-4] + ["--dtype", "float32"]
+    assert "valid: cpu, cuda, cuda:N" in _error(capsys, base + ["--device", device])
+    assert "valid: cpu, cuda, cuda:N" in _error(capsys, base + ["--device", device, "--cuda-sched", "spin"])
+    assert "valid: cpu, cuda, cuda:N" in _error(capsys, ["profile", "--device", device, "--out", "p.json",
+                                                         "--quick"])
+
+
+def test_profile_refuses_options_it_would_ignore_before_measuring(tmp_path, capsys):
+    out = str(tmp_path / "p.json")
+    assert "give --ops MODELS" in _error(capsys, ["profile", "--device", "cpu", "--out", out, "--attention-only"])
+    assert "--peak-tflops must be a positive" in _error(capsys, ["profile", "--device", "cpu", "--out", out,
+                                                                 "--peak-tflops", "-1", "--quick"])
+
+
+def test_run_takes_the_compression_flags_as_simulate_does(checkpoint, capsys):
+    rc = main(["run", "--model", str(checkpoint / "config.json"), "--policy", "flexgen", "--no-warmup", "--percent",
+               "0", "100", "0", "100", "100", "0", "--compress-weight"] + TINY_ARGS)
+    assert rc == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["settings"]["compress_weight"] is True
+
+
+def test_flexgen_ref_streaming_its_embedding_is_refused_in_one_line(checkpoint, capsys):
+    err = _error(capsys, ["run", "--model", str(checkpoint / "config.json"), "--policy", "flexgen-ref", "--percent",
+                          "0", "100", "0", "100", "100", "0", "--no-warmup"] + TINY_ARGS)
+    assert "streams the embedding or the LM head" in err
+
+
+def test_run_plan_keeps_the_budget_it_was_made_for(tmp_path, capsys):
+    # OPT-13B's plan for an H200 (all on the GPU: 24 GiB), run with the default --hardware (a T4's 15 GiB): its own
+    # budget applies, so its warm-up plan is built for that budget too (it was refused against the T4's)
+    from offexec.cli import _build
+    from offsim.cli import main as offsim_main
+
+    plan = tmp_path / "p.json"
+    assert offsim_main(["simulate", "--model", "opt-13b", "--hardware", "h200", "--prompt-len", "8", "--gen-len",
+                        "3", "--gpu-batch-size", "1", "--save-plan", str(plan)]) == 0
+    capsys.readouterr()
+    args = build_parser().parse_args(["run", "--plan", str(plan), "--device", "cpu"])
+    p, _, _, warm, hw = _build(args, get_hardware(args.hardware, args.gpu_mem_gb))
+    assert hw.gpu_mem_bytes == p.capacity["gpu"] > get_hardware("t4").gpu_mem_bytes and warm is not None
+    args = build_parser().parse_args(["run", "--plan", str(plan), "--device", "cpu", "--gpu-mem-gb", "30"])
+    assert _build(args, get_hardware(args.hardware, args.gpu_mem_gb))[4].gpu_mem_bytes == 30 << 30
+
+
+def test_llama_config_variants_are_read_or_refused_not_run_wrong(tmp_path):
+    from offsim.core.errors import OffsimError
+    from offsim.core.specs import ModelSpec
+
+    base = get_model("llama-2-7b").to_hf_config_dict()
+    base.pop("rope_theta")
+    # transformers 5 writes the RoPE base inside rope_parameters
+    spec = ModelSpec.from_hf_config({**base, "rope_parameters": {"rope_theta": 3.0, "rope_type": "default"}})
+    assert spec.rope_theta == 3.0
+    for extra, msg in [({"rope_parameters": {"rope_theta": 1e4, "rope_type": "linear", "factor": 2.0}}, "RoPE type"),
+                       ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "RoPE type"),
+                       ({"attention_bias": True}, "attention_bias"), ({"mlp_bias": True}, "mlp_bias"),
+                       ({"hidden_act": "gelu"}, "activation")]:
+        with pytest.raises(OffsimError, match=msg):
+            ModelSpec.from_hf_config({**base, **extra})

@@ -22,6 +22,9 @@ PROMPT, GEN = 8, 6
 # (policy, settings, gpu_batch_size, num_gpu_batches)
 CASES = TIER_CASES + [
     ("flexgen", {"percent": (30, 70, 0, 100, 100, 0), "overlap": False}, 2, 2),
+    # FlexGen's own code with CPU attention: its decode tokens' K/V stores follow CPU attention, which has already
+    # written those rows into the host cache (they once overwrote it with the GPU work buffer's stale rows)
+    ("flexgen-ref", {"percent": (100, 0, 0, 100, 100, 0), "cpu_attention": True}, 2, 2),
 ]
 
 if "selectn" in POLICIES:

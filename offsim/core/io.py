@@ -6,26 +6,55 @@ the rest with ``comment='#'`` too.
 """
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pandas as pd
 
 from offsim.core.errors import OffsimError
 
 
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename (gzipped when the name ends in .gz)."""
+@contextlib.contextmanager
+def open_atomic(path: str | Path) -> Iterator:
+    """A text file to write ``path`` through: a temporary file beside it, renamed over it once the ``with`` body is
+    done, so a failure leaves the old file (or none) and never half of a new one; gzipped when the name ends in .gz.
+    A symbolic link is written through (its target replaced, the link kept); a path that exists and is not a
+    regular file (``/dev/stdout``, a pipe) is written straight into, since it cannot be replaced. A write that
+    fails (no such directory, no permission, disk full) is an ``OffsimError`` naming the path."""
     path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    if path.suffix == ".gz":
-        with gzip.open(tmp, "wt") as f:
-            f.write(text)
-    else:
-        tmp.write_text(text)
-    tmp.replace(path)
+    tmp = None
+    try:
+        if path.exists() and not path.is_file():  # (``exists`` and ``is_file`` follow links: /dev/stdout is one)
+            with open(path, "w") as f:
+                yield f
+            return
+        target = path.resolve() if path.is_symlink() else path
+        tmp = target.with_name(target.name + ".tmp")
+        with (gzip.open(tmp, "wt") if target.suffix == ".gz" else open(tmp, "w")) as f:
+            yield f
+        tmp.replace(target)
+    except OSError as e:
+        _remove(tmp)
+        raise OffsimError(f"cannot write {path}: {getattr(e, 'strerror', None) or e}") from None
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def _remove(tmp: Path | None) -> None:
+    """A failed write's temporary file, if it was made (its directory may not even exist)."""
+    if tmp is not None:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (``open_atomic``: gzipped when the name ends in .gz)."""
+    with open_atomic(path) as f:
+        f.write(text)
 
 
 def read_json_object(path: str | Path, what: str, error: type[OffsimError] = OffsimError) -> dict:
@@ -46,12 +75,13 @@ def write_commented_csv(path: str | Path, header: dict, df: pd.DataFrame) -> Non
     """CSV with '# ' + ``header`` as JSON on its first line, written atomically (gzipped when the name ends in
     .gz)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with (gzip.open(tmp, "wt") if path.suffix == ".gz" else open(tmp, "w")) as f:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OffsimError(f"cannot write {path}: {e.strerror or e}") from None
+    with open_atomic(path) as f:
         f.write("# " + json.dumps(header, default=str) + "\n")
         df.to_csv(f, index=False)
-    tmp.replace(path)
 
 
 def read_commented_csv(path: str | Path, what: str, **read_csv) -> tuple[dict, pd.DataFrame]:

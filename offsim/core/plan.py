@@ -469,6 +469,19 @@ class Plan:
     def load(cls, path: str | Path) -> "Plan":
         return cls.from_dict(read_json_object(path, "plan", PlanError), where=f"plan {path}")
 
+    @classmethod
+    def load_valid(cls, path: str | Path) -> "Plan":
+        """``load`` then ``validate``: what a command given ``--plan FILE`` runs. A file edited by hand can hold values
+        of the wrong type (a string for a byte count, a number where a list belongs) that the rules' arithmetic trips
+        over; such a value is a ``PlanError`` naming the file, not a traceback."""
+        plan = cls.load(path)
+        try:
+            return plan.validate()
+        except OffsimError:
+            raise
+        except (TypeError, ValueError, IndexError, KeyError, AttributeError) as e:
+            raise PlanError(f"plan {path}: malformed value ({type(e).__name__}: {e})") from None
+
     # ---- validation ---------------------------------------------------------------------------------------
     def validate(self) -> "Plan":
         """Check every rule; raise ``PlanError`` naming the first op that breaks one. Returns self."""
@@ -536,8 +549,14 @@ class Plan:
         cap = [self.capacity.get(t, 0) for t in TIERS]
         max_len = self.workload.max_len
         rows = op_rows(self.ops)  # (read as rows: no Op object is made for a plan from the builder)
+        if not rows:
+            raise PlanError("plan: no ops (a plan runs at least the prefill of its workload)")
+        last_step = self.workload.gen_len - 1
+        steps_seen = -1
         for i, row in enumerate(rows):
             kind, deps, phase, step, layer, batch, kw = row
+            if step > steps_seen:
+                steps_seen = step
             get = kw.get
             if get("id", i) != i:
                 raise PlanError(f"op at position {i} has id {get('id')}: ids must be 0..n-1 in plan order")
@@ -647,6 +666,11 @@ class Plan:
                 guse[dev] = use[0]
                 if nodes:
                     nuse[nd] = [use[1], use[2]]
+        if steps_seen != last_step:
+            # the metrics divide the workload's tokens by the ops' time: ops of another length would be priced
+            # as this one (a plan edited by hand, or a workload changed without its ops)
+            raise PlanError(f"plan: its ops run steps 0..{steps_seen} but its workload generates "
+                            f"{self.workload.gen_len} tokens (steps 0..{last_step}): the ops and the workload disagree")
         return self
 
     def _validate_nodes(self) -> None:

@@ -102,7 +102,7 @@ TASKS: dict[str, TaskLengths] = {t.name: t for t in (
 
 def draw_requests(task: str, count: int, seed: int = 0) -> list[Request]:
     """``count`` requests of a named task kind (``TASKS``), reproducible from ``seed``."""
-    if task not in TASKS:
+    if not isinstance(task, str) or task not in TASKS:
         raise OffsimError(f"unknown length distribution {task!r}; valid: {', '.join(TASKS)} (or a CSV of "
                           "prompt_len,gen_len)")
     if isinstance(count, bool) or not isinstance(count, int) or count <= 0:

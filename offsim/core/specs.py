@@ -167,6 +167,11 @@ class ModelSpec:
                                       "supported")
                 if cfg.get("activation_function", "relu") != "relu":
                     raise OffsimError(f"OPT activation {cfg['activation_function']!r} not supported; valid: 'relu'")
+                if cfg.get("enable_bias", True) is not True:
+                    raise OffsimError("OPT without biases (enable_bias false) is not supported: the layers have them")
+                if cfg.get("layer_norm_elementwise_affine", True) is not True:
+                    raise OffsimError("OPT with layer_norm_elementwise_affine false is not supported: the layer norms "
+                                      "here have weights and biases")
                 heads = cfg["num_attention_heads"]
                 return cls(name=name or cfg.get("_name_or_path") or "opt", family="opt",
                            num_layers=cfg["num_hidden_layers"], d_model=h, num_heads=heads, num_kv_heads=heads,
@@ -174,6 +179,7 @@ class ModelSpec:
                            max_positions=cfg["max_position_embeddings"], norm_eps=1e-5,
                            tie_word_embeddings=cfg.get("tie_word_embeddings", True))
             if mtype == "llama":
+                rope_theta = _llama_checked(cfg)
                 h = cfg["hidden_size"]
                 heads = cfg["num_attention_heads"]
                 return cls(name=name or cfg.get("_name_or_path") or "llama", family="llama",
@@ -181,7 +187,7 @@ class ModelSpec:
                            num_kv_heads=cfg.get("num_key_value_heads") or heads,
                            head_dim=cfg.get("head_dim") or h // heads, ffn_dim=cfg["intermediate_size"],
                            vocab_size=cfg["vocab_size"], max_positions=cfg["max_position_embeddings"],
-                           norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=cfg.get("rope_theta", 10000.0),
+                           norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=rope_theta,
                            tie_word_embeddings=cfg.get("tie_word_embeddings", False))
         except KeyError as e:
             raise OffsimError(f"model config lacks field {e.args[0]!r} (model_type {mtype!r})") from None
@@ -192,6 +198,30 @@ class ModelSpec:
         return _hf_config(self.family, self.num_layers, self.d_model, self.num_heads, self.num_kv_heads,
                           self.ffn_dim, self.vocab_size, self.max_positions, self.rope_theta, self.norm_eps,
                           self.tie_word_embeddings, self.head_dim)
+
+
+def _llama_checked(cfg: Mapping[str, Any]) -> float:
+    """A Llama config's RoPE base, after refusing what the layer math here does not do (so that a config written for
+    a variant is an error, not wrong tokens): RoPE other than the default (scaled: linear, dynamic, yarn, llama3),
+    biases on the attention or MLP projections, an activation other than SiLU. transformers 5 writes the RoPE base
+    and type into ``rope_parameters``; older versions wrote ``rope_theta`` and ``rope_scaling`` at the top."""
+    rp = cfg.get("rope_parameters") or {}
+    if not isinstance(rp, Mapping):
+        raise OffsimError(f"model config field 'rope_parameters' must be an object, got {rp!r}")
+    scaling = cfg.get("rope_scaling") or {}
+    kind = rp.get("rope_type") or rp.get("type") or (scaling.get("rope_type") or scaling.get("type")
+                                                      if isinstance(scaling, Mapping) else scaling) or "default"
+    if kind != "default":
+        raise OffsimError(f"Llama RoPE type {kind!r} is not supported; valid: 'default' (no rope scaling)")
+    for f in ("attention_bias", "mlp_bias"):
+        if cfg.get(f):
+            raise OffsimError(f"Llama with {f} true is not supported: the projections here have no biases")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise OffsimError(f"Llama activation {cfg['hidden_act']!r} is not supported; valid: 'silu'")
+    theta = rp.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise OffsimError(f"model config field 'rope_theta' must be a positive number, got {theta!r}")
+    return float(theta)
 
 
 # The integer fields of a transformers config that ``from_hf_config`` reads, per model_type; the optional ones may
@@ -268,8 +298,10 @@ def get_model(name_or_path: str | Path) -> ModelSpec:
         return ModelSpec.from_hf_config(MODEL_PRESETS[key.lower()], name=key.lower())
     p = Path(key)
     if p.suffix == ".json" or p.is_dir():
-        if not (p if p.suffix == ".json" else p / "config.json").exists():
-            raise OffsimError(f"model config {p} does not exist")
+        f = p if p.suffix == ".json" else p / "config.json"
+        if not f.exists():
+            raise OffsimError(f"model config {f} does not exist" + (f" (the directory {p} holds no config.json)"
+                                                                    if p.is_dir() else ""))
         return ModelSpec.from_hf_config(p)
     raise OffsimError(f"unknown model {key!r}; valid presets: {', '.join(MODEL_PRESETS)} "
                       "(or a path to a transformers config.json)")
@@ -576,6 +608,18 @@ class HardwareSpec:
         unknown = set(d) - set(names)
         if unknown:
             raise OffsimError(f"{where}: unknown fields {sorted(unknown)}")
+        for k, v in d.items():  # each field's type first, so that a wrong one is named as such
+            t = names[k].type
+            if t == "str":
+                ok, kind = isinstance(v, str), "a string"
+            elif t == "Curve":
+                ok, kind = isinstance(v, (list, tuple)), "a list of [x, y] pairs"
+            elif t in ("int", "float"):
+                ok, kind = isinstance(v, (int, float)) and not isinstance(v, bool), "a number"
+            else:
+                continue
+            if not ok:
+                raise OffsimError(f"{where}: field {k!r} must be {kind}, got {v!r}")
         try:
             for k, v in list(d.items()):
                 if k == "op_times":
@@ -583,6 +627,8 @@ class HardwareSpec:
                 elif isinstance(v, list):
                     d[k] = tuple((float(a), float(b)) for a, b in v)
             return cls(**d)
+        except OffsimError:
+            raise
         except TypeError as e:
             raise OffsimError(f"{where}: {e}") from None
         except (ValueError, IndexError) as e:
@@ -630,9 +676,13 @@ def get_hardware(name_or_path: str | Path, gpu_mem_gb: float | None = None) -> H
         raise OffsimError(f"unknown hardware {key!r}; valid presets: {', '.join(HARDWARE_PRESETS)} "
                           "(or a hardware-profile JSON written by `offexec profile`)")
     if gpu_mem_gb is not None:
-        if not gpu_mem_gb > 0:
-            raise OffsimError(f"--gpu-mem-gb must be positive, got {gpu_mem_gb}")
-        hw = hw.with_(gpu_mem_bytes=int(gpu_mem_gb * GiB))
+        try:
+            gb = math.nan if isinstance(gpu_mem_gb, bool) else float(gpu_mem_gb)
+        except (TypeError, ValueError):
+            gb = math.nan
+        if not (math.isfinite(gb * GiB) and gb * GiB >= 1):
+            raise OffsimError(f"--gpu-mem-gb must be a finite number of GiB of at least one byte, got {gpu_mem_gb!r}")
+        hw = hw.with_(gpu_mem_bytes=int(gb * GiB))
     return hw
 
 

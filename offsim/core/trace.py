@@ -112,6 +112,11 @@ class Trace:
                            "args": {"op": int(r.op_id), "step": int(r.step), "bytes": int(r.nbytes)}})
         write_text_atomic(path, json.dumps({"traceEvents": events, "otherData": _jsonable(self.meta)}))
 
+    def write(self, path: str | Path) -> None:
+        """``to_csv`` for a name ending in .csv or .csv.gz (any case), else ``to_chrome`` (what ``--trace`` does)."""
+        name = str(path).lower()
+        (self.to_csv if name.endswith((".csv", ".csv.gz")) else self.to_chrome)(path)
+
     def to_csv(self, path: str | Path) -> None:
         """CSV of the rows, with the metadata as a JSON comment on the first line."""
         write_commented_csv(path, {"schema": TRACE_SCHEMA, "meta": _jsonable(self.meta),

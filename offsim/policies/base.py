@@ -11,6 +11,7 @@ outside its module.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
@@ -92,6 +93,18 @@ class Policy:
         return {**self.before_inputs, **{k: v for k, v in recorded.items() if k in names}}
 
 
+def check_field_types(st: Any, policy: str) -> None:
+    """Refuse a settings field of the wrong type by its annotation: a ``bool`` field must be true or false (from
+    ``--set cpu_attention=no`` or a spec's ``"yes"`` the value is a string, which Python would take as true) and an
+    ``int`` field an integer. What a settings ``__post_init__`` calls first; range checks stay with each policy."""
+    for f in dataclasses.fields(st):
+        v = getattr(st, f.name)
+        if f.type in ("bool", bool) and not isinstance(v, bool):
+            raise OffsimError(f"{policy} {f.name} must be true or false, got {v!r}")
+        if f.type in ("int", int) and (isinstance(v, bool) or not isinstance(v, numbers.Integral)):
+            raise OffsimError(f"{policy} {f.name} must be an integer, got {v!r}")
+
+
 def compression_of(st: Any) -> Compression:
     """A settings object's compression (its ``compress_weight``, ``compress_cache`` and ``sparse_attention``;
     ``Compression.from_settings``), checked against its CPU attention: what a settings ``__post_init__`` calls so
@@ -122,9 +135,3 @@ def kv_split_from_percent(model: ModelSpec, gpu_pct: float, cpu_pct: float) -> t
     g = int(n * gpu_pct / 100 + 1e-9)  # rounded down, as for weights
     c = n - g if gpu_pct + cpu_pct >= 100 else min(int(n * cpu_pct / 100 + 1e-9), n - g)
     return g, c
-
-
-def host_offload_tier(model: ModelSpec, hw: HardwareSpec) -> str:
-    """Where a static policy keeps the layers it offloads: host memory when all weights fit in 95 % of it (the
-    rest is the KV cache's and the process's), else disk."""
-    return "cpu" if model.weight_bytes() <= 0.95 * hw.cpu_mem_bytes else "disk"

@@ -12,7 +12,7 @@ from offsim.core import footprint as fp
 from offsim.core.errors import OffsimError
 from offsim.core.plan import Plan
 from offsim.core.specs import NO_COMPRESSION, Compression, HardwareSpec, ModelSpec, Workload
-from offsim.policies.base import (Candidate, Policy, capacity_of, compression_of, kv_split_from_percent,
+from offsim.policies.base import (Candidate, Policy, capacity_of, check_field_types, compression_of, kv_split_from_percent,
                                   weight_split_from_percent)
 from offsim.policies.lp import flexgen_candidates, flexgen_stage_candidates, stage_splits
 from offsim.core.costmodel import network_bytes_per_s
@@ -47,6 +47,7 @@ class FlexGenSettings:
     gpus_per_node: int = 0
 
     def __post_init__(self):
+        check_field_types(self, "flexgen")
         if not isinstance(self.percent, (list, tuple)) or not all(
                 isinstance(x, (int, float)) and not isinstance(x, bool) for x in self.percent):
             raise OffsimError(f"--percent needs six numbers in [0, 100] (weights, cache, activations: GPU %, CPU %), "
@@ -67,6 +68,9 @@ class FlexGenSettings:
             if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "num_stages" else 0):
                 raise OffsimError(f"{name} must be an integer >= {1 if name == 'num_stages' else 0}, got {v!r}")
         check_gpus_per_node(self.num_stages, self.gpus_per_node)
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.stage_layers):
+            raise OffsimError(f"stage_layers must be one integer >= 1 per stage (layers of each stage, in order), "
+                              f"got {list(self.stage_layers)}")
         if self.stage_layers and len(self.stage_layers) != self.num_stages:
             raise OffsimError(f"stage_layers {list(self.stage_layers)} needs one layer count per stage "
                               f"(num_stages {self.num_stages})")
@@ -142,9 +146,13 @@ def candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int
                num_gpus: int = 1, gpus_per_node: int = 0, key_mask: bool = False,
                max_batch: int | None = None) -> Iterable[Candidate]:
     """FlexGen's LP optimum for every block shape (with ``batch`` sequences when given), with and without CPU
-    attention, best LP time first, its GPU weight share trimmed to fit exactly (``fit_gpu_weights``); each also with
-    the activations on the other tier (a near-tie in the LP, whose activation traffic is small, but not in a real
-    schedule). ``compression``: the LP, the fit and every candidate run with it (its settings in each candidate).
+    attention, best LP time first, made to fit exactly (``fit_placement``: the GPU weight share trimmed, then host
+    bytes over host memory moved to disk); each also with the activations on the other tier (a near-tie in the LP,
+    whose activation traffic is small, but not in a real schedule), fitted the same way. Candidates that still do
+    not fit come after all that do: the search screens the first few, and these give it its reasons when none fits
+    (before 2026-12-04 the host went unchecked and the other-tier variant unfitted, so that at some budgets every
+    screened candidate was refused: Llama-2-70B on the H200 preset fitted at 24 and 48 GiB, not at 32).
+    ``compression``: the LP, the fit and every candidate run with it (its settings in each candidate).
     ``num_gpus`` > 1: pipeline candidates (``stage_candidates``; ``gpus_per_node``: over that many hosts).
     ``key_mask``: every workload reserves a padded batch's key mask (``Workload.reserve_key_mask``), the fit
     included (the LP's memory row leaves it out, as it leaves out the straddling tensor). ``max_batch``: no block
@@ -154,12 +162,49 @@ def candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int
                                     key_mask, max_batch)
         return
     extra = compression.settings() if compression.any else {}
+    cap = capacity_of(hw)
+    unfit = []
     for r in flexgen_candidates(model, hw, prompt_len, gen_len, batch=batch, comp=compression, max_batch=max_batch):
         wl = Workload(prompt_len, gen_len, r.gpu_batch_size, r.num_gpu_batches, reserve_key_mask=key_mask)
-        p = fit_gpu_weights(model, hw, wl, r.percent, r.cpu_attention, comp=compression)
-        yield Candidate({"percent": p, "cpu_attention": r.cpu_attention, **extra}, wl, r.seconds_per_token)
-        yield Candidate({"percent": p[:4] + (p[5], p[4]), "cpu_attention": r.cpu_attention, **extra}, wl,
-                        r.seconds_per_token)
+        for q in (r.percent, r.percent[:4] + (r.percent[5], r.percent[4])):
+            q = fit_placement(model, hw, wl, q, r.cpu_attention, compression)
+            c = Candidate({"percent": q, "cpu_attention": r.cpu_attention, **extra}, wl, r.seconds_per_token)
+            if fp.fits(model, cap, wl, flexgen_schedule(model, FlexGenSettings(**c.settings)).placement()):
+                yield c
+            else:
+                unfit.append(c)  # listed last: the search screens a few, and these give its reasons if none fits
+    yield from unfit
+
+
+def spill_host_to_disk(p: tuple, host_over) -> tuple:
+    """``percent`` with host-homed weights, then host-homed KV, moved to disk one point at a time while
+    ``host_over(p)`` (the placement's host bytes exceed host memory); unchanged when nothing is left to move."""
+    while host_over(p):
+        wg, wc, cg, cc = p[:4]
+        if wc > 0:
+            p = (wg, wc - 1, cg, cc) + p[4:]
+        elif cc > 0:
+            p = (wg, wc, cg, cc - 1) + p[4:]
+        else:
+            break
+    return p
+
+
+def fit_placement(model: ModelSpec, hw: HardwareSpec, wl: Workload, percent: tuple, cpu_attention: bool,
+                  comp: Compression = NO_COMPRESSION) -> tuple:
+    """``percent`` made to fit one GPU and its host by the footprint's exact arithmetic, where the LP's rounded
+    optimum does not: the GPU share of the weights lowered until the GPU holds the placement (``fit_gpu_weights``:
+    the points go to the host), then, while the host bytes exceed host memory, host-homed weights and then KV moved
+    to disk (``spill_host_to_disk``) -- the LP's host row is affine too, and the GPU trim adds to the host. The same fit as a
+    pipeline's stages get (``fit_stages``)."""
+    cpu = capacity_of(hw)["cpu"]
+
+    def host_bytes(p):
+        st = FlexGenSettings(percent=p, cpu_attention=cpu_attention, **comp.settings())
+        return sum(fp.placement_tier_bytes(model, wl, flexgen_schedule(model, st).placement())["cpu"].values())
+
+    p = fit_gpu_weights(model, hw, wl, percent, cpu_attention, comp=comp)
+    return spill_host_to_disk(p, lambda q: host_bytes(q) > cpu)
 
 
 def fit_stages(model: ModelSpec, hw: HardwareSpec, wl: Workload, percent: tuple, cpu_attention: bool, pipe: dict,
@@ -176,15 +221,7 @@ def fit_stages(model: ModelSpec, hw: HardwareSpec, wl: Workload, percent: tuple,
 
     p = fit_gpu_weights(model, hw, wl, percent, cpu_attention, comp=comp,
                         fits=lambda q: stages_fit_gpus(model, wl, schedule(q), cap["gpu"]))
-    while max(node_host_bytes(model, wl, schedule(p), "cpu")) > cap["cpu"]:
-        wg, wc, cg, cc = p[:4]
-        if wc > 0:
-            p = (wg, wc - 1, cg, cc) + p[4:]
-        elif cc > 0:
-            p = (wg, wc, cg, cc - 1) + p[4:]
-        else:
-            break
-    return p
+    return spill_host_to_disk(p, lambda q: max(node_host_bytes(model, wl, schedule(q), "cpu")) > cap["cpu"])
 
 
 def stage_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int, num_stages: int,

@@ -65,6 +65,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 from offsim.core import costmodel
 from offsim.core import footprint as fp
@@ -72,11 +73,11 @@ from offsim.core.errors import OffsimError
 from offsim.core.plan import Plan
 from offsim.core.specs import NO_COMPRESSION, Compression, HardwareSpec, ModelSpec, Workload
 from offsim.policies.base import Candidate, Policy, capacity_of
-from offsim.policies.flexgen import FlexGenSettings, candidates as flexgen_candidates, fit_gpu_weights, \
+from offsim.policies.flexgen import FlexGenSettings, spill_host_to_disk, candidates as flexgen_candidates, fit_gpu_weights, \
     flexgen_schedule
 from offsim.policies.schedule import Schedule, build_block_plan
-from offsim.policies.static import (AccelerateSettings, ZeroSettings, _accelerate_schedule, _zero_schedule,
-                                    accelerate_candidates, zero_candidates)
+from offsim.policies.static import (ZERO_KV_CHOICES, AccelerateSettings, ZeroSettings, _accelerate_schedule,
+                                    _zero_schedule, offload_candidates)
 
 
 # ---- FlexGen as its code runs it ------------------------------------------------------------------------------
@@ -155,21 +156,24 @@ def flexgen_ref_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, 
     until the flat placement fits), each share trimmed further until FlexGen's own placement fits the GPU too:
     whole tensors by their midpoints (``flexgen_unit_homes``), the embedding and the head by the same percentages,
     can hold more on the GPU than the share says (OPT-30B at 24 GiB: 22.97 GiB of resident weights where the flat
-    placement of the same percentages fits). Host memory and disk are left to the plan builder's refusal, as
-    FlexGen's own fit leaves them (lowering the GPU share cannot make them fit)."""
+    placement of the same percentages fits); then, where the tensors that trim moved home to the host overflow it
+    (Llama-2-70B's at a share of 16 % all land there: 128.5 GiB on a 125 GiB host), host-homed weights and then KV
+    moved to disk until FlexGen's placement fits the host (``flexgen.spill_host_to_disk``). Candidates that still do not
+    fit come last: the search screens the first few."""
     cap = capacity_of(hw)
-    out = []
+    fit, unfit = [], []
     for c in flexgen_candidates(model, hw, prompt_len, gen_len, batch, compression, key_mask=key_mask,
                                 max_batch=max_batch):
         ca = c.settings["cpu_attention"]
 
-        def fits(p, wl=c.workload, ca=ca):
+        def fits(p, tiers=("gpu",), wl=c.workload, ca=ca):
             st = FlexGenSettings(percent=p, cpu_attention=ca, **compression.settings())
-            return fp.fits(model, cap, wl, flexgen_ref_schedule(model, st).placement(), ("gpu",))
+            return fp.fits(model, cap, wl, flexgen_ref_schedule(model, st).placement(), tiers)
 
         p = fit_gpu_weights(model, hw, c.workload, c.settings["percent"], ca, fits=fits, comp=compression)
-        out.append(c._replace(settings={**c.settings, "percent": p}))
-    return out
+        p = spill_host_to_disk(p, lambda q: not fits(q, ("cpu",)))
+        (fit if fits(p, ("gpu", "cpu", "disk")) else unfit).append(c._replace(settings={**c.settings, "percent": p}))
+    return fit + unfit
 
 
 # ---- HF Accelerate as FlexGen's benchmark ran it ----------------------------------------------------------------
@@ -177,6 +181,8 @@ def flexgen_ref_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, 
 class AccelerateRefSettings(AccelerateSettings):
     """As ``static-accelerate``'s, but ``gpu_layers`` defaults to 0: FlexGen's benchmark (``hf_opt.py``) maps all
     decoder layers to the offload tier (None: as many as fit, as ``device_map='auto'`` would)."""
+
+    POLICY: ClassVar[str] = "static-accelerate-ref"
 
     gpu_layers: int | None = 0
 
@@ -206,11 +212,20 @@ FLEXGEN_REF = Policy("flexgen-ref", FlexGenSettings, flexgen_ref_plan, flexgen_r
                      "FlexGen as its code runs: flexgen's schedule with a sync after every layer x batch and the "
                      "CPU KV cache in pageable memory", lambda m, hw, wl, st: flexgen_ref_schedule(m, st).placement(),
                      ranks_compression=True, implements="flexgen")
-ACCELERATE_REF = Policy("static-accelerate-ref", AccelerateRefSettings, accelerate_ref_plan, accelerate_candidates,
+def accelerate_ref_placement(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: AccelerateRefSettings):
+    return accelerate_ref_schedule(model, hw, wl, st).placement()
+
+
+def zero_ref_placement(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: ZeroSettings):
+    return zero_ref_schedule(model, hw, wl, st).placement()
+
+
+ACCELERATE_REF = Policy("static-accelerate-ref", AccelerateRefSettings, accelerate_ref_plan,
+                        offload_candidates(AccelerateRefSettings, accelerate_ref_placement),
                         "HF Accelerate as FlexGen's benchmark ran it: all decoder layers offloaded, one synchronous "
-                        "pageable copy per tensor before each module", lambda m, hw, wl, st:
-                        accelerate_ref_schedule(m, hw, wl, st).placement(), implements="static-accelerate")
-ZERO_REF = Policy("static-zero-ref", ZeroSettings, zero_ref_plan, zero_candidates,
+                        "pageable copy per tensor before each module", accelerate_ref_placement,
+                        implements="static-accelerate")
+ZERO_REF = Policy("static-zero-ref", ZeroSettings, zero_ref_plan,
+                  offload_candidates(ZeroSettings, zero_ref_placement, ZERO_KV_CHOICES),
                   "DeepSpeed ZeRO-Inference as its coordinator runs: one fetch per parameter, prefetch only after "
-                  "the first forward", lambda m, hw, wl, st: zero_ref_schedule(m, hw, wl, st).placement(),
-                  implements="static-zero")
+                  "the first forward", zero_ref_placement, implements="static-zero")

@@ -10,14 +10,15 @@ block schedule (``offsim.policies.schedule``) with one GPU batch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
-from typing import Iterable
+from typing import ClassVar, Iterable
 
 from offsim.core import footprint as fp
 from offsim.core.errors import OffsimError
 from offsim.core.plan import Plan
 from offsim.core.specs import NO_COMPRESSION, Compression, HardwareSpec, ModelSpec, Workload
-from offsim.policies.base import Candidate, Policy, capacity_of, compression_of, host_offload_tier
+from offsim.policies.base import Candidate, Policy, capacity_of, check_field_types, compression_of
 from offsim.policies.lp import GPU_BATCH_SIZES
 from offsim.policies.schedule import Schedule, build_block_plan
 
@@ -27,6 +28,8 @@ class AccelerateSettings:
     """``gpu_layers``: decoder layers kept whole on the GPU (None: as many as fit beside KV cache and buffers);
     ``offload``: where the other layers live, 'cpu' (pageable, as Accelerate keeps them) or 'disk'."""
 
+    POLICY: ClassVar[str] = "static-accelerate"
+
     gpu_layers: int | None = None
     offload: str = "cpu"
     # FlexGen's approximations (``specs.Compression``): --compress-weight, --compress-cache, --sparse-attention
@@ -35,6 +38,7 @@ class AccelerateSettings:
     sparse_attention: float = 1.0
 
     def __post_init__(self):
+        check_field_types(self, self.POLICY)
         if self.offload not in ("cpu", "disk"):
             raise OffsimError(f"offload must be 'cpu' or 'disk', got {self.offload!r}")
         compression_of(self)
@@ -75,6 +79,8 @@ class ZeroSettings:
     """``offload``: where the layer weights live, 'cpu' (pinned) or 'disk'; ``kv_on_cpu``: KV cache in host memory
     (loaded every step) instead of on the GPU."""
 
+    POLICY: ClassVar[str] = "static-zero"
+
     offload: str = "cpu"
     kv_on_cpu: bool = False
     # FlexGen's approximations (``specs.Compression``): --compress-weight, --compress-cache, --sparse-attention
@@ -83,6 +89,7 @@ class ZeroSettings:
     sparse_attention: float = 1.0
 
     def __post_init__(self):
+        check_field_types(self, self.POLICY)
         if self.offload not in ("cpu", "disk"):
             raise OffsimError(f"offload must be 'cpu' or 'disk', got {self.offload!r}")
         compression_of(self)
@@ -107,30 +114,51 @@ def _batches(batch: int | None, max_batch: int | None = None) -> Iterable[int]:
     return [b for b in sizes if max_batch is None or b <= max_batch]
 
 
-def accelerate_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
-                          batch: int | None = None, key_mask: bool = False,
-                          max_batch: int | None = None) -> Iterable[Candidate]:
-    """One GPU batch of each size (or of ``batch``), layers offloaded to host memory when they fit there, else to
-    disk. Unranked: the search simulates them. ``key_mask``, ``max_batch``: ``base.CandidateFn``."""
-    off = host_offload_tier(model, hw)
-    for gbs in _batches(batch, max_batch):
-        yield Candidate({"offload": off}, Workload(prompt_len, gen_len, gbs, 1, reserve_key_mask=key_mask))
+def offload_tier(model: ModelSpec, hw: HardwareSpec, wl: Workload, settings: type, placement) -> str:
+    """Where a static policy's offloaded layers go for this block: host memory when the policy's own placement with
+    them there (``placement(model, hw, wl, settings(offload='cpu'))``: the layers it keeps on the GPU, the KV where
+    it puts it) fits the host by the footprint's arithmetic, else disk -- unless the disk cannot hold the weights
+    either, where host memory is the one chance (the plan's check then says what is short). Before 2026-12-04 the
+    rule was all the weights within 95 % of host memory, which sent OPT-66B's layers to disk on a 24 GiB RTX 3090
+    (Accelerate keeps some on the GPU: 2.26 tok/s from host memory, 0.46 from disk) and refused it on the H200
+    (121.5 GiB of weights, a 64 GiB disk) where host memory holds them."""
+    pl = placement(model, hw, wl, settings(offload="cpu"))
+    fits_host = fp.fits(model, capacity_of(hw), wl, pl, ("cpu",))
+    return "cpu" if fits_host or model.weight_bytes() > hw.disk_bytes else "disk"
 
 
-def zero_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
-                    batch: int | None = None, key_mask: bool = False,
-                    max_batch: int | None = None) -> Iterable[Candidate]:
-    """As Accelerate's, each with the KV cache on the GPU (no KV traffic) and in host memory."""
-    off = host_offload_tier(model, hw)
-    for kv_on_cpu in (False, True):
-        for gbs in _batches(batch, max_batch):
-            yield Candidate({"offload": off, "kv_on_cpu": kv_on_cpu},
-                            Workload(prompt_len, gen_len, gbs, 1, reserve_key_mask=key_mask))
+def offload_candidates(settings: type, placement, kv_choices: tuple = ((),)):
+    """A static policy's candidate generator (``base.CandidateFn``): one GPU batch of each size (or of ``batch``),
+    its layers where they fit (``offload_tier``), for each of ``kv_choices`` (extra settings: ZeRO's KV on the GPU
+    and in host memory). Unranked: the search simulates them."""
+
+    def candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int, batch: int | None = None,
+                   key_mask: bool = False, max_batch: int | None = None) -> Iterable[Candidate]:
+        for kv in kv_choices:
+            for gbs in _batches(batch, max_batch):
+                wl = Workload(prompt_len, gen_len, gbs, 1, reserve_key_mask=key_mask)
+                off = offload_tier(model, hw, wl, functools.partial(settings, **dict(kv)), placement)
+                yield Candidate({"offload": off, **dict(kv)}, wl)
+
+    return candidates
+
+
+def accelerate_placement(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: AccelerateSettings) -> fp.Placement:
+    return _accelerate_schedule(model, hw, wl, st).placement()
+
+
+def zero_placement(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: ZeroSettings) -> fp.Placement:
+    return _zero_schedule(model, hw, wl, st).placement()
+
+
+ZERO_KV_CHOICES = ((("kv_on_cpu", False),), (("kv_on_cpu", True),))  # ZeRO's candidates: KV on the GPU, on the host
+accelerate_candidates = offload_candidates(AccelerateSettings, accelerate_placement)
+zero_candidates = offload_candidates(ZeroSettings, zero_placement, ZERO_KV_CHOICES)
 
 
 ACCELERATE = Policy("static-accelerate", AccelerateSettings, static_accelerate_plan, accelerate_candidates,
                     "HF Accelerate: whole layers on the GPU, the rest copied in synchronously, KV on the GPU",
-                    lambda m, hw, wl, st: _accelerate_schedule(m, hw, wl, st).placement())
+                    accelerate_placement)
 ZERO = Policy("static-zero", ZeroSettings, static_zero_plan, zero_candidates,
               "ZeRO-Inference: every layer streamed from pinned host memory with the next one prefetched",
-              lambda m, hw, wl, st: _zero_schedule(m, hw, wl, st).placement())
+              zero_placement)

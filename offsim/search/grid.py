@@ -107,8 +107,8 @@ def check_spec_keys(d: Any, where: str, keys: tuple[str, ...], schema: str, need
 
 def check_gpu_mem_gb(where: str, key: str, v: Any) -> None:
     """A GPU budget in a spec: GiB > 0, or null for the hardware's own."""
-    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
-        raise OffsimError(f"{where}: {key} takes GiB > 0 or null (the hardware's own), got {v!r}")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf):
+        raise OffsimError(f"{where}: {key} takes a finite GiB > 0 or null (the hardware's own), got {v!r}")
 
 
 def _positive_ints(where: str, axis: str, values: list) -> list[int]:
@@ -154,7 +154,7 @@ def parse_spec(d: Any, where: str = "sweep spec") -> SweepSpec:
     if "num_gpu_batches" in grid and "gpu_batch_size" not in grid:
         raise OffsimError(f"{where}: grid.num_gpu_batches needs grid.gpu_batch_size (a fixed plan)")
     for p in grid["policy"]:
-        if p not in POLICIES:
+        if not isinstance(p, str) or p not in POLICIES:
             raise OffsimError(f"{where}: unknown policy {p!r}; valid: {', '.join(POLICIES)}")
     for axis in ("model", "hardware"):
         for v in grid[axis]:

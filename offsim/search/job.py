@@ -101,8 +101,9 @@ def parse_job_spec(d: Any, where: str = "job spec", base: Path = Path(".")) -> J
     if not isinstance(pols, list) or not pols:
         raise OffsimError(f"{where}: policies takes a list of names or 'all'")
     for p in pols:
-        if p not in POLICIES:
+        if not isinstance(p, str) or p not in POLICIES:
             raise OffsimError(f"{where}: unknown policy {p!r}; valid: {', '.join(POLICIES)} (or 'all')")
+    pols = list(dict.fromkeys(pols))  # (a policy listed twice runs once)
     batching = d.get("batching", "padded")
     if batching not in BATCHING:
         raise OffsimError(f"{where}: batching must be one of {BATCHING}, got {batching!r}")
@@ -122,13 +123,17 @@ def parse_job_spec(d: Any, where: str = "job spec", base: Path = Path(".")) -> J
             count = _positive_int(where, "requests.count", r.get("count"))
             reqs, source = draw_requests(r["distribution"], count, seed), str(r["distribution"])
         else:
+            if not isinstance(r["csv"], str) or not r["csv"]:
+                raise OffsimError(f"{where}: requests.csv takes the path of a CSV of prompt_len,gen_len (relative "
+                                  f"to the spec), got {r['csv']!r}")
             csv_path = Path(r["csv"])
             csv_path = csv_path if csv_path.is_absolute() else base / csv_path
             reqs, source = read_requests_csv(csv_path), str(csv_path)
             if r.get("count") is not None:
                 reqs = sample_requests(reqs, _positive_int(where, "requests.count", r["count"]), seed)
     except OffsimError as e:
-        raise OffsimError(f"{where}: {e}") from None
+        msg = str(e)
+        raise OffsimError(msg if msg.startswith(f"{where}: ") else f"{where}: {msg}") from None
     max_batch = _positive_int(where, "max_batch", d.get("max_batch"), allow_none=True)
     max_sims = _positive_int(where, "max_sims", d.get("max_sims", 3))
     decode_steps = d.get("decode_steps", DECODE_STEPS)

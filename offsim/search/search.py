@@ -127,9 +127,13 @@ def _search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, ge
                "settings": dict(settings), "lp_s_per_token": lp_s, "_wl": wl}
         rows.append(row)
         short = wl.with_(gen_len=short_gen)
-        plan = _try(lambda: build_plan(policy, model, hw, short, settings, validate=False), row, reasons)
-        m = plan and _try(lambda: simulate(plan, hw).metrics(), row, reasons)
+        plan = _try(lambda: build_plan(policy, model, hw, short, settings, validate=False), row, [])
+        m = plan and _try(lambda: simulate(plan, hw).metrics(), row, [])
         if not m:
+            # say why in the user's lengths, not the screening plan's: the full workload's memory arithmetic where
+            # it refuses the candidate too, else the screening plan's own reason
+            _try(lambda: check_plan_fits(policy, model, hw, wl, settings), row, [])
+            reasons.append(row["error"])
             continue
         decode_per_step = m["decode_s"] / (short_gen - 1) if short_gen > 1 else 0.0
         est_s = m["prefill_s"] + decode_per_step * (gen_len - 1)

@@ -25,7 +25,7 @@ from offsim.core import footprint as fp
 from offsim.core.errors import OffsimError
 from offsim.core.plan import Plan
 from offsim.core.specs import NO_COMPRESSION, Compression, HardwareSpec, ModelSpec, Workload
-from offsim.policies.base import Candidate, Policy, capacity_of, compression_of
+from offsim.policies.base import Candidate, Policy, capacity_of, check_field_types, compression_of
 from offsim.policies.schedule import Schedule, build_block_plan
 
 
@@ -43,6 +43,7 @@ class SelectNSettings:
     sparse_attention: float = 1.0
 
     def __post_init__(self):
+        check_field_types(self, "selectn")
         compression_of(self)
         if isinstance(self.interval, bool) or not isinstance(self.interval, int) or self.interval < 1:
             raise OffsimError(f"selectn interval must be an integer >= 1 (1 offloads every layer, a value above "

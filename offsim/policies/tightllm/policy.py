@@ -65,7 +65,7 @@ from offsim.core.errors import OffsimError
 from offsim.policies.tightllm.kv_distributor import SOLVERS, TRANSFER_MODELS, Decision, KVDistributorWarning, distributor, kv_load_bytes
 from offsim.core.plan import Plan, PlanBuilder
 from offsim.core.specs import NO_COMPRESSION, Compression, HardwareSpec, ModelSpec, Workload
-from offsim.policies.base import (Candidate, Policy, capacity_of, compression_of, kv_split_from_percent,
+from offsim.policies.base import (Candidate, Policy, capacity_of, check_field_types, compression_of, kv_split_from_percent,
                                   weight_split_from_percent)
 from offsim.policies.flexgen import FlexGenSettings, fit_gpu_weights
 from offsim.policies.lp import flexgen_candidates
@@ -116,6 +116,7 @@ class TightLLMSettings:
     micro_batches: int = 0
 
     def __post_init__(self):
+        check_field_types(self, "tightllm")
         # same placement and pipeline rules and messages as FlexGen
         FlexGenSettings(percent=tuple(self.percent), num_stages=self.num_stages, stage_layers=self.stage_layers,
                         micro_batches=self.micro_batches)
@@ -130,10 +131,6 @@ class TightLLMSettings:
         if isinstance(self.weight_slices, bool) or not isinstance(self.weight_slices, int) or self.weight_slices < 0:
             raise OffsimError(f"tightllm weight_slices must be an integer >= 0 (0: one per GPU batch), got "
                               f"{self.weight_slices!r}")
-        if not isinstance(self.capture_aware, bool):
-            raise OffsimError(f"tightllm capture_aware must be true or false, got {self.capture_aware!r}")
-        if not isinstance(self.hold_recompute, bool):
-            raise OffsimError(f"tightllm hold_recompute must be true or false, got {self.hold_recompute!r}")
         if self.max_recompute_tokens is not None and (not isinstance(self.max_recompute_tokens, int)
                                                       or self.max_recompute_tokens < 0):
             raise OffsimError(f"tightllm max_recompute_tokens must be None or an integer >= 0, got "
