@@ -443,7 +443,7 @@ def add_job_parser(sub) -> None:
                         "decode_steps, long blocks in pieces; docs/jobs.md §6)")
     j.add_argument("--traces", action="store_true",
                    help="also write each measured block's trace (offsim's trace schema) and plan to "
-                        "--out/traces/POLICY_blockI.trace.csv.gz and .plan.json.gz: `offsim validate --out/traces "
+                        "--out/traces/POLICY_blockI.trace.csv.gz and .plan.json.gz: `offsim validate OUT/traces "
                         "--hardware PROFILE` compares them op by op with offsim's simulation")
     j.add_argument("--no-progress", action="store_true", help="no progress bar")
     j.set_defaults(func=cmd_job)

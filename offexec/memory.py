@@ -46,14 +46,19 @@ class ExecError(OffsimError):
     """The executor cannot run this plan here (budget, device, disk room, checkpoint): the message says why."""
 
 
-def require_device(name) -> "torch.device":
-    """``name`` as a torch device, refused in one line when it asks for CUDA on a machine without it (every
-    offexec command and the executor check it the same way)."""
+def parse_device(name) -> "torch.device":
+    """``name`` as a torch device, or one line saying it is none and what is."""
     try:
-        dev = torch.device(name)
+        return torch.device(name)
     except (RuntimeError, TypeError) as e:
         raise ExecError(f"--device {name!r} is not a device ({' '.join(str(e).split())}); valid: cpu, cuda, "
                         "cuda:N") from None
+
+
+def require_device(name) -> "torch.device":
+    """``name`` as a torch device, refused in one line when it asks for CUDA on a machine without it (every
+    offexec command and the executor check it the same way)."""
+    dev = parse_device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ExecError("--device cuda was asked but no CUDA device is available (use --device cpu)")
     return dev

@@ -834,13 +834,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_compression_args(q, choice=True)
     q.set_defaults(func=cmd_search)
     c = sub.add_parser("compare", help="every policy at its best settings, side by side",
-                       description="Search every policy (or --policies) and print them side by side, best total "
+                       description="Search every ideal policy (or --policies, the *-ref peers among them) and print "
+                                   "them side by side, best total "
                                    "tok/s first, with time to first token, decode latency per token and each "
                                    "policy's busiest stream. Exit 2 when no policy fits.")
     add_target_args(c)
     c.add_argument("--policies", nargs="+", metavar="POLICY", help=f"subset of: {', '.join(POLICIES)}")
     c.add_argument("--max-sims", type=positive_int, default=3,
-                   help="LP-ranked candidates to simulate per policy (default: %(default)s)")
+                   help="LP-ranked policies screen 2 x this many best LP candidates by simulation "
+                        "(default: %(default)s)")
     c.add_argument("--progress", action="store_true", help="show a progress bar per policy")
     add_search_gpus_arg(c)
     add_compression_args(c, choice=True)

@@ -73,8 +73,8 @@ from offsim.core.errors import OffsimError
 from offsim.core.plan import Plan
 from offsim.core.specs import NO_COMPRESSION, Compression, HardwareSpec, ModelSpec, Workload
 from offsim.policies.base import Candidate, Policy, capacity_of
-from offsim.policies.flexgen import FlexGenSettings, spill_host_to_disk, candidates as flexgen_candidates, fit_gpu_weights, \
-    flexgen_schedule
+from offsim.policies.flexgen import (FlexGenSettings, candidates as flexgen_candidates, fit_gpu_weights,
+                                     flexgen_schedule, more_on_disk, spill_host_to_disk)
 from offsim.policies.schedule import Schedule, build_block_plan
 from offsim.policies.static import (ZERO_KV_CHOICES, AccelerateSettings, ZeroSettings, _accelerate_schedule,
                                     _zero_schedule, offload_candidates)
@@ -158,10 +158,11 @@ def flexgen_ref_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, 
     can hold more on the GPU than the share says (OPT-30B at 24 GiB: 22.97 GiB of resident weights where the flat
     placement of the same percentages fits); then, where the tensors that trim moved home to the host overflow it
     (Llama-2-70B's at a share of 16 % all land there: 128.5 GiB on a 125 GiB host), host-homed weights and then KV
-    moved to disk until FlexGen's placement fits the host (``flexgen.spill_host_to_disk``). Candidates that still do not
-    fit come last: the search screens the first few."""
+    moved to disk until FlexGen's placement fits the host (``flexgen.spill_host_to_disk``). Those that this put
+    more on disk than the LP's placement come after the rest (``flexgen.more_on_disk``), those that still do not
+    fit last: the search screens the first few."""
     cap = capacity_of(hw)
-    fit, unfit = [], []
+    fit, spilled, unfit = [], [], []
     for c in flexgen_candidates(model, hw, prompt_len, gen_len, batch, compression, key_mask=key_mask,
                                 max_batch=max_batch):
         ca = c.settings["cpu_attention"]
@@ -172,8 +173,14 @@ def flexgen_ref_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, 
 
         p = fit_gpu_weights(model, hw, c.workload, c.settings["percent"], ca, fits=fits, comp=compression)
         p = spill_host_to_disk(p, lambda q: not fits(q, ("cpu",)))
-        (fit if fits(p, ("gpu", "cpu", "disk")) else unfit).append(c._replace(settings={**c.settings, "percent": p}))
-    return fit + unfit
+        fitted = c._replace(settings={**c.settings, "percent": p})
+        if not fits(p, ("gpu", "cpu", "disk")):
+            unfit.append(fitted)
+        elif more_on_disk(p, c.settings["percent"]):
+            spilled.append(fitted)
+        else:
+            fit.append(fitted)
+    return fit + spilled + unfit
 
 
 # ---- HF Accelerate as FlexGen's benchmark ran it ----------------------------------------------------------------
