@@ -1276,3 +1276,23 @@ def test_issue_share_counts_the_graph_captures_the_simulator_adds():
     decode_s = 1.0
     busy = sum(c for c, op in zip(full, plan.ops) if op.phase == "decode")
     assert host_issue_share(plan, hw, {"decode_s": decode_s}) == {"host_issue_decode_frac": pytest.approx(busy)}
+
+
+def test_sparse_attention_priced_from_the_dense_rows_is_continuous_and_monotone():
+    """Where the profile's measured rows price a decode attention op (graphed on the GPU: 'decode_graph:B'; on the
+    CPU: 'attn_ctx:B'), a sparse op is that row scaled by (1 + f) / 2 (K and QK^T whole, V and PV by the kept share
+    f): no jump at f just below 1 (it was +8 % on the GPU, -17 % on the CPU, where the rows gave way to another
+    model), and fewer kept rows never cost more."""
+    from pathlib import Path
+
+    from offsim.core.specs import Compression
+
+    hw = get_hardware(str(Path(__file__).resolve().parents[1] / "results" / "profiles" / "h200_offexec_v2.json"))
+    m = get_model("opt-6.7b")
+    fs = (1.0, 0.999, 0.9, 0.5, 0.1)
+    gpu = [C.attention_seconds(m, hw, 32, 1, 1000, Compression(sparse_attention=f), graphed=True, kv_len=2015)
+           for f in fs]
+    cpu = [C.cpu_attention_seconds(m, hw, 32, 1, 1000, Compression(sparse_attention=f)) for f in fs]
+    for t in (gpu, cpu):
+        assert t[1] == pytest.approx(t[0], rel=1e-3) and all(a >= b for a, b in zip(t, t[1:]))
+        assert t[-1] == pytest.approx(t[0] * (1 + fs[-1]) / 2)

@@ -293,12 +293,14 @@ def attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_tokens: in
     model-agnostic curve. ``masked``: the batch is left-padded (``Workload.padded``), so the kernel takes a
     per-sequence key mask: the profile's 'prefill_masked' / 'recompute_masked' rows where measured (a masked SDPA
     call runs another kernel, up to 2.5x slower at these shapes: experiments/offexec/mask_sdpa.py), else the
-    unmasked rows. Sparse attention (``comp``) reads all of K and its share of V, and does its share of PV."""
+    unmasked rows. Sparse attention (``comp``) reads all of K and its share of V, and does its share of PV; where
+    a measured row prices the op, that row (timed dense) times ``sparse_scale``, so that the price is continuous in
+    the kept share (it jumped +8 % from 1 to 0.999 where the rows gave way to the FLOP and byte terms below)."""
     sparse = sparse_share(q_tokens, ctx_tokens, comp)
-    if graphed and _decode_graph_rows_price(num_seqs, q_tokens, sparse):
+    if graphed and _decode_graph_rows_price(num_seqs, q_tokens):
         t = _rows_by_batch_and_context(model, hw, num_seqs, max(ctx_tokens, kv_len), "decode_graph:", mode="attn")
         if t is not None:
-            return t
+            return t * sparse_scale(sparse)
     flops = attention_flops(model, num_seqs, q_tokens, ctx_tokens, sparse)
     eff = None
     if q_tokens > 1 and hw.op_times:
@@ -312,10 +314,18 @@ def attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_tokens: in
     return t_flops + t_mem  # an upper bound that stays linear (expressions only)
 
 
-def _decode_graph_rows_price(num_seqs, q_tokens: int, sparse: float) -> bool:
+def _decode_graph_rows_price(num_seqs, q_tokens: int) -> bool:
     """Whether the profile's ('attn', 'decode_graph:B') rows price a graphed op's attention: one query per sequence,
-    dense (the rows time the dense masked kernel), a numeric batch (not an LP expression)."""
-    return q_tokens == 1 and sparse == 1.0 and _is_number(num_seqs)
+    a numeric batch (not an LP expression). The rows time the dense masked kernel; a sparse op's is scaled
+    (``sparse_scale``)."""
+    return q_tokens == 1 and _is_number(num_seqs)
+
+
+def sparse_scale(sparse: float) -> float:
+    """A dense attention's measured time scaled to sparse attention keeping ``sparse`` of the V rows: K and QK^T stay
+    whole, V's read and PV shrink to the kept share -- (1 + sparse) / 2, the ratio of both the FLOP and the byte terms
+    of ``attention_flops`` and ``attention_seconds``. The top-k selection's own cost is in neither (not measured)."""
+    return (1 + sparse) / 2
 
 
 # The KV buffer (positions) the op tables' graphed decode ops attend over: ``offexec profile`` times them in plans of
@@ -334,7 +344,7 @@ def graph_row_attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_
     line through their two shortest, the kernel's time being close to affine in the buffer's length); 0 without
     them (the model-agnostic price at so short a context is below 1 % of a row, and the profiles without these
     rows predict as before). Without this the rows' 64-sequence ops counted ~0.05 ms twice beside ~0.35 ms rows."""
-    if not _decode_graph_rows_price(num_seqs, q_tokens, sparse_share(q_tokens, ctx_tokens, comp)):
+    if not _decode_graph_rows_price(num_seqs, q_tokens):  # (the probe ran dense: its row holds dense attention)
         return 0.0
     t = _rows_by_batch_and_context(model, hw, num_seqs, OP_TABLE_PROBE_KV_LEN, "decode_graph:", mode="attn",
                                    affine_below=True)
@@ -693,12 +703,16 @@ def cpu_attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_tokens
     flops = attention_flops(model, num_seqs, q_tokens, ctx_tokens, sparse_share(q_tokens, ctx_tokens, comp))
     if not _is_number(num_seqs):
         return flops / hw.cpu_attention_flops
-    if q_tokens == 1 and comp.sparse_attention >= 1:
-        t = _rows_by_batch_and_context(model, hw, num_seqs, ctx_tokens, f"attn_ctx_{impl}:") if impl else None
+    if q_tokens == 1:  # (the rows timed dense ops: a sparse one's is scaled, ``sparse_scale``)
+        f = sparse_share(q_tokens, ctx_tokens, comp)
+        # (FlexGen's rows that hold its whole sub-layer do not price a sparse plan's CPU part, which it prices apart:
+        # offexec's rows do, as for a profile without FlexGen's)
+        own = impl and not (f < 1 and cpu_attention_row_holds_sublayer(hw, model, impl))
+        t = _rows_by_batch_and_context(model, hw, num_seqs, ctx_tokens, f"attn_ctx_{impl}:") if own else None
         if t is None:
             t = _rows_by_batch_and_context(model, hw, num_seqs, ctx_tokens)
         if t is not None:
-            return t
+            return t * sparse_scale(f)
     rate = op_table(hw, model, "cpu", "attn_flops")
     t = flops / (interp(rate, num_seqs) if rate else hw.cpu_attention_flops)
     fixed = op_table(hw, model, "cpu", "attn")
