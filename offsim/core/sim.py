@@ -489,21 +489,29 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
             st = kw.get("stream")
             sidx.append(kind_stream[r[0]] if not st else _STREAM_INDEX[st])
         sname = np.asarray(sidx, dtype=np.intp)
-    # several GPUs: each op's device, and its resource -- stream s of device d is s + d * ns_local, except for the
-    # host's shared streams (one per node for all its devices, at the index of the node's first device: on one host
-    # their own index)
+    # several GPUs: each op's device, and its stream -- stream s of device d is s + d * ns_local. The host's shared
+    # streams (cpu, disk) are one resource per node for all its devices ("servers", at the index of the node's first
+    # device): each device's host ops run in its own plan order, and a node's server runs one of them at a time, in
+    # the order they became ready (offexec runs a process per GPU; its ranks share the host's cores and its disk).
+    # Before 2026-12-04 they were one stream in plan order for all stages, so a stage's CPU attention waited behind
+    # the other stages' earlier-planned ops even when its own were ready: pipelines with CPU attention or disk KV
+    # ran slower on more GPUs (OPT-30B on the T4 preset with CPU attention: 125 s on 1 GPU, 208 s on 4)
     ndev = plan.num_devices
     multi = ndev > 1
     nodes = plan.num_nodes > 1  # several hosts: host memory, disk space and the host streams per node
     ns_local = len(ALL_STREAMS)
     stream_name_idx = sidx  # (what the trace's stream column shows)
-    odev = onode = None
+    odev = onode = server_of = None
     if multi:
         odev = [r[6].get("device", 0) for r in rows]
         node_of = [plan.node_of_device(d) for d in range(ndev)]
         host_dev = [node_of.index(node_of[d]) for d in range(ndev)]  # each device's node's first device
         shared = _SHARED_INDEX
-        sidx = [s + ns_local * (host_dev[d] if s in shared else d) for s, d in zip(sidx, odev)]
+        sidx = [s + ns_local * d for s, d in zip(sidx, odev)]
+        server_of = [-1] * (ns_local * ndev)  # a device's shared host stream -> its node's server
+        for d in range(ndev):
+            for s_ in shared:
+                server_of[s_ + ns_local * d] = s_ + ns_local * host_dev[d]
         if nodes:
             onode = [node_of[d] for d in odev]
     # each op's duration when the link is not shared, cached by what prices it
@@ -773,11 +781,12 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
     if issued is None and pred is None:
         iss_i = n  # nothing is issued (no issue costs, no window): every op counts as issued, none is checked
     host_codes = {_STREAM_INDEX[h] for h in HOST_STREAMS}
-    host_stream = [s_ in host_codes for s_ in range(ns)]
+    host_stream = [s_ % ns_local in host_codes for s_ in range(ns)]  # (every device's)
+    server_op = [-1] * ns  # per server (``server_of``): the op it runs (or ran last)
 
     wait_all = plan.issue_waits_for_deps
     # (only the stream-order issuer reads it; sarr: sidx as an array)
-    blocks_iss = _blocks_issue(plan, np.isin(sarr, list(host_codes)).tolist()) if stream_order else None
+    blocks_iss = _blocks_issue(plan, np.isin(sarr % ns_local, list(host_codes)).tolist()) if stream_order else None
 
     def issuable(o: int) -> bool:
         """Op o's dependencies are all issued, and those on a host stream have finished (offexec's rule; every one
@@ -969,6 +978,16 @@ def _simulate(plan: Plan, hw: HardwareSpec, check_memory: bool) -> Trace:
                                 ready_put(itself[s])
                             continue
                     gated[s] = False
+                if server_of is not None and (v := server_of[s]) >= 0:  # a shared host stream: its node's server
+                    o = server_op[v]
+                    if o >= 0 and end[o] is None:  # busy with another device's op: wait for it, first come first
+                        w = waiting[o]
+                        if w is None:
+                            waiting[o] = [s]
+                        else:
+                            w.append(s)
+                        continue
+                    server_op[v] = i
                 start[i] = now
                 a = allocs[i]
                 if a is not None:  # tier by tier, gpu first: an overflow names the first tier over
