@@ -1116,15 +1116,15 @@ def test_graphed_layer_row_holds_the_probes_attention_once():
     row = ((64.0, 1e-5), (128.0, 2e-5))  # the kernel: 1e-5 s at 64 positions, 2e-5 s at 128
     hw = HW.with_(op_times=HW.op_times + ((key, "attn", f"decode_graph:{n}", row),))
     probe = 1e-5 - (64 - C.OP_TABLE_PROBE_KV_LEN) * (1e-5 / 64)  # the line below its shortest length
-    assert C.graph_row_attention_seconds(M, hw, n, 1, 200) == pytest.approx(probe)
+    assert C.graph_row_attention_seconds(M, hw, n, 1) == pytest.approx(probe)
     table = C._table_compute_seconds(M, hw, "layer", n, 1, True)
     own = C.attention_seconds(M, hw, n, 1, 200, graphed=True, kv_len=buf)
     assert own == pytest.approx(2e-5 * buf / 128)  # proportional past the longest
     assert C.compute_seconds(M, hw, "layer", n, 1, 200, graphs=True, kv_len=buf) == pytest.approx(
         C._sustained(hw, table + own - probe, n, M))
     # without the rows, a recompute block, an eager op: nothing taken out
-    assert C.graph_row_attention_seconds(M, HW, n, 1, 200) == 0.0
-    assert C.graph_row_attention_seconds(M, hw, n, 5, 200) == 0.0
+    assert C.graph_row_attention_seconds(M, HW, n, 1) == 0.0
+    assert C.graph_row_attention_seconds(M, hw, n, 5) == 0.0
     eager = C.compute_seconds(M, hw, "layer", n, 1, 200, graphs=False, kv_len=buf)
     assert eager == pytest.approx(C._sustained(hw, C._table_compute_seconds(M, hw, "layer", n, 1, False)
                                                + C.attention_seconds(M, hw, n, 1, 200), n, M))

@@ -335,8 +335,7 @@ OP_TABLE_PROBE_PROMPT, OP_TABLE_PROBE_GEN = 16, 8
 OP_TABLE_PROBE_KV_LEN = OP_TABLE_PROBE_PROMPT + OP_TABLE_PROBE_GEN - 1
 
 
-def graph_row_attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_tokens: int, ctx_tokens: int,
-                                comp: Compression = NO_COMPRESSION) -> float:
+def graph_row_attention_seconds(model: ModelSpec, hw: HardwareSpec, num_seqs, q_tokens: int) -> float:
     """The attention a graphed decode op's ('graph', part) row already holds: the row was timed on the probe's ops,
     which attend over the probe's buffer (``OP_TABLE_PROBE_KV_LEN`` positions), and ``compute_seconds`` adds the
     attention over the op's own buffer on top. Priced from the profile's ('attn', 'decode_graph:B') rows where it
@@ -495,7 +494,7 @@ def compute_seconds(model: ModelSpec, hw: HardwareSpec, part: str, num_seqs, q_t
             if part in ("attn", "layer", "attn_layer"):
                 t += attention_seconds(model, hw, num_seqs, q_tokens, ctx_tokens, comp, masked, graphs, kv_len)
                 if graphs and part in GRAPHED_PARTS:  # its row holds the probe's attention: not counted twice
-                    t -= graph_row_attention_seconds(model, hw, num_seqs, q_tokens, ctx_tokens, comp)
+                    t -= graph_row_attention_seconds(model, hw, num_seqs, q_tokens)
             return _sustained(hw, t, num_seqs * q_tokens, model) + q
     t = _analytical_compute_seconds(model, hw, part, num_seqs, q_tokens, ctx_tokens, comp, masked, graphs, kv_len)
     return _sustained(hw, t, num_seqs * q_tokens, model) + q

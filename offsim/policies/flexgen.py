@@ -12,8 +12,8 @@ from offsim.core import footprint as fp
 from offsim.core.errors import OffsimError
 from offsim.core.plan import Plan
 from offsim.core.specs import NO_COMPRESSION, Compression, HardwareSpec, ModelSpec, Workload
-from offsim.policies.base import (Candidate, Policy, capacity_of, check_field_types, compression_of, kv_split_from_percent,
-                                  weight_split_from_percent)
+from offsim.policies.base import (Candidate, Policy, capacity_of, check_field_types, compression_of,
+                                  kv_split_from_percent, weight_split_from_percent)
 from offsim.policies.lp import flexgen_candidates, flexgen_stage_candidates, stage_splits
 from offsim.core.costmodel import network_bytes_per_s
 from offsim.policies.schedule import (Schedule, balanced_stages, build_block_plan, check_gpus_per_node, check_stages_fit,
@@ -206,8 +206,8 @@ def fit_placement(model: ModelSpec, hw: HardwareSpec, wl: Workload, percent: tup
     """``percent`` made to fit one GPU and its host by the footprint's exact arithmetic, where the LP's rounded
     optimum does not: the GPU share of the weights lowered until the GPU holds the placement (``fit_gpu_weights``:
     the points go to the host), then, while the host bytes exceed host memory, host-homed weights and then KV moved
-    to disk (``spill_host_to_disk``) -- the LP's host row is affine too, and the GPU trim adds to the host. The same fit as a
-    pipeline's stages get (``fit_stages``)."""
+    to disk (``spill_host_to_disk``) -- the LP's host row is affine too, and the GPU trim adds to the host. The same
+    fit as a pipeline's stages get (``fit_stages``)."""
     cpu = capacity_of(hw)["cpu"]
 
     def host_bytes(p):

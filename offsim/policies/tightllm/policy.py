@@ -65,8 +65,8 @@ from offsim.core.errors import OffsimError
 from offsim.policies.tightllm.kv_distributor import SOLVERS, TRANSFER_MODELS, Decision, KVDistributorWarning, distributor, kv_load_bytes
 from offsim.core.plan import Plan, PlanBuilder
 from offsim.core.specs import NO_COMPRESSION, Compression, HardwareSpec, ModelSpec, Workload
-from offsim.policies.base import (Candidate, Policy, capacity_of, check_field_types, compression_of, kv_split_from_percent,
-                                  weight_split_from_percent)
+from offsim.policies.base import (Candidate, Policy, capacity_of, check_field_types, compression_of,
+                                  kv_split_from_percent, weight_split_from_percent)
 from offsim.policies.flexgen import FlexGenSettings, fit_gpu_weights
 from offsim.policies.lp import flexgen_candidates
 from offsim.core import footprint as fp
