@@ -19,7 +19,7 @@ from pathlib import Path
 import pandas as pd
 
 from offsim.core.errors import OffsimError
-from offsim.core.io import write_text_atomic
+from offsim.core.io import finite_json, write_text_atomic
 from offsim.core.latency import host_issue_share, latency_and_bottleneck
 from offsim.core.plan import RUN_AHEAD_OPS, Plan
 from offsim.policies import DEFAULT_POLICIES, POLICIES, build_plan, get_policy
@@ -258,21 +258,9 @@ def _fmt_table(rows: list[dict]) -> str:
     return df.to_string(index=False, float_format=lambda x: f"{x:,.3f}")
 
 
-def _finite(obj):
-    """``obj`` with every float that is not finite (a decode rate with no decode step: gen-len 1) as None: strict
-    JSON has no Infinity or NaN, and a reader that parses it strictly would fail on the whole line."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
-
-
 def _print_json(obj) -> None:
-    print(json.dumps(_finite(obj), allow_nan=False,
-                     default=lambda x: _finite(x.item()) if hasattr(x, "item") and not hasattr(x, "__len__")
+    print(json.dumps(finite_json(obj), allow_nan=False,
+                     default=lambda x: finite_json(x.item()) if hasattr(x, "item") and not hasattr(x, "__len__")
                      else str(x)))
 
 
@@ -715,9 +703,10 @@ def cmd_sweep(args) -> None:
         raise OffsimError(f"--workers must be at least 1, got {args.workers}")
     spec = grid.load_spec(args.spec)
     out = Path(args.out) if args.out else Path(f"sweep-{spec.name}")
-    if not out.expanduser().resolve().parent.is_dir():
-        raise OffsimError(f"--out {out}: directory {out.expanduser().resolve().parent} does not exist (create it first)")
-    make_output_dir(out, "--out")
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        grid.check_reachable(address)  # before the output folder is made: an unreachable cluster leaves nothing
+    make_output_dir(out, "--out")  # with its parents, as `offsim sweep spec.yaml --out runs/NAME` is documented
     rec = grid.run_sweep(spec, out, workers=args.workers, address=args.address, progress=not args.no_progress,
                          max_points=args.max_points)
     _, df = grid.read_table(out)

@@ -4,6 +4,7 @@ Ray runtime that is interrupted and resumed without redoing answered points, per
 import importlib
 import json
 import math
+import socket
 
 import numpy as np
 import pandas as pd
@@ -12,6 +13,7 @@ import pytest
 from offsim.analysis.pareto import fronts, pareto_front, plot_pareto
 from offsim.cli import main
 from offsim.core.errors import OffsimError
+from offsim.core.specs import get_hardware
 from offsim.search import grid
 
 # 20 points: 5 prompt lengths x 2 budgets x 2 policies on OPT-1.3B; at 0.3 GiB nothing fits (one sequence needs
@@ -82,7 +84,46 @@ def test_cli_bad_spec_exits_2_before_ray(capsys, tmp_path):
     assert "gpt-7" in _one_line_error(capsys, ["sweep", str(bad)])
     ok = tmp_path / "ok.json"
     ok.write_text(json.dumps(SPEC))
-    assert "does not exist" in _one_line_error(capsys, ["sweep", str(ok), "--out", str(tmp_path / "a" / "b")])
+    with socket.socket() as s:  # a port nothing listens on: refused at once, where ray.init retries for minutes
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    err = _one_line_error(capsys, ["sweep", str(ok), "--out", str(tmp_path / "a" / "b"), "--address",
+                                   f"127.0.0.1:{port}"])
+    assert f"cannot reach the Ray cluster at 127.0.0.1:{port}" in err and not (tmp_path / "a").exists()
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"\x7fELF\x02\x01\x01\x00\xff\xfe\x00")
+    assert "not text (not UTF-8)" in _one_line_error(capsys, ["sweep", str(binary)])
+    named = tmp_path / "named.json"
+    named.write_text(json.dumps({**SPEC, "name": "../../escape"}))
+    assert "name '../../escape'" in _one_line_error(capsys, ["sweep", str(named)])
+
+
+def test_point_ids_follow_what_the_files_hold(tmp_path):
+    """A point's id covers its model's and hardware's contents: a resumed sweep whose profile file was edited runs
+    its points again instead of reusing answers of the old profile; 8 and 8.0 GiB are one budget."""
+    prof = tmp_path / "prof.json"
+    prof.write_text(json.dumps(get_hardware("t4").to_dict()))
+    spec = {"grid": {**SPEC["grid"], "hardware": [str(prof)], "gpu_mem_gb": [2]}}
+    before = [p["point_id"] for p in grid.expand(grid.parse_spec(spec))]
+    assert before == [p["point_id"] for p in grid.expand(grid.parse_spec(spec))]  # stable
+    slower = get_hardware("t4").to_dict()
+    slower["h2d_pinned"] = [[size, rate / 10] for size, rate in slower["h2d_pinned"]]
+    prof.write_text(json.dumps(slower))
+    after = [p["point_id"] for p in grid.expand(grid.parse_spec(spec))]
+    assert not set(before) & set(after)
+    as_float = {"grid": {**spec["grid"], "gpu_mem_gb": [2.0]}}
+    assert [p["point_id"] for p in grid.expand(grid.parse_spec(as_float))] == after
+    with pytest.raises(OffsimError, match="twice"):
+        grid.parse_spec({"grid": {**spec["grid"], "gpu_mem_gb": [2, 2.0]}})
+
+
+def test_journal_lines_are_strict_json(tmp_path):
+    """gen_len 1 has no decode step: its decode rate is written as null, not Infinity (which strict JSON lacks)."""
+    j = grid._Journal(tmp_path / grid.JOURNAL)
+    j.write({"point_id": "a", "status": "ok", "decode_tok_s": math.inf, "x": [math.nan, 1.0]})
+    j.close()
+    row = json.loads((tmp_path / grid.JOURNAL).read_text(), parse_constant=lambda c: pytest.fail(c))
+    assert row["decode_tok_s"] is None and row["x"] == [None, 1.0]
 
 
 def test_evaluate_point_statuses(monkeypatch):

@@ -323,3 +323,6 @@ def test_csv_reader_refuses_a_missing_header(tmp_path):
     (tmp_path / "x.csv").write_text("32,2\n")
     with pytest.raises(OffsimError, match="header 'prompt_len,gen_len'"):
         read_requests_csv(tmp_path / "x.csv")
+    (tmp_path / "x.csv").write_bytes(b"prompt_len,gen_len\n\xff\xfe32,2\n")  # not text: one line, no traceback
+    with pytest.raises(OffsimError, match="not text"):
+        read_requests_csv(tmp_path / "x.csv")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
+import math
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -57,6 +58,18 @@ def write_text_atomic(path: str | Path, text: str) -> None:
         f.write(text)
 
 
+def finite_json(obj):
+    """``obj`` with every float that is not finite (a decode rate with no decode step: gen-len 1) as None: strict
+    JSON has no Infinity or NaN, and a reader that parses it strictly would fail on the whole line."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_json(v) for v in obj]
+    return obj
+
+
 def read_json_object(path: str | Path, what: str, error: type[OffsimError] = OffsimError) -> dict:
     """The JSON object in ``path``; ``what`` names it in errors ('plan', 'hardware profile', ...)."""
     try:
@@ -64,6 +77,8 @@ def read_json_object(path: str | Path, what: str, error: type[OffsimError] = Off
         d = json.loads(gzip.open(path, "rt").read() if path.suffix == ".gz" else path.read_text())
     except (OSError, EOFError) as e:
         raise error(f"cannot read {what} {path}: {getattr(e, 'strerror', None) or e}") from None
+    except UnicodeDecodeError:
+        raise error(f"{what} {path} is not text (not UTF-8): give a JSON file") from None
     except json.JSONDecodeError as e:
         raise error(f"{what} {path} is not valid JSON: {e}") from None
     if not isinstance(d, dict):
@@ -116,5 +131,7 @@ def read_spec(path: str | Path, what: str) -> Any:
         return yaml.safe_load(path.read_text())
     except OSError as e:
         raise OffsimError(f"cannot read {what} {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise OffsimError(f"{what} {path} is not text (not UTF-8): give a YAML or JSON file") from None
     except yaml.YAMLError as e:
         raise OffsimError(f"{what} {path} is not valid YAML: {' '.join(str(e).split())}") from None

@@ -118,6 +118,8 @@ def read_requests_csv(path: str | Path) -> list[Request]:
         lines = [ln for ln in path.read_text().splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     except OSError as e:
         raise OffsimError(f"cannot read request lengths {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise OffsimError(f"request lengths {path} is not text (not UTF-8): give a CSV of prompt_len,gen_len") from None
     rows = list(csv.reader(lines))
     if not rows or [c.strip() for c in rows[0]][:2] != ["prompt_len", "gen_len"]:
         raise OffsimError(f"request lengths {path}: the first line must be the header 'prompt_len,gen_len'")

@@ -32,6 +32,7 @@ import json
 import logging
 import math
 import os
+import re
 import socket
 import time
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ import pandas as pd
 
 from offsim.core import provenance as prov
 from offsim.core.errors import OffsimError
-from offsim.core.io import read_json_object, read_spec, write_commented_csv, write_text_atomic
+from offsim.core.io import finite_json, read_json_object, read_spec, write_commented_csv, write_text_atomic
 from offsim.core.latency import latency_and_bottleneck
 from offsim.core.specs import HardwareSpec, ModelSpec, Workload, get_hardware, get_model
 from offsim.policies import POLICIES, get_policy
@@ -140,14 +141,16 @@ def parse_spec(d: Any, where: str = "sweep spec") -> SweepSpec:
         v = list(v) if isinstance(v, (list, tuple)) else [v]
         if not v:
             raise OffsimError(f"{where}: grid.{axis} is empty")
+        if axis == "gpu_mem_gb":  # 8 and 8.0 are one budget: one point, one point_id
+            for x in v:
+                check_gpu_mem_gb(where, "grid.gpu_mem_gb", x)
+            v = [None if x is None else float(x) for x in v]
         if len(set(map(json.dumps, v))) != len(v):
             raise OffsimError(f"{where}: grid.{axis} lists a value twice")
         grid[axis] = v
     for axis in ("prompt_len", "gen_len", "batch", "gpu_batch_size", "num_gpu_batches"):
         if axis in grid:
             _positive_ints(where, axis, grid[axis])
-    for v in grid.get("gpu_mem_gb", []):
-        check_gpu_mem_gb(where, "grid.gpu_mem_gb", v)
     if "batch" in grid and "gpu_batch_size" in grid:
         raise OffsimError(f"{where}: give either grid.batch (each policy's best at that batch) or "
                           "grid.gpu_batch_size (a fixed plan), not both")
@@ -188,6 +191,9 @@ def parse_spec(d: Any, where: str = "sweep spec") -> SweepSpec:
     if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch <= 0):
         raise OffsimError(f"{where}: max_batch must be a positive integer or null, got {max_batch!r}")
     name = d.get("name") or "sweep"
+    if not isinstance(name, (str, int)) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", str(name)):
+        raise OffsimError(f"{where}: name {name!r} names the default output folder (sweep-NAME): use letters, digits, "
+                          "'.', '_' and '-', starting with a letter or digit")
     spec = SweepSpec(name=str(name), grid=grid, settings=settings, max_sims=max_sims, max_batch=max_batch)
     resolve(spec)  # every model and hardware (at every budget) loads, or one line says which does not
     return spec
@@ -203,10 +209,18 @@ def resolve(spec: SweepSpec) -> tuple[dict[str, ModelSpec], dict[tuple, Hardware
 # ----------------------------------------------------------------------------------------------------------------
 # points
 # ----------------------------------------------------------------------------------------------------------------
+def _content_sha(spec: ModelSpec | HardwareSpec) -> str:
+    return hashlib.sha256(json.dumps(spec.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
 def expand(spec: SweepSpec) -> list[dict]:
     """Every point of the grid, in a fixed order (axes in ``AXES`` order, values as listed), each a dict of its
     axis values plus 'settings' (fixed-plan mode: the settings dict; else None), 'mode', 'max_sims', 'max_batch'
-    and its 'point_id'."""
+    and its 'point_id'. A point's id covers what its model and hardware resolve to (the contents of a config or
+    profile file, not its name), so an edited file, or one path read from another folder, is a new point."""
+    models, hws = resolve(spec)
+    model_sha = {m: _content_sha(v) for m, v in models.items()}
+    hw_sha = {k: _content_sha(v) for k, v in hws.items()}
     axes = [a for a in AXES if a in spec.grid]
     mode = spec.mode
     out = []
@@ -222,14 +236,16 @@ def expand(spec: SweepSpec) -> list[dict]:
             p = {**base, "settings": st, "mode": mode,
                  "max_sims": spec.max_sims if mode == "search" else None,
                  "max_batch": spec.max_batch if mode == "search" else None}
-            p["point_id"] = point_id(p)
+            p["point_id"] = point_id(p, model_sha[p["model"]], hw_sha[(p["hardware"], p["gpu_mem_gb"])])
             out.append(p)
     return out
 
 
-def point_id(point: dict) -> str:
-    """16 hex digits of SHA-256 over what defines a point's answer (its values, settings, mode, search options)."""
+def point_id(point: dict, model_sha: str, hardware_sha: str) -> str:
+    """16 hex digits of SHA-256 over what defines a point's answer: its values, settings, mode, search options, and
+    the contents of its model and hardware (``model_sha``, ``hardware_sha``: hashes of their resolved specs)."""
     key = {k: point.get(k) for k in (*AXES, "settings", "mode", "max_sims", "max_batch")}
+    key.update(model_spec=model_sha, hardware_spec=hardware_sha)
     return hashlib.sha256(json.dumps(key, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
@@ -354,7 +370,7 @@ class _Journal:
             self.f.write("\n")
 
     def write(self, row: dict) -> None:
-        self.f.write(json.dumps(row, default=_json_default) + "\n")
+        self.f.write(json.dumps(finite_json(row), default=_json_default, allow_nan=False) + "\n")
         self.f.flush()
 
     def close(self) -> None:
@@ -422,6 +438,20 @@ def _ray():
     return ray
 
 
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Refuse a Ray address (``HOST:PORT`` or ``ray://HOST:PORT``) that nothing answers on within ``timeout_s``:
+    ``ray.init`` would retry for minutes without a word. Other forms ('auto', 'local') are left to Ray."""
+    m = re.fullmatch(r"(?:ray://)?\[?([^\]/]+?)\]?:(\d+)", address.strip())
+    if not m:
+        return
+    try:
+        socket.create_connection((m.group(1), int(m.group(2))), timeout=timeout_s).close()
+    except (OSError, ValueError) as e:
+        raise OffsimError(f"cannot reach the Ray cluster at {address}: nothing answers there within {timeout_s:g} s "
+                          f"({getattr(e, 'strerror', None) or e}); start it (`ray start --head`) or give its "
+                          "address as HOST:PORT (the head's GCS port, 6379 by default)") from None
+
+
 def start_ray(workers: int | None = None, address: str | None = None) -> tuple[Any, bool, int]:
     """(ray, started_here, workers): connect to ``address`` (or $RAY_ADDRESS), or start a local Ray runtime with
     ``workers`` CPUs (default: all cores), quietly -- no dashboard, no worker logs on this terminal, only Ray's
@@ -431,6 +461,8 @@ def start_ray(workers: int | None = None, address: str | None = None) -> tuple[A
     quiet = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
     started = False
     if not ray.is_initialized():
+        if address:
+            check_reachable(address)
         try:
             if address:
                 ray.init(address=address, **quiet)
