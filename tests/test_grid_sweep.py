@@ -259,3 +259,14 @@ def test_table_files(tmp_path):
     assert paths[1] == tmp_path / grid.TABLE_PARQUET
     h, back = grid.read_table(paths[1])
     assert h == header and back["reason"].tolist()[1] == "does not fit"
+
+
+def test_fixed_settings_row_records_the_settings_that_ran():
+    """A fixed plan whose spec leaves settings to the policy ({} for TightLLM) records what the plan ran with."""
+    spec = grid.parse_spec({"grid": {"model": ["opt-125m"], "hardware": ["t4"], "gpu_mem_gb": [2], "prompt_len": [8],
+                                     "gen_len": [2], "policy": ["tightllm"], "gpu_batch_size": [2]},
+                            "settings": {"tightllm": [{}]}})
+    models, hws = grid.resolve(spec)
+    (p,) = grid.expand(spec)
+    r = grid.evaluate_point(p, models[p["model"]], hws[(p["hardware"], p["gpu_mem_gb"])])
+    assert r["status"] == "ok" and json.loads(r["settings"]).get("percent"), r["settings"]

@@ -276,9 +276,10 @@ def evaluate_point(point: dict, model: ModelSpec, hw: HardwareSpec) -> dict:
             settings, wl, trace = policy_at_batch(pol, model, hw, s, g, point["batch"])
             m = trace.metrics()
         else:
-            settings = point["settings"]
             wl = Workload(s, g, point["gpu_batch_size"], point["num_gpu_batches"])
-            m = simulate(build_plan(pol, model, hw, wl, settings), hw).metrics()
+            plan = build_plan(pol, model, hw, wl, point["settings"])
+            settings = plan.settings  # as the plan ran them: the policy's choices for what the spec left out
+            m = simulate(plan, hw).metrics()
         row.update({"settings": json.dumps(settings, default=list), "status": "ok", "reason": "",
                     "block_gpu_batch_size": wl.gpu_batch_size, "block_num_gpu_batches": wl.num_gpu_batches,
                     "prompts": wl.num_prompts})
