@@ -270,3 +270,18 @@ def test_fixed_settings_row_records_the_settings_that_ran():
     (p,) = grid.expand(spec)
     r = grid.evaluate_point(p, models[p["model"]], hws[(p["hardware"], p["gpu_mem_gb"])])
     assert r["status"] == "ok" and json.loads(r["settings"]).get("percent"), r["settings"]
+
+
+def test_interrupted_sweep_plots_what_is_done(local_ray, tmp_path, monkeypatch, capsys):
+    """Ctrl-C: the table of the points answered so far and the Pareto plot drawn from it, exit 130."""
+    real = grid.run_sweep
+
+    def interrupted(spec, out, **kw):
+        real(spec, out, workers=2, max_points=3, log=None)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(grid, "run_sweep", interrupted)
+    p = tmp_path / "s.json"
+    p.write_text(json.dumps(SPEC))
+    assert main(["sweep", str(p), "--out", str(tmp_path / "o"), "--no-progress"]) == 130
+    assert (tmp_path / "o" / "pareto.png").stat().st_size > 0 and len(grid.read_table(tmp_path / "o")[1]) == 3
