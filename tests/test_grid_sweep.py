@@ -236,6 +236,11 @@ def test_pareto_front():
     assert f["on_front"].tolist() == [True, False, True, True]
     fig = plot_pareto(pd.concat([df, df.assign(status="failed", total_tok_s=np.nan)]))
     assert len(fig.axes) == 1
+    # different workloads never beat one another: a short prompt's fast point leaves the long prompt's on its front
+    w = pd.DataFrame({"model": "m", "hardware": "h", "policy": "a", "status": "ok", "gen_len": 32,
+                      "prompt_len": [128, 2048, 2048], "total_s": [1.0, 5.0, 6.0], "total_tok_s": [50.0, 9.0, 8.0]})
+    assert fronts(w)["on_front"].tolist() == [True, True, False]
+    assert len([a for a in plot_pareto(w).axes if a.get_visible()]) == 2
 
 
 def test_table_files(tmp_path):

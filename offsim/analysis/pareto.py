@@ -1,9 +1,13 @@
 """Latency against throughput over a sweep's table (``offsim.search.grid``): which points no other point beats on
-both (``pareto_front``), and the plot ``offsim sweep`` writes (``plot_pareto``): one panel per model and hardware,
-every answered point of each policy, and each policy's front drawn as a staircase.
+both (``pareto_front``), and the plot ``offsim sweep`` writes (``plot_pareto``): one panel per model, hardware and
+workload (prompt and generation length), every answered point of each policy, and each policy's front drawn as a
+staircase.
 
 A point is on a policy's front when no other point of that policy in the same panel has both a lower latency and
-a higher throughput (ties count as beaten only when strictly better on one and no worse on the other).
+a higher throughput (ties count as beaten only when strictly better on one and no worse on the other). Points of
+different workloads are never compared: a short prompt's point would "beat" a long prompt's without being a choice
+for the same requests. Within a panel the front runs over what else the sweep varies (GPU budgets, batches,
+settings).
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ LATENCY_COLUMNS = {"total_s": "latency: time to the block's last token (s)",
                    "ttft_s": "time to first token (s)",
                    "decode_ms_per_token": "decode latency per token (ms)"}
 MAX_PANELS = 25
+PANEL = ("model", "hardware", "prompt_len", "gen_len")  # what a front never spans (those columns the table has)
 
 
 def pareto_front(x: Sequence[float], y: Sequence[float]) -> np.ndarray:
@@ -31,9 +36,15 @@ def pareto_front(x: Sequence[float], y: Sequence[float]) -> np.ndarray:
     return keep
 
 
+def _panel(df: pd.DataFrame) -> tuple[str, ...]:
+    return tuple(c for c in PANEL if c in df.columns)
+
+
 def fronts(df: pd.DataFrame, x: str = "total_s", y: str = "total_tok_s",
-           by: Sequence[str] = ("model", "hardware", "policy")) -> pd.DataFrame:
-    """The answered points (status 'ok') with a column ``on_front``: on the Pareto front of their ``by`` group."""
+           by: Sequence[str] | None = None) -> pd.DataFrame:
+    """The answered points (status 'ok') with a column ``on_front``: on the Pareto front of their ``by`` group
+    (default: the panel, ``PANEL``'s columns that ``df`` has, and the policy)."""
+    by = (*_panel(df), "policy") if by is None else by
     ok = df[(df["status"] == "ok") & df[x].notna() & df[y].notna()].copy()
     ok["on_front"] = False
     for _, g in ok.groupby(list(by), sort=False, dropna=False):
@@ -41,10 +52,12 @@ def fronts(df: pd.DataFrame, x: str = "total_s", y: str = "total_tok_s",
     return ok
 
 
-def plot_pareto(df: pd.DataFrame, x: str = "total_s", y: str = "total_tok_s", facet: Sequence[str] = ("model",
-                "hardware"), title: str | None = None):
-    """One panel per value of ``facet`` that has answered points (at most ``MAX_PANELS``, the rest named in the
-    title), log-log; returns the figure. Colours per policy as in ``offsim.analysis.plots``."""
+def plot_pareto(df: pd.DataFrame, x: str = "total_s", y: str = "total_tok_s", facet: Sequence[str] | None = None,
+                title: str | None = None):
+    """One panel per value of ``facet`` (default: ``PANEL``'s columns that ``df`` has) that has answered points (at
+    most ``MAX_PANELS``, the rest named in the title), log-log; returns the figure. Colours per policy as in
+    ``offsim.analysis.plots``."""
+    facet = _panel(df) if facet is None else tuple(facet)
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullFormatter
 
@@ -70,7 +83,9 @@ def plot_pareto(df: pd.DataFrame, x: str = "total_s", y: str = "total_tok_s", fa
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.25)
-        ax.set_title(" / ".join(str(k) for k in (key if isinstance(key, tuple) else (key,))), fontsize=9)
+        names = {"prompt_len": "prompt ", "gen_len": "gen "}
+        ax.set_title(" / ".join(f"{names.get(c, '')}{k}" for c, k in
+                                zip(facet, key if isinstance(key, tuple) else (key,))), fontsize=9)
         ax.tick_params(labelsize=7, which="both")
         ax.legend(fontsize=7)
         for axis, (lo, hi) in ((ax.xaxis, ax.get_xlim()), (ax.yaxis, ax.get_ylim())):
