@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from experiments.common import provenance
+from experiments.common import argparser, provenance
 from experiments.compression.h200 import FLEXGEN_REF_DECODE_TOK_S  # FlexGen's fp16 on this machine: the 5x target
 
 ROOT = Path("results/compression")
@@ -148,6 +148,7 @@ def _slow_activation_copies(run: str) -> str:
 
 
 def main() -> int:
+    argparser(__doc__).parse_args()  # --help prints the docstring, writes nothing
     df = rows()
     prov = provenance()
     table = _markdown(df.drop(columns=["run"])) if len(df) else "(no runs yet)"

@@ -83,9 +83,12 @@ def report(path: str) -> str:
 
 
 if __name__ == "__main__":
-    import sys
+    from experiments.common import argparser
 
-    if len(sys.argv) == 3 and sys.argv[1] == "--report":
-        print(report(sys.argv[2]))
+    ap = argparser(__doc__)
+    ap.add_argument("--report", metavar="JSONL", help="print the tables of a run's JSON lines instead of running")
+    args = ap.parse_args()
+    if args.report:
+        print(report(args.report))
     else:
         run()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from experiments.common import argparser
 from offsim import Plan, get_hardware, simulate
 from offsim.core.provenance import provenance
 
@@ -47,6 +48,7 @@ def _verdict(reh: dict, pred: dict) -> str:
 
 
 def main() -> int:
+    argparser(__doc__).parse_args()  # --help prints the docstring, writes nothing
     one = json.loads((DIR / "one_gpu_run.json").read_text())
     hw = get_hardware(PROFILE, gpu_mem_gb=one["budget_bytes"] / GiB)
     rows = []

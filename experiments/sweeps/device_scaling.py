@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import pandas as pd
 
-from experiments.common import ROOT, finish, provenance, write_csv
+from experiments.common import ROOT, argparser, finish, provenance, write_csv
 from experiments.sweeps.tightllm_vs_flexgen import scaling
 from offsim.search import grid
 
@@ -87,10 +86,10 @@ def write(d: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    args = argv if argv is not None else sys.argv[1:]
-    if len(args) != 1:
-        raise SystemExit("usage: python -m experiments.sweeps.device_scaling DIR")
-    finish(write(Path(args[0]).resolve()))
+    ap = argparser(__doc__)
+    ap.add_argument("dir", metavar="DIR", help="a folder of the sweep's runs at several worker counts")
+    args = ap.parse_args(argv)
+    finish(write(Path(args.dir).resolve()))
     return 0
 
 
