@@ -65,7 +65,8 @@ def main(argv=None) -> int:
                         f"--gpu-mem-gb {meta.get('gpu_mem_gb', 16):g} --run-ahead {w[0]} {w[1]} {w[2]}")
     prov = provenance()
     text = (f"# offsim's prediction of shallower compute windows on host-bound plans\n\n"
-            f"Written by `python -m experiments.offexec.window_predict` (commit {prov.get('commit')}, "
+            f"Written by `python -m experiments.offexec.window_predict --out {args.out} --cases {args.cases}` (commit "
+            f"{prov.get('commit')}, "
             f"{prov.get('date')}): the {args.cases} calibration cases of `{CALIB}` with the largest measured host "
             f"issue (`{REPORT}`), each stored plan re-simulated on `{PROFILE}` with the compute, H2D and D2H "
             f"windows below (offexec's default: {args.windows[0]}). A prediction, not a measurement: the commands "
