@@ -190,6 +190,23 @@ def test_matrix_v2_meets_targets(matrix_v2, split):
     assert not V.check_thresholds(matrix_v2[split]), V.check_thresholds(matrix_v2[split])
 
 
+COMPRESSION_RUNS = sorted((ROOT / "results" / "compression").glob("h200_*/validation/validation.csv"))
+
+
+@pytest.mark.parametrize("report", COMPRESSION_RUNS, ids=lambda p: p.parent.parent.name)
+def test_compression_reports_do_not_regress(report):
+    """The compression runs' committed reports (results/compression/*/validation/, which the generated
+    results/compression/README.md quotes) are guarded like matrix v2's: re-simulated on profile v2 with today's
+    code, no case may drift further from the measurement than committed (2026-12-05: five such reports had gone
+    stale unnoticed, one from 'targets met' to 'NOT met')."""
+    import pandas as pd
+
+    now = V.validate_dir(report.parent.parent, hardware=str(PROFILE_V2))
+    base = pd.read_csv(report, comment="#")
+    assert len(now) == len(base) >= 1
+    assert not V.check_regression(now, base), V.check_regression(now, base)
+
+
 def test_regression_check_catches_growth(tmp_path):
     import pandas as pd
 
