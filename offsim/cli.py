@@ -696,14 +696,12 @@ def _sweep_table(df: pd.DataFrame) -> str:
     return t.reset_index().to_string(index=False, float_format=lambda x: f"{x:,.2f}")
 
 
-def _sweep_plot(spec, out: Path, latency: str) -> Path:
-    """``out``/pareto.png from the sweep's table as it stands (after an interrupted run too)."""
+def _sweep_plot(spec, out: Path, df: pd.DataFrame, latency: str) -> Path:
+    """``out``/pareto.png from the sweep's table ``df`` as it stands (after an interrupted run too)."""
     import matplotlib.pyplot as plt
 
     from offsim.analysis.pareto import plot_pareto
-    from offsim.search import grid
 
-    _, df = grid.read_table(out)
     fig = plot_pareto(df, x=latency, title=f"{spec.name}: latency vs throughput per policy (Pareto fronts)")
     plot = out / "pareto.png"
     fig.savefig(plot, dpi=120)
@@ -726,12 +724,12 @@ def cmd_sweep(args) -> None:
         rec = grid.run_sweep(spec, out, workers=args.workers, address=args.address, progress=not args.no_progress,
                              max_points=args.max_points)
     except KeyboardInterrupt:  # run_sweep wrote the table of what is done: the plot follows it, then exit 130
-        _sweep_plot(spec, out, args.latency)
+        _sweep_plot(spec, out, grid.read_table(out)[1], args.latency)
         raise
     _, df = grid.read_table(out)
     if len(df):
         print(_sweep_table(df))
-    plot = _sweep_plot(spec, out, args.latency)
+    plot = _sweep_plot(spec, out, df, args.latency)
     print(f"{rec['points']} points: {rec['ok']} ok, {rec['failed']} failed (no answer: see 'reason'), {rec['error']} "
           f"error; this run answered {rec['ran']} in {rec['wall_s']:.1f} s ({rec['skipped']} were already answered)"
           f"; table {', '.join(rec['tables'])}; plot {plot}")

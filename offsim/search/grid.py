@@ -371,17 +371,11 @@ class _Journal:
             self.f.write("\n")
 
     def write(self, row: dict) -> None:
-        self.f.write(json.dumps(finite_json(row), default=_json_default, allow_nan=False) + "\n")
+        self.f.write(json.dumps(finite_json(row), default=str, allow_nan=False) + "\n")
         self.f.flush()
 
     def close(self) -> None:
         self.f.close()
-
-
-def _json_default(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return str(x)
 
 
 def table(points: list[dict], rows: dict[str, dict]) -> pd.DataFrame:
@@ -588,6 +582,6 @@ def _append_run(path: Path, spec: SweepSpec, record: dict) -> list[dict]:
         except OffsimError:
             runs = []  # unreadable: start the record again (the journal holds the answers)
     runs.append({k: v for k, v in record.items() if k != "tables"})
-    write_text_atomic(path, json.dumps({"schema": SCHEMA, "spec": spec.to_dict(), "runs": runs}, indent=1,
-                                       default=_json_default))
+    write_text_atomic(path, json.dumps(finite_json({"schema": SCHEMA, "spec": spec.to_dict(), "runs": runs}),
+                                       indent=1, default=str, allow_nan=False))
     return runs
