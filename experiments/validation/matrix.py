@@ -610,8 +610,10 @@ def main() -> None:
     ap.add_argument("--config", metavar="CONFIG", help="run the cases of CONFIG (written by --plan-only)")
     ap.add_argument("--commit", default=None,
                     help="commit to record (the device machine's copy has no .git, so provenance cannot read it)")
-    ap.add_argument("--warmup", action="store_true",
-                    help="before each case's measured runs, an unmeasured run (--warmup-mode)")
+    ap.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                    help="before each case's measured runs, an unmeasured run (--warmup-mode); on by default, as in "
+                         "every case of h200_calib/ and h200_heldout/ (--no-warmup: a process's first run, kernel loading "
+                         "and captures included, is measured)")
     # full by default since 2026-12-02: after it run 0's first decode step is within ~10 ms of offsim's and run 1
     # within a median 1.7 % of run 0; after 'short' step 1 ran ~80 ms longer and run 1 5 % faster
     # (results/validation/warmup_modes_93bb5dd/README.md)
