@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -1689,18 +1690,43 @@ def merge_profiles(base: dict, parts: list[tuple[str, dict]]) -> dict:
 
 
 def _write_profile(d: dict, path) -> Path:
-    """Write profile ``d`` to ``path`` whole or not at all (a temporary file renamed over it)."""
+    """Write profile ``d`` to ``path`` whole or not at all (through ``write_text_atomic``), as strict JSON (a value
+    that is not finite is a measurement gone wrong, refused here by name rather than written as NaN)."""
+    from offsim.core.errors import OffsimError
+    from offsim.core.io import write_text_atomic
+
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(d, indent=1))
-    tmp.replace(out)
+    try:
+        text = json.dumps(d, indent=1, allow_nan=False)
+    except ValueError:
+        bad = [k for k, v in d.items() if isinstance(v, float) and not math.isfinite(v)]
+        raise OffsimError(f"the profile holds values that are not finite numbers ({', '.join(bad) or 'in a curve'}); "
+                          "nothing written") from None
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(out, text)
+    except OSError as e:
+        raise OffsimError(f"--out {path}: cannot write the profile ({e.strerror or e})") from None
     return out
 
 
 def cmd_profile(args) -> dict:
+    from offsim.cli import check_output_path
     from offsim.core.errors import OffsimError
     from offsim.core.io import read_json_object
+
+    # the output's folder may be made (as _write_profile makes it), but it must be makeable: refused now, not after
+    # minutes of measurement
+    parent = Path(args.out).expanduser().resolve().parent
+    while not parent.exists():
+        parent = parent.parent
+    try:  # (a real probe: os.access says yes to root in places that refuse files, e.g. /proc)
+        with tempfile.NamedTemporaryFile(dir=parent):
+            pass
+    except OSError as e:
+        raise OffsimError(f"--out {args.out}: cannot write there ({parent}: {e.strerror or e})") from None
+    if Path(args.out).is_dir():
+        check_output_path(args.out, "--out")  # (a directory: the message that says to give a file name)
 
     if args.merge:
         if not args.base:

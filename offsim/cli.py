@@ -78,8 +78,8 @@ COMPRESSION_POLICIES = ", ".join(p for p, rec in POLICIES.items() if rec.compres
 def add_compression_args(p: argparse.ArgumentParser, choice: bool = False) -> None:
     """FlexGen's approximations (``specs.Compression``). ``choice`` (search, compare): each of the two may also be
     ``auto``, to search over it (fp16 and 4-bit both tried, the best simulated one kept)."""
-    how = " (or 'auto': search both fp16 and 4-bit)" if choice else ""
-    kw = dict(nargs="?", const="on", choices=("on", "off", "auto"), metavar="auto") if choice else \
+    how = " (alone: on; 'off': fp16 only; 'auto': search both fp16 and 4-bit)" if choice else ""
+    kw = dict(nargs="?", const="on", choices=("on", "off", "auto"), metavar="on|off|auto") if choice else \
         dict(action="store_true")
     p.add_argument("--compress-weight", **kw,
                    help="store decoder weight matrices 4-bit group-wise (groups of 64 along the output channel, fp16 "
@@ -95,7 +95,7 @@ def add_compression_args(p: argparse.ArgumentParser, choice: bool = False) -> No
 
 
 def compression_choices(args) -> tuple:
-    """``search``'s compression choices from ``--compress-weight / --compress-cache [auto]`` and
+    """``search``'s compression choices from ``--compress-weight / --compress-cache [on|off|auto]`` and
     ``--sparse-attention``: every combination of the two (fp16 or 4-bit each), the sparse fraction fixed."""
     from offsim.core.specs import Compression
 
@@ -255,7 +255,8 @@ def _fmt_table(rows: list[dict]) -> str:
     for c in ("peak_gpu_bytes", "peak_cpu_bytes", "peak_disk_bytes"):
         if c in df:
             df[c.replace("_bytes", "_GiB")] = df.pop(c) / GiB
-    return df.to_string(index=False, float_format=lambda x: f"{x:,.3f}")
+    # (a rate with no time to divide by -- decode at gen-len 1 -- reads n/a, as the summary line and the JSON's null)
+    return df.to_string(index=False, float_format=lambda x: f"{x:,.3f}" if math.isfinite(x) else "n/a")
 
 
 def _print_json(obj) -> None:
@@ -269,11 +270,28 @@ def check_output_path(path: str | None, option: str) -> None:
     """Refuse an output file whose directory does not exist, before minutes of simulation or measurement."""
     if path is None:
         return
+    if not str(path).strip():
+        raise OffsimError(f"{option} is empty; give a file name")
     parent = Path(path).expanduser().resolve().parent
     if not parent.is_dir():
         raise OffsimError(f"{option} {path}: directory {parent} does not exist (create it first)")
     if Path(path).is_dir():
         raise OffsimError(f"{option} {path} is a directory; give a file name")
+
+
+def check_output_dir(path: str | Path, option: str) -> None:
+    """``make_output_dir``'s refusals without making anything: a file is there, a file stands where a parent
+    folder would be made, or the nearest existing folder takes no files."""
+    out = Path(path).expanduser()
+    if out.exists() and not out.is_dir():
+        raise OffsimError(f"{option} {path} is a file; give a directory")
+    at = out
+    while not at.exists():
+        at = at.parent
+    if not at.is_dir():
+        raise OffsimError(f"{option} {path}: cannot make the directory ({at} is a file)")
+    if not os.access(at, os.W_OK | os.X_OK):
+        raise OffsimError(f"{option} {path}: cannot make the directory ({at} is not writable)")
 
 
 def make_output_dir(path: str | Path, option: str) -> Path:
@@ -647,6 +665,10 @@ def _validate_table(df: pd.DataFrame) -> str:
 def cmd_validate(args) -> None:
     from offsim.analysis import validate as V
 
+    if args.out:
+        check_output_dir(args.out, "--out")
+    if not V.find_cases(args.dir):  # (a missing folder, or one without cases, refused before --out is made)
+        raise OffsimError(f"{args.dir}: no measured cases (*.case.json or *.trace.csv)")
     if args.out:
         make_output_dir(args.out, "--out")
     df = V.validate_dir(args.dir, hardware=args.hardware, progress=args.progress)

@@ -93,7 +93,8 @@ def test_a_hand_edited_plan_of_the_wrong_shape_is_refused_with_its_file_named(tm
         bad = tmp_path / f"{name}.json"
         bad.write_text(json.dumps(_edit(d, fn)))
         err = _error(capsys, ["simulate", "--plan", str(bad)])
-        assert f"plan {bad}" in err and "malformed value" in err, (name, err)
+        # (a wrong op field is named with its op since 2026-12-05: "op 3: field 'alloc' must be ...")
+        assert f"plan {bad}" in err and ("malformed value" in err or "must be" in err), (name, err)
 
 
 def test_a_plan_whose_ops_and_workload_disagree_is_refused(tmp_path, capsys):
@@ -174,7 +175,7 @@ def test_hardware_fields_of_the_wrong_type_are_named(tmp_path, capsys):
     base = load_hardware_preset("t4").to_dict()
     for field, value, kind in [("gpu_mem_bytes", "16e9", "a number"), ("sustained_compute_fraction", None,
                                                                            "a number"),
-                               ("name", [1], "a string"), ("h2d_pinned", 5, "a list of [x, y] pairs")]:
+                               ("name", [1], "a string"), ("h2d_pinned", 5, "a list of [x, y] number pairs")]:
         f = tmp_path / f"{field}.json"
         f.write_text(json.dumps({**base, field: value}))
         err = _error(capsys, ["simulate", *SMALL[:2], "--hardware", str(f)])
@@ -228,3 +229,102 @@ def test_job_and_sweep_specs_with_values_of_the_wrong_type(tmp_path, capsys):
 def test_model_directory_without_a_config(tmp_path, capsys):
     err = _error(capsys, ["simulate", "--model", str(tmp_path), "--hardware", "t4"])
     assert "holds no config.json" in err
+
+
+# ---- a second audit (2026-12-05): each case below was a traceback or a silent wrong answer before its fix ----------
+def _t4(tmp_path, name, **changes) -> str:
+    d = json.loads((Path(__file__).resolve().parents[1] / "offsim/core/presets/hardware/t4.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            del d[k]
+        else:
+            d[k] = v
+    f = tmp_path / f"{name}.json"
+    f.write_text(json.dumps(d))  # (NaN and Infinity as Python's json writes them)
+    return str(f)
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("gpu_mem_bytes", float("inf"), "gpu_mem_bytes must be a finite positive number"),
+    ("cpu_mem_bytes", float("inf"), "cpu_mem_bytes must be a finite positive number"),
+    ("disk_bytes", -5, "disk_bytes must be a finite non-negative number"),
+    ("kernel_overhead_s", -1e-5, "kernel_overhead_s must be a finite non-negative number"),
+    ("link_latency_s", float("nan"), "link_latency_s must be a finite non-negative number"),
+    ("issue_compute_s", float("nan"), "issue_compute_s must be a finite non-negative number"),
+    ("gemm_efficiency", [[1, 50]], "gemm_efficiency is achieved / peak FLOP/s, at most 1"),
+    ("h2d_pinned", [5], "'h2d_pinned' must be a list of [x, y] number pairs"),
+    ("op_times", 5, "op_times must be a list of rows"),
+    ("gpu_peak_flops", None, "missing required fields ['gpu_peak_flops']"),
+])
+def test_hardware_values_out_of_range_are_refused_by_name(capsys, tmp_path, field, value, says):
+    err = _error(capsys, ["simulate", "--model", "opt-125m", "--hardware", _t4(tmp_path, field, **{field: value}),
+                          "--prompt-len", "16", "--gen-len", "2"])
+    assert says in err
+
+
+def test_model_config_binary_or_with_a_string_flag_is_refused_and_a_file_is_named_for_itself(capsys, tmp_path):
+    from offsim.core.specs import MODEL_PRESETS
+
+    (tmp_path / "bin.json").write_bytes(bytes(range(128, 256)))
+    assert "is not text (not UTF-8)" in _error(capsys, ["simulate", "--model", str(tmp_path / "bin.json")])
+    cfg = dict(MODEL_PRESETS["opt-125m"], tie_word_embeddings="false")
+    (tmp_path / "tie.json").write_text(json.dumps(cfg))
+    assert "tie_word_embeddings must be true or false" in _error(capsys, ["simulate", "--model",
+                                                                          str(tmp_path / "tie.json")])
+    (tmp_path / "mine.json").write_text(json.dumps(dict(cfg, tie_word_embeddings=True)))
+    assert main(["simulate", "--model", str(tmp_path / "mine.json"), "--prompt-len", "16", "--gen-len", "2"]) == 0
+    assert _last_json(capsys)["model"] == "mine"  # (was the folder's name: two configs in one folder alike)
+
+
+def test_hand_edited_plan_values_of_the_wrong_type_are_named(capsys, tmp_path):
+    p = tmp_path / "p.json"
+    assert main(["simulate", *SMALL, "--save-plan", str(p)]) == 0
+    capsys.readouterr()
+    d = json.loads(p.read_text())
+    f = d["op_fields"]
+    for name, edit, says in (("nan", (0, "nbytes", float("nan")), "op 0: field 'nbytes' must be an integer, got nan"),
+                             ("alloc", (0, "alloc", [1, 2]), "op 0: field 'alloc' must be a list of 3 integers"),
+                             ("deps", (1, "deps", ["a"]), "op 1: field 'deps' must be a list of integers")):
+        e = copy.deepcopy(d)
+        i, field, v = edit
+        e["ops"][i][f.index(field)] = v
+        (tmp_path / f"{name}.json").write_text(json.dumps(e))
+        assert says in _error(capsys, ["simulate", "--plan", str(tmp_path / f"{name}.json")])
+    (tmp_path / "dict.json").write_text(json.dumps({**d, "ops": {"a": 1}}))
+    assert "field 'ops' must be a list of op rows" in _error(capsys, ["simulate", "--plan",
+                                                                      str(tmp_path / "dict.json")])
+
+
+def test_validate_refuses_a_case_that_measured_nothing_finds_minified_cases_and_leaves_no_out(capsys, tmp_path):
+    src = next((Path(__file__).resolve().parents[1] / "results" / "validation" / "h200_calib").glob("*.case.json"))
+    case = json.loads(src.read_text())
+    plan = src.with_name(src.name.replace(".case.json", ".plan.json.gz"))
+    for name, metrics in (("zero", {**case["metrics"], "total_tok_s": 0}),
+                          ("text", {**case["metrics"], "total_tok_s": "fast"})):
+        d = tmp_path / name
+        d.mkdir()
+        (d / src.name).write_text(json.dumps({**case, "metrics": metrics}))
+        if plan.exists():
+            (d / plan.name).write_bytes(plan.read_bytes())
+        assert "field 'metrics.total_tok_s' must be a positive number" in _error(capsys, ["validate", str(d)])
+    mini = tmp_path / "mini"
+    mini.mkdir()
+    (mini / src.name).write_text(json.dumps(case, separators=(",", ":")))  # no spaces, as `jq -c` writes
+    from offsim.analysis.validate import find_cases
+    assert find_cases(mini) == [mini / src.name]
+    out = tmp_path / "vout"
+    assert "no such file or directory" in _error(capsys, ["validate", str(tmp_path / "nothing"), "--out", str(out)])
+    assert not out.exists()
+
+
+def test_a_job_too_large_to_draw_is_refused_from_its_count():
+    from offsim.core.requests import MAX_REQUESTS, draw_requests
+
+    with pytest.raises(OffsimError, match="more than one job takes"):
+        draw_requests("classification", MAX_REQUESTS + 1)
+
+
+def test_gen_len_one_prints_no_decode_rate(capsys):
+    assert main(["simulate", "--model", "opt-125m", "--prompt-len", "16", "--gen-len", "1"]) == 0
+    table = capsys.readouterr().out.splitlines()[2]
+    assert "inf" not in table and "n/a" in table

@@ -346,6 +346,13 @@ def test_profile_refuses_options_it_would_ignore_before_measuring(tmp_path, caps
     assert "give --ops MODELS" in _error(capsys, ["profile", "--device", "cpu", "--out", out, "--attention-only"])
     assert "--peak-tflops must be a positive" in _error(capsys, ["profile", "--device", "cpu", "--out", out,
                                                                  "--peak-tflops", "-1", "--quick"])
+    # an --out that cannot be written is refused before minutes of measurement (it failed at the end, all lost)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert "cannot write there" in _error(capsys, ["profile", "--device", "cpu", "--quick", "--out",
+                                                   str(blocker / "sub" / "p.json")])
+    assert "is a directory; give a file name" in _error(capsys, ["profile", "--device", "cpu", "--quick", "--out",
+                                                                 str(tmp_path)])
 
 
 def test_run_takes_the_compression_flags_as_simulate_does(checkpoint, capsys):

@@ -13,6 +13,8 @@ here, in one place: ``MAX_CASE_ERROR`` and ``MAX_MEDIAN_ERROR``.
 from __future__ import annotations
 
 import functools
+import math
+import re
 import json
 from pathlib import Path
 
@@ -72,11 +74,39 @@ def load_case(path: str | Path) -> dict:
     for f in META_FIELDS:
         if f not in case["meta"]:
             raise OffsimError(f"case {path}: missing field 'meta.{f}'")
+    _check_case_fields(case, path)
     if case["metrics"].get("model") not in (None, case["meta"]["model"]):
         raise OffsimError(f"case {path}: field 'metrics.model' is {case['metrics']['model']!r} but the case is for "
                           f"{case['meta']['model']!r}")
     case["path"] = str(path)
     return case
+
+
+def _check_case_fields(case: dict, path: Path) -> None:
+    """What validation reads from a case, each by name: measured throughputs that are positive numbers (a run
+    that measured nothing cannot be validated against), steps rows [step, start_s, end_s, latency_s] and ops rows
+    [step, layer, kind, count, sum_s]."""
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    for f in ("meta", "metrics"):
+        if not isinstance(case[f], dict):
+            raise OffsimError(f"case {path}: field {f!r} must be an object, got {str(case[f])[:60]}")
+    m = case["metrics"]
+    for k in ("prefill_tok_s", "total_tok_s"):
+        if not number(m.get(k)) or not m[k] > 0:
+            raise OffsimError(f"case {path}: field 'metrics.{k}' must be a positive number (the measured "
+                              f"throughput), got {m.get(k)!r}")
+    d = m.get("decode_tok_s")  # (a run of one generated token has no decode: null)
+    if d is not None and (not number(d) or not d > 0):
+        raise OffsimError(f"case {path}: field 'metrics.decode_tok_s' must be a positive number or null, got {d!r}")
+    for f, n, cols in (("steps", 4, "step, start_s, end_s, latency_s"),
+                       ("ops_by_kind", 5, "step, layer, kind, count, sum_s")):
+        rows = case[f]
+        bad = next((r for r in rows if not isinstance(r, (list, tuple)) or len(r) != n), None) \
+            if isinstance(rows, list) else rows
+        if bad is not None:
+            raise OffsimError(f"case {path}: field {f!r} must be a list of rows [{cols}], got {str(bad)[:60]}")
 
 
 def _err(pred: float, meas: float) -> float:
@@ -229,11 +259,15 @@ def _as_ran(plan: Plan, meta: dict) -> Plan:
     return plan
 
 
+_CASE_SCHEMA_RE = re.compile(r'"schema"\s*:\s*"' + re.escape(CASE_SCHEMA) + '"')
+
+
 def _is_case_json(path: Path) -> bool:
-    """A JSON file whose 'schema' is a case's (read from its first bytes, not the whole file)."""
+    """A JSON file whose 'schema' is a case's (read from its first bytes, not the whole file; any spacing, so a
+    minified case is found too)."""
     try:
         with open(path) as f:
-            return f'"schema": "{CASE_SCHEMA}"' in f.read(200)
+            return _CASE_SCHEMA_RE.search(f.read(200)) is not None
     except (OSError, UnicodeDecodeError):
         return False
 

@@ -100,13 +100,25 @@ TASKS: dict[str, TaskLengths] = {t.name: t for t in (
 )}
 
 
+# the most requests one job draws: their lengths are held in memory and every block is simulated (a million
+# requests in blocks of 64 is ~16,000 simulations); a larger job is refused from its count, before anything is drawn
+MAX_REQUESTS = 1_000_000
+
+
+def _check_count(count) -> None:
+    if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
+        raise OffsimError(f"requests: count must be a positive integer, got {count!r}")
+    if count > MAX_REQUESTS:
+        raise OffsimError(f"requests: count {count:,} is more than one job takes (at most {MAX_REQUESTS:,}); split "
+                          "it into several jobs")
+
+
 def draw_requests(task: str, count: int, seed: int = 0) -> list[Request]:
     """``count`` requests of a named task kind (``TASKS``), reproducible from ``seed``."""
     if not isinstance(task, str) or task not in TASKS:
         raise OffsimError(f"unknown length distribution {task!r}; valid: {', '.join(TASKS)} (or a CSV of "
                           "prompt_len,gen_len)")
-    if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
-        raise OffsimError(f"requests: count must be a positive integer, got {count!r}")
+    _check_count(count)
     return TASKS[task].draw(count, seed)
 
 
@@ -139,6 +151,7 @@ def read_requests_csv(path: str | Path) -> list[Request]:
 
 def sample_requests(requests: Sequence[Request], count: int, seed: int = 0) -> list[Request]:
     """``count`` requests drawn from ``requests`` with replacement (an empirical distribution: a CSV), reindexed."""
+    _check_count(count)
     rng = np.random.default_rng(seed)
     pick = rng.integers(0, len(requests), count)
     return [Request(i, requests[j].prompt_len, requests[j].gen_len) for i, j in enumerate(pick)]

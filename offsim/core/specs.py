@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -145,9 +145,14 @@ class ModelSpec:
                 path = path / "config.json"
             try:
                 cfg = json.loads(path.read_text())
+            except UnicodeDecodeError:
+                raise OffsimError(f"model config {path} is not text (not UTF-8): give a transformers config.json") \
+                    from None
             except (OSError, json.JSONDecodeError) as e:
                 raise OffsimError(f"cannot read model config {path}: {e}") from None
-            name = name or path.parent.name
+            # a checkpoint folder's config.json is named for its folder (transformers' layout); any other file for
+            # itself, so that two configs in one folder keep their own names
+            name = name or (path.parent.name if path.name == "config.json" else path.stem)
         elif isinstance(config, Mapping):
             cfg = dict(config)
         elif hasattr(config, "to_dict"):
@@ -159,6 +164,9 @@ class ModelSpec:
                               f"{'array' if isinstance(cfg, list) else type(cfg).__name__}")
         mtype = cfg.get("model_type")
         _check_hf_numbers(cfg, mtype)
+        tie = cfg.get("tie_word_embeddings")
+        if tie is not None and not isinstance(tie, bool):
+            raise OffsimError(f"model config: tie_word_embeddings must be true or false, got {tie!r}")
         try:
             if mtype == "opt":
                 h = cfg["hidden_size"]
@@ -392,8 +400,11 @@ Curve = tuple[tuple[float, float], ...]  # (x, y) points, x increasing; interpol
 
 def _op_times_from_json(v: Any, where: str) -> tuple:
     """``op_times`` rows from JSON lists, each [key, mode, part, [[x, y], ...]]; anything else is refused by name."""
+    if not isinstance(v, (list, tuple)):
+        raise OffsimError(f"{where}: op_times must be a list of rows [layer key, mode, part, [[x, seconds], ...]], "
+                          f"got {str(v)[:60]}")
     rows = []
-    for r in v if isinstance(v, (list, tuple)) else [None]:
+    for r in v:
         ok = isinstance(r, (list, tuple)) and len(r) == 4 and isinstance(r[3], (list, tuple)) and all(
             isinstance(q, (list, tuple)) and len(q) == 2 and all(isinstance(z, (int, float)) for z in q)
             for q in r[3])
@@ -520,18 +531,27 @@ class HardwareSpec:
     disk_write_op: Curve = ()
 
     def __post_init__(self):
+        def number(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
         for f in ("gpu_mem_bytes", "gpu_peak_flops", "gpu_hbm_bytes_per_s", "cpu_mem_bytes", "cpu_attention_flops",
                   "disk_read_bytes_per_s", "disk_write_bytes_per_s"):
             v = getattr(self, f)
-            if not isinstance(v, (int, float)) or not v > 0:
-                raise OffsimError(f"hardware {self.name}: {f} must be a positive number, got {v!r}")
+            if not number(v) or not v > 0:
+                raise OffsimError(f"hardware {self.name}: {f} must be a finite positive number, got {v!r}")
         for f in ("disk_cached_read_bytes_per_s", "disk_cached_write_bytes_per_s", "quant_bytes_per_s",
                   "quant_store_bytes_per_s", "quant_weight_bytes_per_s", "gpu_link_bytes_per_s",
                   "network_bytes_per_s"):
             v = getattr(self, f)
-            if not isinstance(v, (int, float)) or not v >= 0:
-                raise OffsimError(f"hardware {self.name}: {f} must be a non-negative number (0: not measured), "
-                                  f"got {v!r}")
+            if not number(v) or not v >= 0:
+                raise OffsimError(f"hardware {self.name}: {f} must be a finite non-negative number (0: not "
+                                  f"measured), got {v!r}")
+        # fixed costs in seconds (0: none, an ideal runtime) and the disk's size in bytes (0: no disk tier)
+        for f in ("link_latency_s", "kernel_overhead_s", "issue_compute_s", "issue_copy_s", "issue_graph_s",
+                  "disk_bytes"):
+            v = getattr(self, f)
+            if not number(v) or not v >= 0:
+                raise OffsimError(f"hardware {self.name}: {f} must be a finite non-negative number, got {v!r}")
         if not 0 < self.sustained_compute_fraction <= 1:
             raise OffsimError(f"hardware {self.name}: sustained_compute_fraction must be in (0, 1], got "
                               f"{self.sustained_compute_fraction}")
@@ -543,7 +563,8 @@ class HardwareSpec:
         for row in self.op_times:
             if (len(row) != 4 or not isinstance(row[0], str) or row[1] not in OP_TABLE_MODES
                     or not isinstance(row[2], str) or not row[3]
-                    or any(len(p) != 2 or not p[0] > 0 or not p[1] > 0 for p in row[3])
+                    or any(len(p) != 2 or not p[0] > 0 or not p[1] > 0 or not all(map(math.isfinite, p))
+                           for p in row[3])
                     or any(a[0] >= b[0] for a, b in zip(row[3], row[3][1:]))):
                 raise OffsimError(f"hardware {self.name}: op_times rows must be [layer key, mode (one of "
                                   f"{', '.join(OP_TABLE_MODES)}), part, [[x, seconds], ...] with x increasing and "
@@ -555,13 +576,19 @@ class HardwareSpec:
         for f in ("gemm_efficiency", "attn_prefill_efficiency", "attn_decode_efficiency", "h2d_pinned", "d2h_pinned",
                   "h2d_pageable", "d2h_pageable"):
             c = getattr(self, f)
-            if not c or any(len(p) != 2 or not p[0] > 0 or not p[1] > 0 for p in c):
-                raise OffsimError(f"hardware {self.name}: {f} must be a non-empty list of positive [x, y] pairs")
+            if not c or any(len(p) != 2 or not p[0] > 0 or not p[1] > 0 or not all(map(math.isfinite, p))
+                            for p in c):
+                raise OffsimError(f"hardware {self.name}: {f} must be a non-empty list of finite positive [x, y] "
+                                  "pairs")
             if any(a[0] >= b[0] for a, b in zip(c, c[1:])):
                 raise OffsimError(f"hardware {self.name}: {f} x values must increase")
+        for f in ("gemm_efficiency", "attn_prefill_efficiency"):  # achieved / peak FLOP/s: a share of the peak
+            if any(y > 1 for _, y in getattr(self, f)):
+                raise OffsimError(f"hardware {self.name}: {f} is achieved / peak FLOP/s, at most 1; got "
+                                  f"{max(y for _, y in getattr(self, f))}")
         for f in ("h2d_relay", "d2h_relay", "disk_read_op", "disk_write_op"):  # optional: empty where not measured
             c = getattr(self, f)
-            if any(len(p) != 2 or not p[0] > 0 or not p[1] > 0 for p in c) \
+            if any(len(p) != 2 or not p[0] > 0 or not p[1] > 0 or not all(map(math.isfinite, p)) for p in c) \
                     or any(a[0] >= b[0] for a, b in zip(c, c[1:])):
                 unit = "seconds" if f.startswith("disk") else "bytes/s"
                 raise OffsimError(f"hardware {self.name}: {f} must be a list of positive [bytes, {unit}] pairs with "
@@ -608,12 +635,19 @@ class HardwareSpec:
         unknown = set(d) - set(names)
         if unknown:
             raise OffsimError(f"{where}: unknown fields {sorted(unknown)}")
+        missing = [n for n, f in names.items() if f.default is MISSING and f.default_factory is MISSING
+                   and n not in d]
+        if missing:
+            raise OffsimError(f"{where}: missing required fields {missing} (`offexec profile` writes them all)")
         for k, v in d.items():  # each field's type first, so that a wrong one is named as such
             t = names[k].type
             if t == "str":
                 ok, kind = isinstance(v, str), "a string"
             elif t == "Curve":
-                ok, kind = isinstance(v, (list, tuple)), "a list of [x, y] pairs"
+                ok, kind = isinstance(v, (list, tuple)) and all(
+                    isinstance(p, (list, tuple)) and len(p) == 2
+                    and all(isinstance(z, (int, float)) and not isinstance(z, bool) for z in p) for p in v), \
+                    "a list of [x, y] number pairs"
             elif t in ("int", "float"):
                 ok, kind = isinstance(v, (int, float)) and not isinstance(v, bool), "a number"
             else:
