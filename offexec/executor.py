@@ -249,6 +249,8 @@ def check_plan(plan: Plan, device, budget_bytes: int, disk_dir: str | None = Non
     if cuda:
         check_gpu_budget(need, budget_bytes)
     host = host_need(prog, plan, weights_loaded)
+    if not cuda:  # on the CPU the plan's device tier is host memory too (its budget is not checked: no GPU)
+        host = {**host, "device tier on the CPU": sum(need.values())}
     check_host_memory(host, cuda and all(o.pinned for o in plan.ops))
     dn = disk_need(plan)
     if dn:  # room, and (unless the plan's disk tier is page-cached) a filesystem that takes O_DIRECT

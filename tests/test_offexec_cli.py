@@ -400,3 +400,11 @@ def test_llama_config_variants_are_read_or_refused_not_run_wrong(tmp_path):
                        ({"hidden_act": "gelu"}, "activation")]:
         with pytest.raises(OffsimError, match=msg):
             ModelSpec.from_hf_config({**base, **extra})
+
+
+def test_a_cpu_run_counts_its_device_tier_as_host_memory(capsys):
+    """On --device cpu the plan's "GPU" tier is host memory: a plan far over this machine's memory is refused from
+    arithmetic before any weights are made (it allocated for 20 s, then died in the allocator)."""
+    err = _error(capsys, ["run", "--device", "cpu", "--no-warmup", "--model", "opt-1.3b", "--prompt-len", "1024",
+                          "--gen-len", "4", "--gpu-batch-size", "4000", "--gpu-mem-gb", "4000"])
+    assert "device tier on the CPU" in err and "GiB of host memory" in err
