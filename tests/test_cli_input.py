@@ -251,7 +251,7 @@ def _t4(tmp_path, name, **changes) -> str:
     ("kernel_overhead_s", -1e-5, "kernel_overhead_s must be a finite non-negative number"),
     ("link_latency_s", float("nan"), "link_latency_s must be a finite non-negative number"),
     ("issue_compute_s", float("nan"), "issue_compute_s must be a finite non-negative number"),
-    ("gemm_efficiency", [[1, 50]], "gemm_efficiency is achieved / peak FLOP/s, at most 1"),
+    ("gemm_efficiency", [[1, 50]], "gemm_efficiency is achieved / peak FLOP/s, at most 2"),
     ("h2d_pinned", [5], "'h2d_pinned' must be a list of [x, y] number pairs"),
     ("op_times", 5, "op_times must be a list of rows"),
     ("gpu_peak_flops", None, "missing required fields ['gpu_peak_flops']"),

@@ -179,5 +179,5 @@ def test_cached_disk_rates_price_cached_plans(tiny_opt, small_gpu_t4):
     # a profile without page-cached rates (every older one) cannot price a cached plan: one line saying so
     with pytest.raises(OffsimError, match="no page-cached disk rate .*disk_cached_read_bytes_per_s"):
         simulate(cached, small_gpu_t4)
-    with pytest.raises(OffsimError, match="disk_cached_read_bytes_per_s must be a non-negative number"):
+    with pytest.raises(OffsimError, match="disk_cached_read_bytes_per_s must be a finite non-negative number"):
         small_gpu_t4.with_(disk_cached_read_bytes_per_s=-1.0)

@@ -423,6 +423,9 @@ def layer_key(model: ModelSpec) -> str:
             f"b{m.dtype_bytes}")
 
 
+MAX_FLOP_EFFICIENCY = 2.0  # the most a profile's efficiency curves may claim of its peak FLOP/s (HardwareSpec)
+
+
 @dataclass(frozen=True)
 class HardwareSpec:
     """One GPU, its PCIe link, the host and a disk. Every rate is in bytes/s or FLOP/s, every size in bytes.
@@ -582,10 +585,13 @@ class HardwareSpec:
                                   "pairs")
             if any(a[0] >= b[0] for a, b in zip(c, c[1:])):
                 raise OffsimError(f"hardware {self.name}: {f} x values must increase")
-        for f in ("gemm_efficiency", "attn_prefill_efficiency"):  # achieved / peak FLOP/s: a share of the peak
-            if any(y > 1 for _, y in getattr(self, f)):
-                raise OffsimError(f"hardware {self.name}: {f} is achieved / peak FLOP/s, at most 1; got "
-                                  f"{max(y for _, y in getattr(self, f))}")
+        # achieved / peak FLOP/s: a share of the peak, which a measurement may pass by a little where the peak is
+        # itself a measurement (``offexec profile`` on the CPU: the best GEMM it timed, 1.02 seen); twice the peak
+        # is a wrong peak or a wrong curve
+        for f in ("gemm_efficiency", "attn_prefill_efficiency"):
+            if any(y > MAX_FLOP_EFFICIENCY for _, y in getattr(self, f)):
+                raise OffsimError(f"hardware {self.name}: {f} is achieved / peak FLOP/s, at most "
+                                  f"{MAX_FLOP_EFFICIENCY:g}; got {max(y for _, y in getattr(self, f))}")
         for f in ("h2d_relay", "d2h_relay", "disk_read_op", "disk_write_op"):  # optional: empty where not measured
             c = getattr(self, f)
             if any(len(p) != 2 or not p[0] > 0 or not p[1] > 0 or not all(map(math.isfinite, p)) for p in c) \
