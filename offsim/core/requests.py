@@ -100,8 +100,9 @@ TASKS: dict[str, TaskLengths] = {t.name: t for t in (
 )}
 
 
-# the most requests one job draws: their lengths are held in memory and every block is simulated (a million
-# requests in blocks of 64 is ~16,000 simulations); a larger job is refused from its count, before anything is drawn
+# the most requests one job draws: their lengths are held in memory, made into blocks, and each distinct block shape
+# simulated (docs/jobs.md §4; a million requests are ~16,000 blocks of 64); a larger job is refused from its count,
+# before anything is drawn
 MAX_REQUESTS = 1_000_000
 
 
