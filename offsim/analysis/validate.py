@@ -13,7 +13,6 @@ here, in one place: ``MAX_CASE_ERROR`` and ``MAX_MEDIAN_ERROR``.
 from __future__ import annotations
 
 import functools
-import math
 import re
 import json
 from pathlib import Path
@@ -26,7 +25,7 @@ from offsim.core.io import read_json_object, write_text_atomic
 from offsim.core.plan import Plan
 from offsim.policies import build_plan, get_policy
 from offsim.core.sim import simulate
-from offsim.core.specs import HardwareSpec, ModelSpec, Workload, get_hardware, get_model
+from offsim.core.specs import HardwareSpec, ModelSpec, Workload, get_hardware, get_model, is_finite_number
 from offsim.core.trace import Trace
 
 CASE_SCHEMA = "offsim.case/1"
@@ -86,9 +85,7 @@ def _check_case_fields(case: dict, path: Path) -> None:
     """What validation reads from a case, each by name: measured throughputs that are positive numbers (a run
     that measured nothing cannot be validated against), steps rows [step, start_s, end_s, latency_s] and ops rows
     [step, layer, kind, count, sum_s]."""
-    def number(v) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
+    number = is_finite_number
     for f in ("meta", "metrics"):
         if not isinstance(case[f], dict):
             raise OffsimError(f"case {path}: field {f!r} must be an object, got {str(case[f])[:60]}")

@@ -42,7 +42,7 @@ import json
 from collections.abc import MutableSequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, get_args, get_origin, get_type_hints
 
 from offsim.core.costmodel import COMPUTE_PARTS, GRAPH_MAX_Q_TOKENS
 from offsim.core.errors import OffsimError
@@ -160,28 +160,38 @@ class Op:
 DEVICE_FIELDS = ["device", "peer"]
 
 
-def _check_op_columns(rows: list, fields: list, where: str) -> None:
-    """Each op field of a plan read from JSON has its type (a plan edited by hand: a float byte count, a string
-    where a list belongs), named by op and field; checked a column at a time, as plans have 10^5 ops."""
-    kinds = {f: t if isinstance(t, str) else t.__name__ if isinstance(t, type) else str(t)
-             for f, t in Op.__annotations__.items()}  # 'int', 'str', 'bool', 'tuple[int, ...]', ...
+_SCALAR_WANT = {int: "an integer", str: "a string", bool: "true or false"}
+_OP_TYPES = get_type_hints(Op)  # (the annotations are strings here: resolved once)
+
+
+def _check_op_rows(rows: Any, fields: list, where: str) -> None:
+    """The op rows of a plan read from JSON: a list of rows of ``fields``' length, each field of its ``Op`` type (a
+    plan edited by hand: a float byte count, a string where a list belongs), named by op and field; the types are
+    checked a column at a time, as plans have 10^5 ops."""
+    if not isinstance(rows, list):
+        raise PlanError(f"{where}: field 'ops' must be a list of op rows (values in 'op_fields' order), got "
+                        f"{str(rows)[:60]}")
+    for i, r in enumerate(rows):
+        if not isinstance(r, list) or len(r) != len(fields):
+            raise PlanError(f"{where}: op row {i} has {len(r) if isinstance(r, list) else 'no list of'} values, "
+                            f"expected {len(fields)}")
 
     def refuse(i: int, f: str, want: str):
         raise PlanError(f"{where}: op {i}: field {f!r} must be {want}, got {rows[i][fields.index(f)]!r}")
 
     for j, f in enumerate(fields):
-        t = kinds.get(f, "")
+        t = _OP_TYPES[f]  # int, str, bool, tuple[int, ...] or tuple[int, int, int]
         col = [r[j] for r in rows]
-        if t in ("int", "str", "bool"):
-            typ = {"int": int, "str": str, "bool": bool}[t]
-            if set(map(type, col)) - {typ}:
-                refuse(next(i for i, v in enumerate(col) if type(v) is not typ), f,
-                       {"int": "an integer", "str": "a string", "bool": "true or false"}[t])
-        elif t.startswith("tuple"):
-            n = 3 if t == "tuple[int, int, int]" else None
+        if t in _SCALAR_WANT:
+            if set(map(type, col)) - {t}:
+                refuse(next(i for i, v in enumerate(col) if type(v) is not t), f, _SCALAR_WANT[t])
+        elif get_origin(t) is tuple:
+            n = None if Ellipsis in get_args(t) else len(get_args(t))
             for i, v in enumerate(col):
                 if not isinstance(v, list) or (n and len(v) != n) or any(type(x) is not int for x in v):
                     refuse(i, f, f"a list of {n} integers" if n else "a list of integers")
+
+
 OP_FIELDS = [f for f in Op.__annotations__ if f not in DEVICE_FIELDS]
 _EQ_FIELDS = OP_FIELDS + DEVICE_FIELDS
 _REQUIRED = OP_FIELDS[:7]
@@ -442,16 +452,9 @@ class Plan:
             fields = OP_FIELDS + DEVICE_FIELDS if stages else OP_FIELDS
             if d["op_fields"] != fields:
                 raise PlanError(f"{where}: field 'op_fields' does not match this offsim's op schema {fields}")
-            if not isinstance(d["ops"], list):
-                raise PlanError(f"{where}: field 'ops' must be a list of op rows (values in 'op_fields' order), got "
-                                f"{str(d['ops'])[:60]}")
+            _check_op_rows(d["ops"], fields, where)
             ops = []
-            for i, r in enumerate(d["ops"]):
-                if not isinstance(r, list) or len(r) != len(fields):
-                    raise PlanError(f"{where}: op row {i} has {len(r) if isinstance(r, list) else 'no list of'} "
-                                    f"values, expected {len(fields)}")
-            _check_op_columns(d["ops"], fields, where)
-            for i, r in enumerate(d["ops"]):
+            for r in d["ops"]:
                 kw = dict(zip(fields, r))
                 kw["deps"] = tuple(kw["deps"])
                 kw["alloc"] = tuple(kw["alloc"])

@@ -423,6 +423,12 @@ def layer_key(model: ModelSpec) -> str:
             f"b{m.dtype_bytes}")
 
 
+def is_finite_number(v) -> bool:
+    """A real number that is not NaN or infinite (JSON's Infinity and NaN parse as floats; booleans are not numbers
+    here)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 MAX_FLOP_EFFICIENCY = 2.0  # the most a profile's efficiency curves may claim of its peak FLOP/s (HardwareSpec)
 
 
@@ -534,9 +540,7 @@ class HardwareSpec:
     disk_write_op: Curve = ()
 
     def __post_init__(self):
-        def number(v) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
+        number = is_finite_number
         for f in ("gpu_mem_bytes", "gpu_peak_flops", "gpu_hbm_bytes_per_s", "cpu_mem_bytes", "cpu_attention_flops",
                   "disk_read_bytes_per_s", "disk_write_bytes_per_s"):
             v = getattr(self, f)
