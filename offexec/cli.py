@@ -27,11 +27,10 @@ from pathlib import Path
 from offsim.cli import (add_compression_args, add_policy_args, add_runtime_args, add_target_args, apply_runtime_args,
                         build_fitting_plan, check_output_path, check_plan_conflicts, given_options, quiet_broken_pipe)
 from offsim.core.errors import OffsimError
-from offsim.core.plan import Plan
 from offsim.core.provenance import provenance
 from offsim.core.sim import simulate
 from offsim.core.specs import HARDWARE_PRESETS, Workload, get_hardware, get_model
-from offsim.policies import build_plan
+from offsim.policies import build_plan, load_plan
 
 from . import ALLOCATOR_CAPS, DEFAULT_ALLOCATOR_CAP
 
@@ -151,7 +150,7 @@ def _build(args, hw):
     --hardware's whole GPU (a plan saved for an H200 budget was refused against the default T4's 15 GiB)."""
     if args.plan:
         check_plan_conflicts(getattr(args, "given", set()))
-        plan = Plan.load_valid(args.plan)
+        plan = load_plan(args.plan)
         if args.gpu_mem_gb is None and not plan.stages:
             hw = hw.with_(gpu_mem_bytes=int(plan.capacity["gpu"]))
         from .executor import check_one_host
@@ -178,6 +177,25 @@ def _build(args, hw):
                 else build_plan(policy, model, hw, shortened(plan.workload, WARMUP_GEN_LEN), settings))
     apply_runtime_args(args, plan, warm)  # how the ops are issued is part of the plan: executor, check, simulator
     return plan, model, dtype_name, warm, hw
+
+
+def _dump_host_profile(prof, path: str) -> None:
+    """``--host-profile``'s pstats file, written atomically (a temporary file beside it, renamed over it) where the
+    path is a regular file or new; a device or a pipe is written straight into. A write that fails is one line."""
+    p = Path(path)
+    try:
+        if p.exists() and not p.is_file():
+            prof.dump_stats(str(p))
+            return
+        tmp = p.with_name(p.name + ".tmp")
+        try:
+            prof.dump_stats(str(tmp))
+            tmp.replace(p)
+        finally:
+            tmp.unlink(missing_ok=True)
+    except OSError as e:
+        raise OffsimError(f"--host-profile {path}: cannot write the profile ({e.strerror or e}); the run's trace and "
+                          "figures above are complete") from None
 
 
 def cmd_run(args) -> dict:
@@ -249,7 +267,6 @@ def cmd_run(args) -> dict:
                        meta={"hardware": hw.name, "warmup": warm is not None, **where, **prov})
         if prof is not None:
             prof.disable()
-            prof.dump_stats(args.host_profile)
     finally:
         weights.close()
     measured = res.trace.metrics()
@@ -302,7 +319,7 @@ def cmd_run(args) -> dict:
             print("caching-allocator retries by handler (phase): "
                   + (", ".join(f"{k} {v}" for k, v in sorted(r.items(), key=lambda kv: -kv[1])) or "none"))
         print(f"cProfile of the issuing thread ({args.host_profile}), by own time:")
-        pstats.Stats(args.host_profile, stream=sys.stdout).sort_stats("tottime").print_stats(25)
+        pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(25)
     g = st["graphs"]
     if g["mode"] == "cuda":
         print(f"CUDA graphs: {g['graphs']} decode ops captured in {g['capture_s']:.2f} s, {g['replays']} replays"
@@ -325,6 +342,8 @@ def cmd_run(args) -> dict:
            "policy": plan.policy, "settings": plan.settings, "model": model.name, "workload": wl.to_dict(),
            "plan_file": args.plan, "provenance": prov}
     print(json.dumps(_jsonable(out)))
+    if prof is not None:  # (last: a profile that cannot be written loses neither the trace nor the figures)
+        _dump_host_profile(prof, args.host_profile)
     return out
 
 

@@ -46,11 +46,12 @@ from offsim.core import footprint as fp
 from offsim.core.errors import OffsimError
 from offsim.core.plan import Op, Plan
 from offsim.core.trace import Trace
+from offsim.policies import load_plan
 from offsim.policies.schedule import stage_model
 
 from . import model as M
 from .executor import Executor, RunResult, check_host_memory, check_one_host, disk_need, gpu_need, host_need
-from .memory import ExecError, check_disk_dir, check_gpu_budget, require_device
+from .memory import ExecError, check_disk_dir, check_gpu_budget, check_gpu_free, require_device
 from .program import bind
 from .weights import ModelWeights
 
@@ -182,12 +183,8 @@ def check_pipeline(plan: Plan, device: str, disk_dir: str | None = None, one_gpu
     if disk:
         check_disk_dir(disk_dir, disk, plan.disk_cached)
     if one_gpu and cuda:
-        free, _ = torch.cuda.mem_get_info(0)
-        total = sum(sum(nd.values()) for nd in needs)
-        if total > free:
-            GiB = 1 << 30
-            raise ExecError(f"the rehearsal puts all {n} stages on GPU 0: they need {total / GiB:.2f} GiB together "
-                            f"but {free / GiB:.2f} GiB are free there; rehearse on a GPU with more free memory")
+        check_gpu_free(sum(sum(nd.values()) for nd in needs), "cuda:0",
+                       f"the rehearsal (all {n} stages on GPU 0, together)")
     return needs
 
 
@@ -317,7 +314,7 @@ def main(argv=None) -> int:
                          "stages share one GPU and one PCIe link), and the output says so")
     args = ap.parse_args(argv)
     try:
-        plan = Plan.load_valid(args.plan)
+        plan = load_plan(args.plan)
         check_one_host(plan)  # (before the process group, the weights or any buffer)
         if not plan.stages:
             raise OffsimError(f"{args.plan} has no pipeline stages: run it with `offexec run --plan`")

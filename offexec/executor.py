@@ -41,8 +41,8 @@ from . import model as M
 from . import quant
 from .graphs import GRAPH_MODES, DecodeGraphs
 from .memory import (BufferPool, DiskTier, ExecError, GpuArena, HostBuffer, apply_gpu_budget, check_disk_dir,
-                     check_gpu_budget, configure_allocator, executor_streams, host_tensor, require_device,
-                     warm_library_workspace)
+                     check_gpu_budget, check_gpu_free, configure_allocator, executor_streams, host_tensor,
+                     require_device, warm_library_workspace)
 from .program import GPU_STREAMS, HOST_STREAMS, P2P_STREAM, Program, bind, pool_of
 from .weights import ModelWeights
 
@@ -248,6 +248,7 @@ def check_plan(plan: Plan, device, budget_bytes: int, disk_dir: str | None = Non
     cuda = torch.device(device).type == "cuda"
     if cuda:
         check_gpu_budget(need, budget_bytes)
+        check_gpu_free(sum(need.values()), device)
     host = host_need(prog, plan, weights_loaded)
     if not cuda:  # on the CPU the plan's device tier is host memory too (its budget is not checked: no GPU)
         host = {**host, "device tier on the CPU": sum(need.values())}

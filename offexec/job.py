@@ -527,6 +527,9 @@ def cmd_job(args) -> list[dict]:
             raise OffsimError(f"--remeasure takes policies the job runs ({', '.join(policies)}), got {', '.join(bad)}")
         if args.report_only:
             raise OffsimError("--remeasure measures again: it does not go with --report-only")
+    if args.report_only and not (out / JOURNAL).is_file():  # (it made the folder and wrote empty tables)
+        raise OffsimError(f"--report-only reports the blocks measured in {out}, but it holds none ({out / JOURNAL} "
+                          "does not exist): run the job without --report-only first, or give its --out")
     make_output_dir(out, "--out")
     if args.remeasure:
         n = retire_policies(out / JOURNAL, set(args.remeasure))

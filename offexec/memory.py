@@ -192,6 +192,20 @@ def check_gpu_budget(need: dict[str, int], budget_bytes: int) -> None:
                         f"({parts}); raise --gpu-mem-gb or choose a policy that keeps less on the GPU")
 
 
+def check_gpu_free(need_bytes: int, device, what: str = "the plan") -> None:
+    """Refuse ``need_bytes`` of GPU memory that the card does not have free now, before any of it is allocated: a
+    budget (``--gpu-mem-gb``, a preset's nominal size) may be larger than the card, or another process may hold part
+    of it, and the budget's own check passes either way."""
+    device = torch.device(device)
+    free, total = torch.cuda.mem_get_info(device)
+    # (plus what this process's caching allocator holds unused: a job's earlier block, given back by empty_cache)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if need_bytes > free:
+        raise ExecError(f"{what} needs {need_bytes / GiB:.2f} GiB of GPU memory but {device} has {free / GiB:.2f} GiB "
+                        f"free (of {total / GiB:.2f} GiB): lower --gpu-mem-gb to what the card holds, or free the "
+                        "memory other processes use")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the GPU arena and the executor's streams
 # ----------------------------------------------------------------------------------------------------------------

@@ -1717,16 +1717,7 @@ def cmd_profile(args) -> dict:
 
     # the output's folder may be made (as _write_profile makes it), but it must be makeable: refused now, not after
     # minutes of measurement
-    parent = Path(args.out).expanduser().resolve().parent
-    while not parent.exists():
-        parent = parent.parent
-    try:  # (a real probe: os.access says yes to root in places that refuse files, e.g. /proc)
-        with tempfile.NamedTemporaryFile(dir=parent):
-            pass
-    except OSError as e:
-        raise OffsimError(f"--out {args.out}: cannot write there ({parent}: {e.strerror or e})") from None
-    if Path(args.out).is_dir():
-        check_output_path(args.out, "--out")  # (a directory: the message that says to give a file name)
+    check_output_path(args.out, "--out", make_parents=True)
 
     if args.merge:
         if not args.base:

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from offsim.core.errors import OffsimError
 from offsim.core.io import finite_json, write_text_atomic
 from offsim.core.latency import host_issue_share, latency_and_bottleneck
 from offsim.core.plan import RUN_AHEAD_OPS, Plan
-from offsim.policies import DEFAULT_POLICIES, POLICIES, build_plan, get_policy
+from offsim.policies import DEFAULT_POLICIES, POLICIES, build_plan, get_policy, load_plan
 from offsim.core.sim import simulate
 from offsim.core.specs import HARDWARE_PRESETS, MODEL_PRESETS, Workload, get_hardware, get_model
 
@@ -266,17 +267,34 @@ def _print_json(obj) -> None:
 
 
 # ---- checks made before anything is simulated --------------------------------------------------------------------
-def check_output_path(path: str | None, option: str) -> None:
-    """Refuse an output file whose directory does not exist, before minutes of simulation or measurement."""
+def check_output_path(path: str | None, option: str, make_parents: bool = False) -> None:
+    """Refuse an output file that could not be written, before minutes of simulation or measurement: its directory
+    does not exist (``make_parents``: none of its ancestors can take the folders the write will make), it is a
+    directory, or the directory takes no files. The last is probed with a temporary file, since ``os.access`` says
+    yes to root where no file can be made (/proc). A path that exists and is not a regular file (``/dev/stdout``, a
+    pipe) is written straight into, as ``io.open_atomic`` does, and is not probed (opening a pipe would block)."""
     if path is None:
         return
     if not str(path).strip():
         raise OffsimError(f"{option} is empty; give a file name")
-    parent = Path(path).expanduser().resolve().parent
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise OffsimError(f"{option} {path} is a directory; give a file name")
+    if p.exists() and not p.is_file():
+        return
+    parent = p.resolve().parent
+    if make_parents:
+        while not parent.exists():
+            parent = parent.parent
+    if parent.exists() and not parent.is_dir():
+        raise OffsimError(f"{option} {path}: {parent} is a file, not a directory")
     if not parent.is_dir():
         raise OffsimError(f"{option} {path}: directory {parent} does not exist (create it first)")
-    if Path(path).is_dir():
-        raise OffsimError(f"{option} {path} is a directory; give a file name")
+    try:
+        with tempfile.NamedTemporaryFile(dir=parent):
+            pass
+    except OSError as e:
+        raise OffsimError(f"{option} {path}: cannot write files in {parent} ({e.strerror or e})") from None
 
 
 def check_output_dir(path: str | Path, option: str) -> None:
@@ -442,7 +460,7 @@ def cmd_simulate(args) -> None:
     hw = get_hardware(args.hardware, args.gpu_mem_gb)
     if args.plan:
         check_plan_conflicts(getattr(args, "given", set()))
-        plan = Plan.load_valid(args.plan)
+        plan = load_plan(args.plan)
         if args.gpu_mem_gb is not None:
             check_plan_budget(plan, hw, args.plan)
     else:

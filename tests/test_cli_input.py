@@ -107,6 +107,36 @@ def test_a_plan_whose_ops_and_workload_disagree_is_refused(tmp_path, capsys):
     assert "plan: no ops" in _error(capsys, ["simulate", "--plan", str(bad)])
 
 
+def _without_op(d: dict, drop: int) -> None:
+    """``d``'s op ``drop`` deleted by hand: the later ids shifted down, the dependencies on it dropped."""
+    rows = [r for i, r in enumerate(d["ops"]) if i != drop]
+    for r in rows:
+        r[0] -= r[0] > drop
+        r[2] = [x - (x > drop) for x in r[2] if x != drop]
+    d["ops"] = rows
+
+
+def test_a_plan_that_names_what_offsim_does_not_know_or_skips_a_token_is_refused(tmp_path, capsys):
+    """Hand edits that ran before 2026-12-05: a misspelt field (dropped in silence, the plan run without it), a
+    policy no builder has (the warm-up or `validate` failed later), the last step's LM-head op deleted (the step ran
+    on a stale token and the rate was reported)."""
+    from offexec.cli import main as offexec_main
+
+    path, d = _saved_plan(tmp_path, capsys)
+    f = d["op_fields"]
+    heads = [i for i, r in enumerate(d["ops"]) if r[1] == "compute" and r[f.index("part")] == "head"]
+    cases = {"field": (lambda e: e.__setitem__("cuda_graph", False), "unknown field 'cuda_graph'"),
+             "policy": (lambda e: e.__setitem__("policy", "flexgen2"), "policy 'flexgen2' is not one offsim knows"),
+             "head": (lambda e: _without_op(e, heads[-1]), "has 0 LM-head ('head') ops")}
+    for name, (fn, msg) in cases.items():
+        bad = tmp_path / f"{name}.json"
+        bad.write_text(json.dumps(_edit(d, fn)))
+        assert msg in _error(capsys, ["simulate", "--plan", str(bad)]), name
+        assert offexec_main(["run", "--plan", str(bad), "--device", "cpu", "--no-warmup"]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err, (name, err)
+
+
 def test_plan_with_a_gpu_budget_is_held_to_it_and_pipeline_options_conflict(tmp_path, capsys):
     path, _ = _saved_plan(tmp_path, capsys)
     err = _error(capsys, ["simulate", "--plan", str(path), "--gpu-mem-gb", "0.1"])
@@ -142,7 +172,8 @@ def test_trace_names_ending_in_csv_any_case_or_gzipped_are_csv(tmp_path, capsys,
 def test_unwritable_outputs_are_one_line_errors(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    assert "does not exist" in _error(capsys, ["simulate", *SMALL, "--save-plan", str(blocker / "p.json")])
+    assert "is a file, not a directory" in _error(capsys, ["simulate", *SMALL, "--save-plan", str(blocker / "p.json")])
+    assert "does not exist" in _error(capsys, ["simulate", *SMALL, "--save-plan", str(tmp_path / "no" / "p.json")])
     err = _error(capsys, ["validate", str(tmp_path), "--hardware", "t4", "--out", str(blocker)])
     assert "is a file; give a directory" in err
     err = _error(capsys, ["validate", str(tmp_path), "--hardware", "t4", "--out", str(blocker / "sub")])

@@ -71,6 +71,10 @@ def test_points_modes_and_ids(tmp_path):
                  "  policy: [flexgen]\n  batch: [1, 2]\n")
     y = grid.load_spec(p)
     assert y.mode == "batch" and len(grid.expand(y)) == 2 and y.grid["model"] == ["opt-125m"]
+    # YAML 1.2's floats: PyYAML alone (YAML 1.1) reads 1.6e1 as the text '1.6e1', refused as not a budget
+    p.write_text("name: y\ngrid:\n  model: opt-125m\n  hardware: [t4]\n  gpu_mem_gb: [1.6e1, 8]\n"
+                 "  prompt_len: [8]\n  gen_len: [2]\n  policy: [flexgen]\n  batch: [1]\n")
+    assert grid.load_spec(p).grid["gpu_mem_gb"] == [16.0, 8]
     p.write_text("grid: [unclosed")
     with pytest.raises(OffsimError, match="not valid YAML"):
         grid.load_spec(p)

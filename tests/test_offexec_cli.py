@@ -2,6 +2,7 @@
 warm-up, ``--plan``, the CPU-vs-preset comparison, and exit code 2 with one line for bad input."""
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -96,6 +97,25 @@ def test_run_host_profile_writes_pstats(checkpoint, tmp_path, capsys):
     assert rc == 0 and prof.exists()
     assert pstats.Stats(str(prof)).total_calls > 0
     assert "cProfile of the issuing thread" in out and "caching-allocator retries" not in out
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_a_host_profile_that_cannot_be_written_keeps_the_trace_and_figures(checkpoint, tmp_path, capsys):
+    """A --host-profile whose write fails (a full device) is one line after the run, the trace and the figures
+    already out (the profile was written first, and its failure lost both)."""
+    trace = tmp_path / "t.csv"
+    rc = main(["run", "--model", str(checkpoint / "config.json"), "--policy", "flexgen", "--no-warmup",
+               "--host-profile", "/dev/full", "--trace", str(trace)] + TINY_ARGS)
+    cap = capsys.readouterr()
+    assert rc == 2 and trace.exists() and "measured tok/s" in cap.out
+    assert "--host-profile /dev/full: cannot write the profile" in cap.err and "Traceback" not in cap.err
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc (Linux)")
+def test_an_output_folder_that_takes_no_files_is_refused_before_the_run(checkpoint, capsys):
+    base = ["run", "--model", str(checkpoint / "config.json"), "--policy", "flexgen", "--no-warmup"] + TINY_ARGS
+    assert "cannot write files in /proc/" in _error(capsys, base + ["--trace", "/proc/self/status"])
+    assert "cannot write files in /proc/" in _error(capsys, base + ["--host-profile", "/proc/self/p.prof"])
 
 
 @pytest.mark.gpu
@@ -349,8 +369,11 @@ def test_profile_refuses_options_it_would_ignore_before_measuring(tmp_path, caps
     # an --out that cannot be written is refused before minutes of measurement (it failed at the end, all lost)
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    assert "cannot write there" in _error(capsys, ["profile", "--device", "cpu", "--quick", "--out",
-                                                   str(blocker / "sub" / "p.json")])
+    assert "is a file, not a directory" in _error(capsys, ["profile", "--device", "cpu", "--quick", "--out",
+                                                           str(blocker / "sub" / "p.json")])
+    # a folder that takes no files though it exists and root may "write" it (os.access says yes in /proc)
+    assert "cannot write files in /proc" in _error(capsys, ["profile", "--device", "cpu", "--quick", "--out",
+                                                            "/proc/self/p.json"])
     assert "is a directory; give a file name" in _error(capsys, ["profile", "--device", "cpu", "--quick", "--out",
                                                                  str(tmp_path)])
 

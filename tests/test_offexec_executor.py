@@ -251,6 +251,23 @@ def test_gpu_budget_precheck_names_the_shortfall():
     check_gpu_budget({"resident weights": 1000}, 1000)
 
 
+def test_a_cuda_plan_larger_than_the_cards_free_memory_is_refused_before_allocating(monkeypatch):
+    """A budget within --gpu-mem-gb but above what the card has free (a preset's nominal size on a smaller card,
+    another process's memory) is refused from arithmetic, not by an out-of-memory error mid-allocation. Checked here
+    with the card's figures stood in (no GPU in CI); memory a job's earlier block left in the allocator's cache
+    counts as free."""
+    hf, spec, w = _model("opt")
+    plan = build_plan("flexgen", spec, HW, Workload(PROMPT, GEN, 2, 2), {"percent": (100, 0, 100, 0, 100, 0)})
+    need = sum(check_plan(plan, "cpu", 1 << 40).values())
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (need - 1, 80 << 30))
+    with pytest.raises(ExecError, match="free \\(of 80.00 GiB\\): lower --gpu-mem-gb"):
+        check_plan(plan, "cuda", 1 << 40)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 1)  # the cache holds the missing byte
+    check_plan(plan, "cuda", 1 << 40)
+
+
 def test_disk_tier_without_room_is_refused(monkeypatch, tmp_path):
     import shutil
     from collections import namedtuple

@@ -108,6 +108,10 @@ def test_job_resumes_from_its_journal_and_limits_requests(tiny, capsys):
     # blocks measured on another device are not this job's: nothing to report, nothing run, exit 0
     rc, lines, err = _run(capsys, [a if a != "cpu" else "cuda" for a in argv] + ["--report-only"])
     assert rc == 0 and json.loads(lines[-1])[0]["incomplete"] and "nothing runs" in lines[-1]
+    # a folder that holds no job: refused in one line, nothing made (it made the folder and wrote empty tables)
+    fresh = d / "never-ran"
+    rc, lines, err = _run(capsys, [a if a != str(out) else str(fresh) for a in argv] + ["--report-only"])
+    assert rc == 2 and "holds none" in err and "Traceback" not in err and not fresh.exists()
     # another job (other requests) in the same folder does not reuse those blocks
     rc, lines, _ = _run(capsys, argv[:-1] + ["4"])
     assert rc == 0 and json.loads(lines[-1])[0]["resumed_blocks"] == 0

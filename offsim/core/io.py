@@ -7,6 +7,7 @@ the rest with ``comment='#'`` too.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gzip
 import json
 import math
@@ -128,10 +129,36 @@ def read_spec(path: str | Path, what: str) -> Any:
     import yaml
 
     try:
-        return yaml.safe_load(path.read_text())
+        return yaml.load(path.read_text(), Loader=_yaml_loader())
     except OSError as e:
         raise OffsimError(f"cannot read {what} {path}: {e.strerror}") from None
     except UnicodeDecodeError:
         raise OffsimError(f"{what} {path} is not text (not UTF-8): give a YAML or JSON file") from None
     except yaml.YAMLError as e:
         raise OffsimError(f"{what} {path} is not valid YAML: {' '.join(str(e).split())}") from None
+
+
+_YAML12_FLOAT = r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+|[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+|[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+|[-+]?\.(?:inf|Inf|INF)
+|\.(?:nan|NaN|NAN))$"""
+
+
+@functools.lru_cache(maxsize=None)
+def _yaml_loader():
+    """PyYAML's safe loader with YAML 1.2's floats: YAML 1.1 (PyYAML's) reads ``1e3`` and ``1.6e1`` as text (it
+    wants a dot and a signed exponent, ``1.0e+3``), so a spec's ``count: 1e3`` was refused as "got '1e3'"."""
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    tag = "tag:yaml.org,2002:float"
+    # new lists (``add_implicit_resolver`` appends to the inherited ones, which would change every SafeLoader)
+    Loader.yaml_implicit_resolvers = {ch: [r for r in rs if r[0] != tag]
+                                      for ch, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    Loader.add_implicit_resolver(tag, re.compile(_YAML12_FLOAT, re.X), list("-+0123456789."))
+    return Loader

@@ -57,6 +57,10 @@ QUANT_IMPLS = ("", "flexgen")  # whose code runs a compressed plan's dequantize 
 # and hash the same
 OPTIONAL_FIELDS = ("weight_gather_copies", "cpu_attention_impl", "pageable_copy", "quant_impl",
                    "issue_waits_for_deps")
+# the top-level fields a saved plan may have (``Plan.to_dict`` writes them; the optional ones only when set)
+PLAN_KEYS = frozenset(("schema", "model", "workload", "policy", "settings", "capacity", "resident", "weight_split",
+                       "kv_split", "hidden_home", "derived", "disk_cached", "cuda_graphs", "graph_max_q_tokens",
+                       "graph_min_uses", "run_ahead", "op_fields", "ops", "stages", "nodes") + OPTIONAL_FIELDS)
 KINDS = ("compute", "cpu_compute", "h2d", "d2h", "disk_read", "disk_write")
 # a GPU-to-GPU copy (pipeline parallelism): only in plans with stages, so not among the KINDS that single-GPU
 # summaries list
@@ -447,6 +451,10 @@ class Plan:
             raise PlanError(f"{where}: expected a JSON object")
         if d.get("schema") != PLAN_SCHEMA:
             raise PlanError(f"{where}: field 'schema' is {d.get('schema')!r}; this offsim reads {PLAN_SCHEMA!r}")
+        unknown = sorted(set(d) - PLAN_KEYS)
+        if unknown:  # (a misspelt option would be dropped in silence and the plan run without it)
+            raise PlanError(f"{where}: unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                            f"a plan has {', '.join(sorted(PLAN_KEYS))}")
         try:
             stages = d.get("stages", [])
             fields = OP_FIELDS + DEVICE_FIELDS if stages else OP_FIELDS
@@ -586,6 +594,7 @@ class Plan:
             raise PlanError("plan: no ops (a plan runs at least the prefill of its workload)")
         last_step = self.workload.gen_len - 1
         steps_seen = -1
+        ends: dict[tuple, int] = {}  # ('embed' or 'head', step, batch) -> its ops
         for i, row in enumerate(rows):
             kind, deps, phase, step, layer, batch, kw = row
             if step > steps_seen:
@@ -650,6 +659,9 @@ class Plan:
                     end = present.get(key, 0)
                     if ctx - q <= end and ctx > end:
                         present[key] = ctx
+                elif part == "embed" or part == "head":
+                    key = (part, step, batch)
+                    ends[key] = ends.get(key, 0) + 1
             else:
                 tensor, nbytes, lo, hi = get("tensor", ""), get("nbytes", 0), get("lo", 0), get("hi", 0)
                 if tensor not in TENSORS:
@@ -704,7 +716,26 @@ class Plan:
             # as this one (a plan edited by hand, or a workload changed without its ops)
             raise PlanError(f"plan: its ops run steps 0..{steps_seen} but its workload generates "
                             f"{self.workload.gen_len} tokens (steps 0..{last_step}): the ops and the workload disagree")
+        self._check_ends(ends)
         return self
+
+    def _check_ends(self, ends: dict) -> None:
+        """Each step of each GPU batch embeds its tokens once and samples its next token once (one 'embed' and one
+        'head' compute op): without it the executor would run a step on a stale token and still report a rate."""
+        nb, gen = self.workload.num_gpu_batches, self.workload.gen_len
+        for (part, step, batch), n in ends.items():
+            if not 0 <= batch < nb:
+                raise PlanError(f"plan: an '{part}' op of step {step} is for GPU batch {batch}; the workload has "
+                                f"batches 0..{nb - 1}")
+        what = {"embed": "embedding", "head": "LM-head"}
+        for step in range(gen):
+            for batch in range(nb):
+                for part in ("embed", "head"):
+                    n = ends.get((part, step, batch), 0)
+                    if n != 1:
+                        raise PlanError(f"plan: step {step} of GPU batch {batch} has {n} {what[part]} ('{part}') ops; "
+                                        "every step of every batch has exactly one (rule: each step embeds its "
+                                        "tokens once and samples its next token once)")
 
     def _validate_nodes(self) -> None:
         """Every stage names its node, in order from 0 with none empty; each node's residents within its host."""

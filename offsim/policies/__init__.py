@@ -5,6 +5,6 @@
 schedules as their code runs them); ``registry`` lists them.
 """
 from offsim.policies.base import Candidate, Policy
-from offsim.policies.registry import DEFAULT_POLICIES, POLICIES, build_plan, get_policy
+from offsim.policies.registry import DEFAULT_POLICIES, POLICIES, build_plan, get_policy, load_plan
 
-__all__ = ["Candidate", "DEFAULT_POLICIES", "Policy", "POLICIES", "build_plan", "get_policy"]
+__all__ = ["Candidate", "DEFAULT_POLICIES", "Policy", "POLICIES", "build_plan", "get_policy", "load_plan"]

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from offsim.core import footprint as fp
 from offsim.core.errors import OffsimError
-from offsim.core.plan import Plan
+from offsim.core.plan import Plan, PlanError
 from offsim.core.specs import HardwareSpec, ModelSpec, Workload
 from offsim.policies.base import Policy, capacity_of
 from offsim.policies.flexgen import FLEXGEN
@@ -34,6 +34,16 @@ def get_policy(name: str) -> Policy:
         return POLICIES[name]
     except KeyError:
         raise OffsimError(f"unknown policy {name!r}; valid: {', '.join(POLICIES)}") from None
+
+
+def load_plan(path) -> Plan:
+    """A saved plan as a command given ``--plan FILE`` runs it: ``Plan.load_valid``, and its ``policy`` one that is
+    registered -- the name that a warm-up, ``offsim validate`` and a re-plan rebuild it with, so a plan that names
+    no policy would run once and then fail (or be compared with nothing) later."""
+    plan = Plan.load_valid(path)
+    if plan.policy not in POLICIES:
+        raise PlanError(f"plan {path}: policy {plan.policy!r} is not one offsim knows; valid: {', '.join(POLICIES)}")
+    return plan
 
 
 def build_plan(policy: str, model: ModelSpec, hw: HardwareSpec, wl: Workload,
