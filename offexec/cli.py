@@ -27,6 +27,7 @@ from pathlib import Path
 from offsim.cli import (add_compression_args, add_policy_args, add_runtime_args, add_target_args, apply_runtime_args,
                         build_fitting_plan, check_output_path, check_plan_conflicts, given_options, quiet_broken_pipe)
 from offsim.core.errors import OffsimError
+from offsim.core.io import finite_json
 from offsim.core.provenance import provenance
 from offsim.core.sim import simulate
 from offsim.core.specs import HARDWARE_PRESETS, Workload, get_hardware, get_model
@@ -119,8 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _jsonable(obj):
-    return json.loads(json.dumps(obj, default=lambda x: None if isinstance(x, float) and not math.isfinite(x)
-                                 else (list(x) if isinstance(x, tuple) else str(x))))
+    """``obj`` as strict JSON holds it: numpy and other values as text, and every float that is not finite (decode
+    at gen-len 1 has no rate) as null -- ``json.dumps`` writes them as Infinity and NaN, which strict readers
+    refuse (its ``default`` is never asked about a float)."""
+    return finite_json(json.loads(json.dumps(obj, default=lambda x: list(x) if isinstance(x, tuple) else str(x))))
 
 
 def compare_rows(measured: dict, predicted: dict) -> list[dict]:
@@ -159,6 +162,10 @@ def _build(args, hw):
         model, dtype_name = plan.model, _dtype_of(args, plan.model.dtype_bytes)
         settings, policy = plan.settings, plan.policy
     else:
+        if args.checkpoint and not Path(args.checkpoint).is_dir():  # (else: "unknown model" for a missing folder)
+            raise OffsimError(f"--checkpoint {args.checkpoint} "
+                              + ("is not a directory" if Path(args.checkpoint).exists() else "does not exist")
+                              + " (a folder with config.json and *.safetensors)")
         model = get_model(args.model or args.checkpoint or DEFAULT_MODEL)
         dtype_name = _dtype_of(args, None)
         if dtype_name == "float32":
@@ -341,7 +348,7 @@ def cmd_run(args) -> dict:
            "budget_bytes": budget, "within_budget": measured["peak_gpu_bytes"] <= budget,
            "policy": plan.policy, "settings": plan.settings, "model": model.name, "workload": wl.to_dict(),
            "plan_file": args.plan, "provenance": prov}
-    print(json.dumps(_jsonable(out)))
+    print(json.dumps(_jsonable(out), allow_nan=False))
     if prof is not None:  # (last: a profile that cannot be written loses neither the trace nor the figures)
         _dump_host_profile(prof, args.host_profile)
     return out

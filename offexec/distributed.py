@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from offsim.core import footprint as fp
 from offsim.core.errors import OffsimError
+from offsim.core.io import finite_json, write_text_atomic
 from offsim.core.plan import Op, Plan
 from offsim.core.trace import Trace
 from offsim.policies import load_plan
@@ -283,7 +284,11 @@ def init_process_group(device: str, rank: int | None = None, world: int | None =
         torch.cuda.set_device(local)
         device = f"cuda:{local}"
     kw = {} if init_method is None else {"init_method": init_method, "rank": rank, "world_size": world}
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10), **kw)
+    try:
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10), **kw)
+    except ValueError as e:  # the environment torchrun sets is incomplete (MASTER_ADDR, MASTER_PORT, RANK)
+        raise ExecError(f"cannot join the process group ({' '.join(str(e).split())}): launch with torchrun, "
+                        "which sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT") from None
     return device
 
 
@@ -314,6 +319,10 @@ def main(argv=None) -> int:
                          "stages share one GPU and one PCIe link), and the output says so")
     args = ap.parse_args(argv)
     try:
+        from offsim.cli import check_output_path
+
+        check_output_path(args.trace, "--trace")  # (before the run: its results are written after it)
+        check_output_path(args.out, "--out")
         plan = load_plan(args.plan)
         check_one_host(plan)  # (before the process group, the weights or any buffer)
         if not plan.stages:
@@ -321,6 +330,9 @@ def main(argv=None) -> int:
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise OffsimError(f"launch with torchrun, one process per stage: `torchrun --nproc-per-node "
                               f"{plan.num_devices} -m offexec.distributed --plan {args.plan}`")
+        if not os.environ["WORLD_SIZE"].isdigit():
+            raise OffsimError(f"WORLD_SIZE must be a number of processes, got {os.environ['WORLD_SIZE']!r}: launch "
+                              "with torchrun")
         if int(os.environ["WORLD_SIZE"]) != len(plan.stages):  # (every rank says so: none indexes a missing stage)
             raise OffsimError(f"the plan has {len(plan.stages)} stages but {os.environ['WORLD_SIZE']} processes run "
                               f"it: `torchrun --nproc-per-node {len(plan.stages)} ...`")
@@ -346,14 +358,29 @@ def main(argv=None) -> int:
     except OffsimError as e:  # ExecError too: one line, exit 2
         print(f"offexec.distributed: error: {e}", file=sys.stderr)
         return 2
+    try:
+        _report(args, plan, res, warmup_s, device)
+    except OffsimError as e:  # a write that fails after the run (its paths were probed before it)
+        print(f"offexec.distributed: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def _report(args, plan: Plan, res, warmup_s, device: str) -> None:
+    """Rank 0's summary line, ``--trace`` and ``--out`` (the other ranks' ``res`` is None)."""
     if res is not None:
-        m = res.trace.metrics()
+        m = finite_json(res.trace.metrics())  # (strict JSON: decode at gen-len 1 has no rate, null)
         if args.trace:
-            res.trace.write(args.trace)
+            res.trace.write(args.trace)  # (an OffsimError: its path was probed before the run, so rare)
         where = (f"{plan.num_devices} stages on one GPU (a rehearsal: memory and tokens; these times are not a "
                  f"{plan.num_devices}-GPU run's)" if args.one_gpu else f"{plan.num_devices} GPUs")
-        print(f"{plan.policy} on {where}: prefill {m['prefill_tok_s']:.1f} tok/s, decode "
-              f"{m['decode_tok_s']:.1f} tok/s, total {m['total_tok_s']:.1f} tok/s")
+        def rate(x):
+            return "n/a" if x is None else f"{x:.1f}"
+        print(f"{plan.policy} on {where}: prefill {rate(m['prefill_tok_s'])} tok/s, decode "
+              f"{rate(m['decode_tok_s'])} tok/s, total {rate(m['total_tok_s'])} tok/s")
         doc = {k: m[k] for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s", "prefill_s", "decode_s",
                                  "peak_gpu_bytes")} | {"peaks": res.trace.peak_bytes, "warmup_s": warmup_s,
                                                        "one_gpu_rehearsal": bool(args.one_gpu)}
@@ -364,12 +391,8 @@ def main(argv=None) -> int:
                     "workload": plan.workload.to_dict(), "num_gpus": plan.num_devices, "stages": plan.stages,
                     "ranks": res.stats["ranks"], "provenance": provenance(
                         gpu=torch.cuda.get_device_name(0) if device.startswith("cuda") else "")}
-            with open(args.out, "w") as f:
-                json.dump(full, f, indent=1, default=str)
-        print(json.dumps(doc, default=str))
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return 0
+            write_text_atomic(args.out, json.dumps(finite_json(full), indent=1, default=str, allow_nan=False))
+        print(json.dumps(finite_json(doc), default=str, allow_nan=False))
 
 
 if __name__ == "__main__":

@@ -612,6 +612,10 @@ def cmd_job(args) -> list[dict]:
     finally:
         dev.close()
     feasible = _rank(summaries, lambda o: o["completion_s"])
+    if not feasible and not all(o.get("incomplete") for o in summaries):
+        # refused before a block ran (the budget, the checkpoint): the folder's tables from an earlier run stay
+        raise OffsimError(f"no policy could run job {spec.name} ({model.name} on {args.device}): " + "; ".join(
+            f"{o['policy']}: {_short_reason(o['policy'], o['error'])}" for o in summaries))
     measured_on = sorted({json.dumps(d.get("provenance", {}).get("gpu") or d.get("provenance", {}).get("device"))
                           for d in dev.journal.lines.values() if d.get("job") == dev.key})
     prov = {**(dev.prov or provenance(device=args.device)), "spec": str(args.spec), "job_key": dev.key,
@@ -636,9 +640,4 @@ def cmd_job(args) -> list[dict]:
             "p99_s": o["p99_request_s"], "padding": f"{o['padding_waste']:.1%}"}))
     print(f"wrote {out / 'job.json'}, {out / 'blocks.csv'}, {out / 'requests.csv'}")
     _print_json(summaries)
-    if not feasible and all(o.get("incomplete") for o in summaries):
-        return summaries  # nothing failed: the time limit came first; the same command resumes
-    if not feasible:
-        raise OffsimError(f"no policy could run job {spec.name} ({model.name} on {args.device}): " + "; ".join(
-            f"{o['policy']}: {_short_reason(o['policy'], o['error'])}" for o in summaries))
-    return summaries
+    return summaries  # (none feasible here: the time limit came first; the same command resumes)

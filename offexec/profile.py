@@ -1658,6 +1658,13 @@ def merge_profiles(base: dict, parts: list[tuple[str, dict]]) -> dict:
     from offsim.core.errors import OffsimError
     from offsim.core.specs import HardwareSpec
 
+    for name, d in [("--base", base)] + list(parts):  # each one offsim reads, before any is combined
+        try:
+            HardwareSpec.from_dict(d)
+        except OffsimError as e:
+            raise OffsimError(f"{name}: {e}") from None
+        if not isinstance(d.get("provenance", {}), dict):
+            raise OffsimError(f"{name}: field 'provenance' must be an object, got {type(d['provenance']).__name__}")
     rows = {tuple(r[:3]): r for r in base.get("op_times", [])}
     out_rows = dict(rows)
     source: dict[tuple, str] = {}
@@ -1771,9 +1778,13 @@ def cmd_profile(args) -> dict:
     if not batches or min(batches) < 1:
         raise OffsimError(f"--op-batches must be positive integers separated by commas, got {args.op_batches!r}")
     models = _parse_models(args.ops) if args.ops else []
-    if args.flexgen_only:  # refused before anything is measured
-        from offsim.core.specs import get_model
+    from offsim.core.specs import get_model
 
+    for m in models + ([args.model] if args.model else []):  # a misspelt name refused now, not after the measuring
+        get_model(m)
+    if args.base:
+        read_json_object(args.base, "hardware profile")
+    if args.flexgen_only:  # refused before anything is measured
         if not models or not any(get_model(m).family == "opt" for m in models):
             raise OffsimError("--flexgen-only times FlexGen 0.1.8's own code, which runs OPT models: give --ops with "
                               "at least one OPT model")

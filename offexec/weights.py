@@ -210,9 +210,11 @@ def load_checkpoint(path: str | Path, spec: ModelSpec | None = None, dtype: torc
                     pinned: bool = False, progress: bool = True, layers: tuple[int, int] | None = None) -> ModelWeights:
     """From a local transformers checkpoint directory (config.json and one or more .safetensors files).
     ``layers`` [lo, hi): only those decoder layers (and the embeddings), as one pipeline stage holds them."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     path = Path(path)
+    if not path.exists():
+        raise ExecError(f"--checkpoint {path} does not exist (a folder with config.json and *.safetensors)")
     if not path.is_dir():
         raise ExecError(f"--checkpoint {path} is not a directory")
     ck_spec = ModelSpec.from_hf_config(path)
@@ -230,17 +232,29 @@ def load_checkpoint(path: str | Path, spec: ModelSpec | None = None, dtype: torc
     handles, where = [], {}
     shapes = {}
     for f in files:
-        h = safe_open(str(f), framework="pt")
-        handles.append(h)
-        for k in h.keys():
-            where[k] = h
-            shapes[k] = tuple(h.get_slice(k).get_shape())
+        try:
+            h = safe_open(str(f), framework="pt")
+            handles.append(h)
+            for k in h.keys():
+                where[k] = (h, f)
+                shapes[k] = tuple(h.get_slice(k).get_shape())
+        except (SafetensorError, OSError) as e:
+            raise ExecError(f"checkpoint {path}: {f.name} is not a readable safetensors file ({e})") from None
     if spec.tie_word_embeddings is False and "lm_head.weight" not in shapes:
         raise ExecError(f"checkpoint {path} lacks lm_head.weight (the model's LM head is not tied)")
     prefix = _check_shapes(spec, shapes, f"checkpoint {path}")  # before the large allocation
     lo, hi = _layer_range(spec, layers)
     w = ModelWeights(dataclasses.replace(spec, num_layers=hi - lo), dtype or dtype_of(spec), pinned)
-    _fill(w, lambda k: where[k].get_tensor(k), prefix, progress, lo)
+    def tensor(k):
+        h, f = where[k]
+        try:
+            return h.get_tensor(k)
+        except (SafetensorError, OSError) as e:  # (a file cut short past its header: found only when read)
+            w.close()
+            raise ExecError(f"checkpoint {path}: {f.name} cannot be read at tensor {k} ({e}); the file is "
+                            "damaged or cut short") from None
+
+    _fill(w, tensor, prefix, progress, lo)
     w.source = f"checkpoint {path}"
     return w
 

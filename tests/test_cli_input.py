@@ -57,6 +57,14 @@ def test_every_policys_true_or_false_settings_are_checked(capsys, policy, settin
     assert f"{policy} {setting.split('=')[0]} must be true or false" in err
 
 
+@pytest.mark.parametrize("policy", ["static-accelerate", "static-accelerate-ref"])
+@pytest.mark.parametrize("value", ['"3"', "1.5", "true", "[1]"])
+def test_an_integer_or_null_setting_is_checked(capsys, policy, value):
+    # (gpu_layers is `int | None`: a string was a TypeError traceback, 1.5 ran as 2 layers and true as 1)
+    err = _error(capsys, ["simulate", "--policy", policy, *SMALL, "--set", f"gpu_layers={value}"])
+    assert f"{policy} gpu_layers must be an integer or null" in err
+
+
 def test_a_true_or_false_setting_spelled_in_json_still_works(capsys):
     assert main(["simulate", *OFFLOADED, "--set", "cpu_attention=true"]) == 0
     assert _last_json(capsys)["settings"]["cpu_attention"] is True

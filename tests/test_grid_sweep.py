@@ -75,6 +75,16 @@ def test_points_modes_and_ids(tmp_path):
     p.write_text("name: y\ngrid:\n  model: opt-125m\n  hardware: [t4]\n  gpu_mem_gb: [1.6e1, 8]\n"
                  "  prompt_len: [8]\n  gen_len: [2]\n  policy: [flexgen]\n  batch: [1]\n")
     assert grid.load_spec(p).grid["gpu_mem_gb"] == [16.0, 8]
+    # ... its integers (010 is ten, not eight) and its unique keys (the first of two was dropped in silence)
+    p.write_text(p.read_text().replace("gen_len: [2]", "gen_len: [010]"))
+    assert grid.load_spec(p).grid["gen_len"] == [10]
+    p.write_text(p.read_text() + "grid: {}\n")
+    with pytest.raises(OffsimError, match="key 'grid' is given twice"):
+        grid.load_spec(p)
+    j = tmp_path / "s.json"
+    j.write_text('{"name": "a", "name": "b", "grid": {}}')
+    with pytest.raises(OffsimError, match="key 'name' is given twice"):
+        grid.load_spec(j)
     p.write_text("grid: [unclosed")
     with pytest.raises(OffsimError, match="not valid YAML"):
         grid.load_spec(p)

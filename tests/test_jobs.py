@@ -326,3 +326,9 @@ def test_csv_reader_refuses_a_missing_header(tmp_path):
     (tmp_path / "x.csv").write_bytes(b"prompt_len,gen_len\n\xff\xfe32,2\n")  # not text: one line, no traceback
     with pytest.raises(OffsimError, match="not text"):
         read_requests_csv(tmp_path / "x.csv")
+    # a spreadsheet's "CSV UTF-8" (a byte-order mark first) is read; more rows than a job takes are refused
+    (tmp_path / "x.csv").write_bytes("\ufeffprompt_len,gen_len\n32,2\n".encode())
+    assert read_requests_csv(tmp_path / "x.csv") == [Request(0, 32, 2)]
+    (tmp_path / "x.csv").write_text("prompt_len,gen_len\n" + "32,2\n" * 1_000_001)
+    with pytest.raises(OffsimError, match="more than one job takes"):
+        read_requests_csv(tmp_path / "x.csv")

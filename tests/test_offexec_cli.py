@@ -3,6 +3,7 @@ warm-up, ``--plan``, the CPU-vs-preset comparison, and exit code 2 with one line
 import dataclasses
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -116,6 +117,30 @@ def test_an_output_folder_that_takes_no_files_is_refused_before_the_run(checkpoi
     base = ["run", "--model", str(checkpoint / "config.json"), "--policy", "flexgen", "--no-warmup"] + TINY_ARGS
     assert "cannot write files in /proc/" in _error(capsys, base + ["--trace", "/proc/self/status"])
     assert "cannot write files in /proc/" in _error(capsys, base + ["--host-profile", "/proc/self/p.prof"])
+
+
+def test_gen_len_one_prints_strict_json(checkpoint, capsys):
+    argv = ["run", "--model", str(checkpoint / "config.json"), "--policy", "flexgen", "--no-warmup"] + TINY_ARGS
+    argv[argv.index("--gen-len") + 1] = "1"
+    assert main(argv) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    d = json.loads(line, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    assert d["measured"]["decode_tok_s"] is None and d["measured"]["total_tok_s"] > 0
+
+
+def test_a_missing_or_damaged_checkpoint_is_one_line(checkpoint, tmp_path, capsys):
+    import shutil
+
+    base = ["run", "--policy", "flexgen", "--no-warmup", "--device", "cpu", "--dtype", "float32"] + TINY_ARGS[:-4]
+    assert "does not exist" in _error(capsys, base + ["--checkpoint", str(tmp_path / "nope")])
+    for name, cut in (("header", 5), ("body", -5000)):  # cut inside the header, then inside the tensors
+        bad = tmp_path / name
+        bad.mkdir()
+        shutil.copy(checkpoint / "config.json", bad)
+        data = (checkpoint / "model.safetensors").read_bytes()
+        (bad / "model.safetensors").write_bytes(data[:cut])
+        err = _error(capsys, base + ["--checkpoint", str(bad)])
+        assert "model.safetensors" in err and ("not a readable safetensors" in err or "cut short" in err), err
 
 
 @pytest.mark.gpu
@@ -376,6 +401,18 @@ def test_profile_refuses_options_it_would_ignore_before_measuring(tmp_path, caps
                                                             "/proc/self/p.json"])
     assert "is a directory; give a file name" in _error(capsys, ["profile", "--device", "cpu", "--quick", "--out",
                                                                  str(tmp_path)])
+    # names and files checked before the measuring (a misspelt --ops model failed after it, all lost)
+    assert "unknown model 'llama3-8b'" in _error(capsys, ["profile", "--device", "cpu", "--quick", "--out", out,
+                                                          "--ops", "llama3-8b"])
+    assert "cannot read hardware profile" in _error(capsys, ["profile", "--device", "cpu", "--out", out, "--base",
+                                                             str(tmp_path / "none.json"), "--ops", "opt-125m"])
+    # --merge: each part read as a profile first (a list as a row's key was an unhashable-type traceback)
+    v2 = str(Path(__file__).resolve().parents[1] / "results/profiles/h200_offexec_v2.json")
+    base = json.loads(open(v2).read())
+    base["op_times"][0][0] = [1]
+    part = tmp_path / "part.json"
+    part.write_text(json.dumps(base))
+    assert "op_times rows must be" in _error(capsys, ["profile", "--base", v2, "--merge", str(part), "--out", out])
 
 
 def test_run_takes_the_compression_flags_as_simulate_does(checkpoint, capsys):

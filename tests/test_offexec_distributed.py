@@ -196,6 +196,19 @@ def test_entry_point_outside_torchrun_is_one_line(tmp_path, capsys, monkeypatch)
     build_plan("flexgen", spec, HW, Workload(PROMPT, 2, 2, 2), {}).save(single)
     assert main(["--plan", str(single), "--device", "cpu"]) == 2
     assert "no pipeline stages" in capsys.readouterr().err
+    # outputs that cannot be written are refused before the run (they failed after it, the results lost)
+    assert main(["--plan", str(f), "--device", "cpu", "--out", str(tmp_path)]) == 2
+    assert "is a directory; give a file name" in capsys.readouterr().err
+    # torchrun's environment, incomplete: one line, not init_process_group's traceback
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    assert main(["--plan", str(f), "--device", "cpu"]) == 2
+    assert "WORLD_SIZE must be a number" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    assert main(["--plan", str(f), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "launch with torchrun" in err
 
 
 def test_stage_weights_seeded_or_loaded_per_stage(tmp_path):

@@ -108,6 +108,12 @@ def test_job_resumes_from_its_journal_and_limits_requests(tiny, capsys):
     # blocks measured on another device are not this job's: nothing to report, nothing run, exit 0
     rc, lines, err = _run(capsys, [a if a != "cpu" else "cuda" for a in argv] + ["--report-only"])
     assert rc == 0 and json.loads(lines[-1])[0]["incomplete"] and "nothing runs" in lines[-1]
+    # a run refused before any block (a budget nothing fits in) leaves the earlier run's tables as they were (it
+    # rewrote them empty)
+    tables = {f: (out / f).read_text() for f in ("blocks.csv", "requests.csv", "job.json")}
+    rc, lines, err = _run(capsys, argv + ["--gpu-mem-gb", "0.0001"])
+    assert rc == 2 and "no policy could run" in err and "Traceback" not in err
+    assert {f: (out / f).read_text() for f in tables} == tables
     # a folder that holds no job: refused in one line, nothing made (it made the folder and wrote empty tables)
     fresh = d / "never-ran"
     rc, lines, err = _run(capsys, [a if a != str(out) else str(fresh) for a in argv] + ["--report-only"])

@@ -127,6 +127,48 @@ def test_full_trace_csv_accepted(tmp_path):
     assert abs(r["err_total_tok_s"]) < 1e-9
 
 
+def _damaged(text: str, raw: bytes) -> dict:
+    """Damaged copies of a trace CSV (``text``; ``raw`` its gzipped bytes): file name -> bytes and the message."""
+    lines = text.splitlines(keepends=True)
+    row = lines[2].split(",")
+    return {
+        "cut.trace.csv.gz": (raw[: len(raw) // 2], "cannot read trace"),
+        "notgz.trace.csv.gz": (text.encode(), "cannot read trace"),
+        "binary.trace.csv": (lines[0].encode() + b"\xff\xfe\x00op_id\n", "not text"),
+        "meta_only.trace.csv": (lines[0].encode(), "no table"),
+        "ragged.trace.csv": ("".join(lines[:3] + [lines[2].rstrip("\n") + ",1,2,3\n"]).encode(), "malformed"),
+        "text.trace.csv": ("".join(lines[:2] + [",".join(row[:7] + ["abc"] + row[8:])] + lines[3:]).encode(),
+                           "column 'start_s' must hold finite numbers"),
+    }
+
+
+def test_a_case_whose_run_cannot_be_rebuilt_is_named(tmp_path):
+    p = _measured(tmp_path)
+    c = json.loads(p.read_text())
+    c["meta"]["settings"]["percent"] = [1, 2]
+    p.write_text(json.dumps(c))
+    with pytest.raises(OffsimError, match="cannot be re-simulated from its meta") as e:
+        V.validate_dir(tmp_path)
+    assert str(p) in str(e.value)
+
+
+def test_damaged_trace_csvs_are_one_line_errors_naming_the_file(tmp_path):
+    import gzip
+
+    model, hw = get_model("opt-125m"), get_hardware("t4", gpu_mem_gb=0.4)
+    tr = simulate(build_plan("flexgen", model, hw, Workload(16, 3, 2, 2), {"percent": [0, 100, 0, 100, 100, 0]}), hw)
+    tr.to_csv(tmp_path / "good.csv")
+    text = (tmp_path / "good.csv").read_text()
+    assert text.splitlines()[1].split(",")[7] == "start_s"
+    for name, (data, msg) in _damaged(text, gzip.compress(text.encode())).items():
+        d = tmp_path / name.split(".")[0]
+        d.mkdir()
+        (d / name).write_bytes(data)
+        with pytest.raises(OffsimError, match=msg) as e:
+            V.validate_dir(d)
+        assert name in str(e.value), (name, str(e.value))
+
+
 @pytest.mark.parametrize("mutate,msg", [
     (lambda c: c.update(schema="offsim.case/0"), "field 'schema'"),
     (lambda c: c.pop("steps"), "missing field 'steps'"),

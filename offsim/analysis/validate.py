@@ -304,7 +304,21 @@ def validate_dir(root: str | Path, hardware: str | None = None, progress: bool =
     if progress:
         from tqdm import tqdm
         it = tqdm(paths, desc="validate", unit="case")
-    return pd.DataFrame([validate_case(load_case(p), hardware) for p in it])
+    return pd.DataFrame([_validate_path(p, hardware) for p in it])
+
+
+def _validate_path(path: Path, hardware: str | None) -> dict:
+    """``validate_case`` of the case at ``path``; a case whose run cannot be rebuilt (a policy, settings or lengths
+    no plan is made of) is an error that names it and says which part of it (the builder's message speaks of
+    options such as --percent, which a case never had)."""
+    case = load_case(path)
+    try:
+        return validate_case(case, hardware)
+    except OffsimError as e:
+        if str(path) in str(e):
+            raise
+        raise OffsimError(f"case {path}: its run cannot be re-simulated from its meta (policy, settings, workload): "
+                          f"{e}") from None
 
 
 def split_summary(df: pd.DataFrame) -> dict:

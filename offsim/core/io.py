@@ -6,6 +6,7 @@ the rest with ``comment='#'`` too.
 """
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import functools
 import gzip
@@ -71,11 +72,31 @@ def finite_json(obj):
     return obj
 
 
-def read_json_object(path: str | Path, what: str, error: type[OffsimError] = OffsimError) -> dict:
-    """The JSON object in ``path``; ``what`` names it in errors ('plan', 'hardware profile', ...)."""
+def _unique_keys(pairs: list) -> dict:
+    """A JSON object's pairs as a dict, refusing a key given twice (``json`` keeps the last in silence)."""
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise DuplicateKey(k)
+        d[k] = v
+    return d
+
+
+class DuplicateKey(ValueError):
+    pass
+
+
+def read_json_object(path: str | Path, what: str, error: type[OffsimError] = OffsimError,
+                     unique_keys: bool = False) -> dict:
+    """The JSON object in ``path``; ``what`` names it in errors ('plan', 'hardware profile', ...). ``unique_keys``:
+    a key given twice in an object is an error (a spec a person wrote: the first of the two would be dropped)."""
     try:
         path = Path(path)
-        d = json.loads(gzip.open(path, "rt").read() if path.suffix == ".gz" else path.read_text())
+        text = gzip.open(path, "rt").read() if path.suffix == ".gz" else path.read_text()
+        d = json.loads(text, object_pairs_hook=_unique_keys if unique_keys else None)
+    except DuplicateKey as e:
+        raise error(f"{what} {path}: key {e.args[0]!r} is given twice in one object (JSON would keep the last in "
+                    "silence): keep one") from None
     except (OSError, EOFError) as e:
         raise error(f"cannot read {what} {path}: {getattr(e, 'strerror', None) or e}") from None
     except UnicodeDecodeError:
@@ -111,10 +132,16 @@ def read_commented_csv(path: str | Path, what: str, **read_csv) -> tuple[dict, p
                 raise OffsimError(f"{what} {path}: first line must be '# ' + JSON metadata")
             header = json.loads(head[2:])
             df = pd.read_csv(f, **read_csv)
-    except OSError as e:
-        raise OffsimError(f"cannot read {what} {path}: {e.strerror}") from None
     except json.JSONDecodeError as e:
         raise OffsimError(f"{what} {path}: metadata line is not JSON ({e})") from None
+    except (OSError, EOFError) as e:  # (a .gz that is not gzip, or is cut short: strerror is None)
+        raise OffsimError(f"cannot read {what} {path}: {getattr(e, 'strerror', None) or e}") from None
+    except UnicodeDecodeError:
+        raise OffsimError(f"{what} {path} is not text (not UTF-8)") from None
+    except pd.errors.EmptyDataError:
+        raise OffsimError(f"{what} {path} has its metadata line but no table (no header row)") from None
+    except pd.errors.ParserError as e:
+        raise OffsimError(f"{what} {path}: the table is malformed ({' '.join(str(e).split())})") from None
     if not isinstance(header, dict):
         raise OffsimError(f"{what} {path}: metadata line must be a JSON object")
     return header, df
@@ -125,7 +152,7 @@ def read_spec(path: str | Path, what: str) -> Any:
     ``offsim job``)."""
     path = Path(path)
     if path.suffix not in (".yaml", ".yml"):
-        return read_json_object(path, what)
+        return read_json_object(path, what, unique_keys=True)
     import yaml
 
     try:
@@ -138,6 +165,7 @@ def read_spec(path: str | Path, what: str) -> Any:
         raise OffsimError(f"{what} {path} is not valid YAML: {' '.join(str(e).split())}") from None
 
 
+_YAML12_INT = r"^(?:[-+]?[0-9][0-9_]*|[-+]?0[xX][0-9a-fA-F_]+|[-+]?0[oO][0-7_]+)$"
 _YAML12_FLOAT = r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
 |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
 |[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?
@@ -147,18 +175,39 @@ _YAML12_FLOAT = r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
 
 @functools.lru_cache(maxsize=None)
 def _yaml_loader():
-    """PyYAML's safe loader with YAML 1.2's floats: YAML 1.1 (PyYAML's) reads ``1e3`` and ``1.6e1`` as text (it
-    wants a dot and a signed exponent, ``1.0e+3``), so a spec's ``count: 1e3`` was refused as "got '1e3'"."""
+    """PyYAML's safe loader with YAML 1.2's numbers and unique keys: YAML 1.1 (PyYAML's) reads ``1e3`` and
+    ``1.6e1`` as text (it wants a dot and a signed exponent, ``1.0e+3``), so a spec's ``count: 1e3`` was refused as
+    "got '1e3'"; it reads ``010`` as eight and ``1:30`` as ninety; and of a key given twice it keeps the last."""
     import re
 
     import yaml
 
     class Loader(yaml.SafeLoader):
-        pass
+        def construct_mapping(self, node, deep=False):
+            """A key given twice in one mapping is an error (YAML 1.2 forbids it; PyYAML keeps the last)."""
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if not isinstance(key, collections.abc.Hashable):
+                    continue  # (refused by the mapping itself, with PyYAML's message)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice",
+                                                            key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep)
 
-    tag = "tag:yaml.org,2002:float"
+        def construct_yaml_int(self, node):
+            """YAML 1.2's integers: 010 is ten (not eight), 0o10 eight, 0x10 sixteen."""
+            text = self.construct_scalar(node).replace("_", "")
+            sign, digits = (-1, text[1:]) if text[0] == "-" else (1, text.lstrip("+"))
+            base = 16 if digits[:2].lower() == "0x" else 8 if digits[:2].lower() == "0o" else 10
+            return sign * int(digits[2:] if base != 10 else digits, base)
+
+    tags = {"tag:yaml.org,2002:float", "tag:yaml.org,2002:int"}
     # new lists (``add_implicit_resolver`` appends to the inherited ones, which would change every SafeLoader)
-    Loader.yaml_implicit_resolvers = {ch: [r for r in rs if r[0] != tag]
+    Loader.yaml_implicit_resolvers = {ch: [r for r in rs if r[0] not in tags]
                                       for ch, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-    Loader.add_implicit_resolver(tag, re.compile(_YAML12_FLOAT, re.X), list("-+0123456789."))
+    Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(_YAML12_INT), list("-+0123456789"))
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(_YAML12_FLOAT, re.X), list("-+0123456789."))
+    Loader.add_constructor("tag:yaml.org,2002:int", Loader.construct_yaml_int)
     return Loader

@@ -128,11 +128,16 @@ def read_requests_csv(path: str | Path) -> list[Request]:
     request a row; every problem is an OffsimError naming the file and the line."""
     path = Path(path)
     try:
-        lines = [ln for ln in path.read_text().splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+        # (utf-8-sig: a spreadsheet's "CSV UTF-8" starts with a byte-order mark, which read as part of the header)
+        lines = [ln for ln in path.read_text(encoding="utf-8-sig").splitlines()
+                 if ln.strip() and not ln.lstrip().startswith("#")]
     except OSError as e:
         raise OffsimError(f"cannot read request lengths {path}: {e.strerror}") from None
     except UnicodeDecodeError:
         raise OffsimError(f"request lengths {path} is not text (not UTF-8): give a CSV of prompt_len,gen_len") from None
+    if len(lines) - 1 > MAX_REQUESTS:  # (before a Request is made of each)
+        raise OffsimError(f"request lengths {path}: {len(lines) - 1:,} rows are more than one job takes (at most "
+                          f"{MAX_REQUESTS:,}); split it into several jobs")
     rows = list(csv.reader(lines))
     if not rows or [c.strip() for c in rows[0]][:2] != ["prompt_len", "gen_len"]:
         raise OffsimError(f"request lengths {path}: the first line must be the header 'prompt_len,gen_len'")

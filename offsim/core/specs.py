@@ -329,6 +329,13 @@ WEIGHT_GROUP_DIM = 0
 COMPRESSION_KEYS = ("compress_weight", "compress_cache", "sparse_attention")  # the settings that carry it
 
 
+def check_positions(model: "ModelSpec", wl: "Workload") -> None:
+    """Refuse a workload whose longest sequence (prompt-len + gen-len - 1 positions) the model has no positions
+    for -- before any memory arithmetic, whose shortfall would say nothing about the real cause."""
+    if wl.max_len > model.max_positions:
+        raise OffsimError(f"prompt-len + gen-len - 1 = {wl.max_len} exceeds {model.name}'s {model.max_positions} "
+                          "positions")
+
 @dataclass(frozen=True)
 class Compression:
     """The approximations a plan runs with, as FlexGen names them: ``weight`` (``--compress-weight``: decoder weight
@@ -405,7 +412,8 @@ def _op_times_from_json(v: Any, where: str) -> tuple:
                           f"got {str(v)[:60]}")
     rows = []
     for r in v:
-        ok = isinstance(r, (list, tuple)) and len(r) == 4 and isinstance(r[3], (list, tuple)) and all(
+        ok = isinstance(r, (list, tuple)) and len(r) == 4 and all(isinstance(x, str) for x in r[:3]) \
+            and isinstance(r[3], (list, tuple)) and all(
             isinstance(q, (list, tuple)) and len(q) == 2 and all(isinstance(z, (int, float)) for z in q)
             for q in r[3])
         if not ok:

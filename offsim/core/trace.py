@@ -21,6 +21,7 @@ from offsim.core.plan import ALL_STREAMS, SHARED_STREAMS, STREAMS, TIERS
 
 TRACE_SCHEMA = "offsim.trace/1"
 COLUMNS = ["op_id", "kind", "stream", "phase", "step", "layer", "batch", "start_s", "end_s", "nbytes"]
+NUMERIC_COLUMNS = ["op_id", "step", "layer", "batch", "start_s", "end_s", "nbytes"]
 
 
 @dataclass
@@ -131,6 +132,18 @@ class Trace:
         if missing:
             raise OffsimError(f"trace {path}: missing columns {missing}")
         cols = COLUMNS + ["device"] if "device" in df.columns else COLUMNS  # (several GPUs: each op's device)
+        if not len(df):
+            raise OffsimError(f"trace {path}: no op rows")
+        for c in NUMERIC_COLUMNS + ["device"] * ("device" in df.columns):
+            ok = np.isfinite(pd.to_numeric(df[c], errors="coerce").to_numpy(dtype=float))
+            if not ok.all():
+                i = int(np.flatnonzero(~ok)[0])
+                raise OffsimError(f"trace {path}: column {c!r} must hold finite numbers; op row {i + 1} has "
+                                  f"{df[c].iloc[i]!r}")
+        if (df["end_s"] < df["start_s"]).any():
+            i = int(np.flatnonzero((df["end_s"] < df["start_s"]).to_numpy())[0])
+            raise OffsimError(f"trace {path}: op row {i + 1} ends before it starts ({df['start_s'].iloc[i]} > "
+                              f"{df['end_s'].iloc[i]})")
         return cls(df=df[cols], meta=info.get("meta", {}), peak_bytes=info.get("peak_bytes", {}))
 
     @classmethod

@@ -103,6 +103,9 @@ def check_field_types(st: Any, policy: str) -> None:
             raise OffsimError(f"{policy} {f.name} must be true or false, got {v!r}")
         if f.type in ("int", int) and (isinstance(v, bool) or not isinstance(v, numbers.Integral)):
             raise OffsimError(f"{policy} {f.name} must be an integer, got {v!r}")
+        if f.type in ("int | None", "Optional[int]") and v is not None \
+                and (isinstance(v, bool) or not isinstance(v, numbers.Integral)):
+            raise OffsimError(f"{policy} {f.name} must be an integer or null, got {v!r}")
 
 
 def compression_of(st: Any) -> Compression:

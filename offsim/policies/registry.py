@@ -13,7 +13,7 @@ from typing import Any, Mapping
 from offsim.core import footprint as fp
 from offsim.core.errors import OffsimError
 from offsim.core.plan import Plan, PlanError
-from offsim.core.specs import HardwareSpec, ModelSpec, Workload
+from offsim.core.specs import HardwareSpec, ModelSpec, Workload, check_positions
 from offsim.policies.base import Policy, capacity_of
 from offsim.policies.flexgen import FLEXGEN
 from offsim.policies.ref import ACCELERATE_REF, FLEXGEN_REF, ZERO_REF
@@ -59,6 +59,7 @@ def build_plan(policy: str, model: ModelSpec, hw: HardwareSpec, wl: Workload,
     for use)."""
     p = get_policy(policy)
     st = p.settings_from(settings)
+    check_positions(model, wl)
     if check_fits:
         check_plan_fits(policy, model, hw, wl, st)
     # The cyclic garbage collector is paused while the ops are made (as ``simulate`` pauses it while it runs): a
@@ -80,10 +81,11 @@ def check_plan_fits(policy: str, model: ModelSpec, hw: HardwareSpec, wl: Workloa
     a placement of ``policy`` whose resident bytes and minimum working set exceed a tier -- without building an op.
     A policy that gives no placement is not checked here (its built plan's ``validate`` is)."""
     p = get_policy(policy)
+    check_positions(model, wl)
     if p.placement is None:
         return
     st = p.settings_from(settings)
-    what = (f"{policy} for {model.name} with {wl.num_gpu_batches} x {wl.gpu_batch_size} sequences of "
+    what = (f"{policy} for {model.name} with {wl.num_gpu_batches} GPU batches of {wl.gpu_batch_size} sequences of "
             f"{wl.prompt_len} + {wl.gen_len} tokens on {hw.name}")
     if getattr(st, "num_stages", 1) > 1 and p.check_stages is not None:
         p.check_stages(model, hw, wl, st, what)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from offsim.core import footprint as fp
 from offsim.core.errors import OffsimError
 from offsim.core.plan import Plan, PlanBuilder
-from offsim.core.specs import NO_COMPRESSION, Compression, ModelSpec, Workload
+from offsim.core.specs import NO_COMPRESSION, Compression, ModelSpec, Workload, check_positions
 
 
 @dataclass(frozen=True)
@@ -326,9 +326,7 @@ def build_block_plan(model: ModelSpec, wl: Workload, s: Schedule, capacity: dict
     compression.check_cpu_attention(s.cpu_attention)
     if s.sublayer and not s.prefetch:
         raise OffsimError("sub-layer weight streaming double-buffers the attention and MLP slots: it needs prefetch")
-    if wl.max_len > model.max_positions:
-        raise OffsimError(f"prompt-len + gen-len - 1 = {wl.max_len} exceeds {model.name}'s {model.max_positions} "
-                          "positions")
+    check_positions(model, wl)
     if s.weight_copies not in ("unit", "tensor"):
         raise OffsimError(f"weight_copies must be 'unit' or 'tensor', got {s.weight_copies!r}")
     if s.sync_positions and len(s.stages) > 1:

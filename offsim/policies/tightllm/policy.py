@@ -64,7 +64,7 @@ from offsim.core.costmodel import (GRAPH_MAX_Q_TOKENS, capture_extra_seconds, gr
 from offsim.core.errors import OffsimError
 from offsim.policies.tightllm.kv_distributor import SOLVERS, TRANSFER_MODELS, Decision, KVDistributorWarning, distributor, kv_load_bytes
 from offsim.core.plan import Plan, PlanBuilder
-from offsim.core.specs import NO_COMPRESSION, Compression, HardwareSpec, ModelSpec, Workload
+from offsim.core.specs import NO_COMPRESSION, Compression, HardwareSpec, ModelSpec, Workload, check_positions
 from offsim.policies.base import (Candidate, Policy, capacity_of, check_field_types, compression_of,
                                   kv_split_from_percent, weight_split_from_percent)
 from offsim.policies.flexgen import FlexGenSettings, fit_gpu_weights
@@ -418,9 +418,7 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
     its ``device``, the hidden states of a batch's q tokens sent on to the next stage and each new token's id back
     to the first (``p2p`` ops), the batches flowing through the stages in micro-batch groups; each GPU streams its
     own layers' weights over its own link (once per group) and loads its own layers' KV."""
-    if wl.max_len > model.max_positions:
-        raise OffsimError(f"prompt-len + gen-len - 1 = {wl.max_len} exceeds {model.name}'s {model.max_positions} "
-                          "positions")
+    check_positions(model, wl)
     lay = layout_of(model, wl, st)
     stages = stages_of(model, st)
     S = len(stages)
