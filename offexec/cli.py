@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 from offsim.cli import (add_compression_args, add_policy_args, add_runtime_args, add_target_args, apply_runtime_args,
-                        build_fitting_plan, check_output_path, check_plan_conflicts, given_options, quiet_broken_pipe)
+                        build_fitting_plan, check_distinct_files, check_output_path, check_plan_conflicts,
+                        given_options, quiet_broken_pipe)
 from offsim.core.errors import OffsimError
 from offsim.core.io import finite_json
 from offsim.core.provenance import provenance
@@ -212,8 +213,11 @@ def cmd_run(args) -> dict:
     from .memory import parse_device, require_device, set_cuda_sched
     from .weights import load_checkpoint, random_weights
 
+    if args.no_warmup and "warmup_mode" in getattr(args, "given", set()):
+        raise OffsimError(f"--warmup-mode {args.warmup_mode} says how to warm up and --no-warmup not to: give one")
     check_output_path(args.trace, "--trace")
     check_output_path(args.host_profile, "--host-profile")
+    check_distinct_files(plan=args.plan, trace=args.trace, host_profile=args.host_profile)
     if args.cuda_sched != "auto":  # before anything touches CUDA (the driver fixes it with the context)
         dev = parse_device(args.device)  # (set_cuda_sched says itself what a missing driver is)
         if dev.type != "cuda":

@@ -458,8 +458,15 @@ def check_disk_dir(root: str | Path | None, need_bytes: int, cached: bool = Fals
     """Refuse a disk-tier directory that cannot hold ``need_bytes`` or, unless ``cached``, cannot bypass the page
     cache; return it (default: the system temp directory). The executor calls this before weights are made."""
     root = Path(root) if root else Path(tempfile.gettempdir())
+    if not root.exists():
+        raise ExecError(f"--disk-dir {root} does not exist (create it first)")
     if not root.is_dir():
         raise ExecError(f"--disk-dir {root} is not a directory")
+    try:  # (a real probe: /proc and /sys report a disk of 0 bytes and take no files; os.access says yes to root)
+        with tempfile.NamedTemporaryFile(dir=root):
+            pass
+    except OSError as e:
+        raise ExecError(f"--disk-dir {root} takes no files ({e.strerror or e}): give a folder on a real disk") from None
     free = shutil.disk_usage(root).free
     if need_bytes > free:
         raise ExecError(f"the disk tier needs {need_bytes / GiB:.2f} GiB in {root} but only {free / GiB:.2f} GiB "

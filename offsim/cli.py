@@ -21,6 +21,7 @@ import pandas as pd
 
 from offsim.core.errors import OffsimError
 from offsim.core.io import finite_json, write_text_atomic
+from offsim.core.costmodel import prices_issue
 from offsim.core.latency import host_issue_share, latency_and_bottleneck
 from offsim.core.plan import RUN_AHEAD_OPS, Plan
 from offsim.policies import DEFAULT_POLICIES, POLICIES, build_plan, get_policy, load_plan
@@ -219,12 +220,17 @@ def policy_settings(args) -> dict:
     for k in given:
         if k not in names:
             raise OffsimError(f"{flag[k]} does not apply to policy {args.policy} (its settings: {sorted(names)})")
+    from_flags = set(given)
     for kv in args.set:
         if "=" not in kv:
             raise OffsimError(f"--set expects KEY=VALUE, got {kv!r}")
         k, v = kv.split("=", 1)
         if k not in names:
             raise OffsimError(f"--set {k}: policy {args.policy} has no such setting; valid: {sorted(names)}")
+        if k in from_flags:  # (the --set value won in silence, whichever came first on the line)
+            raise OffsimError(f"--set {k} and {flag[k]} both set {k}: give one of them")
+        if k in given:
+            raise OffsimError(f"--set {k} is given twice: give it once")
         try:
             given[k] = json.loads(v)
         except json.JSONDecodeError:
@@ -295,6 +301,21 @@ def check_output_path(path: str | None, option: str, make_parents: bool = False)
             pass
     except OSError as e:
         raise OffsimError(f"{option} {path}: cannot write files in {parent} ({e.strerror or e})") from None
+
+
+def check_distinct_files(**paths: str | None) -> None:
+    """Refuse two of a command's file options that name one file (``--trace`` over the ``--plan`` it read, or over
+    ``--save-plan``): the second write would replace the first in silence. Keyword names are the options with '_'
+    for '-'."""
+    seen: dict[Path, str] = {}
+    for name, path in paths.items():
+        if not path:
+            continue
+        p = Path(path).expanduser().resolve()
+        option = "--" + name.replace("_", "-")
+        if p in seen:
+            raise OffsimError(f"{option} and {seen[p]} are one file ({path}): give each its own")
+        seen[p] = option
 
 
 def check_output_dir(path: str | Path, option: str) -> None:
@@ -457,6 +478,7 @@ def check_plan_budget(plan: Plan, hw, path) -> None:
 def cmd_simulate(args) -> None:
     check_output_path(args.trace, "--trace")
     check_output_path(args.save_plan, "--save-plan")
+    check_distinct_files(plan=args.plan, trace=args.trace, save_plan=args.save_plan)
     hw = get_hardware(args.hardware, args.gpu_mem_gb)
     if args.plan:
         check_plan_conflicts(getattr(args, "given", set()))
@@ -536,6 +558,14 @@ def _ms(v: float | None) -> str:
     return "n/a" if v is None else f"{v:,.1f} ms"
 
 
+def _winner_issue_share(policy: str, model, hw, res) -> dict:
+    """``host_issue_share`` of a search's winner, its plan rebuilt for it only where the profile prices the
+    runtime's issue (a preset does not, and the rebuild doubled OPT-175B's `offsim search`: 1.9 -> 4 s)."""
+    if not prices_issue(hw):
+        return {}
+    return host_issue_share(build_plan(policy, model, hw, res.workload, res.settings), hw, res.metrics)
+
+
 def cmd_search(args) -> None:
     from offsim.search import search
 
@@ -565,7 +595,7 @@ def cmd_search(args) -> None:
         if args.gpus_per_node:
             out["gpus_per_node"] = args.gpus_per_node
     else:  # the issuing thread's share of the decode, from the winning plan, as simulate and compare give it
-        out.update(host_issue_share(build_plan(args.policy, model, hw, res.workload, res.settings), hw, res.metrics))
+        out.update(_winner_issue_share(args.policy, model, hw, res))
         note = host_bound_note({**latency_and_bottleneck(res.metrics), **out})
         if note:
             print(note)
@@ -635,7 +665,7 @@ def cmd_compare(args) -> None:
         if res.stages:
             out[-1]["stages"] = [list(x) for x in res.stages]
         else:  # the issuing thread's share of the decode, from the winning plan (host_bound_note)
-            out[-1].update(host_issue_share(build_plan(pol, model, hw, res.workload, res.settings), hw, res.metrics))
+            out[-1].update(_winner_issue_share(pol, model, hw, res))
         print(f"{pol}: gpu_batch_size {res.workload.gpu_batch_size} x {res.workload.num_gpu_batches}, "
               f"settings {res.settings}", flush=True)
     feasible = _rank(out, lambda o: -o["total_tok_s"])  # the objective (total tok/s, FlexGen's) decides
@@ -842,7 +872,7 @@ def cmd_job(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="offsim", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="offsim", description=" ".join(__doc__.split("\n\n")[0].split()),
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("simulate", help="simulate one policy with given settings",

@@ -65,6 +65,42 @@ def test_an_integer_or_null_setting_is_checked(capsys, policy, value):
     assert f"{policy} gpu_layers must be an integer or null" in err
 
 
+def test_sizes_past_the_model_or_any_plan_are_refused_from_arithmetic(tmp_path, capsys):
+    # a prompt past the model's positions: that, not a memory shortfall with advice that cannot help
+    err = _error(capsys, ["simulate", "--model", "opt-30b", "--hardware", "t4", "--prompt-len", "4096"])
+    assert "exceeds opt-30b's 2048 positions" in err and "short by" not in err
+    # 10**12 GPU batches ended in a MemoryError traceback; 10**5 built for minutes
+    err = _error(capsys, ["simulate", *SMALL, "--gpu-batch-size", "1", "--num-gpu-batches", str(10 ** 12)])
+    assert "more than one plan holds" in err
+    # a config.json with a typo's sizes: 10**9 layers ran for minutes, 10**400 overflowed
+    from offsim.core.specs import get_model
+
+    cfg = get_model("opt-125m").to_hf_config_dict()
+    for layers in (10 ** 9, 10 ** 400):
+        f = tmp_path / "config.json"
+        f.write_text(json.dumps({**cfg, "num_hidden_layers": layers}))
+        assert "num_layers" in (e := _error(capsys, ["simulate", "--model", str(f), "--hardware", "t4"])) and \
+            "more than offsim models" in e
+
+
+def test_a_setting_given_twice_or_a_file_named_twice_is_refused(tmp_path, capsys):
+    # (the --set value won in silence; a --trace over the --plan it read replaced the plan with a trace)
+    err = _error(capsys, ["simulate", *OFFLOADED, "--cpu-attention", "--set", "cpu_attention=false"])
+    assert "--set cpu_attention and --cpu-attention both set cpu_attention" in err
+    assert "--set overlap is given twice" in _error(capsys, ["simulate", *OFFLOADED, "--set", "overlap=false",
+                                                              "--set", "overlap=true"])
+    plan = tmp_path / "p.json"
+    assert main(["simulate", *SMALL, "--save-plan", str(plan)]) == 0
+    capsys.readouterr()
+    before = plan.read_bytes()
+    assert "--trace and --plan are one file" in _error(capsys, ["simulate", "--plan", str(plan), "--trace",
+                                                                 str(plan)])
+    assert plan.read_bytes() == before
+    t = str(tmp_path / "t.json")
+    assert "--save-plan and --trace are one file" in _error(capsys, ["simulate", *SMALL, "--trace", t,
+                                                                      "--save-plan", t])
+
+
 def test_a_true_or_false_setting_spelled_in_json_still_works(capsys):
     assert main(["simulate", *OFFLOADED, "--set", "cpu_attention=true"]) == 0
     assert _last_json(capsys)["settings"]["cpu_attention"] is True

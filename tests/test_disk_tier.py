@@ -136,6 +136,14 @@ def test_memory_filesystem_is_refused(tmp_path, monkeypatch):
     assert check_disk_dir(tmp_path, 0, cached=True) == tmp_path
 
 
+def test_a_disk_dir_that_is_missing_or_takes_no_files_says_so(tmp_path):
+    with pytest.raises(ExecError, match="does not exist"):
+        check_disk_dir(tmp_path / "missing" / "dd", 0, cached=True)
+    if os.path.isdir("/proc/self"):  # (it reported a disk of 0 bytes: "short by 0.00 GiB")
+        with pytest.raises(ExecError, match="takes no files"):
+            check_disk_dir("/proc/self", 1, cached=True)
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/mountinfo"), reason="no /proc/self/mountinfo (not Linux)")
 def test_filesystem_type_takes_the_innermost_mount():
     assert memory.filesystem_type("/proc/self") == "proc"

@@ -199,14 +199,15 @@ def test_footprint_equals_executor_allocations(family, policy, settings, gbs, nb
 # refusals from arithmetic
 # ----------------------------------------------------------------------------------------------------------------
 def test_block_that_fits_nowhere_is_refused_fast_before_any_op(monkeypatch):
-    """100,000 GPU batches of OPT-30B on a T4 (today: minutes and tens of GB of ops) fail in well under a second,
-    naming the tier and the shortfall in GiB, and not one op is built."""
+    """2,000 GPU batches of OPT-30B on a T4 (3.2 million (step, layer, batch) positions: within what a plan may
+    hold, ``specs.MAX_PLAN_POSITIONS``, but minutes and GBs of ops) fail in well under a second, naming the tier and
+    the shortfall in GiB, and not one op is built."""
     built = []
     for name in ("add", "add_row"):  # (a block schedule emits most ops through add_row)
         orig = getattr(PlanBuilder, name)
         monkeypatch.setattr(PlanBuilder, name, lambda self, *a, _orig=orig, **k: built.append(1) or _orig(self, *a, **k))
     model, hw = get_model("opt-30b"), get_hardware("t4")
-    wl = Workload(512, 32, 8, 100000)
+    wl = Workload(512, 32, 8, 2000)
     for policy, settings in (("flexgen", {"percent": (20, 80, 0, 100, 100, 0), "cpu_attention": True}),
                              ("flexgen", {"percent": (0, 100, 0, 100, 0, 100)}),
                              ("tightllm", {"percent": (0, 100, 0, 100, 100, 0)})):
@@ -224,7 +225,7 @@ def test_cli_refuses_fast_with_exit_2(capsys):
 
     t0 = time.perf_counter()
     rc = main(["simulate", "--model", "opt-30b", "--hardware", "t4", "--gpu-batch-size", "8",
-               "--num-gpu-batches", "100000"])
+               "--num-gpu-batches", "2000"])
     assert rc == 2 and time.perf_counter() - t0 < 5
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "GiB" in err[0] and "short by" in err[0]

@@ -22,7 +22,7 @@ nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-CELL_TIMEOUT_S = 300  # one cell; the whole set runs in about a minute on 2 cores
+CELL_TIMEOUT_S = 300  # one cell; the whole set runs in about three minutes on 2 cores (notebook 02 most of it)
 KERNEL = "offsim-test-python"
 
 

@@ -119,6 +119,11 @@ def test_an_output_folder_that_takes_no_files_is_refused_before_the_run(checkpoi
     assert "cannot write files in /proc/" in _error(capsys, base + ["--host-profile", "/proc/self/p.prof"])
 
 
+def test_contradictory_warmup_options_are_refused(checkpoint, capsys):
+    base = ["run", "--model", str(checkpoint / "config.json"), "--policy", "flexgen"] + TINY_ARGS
+    assert "give one" in _error(capsys, base + ["--no-warmup", "--warmup-mode", "full"])
+
+
 def test_gen_len_one_prints_strict_json(checkpoint, capsys):
     argv = ["run", "--model", str(checkpoint / "config.json"), "--policy", "flexgen", "--no-warmup"] + TINY_ARGS
     argv[argv.index("--gen-len") + 1] = "1"
@@ -456,6 +461,8 @@ def test_llama_config_variants_are_read_or_refused_not_run_wrong(tmp_path):
     assert spec.rope_theta == 3.0
     for extra, msg in [({"rope_parameters": {"rope_theta": 1e4, "rope_type": "linear", "factor": 2.0}}, "RoPE type"),
                        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "RoPE type"),
+                       ({"rope_parameters": {"rope_type": "default"}, "rope_scaling": {"type": "linear"}},
+                        "RoPE type 'linear'"),
                        ({"attention_bias": True}, "attention_bias"), ({"mlp_bias": True}, "mlp_bias"),
                        ({"hidden_act": "gelu"}, "activation")]:
         with pytest.raises(OffsimError, match=msg):

@@ -125,7 +125,7 @@ def test_checkpoint_roundtrip_and_shape_mismatch(tmp_path, family):
     other = dataclasses.replace(spec, ffn_dim=spec.ffn_dim * 2)
     with pytest.raises(ExecError, match="ffn_dim"):
         load_checkpoint(tmp_path / "ck", other, torch.float32, progress=False)
-    with pytest.raises(ExecError, match="not a directory"):
+    with pytest.raises(ExecError, match="does not exist"):
         load_checkpoint(tmp_path / "missing", spec, progress=False)
 
 

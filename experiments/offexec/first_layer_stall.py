@@ -11,7 +11,6 @@ median time of one layer op of the other layers; their totals over the decode; a
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from offsim.core.io import write_commented_csv, write_text_atomic
 from offsim.core.plan import Plan
 from offsim.core.provenance import provenance
 from offsim.core.trace import Trace
+from experiments.common import argparser
 
 
 def _plan_of(trace_path: Path, tr: Trace) -> Path | None:
@@ -54,7 +54,7 @@ def stall_row(trace_path: Path) -> dict | None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparser(__doc__)
     ap.add_argument("folder", type=Path)
     a = ap.parse_args(argv)
     rows = [r for p in sorted(a.folder.glob("*.trace.csv.gz")) if (r := stall_row(p)) is not None]

@@ -15,7 +15,6 @@ calls hold the handler's time, not the time a run without the profiler spends.
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import gzip
 import json
@@ -23,6 +22,7 @@ import pstats
 import re
 from collections import defaultdict
 from pathlib import Path
+from experiments.common import argparser
 
 # (label, regex over pstats' 'file:line(function)' key) of the calls reported; first match wins
 CALLS = (
@@ -140,7 +140,7 @@ def report(d: Path, about: str, traces: list[Path], about_path: Path | None = No
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparser(__doc__)
     ap.add_argument("dir", type=Path, help="folder of NAME.pstats + NAME_cprofile.log pairs; README.md written there")
     ap.add_argument("--about", type=Path, default=None,
                     help="markdown put above the tables (default: DIR/about.md); its first line is the title")

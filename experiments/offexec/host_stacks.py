@@ -18,11 +18,11 @@ most samples. Writes ``host_stacks.md`` (generated; never edit) in DIR (default:
 """
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
+from experiments.common import argparser
 
 # the library a native frame belongs to: py-spy writes a native frame as 'function (library.so.N)' or
 # '0xADDR (library.so.N)' when unsymbolised; a Python frame as 'function (path/file.py:LINE)'. First match wins:
@@ -112,7 +112,7 @@ def report(path: Path, s: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparser(__doc__)
     ap.add_argument("stacks", type=Path, help="py-spy raw output (record -f raw)")
     ap.add_argument("--out", type=Path, default=None, help="folder for host_stacks.md (default: the input's)")
     a = ap.parse_args(argv)

@@ -11,7 +11,6 @@ the same plan up to there) to fit a short device call. Nothing is measured here.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from offsim.core.requests import make_blocks
 from offsim.core.specs import get_hardware, get_model
 from offsim.policies.registry import build_plan
 from offsim.search import job as J
+from experiments.common import argparser
 
 
 def block_plan(spec_path: Path, job_dir: Path, policy: str, block: int, gen_len: int | None):
@@ -47,7 +47,7 @@ def block_plan(spec_path: Path, job_dir: Path, policy: str, block: int, gen_len:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparser(__doc__)
     ap.add_argument("spec", type=Path, help="the job spec (YAML or JSON)")
     ap.add_argument("job_dir", type=Path, help="the job's folder (its best.json)")
     ap.add_argument("--policy", required=True)

@@ -16,14 +16,13 @@ and priced -- where a miss is, before why. The README's section on the misses is
 """
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from experiments.common import provenance
+from experiments.common import argparser, provenance
 
 MISS = 0.05  # a block whose offsim time is off by more than this is explained in misses.csv
 MISSES = "misses.csv"
@@ -265,10 +264,10 @@ def write(folder: Path) -> Path:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparser(__doc__)
     ap.add_argument("folder", type=Path, help="folder of job folders (each with job.json)")
     ap.add_argument("--explain", action="store_true",
-                    help=f"first write {MISSES}: each block off by more than {MISS:.0%} against offsim's exact "
+                    help=f"first write {MISSES}: each block off by more than {MISS * 100:.0f} %% against offsim's exact "
                          "simulation of its plan (simulates those blocks: a minute or so)")
     args = ap.parse_args(argv)
     if not args.folder.is_dir():

@@ -17,7 +17,6 @@ through cuBLAS instead of cuBLASLt's fused bias epilogue, which asks cuBLASLt fo
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -26,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from experiments.common import provenance
+from experiments.common import argparser, provenance
 
 
 class LinkLoad:
@@ -150,7 +149,7 @@ def report(path: str, about: str | None = None) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparser(__doc__)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--report", default=None, metavar="JSON", help="no GPU: write README.md beside JSON (a file "

@@ -13,7 +13,6 @@ Prints one line per (shape, mask, backend) and writes them as JSON. GPU only (``
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -26,6 +25,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from offexec import model as M
 from offsim.core.provenance import provenance
+from experiments.common import argparser
 
 # Llama-2-13B's TightLLM job blocks (results/offline_jobs/h200): translation decode (64 sequences, ~50 recomputed
 # query rows over ~130 keys), summarization decode (48, ~145 over ~545) and its prefill (48, 592 over 592)
@@ -127,7 +127,7 @@ def readme(path: str) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparser(__doc__)
     ap.add_argument("--out", help="write the rows as JSON here")
     ap.add_argument("--shapes", nargs="*", help="B,H,T,C (default: the job blocks' shapes)")
     ap.add_argument("--readme", metavar="FILE.json", help="write README.md beside a measurement's JSON and stop")

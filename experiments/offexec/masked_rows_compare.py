@@ -8,7 +8,6 @@ Reads every ``*.trace.csv.gz`` in FOLDER whose plan sits beside it; writes ``mas
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -17,13 +16,14 @@ import pandas as pd
 from offsim.analysis.validate import load_case, resimulate
 from offsim.core.io import write_commented_csv, write_text_atomic
 from offsim.core.provenance import provenance
+from experiments.common import argparser
 
 ROOT = Path(__file__).resolve().parents[2]
 KINDS = ("prefill", "decode", "total")
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparser(__doc__)
     ap.add_argument("folder", type=Path)
     ap.add_argument("--candidate", required=True, help="the candidate profile JSON")
     ap.add_argument("--base", default=str(ROOT / "results" / "profiles" / "h200_offexec_v2.json"))

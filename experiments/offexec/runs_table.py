@@ -12,13 +12,13 @@ the table and the per-label medians under it are generated here, never edited.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 from pathlib import Path
 
 import pandas as pd
+from experiments.common import argparser
 
 
 def runs(folder: Path) -> pd.DataFrame:
@@ -100,7 +100,7 @@ def write(folder: Path, about: Path | None) -> Path:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparser(__doc__)
     ap.add_argument("folder", type=Path, help="folder of `offexec run` logs (*.log)")
     ap.add_argument("--about", type=Path, default=None, help="Markdown file whose text heads the README")
     a = ap.parse_args(argv)

@@ -16,7 +16,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from experiments.common import provenance
+from experiments.common import argparser, provenance
 from offsim import get_hardware, simulate
 from offsim.core.io import read_commented_csv, read_json_object
 from offsim.core.plan import Plan
@@ -37,7 +37,7 @@ def _windows(text: str) -> tuple[int, int, int]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparser(__doc__)
     ap.add_argument("--out", required=True, help="the markdown file to write")
     ap.add_argument("--cases", type=int, default=6, help="how many of the most host-bound calibration cases")
     ap.add_argument("--windows", type=_windows, nargs="+", default=[(16, 6, 16), (4, 6, 16), (2, 6, 16)])

@@ -9,11 +9,10 @@ this one's, run by run -- what a change to the executor did to the issuing threa
 """
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
-from experiments.common import provenance
+from experiments.common import argparser, provenance
 from offsim.core.plan import RUN_AHEAD_OPS
 
 GiB = 2 ** 30
@@ -164,7 +163,7 @@ in op handlers. A run marked FIT was planned on its own measurements, and a run 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparser(__doc__)
     ap.add_argument("folder", type=Path)
     ap.add_argument("--before", type=Path, default=None, metavar="DIR",
                     help="an earlier folder of the same workloads: its host issue beside this one's")

@@ -13,7 +13,6 @@ Same placement and block shape for all four variants (only the named component c
 """
 from __future__ import annotations
 
-import argparse
 import json
 import warnings
 from pathlib import Path
@@ -22,7 +21,7 @@ import pandas as pd
 from tqdm import tqdm
 
 
-from experiments.common import finish, provenance, pyplot, write_csv
+from experiments.common import argparser, finish, provenance, pyplot, write_csv
 from experiments.tightllm.common import GEN_LEN, HARDWARE, MODELS, OUT, PAPER, Cache, model_for
 
 from offsim import OffsimError, Workload, build_plan, get_hardware, simulate
@@ -36,7 +35,7 @@ VARIANTS = {"full": {}, "no KV distributor": {"kv_distributor": False}, "no weig
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparser(__doc__)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--hardware", default=",".join(HARDWARE))
     ap.add_argument("--sequences", type=int, default=None,

@@ -13,7 +13,6 @@ on a 2-core machine for the full grid (progress bar); rerunning skips cases alre
 """
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ import pandas as pd
 from tqdm import tqdm
 
 
-from experiments.common import finish, provenance, pyplot, write_csv
+from experiments.common import argparser, finish, provenance, pyplot, write_csv
 from experiments.tightllm.common import (GEN_LEN, HARDWARE, MODELS, OUT, PAPER, POLICIES, POLICY_COLOR,
                              POLICY_LABEL, PROMPTS, Cache, best, best_fixed, model_for)
 
@@ -140,7 +139,7 @@ def plot(df: pd.DataFrame, phase: str, path: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparser(__doc__)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--hardware", default=",".join(HARDWARE))
     ap.add_argument("--prompts", default=",".join(map(str, PROMPTS)))

@@ -17,7 +17,6 @@ isolated says whether the ops ran slower inside the run than alone on the same h
 """
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import statistics
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from experiments.common import provenance
+from experiments.common import argparser, provenance
 from offsim.analysis.results import load_trace
 from offsim.analysis.validate import _as_ran
 from offsim.core.plan import Plan
@@ -180,7 +179,7 @@ def write(folder: Path, same_day: Path | None) -> Path:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparser(__doc__)
     ap.add_argument("folder", type=Path)
     ap.add_argument("--same-day", type=Path, default=None,
                     help="a profile whose CPU-attention rows were measured in the runs' device session")

@@ -8,7 +8,6 @@ baseline's). Only calibration cases are read: the held-out split is never looked
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import inspect
 import json
@@ -26,6 +25,7 @@ from offsim.core.io import read_commented_csv, write_text_atomic
 from offsim.core.plan import Plan
 from offsim.core.provenance import provenance
 from offsim.core.specs import get_hardware
+from experiments.common import argparser
 
 ROOT = Path(__file__).resolve().parents[2]
 CALIB = ROOT / "results" / "validation" / "h200_calib"
@@ -833,7 +833,7 @@ def disk_requests_section() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparser(__doc__)
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
     base = pd.read_csv(BASELINE, comment="#").set_index("case")["err_total_tok_s"]

@@ -20,13 +20,12 @@ Writes PART.json: the base profile with the extended rows, a part that ``offexec
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 from pathlib import Path
 
-from experiments.common import provenance
+from experiments.common import argparser, provenance
 from offsim.core.errors import OffsimError
 from offsim.core.io import read_json_object
 
@@ -77,7 +76,7 @@ def add_new(base: dict, parts: list[dict], mode: str, prefix: str) -> tuple[dict
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparser(__doc__)
     ap.add_argument("--base", required=True, help="the profile whose curves to extend")
     ap.add_argument("--part", action="append", required=True, help="a re-measurement (`offexec profile --base BASE`)")
     ap.add_argument("--mode", default="cpu", help="the rows' mode (default: cpu)")

@@ -10,7 +10,6 @@ ratio for prefills that kept the GPU busy at most ``--busy`` of the time and for
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import statistics
 import warnings
@@ -18,6 +17,7 @@ import warnings
 from offsim.analysis.validate import aggregate, find_cases, load_case, resimulate
 from offsim.core import costmodel
 from offsim.core.specs import get_hardware
+from experiments.common import argparser
 
 
 def _prefill_seconds(ops_by_kind) -> collections.Counter:
@@ -68,7 +68,7 @@ def report(rs: list[dict], busy: float) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparser(__doc__)
     ap.add_argument("--splits", nargs="+", default=["h200_calib"])
     ap.add_argument("--hardware", default="results/profiles/h200_offexec_v2.json")
     ap.add_argument("--busy", type=float, default=0.8, help="the busy share that splits the summary (default 0.8)")

@@ -14,11 +14,10 @@ decode and total tok/s) and ``OUT.md`` (the table; generated, never edit).
 """
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
-from experiments.common import finish, provenance
+from experiments.common import argparser, finish, provenance
 from experiments.validation.matrix import case_plan, case_settings
 from offsim import get_hardware, simulate
 from offsim.core.errors import OffsimError
@@ -54,7 +53,7 @@ def table(doc: dict) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparser(__doc__)
     ap.add_argument("--config", required=True, help="a matrix config (experiments.validation.matrix --plan-only)")
     ap.add_argument("--profile", default="results/profiles/h200_offexec_v2.json",
                     help="the profile predictions are made on (default: %(default)s)")

@@ -15,7 +15,6 @@ never edited) and ``warmup_modes.csv`` beside the runs.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from pathlib import Path
@@ -23,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from experiments.common import provenance
+from experiments.common import argparser, provenance
 from offsim.analysis.validate import load_case, resimulate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,7 +108,7 @@ def readme(df: pd.DataFrame, folder: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m experiments.validation.warmup_modes", description=__doc__.split("\n")[0])
+    ap = argparser(__doc__)
     ap.add_argument("folder", type=Path, help="the device session's folder (MODE/h200_calib/TAG.case.json ...)")
     args = ap.parse_args(argv)
     df = rows(args.folder)

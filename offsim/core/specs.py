@@ -27,6 +27,13 @@ GB = 10**9
 # ----------------------------------------------------------------------------------------------------------------
 # Model
 # ----------------------------------------------------------------------------------------------------------------
+# the largest size of each model field offsim takes: far past any real model (Llama-3-405B: 126 layers, d_model
+# 16,384, 128 heads, ffn 53,248, vocabulary 128,256, 131,072 positions), so only a typo is refused
+MODEL_SIZE_LIMITS = {"num_layers": 10_000, "d_model": 1 << 20, "num_heads": 1 << 14, "num_kv_heads": 1 << 14,
+                     "head_dim": 1 << 14, "ffn_dim": 1 << 22, "vocab_size": 1 << 24, "max_positions": 1 << 24,
+                     "dtype_bytes": 8}
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A decoder-only transformer, as far as cost and layout go. Derived sizes are methods, in bytes."""
@@ -53,6 +60,13 @@ class ModelSpec:
                   "max_positions", "dtype_bytes"):
             if int(getattr(self, f)) <= 0:
                 raise OffsimError(f"model {self.name}: {f} must be positive, got {getattr(self, f)}")
+            if getattr(self, f) > MODEL_SIZE_LIMITS[f]:  # (a typo's 10**9 layers ran for minutes, 10**400 overflowed)
+                v = str(getattr(self, f))
+                raise OffsimError(f"model {self.name}: {f} {v if len(v) < 16 else v[:6] + f'... ({len(v)} digits)'} "
+                                  f"is more than offsim models (at most {MODEL_SIZE_LIMITS[f]:,})")
+        if self.dtype_bytes not in (2, 4):
+            raise OffsimError(f"model {self.name}: dtype_bytes must be 2 (fp16, bf16) or 4 (fp32), got "
+                              f"{self.dtype_bytes}")
         if self.num_heads % self.num_kv_heads:
             raise OffsimError(f"model {self.name}: num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                               f"({self.num_kv_heads})")
@@ -217,10 +231,13 @@ def _llama_checked(cfg: Mapping[str, Any]) -> float:
     if not isinstance(rp, Mapping):
         raise OffsimError(f"model config field 'rope_parameters' must be an object, got {rp!r}")
     scaling = cfg.get("rope_scaling") or {}
-    kind = rp.get("rope_type") or rp.get("type") or (scaling.get("rope_type") or scaling.get("type")
-                                                      if isinstance(scaling, Mapping) else scaling) or "default"
-    if kind != "default":
-        raise OffsimError(f"Llama RoPE type {kind!r} is not supported; valid: 'default' (no rope scaling)")
+    # each field on its own: a config may carry both (a default rope_parameters beside a linear rope_scaling, which
+    # transformers reads as linear)
+    kinds = [rp.get("rope_type") or rp.get("type"),
+             scaling.get("rope_type") or scaling.get("type") if isinstance(scaling, Mapping) else scaling]
+    for kind in kinds:
+        if kind and kind != "default":
+            raise OffsimError(f"Llama RoPE type {kind!r} is not supported; valid: 'default' (no rope scaling)")
     for f in ("attention_bias", "mlp_bias"):
         if cfg.get(f):
             raise OffsimError(f"Llama with {f} true is not supported: the projections here have no biases")
@@ -327,6 +344,23 @@ QUANT_SCALE_BYTES = 2  # the per-group min and step (the scale) are fp16 each
 # K (or V) of one head. 1-D tensors (biases, norms) stay fp16, as FlexGen's ``init_weight_list`` keeps them.
 WEIGHT_GROUP_DIM = 0
 COMPRESSION_KEYS = ("compress_weight", "compress_cache", "sparse_attention")  # the settings that carry it
+
+
+# (step, layer, GPU batch) positions a plan may have: its ops are ~10 per position, ~120 bytes each in memory, so
+# this is plans of ~40 million ops and ~5 GB (OPT-175B, FlexGen's 32 x 8 at gen 32: 0.1 million positions)
+MAX_PLAN_POSITIONS = 4_000_000
+
+
+def check_plan_size(model: "ModelSpec", wl: "Workload") -> None:
+    """Refuse, from arithmetic, a workload whose plan would not fit in this machine's memory or build in minutes:
+    gen-len x (layers + 2) x GPU batches (step, layer, batch) positions past ``MAX_PLAN_POSITIONS`` (10**12 GPU
+    batches ended in a MemoryError; 10**5 built for 100 s into 6.4 GB)."""
+    n = wl.gen_len * (model.num_layers + 2) * wl.num_gpu_batches
+    if n > MAX_PLAN_POSITIONS:
+        raise OffsimError(f"gen-len {wl.gen_len} x {model.num_layers + 2} layers (the embedding and head included) x "
+                          f"{wl.num_gpu_batches:,} GPU batches is {n:,} (step, layer, batch) positions, more than one "
+                          f"plan holds (at most {MAX_PLAN_POSITIONS:,}): use fewer, larger GPU batches or a shorter "
+                          "generation")
 
 
 def check_positions(model: "ModelSpec", wl: "Workload") -> None:

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 from offsim.core import footprint as fp
 from offsim.core.errors import OffsimError
 from offsim.core.plan import Plan, PlanError
-from offsim.core.specs import HardwareSpec, ModelSpec, Workload, check_positions
+from offsim.core.specs import HardwareSpec, ModelSpec, Workload, check_plan_size, check_positions
 from offsim.policies.base import Policy, capacity_of
 from offsim.policies.flexgen import FLEXGEN
 from offsim.policies.ref import ACCELERATE_REF, FLEXGEN_REF, ZERO_REF
@@ -60,6 +60,7 @@ def build_plan(policy: str, model: ModelSpec, hw: HardwareSpec, wl: Workload,
     p = get_policy(policy)
     st = p.settings_from(settings)
     check_positions(model, wl)
+    check_plan_size(model, wl)
     if check_fits:
         check_plan_fits(policy, model, hw, wl, st)
     # The cyclic garbage collector is paused while the ops are made (as ``simulate`` pauses it while it runs): a
@@ -82,6 +83,7 @@ def check_plan_fits(policy: str, model: ModelSpec, hw: HardwareSpec, wl: Workloa
     A policy that gives no placement is not checked here (its built plan's ``validate`` is)."""
     p = get_policy(policy)
     check_positions(model, wl)
+    check_plan_size(model, wl)
     if p.placement is None:
         return
     st = p.settings_from(settings)
