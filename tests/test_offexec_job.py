@@ -295,6 +295,9 @@ def test_selectn_record_measured_on_cpu_loads_and_drives_the_slo_experiment(tiny
     assert rc == 0, err
     js = json.loads(lines[-1])
     assert js["measured"] > 0 and js["intervals"] == [3, 1]
+    # a CPU run against a GPU preset is not compared with offsim (it printed errors of -99 %), as offexec run says
+    assert js["comparable"] is False and js["sim_vs_measured"] is None
+    assert any("no comparison with offsim" in line for line in lines)
     rec = PerformanceRecord.from_csv(rec_path)  # loads as a simulated record does
     assert set(rec.df["source"]) == {"offexec"} and rec.meta["source"] == "offexec"
     assert rec.meta["device"] == "cpu" and rec.meta["provenance"]["commit"]
@@ -336,6 +339,7 @@ def test_selectn_record_measured_on_cpu_loads_and_drives_the_slo_experiment(tiny
     (["--batches", "3"], "powers of two"),
     (["--seq-lens", "128"], "positions"),
     (["--repeats", "0"], "--repeats"),
+    (["--gpu-mem-gb", "0.000001", "--seq-lens", "16"], "no point of the grid fits"),  # (all-oom record, exit 0)
 ])
 def test_bad_record_input_is_one_line_and_exit_2(tiny, capsys, tmp_path, extra, msg):
     d, _ = tiny
