@@ -38,8 +38,16 @@ def _prepared(curve: Curve) -> tuple:
     return e
 
 
+def _segment(curve: Curve, x: float) -> tuple:
+    """(``_prepared(curve)``, i) with xs[i - 1] < x <= xs[i]; i is None at or past an end point (clamped there)."""
+    e = _prepared(curve)
+    xs = e[1]
+    return e, (None if x <= xs[0] or x >= xs[-1] else bisect.bisect_left(xs, x))
+
+
 def interp(curve: Curve, x: float) -> float:
-    """y at x on a curve, linear in log(x) between points, clamped to the end points."""
+    """y at x on a curve, linear in log(x) between points, clamped to the end points. (``_segment``'s work, inlined:
+    this is the planners' innermost call.)"""
     _, xs, lxs, ys = _prepared(curve)
     if x <= xs[0]:
         return ys[0]
@@ -58,12 +66,9 @@ def gemm_efficiency(curve: Curve, tokens: float) -> float:
     between distant points: on the h200 preset (points at 1 and 8 tokens) two tokens' weights were priced as read
     at 6.7 TB/s, past the card's 4.8, and decoding two sequences took 27 % less time than one. Here the time never
     falls as tokens grow, and never beats the straight line between two measurements."""
-    _, xs, _, ys = _prepared(curve)
-    if tokens <= xs[0]:
-        return ys[0]
-    if tokens >= xs[-1]:
-        return ys[-1]
-    i = bisect.bisect_left(xs, tokens)  # xs[i - 1] < tokens <= xs[i]
+    (_, xs, _, ys), i = _segment(curve, tokens)
+    if i is None:
+        return ys[0] if tokens <= xs[0] else ys[-1]
     g0, g1 = xs[i - 1] / ys[i - 1], xs[i] / ys[i]  # time per FLOP-at-peak-per-token, at the two points
     return tokens / (g0 + (tokens - xs[i - 1]) / (xs[i] - xs[i - 1]) * (g1 - g0))
 
