@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import marshal
 import math
 import os
 import sys
@@ -28,7 +29,7 @@ from offsim.cli import (add_compression_args, add_policy_args, add_runtime_args,
                         build_fitting_plan, check_distinct_files, check_output_path, check_plan_conflicts,
                         given_options, quiet_broken_pipe)
 from offsim.core.errors import OffsimError
-from offsim.core.io import finite_json
+from offsim.core.io import finite_json, open_atomic
 from offsim.core.provenance import provenance
 from offsim.core.sim import simulate
 from offsim.core.specs import HARDWARE_PRESETS, Workload, get_hardware, get_model
@@ -163,10 +164,10 @@ def _build(args, hw):
         model, dtype_name = plan.model, _dtype_of(args, plan.model.dtype_bytes)
         settings, policy = plan.settings, plan.policy
     else:
-        if args.checkpoint and not Path(args.checkpoint).is_dir():  # (else: "unknown model" for a missing folder)
-            raise OffsimError(f"--checkpoint {args.checkpoint} "
-                              + ("is not a directory" if Path(args.checkpoint).exists() else "does not exist")
-                              + " (a folder with config.json and *.safetensors)")
+        if args.checkpoint:  # (before get_model, which calls a missing folder an unknown model)
+            from .weights import check_checkpoint_dir
+
+            check_checkpoint_dir(args.checkpoint)
         model = get_model(args.model or args.checkpoint or DEFAULT_MODEL)
         dtype_name = _dtype_of(args, None)
         if dtype_name == "float32":
@@ -188,22 +189,15 @@ def _build(args, hw):
 
 
 def _dump_host_profile(prof, path: str) -> None:
-    """``--host-profile``'s pstats file, written atomically (a temporary file beside it, renamed over it) where the
-    path is a regular file or new; a device or a pipe is written straight into. A write that fails is one line."""
-    p = Path(path)
+    """``--host-profile``'s pstats file (what ``Profile.dump_stats`` writes: its stats, marshalled), through
+    ``io.open_atomic``. A write that fails is one line, after the run's trace and figures are out."""
+    prof.create_stats()
     try:
-        if p.exists() and not p.is_file():
-            prof.dump_stats(str(p))
-            return
-        tmp = p.with_name(p.name + ".tmp")
-        try:
-            prof.dump_stats(str(tmp))
-            tmp.replace(p)
-        finally:
-            tmp.unlink(missing_ok=True)
-    except OSError as e:
-        raise OffsimError(f"--host-profile {path}: cannot write the profile ({e.strerror or e}); the run's trace and "
-                          "figures above are complete") from None
+        with open_atomic(path, binary=True) as f:
+            marshal.dump(prof.stats, f)
+    except OffsimError as e:
+        raise OffsimError(f"--host-profile {path}: cannot write the profile ({e}); the run's trace and figures above "
+                          "are complete") from None
 
 
 def cmd_run(args) -> dict:

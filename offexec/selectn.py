@@ -300,7 +300,7 @@ def cmd_record(args) -> dict:
           f"{rec.meta['build_s']:.1f} s")
     out = {"record": str(args.out), "model": model.name, "hardware": hw.name, "gpu_mem_bytes": int(hw.gpu_mem_bytes),
            "rows": len(rec.df), "measured": len(ok), "build_s": rec.meta["build_s"], "intervals": ivs,
-           "sim_vs_measured": svm if comparable else None, "comparable": comparable, "stopped_at_deadline": bool(rec.meta.get("stopped_at_deadline")),
-           "provenance": prov}
+           "sim_vs_measured": svm if comparable else None, "comparable": comparable,
+           "stopped_at_deadline": bool(rec.meta.get("stopped_at_deadline")), "provenance": prov}
     _print_json(out)
     return out

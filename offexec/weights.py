@@ -206,17 +206,22 @@ def from_state_dict(spec: ModelSpec, sd: dict, dtype: torch.dtype | None = None,
     return w
 
 
+def check_checkpoint_dir(path: str | Path) -> Path:
+    """``path`` as a checkpoint folder, or an error that says it does not exist or is not a folder."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ExecError(f"--checkpoint {path} " + ("is not a directory" if path.exists() else "does not exist")
+                        + " (a folder with config.json and *.safetensors)")
+    return path
+
+
 def load_checkpoint(path: str | Path, spec: ModelSpec | None = None, dtype: torch.dtype | None = None,
                     pinned: bool = False, progress: bool = True, layers: tuple[int, int] | None = None) -> ModelWeights:
     """From a local transformers checkpoint directory (config.json and one or more .safetensors files).
     ``layers`` [lo, hi): only those decoder layers (and the embeddings), as one pipeline stage holds them."""
     from safetensors import SafetensorError, safe_open
 
-    path = Path(path)
-    if not path.exists():
-        raise ExecError(f"--checkpoint {path} does not exist (a folder with config.json and *.safetensors)")
-    if not path.is_dir():
-        raise ExecError(f"--checkpoint {path} is not a directory")
+    path = check_checkpoint_dir(path)
     ck_spec = ModelSpec.from_hf_config(path)
     if spec is not None:
         diffs = [f for f in ("family", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "ffn_dim",

@@ -21,9 +21,10 @@ from offsim.core.errors import OffsimError
 
 
 @contextlib.contextmanager
-def open_atomic(path: str | Path) -> Iterator:
-    """A text file to write ``path`` through: a temporary file beside it, renamed over it once the ``with`` body is
-    done, so a failure leaves the old file (or none) and never half of a new one; gzipped when the name ends in .gz.
+def open_atomic(path: str | Path, binary: bool = False) -> Iterator:
+    """A text file (``binary``: a bytes file) to write ``path`` through: a temporary file beside it, renamed over it
+    once the ``with`` body is done, so a failure leaves the old file (or none) and never half of a new one; gzipped
+    when the name ends in .gz.
     A symbolic link is written through (its target replaced, the link kept); a path that exists and is not a
     regular file (``/dev/stdout``, a pipe) is written straight into, since it cannot be replaced. A write that
     fails (no such directory, no permission, disk full) is an ``OffsimError`` naming the path."""
@@ -31,12 +32,13 @@ def open_atomic(path: str | Path) -> Iterator:
     tmp = None
     try:
         if path.exists() and not path.is_file():  # (``exists`` and ``is_file`` follow links: /dev/stdout is one)
-            with open(path, "w") as f:
+            with open(path, "wb" if binary else "w") as f:
                 yield f
             return
         target = path.resolve() if path.is_symlink() else path
         tmp = target.with_name(target.name + ".tmp")
-        with (gzip.open(tmp, "wt") if target.suffix == ".gz" else open(tmp, "w")) as f:
+        b = "b" if binary else "t"
+        with (gzip.open(tmp, "w" + b) if target.suffix == ".gz" else open(tmp, "w" + b)) as f:
             yield f
         tmp.replace(target)
     except OSError as e:

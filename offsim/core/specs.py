@@ -370,6 +370,7 @@ def check_positions(model: "ModelSpec", wl: "Workload") -> None:
         raise OffsimError(f"prompt-len + gen-len - 1 = {wl.max_len} exceeds {model.name}'s {model.max_positions} "
                           "positions")
 
+
 @dataclass(frozen=True)
 class Compression:
     """The approximations a plan runs with, as FlexGen names them: ``weight`` (``--compress-weight``: decoder weight
