@@ -357,6 +357,8 @@ def main(argv=None) -> int:
                            via_host=args.one_gpu)
     except OffsimError as e:  # ExecError too: one line, exit 2
         print(f"offexec.distributed: error: {e}", file=sys.stderr)
+        if dist.is_initialized():  # (an error after joining the group: leave it, as the other ranks will)
+            dist.destroy_process_group()
         return 2
     try:
         _report(args, plan, res, warmup_s, device)

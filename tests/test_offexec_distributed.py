@@ -368,3 +368,22 @@ def test_one_gpu_rehearsal_moves_messages_through_host_memory(monkeypatch):
     plain = D.StageComm(1, [41])
     plain.recv(op, out)
     assert seen == [("recv", "meta", 0, 41)]
+
+
+def test_setup_error_after_joining_leaves_the_process_group(tmp_path, capsys, monkeypatch):
+    """An error after the rank joined its group (here a missing checkpoint) is one line, exit 2, and the group is
+    left (destroyed), as a clean exit leaves it."""
+    import offexec.distributed as D
+
+    hf, spec = tiny_hf("opt", seed=11, layers=LAYERS)
+    f = tmp_path / "pp.json"
+    build_plan("flexgen", spec, HW, Workload(PROMPT, 2, 2, 2), {"num_stages": 2}).save(f)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    # a group of one on a file store stands in for torchrun's two ranks (the error comes before any message)
+    monkeypatch.setattr(D, "init_process_group", lambda device, **kw: (dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1), "cpu")[1])
+    assert D.main(["--plan", str(f), "--device", "cpu", "--checkpoint", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "missing" in err
+    assert not dist.is_initialized()
