@@ -32,7 +32,7 @@ from pathlib import Path
 
 from experiments.common import RESULTS, argparser, finish, provenance
 from experiments.peers.accelerate_ref import cut_gen_len_arg
-from experiments.peers.common import RESULT_FIELDS, parse_results
+from experiments.peers.common import RESULT_FIELDS, harness_status, parse_results
 
 MODELS = ("opt-30b", "llama-2-13b")
 PROMPTS = (512, 1984)
@@ -127,7 +127,7 @@ def read_journal(path: Path) -> list[dict]:
         line = line.strip()
         if line:
             try:
-                out.append(json.loads(line))
+                out.append(harness_status(json.loads(line)))
             except json.JSONDecodeError:
                 continue  # a line cut by a kill: ignored
     return out

@@ -265,6 +265,39 @@ def test_deepspeed_ref_runs_zero3_on_a_tiny_model_on_the_cpu(tiny_cfg):
     assert recs[0]["system"] == "deepspeed-ref" and recs[0]["decode_tok_s"] > 0
 
 
+def test_a_peer_package_missing_from_the_harness_is_an_error_not_the_peers_answer(tiny_cfg, monkeypatch, tmp_path):
+    """DeepSpeed absent from the harness's environment (a broken wheel install) is an 'error', retried by the next
+    call, not 'unsupported' (DeepSpeed's answer); a record written that way before is read as such an error."""
+    import builtins
+    import json
+
+    from experiments import real_throughput as rt
+    from experiments.peers.common import MISSING_PEER
+
+    real_import = builtins.__import__
+
+    def no_deepspeed(name, *a, **kw):
+        if name == "deepspeed":
+            raise ModuleNotFoundError("No module named 'deepspeed'", name="deepspeed")
+        return real_import(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_deepspeed)
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "DS_ACCELERATOR"):
+        monkeypatch.delenv(k, raising=False)  # (run sets them for its world of one)
+    rec = deepspeed_ref.run(tiny_cfg(TINY_LLAMA, "llama"), 12, 4, 1.0, batch=2, warmup=False, device="cpu")
+    monkeypatch.setattr(builtins, "__import__", real_import)
+    assert rec["status"] == "error" and rec["reason"].startswith(MISSING_PEER + "deepspeed"), rec
+    old = {"key": "deepspeed-ref|llama-2-13b|p512|g32|b24", "status": "unsupported",
+           "reason": "import deepspeed: ModuleNotFoundError: No module named 'deepspeed'"}
+    other = {"key": "deepspeed-ref|x", "status": "unsupported", "reason": "import deepspeed: ImportError: no CUDA op"}
+    j = tmp_path / "runs.jsonl"
+    j.write_text("".join(json.dumps(r) + "\n" for r in (old, other)))
+    a, b = rt.read_journal(j)
+    assert a["status"] == "error" and a["reason"].startswith(MISSING_PEER) and b == other
+    job = {"keys": [old["key"]]}
+    assert rt.job_state(job, [a]) == (False, None)  # retried
+
+
 def test_offexec_run_on_a_tiny_model_on_the_cpu(tiny_cfg, tmp_path):
     from experiments.peers.offexec_run import run_point
     from offsim.core.trace import Trace

@@ -28,6 +28,18 @@ RESULT_FIELDS = ("system", "model", "prompt_len", "gen_len", "budget_gib", "batc
                  "peak_host_bytes", "projected", "status", "reason", "key", "wall_s", "predicted_decode_tok_s",
                  "predicted_total_tok_s", "versions", "commit", "date", "machine")
 STATUSES = ("ok", "oom", "host_oom", "timeout", "error", "unsupported", "skipped")
+# the reason of a run whose peer package was absent from the harness's environment: an error of the harness (retried),
+# never the peer's answer
+MISSING_PEER = "not installed in the harness's environment: "
+
+
+def harness_status(rec: dict) -> dict:
+    """``rec`` as the tables read it: a DeepSpeed record from before 2026-12-05 that called the harness's own missing
+    package (``No module named 'deepspeed'``, a broken wheel install) 'unsupported' is an 'error' -- retried, and
+    never counted as DeepSpeed's answer -- as ``deepspeed_ref`` records it since."""
+    if rec.get("status") == "unsupported" and "No module named 'deepspeed'" in str(rec.get("reason", "")):
+        return {**rec, "status": "error", "reason": MISSING_PEER + "deepspeed (" + rec["reason"] + ")"}
+    return rec
 
 
 def flexgen_metrics(num_prompts: int, prompt_len: int, gen_len: int, prefill_s: float, decode_s: float) -> dict:

@@ -33,9 +33,9 @@ import time
 
 from experiments.peers.accelerate_ref import (BATCHES, add_cut_option, hf_model_on_meta, materialise,
                                               measure_generate, reserve_bytes)
-from experiments.peers.common import (GiB, HOST_LIMIT_GIB, base_record, emit, env_offline, finish_record,
-                                      link_bound, measure_h2d, point_parser,
-                                      record_failure, set_gpu_budget, versions)
+from experiments.peers.common import (MISSING_PEER, GiB, HOST_LIMIT_GIB, base_record, emit, env_offline,
+                                      finish_record, link_bound, measure_h2d, point_parser, record_failure,
+                                      set_gpu_budget, versions)
 
 SYSTEM = "deepspeed-ref"
 
@@ -100,6 +100,14 @@ def run(model_name: str, prompt_len: int, gen_len: int, budget_gib: float, batch
     init_single_process(accelerator="cuda" if cuda else "cpu")
     try:
         import deepspeed
+    except ModuleNotFoundError as e:
+        if e.name != "deepspeed":  # DeepSpeed is there but needs what this machine lacks: its answer here
+            rec.update(status="unsupported", reason=f"import deepspeed: {type(e).__name__}: {str(e)[:300]}")
+            return rec
+        # the harness's environment, not DeepSpeed: an error, retried by the next call (common.MISSING_PEER)
+        rec.update(status="error", reason=f"{MISSING_PEER}deepspeed (install .whl-peers: "
+                                          "experiments/peers/fetch_wheels.sh)")
+        return rec
     except Exception as e:  # noqa: BLE001 -- the exact reason is the result
         rec.update(status="unsupported", reason=f"import deepspeed: {type(e).__name__}: {str(e)[:300]}")
         return rec

@@ -6,7 +6,9 @@
 # (any torch >= 2.0 works: no extension is built). On the GPU machine:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/peers .whl-peers/*.whl \
 #     && export PYTHONPATH=/tmp/peers:$PWD
-# and carry .whl-peers (plus .whl from /work/shared/tools/device-wheels.sh for offsim's own needs).
+# and carry .whl-peers (plus .whl from /work/shared/tools/device-wheels.sh for offsim's own needs, installed by a pip
+# call of its own: both hold simpy, and pip refuses a package named twice in one call and then installs nothing --
+# a 2026-12-05 run lost DeepSpeed that way).
 # Set PY to the python that has torch (default: python3). Lists each wheel's size and the total at the end.
 set -euo pipefail
 PY=${PY:-python3}
