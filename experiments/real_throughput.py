@@ -551,7 +551,7 @@ def readme(df, b, prov: dict, out: Path | None = None) -> str:
                           f"time; offsim's plan moves them at {ph:.1f}."]
     lines += coverage_lines(df)
     notok = df[df["status"] != "ok"]
-    answered = notok["key"].isin(set(df.loc[df["status"] == "ok", "key"]))  # retried later with a result
+    answered = notok["key"].isin(set(df.loc[df["status"] == "ok", "key"]))  # another run of the key has a result
     bad = notok[~answered]
     if not notok.empty:
         lines += ["", "## Runs without a result", ""]
@@ -563,9 +563,10 @@ def readme(df, b, prov: dict, out: Path | None = None) -> str:
     elif not notok.empty:
         lines.append("None left.")
     if answered.any():
-        lines += ["", "Earlier attempts that a later run of the same key answered (kept in the CSV): "
+        lines += ["", "Attempts without a result whose workload another run of the same key answered (kept in the "
+                  "CSV): "
                   + "; ".join(f"{r['system']} {r['model']} {r['prompt_len']}/{r['gen_len']} at {r['budget_gib']:g} GiB "
-                              f"({r['status']}: {str(r.get('reason') or '')[:80]})"
+                              f"({r['status']}: {str(r.get('reason') or '')[:120]})"
                               for _, r in notok[answered].iterrows()) + "."]
     lines += ["", "![best decode tok/s per system and workload](real_throughput.png)", ""]
     lines += _FILES
