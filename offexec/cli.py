@@ -23,13 +23,14 @@ import math
 import os
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 from offsim.cli import (add_compression_args, add_policy_args, add_runtime_args, add_target_args, apply_runtime_args,
                         build_fitting_plan, check_distinct_files, check_output_path, check_plan_conflicts,
                         given_options, quiet_broken_pipe)
 from offsim.core.errors import OffsimError
-from offsim.core.io import finite_json, open_atomic
+from offsim.core.io import finite_json, open_atomic, write_commented_csv
 from offsim.core.provenance import provenance
 from offsim.core.sim import simulate
 from offsim.core.specs import HARDWARE_PRESETS, Workload, get_hardware, get_model
@@ -100,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="profile the measured run's issuing thread with cProfile (where host issue time goes): "
                         "pstats to FILE, the 25 costliest functions printed; on CUDA also the caching allocator's "
                         "retries (device-wide synchronisations) by the op handler that caused them")
+    r.add_argument("--kernel-profile", default=None, metavar="FILE",
+                   help="record the measured run with torch.profiler and write its time by kernel to FILE (.csv or "
+                        ".csv.gz: name, category, calls, total_ms, mean_us, share; on CUDA the device's kernels, "
+                        "graph replays' included, and copies; on the CPU the operators), the categories and the 15 "
+                        "costliest printed (offexec/kernels.py); the profiler slows the run, so its tok/s are no "
+                        "measurement")
     # (memory.CUDA_SCHED's keys, spelled out: importing memory brings torch, and --help stays fast without it)
     r.add_argument("--cuda-sched", default="auto", choices=("auto", "spin", "yield", "blocking"),
                    help="how the host threads wait on the GPU (the CUDA context's scheduling flag): auto (CUDA's "
@@ -203,6 +210,7 @@ def _dump_host_profile(prof, path: str) -> None:
 def cmd_run(args) -> dict:
     import torch  # imported here so that `offexec --help` and argument errors stay fast
 
+    from . import kernels
     from .executor import check_plan, run_plan
     from .memory import parse_device, require_device, set_cuda_sched
     from .weights import load_checkpoint, random_weights
@@ -211,7 +219,9 @@ def cmd_run(args) -> dict:
         raise OffsimError(f"--warmup-mode {args.warmup_mode} says how to warm up and --no-warmup not to: give one")
     check_output_path(args.trace, "--trace")
     check_output_path(args.host_profile, "--host-profile")
-    check_distinct_files(plan=args.plan, trace=args.trace, host_profile=args.host_profile)
+    check_output_path(args.kernel_profile, "--kernel-profile")
+    check_distinct_files(plan=args.plan, trace=args.trace, host_profile=args.host_profile,
+                         kernel_profile=args.kernel_profile)
     if args.cuda_sched != "auto":  # before anything touches CUDA (the driver fixes it with the context)
         dev = parse_device(args.device)  # (set_cuda_sched says itself what a missing driver is)
         if dev.type != "cuda":
@@ -266,10 +276,13 @@ def cmd_run(args) -> dict:
         where = {"plan_sha256": plan.fingerprint()}
         if args.plan and args.trace and Path(args.plan).resolve().parent == Path(args.trace).resolve().parent:
             where["plan_file"] = Path(args.plan).name
-        res = run_plan(plan, weights, args.device, seed=args.seed, gpu_budget_bytes=budget, disk_dir=args.disk_dir,
-                       allocator_cap=args.allocator_cap, trace_allocator=bool(args.host_profile),
-                       cpu_threads=args.cpu_threads,
-                       meta={"hardware": hw.name, "warmup": warm is not None, **where, **prov})
+        if args.kernel_profile:
+            prov["kernel_profile"] = True  # (a profiled run's figures are no measurement: the trace says so)
+        with kernels.recording(device.type) if args.kernel_profile else nullcontext() as kprof:
+            res = run_plan(plan, weights, args.device, seed=args.seed, gpu_budget_bytes=budget,
+                           disk_dir=args.disk_dir, allocator_cap=args.allocator_cap,
+                           trace_allocator=bool(args.host_profile), cpu_threads=args.cpu_threads,
+                           meta={"hardware": hw.name, "warmup": warm is not None, **where, **prov})
         if prof is not None:
             prof.disable()
     finally:
@@ -325,6 +338,12 @@ def cmd_run(args) -> dict:
                   + (", ".join(f"{k} {v}" for k, v in sorted(r.items(), key=lambda kv: -kv[1])) or "none"))
         print(f"cProfile of the issuing thread ({args.host_profile}), by own time:")
         pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(25)
+    ktable = None
+    if kprof is not None:
+        ktable = kernels.kernel_table(kprof, device.type)
+        print(f"time by {'kernel' if device.type == 'cuda' else 'operator'} of the profiled run "
+              f"({args.kernel_profile}; the profiler slowed it: the tok/s above are no measurement):")
+        print("\n".join(kernels.summary_lines(ktable)))
     g = st["graphs"]
     if g["mode"] == "cuda":
         print(f"CUDA graphs: {g['graphs']} decode ops captured in {g['capture_s']:.2f} s, {g['replays']} replays"
@@ -349,6 +368,12 @@ def cmd_run(args) -> dict:
     print(json.dumps(_jsonable(out), allow_nan=False))
     if prof is not None:  # (last: a profile that cannot be written loses neither the trace nor the figures)
         _dump_host_profile(prof, args.host_profile)
+    if ktable is not None:
+        try:
+            write_commented_csv(args.kernel_profile, prov, ktable)
+        except OffsimError as e:
+            raise OffsimError(f"--kernel-profile {args.kernel_profile}: cannot write the table ({e}); the run's trace "
+                              "and figures above are complete") from None
     return out
 
 

@@ -100,6 +100,33 @@ def test_run_host_profile_writes_pstats(checkpoint, tmp_path, capsys):
     assert "cProfile of the issuing thread" in out and "caching-allocator retries" not in out
 
 
+def test_run_kernel_profile_tabulates_the_run_by_operator(checkpoint, tmp_path, capsys):
+    """--kernel-profile: the measured run's time by kernel (on the CPU, by operator) to a commented CSV whose
+    shares sum to one, its categories and costliest names printed; the trace says the run was profiled."""
+    import pandas as pd
+
+    from offexec.kernels import category
+
+    table, trace = tmp_path / "k.csv.gz", tmp_path / "t.csv"
+    rc = main(["run", "--model", str(checkpoint / "config.json"), "--policy", "flexgen", "--no-warmup",
+               "--kernel-profile", str(table), "--trace", str(trace)] + TINY_ARGS)
+    out = capsys.readouterr().out
+    assert rc == 0 and "time by operator of the profiled run" in out
+    df = pd.read_csv(table, comment="#")
+    assert list(df.columns) == ["name", "category", "calls", "total_ms", "mean_us", "share"]
+    assert (df["calls"] > 0).all() and abs(df["share"].sum() - 1) < 1e-6
+    assert df["total_ms"].is_monotonic_decreasing
+    assert "gemm" in set(df["category"])  # a decoder layer's projections (aten::mm / addmm / linear)
+    assert Trace.from_csv(trace).meta["kernel_profile"] is True
+    # kernels as CUDA and its libraries name them
+    assert category("sm90_xmma_gemm_f16f16_f16f32_f32_tn_n_tilesize128x128x64") == "gemm"
+    assert category("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>") == "attention"
+    assert category("Memcpy HtoD (Pinned -> Device)") == "memcpy"
+    assert category("void at::native::index_copy_kernel_impl<...>") == "copy"
+    assert category("void at::native::vectorized_elementwise_kernel<4, at::native::AddFunctor<c10::Half>>") \
+        == "elementwise"
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
 def test_a_host_profile_that_cannot_be_written_keeps_the_trace_and_figures(checkpoint, tmp_path, capsys):
     """A --host-profile whose write fails (a full device) is one line after the run, the trace and the figures

@@ -12,7 +12,11 @@
 # tensors for CPU attention -- caps N_r at 136 / 522 in an uncommitted prototype, and those plans, the graphs beside
 # the prefill's cached transients, still need 16.9 GiB by offexec's arithmetic: what the graphs really hold decides.)
 #
-#   OFFSIM_COMMIT=abc1234 bash experiments/offexec/graph_recompute.sh     (carry .whl; writes $OUT/graph_recompute.tgz)
+#   OFFSIM_COMMIT=abc1234 [HOLD=1] [PROMPTS="512 1984"] [GEN=32] [KPROF=1] [CUDA_SCHED=blocking] \
+#     bash experiments/offexec/graph_recompute.sh     (carry .whl; writes $OUT/graph_recompute.tgz)
+# HOLD=1: TightLLM's hold_recompute (one N_r per GPU batch over the run: one graph shape per batch and layer);
+# KPROF=1: each run also with --kernel-profile (NAME.kernels.csv.gz: GPU time by kernel; that run's tok/s are no
+# measurement, so it is a second run, NAME_kprof); GEN: tokens per prompt (default 32).
 set -u
 : "${OFFSIM_COMMIT:?set OFFSIM_COMMIT to the commit of the code (the copy has no .git)}"
 mkdir -p /tmp/site
@@ -21,10 +25,15 @@ export PYTHONPATH=/tmp/site:$PWD
 B=results/profiles/h200_offexec_v2.json
 D=/tmp/graph_recompute
 mkdir -p $D
+GEN=${GEN:-32}
+HOLDSET=()
+[ "${HOLD:-0}" = 1 ] && HOLDSET=(--set hold_recompute=true)
+SCHED=()
+[ -n "${CUDA_SCHED:-}" ] && SCHED=(--cuda-sched "$CUDA_SCHED")
 plan() {  # name prompt gbs nb
   python3 -m offsim.cli simulate --model opt-30b --hardware $B --gpu-mem-gb 16 --policy tightllm \
-    --gpu-batch-size "$3" --num-gpu-batches "$4" --prompt-len "$2" --gen-len 32 --percent 20 80 0 100 100 0 \
-    --set kv_solver=exact --save-plan "$D/$1.plan.json" > "$D/$1.sim.log" 2>&1
+    --gpu-batch-size "$3" --num-gpu-batches "$4" --prompt-len "$2" --gen-len "$GEN" --percent 20 80 0 100 100 0 \
+    --set kv_solver=exact "${HOLDSET[@]}" --save-plan "$D/$1.plan.json" > "$D/$1.sim.log" 2>&1
 }
 graphed() {  # eager-plan graphed-plan: every recompute op a graph, N_r as planned
   python3 -c "
@@ -34,13 +43,19 @@ p['graph_max_q_tokens'] = max(n + 1 for row in p['derived']['recompute_tokens'] 
 json.dump(p, open(sys.argv[2], 'w'))" "$D/$1.plan.json" "$D/$2.plan.json"
 }
 run() {  # name budget_gib
-  timeout 120 python3 -u -m offexec.cli run --plan "$D/$1.plan.json" --hardware $B --gpu-mem-gb "$2" \
-    --trace "$D/$1.trace.csv" > "$D/$1.log" 2>&1
+  timeout 150 python3 -u -m offexec.cli run --plan "$D/$1.plan.json" --hardware $B --gpu-mem-gb "$2" \
+    "${SCHED[@]}" --trace "$D/$1.trace.csv" > "$D/$1.log" 2>&1
   echo "$1 rc=$? $(grep 'host time' "$D/$1.log")"
+  if [ "${KPROF:-0}" = 1 ]; then
+    timeout 150 python3 -u -m offexec.cli run --plan "$D/$1.plan.json" --hardware $B --gpu-mem-gb "$2" \
+      "${SCHED[@]}" --kernel-profile "$D/$1.kernels.csv.gz" > "$D/$1_kprof.log" 2>&1
+    echo "$1 kernel profile rc=$?"; grep -A8 '^category' "$D/$1_kprof.log"
+  fi
 }
-plan p512_eager 512 16 3 && run p512_eager 16
-graphed p512_eager p512_graphed_nr && run p512_graphed_nr 18
-plan p1984_eager 1984 4 4 && run p1984_eager 16
-graphed p1984_eager p1984_graphed_nr && run p1984_graphed_nr 18
+for P in ${PROMPTS:-512 1984}; do
+  case $P in 512) G=(16 3);; 1984) G=(4 4);; *) echo "PROMPTS: 512 or 1984, got $P"; exit 2;; esac
+  plan p${P}_eager $P "${G[@]}" && run p${P}_eager 16
+  graphed p${P}_eager p${P}_graphed_nr && run p${P}_graphed_nr 18
+done
 gzip -f $D/*.trace.csv
 tar czf "$OUT/graph_recompute.tgz" -C /tmp graph_recompute
