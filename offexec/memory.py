@@ -49,10 +49,13 @@ class ExecError(OffsimError):
 def parse_device(name) -> "torch.device":
     """``name`` as a torch device, or one line saying it is none and what is."""
     try:
-        return torch.device(name)
+        dev = torch.device(name)
     except (RuntimeError, TypeError) as e:
         raise ExecError(f"--device {name!r} is not a device ({' '.join(str(e).split())}); valid: cpu, cuda, "
                         "cuda:N") from None
+    if dev.type == "cpu" and dev.index not in (None, 0):  # torch takes 'cpu:3', yet there is one CPU device
+        raise ExecError(f"--device {name!r}: the CPU is one device, 'cpu'; valid: cpu, cuda, cuda:N")
+    return dev
 
 
 def require_device(name) -> "torch.device":
@@ -61,6 +64,9 @@ def require_device(name) -> "torch.device":
     dev = parse_device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ExecError("--device cuda was asked but no CUDA device is available (use --device cpu)")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ExecError(f"--device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                        f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     return dev
 
 

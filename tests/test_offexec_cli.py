@@ -409,7 +409,7 @@ def _error(capsys, argv) -> str:
     return err
 
 
-@pytest.mark.parametrize("device", ["cuda:x", ""])
+@pytest.mark.parametrize("device", ["cuda:x", "", "cpu:3"])
 def test_a_device_that_is_no_device_is_one_line(checkpoint, capsys, device):
     base = ["run", "--model", str(checkpoint / "config.json"), "--no-warmup"] + TINY_ARGS[:-4] + ["--dtype", "float32"]
     assert "valid: cpu, cuda, cuda:N" in _error(capsys, base + ["--device", device])
