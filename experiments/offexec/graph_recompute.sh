@@ -15,8 +15,9 @@
 #   OFFSIM_COMMIT=abc1234 [HOLD=1] [PROMPTS="512 1984"] [GEN=32] [KPROF=1] [CUDA_SCHED=blocking] \
 #     bash experiments/offexec/graph_recompute.sh     (carry .whl; writes $OUT/graph_recompute.tgz)
 # HOLD=1: TightLLM's hold_recompute (one N_r per GPU batch over the run: one graph shape per batch and layer);
-# KPROF=1: each run also with --kernel-profile (NAME.kernels.csv.gz: GPU time by kernel; that run's tok/s are no
-# measurement, so it is a second run, NAME_kprof); GEN: tokens per prompt (default 32).
+# KPROF=1: each plan run a second time (log NAME.kprof.txt) with --kernel-profile (NAME.kernels.csv.gz: GPU time by kernel)
+# and --host-profile (NAME.pstats: the issuing thread under cProfile); the profilers slow that run, so its tok/s are
+# no measurement; GEN: tokens per prompt (default 32).
 set -u
 : "${OFFSIM_COMMIT:?set OFFSIM_COMMIT to the commit of the code (the copy has no .git)}"
 mkdir -p /tmp/site
@@ -48,8 +49,8 @@ run() {  # name budget_gib
   echo "$1 rc=$? $(grep 'host time' "$D/$1.log")"
   if [ "${KPROF:-0}" = 1 ]; then
     timeout 150 python3 -u -m offexec.cli run --plan "$D/$1.plan.json" --hardware $B --gpu-mem-gb "$2" \
-      "${SCHED[@]}" --kernel-profile "$D/$1.kernels.csv.gz" > "$D/$1_kprof.log" 2>&1
-    echo "$1 kernel profile rc=$?"; grep -A8 '^category' "$D/$1_kprof.log"
+      "${SCHED[@]}" --kernel-profile "$D/$1.kernels.csv.gz" --host-profile "$D/$1.pstats" > "$D/$1.kprof.txt" 2>&1
+    echo "$1 kernel profile rc=$?"; grep -A8 '^category' "$D/$1.kprof.txt"
   fi
 }
 for P in ${PROMPTS:-512 1984}; do
