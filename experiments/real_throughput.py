@@ -119,6 +119,30 @@ def _policy_args(p) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------------
 # journal
 # ---------------------------------------------------------------------------------------------------------------
+# the GPU of a record written before records named theirs (2026-12-05): every run of results/real_throughput until
+# then ran on the H200 device machine
+LEGACY_GPU = "NVIDIA H200"
+
+
+def gpu_name() -> str:
+    """This machine's GPU as nvidia-smi names it (the first), '' without one; the harness itself touches no CUDA."""
+    try:
+        p = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                           text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return p.stdout.strip().splitlines()[0].strip() if p.returncode == 0 and p.stdout.strip() else ""
+
+
+def check_same_gpu(journal: list[dict], gpu: str, jpath: Path) -> None:
+    """A journal holds one GPU's runs, so that its tables compare like with like: runs on another GPU are refused
+    before any starts (an H100 lent for an H200 would otherwise mix into the H200's tables)."""
+    theirs = {r.get("gpu") or LEGACY_GPU for r in journal}
+    if gpu and theirs and gpu not in theirs:
+        sys.exit(f"real_throughput: {jpath} holds runs on {', '.join(sorted(theirs))} and this machine's GPU is "
+                 f"{gpu}: give --out another folder for this GPU's runs")
+
+
 def read_journal(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -213,7 +237,7 @@ def run_job(job: dict, out: Path, timeout_s: float, prov: dict, batch: int | Non
                      "batch": batch})
     for r in recs:
         r.setdefault("wall_s", wall)
-        for k in ("commit", "date", "machine"):
+        for k in ("commit", "date", "machine", "gpu"):
             r[k] = prov.get(k)
     return recs, cut
 
@@ -708,6 +732,10 @@ def main(argv=None) -> int:
     if args.plan_only:
         return plan_only(args, out, cache, cpath, spath, t_start)
 
+    gpu = "" if args.dry_run else gpu_name()
+    prov["gpu"] = gpu
+    check_same_gpu(read_journal(jpath), gpu, jpath)
+
     def all_jobs():
         for (m, p, g, b) in points(args.models, args.prompts, args.gens, args.budgets):
             for system in args.only:
@@ -735,7 +763,7 @@ def main(argv=None) -> int:
             continue
         if job["argv"] is None:  # answered without a run (an OPT-only peer on a Llama, nothing fits)
             rec = {"system": job["system"], **_point_fields(job["keys"][0]), "key": job["keys"][0], **job["record"],
-                   **{k: prov.get(k) for k in ("commit", "date", "machine")}}
+                   **{k: prov.get(k) for k in ("commit", "date", "machine", "gpu")}}
             append_journal(jpath, [rec])
             continue
         last_batch = None

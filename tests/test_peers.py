@@ -529,3 +529,23 @@ def test_real_throughput_report_shows_the_grids_coverage():
     assert row.endswith("| – |")  # DeepSpeed timed out: not measured
     assert all("| n/a | n/a |" in x for x in lines if x.startswith("| llama-2-13b |"))
     assert lines[-1] == "1 of 80 cells measured."
+
+
+def test_a_journal_holds_one_gpus_runs(tmp_path, monkeypatch, capsys):
+    """real_throughput refuses to add a GPU's runs to a journal of another GPU's (a lent H100 for the H200), before
+    any run starts; records from before the field existed count as the H200's; with no GPU (a dry run here) nothing
+    is refused."""
+    from experiments import real_throughput as rt
+
+    jpath = tmp_path / "runs.jsonl"
+    rt.append_journal(jpath, [{"system": "deepspeed-ref", "status": "ok"}])  # (no gpu: a legacy record)
+    rt.check_same_gpu(rt.read_journal(jpath), "NVIDIA H200", jpath)
+    rt.check_same_gpu(rt.read_journal(jpath), "", jpath)
+    with pytest.raises(SystemExit) as e:
+        rt.check_same_gpu(rt.read_journal(jpath), "NVIDIA H100 80GB HBM3", jpath)
+    assert "holds runs on NVIDIA H200" in str(e.value) and "give --out another folder" in str(e.value)
+    monkeypatch.setattr(rt, "gpu_name", lambda: "NVIDIA H100 80GB HBM3")
+    with pytest.raises(SystemExit):
+        rt.main(["--out", str(tmp_path), "--only", "deepspeed-ref", "--models", "opt-30b", "--prompts", "512",
+                 "--gens", "32", "--budgets", "16"])
+    assert jpath.read_text().count("\n") == 1  # nothing appended
