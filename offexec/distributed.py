@@ -103,7 +103,8 @@ def stage_plan(plan: Plan, rank: int) -> StagePlan:
               resident={**plan.resident, "gpu": int(st["gpu_resident"])},
               weight_split=list(plan.weight_split[lo:hi]), kv_split=plan.kv_split, hidden_home=plan.hidden_home,
               ops=ops, derived=plan.derived, disk_cached=plan.disk_cached, cuda_graphs=plan.cuda_graphs,
-              graph_max_q_tokens=plan.graph_max_q_tokens, graph_min_uses=plan.graph_min_uses)
+              graph_max_q_tokens=plan.graph_max_q_tokens, graph_min_uses=plan.graph_min_uses,
+              graph_attention=plan.graph_attention)
     return StagePlan(sp, orig, (lo, hi), rank)
 
 

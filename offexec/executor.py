@@ -1179,8 +1179,10 @@ class Executor:
         x = self._val(args["x"])
         w = self._weights(op.layer, args, None, "layer")
         self._load_kv(op, args)
-        if self._graphed(op, args, (x,), lambda xs, bufs: M.post_attn(self.spec, w, xs, self._attend_static(
-                bufs, *M.pre_attn(self.spec, w, xs, self.graphs.rpos, self.rope)))):
+        sf = self._written_rows(op)
+        attend = self._attend_written if sf else self._attend_static
+        if self._graphed(op, args, (x,), lambda xs, bufs: M.post_attn(self.spec, w, xs, attend(
+                bufs, *M.pre_attn(self.spec, w, xs, self.graphs.rpos, self.rope, sf))), seq_first=sf):
             return
         q, k, v = M.pre_attn(self.spec, w, x, self._start(op), self.rope)
         o = self._attend_gpu(op, args, q, k, v)
@@ -1192,8 +1194,10 @@ class Executor:
         x = self._val(args["x"])
         w = self._weights(op.layer, args, "attn", "attn_layer")
         self._load_kv(op, args)
-        if self._graphed(op, args, (x,), lambda xs, bufs: M.attn_out(self.spec, w, xs, self._attend_static(
-                bufs, *M.pre_attn(self.spec, w, xs, self.graphs.rpos, self.rope)))):
+        sf = self._written_rows(op)
+        attend = self._attend_written if sf else self._attend_static
+        if self._graphed(op, args, (x,), lambda xs, bufs: M.attn_out(self.spec, w, xs, attend(
+                bufs, *M.pre_attn(self.spec, w, xs, self.graphs.rpos, self.rope, sf))), seq_first=sf):
             return
         q, k, v = M.pre_attn(self.spec, w, x, self._start(op), self.rope)
         o = self._attend_gpu(op, args, q, k, v)
@@ -1217,11 +1221,12 @@ class Executor:
                 out.append((lo, hi, buf))
         return out
 
-    def _graphed(self, op, args, xs: tuple, body, out=None) -> bool:
+    def _graphed(self, op, args, xs: tuple, body, out=None, seq_first: bool = False) -> bool:
         """Run decode op ``op`` (one new token) through its graph; False: not graphable, run it eagerly.
         ``body(*static_inputs, kv_buffers)`` is the op's math on the graphs' static inputs; the graph is keyed by
         the addresses it bakes in: the layer's weights (a slot's address, or the resident views) and the KV buffers
-        it attends over. ``out(result)``: what the op leaves as its value (default: the result itself)."""
+        it attends over. ``out(result)``: what the op leaves as its value (default: the result itself).
+        ``seq_first``: the body takes and returns its hidden states [q, B, E] (``DecodeGraphs.run``)."""
         if self.graphs is None or not costmodel.op_graphed(op.kind, op.part, op.q_tokens, op.phase,
                                                            self.plan.graph_q_tokens, self.eager_shapes):
             return False
@@ -1231,13 +1236,37 @@ class Executor:
         self.graphs.set_ctx(op.ctx_tokens, op.q_tokens, None if self.pad is None else self.pad_dev[op.batch])
         if self.comp.sparse_attention < 1 and op.q_tokens > 1:  # sparse from the batch's first generated row on
             self.sparse_first.fill_(self.plan.workload.batch_prompt_lens[op.batch])
-        y = self.graphs.run(key, lambda *ins: body(*ins, bufs), *xs)
+        y = self.graphs.run(key, lambda *ins: body(*ins, bufs), *xs, seq_first=seq_first)
         if y is None:  # capture failed: eager from here on
             self.graphs = None
             return False
         self._put(args["out"], y if out is None else out(y))
         self.replayed = self.graphs.mode == "cuda"
         return True
+
+    def _written_rows(self, op) -> bool:
+        """Whether graphed decode op ``op`` attends over the rows written so far, sequence-first
+        (``Plan.graph_attention`` 'written_rows', ``model.written_rows_attention``): an op of several query tokens
+        (a TightLLM recompute) of a plan without padding, compressed cache or sparse attention, whose KV heads sit in
+        one buffer (one home tier), in half precision with a head size flash takes on CUDA. Other ops attend over
+        the whole buffer under the key mask (``_attend_static``)."""
+        if self.plan.graph_attention != "written_rows" or op.q_tokens < 2 or self.pad is not None \
+                or self.comp.cache or self.comp.sparse_attention < 1:
+            return False
+        if sum(1 for lo, hi in self.prog.groups.values() if hi > lo) != 1:
+            return False
+        return not self.cuda or (self.dtype in (torch.float16, torch.bfloat16) and self.spec.head_dim % 8 == 0
+                                 and self.spec.head_dim <= 256)
+
+    def _attend_written(self, bufs, q, k_new, v_new) -> torch.Tensor:
+        """``_attend_static`` sequence-first over the written rows: q [q, B, H, D], the new K/V [q, B, n, D] written
+        at the graphs' device-side positions from contiguous rows (``index_copy_``), then
+        ``model.written_rows_attention`` over the buffer's rows [0, ctx); [q, B, H·D]."""
+        (_, _, buf), = bufs
+        g = self.graphs
+        buf[:, 0].index_copy_(0, g.pos, k_new)  # [M, B, n, D] at rows pos <- [q, B, n, D]
+        buf[:, 1].index_copy_(0, g.pos, v_new)
+        return M.written_rows_attention(q, buf[:, 0], buf[:, 1], g.ctx_k, g.cu_q(q.shape[0]), g.cu_k, g.keys)
 
     def _attend_static(self, bufs, q, k_new, v_new) -> torch.Tensor:
         """``_attend_gpu`` for the op's q tokens at the graphs' device-side positions: their K/V written with

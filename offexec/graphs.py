@@ -27,6 +27,12 @@ intermediates live in one private memory pool that all captures share (``torch.c
 two at once, so the pool holds one op's intermediates (the longest q's at most). Its size is in the plan's footprint
 (``offsim.core.footprint.decode_graph_bytes``).
 
+A plan with ``graph_attention`` 'written_rows' runs its graphed ops of several query tokens sequence-first
+(``run(seq_first=True)``: the copy into the static input transposes [B, q, E] to [q, B, E], the copy out transposes
+back) and attends over the rows written so far, not the whole buffer: ``ctx_k`` (int32 [1], written by ``set_ctx``)
+tells flash's variable-length call how many (``model.written_rows_attention``; ``cu_q`` and ``cu_k`` its fixed
+offsets).
+
 The first time a key is met the op runs eagerly through the same static body (real work, the step's result), then
 is captured (recording only; nothing runs twice). ``mode='static'`` runs the static body eagerly every time with no
 capture: on the CPU that checks the graph path's numerics in CI. A capture that fails switches graphs off for the
@@ -62,6 +68,10 @@ class DecodeGraphs:
         self._bmask: torch.Tensor | None = None  # a padded batch's keys [B·max_q·max_len] and RoPE positions
         self._rpos: torch.Tensor | None = None
         self.keys = self._mask[:max_len].view(1, 1, 1, max_len)  # their visible keys [1, 1, q, max_len]
+        # the written-rows attention's device-side lengths (model.written_rows_attention): ctx, and [0, M]
+        self.ctx_k = torch.zeros(1, dtype=torch.int32, device=device)
+        self.cu_k = torch.tensor([0, max_len], dtype=torch.int32, device=device)
+        self._cu_q: dict[int, torch.Tensor] = {}  # q -> [0, q] (int32), one fixed address per q
         self.static_in: dict = {}  # (shape, dtype) of the inputs -> their static tensors
         self.static_out: dict = {}  # (shape, dtype) of the outputs -> their static tensors
         self._flat: dict = {}  # (role, argument position, dtype, elements per token) -> storage for the longest q
@@ -90,6 +100,7 @@ class DecodeGraphs:
         torch.le(self._cols.unsqueeze(0), self.pos.unsqueeze(1), out=mask)
         self.keys = mask.view(1, 1, q_tokens, M)
         self.rpos = self.pos
+        self.ctx_k.fill_(ctx)
         if pad is not None:
             B = pad.shape[0]
             if self._bmask is None:  # once, at fixed addresses every graph bakes in
@@ -101,21 +112,29 @@ class DecodeGraphs:
             self.rpos.copy_(M_.positions(self.pos, pad))
         self.ctx = tag
 
+    def cu_q(self, q_tokens: int) -> torch.Tensor:
+        """int32 [0, q] on the device (the written-rows attention's query offsets), one tensor per q."""
+        t = self._cu_q.get(q_tokens)
+        if t is None:
+            t = self._cu_q[q_tokens] = torch.tensor([0, q_tokens], dtype=torch.int32, device=self.device)
+        return t
+
     @staticmethod
     def _sig(ts) -> tuple:
         return tuple((tuple(t.shape), t.dtype) for t in ts)
 
-    def _statics(self, table: dict, sig: tuple) -> tuple:
+    def _statics(self, table: dict, sig: tuple, qdim: int = 1) -> tuple:
         """Static tensors of signature ``sig``: views of one storage per argument position and size per token,
-        allocated for the longest q (dimension 1 of every graphed tensor is the op's query tokens)."""
-        if sig not in table:
+        allocated for the longest q (dimension ``qdim`` of every graphed tensor is the op's query tokens: 1, or 0
+        sequence-first)."""
+        if (sig, qdim) not in table:
             role = "in" if table is self.static_in else "out"
             views = []
             for i, (shape, dt) in enumerate(sig):
                 numel = 1
                 for d in shape:
                     numel *= d
-                q = shape[1] if len(shape) > 1 and shape[1] > 0 else 1
+                q = shape[qdim] if len(shape) > 1 and shape[qdim] > 0 else 1
                 per_token = numel // q if numel % q == 0 else numel
                 key = (role, i, dt, per_token) if numel % q == 0 else (role, i, dt, shape)
                 size = per_token * self.max_q if numel % q == 0 else numel
@@ -123,37 +142,44 @@ class DecodeGraphs:
                 if flat is None or flat.numel() < size:
                     flat = self._flat[key] = torch.zeros(size, dtype=dt, device=self.device)
                 views.append(flat[:numel].view(shape))
-            table[sig] = tuple(views)
-        return table[sig]
+            table[sig, qdim] = tuple(views)
+        return table[sig, qdim]
 
-    def run(self, key, body: Callable, *xs: torch.Tensor):
+    def run(self, key, body: Callable, *xs: torch.Tensor, seq_first: bool = False):
         """The op's output(s) for inputs ``xs``: ``body(*static inputs)`` (a tensor or a tuple of tensors) replayed
         from its graph, captured at the first call; fresh tensors, copied from the shared static outputs. None when
-        graphs failed for this run: the caller runs the op eagerly."""
+        graphs failed for this run: the caller runs the op eagerly. ``seq_first``: each x [B, q, ...] goes in as
+        [q, B, ...] (the copy into the static input transposes it) and each output of the body, [q, B, ...], comes
+        out as [B, q, ...] (so does the copy out)."""
         if self.failed is not None:
             return None
         self.calls += 1
-        ins = self._statics(self.static_in, self._sig(xs))
+        qdim = 0 if seq_first else 1
+        if seq_first:
+            xs = tuple(x.transpose(0, 1) for x in xs)
+        ins = self._statics(self.static_in, self._sig(xs), qdim)
         for d, x in zip(ins, xs):
             d.copy_(x)
         g = self.graphs.get(key)
         if g is not None and self.mode == "cuda":
             g.replay()
             self.replays += 1
-            outs = self.static_out[self.out_sig[key]]
+            outs = self.static_out[self.out_sig[key], qdim]
         else:  # the first call (or 'static'): the static body eagerly, its results through the static outputs
             ys = body(*ins)
             ys = ys if isinstance(ys, tuple) else (ys,)
             self.out_sig[key] = sig = self._sig(ys)
-            outs = self._statics(self.static_out, sig)
+            outs = self._statics(self.static_out, sig, qdim)
             for d, y in zip(outs, ys):
                 d.copy_(y)
             del ys
             if self.mode == "cuda":
                 self._capture(key, body, ins, outs)
+        if seq_first:
+            outs = tuple(o.transpose(0, 1) for o in outs)
         if len(outs) == 1:
-            return outs[0].clone()
-        return tuple(o.clone() for o in outs)
+            return outs[0].clone(memory_format=torch.contiguous_format)
+        return tuple(o.clone(memory_format=torch.contiguous_format) for o in outs)
 
     def _capture(self, key, body, ins, outs) -> None:
         t0 = time.perf_counter()

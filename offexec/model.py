@@ -169,39 +169,74 @@ class Rope:
         self.cos = e.cos().to(dtype)
         self.sin = e.sin().to(dtype)
 
-    def apply(self, x: torch.Tensor, start) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, start, seq_first: bool = False) -> torch.Tensor:
         """x: [B, T, n, D] of positions [start, start + T) -> rotated, same shape. ``start``: an int, or (one new
         token or a graphed recompute) an int64 [T] tensor of the positions on the device, read by the kernels (a
-        CUDA graph replays it per step), or int64 [B, T] per sequence (left-padded mixed-length batches)."""
-        T = x.shape[1]
+        CUDA graph replays it per step), or int64 [B, T] per sequence (left-padded mixed-length batches).
+        ``seq_first``: x is [T, B, n, D] (``pre_attn``'s sequence-first layout), rotated alike."""
+        T = x.shape[0] if seq_first else x.shape[1]
         if isinstance(start, torch.Tensor) and start.dim() == 2:  # per-sequence positions [B, T] (``positions``)
-            cos, sin = self.cos[start][:, :, None, :], self.sin[start][:, :, None, :]  # [B, T, 1, D]
-        elif isinstance(start, torch.Tensor):
-            cos = self.cos.index_select(0, start)[None, :, None, :]  # [1, T, 1, D]
-            sin = self.sin.index_select(0, start)[None, :, None, :]
+            cos, sin = self.cos[start], self.sin[start]  # [B, T, D]
+            if seq_first:
+                cos, sin = cos.transpose(0, 1), sin.transpose(0, 1)
+            cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [B, T, 1, D] (seq_first: [T, B, 1, D])
         else:
-            cos = self.cos[start:start + T][None, :, None, :]  # [1, T, 1, D]
-            sin = self.sin[start:start + T][None, :, None, :]
+            if isinstance(start, torch.Tensor):
+                cos, sin = self.cos.index_select(0, start), self.sin.index_select(0, start)  # [T, D]
+            else:
+                cos, sin = self.cos[start:start + T], self.sin[start:start + T]
+            # [1, T, 1, D], or seq_first [T, 1, 1, D]
+            cos, sin = (cos[:, None, None, :], sin[:, None, None, :]) if seq_first else \
+                (cos[None, :, None, :], sin[None, :, None, :])
         half = x.shape[-1] // 2
         rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # rotate_half
         return x * cos + rot * sin
 
 
-def pre_attn(spec: ModelSpec, w: dict, x: torch.Tensor, start: int, rope: Rope | None = None):
-    """x: [B, T, E] hidden of positions [start, start + T) -> q [B, T, H, D], k [B, T, Hk, D], v [B, T, Hk, D]."""
-    B, T, _ = x.shape
+def pre_attn(spec: ModelSpec, w: dict, x: torch.Tensor, start: int, rope: Rope | None = None,
+             seq_first: bool = False):
+    """x: [B, T, E] hidden of positions [start, start + T) -> q [B, T, H, D], k [B, T, Hk, D], v [B, T, Hk, D].
+    ``seq_first``: x is [T, B, E] and q, k, v come out [T, B, H or Hk, D] (``written_rows_attention``'s layout: no
+    copy between the projections and the attention call)."""
+    lead = x.shape[:2]  # (B, T), or seq_first (T, B): the projections are per row either way
     H, Hk, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
     if spec.family == "opt":
         h = _norm(spec, x, w["self_attn_layer_norm.weight"], w["self_attn_layer_norm.bias"])
-        q = F.linear(h, w["q_proj.weight"], w["q_proj.bias"]).view(B, T, H, D)
-        k = F.linear(h, w["k_proj.weight"], w["k_proj.bias"]).view(B, T, Hk, D)
-        v = F.linear(h, w["v_proj.weight"], w["v_proj.bias"]).view(B, T, Hk, D)
+        q = F.linear(h, w["q_proj.weight"], w["q_proj.bias"]).view(*lead, H, D)
+        k = F.linear(h, w["k_proj.weight"], w["k_proj.bias"]).view(*lead, Hk, D)
+        v = F.linear(h, w["v_proj.weight"], w["v_proj.bias"]).view(*lead, Hk, D)
         return q, k, v
     h = _norm(spec, x, w["input_layernorm.weight"], None)
-    q = F.linear(h, w["q_proj.weight"]).view(B, T, H, D)
-    k = F.linear(h, w["k_proj.weight"]).view(B, T, Hk, D)
-    v = F.linear(h, w["v_proj.weight"]).view(B, T, Hk, D)
-    return rope.apply(q, start), rope.apply(k, start), v
+    q = F.linear(h, w["q_proj.weight"]).view(*lead, H, D)
+    k = F.linear(h, w["k_proj.weight"]).view(*lead, Hk, D)
+    v = F.linear(h, w["v_proj.weight"]).view(*lead, Hk, D)
+    return rope.apply(q, start, seq_first), rope.apply(k, start, seq_first), v
+
+
+def written_rows_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, ctx_k: torch.Tensor,
+                           cu_q: torch.Tensor, cu_k: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """A graphed recompute block's causal attention over the rows written so far, sequence-first: q [T, B, H, D]
+    (``pre_attn(seq_first=True)``), K, V: [M, B, n, D] full-length buffers whose rows [0, ctx) are written; returns
+    [T, B, H·D], query t seeing keys [0, ctx - T + t]. ``ctx_k``: int32 [1] on the device holding ctx, read by the
+    kernel (a CUDA graph replays it at every step), ``cu_q`` = [0, T] and ``cu_k`` = [0, M] (int32, device).
+
+    On CUDA, flash's variable-length call with batch and heads merged into the call's heads: q viewed as one
+    sequence of T tokens with B·H heads, K and V as one of M rows with B·n heads (every view free: the buffers'
+    rows hold [B, n, D] contiguously), ``seqused_k`` = ctx so only written rows are read and the causal diagonal sits
+    at the bottom right of them (query head b·H + h reads KV head (b·H + h) // (H / n) = b·n + h // (H / n): GQA
+    stays right). The masked call over the whole buffer that it replaces runs another kernel, slower at these shapes
+    (results/offexec/kernels_h100_b67b39f). Elsewhere (the CPU's graph-path checks) SDPA over the whole buffer under
+    ``keys`` (bool [1, 1, T, M]), the same numbers."""
+    T, B, H, D = q.shape
+    M, _, n, _ = K.shape
+    if q.device.type == "cuda":
+        o = torch.ops.aten._flash_attention_forward(
+            q.view(T, B * H, D), K.view(M, B * n, D), V.view(M, B * n, D), cu_q, cu_k, T, M, 0.0, True, False,
+            seqused_k=ctx_k)[0]
+        return o.view(T, B, H * D)
+    o = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), K.permute(1, 2, 0, 3), V.permute(1, 2, 0, 3),
+                                       attn_mask=keys, enable_gqa=H != n)  # [B, H, T, D]
+    return o.permute(2, 0, 1, 3).reshape(T, B, H * D)
 
 
 def attention(spec: ModelSpec, q: torch.Tensor, groups: list[tuple[int, int, torch.Tensor, torch.Tensor]],

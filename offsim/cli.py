@@ -396,6 +396,11 @@ def add_runtime_args(p: argparse.ArgumentParser, simulated: bool) -> None:
                         "than it saves, as TightLLM's recompute lengths that last a step (the plan's graph_min_uses; "
                         "default 1: every graphable op graphed)" + (", as `offexec run --graph-min-uses`"
                                                                     if simulated else ""))
+    p.add_argument("--graph-attention", choices=("masked", "written_rows"), default=None,
+                   help="how graphed decode ops of several query tokens (TightLLM's recomputes) attend: masked over "
+                        "the whole KV buffer (the default) or written_rows, sequence-first over the rows written so "
+                        "far through flash's variable-length call (the plan's graph_attention)"
+                        + ("; offsim prices both alike, from the profile's graphed rows" if simulated else ""))
 
 
 def apply_runtime_args(args, *plans) -> None:
@@ -412,6 +417,8 @@ def apply_runtime_args(args, *plans) -> None:
             p.run_ahead = tuple(args.run_ahead)
         if getattr(args, "graph_min_uses", None):
             p.graph_min_uses = int(args.graph_min_uses)
+        if getattr(args, "graph_attention", None):
+            p.graph_attention = "" if args.graph_attention == "masked" else args.graph_attention
 
 
 def shortfalls(plan: Plan) -> list[str]:

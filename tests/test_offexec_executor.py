@@ -459,3 +459,45 @@ def test_graph_min_uses_runs_short_lived_recompute_shapes_eagerly():
         assert res.stats["graphs"]["ops"] == len(through)
         if need > counts[-1]:
             assert not through  # every shape met at fewer steps: all eager
+
+
+@pytest.mark.skipif("tightllm" not in POLICIES, reason="offsim.policies.tightllm not present")
+@pytest.mark.parametrize("family", ["opt", "llama"])
+def test_written_rows_graph_path_reproduces_transformers(family, monkeypatch):
+    """``Plan.graph_attention`` 'written_rows': the graphed recompute ops' sequence-first path (hidden states
+    [q, B, E] through the static copies, Q/K/V out of the projections [q, B, H, D], RoPE along dim 0, the new K/V
+    written from contiguous rows, attention over the rows written so far: on the CPU through SDPA under the key
+    mask, on CUDA flash's variable-length call) gives transformers' tokens, logits and stored KV, for every recompute
+    op of the plan (graph_max_q_tokens raised to the longest); one-token ops keep the masked path. A plan whose KV
+    heads sit in two buffers keeps the masked path for all. The plan field round-trips and is checked."""
+    from offexec import model as M
+    from offsim.core.plan import Plan, PlanError
+
+    calls = []
+    real = M.written_rows_attention
+    monkeypatch.setattr(M, "written_rows_attention", lambda q, *a: calls.append(q.shape) or real(q, *a))
+    hf, spec, w = _model(family)
+    one_tier = {"percent": (0, 50, 0, 0, 100, 0), "kv_solver": "exact"}  # every KV head on disk: N_r up to 7
+    for settings, single in ((one_tier, True), (CASES[-1][1], False)):  # then KV on the host and on disk
+        calls.clear()
+        plan = build_plan("tightllm", spec, HW, Workload(PROMPT, GEN, 2, 2), settings)
+        plan.graph_max_q_tokens = max(o.q_tokens for o in plan.ops)
+        plan.graph_attention = "written_rows"
+        plan.validate()
+        again = Plan.from_dict(plan.to_dict())
+        assert again.graph_attention == "written_rows" and again.fingerprint() == plan.fingerprint()
+        res = run_plan(plan, w, "cpu", _MODELS[family][3][:plan.workload.num_prompts], record_logits=True,
+                       keep_kv=True, graphs="static")
+        _check_against_transformers(hf, spec, plan, None, res)
+        through = [o for o in plan.ops if graphed(o.kind, o.part, o.q_tokens, o.phase, plan.graph_q_tokens)]
+        assert res.stats["graphs"]["ops"] == len(through) and any(o.q_tokens > 1 for o in through)
+        kv_groups = sum(1 for n in plan.kv_split + (spec.num_kv_heads - sum(plan.kv_split),) if n)
+        assert (kv_groups == 1) == single
+        multi = [o for o in through if o.q_tokens > 1]
+        assert len(calls) == (len(multi) if single else 0)  # sequence-first: [q, B, H, D]
+        assert all(c[0] > 1 and c[1] == 2 for c in calls)
+    plan.graph_attention = "causal"
+    with pytest.raises(PlanError, match="graph_attention must be one of"):
+        plan.validate()
+    plan.graph_attention = ""
+    assert "graph_attention" not in plan.to_dict()  # the default is not written: older plans hash the same

@@ -145,6 +145,69 @@ def test_recompute_attention_direct_flash_matches_lower_right_bias():
     assert M._lower_right_flash(q, K[:, :2], V[:, :2], 4) is None  # GQA: through the bias's dispatch
 
 
+@pytest.mark.parametrize("n_kv", [8, 2])
+def test_written_rows_attention_matches_eager_and_replays_at_other_contexts(n_kv):
+    """``model.written_rows_attention`` (flash's variable-length call, batch and heads merged, ``seqused_k`` = ctx
+    on the device) over a [M, 2, B, n, D] buffer whose rows [0, ctx) are written equals eager attention over those
+    rows (MHA and GQA), and a CUDA graph of it captured at one context gives each other context's eager result when
+    only the device-side ctx changes."""
+    import torch.nn.functional as F
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, H, D, Mx, T = 4, 8, 64, 300, 37
+    buf = torch.randn(Mx, 2, B, n_kv, D, dtype=torch.float16, device="cuda", generator=g)
+    q = torch.randn(T, B, H, D, dtype=torch.float16, device="cuda", generator=g)
+    ctx_k = torch.zeros(1, dtype=torch.int32, device="cuda")
+    cu_q = torch.tensor([0, T], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, Mx], dtype=torch.int32, device="cuda")
+
+    def eager(ctx):  # [T, B, H·D]: queries at rows [ctx - T, ctx), bottom-right causal over rows [0, ctx)
+        K = buf[:ctx, 0].permute(1, 2, 0, 3)
+        V = buf[:ctx, 1].permute(1, 2, 0, 3)
+        o = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), K, V, enable_gqa=H != n_kv,
+                                           attn_mask=torch.ones(T, ctx, dtype=torch.bool, device="cuda").tril(ctx - T))
+        return o.permute(2, 0, 1, 3).reshape(T, B, H * D)
+
+    for ctx in (T, 120, Mx):
+        ctx_k.fill_(ctx)
+        got = M.written_rows_attention(q, buf[:, 0], buf[:, 1], ctx_k, cu_q, cu_k, None)
+        assert (got.float() - eager(ctx).float()).abs().max().item() < 2e-3, ctx
+    ctx_k.fill_(200)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):  # (a warm-up call on the capturing stream, then the capture)
+        M.written_rows_attention(q, buf[:, 0], buf[:, 1], ctx_k, cu_q, cu_k, None)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = M.written_rows_attention(q, buf[:, 0], buf[:, 1], ctx_k, cu_q, cu_k, None)
+    for ctx in (64, 250):
+        ctx_k.fill_(ctx)
+        graph.replay()
+        assert (out.float() - eager(ctx).float()).abs().max().item() < 2e-3, ctx
+
+
+def test_written_rows_recompute_plan_runs_as_graphs_and_gives_eagers_tokens():
+    """A TightLLM plan whose recompute ops are graphed over the written rows (``graph_attention`` 'written_rows',
+    graph_max_q_tokens raised to its longest recompute) captures and replays them on the GPU and gives the same
+    tokens as the same plan run eagerly (graphs off)."""
+    from offexec.testing import tiny_hf
+    from offexec.weights import from_state_dict
+
+    hf, spec = tiny_hf("llama", seed=11)
+    w = from_state_dict(spec, {k: v.half() for k, v in hf.state_dict().items()})
+    plan = build_plan("tightllm", spec, get_hardware("t4"), Workload(8, 6, 2, 2),
+                      {"percent": (0, 50, 0, 0, 100, 0), "kv_solver": "exact"})
+    plan.graph_max_q_tokens = max(o.q_tokens for o in plan.ops)
+    plan.graph_attention = "written_rows"
+    assert plan.graph_max_q_tokens > 1
+    prompts = torch.randint(0, spec.vocab_size, (4, 8), generator=torch.Generator().manual_seed(7))
+    ref = run_plan(plan, w, "cuda", prompts, graphs="off")
+    res = run_plan(plan, w, "cuda", prompts, graphs="cuda")
+    g = res.stats["graphs"]
+    assert g["failed"] is None and g["replays"] > 0
+    assert (res.tokens == ref.tokens).all()
+
+
 def test_capture_only_profile_has_issue_rows_for_head_embed_and_weight_copies():
     """``offexec profile --capture-only`` measures the host's issue time of the ops that had no row of their own
     (priced at one constant before: the head and the embedding at ``issue_compute_s``, weight copies at

@@ -12,12 +12,13 @@
 # tensors for CPU attention -- caps N_r at 136 / 522 in an uncommitted prototype, and those plans, the graphs beside
 # the prefill's cached transients, still need 16.9 GiB by offexec's arithmetic: what the graphs really hold decides.)
 #
-#   OFFSIM_COMMIT=abc1234 [HOLD=1] [PROMPTS="512 1984"] [GEN=32] [KPROF=1] [CUDA_SCHED=blocking] \
+#   OFFSIM_COMMIT=abc1234 [HOLD=1] [PROMPTS="512 1984"] [GEN=32] [KPROF=1] [WR=1] [CUDA_SCHED=blocking] \
 #     bash experiments/offexec/graph_recompute.sh     (carry .whl; writes $OUT/graph_recompute.tgz)
 # HOLD=1: TightLLM's hold_recompute (one N_r per GPU batch over the run: one graph shape per batch and layer);
 # KPROF=1: each plan run a second time (log NAME.kprof.txt) with --kernel-profile (NAME.kernels.csv.gz: GPU time by kernel)
 # and --host-profile (NAME.pstats: the issuing thread under cProfile); the profilers slow that run, so its tok/s are
-# no measurement; GEN: tokens per prompt (default 32).
+# no measurement; GEN: tokens per prompt (default 32); WR=1: also pNNN_graphed_wr, the graphed plan with
+# graph_attention=written_rows (recompute ops sequence-first over the written rows, flash's variable-length call).
 set -u
 : "${OFFSIM_COMMIT:?set OFFSIM_COMMIT to the commit of the code (the copy has no .git)}"
 mkdir -p /tmp/site
@@ -36,12 +37,15 @@ plan() {  # name prompt gbs nb
     --gpu-batch-size "$3" --num-gpu-batches "$4" --prompt-len "$2" --gen-len "$GEN" --percent 20 80 0 100 100 0 \
     --set kv_solver=exact "${HOLDSET[@]}" --save-plan "$D/$1.plan.json" > "$D/$1.sim.log" 2>&1
 }
-graphed() {  # eager-plan graphed-plan: every recompute op a graph, N_r as planned
+graphed() {  # eager-plan graphed-plan [attention]: every recompute op a graph, N_r as planned; attention '' (masked
+  # over the whole buffer) or written_rows (Plan.graph_attention)
   python3 -c "
 import json, sys
 p = json.load(open(sys.argv[1]))
 p['graph_max_q_tokens'] = max(n + 1 for row in p['derived']['recompute_tokens'] for n in row)
-json.dump(p, open(sys.argv[2], 'w'))" "$D/$1.plan.json" "$D/$2.plan.json"
+if sys.argv[3]:
+    p['graph_attention'] = sys.argv[3]
+json.dump(p, open(sys.argv[2], 'w'))" "$D/$1.plan.json" "$D/$2.plan.json" "${3:-}"
 }
 run() {  # name budget_gib
   timeout 150 python3 -u -m offexec.cli run --plan "$D/$1.plan.json" --hardware $B --gpu-mem-gb "$2" \
@@ -57,6 +61,7 @@ for P in ${PROMPTS:-512 1984}; do
   case $P in 512) G=(16 3);; 1984) G=(4 4);; *) echo "PROMPTS: 512 or 1984, got $P"; exit 2;; esac
   plan p${P}_eager $P "${G[@]}" && run p${P}_eager 16
   graphed p${P}_eager p${P}_graphed_nr && run p${P}_graphed_nr 18
+  if [ "${WR:-0}" = 1 ]; then graphed p${P}_eager p${P}_graphed_wr written_rows && run p${P}_graphed_wr 18; fi
 done
 gzip -f $D/*.trace.csv
 tar czf "$OUT/graph_recompute.tgz" -C /tmp graph_recompute

@@ -53,10 +53,13 @@ PLAN_SCHEMA = "offsim.plan/1"
 CPU_ATTENTION_IMPLS = ("", "flexgen")  # whose CPU attention path a plan's cpu_compute ops run (Plan.cpu_attention_impl)
 PAGEABLE_COPIES = ("", "relay")  # how a plan's unpinned copies move (Plan.pageable_copy)
 QUANT_IMPLS = ("", "flexgen")  # whose code runs a compressed plan's dequantize passes (Plan.quant_impl)
+# how a graphed decode op of several query tokens attends (Plan.graph_attention): '' over the whole KV buffer under
+# a key mask; 'written_rows' over the rows written so far (offexec model.written_rows_attention)
+GRAPH_ATTENTIONS = ("", "written_rows")
 # Plan fields written (and fingerprinted) only when set, in this order, so that plans from before each field read
 # and hash the same
 OPTIONAL_FIELDS = ("weight_gather_copies", "cpu_attention_impl", "pageable_copy", "quant_impl",
-                   "issue_waits_for_deps")
+                   "issue_waits_for_deps", "graph_attention")
 # the top-level fields a saved plan may have (``Plan.to_dict`` writes them; the optional ones only when set)
 PLAN_KEYS = frozenset(("schema", "model", "workload", "policy", "settings", "capacity", "resident", "weight_split",
                        "kv_split", "hidden_home", "derived", "disk_cached", "cuda_graphs", "graph_max_q_tokens",
@@ -363,6 +366,12 @@ class Plan:
     # sync() after each (layer, batch) position blocks its main loop: ``flexgen-ref``), rather than for its host
     # dependencies only (offexec's rule); the simulator's issuer follows it where the profile prices issuing
     issue_waits_for_deps: bool = False
+    # how offexec's graphed decode ops of more than one query token (TightLLM's recomputes) attend
+    # (``GRAPH_ATTENTIONS``): '' (the default) over the whole full-length KV buffer under a key mask, 'written_rows'
+    # sequence-first over the rows written so far through flash's variable-length call (a single KV head group, no
+    # compression, sparse attention or padding; other ops keep ''). The simulator prices both alike, from the
+    # profile's graphed rows (measured with '')
+    graph_attention: str = ""
 
     @property
     def num_devices(self) -> int:
@@ -480,7 +489,8 @@ class Plan:
                        weight_gather_copies=d.get("weight_gather_copies", 0),
                        cpu_attention_impl=d.get("cpu_attention_impl", ""),
                        pageable_copy=d.get("pageable_copy", ""), quant_impl=d.get("quant_impl", ""),
-                       issue_waits_for_deps=d.get("issue_waits_for_deps", False))
+                       issue_waits_for_deps=d.get("issue_waits_for_deps", False),
+                       graph_attention=d.get("graph_attention", ""))
         except KeyError as e:
             raise PlanError(f"{where}: missing field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
@@ -549,6 +559,9 @@ class Plan:
                             f"{self.cpu_attention_impl!r}")
         if not isinstance(self.issue_waits_for_deps, bool):
             raise PlanError(f"plan: issue_waits_for_deps must be true or false, got {self.issue_waits_for_deps!r}")
+        if self.graph_attention not in GRAPH_ATTENTIONS:
+            raise PlanError(f"plan: graph_attention must be one of {GRAPH_ATTENTIONS} ('': masked over the whole "
+                            f"buffer), got {self.graph_attention!r}")
         if self.quant_impl not in QUANT_IMPLS:
             raise PlanError(f"plan: quant_impl must be one of {QUANT_IMPLS} ('': offexec's), got {self.quant_impl!r}")
         if self.pageable_copy not in PAGEABLE_COPIES:
