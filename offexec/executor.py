@@ -1232,11 +1232,14 @@ class Executor:
             return False
         bufs = self._kv_buffers(op, args) if op.part in ("layer", "attn_layer") else []
         slot = self.vals[args["w"]].data_ptr() if "w" in args else None
-        key = (op.part, op.q_tokens, op.layer, slot, tuple(b.data_ptr() for _, _, b in bufs))
+        # sequence-first, a result read by one op only (the batch's next, or a copy that op's input waits for) lives
+        # in the batch's own buffer, in place: no static copies (DecodeGraphs.run's ``home``)
+        home = op.batch if seq_first and len(xs) == 1 and self.prog.values[args["out"]].users == 2 else None
+        key = (op.part, op.q_tokens, op.layer, slot, tuple(b.data_ptr() for _, _, b in bufs), home)
         self.graphs.set_ctx(op.ctx_tokens, op.q_tokens, None if self.pad is None else self.pad_dev[op.batch])
         if self.comp.sparse_attention < 1 and op.q_tokens > 1:  # sparse from the batch's first generated row on
             self.sparse_first.fill_(self.plan.workload.batch_prompt_lens[op.batch])
-        y = self.graphs.run(key, lambda *ins: body(*ins, bufs), *xs, seq_first=seq_first)
+        y = self.graphs.run(key, lambda *ins: body(*ins, bufs), *xs, seq_first=seq_first, home=home)
         if y is None:  # capture failed: eager from here on
             self.graphs = None
             return False

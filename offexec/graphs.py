@@ -72,6 +72,7 @@ class DecodeGraphs:
         self.ctx_k = torch.zeros(1, dtype=torch.int32, device=device)
         self.cu_k = torch.tensor([0, max_len], dtype=torch.int32, device=device)
         self._cu_q: dict[int, torch.Tensor] = {}  # q -> [0, q] (int32), one fixed address per q
+        self._homes: dict = {}  # (GPU batch, dtype, elements per token) -> its hidden state's storage (longest q)
         self.static_in: dict = {}  # (shape, dtype) of the inputs -> their static tensors
         self.static_out: dict = {}  # (shape, dtype) of the outputs -> their static tensors
         self._flat: dict = {}  # (role, argument position, dtype, elements per token) -> storage for the longest q
@@ -145,31 +146,56 @@ class DecodeGraphs:
             table[sig, qdim] = tuple(views)
         return table[sig, qdim]
 
-    def run(self, key, body: Callable, *xs: torch.Tensor, seq_first: bool = False):
+    def home(self, batch: int, like: torch.Tensor) -> torch.Tensor:
+        """GPU batch ``batch``'s hidden-state buffer, sequence-first: [q, B, ...] for ``like`` [B, q, ...], a view of
+        storage sized for the longest q, at a fixed address for the run (``run(home=...)``)."""
+        B, q = like.shape[:2]
+        per_token = like.numel() // q
+        key = (batch, like.dtype, per_token)
+        flat = self._homes.get(key)
+        if flat is None:
+            flat = self._homes[key] = torch.zeros(per_token * self.max_q, dtype=like.dtype, device=self.device)
+        return flat[:like.numel()].view(q, B, *like.shape[2:])
+
+    def run(self, key, body: Callable, *xs: torch.Tensor, seq_first: bool = False, home: int | None = None):
         """The op's output(s) for inputs ``xs``: ``body(*static inputs)`` (a tensor or a tuple of tensors) replayed
         from its graph, captured at the first call; fresh tensors, copied from the shared static outputs. None when
         graphs failed for this run: the caller runs the op eagerly. ``seq_first``: each x [B, q, ...] goes in as
         [q, B, ...] (the copy into the static input transposes it) and each output of the body, [q, B, ...], comes
-        out as [B, q, ...] (so does the copy out)."""
+        out as [B, q, ...] (so does the copy out).
+
+        ``home`` (with ``seq_first``, one input and one output: a layer op's hidden state): GPU batch ``home``'s own
+        buffer (``home()``) is both the graph's input and its output, written in place at the graph's end; what comes
+        back is a [B, q, ...] view of it, no copy, and an input that is that view already (the batch's previous op
+        left it) is not copied in either. Only for a result whose one reader is the batch's next op (or one whose
+        own results that next op waits for): the batch's next graphed op overwrites it (``Executor._graphed``)."""
         if self.failed is not None:
             return None
         self.calls += 1
         qdim = 0 if seq_first else 1
         if seq_first:
             xs = tuple(x.transpose(0, 1) for x in xs)
-        ins = self._statics(self.static_in, self._sig(xs), qdim)
-        for d, x in zip(ins, xs):
-            d.copy_(x)
+        if home is not None:
+            hb = self.home(home, xs[0].transpose(0, 1))
+            if not (xs[0].data_ptr() == hb.data_ptr() and xs[0].stride() == hb.stride()):
+                hb.copy_(xs[0])
+            ins = outs = (hb,)
+        else:
+            ins = self._statics(self.static_in, self._sig(xs), qdim)
+            for d, x in zip(ins, xs):
+                d.copy_(x)
         g = self.graphs.get(key)
         if g is not None and self.mode == "cuda":
             g.replay()
             self.replays += 1
-            outs = self.static_out[self.out_sig[key], qdim]
+            if home is None:
+                outs = self.static_out[self.out_sig[key], qdim]
         else:  # the first call (or 'static'): the static body eagerly, its results through the static outputs
             ys = body(*ins)
             ys = ys if isinstance(ys, tuple) else (ys,)
             self.out_sig[key] = sig = self._sig(ys)
-            outs = self._statics(self.static_out, sig, qdim)
+            if home is None:
+                outs = self._statics(self.static_out, sig, qdim)
             for d, y in zip(outs, ys):
                 d.copy_(y)
             del ys
@@ -177,6 +203,8 @@ class DecodeGraphs:
                 self._capture(key, body, ins, outs)
         if seq_first:
             outs = tuple(o.transpose(0, 1) for o in outs)
+        if home is not None:
+            return outs[0]
         if len(outs) == 1:
             return outs[0].clone(memory_format=torch.contiguous_format)
         return tuple(o.clone(memory_format=torch.contiguous_format) for o in outs)
@@ -204,4 +232,4 @@ class DecodeGraphs:
 
     def stats(self) -> dict:
         return {"mode": self.mode, "ops": self.calls, "graphs": len(self.graphs), "replays": self.replays,
-                "capture_s": self.capture_s, "failed": self.failed}
+                "capture_s": self.capture_s, "failed": self.failed, "homes": len(self._homes)}

@@ -467,7 +467,8 @@ def test_written_rows_graph_path_reproduces_transformers(family, monkeypatch):
     """``Plan.graph_attention`` 'written_rows': the graphed recompute ops' sequence-first path (hidden states
     [q, B, E] through the static copies, Q/K/V out of the projections [q, B, H, D], RoPE along dim 0, the new K/V
     written from contiguous rows, attention over the rows written so far: on the CPU through SDPA under the key
-    mask, on CUDA flash's variable-length call) gives transformers' tokens, logits and stored KV, for every recompute
+    mask, on CUDA flash's variable-length call; each GPU batch's hidden state read and written in place in a buffer of
+    its own) gives transformers' tokens, logits and stored KV, for every recompute
     op of the plan (graph_max_q_tokens raised to the longest); one-token ops keep the masked path. A plan whose KV
     heads sit in two buffers keeps the masked path for all. The plan field round-trips and is checked."""
     from offexec import model as M
@@ -478,7 +479,8 @@ def test_written_rows_graph_path_reproduces_transformers(family, monkeypatch):
     monkeypatch.setattr(M, "written_rows_attention", lambda q, *a: calls.append(q.shape) or real(q, *a))
     hf, spec, w = _model(family)
     one_tier = {"percent": (0, 50, 0, 0, 100, 0), "kv_solver": "exact"}  # every KV head on disk: N_r up to 7
-    for settings, single in ((one_tier, True), (CASES[-1][1], False)):  # then KV on the host and on disk
+    parked = {**one_tier, "percent": (0, 50, 0, 0, 0, 100)}  # activations parked on the host between layers
+    for settings, single in ((one_tier, True), (parked, True), (CASES[-1][1], False)):  # then KV on host and disk
         calls.clear()
         plan = build_plan("tightllm", spec, HW, Workload(PROMPT, GEN, 2, 2), settings)
         plan.graph_max_q_tokens = max(o.q_tokens for o in plan.ops)
@@ -495,6 +497,8 @@ def test_written_rows_graph_path_reproduces_transformers(family, monkeypatch):
         assert (kv_groups == 1) == single
         multi = [o for o in through if o.q_tokens > 1]
         assert len(calls) == (len(multi) if single else 0)  # sequence-first: [q, B, H, D]
+        # activations on the GPU, each layer's result read by the batch's next op only: in the batch's own buffer
+        assert res.stats["graphs"]["homes"] == (plan.workload.num_gpu_batches if single else 0)
         assert all(c[0] > 1 and c[1] == 2 for c in calls)
     plan.graph_attention = "causal"
     with pytest.raises(PlanError, match="graph_attention must be one of"):

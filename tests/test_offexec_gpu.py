@@ -195,17 +195,18 @@ def test_written_rows_recompute_plan_runs_as_graphs_and_gives_eagers_tokens():
 
     hf, spec = tiny_hf("llama", seed=11)
     w = from_state_dict(spec, {k: v.half() for k, v in hf.state_dict().items()})
-    plan = build_plan("tightllm", spec, get_hardware("t4"), Workload(8, 6, 2, 2),
-                      {"percent": (0, 50, 0, 0, 100, 0), "kv_solver": "exact"})
-    plan.graph_max_q_tokens = max(o.q_tokens for o in plan.ops)
-    plan.graph_attention = "written_rows"
-    assert plan.graph_max_q_tokens > 1
     prompts = torch.randint(0, spec.vocab_size, (4, 8), generator=torch.Generator().manual_seed(7))
-    ref = run_plan(plan, w, "cuda", prompts, graphs="off")
-    res = run_plan(plan, w, "cuda", prompts, graphs="cuda")
-    g = res.stats["graphs"]
-    assert g["failed"] is None and g["replays"] > 0
-    assert (res.tokens == ref.tokens).all()
+    for act in ((100, 0), (0, 100)):  # activations on the GPU, then parked on the host between layers
+        plan = build_plan("tightllm", spec, get_hardware("t4"), Workload(8, 6, 2, 2),
+                          {"percent": (0, 50, 0, 0) + act, "kv_solver": "exact"})
+        plan.graph_max_q_tokens = max(o.q_tokens for o in plan.ops)
+        plan.graph_attention = "written_rows"
+        assert plan.graph_max_q_tokens > 1
+        ref = run_plan(plan, w, "cuda", prompts, graphs="off")
+        res = run_plan(plan, w, "cuda", prompts, graphs="cuda")
+        g = res.stats["graphs"]
+        assert g["failed"] is None and g["replays"] > 0 and g["homes"] == 2  # each batch's hidden state in place
+        assert (res.tokens == ref.tokens).all(), act
 
 
 def test_capture_only_profile_has_issue_rows_for_head_embed_and_weight_copies():
