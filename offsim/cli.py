@@ -400,7 +400,8 @@ def add_runtime_args(p: argparse.ArgumentParser, simulated: bool) -> None:
                    help="how graphed decode ops of several query tokens (TightLLM's recomputes) attend: masked over "
                         "the whole KV buffer (the default) or written_rows, sequence-first over the rows written so "
                         "far through flash's variable-length call (the plan's graph_attention)"
-                        + ("; offsim prices both alike, from the profile's graphed rows" if simulated else ""))
+                        + ("; offsim prices both alike, attention over the rows written at the op's step (what "
+                           "written_rows runs)" if simulated else ""))
 
 
 def apply_runtime_args(args, *plans) -> None:

@@ -369,8 +369,8 @@ class Plan:
     # how offexec's graphed decode ops of more than one query token (TightLLM's recomputes) attend
     # (``GRAPH_ATTENTIONS``): '' (the default) over the whole full-length KV buffer under a key mask, 'written_rows'
     # sequence-first over the rows written so far through flash's variable-length call (a single KV head group, no
-    # compression, sparse attention or padding; other ops keep ''). The simulator prices both alike, from the
-    # profile's graphed rows (measured with '')
+    # compression, sparse attention or padding; other ops keep ''). The simulator prices both alike: such an op's
+    # attention over the rows written at its step (``costmodel.attention_seconds``), which is what 'written_rows' runs
     graph_attention: str = ""
 
     @property
