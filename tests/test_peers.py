@@ -249,20 +249,28 @@ def test_accelerate_materialise_rebuilds_rope(tiny_cfg):
 
 
 @pytest.mark.slow
-def test_deepspeed_ref_runs_zero3_on_a_tiny_model_on_the_cpu(tiny_cfg):
+def test_deepspeed_ref_runs_zero3_on_a_tiny_model_on_the_cpu(tiny_cfg, tmp_path):
     """The ZeRO-3 path (materialise, zero.Init(module=...), initialize, generate) on DeepSpeed's CPU accelerator, in
-    a subprocess (DeepSpeed's process group is global); skipped where deepspeed is not installed."""
+    a subprocess (DeepSpeed's process group is global), here with ``--kernel-profile`` (its time by operator to a
+    CSV, the record marked); skipped where deepspeed is not installed."""
     import os
     import subprocess
 
+    import pandas as pd
+
     pytest.importorskip("deepspeed")
     path = tiny_cfg(TINY_LLAMA, "llama")
+    table = tmp_path / "k.csv"
     r = subprocess.run([sys.executable, "-m", "experiments.peers.deepspeed_ref", "--model", path, "--device", "cpu",
-                        "--prompt-len", "12", "--gen-len", "4", "--batch", "2", "--no-warmup"], capture_output=True,
+                        "--prompt-len", "12", "--gen-len", "4", "--batch", "2", "--no-warmup",
+                        "--kernel-profile", str(table)], capture_output=True,
                        text=True, timeout=600, env={**os.environ, "DS_ACCELERATOR": "cpu"})
     recs = parse_results(r.stdout)
     assert recs and recs[0]["status"] == "ok", (recs, r.stderr[-2000:])
     assert recs[0]["system"] == "deepspeed-ref" and recs[0]["decode_tok_s"] > 0
+    assert recs[0]["kernel_profile"] == str(table)
+    df = pd.read_csv(table, comment="#")
+    assert (df["calls"] > 0).all() and "gemm" in set(df["category"])
 
 
 def test_a_peer_package_missing_from_the_harness_is_an_error_not_the_peers_answer(tiny_cfg, monkeypatch, tmp_path):

@@ -82,9 +82,12 @@ def init_single_process(port: int = 29533, accelerator: str = "cuda") -> None:
 
 def run(model_name: str, prompt_len: int, gen_len: int, budget_gib: float, batch: int | None = None,
         host_limit_gib: float = HOST_LIMIT_GIB, warmup: bool = True, device: str = "cuda",
-        cut_gen_len: int | None = None) -> dict:
+        cut_gen_len: int | None = None, kernel_profile: str | None = None) -> dict:
     """One ZeRO-Inference run; the result record. ``device='cpu'``: a smoke test of the same path on DeepSpeed's CPU
-    accelerator (gloo, fp32, unpinned; a tiny model)."""
+    accelerator (gloo, fp32, unpinned; a tiny model). ``kernel_profile``: record the generation (warm-up, prefill and
+    decode) with torch.profiler and write its time by kernel (on the CPU, by operator) to that CSV
+    (``offexec.kernels``; two batches' tables side by side: ``experiments.offexec.kernel_compare``); the record is
+    then marked, its tok/s no measurement."""
     from offsim import get_model
 
     spec = get_model(model_name)
@@ -140,7 +143,18 @@ def run(model_name: str, prompt_len: int, gen_len: int, budget_gib: float, batch
         engine = deepspeed.initialize(model=model, config=cfg)[0]
         st["zero_init_s"] = time.perf_counter() - t1
         model = engine.module.eval()
-        measure_generate(model, rec, b, prompt_len, gen_len, spec.vocab_size, warmup, cuda, cut_gen_len)
+        if kernel_profile:
+            from offexec import kernels
+            from offsim.core.io import write_commented_csv
+
+            rec["kernel_profile"] = kernel_profile  # (the profiler slows the run: its tok/s are no measurement)
+            with kernels.recording("cuda" if cuda else "cpu") as prof:
+                measure_generate(model, rec, b, prompt_len, gen_len, spec.vocab_size, warmup, cuda, cut_gen_len)
+            write_commented_csv(kernel_profile, {"system": SYSTEM, "model": model_name, "batch": b,
+                                                 "prompt_len": prompt_len, "gen_len": gen_len},
+                                kernels.kernel_table(prof, "cuda" if cuda else "cpu"))
+        else:
+            measure_generate(model, rec, b, prompt_len, gen_len, spec.vocab_size, warmup, cuda, cut_gen_len)
         persistent = sum(p.numel() * 2 for p in model.parameters()
                          if p.numel() <= cfg["zero_optimization"]["stage3_param_persistence_threshold"])
         dec = (spec.weight_bytes() - persistent) * (gen_len - 1)  # ZeRO-3 fetches every other parameter each step
@@ -160,6 +174,9 @@ def main(argv=None) -> int:
     ap.add_argument("--print-config", action="store_true", help="print the ZeRO config and the batch, then exit")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="'cpu': smoke test on a tiny model")
     add_cut_option(ap)
+    ap.add_argument("--kernel-profile", default=None, metavar="FILE",
+                    help="record the generation with torch.profiler and write its time by kernel to FILE (.csv or "
+                         ".csv.gz; offexec/kernels.py); the run's tok/s are then no measurement")
     args = ap.parse_args(argv)
     from offsim import get_model
 
@@ -170,7 +187,7 @@ def main(argv=None) -> int:
                           "ds_config": ds_config(spec)}))
         return 0
     rec = run(args.model, args.prompt_len, args.gen_len, args.budget_gib, batch, args.host_limit_gib,
-              not args.no_warmup, args.device, args.cut_gen_len)
+              not args.no_warmup, args.device, args.cut_gen_len, args.kernel_profile)
     emit(rec)
     print(json.dumps({k: rec.get(k) for k in ("system", "status", "batch", "prefill_tok_s", "decode_tok_s",
                                                 "total_tok_s", "reason")}, default=str))
