@@ -17,6 +17,7 @@ from offsim.core.costmodel import network_bytes_per_s
 from offsim.core.errors import OffsimError
 from offsim.core.sim import simulate
 from offsim.core.specs import NO_COMPRESSION, Compression, HardwareSpec, ModelSpec, Workload
+from offsim.core.trace import Trace
 from offsim.policies import build_plan, get_policy
 from offsim.policies.registry import check_plan_fits, same_placement
 from offsim.policies.schedule import balanced_stages, check_gpus_per_node
@@ -126,35 +127,35 @@ def _search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, ge
         row = {"gpu_batch_size": wl.gpu_batch_size, "num_gpu_batches": wl.num_gpu_batches,
                "settings": dict(settings), "lp_s_per_token": lp_s, "_wl": wl}
         rows.append(row)
-        short = wl.with_(gen_len=short_gen)
+        short = _screen_workload(policy, model, hw, settings, wl, short_gen)
         plan = _try(lambda: build_plan(policy, model, hw, short, settings, validate=False), row, [])
-        m = plan and _try(lambda: simulate(plan, hw).metrics(), row, [])
+        m = plan and _try(lambda: extrapolated_metrics(simulate(plan, hw), wl), row, [])
         if not m:
             # say why in the user's lengths, not the screening plan's: the full workload's memory arithmetic where
             # it refuses the candidate too, else the screening plan's own reason
             _try(lambda: check_plan_fits(policy, model, hw, wl, settings), row, [])
             reasons.append(row["error"])
             continue
-        decode_per_step = m["decode_s"] / (short_gen - 1) if short_gen > 1 else 0.0
-        est_s = m["prefill_s"] + decode_per_step * (gen_len - 1)
-        row["screen_total_tok_s"] = wl.num_prompts * gen_len / est_s
+        row["screen_total_tok_s"] = m["total_tok_s"]
+        if short is wl:
+            row["_full"] = m
     # (plans are built unvalidated here: the search returns settings, and the plan a user then builds from them --
     # `offsim simulate`, offexec -- is validated op by op there; OPT-175B's full plan takes ~1 s to validate)
     screened = sorted((r for r in rows if "screen_total_tok_s" in r), key=lambda r: -r["screen_total_tok_s"])
     best = None
     short_verify = verify_decode_steps is not None and gen_len > verify_decode_steps + 2
     for row in screened:
-        wl = row["_wl"]
-        vwl = wl
-        if short_verify and same_placement(policy, model, hw, row["settings"], wl,
-                                           wl.with_(gen_len=verify_decode_steps + 2)):
-            if _try(lambda: check_plan_fits(policy, model, hw, wl, row["settings"]) or True, row, reasons) is None:
-                continue
-            vwl = wl.with_(gen_len=verify_decode_steps + 2)
-        plan = _try(lambda: build_plan(policy, model, hw, vwl, row["settings"], validate=False), row, reasons)
-        m = plan and _try(lambda: simulate(plan, hw).metrics(), row, reasons)
-        if m and vwl is not wl:
-            m = extrapolated_metrics(m, wl)
+        wl, m = row["_wl"], row.get("_full")  # (a candidate screened on its full plan: verified there)
+        if m is None:
+            vwl = wl
+            if short_verify and same_placement(policy, model, hw, row["settings"], wl,
+                                               wl.with_(gen_len=verify_decode_steps + 2)):
+                if _try(lambda: check_plan_fits(policy, model, hw, wl, row["settings"]) or True, row,
+                        reasons) is None:
+                    continue
+                vwl = wl.with_(gen_len=verify_decode_steps + 2)
+            plan = _try(lambda: build_plan(policy, model, hw, vwl, row["settings"], validate=False), row, reasons)
+            m = plan and _try(lambda: extrapolated_metrics(simulate(plan, hw), wl), row, reasons)
         if m:
             row.update({k: m[k] for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s", "peak_gpu_bytes")})
             best = (row["settings"], wl, m)
@@ -162,12 +163,27 @@ def _search(policy: str, model: ModelSpec, hw: HardwareSpec, prompt_len: int, ge
     if best is None:
         raise OffsimError(infeasibility_reason(policy, model, hw, prompt_len, gen_len, reasons, num_gpus,
                                                gpus_per_node))
-    df = pd.DataFrame([{k: v for k, v in r.items() if k != "_wl"} for r in rows])
+    df = pd.DataFrame([{k: v for k, v in r.items() if k not in ("_wl", "_full")} for r in rows])
     df = df.sort_values("screen_total_tok_s", ascending=False, na_position="last").reset_index(drop=True)
     stages = ()
     if num_gpus > 1:
         stages = balanced_stages(model.num_layers, num_gpus, best[0].get("stage_layers", ()))
     return SearchResult(policy, best[0], best[1], best[2], df, stages)
+
+
+def _screen_workload(policy: str, model: ModelSpec, hw: HardwareSpec, settings, wl: Workload,
+                     short_gen: int) -> Workload:
+    """The workload a candidate is screened on: ``wl`` shortened to ``short_gen`` tokens, unless the policy would
+    place that plan's weights or cache otherwise than the full one's (``registry.same_placement``; Accelerate's GPU
+    layers make room for the KV of the whole output: OPT-6.7B 512/32 on a 32 GiB H200, 64 x 1 screened 2,087 total
+    tok/s with more layers on the GPU than its full plan holds, which runs 921), then ``wl`` itself."""
+    if short_gen >= wl.gen_len:
+        return wl
+    short = wl.with_(gen_len=short_gen)
+    try:
+        return short if same_placement(policy, model, hw, settings, wl, short) else wl
+    except OffsimError:  # (settings the policy refuses: the screening plan's build says why)
+        return short
 
 
 def check_num_gpus(pol, model: ModelSpec, num_gpus: int, gpus_per_node: int = 0,
@@ -221,10 +237,14 @@ def _candidates(pol, model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_le
                  for c in pol.candidates(model, hw, prompt_len, gen_len, None, **kw))
     if key_mask and not _takes(pol.candidates, "key_mask"):
         drawn = (c._replace(workload=c.workload.with_(reserve_key_mask=True)) for c in drawn)
-    cands = []
+    cands, seen = [], set()
     for c in drawn:
         if max_batch is not None and c[1].num_prompts > max_batch:  # a cap on prompts per block (latency, host
             continue  # memory, or run time)
+        key = (tuple(sorted((k, repr(v)) for k, v in c[0].items())), c[1])
+        if key in seen:  # the same candidate drawn twice (two LP optima trimmed to one placement) is screened
+            continue  # once: of a ranked policy's 2 · max_sims, each a different one
+        seen.add(key)
         cands.append(c)
         if cands[0][2] is not None and len(cands) >= 2 * max_sims:
             # ranked (the first is): only the 2 · max_sims best are screened, so the rest are not drawn --
@@ -239,12 +259,38 @@ def _takes(fn, name: str) -> bool:
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
-def extrapolated_metrics(m: dict, wl: Workload) -> dict:
-    """Metrics of a plan shortened to fewer decode steps, its decode time extrapolated to ``wl.gen_len`` at its mean
-    step time (as screening does: an estimate, optimistic where later steps grow with the context); the
-    throughputs follow FlexGen's definitions (``Trace.metrics``). Peaks are the shortened plan's."""
+def decode_step_times(trace: Trace, m: dict) -> tuple[float, float, int]:
+    """The first decode step's time, the mean time of the later decode steps (the first's where there is only
+    one) and the number of decode steps of a simulated trace (``m``: its ``metrics()``). A step ends when the last op
+    of it or an earlier step ends: prefill ends at ``m['prefill_s']``, the last step at the makespan. The first
+    decode step is apart because it carries one-off costs that a hardware profile prices (CUDA-graph captures, the
+    first use of a buffer): the mean of two screened steps over-estimated each later one ~2x on
+    h200_offexec_v2.json, by a different factor for each candidate (results of ``experiments.sweeps.search_monotone``).
+    """
     steps = m["gen_len"] - 1
-    decode_s = m["decode_s"] / steps * (wl.gen_len - 1) if steps > 0 else 0.0
+    if steps <= 0:
+        return 0.0, 0.0, 0
+    first_end = m["prefill_s"]
+    if steps > 1:
+        step = trace.df["step"].to_numpy()
+        end = trace.df["end_s"].to_numpy()
+        first_end = max(first_end, float(end[step <= 1].max()))
+    first = first_end - m["prefill_s"]
+    later = (m["total_s"] - first_end) / (steps - 1) if steps > 1 else first
+    return first, later, steps
+
+
+def extrapolated_metrics(trace: Trace, wl: Workload) -> dict:
+    """Metrics of a simulated plan, shortened to fewer decode steps than ``wl`` (or not: then its own metrics), its
+    decode time extrapolated to ``wl.gen_len``: the first decode step as simulated, every later one at the mean of
+    the simulated later steps (``decode_step_times``; an estimate, optimistic where later steps grow with the
+    context); the throughputs follow FlexGen's definitions (``Trace.metrics``). Peaks are the shortened plan's.
+    What screening ranks candidates by, and ``verify_decode_steps``' metrics."""
+    m = trace.metrics()
+    if m["gen_len"] == wl.gen_len:
+        return m
+    first, later, steps = decode_step_times(trace, m)
+    decode_s = first + later * (wl.gen_len - 2) if wl.gen_len > 1 else 0.0
     total_s = m["prefill_s"] + decode_s
     prompts = wl.num_prompts
     return {**m, "gen_len": wl.gen_len, "decode_s": decode_s, "total_s": total_s,

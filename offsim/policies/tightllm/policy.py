@@ -841,18 +841,23 @@ def tightllm_stage_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: in
 
 
 def tightllm_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen_len: int,
-                        batch: int | None = None, max_shapes: int = 12,
+                        batch: int | None = None, max_shapes: int | None = None,
                         compression: Compression = NO_COMPRESSION, key_mask: bool = False,
                         max_batch: int | None = None, num_gpus: int = 1) -> Iterable[Candidate]:
     """Placements and block shapes for the search: FlexGen's LP optimum (GPU attention) for each block shape (same
     memory constraints; with ``batch`` sequences when given), its GPU weight share trimmed until TightLLM's own
     placement fits (``flexgen.fit_gpu_weights``: the LP's memory row is FlexGen's, a few tens of MB off TightLLM's
     working set), re-ranked by TightLLM's own estimate, plus -- when the batch is free -- twice the GPU batch on the
-    same placement (with recompute the KV loads shrink, so a bigger batch can pay). ``compression``: the LP, the fit,
-    the estimate and every candidate run with it. ``key_mask``: every workload reserves a padded batch's key mask
-    (``Workload.reserve_key_mask``), the fit included. ``max_batch``: no block of more sequences -- the
-    ``max_shapes`` best LP shapes under that cap (kept after the cut, a cap would leave none). ``num_gpus`` > 1:
-    pipeline candidates (``tightllm_stage_candidates``)."""
+    same placement (with recompute the KV loads shrink, so a bigger batch can pay). ``max_shapes``: only the LP's
+    best that many shapes (None: every shape the LP solved). The LP prices no recompute, so its ranking is no cut for
+    TightLLM: kept to its best 12 shapes (before 2026-12-06), OPT-13B 512/32 on the H200 preset lost the 128 x 2 block
+    at 20 GiB (the LP's 13th) that won at 16 GiB (its 10th), and found 132 total tok/s where 16 GiB found 138 and all
+    shapes find 143 (TightLLM's search was no better at 20 GiB than at 16 in 14 of 26 ladders of
+    ``experiments.sweeps.search_monotone``, in none with every shape; OPT-66B's search on the A800 preset 0.9 -> 1.4 s).
+    ``compression``: the LP, the fit, the estimate and every candidate run with it. ``key_mask``: every workload
+    reserves a padded batch's key mask (``Workload.reserve_key_mask``), the fit included. ``max_batch``: no block of
+    more sequences -- the LP's shapes under that cap (a cap after a cut would leave none). ``num_gpus`` > 1: pipeline
+    candidates (``tightllm_stage_candidates``)."""
     if num_gpus > 1:
         return tightllm_stage_candidates(model, hw, prompt_len, gen_len, num_gpus, batch, compression, key_mask,
                                          max_batch)
@@ -870,6 +875,10 @@ def tightllm_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen
             wl = Workload(prompt_len, gen_len, gbs, r.num_gpu_batches, reserve_key_mask=key_mask)
             pct = fit_gpu_weights(model, hw, wl, r.percent, False,
                                   fits=lambda p: _fits(model, hw, wl, p, compression))
+            fitted = (pct, gbs, r.num_gpu_batches)
+            if fitted != key and fitted in seen:  # two LP optima trimmed to one placement (OPT-13B 512/32 on 20
+                continue  # GiB: 8 x 16's doubled and the LP's own 16 x 16): one candidate, not two
+            seen.add(fitted)
             st = TightLLMSettings(percent=pct, **extra)
             try:
                 score = estimate_seconds_per_token(model, hw, wl, st)
