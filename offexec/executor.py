@@ -235,6 +235,12 @@ def check_host_memory(host: dict[str, int], pinned: bool, what: str = "the plan"
                         "raise it (ulimit -l unlimited) or run with pageable memory")
 
 
+def flash_reads_written_rows() -> bool:
+    """Whether this torch's flash attention takes ``seqused_k`` (``model.written_rows_attention``)."""
+    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    return op is not None and "seqused_k" in str(op.default._schema)
+
+
 def check_plan(plan: Plan, device, budget_bytes: int, disk_dir: str | None = None,
                weights_loaded: bool = False) -> dict[str, int]:
     """Everything that can refuse a plan before weights are made: binding (ops the executor cannot run), the GPU
@@ -249,6 +255,10 @@ def check_plan(plan: Plan, device, budget_bytes: int, disk_dir: str | None = Non
     if cuda:
         check_gpu_budget(need, budget_bytes)
         check_gpu_free(sum(need.values()), device)
+        if plan.graph_attention == "written_rows" and not flash_reads_written_rows():
+            raise ExecError(f"the plan's graph_attention 'written_rows' needs flash's variable-length call with "
+                            f"seqused_k, which this torch {torch.__version__} lacks: run the plan with "
+                            f"--graph-attention masked")
     host = host_need(prog, plan, weights_loaded)
     if not cuda:  # on the CPU the plan's device tier is host memory too (its budget is not checked: no GPU)
         host = {**host, "device tier on the CPU": sum(need.values())}

@@ -505,3 +505,22 @@ def test_written_rows_graph_path_reproduces_transformers(family, monkeypatch):
         plan.validate()
     plan.graph_attention = ""
     assert "graph_attention" not in plan.to_dict()  # the default is not written: older plans hash the same
+
+
+def test_a_torch_without_seqused_k_refuses_written_rows_before_the_run(monkeypatch):
+    """On CUDA, a plan asking for the written-rows graph path on a torch whose flash call lacks ``seqused_k`` is
+    refused by ``check_plan`` in one line naming the way out, before anything is allocated; this torch's check
+    reads the op's schema."""
+    from offexec import executor as E
+
+    assert isinstance(E.flash_reads_written_rows(), bool)
+    hf, spec, w = _model("opt")
+    plan = build_plan("tightllm", spec, HW, Workload(PROMPT, GEN, 2, 2), {"percent": (0, 50, 0, 0, 100, 0),
+                                                                          "kv_solver": "exact"})
+    plan.graph_attention = "written_rows"
+    monkeypatch.setattr(E, "flash_reads_written_rows", lambda: False)
+    for fn in ("check_gpu_budget", "check_gpu_free"):  # (no GPU here: the budget checks pass)
+        monkeypatch.setattr(E, fn, lambda *a, **k: None)
+    with pytest.raises(ExecError, match="--graph-attention masked"):
+        E.check_plan(plan, "cuda", 1 << 40)
+    E.check_plan(plan, "cpu", 1 << 40)  # the CPU's path attends through SDPA: nothing to refuse
