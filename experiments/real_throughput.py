@@ -122,6 +122,7 @@ def _policy_args(p) -> list[str]:
 # the GPU of a record written before records named theirs (2026-12-05): every run of results/real_throughput until
 # then ran on the H200 device machine
 LEGACY_GPU = "NVIDIA H200"
+RUN_FIELDS = ("commit", "date", "machine", "gpu")  # the call's provenance, copied into each of its records
 
 
 def gpu_name() -> str:
@@ -237,7 +238,7 @@ def run_job(job: dict, out: Path, timeout_s: float, prov: dict, batch: int | Non
                      "batch": batch})
     for r in recs:
         r.setdefault("wall_s", wall)
-        for k in ("commit", "date", "machine", "gpu"):
+        for k in RUN_FIELDS:
             r[k] = prov.get(k)
     return recs, cut
 
@@ -763,7 +764,7 @@ def main(argv=None) -> int:
             continue
         if job["argv"] is None:  # answered without a run (an OPT-only peer on a Llama, nothing fits)
             rec = {"system": job["system"], **_point_fields(job["keys"][0]), "key": job["keys"][0], **job["record"],
-                   **{k: prov.get(k) for k in ("commit", "date", "machine", "gpu")}}
+                   **{k: prov.get(k) for k in RUN_FIELDS}}
             append_journal(jpath, [rec])
             continue
         last_batch = None

@@ -397,6 +397,7 @@ class Executor:
             self.pad = torch.tensor([[lens[k] - p if p else 0
                                       for p in wl.prompt_lens[k * self.gbs:(k + 1) * self.gbs]]
                                      for k in range(self.nb)], dtype=torch.long)  # [nb, B]
+        self.written_rows = self._written_rows_plan()
 
     # ---- memory -----------------------------------------------------------------------------------------------
     def _kv_elems(self, heads: int) -> int:
@@ -1257,19 +1258,23 @@ class Executor:
         self.replayed = self.graphs.mode == "cuda"
         return True
 
-    def _written_rows(self, op) -> bool:
-        """Whether graphed decode op ``op`` attends over the rows written so far, sequence-first
-        (``Plan.graph_attention`` 'written_rows', ``model.written_rows_attention``): an op of several query tokens
-        (a TightLLM recompute) of a plan without padding, compressed cache or sparse attention, whose KV heads sit in
-        one buffer (one home tier), in half precision with a head size flash takes on CUDA. Other ops attend over
-        the whole buffer under the key mask (``_attend_static``)."""
-        if self.plan.graph_attention != "written_rows" or op.q_tokens < 2 or self.pad is not None \
-                or self.comp.cache or self.comp.sparse_attention < 1:
+    def _written_rows_plan(self) -> bool:
+        """Whether this run's graphed decode ops of several query tokens attend over the rows written so far,
+        sequence-first (``Plan.graph_attention`` 'written_rows', ``model.written_rows_attention``): a plan without
+        padding, compressed cache or sparse attention, whose KV heads sit in one buffer (one home tier), in half
+        precision with a head size flash takes on CUDA. Other ops attend over the whole buffer under the key mask
+        (``_attend_static``)."""
+        if self.plan.graph_attention != "written_rows" or self.pad is not None or self.comp.cache \
+                or self.comp.sparse_attention < 1:
             return False
         if sum(1 for lo, hi in self.prog.groups.values() if hi > lo) != 1:
             return False
         return not self.cuda or (self.dtype in (torch.float16, torch.bfloat16) and self.spec.head_dim % 8 == 0
                                  and self.spec.head_dim <= 256)
+
+    def _written_rows(self, op) -> bool:
+        """``_written_rows_plan`` for op ``op``: an op of several query tokens (a TightLLM recompute)."""
+        return self.written_rows and op.q_tokens > 1
 
     def _attend_written(self, bufs, q, k_new, v_new) -> torch.Tensor:
         """``_attend_static`` sequence-first over the written rows: q [q, B, H, D], the new K/V [q, B, n, D] written

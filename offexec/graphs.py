@@ -147,15 +147,14 @@ class DecodeGraphs:
         return table[sig, qdim]
 
     def home(self, batch: int, like: torch.Tensor) -> torch.Tensor:
-        """GPU batch ``batch``'s hidden-state buffer, sequence-first: [q, B, ...] for ``like`` [B, q, ...], a view of
+        """GPU batch ``batch``'s hidden-state buffer shaped as ``like`` (sequence-first, [q, B, ...]), a view of
         storage sized for the longest q, at a fixed address for the run (``run(home=...)``)."""
-        B, q = like.shape[:2]
-        per_token = like.numel() // q
+        per_token = like.numel() // like.shape[0]
         key = (batch, like.dtype, per_token)
         flat = self._homes.get(key)
         if flat is None:
             flat = self._homes[key] = torch.zeros(per_token * self.max_q, dtype=like.dtype, device=self.device)
-        return flat[:like.numel()].view(q, B, *like.shape[2:])
+        return flat[:like.numel()].view(like.shape)
 
     def run(self, key, body: Callable, *xs: torch.Tensor, seq_first: bool = False, home: int | None = None):
         """The op's output(s) for inputs ``xs``: ``body(*static inputs)`` (a tensor or a tuple of tensors) replayed
@@ -176,7 +175,7 @@ class DecodeGraphs:
         if seq_first:
             xs = tuple(x.transpose(0, 1) for x in xs)
         if home is not None:
-            hb = self.home(home, xs[0].transpose(0, 1))
+            hb = self.home(home, xs[0])
             if not (xs[0].data_ptr() == hb.data_ptr() and xs[0].stride() == hb.stride()):
                 hb.copy_(xs[0])
             ins = outs = (hb,)

@@ -68,6 +68,15 @@ def kernel_table(prof, device_type: str) -> pd.DataFrame:
     return df.sort_values("total_ms", ascending=False).reset_index(drop=True)
 
 
+def write_table(path, prof, device_type: str, header: dict) -> pd.DataFrame:
+    """``kernel_table`` of ``prof`` written to ``path`` as a commented CSV (``header`` on its first line); returned."""
+    from offsim.core.io import write_commented_csv
+
+    df = kernel_table(prof, device_type)
+    write_commented_csv(path, header, df)
+    return df
+
+
 def by_category(df: pd.DataFrame) -> pd.DataFrame:
     """``kernel_table`` summed by category, costliest first."""
     g = df.groupby("category", as_index=False)[["calls", "total_ms", "share"]].sum()

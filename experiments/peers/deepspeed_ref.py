@@ -145,14 +145,12 @@ def run(model_name: str, prompt_len: int, gen_len: int, budget_gib: float, batch
         model = engine.module.eval()
         if kernel_profile:
             from offexec import kernels
-            from offsim.core.io import write_commented_csv
 
             rec["kernel_profile"] = kernel_profile  # (the profiler slows the run: its tok/s are no measurement)
-            with kernels.recording("cuda" if cuda else "cpu") as prof:
+            with kernels.recording(device) as prof:
                 measure_generate(model, rec, b, prompt_len, gen_len, spec.vocab_size, warmup, cuda, cut_gen_len)
-            write_commented_csv(kernel_profile, {"system": SYSTEM, "model": model_name, "batch": b,
-                                                 "prompt_len": prompt_len, "gen_len": gen_len},
-                                kernels.kernel_table(prof, "cuda" if cuda else "cpu"))
+            kernels.write_table(kernel_profile, prof, device, {"system": SYSTEM, "model": model_name, "batch": b,
+                                                               "prompt_len": prompt_len, "gen_len": gen_len})
         else:
             measure_generate(model, rec, b, prompt_len, gen_len, spec.vocab_size, warmup, cuda, cut_gen_len)
         persistent = sum(p.numel() * 2 for p in model.parameters()

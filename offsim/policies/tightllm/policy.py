@@ -850,7 +850,7 @@ def tightllm_candidates(model: ModelSpec, hw: HardwareSpec, prompt_len: int, gen
     working set), re-ranked by TightLLM's own estimate, plus -- when the batch is free -- twice the GPU batch on the
     same placement (with recompute the KV loads shrink, so a bigger batch can pay). ``max_shapes``: only the LP's
     best that many shapes (None: every shape the LP solved). The LP prices no recompute, so its ranking is no cut for
-    TightLLM: kept to its best 12 shapes (before 2026-12-06), OPT-13B 512/32 on the H200 preset lost the 128 x 2 block
+    TightLLM: kept to its best 12 shapes (before 2026-12-05), OPT-13B 512/32 on the H200 preset lost the 128 x 2 block
     at 20 GiB (the LP's 13th) that won at 16 GiB (its 10th), and found 132 total tok/s where 16 GiB found 138 and all
     shapes find 143 (TightLLM's search was no better at 20 GiB than at 16 in 14 of 26 ladders of
     ``experiments.sweeps.search_monotone``, in none with every shape; OPT-66B's search on the A800 preset 0.9 -> 1.4 s).
