@@ -314,7 +314,9 @@ def cmd_run(args) -> dict:
     print(f"time: prefill {measured['prefill_s']:.3f} s, decode {measured['decode_s']:.3f} s, total "
           f"{measured['total_s']:.3f} s" + (f" (offsim {predicted['total_s']:.3f} s)" if comparable else ""))
     print(f"peak memory: GPU {measured['peak_gpu_bytes'] / GiB:.3f} GiB of {budget / GiB:.3f} GiB budget "
-          f"(pre-check {sum(need.values()) / GiB:.3f} GiB; offsim {predicted['peak_gpu_bytes'] / GiB:.3f}); "
+          f"(pre-check {sum(need.values()) / GiB:.3f} GiB; offsim {predicted['peak_gpu_bytes'] / GiB:.3f}"
+          + (f"; most allocated at once {st['gpu_max_allocated_bytes'] / GiB:.3f}" if "gpu_max_allocated_bytes" in st
+             else "") + "); "
           f"host {measured['peak_cpu_bytes'] / GiB:.3f} GiB (+ {st['host_weights_master_bytes'] / GiB:.3f} GiB "
           f"host master of all weights); disk {measured['peak_disk_bytes'] / GiB:.3f} GiB")
     print(f"host before the run: CPU-attention probe {probe['cpu_attn_ms']:.2f} ms, host copy "
@@ -346,7 +348,9 @@ def cmd_run(args) -> dict:
         print("\n".join(kernels.summary_lines(ktable)))
     g = st["graphs"]
     if g["mode"] == "cuda":
-        print(f"CUDA graphs: {g['graphs']} decode ops captured in {g['capture_s']:.2f} s, {g['replays']} replays"
+        print(f"CUDA graphs: {g['graphs']} decode ops captured in {g['capture_s']:.2f} s, {g['replays']} replays; "
+              f"they hold {g['pool_bytes'] / GiB:.3f} GiB of pool and {g['static_bytes'] / GiB:.3f} GiB of static "
+              f"tensors (the pre-check counts {need.get('CUDA graphs', 0) / GiB:.3f} GiB for both)"
               + (f"; capture failed, the rest ran eagerly: {g['failed']}" if g["failed"] else ""))
     out = {"measured": {k: measured[k] for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s", "prefill_s",
                                                   "decode_s", "total_s", "peak_gpu_bytes", "peak_cpu_bytes",

@@ -229,6 +229,26 @@ class DecodeGraphs:
         self.graphs[key] = g
         self.capture_s += time.perf_counter() - t0
 
+    def static_bytes(self) -> int:
+        """Bytes of the tensors every graph reads or writes at fixed addresses (inputs, outputs, per-batch hidden
+        states, positions, masks, lengths), allocated outside the graphs' pool."""
+        ts = [self._steps, self._cols, self._pos, self._mask, self.ctx_k, self.cu_k, *self._cu_q.values(),
+              *self._homes.values(), *self._flat.values()]
+        ts += [t for t in (self._bmask, self._rpos) if t is not None]
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def pool_bytes(self) -> int:
+        """Bytes the graphs' private memory pool has reserved (the caching allocator's segments of ``self.pool``):
+        the intermediates the captured ops keep for their replays. 0 without CUDA graphs."""
+        if self.pool is None:
+            return 0
+        pool = tuple(self.pool)
+        return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+                   if tuple(seg.get("segment_pool_id", ())) == pool)
+
     def stats(self) -> dict:
+        """What the run's graphs did, and what they hold: ``static_bytes`` and ``pool_bytes`` (measured here; the
+        footprint's ``decode_graph_bytes`` is their arithmetic)."""
         return {"mode": self.mode, "ops": self.calls, "graphs": len(self.graphs), "replays": self.replays,
-                "capture_s": self.capture_s, "failed": self.failed, "homes": len(self._homes)}
+                "capture_s": self.capture_s, "failed": self.failed, "homes": len(self._homes),
+                "static_bytes": self.static_bytes(), "pool_bytes": self.pool_bytes()}

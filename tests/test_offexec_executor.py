@@ -473,6 +473,7 @@ def test_written_rows_graph_path_reproduces_transformers(family, monkeypatch):
     heads sit in two buffers keeps the masked path for all. The plan field round-trips and is checked."""
     from offexec import model as M
     from offsim.core.plan import Plan, PlanError
+    from offsim.core import footprint as fp
 
     calls = []
     real = M.written_rows_attention
@@ -500,6 +501,11 @@ def test_written_rows_graph_path_reproduces_transformers(family, monkeypatch):
         # activations on the GPU, each layer's result read by the batch's next op only: in the batch's own buffer
         assert res.stats["graphs"]["homes"] == (plan.workload.num_gpu_batches if single else 0)
         assert all(c[0] > 1 and c[1] == 2 for c in calls)
+        # what the graphs hold at fixed addresses, measured, within what the footprint counts for them (no pool on
+        # the CPU: 'static' captures nothing)
+        g = res.stats["graphs"]
+        assert g["pool_bytes"] == 0
+        assert 0 < g["static_bytes"] <= fp.decode_graph_bytes(spec, plan.workload, plan.graph_max_q_tokens)
     plan.graph_attention = "causal"
     with pytest.raises(PlanError, match="graph_attention must be one of"):
         plan.validate()

@@ -190,6 +190,7 @@ def test_written_rows_recompute_plan_runs_as_graphs_and_gives_eagers_tokens():
     """A TightLLM plan whose recompute ops are graphed over the written rows (``graph_attention`` 'written_rows',
     graph_max_q_tokens raised to its longest recompute) captures and replays them on the GPU and gives the same
     tokens as the same plan run eagerly (graphs off)."""
+    from offsim.core import footprint as fp
     from offexec.testing import tiny_hf
     from offexec.weights import from_state_dict
 
@@ -207,6 +208,9 @@ def test_written_rows_recompute_plan_runs_as_graphs_and_gives_eagers_tokens():
         g = res.stats["graphs"]
         assert g["failed"] is None and g["replays"] > 0 and g["homes"] == 2  # each batch's hidden state in place
         assert (res.tokens == ref.tokens).all(), act
+        # the graphs' pool and static tensors, measured, within what the footprint counts for them
+        assert 0 < g["pool_bytes"] and 0 < g["static_bytes"]
+        assert g["pool_bytes"] + g["static_bytes"] <= fp.decode_graph_bytes(spec, plan.workload, plan.graph_max_q_tokens)
 
 
 def test_capture_only_profile_has_issue_rows_for_head_embed_and_weight_copies():

@@ -50,7 +50,7 @@ json.dump(p, open(sys.argv[2], 'w'))" "$D/$1.plan.json" "$D/$2.plan.json" "${3:-
 run() {  # name budget_gib
   timeout 150 python3 -u -m offexec.cli run --plan "$D/$1.plan.json" --hardware $B --gpu-mem-gb "$2" \
     "${SCHED[@]}" --trace "$D/$1.trace.csv" > "$D/$1.log" 2>&1
-  echo "$1 rc=$? $(grep 'host time' "$D/$1.log")"
+  echo "$1 rc=$? $(grep 'host time' "$D/$1.log")"; grep -E '^(peak memory|CUDA graphs|decode )' "$D/$1.log"
   if [ "${KPROF:-0}" = 1 ]; then
     timeout 150 python3 -u -m offexec.cli run --plan "$D/$1.plan.json" --hardware $B --gpu-mem-gb "$2" \
       "${SCHED[@]}" --kernel-profile "$D/$1.kernels.csv.gz" --host-profile "$D/$1.pstats" > "$D/$1.kprof.txt" 2>&1
