@@ -135,21 +135,30 @@ def kv_buffer_elems(plan: Plan, heads: int) -> int:
     return fp.kv_buffer_elems(plan.model, wl.gpu_batch_size, wl.max_len, heads)
 
 
-def op_transient_bytes(plan: Plan, prog: Program) -> int:
-    """The largest compute op's peak beyond the value it leaves (``footprint.op_peak_bytes`` minus
+def op_transient_bytes(plan: Plan, prog: Program, graph_bytes: int = 0) -> int:
+    """The largest eager compute op's peak beyond the value it leaves (``footprint.op_peak_bytes`` minus
     ``op_output_bytes``; the values are in the activation peak), over the plan's distinct op shapes. A CPU
     delegation's ``pre_attn`` stands for its whole GPU side: ``cpu_attn_layer`` (whole layers: its ``post_attn``
-    is inside) or ``cpu_attn_pre`` (sub-layers: ``attn_out`` is an op of its own)."""
+    is inside) or ``cpu_attn_pre`` (sub-layers: ``attn_out`` is an op of its own).
+
+    Ops replayed as CUDA graphs hold their intermediates in the graphs' pool (``footprint.decode_graph_bytes``:
+    ``graph_bytes``, pool and static tensors), which exists from the first decode step on. So a prefill op's
+    transients, freed before it, share their room with the graphs: the bytes counted here are the most of the
+    prefill's eager peak less ``graph_bytes`` and the decode's eager peak -- the graphs plus these are the most of
+    either phase's. (Under the GPU budget the caching allocator hands the prefill's cached blocks back to the
+    device when the graphs' pool needs room: a one-time allocator retry.)"""
     m, kv_groups = plan.model, sum(1 for lo, hi in prog.groups.values() if hi > lo)
     whole = None in prog.units
-    shapes = {(o.part, o.num_seqs, o.q_tokens, o.ctx_tokens) for o in plan.ops
-              if o.kind == "compute" and o.part != "post_attn"}
-    best = 0
-    for part, B, T, C in shapes:
+    gq, eager = plan.graph_q_tokens, costmodel.eager_graph_shapes(plan)
+    shapes = {(o.phase == "decode", o.part, o.num_seqs, o.q_tokens, o.ctx_tokens) for o in plan.ops
+              if o.kind == "compute" and o.part != "post_attn"
+              and not costmodel.op_graphed(o.kind, o.part, o.q_tokens, o.phase, gq, eager)}
+    best = {False: 0, True: 0}
+    for decode, part, B, T, C in shapes:
         fpart = ("cpu_attn_layer" if whole else "cpu_attn_pre") if part == "pre_attn" else part
         peak = fp.op_peak_bytes(m, fpart, B, T, C, kv_groups, masked=plan.workload.key_masked)
-        best = max(best, peak - fp.op_output_bytes(m, part, B, T))
-    return best
+        best[decode] = max(best[decode], peak - fp.op_output_bytes(m, part, B, T))
+    return max(best[False] - graph_bytes, best[True], 0)
 
 
 def compression_of(plan: Plan) -> Compression:
@@ -165,16 +174,21 @@ def gpu_need(prog: Program, plan: Plan) -> dict[str, int]:
     """GPU bytes the executor will hold for ``plan``, by purpose (``footprint.executor_gpu_bytes``): what the budget
     pre-check adds up. Buffer pools count the most buffers live at once in plan order, activations the most GPU
     values (hidden states, Q/K/V, attention outputs) live at once in plan order, and op transients the largest
-    compute op's peak beyond its output. The decode graphs are sized for the plan's longest graphed op. Compressed
-    weights: stored sizes plus the fp16 working copy of the largest unit."""
+    eager compute op's peak beyond its output (``op_transient_bytes``). The decode graphs are sized for the plan's
+    longest graphed op, their static tensors for what its graphed ops take and give (CPU delegation's, written-rows
+    per-batch hidden states). Compressed weights: stored sizes plus the fp16 working copy of the largest unit."""
     gq, eager = plan.graph_q_tokens, costmodel.eager_graph_shapes(plan)
-    longest = max((op.q_tokens for op in plan.ops if costmodel.op_graphed(op.kind, op.part, op.q_tokens, op.phase,
-                                                                          gq, eager)), default=1)
+    through = [op for op in plan.ops if costmodel.op_graphed(op.kind, op.part, op.q_tokens, op.phase, gq, eager)]
+    longest = max((op.q_tokens for op in through), default=1)
+    cpu_attention = any(op.part in ("pre_attn", "post_attn", "attn_out") for op in through)  # CPU delegation's
+    homes = plan.graph_attention == "written_rows" and longest > 1
+    graph_bytes = fp.decode_graph_bytes(plan.model, plan.workload, longest, cpu_attention, homes)
     return fp.executor_gpu_bytes(plan.model, plan.workload, plan.weight_split, plan.kv_split, prog.pool_peak,
-                                 prog.gpu_value_peak_bytes, op_transient_bytes(plan, prog), longest,
+                                 prog.gpu_value_peak_bytes, op_transient_bytes(plan, prog, graph_bytes), longest,
                                  compression_of(plan), None not in prog.units,
                                  sends_hidden=any(b.fn == "send_hidden" for b in prog.bound),
-                                 landing_tokens=prog.landing_tokens)
+                                 landing_tokens=prog.landing_tokens, graph_cpu_attention=cpu_attention,
+                                 graph_homes=homes)
 
 
 def disk_need(plan: Plan, layout=None) -> int:

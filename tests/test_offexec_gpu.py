@@ -198,11 +198,12 @@ def test_written_rows_recompute_plan_runs_as_graphs_and_gives_eagers_tokens():
     w = from_state_dict(spec, {k: v.half() for k, v in hf.state_dict().items()})
     prompts = torch.randint(0, spec.vocab_size, (4, 8), generator=torch.Generator().manual_seed(7))
     for act in ((100, 0), (0, 100)):  # activations on the GPU, then parked on the host between layers
-        plan = build_plan("tightllm", spec, get_hardware("t4"), Workload(8, 6, 2, 2),
-                          {"percent": (0, 50, 0, 0) + act, "kv_solver": "exact"})
-        plan.graph_max_q_tokens = max(o.q_tokens for o in plan.ops)
-        plan.graph_attention = "written_rows"
-        assert plan.graph_max_q_tokens > 1
+        # (on the H200 preset the distributor recomputes; TightLLM's graph_recompute graphs every recompute op)
+        plan = build_plan("tightllm", spec, get_hardware("h200"), Workload(8, 6, 2, 2),
+                          {"percent": (0, 50, 0, 0) + act, "kv_solver": "exact", "hold_recompute": True,
+                           "graph_recompute": True})
+        assert plan.graph_attention == "written_rows"
+        assert any(o.q_tokens > 1 and o.phase == "decode" for o in plan.ops)
         ref = run_plan(plan, w, "cuda", prompts, graphs="off")
         res = run_plan(plan, w, "cuda", prompts, graphs="cuda")
         g = res.stats["graphs"]

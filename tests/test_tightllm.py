@@ -453,3 +453,40 @@ def test_hold_recompute_keeps_each_batchs_smallest_n_r():
     m_free = simulate(build_plan("tightllm", m, hw, wl, st), hw).metrics()
     m_held = simulate(build_plan("tightllm", m, hw, wl, {**st, "hold_recompute": True}), hw).metrics()
     assert 0.97 * m_free["decode_tok_s"] <= m_held["decode_tok_s"] <= m_free["decode_tok_s"] * 1.001
+
+
+def test_graph_recompute_graphs_every_held_recompute_op_and_counts_its_memory():
+    """``graph_recompute`` (with ``hold_recompute``): the plan replays every recompute op as a graph over the written
+    rows (``graph_max_q_tokens`` = the longest N_r + 1, ``graph_attention`` 'written_rows'); without the setting the
+    plan is byte for byte what it was (the setting is not recorded, so older plans hash the same). Refused without
+    hold_recompute. N_r's memory cap counts the graphs' static tensors beside the op's intermediates in their pool:
+    on a GPU left no room for them, N_r falls. OPT-30B 512/8 16 x 3 on the H200 profile."""
+    from offexec import model as M
+    from offexec.executor import bind, gpu_need
+    from offsim.core import footprint as fp
+
+    hw = get_hardware(str(__import__("pathlib").Path(__file__).resolve().parents[1]
+                          / "results/profiles/h200_offexec_v2.json"), gpu_mem_gb=16)
+    m, wl = get_model("opt-30b"), Workload(512, 8, 16, 3)
+    st = {"percent": (20, 80, 0, 100, 100, 0), "kv_solver": "exact", "hold_recompute": True}
+    held = build_plan("tightllm", m, hw, wl, st)
+    graphed = build_plan("tightllm", m, hw, wl, {**st, "graph_recompute": True})
+    assert "graph_recompute" not in held.settings and held.graph_attention == ""
+    assert held.fingerprint() == build_plan("tightllm", m, hw, wl, {**st, "graph_recompute": False}).fingerprint()
+    nr = graphed.derived["recompute_tokens"]
+    assert graphed.graph_max_q_tokens == max(n for row in nr for n in row) + 1 > 8
+    assert graphed.graph_attention == "written_rows" and graphed.settings["graph_recompute"] is True
+    # the executor counts the graphs' pool in place of the recompute op's transients, which exist in the decode
+    # phase only: the same total as the eager plan's, the prefill's transients the larger
+    need = {p.graph_attention: gpu_need(bind(p, M.layer_layout(m)), p) for p in (held, graphed)}
+    pool = fp.graph_pool_bytes(m, wl, graphed.graph_max_q_tokens)
+    assert need["written_rows"]["CUDA graphs"] >= pool + wl.num_gpu_batches * fp.hidden_bytes(m, 16, nr[0][0] + 1)
+    assert sum(need["written_rows"].values()) <= 16 * 2**30
+    with pytest.raises(OffsimError, match="graph_recompute needs hold_recompute=true"):
+        T.TightLLMSettings(graph_recompute=True)
+    # the cap: the free bytes that leave a graphed N_r of 251 room for its op only, not its graphs
+    lay = T.layout_of(m, wl, T.TightLLMSettings(**st))
+    peak = fp.op_peak_bytes(m, "layer", 16, 252, 513, 1)
+    free = peak + 2 * T.kv_work_buffers_bytes(m, wl, lay) + fp.decode_graph_bytes(m, wl, 8)
+    assert T.recompute_memory_cap(m, wl, lay, free, 512) >= 251
+    assert T.recompute_memory_cap(m, wl, lay, free, 512, graph_all=True) < 251

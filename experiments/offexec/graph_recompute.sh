@@ -18,7 +18,10 @@
 # KPROF=1: each plan run a second time (log NAME.kprof.txt) with --kernel-profile (NAME.kernels.csv.gz: GPU time by kernel)
 # and --host-profile (NAME.pstats: the issuing thread under cProfile); the profilers slow that run, so its tok/s are
 # no measurement; GEN: tokens per prompt (default 32); WR=1: also pNNN_graphed_wr, the graphed plan with
-# graph_attention=written_rows (recompute ops sequence-first over the written rows, flash's variable-length call).
+# graph_attention=written_rows (recompute ops sequence-first over the written rows, flash's variable-length call);
+# GR=1: also pNNN_graph_recompute, TightLLM planned with graph_recompute=true (needs HOLD=1) for 16 GiB and run
+# there (every recompute op a graph over the written rows, the graphs' memory in offexec's pre-check); NR=0: skip
+# pNNN_graphed_nr.
 set -u
 : "${OFFSIM_COMMIT:?set OFFSIM_COMMIT to the commit of the code (the copy has no .git)}"
 mkdir -p /tmp/site
@@ -32,10 +35,10 @@ HOLDSET=()
 [ "${HOLD:-0}" = 1 ] && HOLDSET=(--set hold_recompute=true)
 SCHED=()
 [ -n "${CUDA_SCHED:-}" ] && SCHED=(--cuda-sched "$CUDA_SCHED")
-plan() {  # name prompt gbs nb
+plan() {  # name prompt gbs nb [--set ...]
   python3 -m offsim.cli simulate --model opt-30b --hardware $B --gpu-mem-gb 16 --policy tightllm \
     --gpu-batch-size "$3" --num-gpu-batches "$4" --prompt-len "$2" --gen-len "$GEN" --percent 20 80 0 100 100 0 \
-    --set kv_solver=exact "${HOLDSET[@]}" --save-plan "$D/$1.plan.json" > "$D/$1.sim.log" 2>&1
+    --set kv_solver=exact "${HOLDSET[@]}" "${@:5}" --save-plan "$D/$1.plan.json" > "$D/$1.sim.log" 2>&1
 }
 graphed() {  # eager-plan graphed-plan [attention]: every recompute op a graph, N_r as planned; attention '' (masked
   # over the whole buffer) or written_rows (Plan.graph_attention)
@@ -60,8 +63,11 @@ run() {  # name budget_gib
 for P in ${PROMPTS:-512 1984}; do
   case $P in 512) G=(16 3);; 1984) G=(4 4);; *) echo "PROMPTS: 512 or 1984, got $P"; exit 2;; esac
   plan p${P}_eager $P "${G[@]}" && run p${P}_eager 16
-  graphed p${P}_eager p${P}_graphed_nr && run p${P}_graphed_nr 18
+  [ "${NR:-1}" = 1 ] && graphed p${P}_eager p${P}_graphed_nr && run p${P}_graphed_nr 18
   if [ "${WR:-0}" = 1 ]; then graphed p${P}_eager p${P}_graphed_wr written_rows && run p${P}_graphed_wr 18; fi
+  if [ "${GR:-0}" = 1 ]; then  # TightLLM's graph_recompute, planned by offsim at 16 GiB and run there
+    plan p${P}_graph_recompute $P "${G[@]}" --set graph_recompute=true && run p${P}_graph_recompute 16
+  fi
 done
 gzip -f $D/*.trace.csv
 tar czf "$OUT/graph_recompute.tgz" -C /tmp graph_recompute

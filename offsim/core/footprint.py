@@ -686,24 +686,48 @@ def max_layer_peak_bytes(model: ModelSpec, wl: Workload, cpu_attention: bool = F
                          op_peak_bytes(model, "head", gbs, P, P)])
 
 
-def decode_graph_bytes(model: ModelSpec, wl: Workload, q_tokens: int = 1) -> int:
-    """GPU bytes of offexec's decode CUDA graphs (offexec/graphs.py), held from the first decode step to the end,
-    when the longest graphed decode op has ``q_tokens`` query tokens (1: one new token; TightLLM's recompute of N_r
-    tokens: N_r + 1, up to ``costmodel.GRAPH_MAX_Q_TOKENS``): the shared static tensors, sized for ``q_tokens``
-    (the positions [q] and the key mask [q, max_len], in a padded block per sequence too; hidden states
-    [gbs, q, E] in and out, and with CPU attention
-    the attention output in and Q/K/V out: at most four hidden states and two Q/K/V) and the private pool of the
-    graphs' intermediates -- one decode op's at a time, the longest at the longest context (a graph attends over the
-    full-length buffer, with up to three KV head groups), twice over for what the pool cannot reuse between captures,
-    plus its segment rounding."""
+def graph_static_bytes(model: ModelSpec, wl: Workload, q_tokens: int = 1, cpu_attention: bool = True,
+                       homes: bool = False) -> int:
+    """GPU bytes of the tensors offexec's decode CUDA graphs read and write at fixed addresses
+    (``DecodeGraphs.static_bytes``), allocated outside their pool, sized for the longest graphed op's ``q_tokens``:
+    the positions [q] and the key mask [q, max_len] (per sequence too in a padded batch); the hidden state in and out
+    [gbs, q, E], and with ``cpu_attention`` (FlexGen's delegation: its graphed ops take the attention output in and give
+    Q/K/V out) two more hidden states and two Q/K/V; with ``homes`` (``Plan.graph_attention`` 'written_rows': each
+    GPU batch's hidden state lives in a buffer of its own, ``DecodeGraphs.home``) one hidden state per GPU batch."""
+    gbs, M, q = wl.gpu_batch_size, wl.max_len, q_tokens
+    hidden = hidden_bytes(model, gbs, q)
+    static = 2 * hidden + q * (TOKEN_ID_BYTES + M)
+    if cpu_attention:
+        static += 2 * hidden + 2 * qkv_bytes(model, gbs, q)
+    if homes:
+        static += wl.num_gpu_batches * hidden
+    if wl.key_masked:  # a padded batch: per sequence, its keys [q, max_len] and RoPE positions [q] (offexec/graphs.py)
+        static += gbs * q * (M + TOKEN_ID_BYTES)
+    return static
+
+
+def graph_pool_bytes(model: ModelSpec, wl: Workload, q_tokens: int = 1) -> int:
+    """GPU bytes of the decode CUDA graphs' private memory pool (``DecodeGraphs.pool_bytes``): every graph captures
+    into the one pool and none runs beside another, so it holds one decode op's intermediates -- the largest, at the
+    longest graphed op's ``q_tokens`` and the longest context (a graph may attend over the full-length buffer, with up
+    to three KV head groups) -- plus its segment rounding. Measured: 0.451 GiB of pool where this counts 0.61 (OPT-30B,
+    16 x 252 query tokens), 0.41 against 0.50 (4 x 822; results/offexec/graph_memory_h100_b6ae8be)."""
     gbs, M, q = wl.gpu_batch_size, wl.max_len, q_tokens
     op = max(op_peak_bytes(model, part, gbs, q, M, 3)
              for part in ("layer", "attn_layer", "mlp", "cpu_attn_layer", "cpu_attn_pre", "attn_out"))
     rounding = GRAPH_SMALL_SEGMENT_BYTES + (GRAPH_LARGE_SEGMENT_BYTES if op > (1 << 20) else 0)  # see the constants
-    static = 4 * hidden_bytes(model, gbs, q) + 2 * qkv_bytes(model, gbs, q) + q * (TOKEN_ID_BYTES + M)
-    if wl.key_masked:  # a padded batch: per sequence, its keys [q, max_len] and RoPE positions [q] (offexec/graphs.py)
-        static += gbs * q * (M + TOKEN_ID_BYTES)
-    return static + 2 * op + rounding
+    return op + rounding
+
+
+def decode_graph_bytes(model: ModelSpec, wl: Workload, q_tokens: int = 1, cpu_attention: bool = True,
+                       homes: bool = False) -> int:
+    """GPU bytes of offexec's decode CUDA graphs (offexec/graphs.py), held from the first decode step to the end,
+    when the longest graphed decode op has ``q_tokens`` query tokens (1: one new token; TightLLM's recompute of N_r
+    tokens: N_r + 1, up to the plan's ``graph_max_q_tokens``): their static tensors (``graph_static_bytes``) and
+    their pool (``graph_pool_bytes``). The pool holds the graphed ops' intermediates, which eager ops would hold in
+    the caching allocator instead: the executor counts it in place of those ops' transients
+    (``offexec.executor.op_transient_bytes``)."""
+    return graph_static_bytes(model, wl, q_tokens, cpu_attention, homes) + graph_pool_bytes(model, wl, q_tokens)
 
 
 # ================================================================================================================
@@ -916,13 +940,15 @@ def _head_groups(model: ModelSpec, kv_split) -> tuple[int, int, int]:
 def executor_gpu_bytes(model: ModelSpec, wl: Workload, weight_split, kv_split, pool_buffers: Mapping[str, int],
                        activation_peak_bytes: int, op_transient_bytes: int, graph_q_tokens: int = 1,
                        comp: Compression = NO_COMPRESSION, sublayer: bool = False,
-                       sends_hidden: bool = False, landing_tokens: int = 0) -> dict[str, int]:
+                       sends_hidden: bool = False, landing_tokens: int = 0, graph_cpu_attention: bool = True,
+                       graph_homes: bool = False) -> dict[str, int]:
     """GPU bytes offexec holds for a plan, by purpose (offexec/executor.py ``Executor._setup`` and the op handlers):
 
     - embeddings (``emb``), token ids [nb, gbs, max_len + 1] int64 and RoPE tables (``tokens``, ``rope``);
     - cuBLAS's workspace of the compute stream (``LIBRARY_WORKSPACE_BYTES``) and the caching allocator's rounding
       (``ALLOCATOR_SLACK_BYTES``); the decode CUDA graphs' static tensors and pool (``decode_graph_bytes``, for
-      the plan's longest graphed decode op: ``graph_q_tokens``);
+      the plan's longest graphed decode op, ``graph_q_tokens``; ``graph_cpu_attention``: graphed CPU-delegation
+      ops, ``graph_homes``: per-batch hidden states of written-rows graphs);
     - resident weights: [0, g) of every layer (``w_res``);
     - resident KV: [L, nb] buffers of the GPU-homed heads at full length (``kv_gpu``);
     - weight slots: ``pool_buffers['wslot']`` slots of the largest ``weight_slot_bytes`` (whole layers), or
@@ -932,7 +958,8 @@ def executor_gpu_bytes(model: ModelSpec, wl: Workload, weight_split, kv_split, p
       longest activation load: ``landing_tokens`` positions) that parked activations are loaded back into;
     - activations: the most other GPU values (hidden states made on the GPU, pre_attn's Q/K/V, attention outputs)
       alive at once in plan order (``activation_peak_bytes``, from offexec/program.py);
-    - op transients: the largest op peak beyond its output (``op_transient_bytes``);
+    - op transients: the largest eager op peak beyond its output (``op_transient_bytes``; the graphed ops' are in
+      the graphs' pool);
     - with compression (``comp``): resident weights and slots (compressed weights), resident KV and KV work buffers
       (compressed cache) in their stored sizes (``stored_weight_bytes``, ``stored_slot_bytes``, ``stored_kv_bytes``)
       and the fp16 working copies a compute op dequantizes into (``dequantized_copy_bytes``; ``sublayer``: weight
@@ -947,7 +974,7 @@ def executor_gpu_bytes(model: ModelSpec, wl: Workload, weight_split, kv_split, p
     out = {"embeddings": embedding_bytes(model),
             "token ids": token_ids_bytes(wl.num_prompts, M) + rope_table_bytes(model, M),
             "library workspace": LIBRARY_WORKSPACE_BYTES, "allocator slack": ALLOCATOR_SLACK_BYTES,
-            "CUDA graphs": decode_graph_bytes(model, wl, graph_q_tokens),
+            "CUDA graphs": decode_graph_bytes(model, wl, graph_q_tokens, graph_cpu_attention, graph_homes),
             "resident weights": sum(stored_weight_bytes(model, 0, g, comp) for g, _ in weight_split),
             "resident KV": L * nb * stored_kv_bytes(model, gbs, M, kg, comp=comp),
             "weight slots": pool_buffers.get("wslot", 0) * slot

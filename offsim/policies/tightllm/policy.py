@@ -89,7 +89,12 @@ class TightLLMSettings:
     decode step, the smallest Algorithm 1 chose for it over the run (``hold_recompute_tokens``): one recompute shape
     per batch, which CUDA graphs can serve at every step; a smaller N_r is always feasible (the KV it no longer
     recomputes is loaded into buffers sized for the whole context), and on the H200 profile it costs OPT-30B's
-    512/32 plan 0.25 % of its predicted decode rate (N_r 251-257 held at 251)."""
+    512/32 plan 0.25 % of its predicted decode rate (N_r 251-257 held at 251). ``graph_recompute`` (with
+    ``hold_recompute``): offexec replays every recompute op as a CUDA graph, not only those of at most
+    ``costmodel.GRAPH_MAX_Q_TOKENS`` query tokens (the plan's ``graph_max_q_tokens`` raised to its longest), attending
+    over the rows written so far (``graph_attention`` 'written_rows'): one launch per (layer, batch, step) instead of a
+    few dozen, for the graphs' static tensors and one op's intermediates in their pool, which N_r's memory cap counts
+    (``recompute_memory_cap``)."""
 
     percent: tuple[int, int, int, int, int, int] = (100, 0, 100, 0, 100, 0)
     kv_distributor: bool = True
@@ -106,6 +111,7 @@ class TightLLMSettings:
     sparse_attention: float = 1.0
     capture_aware: bool = True
     hold_recompute: bool = False
+    graph_recompute: bool = False
     # pipeline parallelism (issue 18), as FlexGen's (``FlexGenSettings``): ``num_stages`` contiguous stages of
     # layers, one GPU each with the hardware's budget, the percentages applying within every stage; ``stage_layers``
     # layers per stage (default balanced); ``micro_batches`` groups of GPU batches flowing through the stages (0:
@@ -131,6 +137,9 @@ class TightLLMSettings:
         if isinstance(self.weight_slices, bool) or not isinstance(self.weight_slices, int) or self.weight_slices < 0:
             raise OffsimError(f"tightllm weight_slices must be an integer >= 0 (0: one per GPU batch), got "
                               f"{self.weight_slices!r}")
+        if self.graph_recompute and not self.hold_recompute:
+            raise OffsimError("tightllm graph_recompute needs hold_recompute=true (one N_r per GPU batch: one graph "
+                              "per layer and batch, captured once; an N_r that changes by step would capture anew)")
         if self.max_recompute_tokens is not None and (not isinstance(self.max_recompute_tokens, int)
                                                       or self.max_recompute_tokens < 0):
             raise OffsimError(f"tightllm max_recompute_tokens must be None or an integer >= 0, got "
@@ -211,13 +220,16 @@ def kv_distributor_of(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: Tigh
 
 
 def recompute_memory_cap(model: ModelSpec, wl: Workload, lay: Layout, free_gpu_bytes: int, ctx_tokens: int,
-                         comp: Compression = NO_COMPRESSION) -> int:
+                         comp: Compression = NO_COMPRESSION, graph_all: bool = False) -> int:
     """The largest N_r whose decode step fits: the op peak of a layer over (N_r + 1)·batch tokens at a context of
     N_ctx + 1 (``footprint.op_peak_bytes``), with activations on the host the copy of its input, and two positions'
     KV work buffers (this one's and the next one's, loaded ahead; full length, so independent of N_r), with
     compression the op's fp16 working copies, and where offexec replays the N_r + 1 token op as a CUDA graph
     (``costmodel.GRAPH_MAX_Q_TOKENS``) what its graphs hold beyond the one-token graphs the placement already counts
-    (``footprint.decode_graph_bytes``). -1 if not even N_r = 0 fits (the plan will then fail validation with the
+    (``footprint.decode_graph_bytes``). ``graph_all`` (``TightLLMSettings.graph_recompute``): every recompute op a
+    graph over the written rows, whatever N_r: the op's intermediates in the graphs' pool (at least the op peak,
+    ``footprint.graph_pool_bytes``) beside their static tensors, each GPU batch's hidden state among them
+    (``footprint.graph_static_bytes``). -1 if not even N_r = 0 fits (the plan will then fail validation with the
     shortfall)."""
     gbs = wl.gpu_batch_size
     groups = sum(1 for h in (lay.kv_gpu_heads, lay.kv_cpu_heads, lay.kv_disk_heads) if h)
@@ -230,8 +242,11 @@ def recompute_memory_cap(model: ModelSpec, wl: Workload, lay: Layout, free_gpu_b
         # (activations parked on the host: this op's landed input and the next batch's, loaded during it)
         hin = fp.LANDING_BUFFERS * fp.hidden_bytes(model, gbs, n + 1) if lay.hidden_home == "cpu" else 0
         # (at most the longest graphed op's: a plan whose N_r varies by step may hold those graphs too; monotone)
-        graphs = fp.decode_graph_bytes(model, wl, min(n + 1, GRAPH_MAX_Q_TOKENS)) - graphs_1
         peak = fp.op_peak_bytes(model, "layer", gbs, n + 1, ctx_tokens + 1, groups, masked=wl.key_masked)
+        if graph_all:  # the pool holds the op's intermediates (replayed, never eager): the larger of the two
+            return max(peak, fp.graph_pool_bytes(model, wl, n + 1)) + hin + bufs - graphs_1 \
+                + fp.graph_static_bytes(model, wl, n + 1, cpu_attention=False, homes=True)
+        graphs = fp.decode_graph_bytes(model, wl, min(n + 1, GRAPH_MAX_Q_TOKENS)) - graphs_1
         return peak + hin + bufs + graphs
 
     # need(n) grows with n: every term of the op peak is linear in the query tokens
@@ -260,7 +275,8 @@ def decision_for(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLMS
         free_gpu_bytes = free_gpu_bytes_of(model, hw, wl, lay, compression_of(st), stages_of(model, st))
     comp = compression_of(st)
     mem_hi = recompute_memory_cap(model, wl, lay, free_gpu_bytes,
-                                  ctx_tokens if padded_ctx_tokens is None else padded_ctx_tokens, comp)
+                                  ctx_tokens if padded_ctx_tokens is None else padded_ctx_tokens, comp,
+                                  st.graph_recompute)
     if lay.hidden_home == "gpu":
         # the block's activations between layers live in the buffer reserved for the prompt (``resident``): the
         # N_r + 1 recomputed-plus-new tokens of every sequence must fit in it
@@ -691,9 +707,10 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
         if lay.hidden_home == "cpu" and j < L:
             hidden_store[k] = add("d2h", [comp], phase, i, j, k, tensor="hidden", lo=ctx - q, hi=ctx,
                                   nbytes=fp.hidden_bytes(model, gbs, q), pinned=pinned)
-    # the pipeline's settings recorded only when set: a single-GPU plan records what it always did
+    # the pipeline's settings and graph_recompute recorded only when set: a plan without them records what it
+    # always did (and hashes the same)
     settings = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(st).items()
-                if k not in _STAGE_DEFAULTS or v != _STAGE_DEFAULTS[k]}
+                if k not in _UNRECORDED_DEFAULTS or v != _UNRECORDED_DEFAULTS[k]}
     derived = {"weight_slices_used": lay.num_slices,
                "recompute_tokens": nr[1:]}  # N_r per decode step (1..gen_len-1), per GPU batch
     cap = capacity_of(hw)
@@ -703,12 +720,18 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
         plan_stages = [{"layers": [lo, hi], "gpu_capacity": int(cap["gpu"]), "gpu_resident": int(r["gpu"])}
                        for (lo, hi), r in zip(stages, per)]
         cap = {**cap, "gpu": int(cap["gpu"]) * S}
+    # graph_recompute: every recompute op replayed from a graph over the written rows (one N_r per batch: held)
+    graph_q = max((n + 1 for row in nr[1:] for n in row), default=1) if st.graph_recompute else 1
+    graphing = {"graph_max_q_tokens": graph_q, "graph_attention": "written_rows"} \
+        if graph_q > GRAPH_MAX_Q_TOKENS else {}
     return Plan(model=model, workload=wl, policy="tightllm", settings=settings, capacity=cap,
                 resident=_resident(model, wl, lay, st), weight_split=[(lay.weight_gpu, lay.weight_cpu)] * L,
-                kv_split=(kg, kc), hidden_home=lay.hidden_home, ops=b.ops, derived=derived, stages=plan_stages)
+                kv_split=(kg, kc), hidden_home=lay.hidden_home, ops=b.ops, derived=derived, stages=plan_stages,
+                **graphing)
 
 
 _STAGE_DEFAULTS = {"num_stages": 1, "stage_layers": (), "micro_batches": 0}
+_UNRECORDED_DEFAULTS = {**_STAGE_DEFAULTS, "graph_recompute": False}
 
 
 def check_tightllm_stages(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLMSettings,
