@@ -21,7 +21,7 @@
 # graph_attention=written_rows (recompute ops sequence-first over the written rows, flash's variable-length call);
 # GR=1: also pNNN_graph_recompute, TightLLM planned with graph_recompute=true (needs HOLD=1) for 16 GiB and run
 # there (every recompute op a graph over the written rows, the graphs' memory in offexec's pre-check); NR=0: skip
-# pNNN_graphed_nr.
+# pNNN_graphed_nr; EAGER=0: plan pNNN_eager, do not run it.
 set -u
 : "${OFFSIM_COMMIT:?set OFFSIM_COMMIT to the commit of the code (the copy has no .git)}"
 mkdir -p /tmp/site
@@ -62,7 +62,7 @@ run() {  # name budget_gib
 }
 for P in ${PROMPTS:-512 1984}; do
   case $P in 512) G=(16 3);; 1984) G=(4 4);; *) echo "PROMPTS: 512 or 1984, got $P"; exit 2;; esac
-  plan p${P}_eager $P "${G[@]}" && run p${P}_eager 16
+  plan p${P}_eager $P "${G[@]}" && [ "${EAGER:-1}" = 1 ] && run p${P}_eager 16
   [ "${NR:-1}" = 1 ] && graphed p${P}_eager p${P}_graphed_nr && run p${P}_graphed_nr 18
   if [ "${WR:-0}" = 1 ]; then graphed p${P}_eager p${P}_graphed_wr written_rows && run p${P}_graphed_wr 18; fi
   if [ "${GR:-0}" = 1 ]; then  # TightLLM's graph_recompute, planned by offsim at 16 GiB and run there
