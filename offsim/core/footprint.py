@@ -710,8 +710,9 @@ def graph_pool_bytes(model: ModelSpec, wl: Workload, q_tokens: int = 1) -> int:
     """GPU bytes of the decode CUDA graphs' private memory pool (``DecodeGraphs.pool_bytes``): every graph captures
     into the one pool and none runs beside another, so it holds one decode op's intermediates -- the largest, at the
     longest graphed op's ``q_tokens`` and the longest context (a graph may attend over the full-length buffer, with up
-    to three KV head groups) -- plus its segment rounding. Measured: 0.451 GiB of pool where this counts 0.61 (OPT-30B,
-    16 x 252 query tokens), 0.41 against 0.50 (4 x 822; results/offexec/graph_memory_h100_b6ae8be)."""
+    to three KV head groups) -- plus its segment rounding. Measured (``offexec run``'s "CUDA graphs" line, H100,
+    results/offexec/written_rows_h100_b6ae8be): 0.451 GiB of pool where this counts 0.614 (OPT-30B, 16 x 252 query
+    tokens), 0.412 (masked) and 0.354 (written rows) where it counts 0.504 (4 x 822)."""
     gbs, M, q = wl.gpu_batch_size, wl.max_len, q_tokens
     op = max(op_peak_bytes(model, part, gbs, q, M, 3)
              for part in ("layer", "attn_layer", "mlp", "cpu_attn_layer", "cpu_attn_pre", "attn_out"))
