@@ -21,7 +21,10 @@
 # graph_attention=written_rows (recompute ops sequence-first over the written rows, flash's variable-length call);
 # GR=1: also pNNN_graph_recompute, TightLLM planned with graph_recompute=true (needs HOLD=1) for 16 GiB and run
 # there (every recompute op a graph over the written rows, the graphs' memory in offexec's pre-check); NR=0: skip
-# pNNN_graphed_nr; EAGER=0: plan pNNN_eager, do not run it.
+# pNNN_graphed_nr; EAGER=0: plan pNNN_eager, do not run it; RA="2 6 16" (with GR=1): also pNNN_graph_recompute_ra,
+# the graph_recompute plan run with `--run-ahead $RA` (a held N_r never changes shape, the reason the default window
+# is 16; a shorter compute window keeps the host from issuing into a full device queue, which the host-issue figure
+# counts as issue time).
 set -u
 : "${OFFSIM_COMMIT:?set OFFSIM_COMMIT to the commit of the code (the copy has no .git)}"
 mkdir -p /tmp/site
@@ -50,9 +53,9 @@ if sys.argv[3]:
     p['graph_attention'] = sys.argv[3]
 json.dump(p, open(sys.argv[2], 'w'))" "$D/$1.plan.json" "$D/$2.plan.json" "${3:-}"
 }
-run() {  # name budget_gib
+run() {  # name budget_gib [offexec run flags...]
   timeout 150 python3 -u -m offexec.cli run --plan "$D/$1.plan.json" --hardware $B --gpu-mem-gb "$2" \
-    "${SCHED[@]}" --trace "$D/$1.trace.csv" > "$D/$1.log" 2>&1
+    "${SCHED[@]}" "${@:3}" --trace "$D/$1.trace.csv" > "$D/$1.log" 2>&1
   echo "$1 rc=$? $(grep 'host time' "$D/$1.log")"; grep -E '^(peak memory|CUDA graphs|decode )' "$D/$1.log"
   if [ "${KPROF:-0}" = 1 ]; then
     timeout 150 python3 -u -m offexec.cli run --plan "$D/$1.plan.json" --hardware $B --gpu-mem-gb "$2" \
@@ -67,6 +70,10 @@ for P in ${PROMPTS:-512 1984}; do
   if [ "${WR:-0}" = 1 ]; then graphed p${P}_eager p${P}_graphed_wr written_rows && run p${P}_graphed_wr 18; fi
   if [ "${GR:-0}" = 1 ]; then  # TightLLM's graph_recompute, planned by offsim at 16 GiB and run there
     plan p${P}_graph_recompute $P "${G[@]}" --set graph_recompute=true && run p${P}_graph_recompute 16
+    if [ -n "${RA:-}" ]; then  # the same plan with another issue-ahead window (offexec run --run-ahead)
+      cp "$D/p${P}_graph_recompute.plan.json" "$D/p${P}_graph_recompute_ra.plan.json"
+      run p${P}_graph_recompute_ra 16 --run-ahead $RA
+    fi
   fi
 done
 gzip -f $D/*.trace.csv
