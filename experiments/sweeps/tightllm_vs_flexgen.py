@@ -334,7 +334,10 @@ other work on the machine during a run slows its points.
 Speed-up of workers {sc['workers'].iloc[1]} over workers {sc['workers'].iloc[0]}: x{ratio:.2f} in summed wall time
 (x{sc['points_per_s'].iloc[1] / sc['points_per_s'].iloc[0]:.2f} in points/s). The two tables
 {'agree on every point (status, settings, block shape, throughputs, makespan, peak GPU bytes)' if same else
- '**differ**: see the report step'}.
+ '**differ**: see the report step' if sc['commits'].iloc[0] == sc['commits'].iloc[1] else
+ f"**differ**: they ran at different commits ({sc['commits'].iloc[0]}; {sc['commits'].iloc[1]}), so the comparison "
+ "says nothing about determinism, and the speed-up above compares two versions of the search as well as two worker "
+ "counts: run the 1-worker sweep again at the same commit"}.
 """
     README.write_text(text)
 
