@@ -366,6 +366,7 @@ def cmd_run(args) -> dict:
            "host_bound_idle_s": st.get("host_bound_idle_s"), "host_bound_idle_frac": st.get("host_bound_idle_frac"),
            "host_in_op_s": st.get("host_in_op_s"), "host_in_op_frac": st.get("host_in_op_frac"),
            "run_ahead_wait_s": st["run_ahead_wait_s"], "graphs": st["graphs"], "allocator": st.get("allocator"),
+           "gpu_max_allocated_bytes": st.get("gpu_max_allocated_bytes"),
            "budget_bytes": budget, "within_budget": measured["peak_gpu_bytes"] <= budget,
            "policy": plan.policy, "settings": plan.settings, "model": model.name, "workload": wl.to_dict(),
            "plan_file": args.plan, "provenance": prov}

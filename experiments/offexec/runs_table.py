@@ -6,13 +6,16 @@ Reads every ``*.log`` in the folder (a log may hold several runs appended one af
 ``.log``, labels them), and writes ``runs.csv`` and ``README.md`` beside them: measured and offsim's prefill, decode
 and total tok/s with offsim's error, the share of the run the host spent issuing (and in which handlers), the time
 it waited for the run-ahead window, the share the GPU's compute stream sat idle waiting for it and the share its
-ops ran while the host was still issuing them (``host_in_op_frac``, runs since 2026-12-04), the GPU memory peak against the budget, CUDA graphs captured and replayed, and the run's commit
+ops ran while the host was still issuing them (``host_in_op_frac``, runs since 2026-12-04), the GPU memory peak
+(reserved; and the most allocated at once, runs since b6ae8be) against the budget, CUDA graphs captured and replayed
+and what they hold (their pool and static tensors, runs since b6ae8be), and the run's commit
 and date. ``--about`` is a Markdown file whose text heads the README (what was run, and why);
 the table and the per-label medians under it are generated here, never edited.
 """
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -25,8 +28,11 @@ def runs(folder: Path) -> pd.DataFrame:
     """One row per run found in the folder's logs, in file-name order and run order within a log."""
     out = []
     for log in sorted(folder.glob("*.log")):
-        n = 0
+        n, allocated = 0, None
         for line in log.read_text().splitlines():
+            if line.startswith("peak memory:"):  # (runs since b6ae8be print the most bytes allocated at once)
+                hit = re.search(r"most allocated at once ([0-9.]+)", line)
+                allocated = float(hit.group(1)) if hit else None
             if not line.startswith("{"):
                 continue
             try:
@@ -50,8 +56,13 @@ def runs(folder: Path) -> pd.DataFrame:
                         "peak_gpu_gib": (m.get("peak_gpu_bytes") or float("nan")) / 2 ** 30,
                         "budget_gib": (d.get("budget_bytes") or float("nan")) / 2 ** 30,
                         "alloc_retries": (d.get("allocator") or {}).get("num_alloc_retries"),
+                        "allocated_gib": d.get("gpu_max_allocated_bytes", float("nan")) / 2 ** 30
+                        if d.get("gpu_max_allocated_bytes") is not None else allocated,
                         "graphs": g.get("graphs"), "replays": g.get("replays"),
+                        "graph_pool_gib": g["pool_bytes"] / 2 ** 30 if "pool_bytes" in g else None,
+                        "graph_static_gib": g["static_bytes"] / 2 ** 30 if "static_bytes" in g else None,
                         "capture_s": g.get("capture_s"), "commit": prov.get("commit"), "date": prov.get("date")})
+            allocated = None
     if not out:
         raise SystemExit(f"no `offexec run` result lines in {folder}/*.log (each run prints one JSON line last)")
     return pd.DataFrame(out)
@@ -70,9 +81,9 @@ def write(folder: Path, about: Path | None) -> Path:
               f"here (`runs.csv` holds every column); do not edit by hand.", "",
               "| label | run | prefill tok/s (offsim, error) | decode tok/s (offsim, error) | total tok/s (offsim, error) "
               "| host issuing | issue s by handler (largest three) | host waiting on the run-ahead window s "
-              "| GPU idle on the host | GPU ops running while issued | GPU peak / budget GiB | allocator retries "
-              "| graphs / replays (capture s) | commit, date |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| GPU idle on the host | GPU ops running while issued | GPU peak (most allocated) / budget GiB "
+              "| allocator retries | graphs / replays (capture s) | graphs hold GiB (pool + static) | commit, date |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in df.itertuples():
         ph = [f"{_f(getattr(r, f'{p}_tok_s'), ',.1f')} ({_f(getattr(r, f'offsim_{p}_tok_s'), ',.1f')}, "
               f"{_f(getattr(r, f'{p}_err'), '+.1%')})" for p in ("prefill", "decode", "total")]
@@ -82,8 +93,13 @@ def write(folder: Path, about: Path | None) -> Path:
         lines.append(f"| {r.label} | {r.run} | {' | '.join(ph)} | {_f(r.issue_frac, '.1%')}{cpu} | "
                      f"{', '.join(f'{k} {v:.3f}' for k, v in by)} | {_f(r.run_ahead_wait_s, '.3f')} | "
                      f"{_f(r.host_bound_idle_frac, '.1%')} | {_f(r.host_in_op_frac, '.1%')} | "
-                     f"{_f(r.peak_gpu_gib, '.2f')} / {_f(r.budget_gib, '.1f')} | "
-                     f"{_f(r.alloc_retries, 'd')} | {r.graphs} / {r.replays} ({_f(r.capture_s, '.3f')}) | {r.commit}, {r.date} |")
+                     f"{_f(r.peak_gpu_gib, '.2f')}"
+                     + (f" ({_f(r.allocated_gib, '.2f')})" if _f(r.allocated_gib, '.2f') else "")
+                     + f" / {_f(r.budget_gib, '.1f')} | "
+                     f"{_f(r.alloc_retries, 'd')} | {_f(r.graphs, '.0f')} / {_f(r.replays, '.0f')} ({_f(r.capture_s, '.3f')}) | "
+                     + (f"{_f(r.graph_pool_gib, '.3f')} + {_f(r.graph_static_gib, '.3f')}"
+                        if _f(r.graph_pool_gib, '.3f') else "")
+                     + f" | {r.commit}, {r.date} |")
     lines += ["", "Medians by label:", "",
               "| label | runs | prefill tok/s | decode tok/s | total tok/s | offsim prefill error | offsim decode error "
               "| offsim total error |",
