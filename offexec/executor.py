@@ -180,7 +180,7 @@ def gpu_need(prog: Program, plan: Plan) -> dict[str, int]:
     gq, eager = plan.graph_q_tokens, costmodel.eager_graph_shapes(plan)
     through = [op for op in plan.ops if costmodel.op_graphed(op.kind, op.part, op.q_tokens, op.phase, gq, eager)]
     longest = max((op.q_tokens for op in through), default=1)
-    cpu_attention = any(op.part in ("pre_attn", "post_attn", "attn_out") for op in through)  # CPU delegation's
+    cpu_attention = any(op.part in costmodel.CPU_DELEGATION_PARTS for op in through)
     homes = plan.graph_attention == "written_rows" and longest > 1
     graph_bytes = fp.decode_graph_bytes(plan.model, plan.workload, longest, cpu_attention, homes)
     return fp.executor_gpu_bytes(plan.model, plan.workload, plan.weight_split, plan.kv_split, prog.pool_peak,

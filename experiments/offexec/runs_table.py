@@ -56,7 +56,7 @@ def runs(folder: Path) -> pd.DataFrame:
                         "peak_gpu_gib": (m.get("peak_gpu_bytes") or float("nan")) / 2 ** 30,
                         "budget_gib": (d.get("budget_bytes") or float("nan")) / 2 ** 30,
                         "alloc_retries": (d.get("allocator") or {}).get("num_alloc_retries"),
-                        "allocated_gib": d.get("gpu_max_allocated_bytes", float("nan")) / 2 ** 30
+                        "allocated_gib": d["gpu_max_allocated_bytes"] / 2 ** 30
                         if d.get("gpu_max_allocated_bytes") is not None else allocated,
                         "graphs": g.get("graphs"), "replays": g.get("replays"),
                         "graph_pool_gib": g["pool_bytes"] / 2 ** 30 if "pool_bytes" in g else None,

@@ -805,6 +805,9 @@ _CTX_INDEX: dict = {}  # (id of op_times, layer key, mode, row prefix) -> (op_ti
 
 # compute parts whose decode ops offexec replays as CUDA graphs (offexec/graphs.py)
 GRAPHED_PARTS = ("layer", "attn_layer", "mlp", "pre_attn", "post_attn", "attn_out")
+# those of FlexGen's CPU delegation (attention on the host between them): their graphs take the attention output in
+# and give Q/K/V out, static tensors of their own (``footprint.graph_static_bytes``' cpu_attention)
+CPU_DELEGATION_PARTS = ("pre_attn", "post_attn", "attn_out")
 # the longest decode op (query tokens) offexec replays as a graph: one new token, or TightLLM's recompute of N_r
 # tokens plus the new one where N_r + 1 is this small. Such ops are a few dozen small kernels whose host issue
 # outlasts their GPU time; longer ones keep the GPU busy while the host issues them, and a graph's private pool

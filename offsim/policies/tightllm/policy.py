@@ -721,9 +721,10 @@ def tightllm_plan(model: ModelSpec, hw: HardwareSpec, wl: Workload, st: TightLLM
                        for (lo, hi), r in zip(stages, per)]
         cap = {**cap, "gpu": int(cap["gpu"]) * S}
     # graph_recompute: every recompute op replayed from a graph over the written rows (one N_r per batch: held)
-    graph_q = max((n + 1 for row in nr[1:] for n in row), default=1)
-    graphing = {"graph_max_q_tokens": max(graph_q, GRAPH_MAX_Q_TOKENS), "graph_attention": "written_rows"} \
-        if st.graph_recompute else {}
+    graphing = {}
+    if st.graph_recompute:
+        longest = max((n + 1 for row in nr[1:] for n in row), default=1)
+        graphing = {"graph_max_q_tokens": max(longest, GRAPH_MAX_Q_TOKENS), "graph_attention": "written_rows"}
     return Plan(model=model, workload=wl, policy="tightllm", settings=settings, capacity=cap,
                 resident=_resident(model, wl, lay, st), weight_split=[(lay.weight_gpu, lay.weight_cpu)] * L,
                 kv_split=(kg, kc), hidden_home=lay.hidden_home, ops=b.ops, derived=derived, stages=plan_stages,
