@@ -3,6 +3,8 @@ tokens. Every offloading plan gives the tokens of the all-on-GPU plan (same kern
 which agree with a plain forward without offloading; a recompute plan (TightLLM) may differ from them only where
 fp16 rounding can flip a near tie; the GPU budget is respected and a plan over it is refused before it runs; the
 measured trace respects every cross-stream dependency."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -195,11 +197,16 @@ def test_written_rows_recompute_plan_runs_as_graphs_and_gives_eagers_tokens():
     from offexec.weights import from_state_dict
 
     hf, spec = tiny_hf("llama", seed=11)
-    w = from_state_dict(spec, {k: v.half() for k, v in hf.state_dict().items()})
-    prompts = torch.randint(0, spec.vocab_size, (4, 8), generator=torch.Generator().manual_seed(7))
+    # half precision: on CUDA the written-rows path is flash's, fp16/bf16 only (``Executor._written_rows_plan``); the
+    # tiny spec's 4-byte elements would run every recompute op over the whole buffer under the mask instead
+    spec = dataclasses.replace(spec, dtype_bytes=2)
+    w = from_state_dict(spec, hf.state_dict())
+    assert w.dtype == torch.float16
+    prompts = torch.randint(0, spec.vocab_size, (8, 32), generator=torch.Generator().manual_seed(7))
     for act in ((100, 0), (0, 100)):  # activations on the GPU, then parked on the host between layers
-        # (on the H200 preset the distributor recomputes; TightLLM's graph_recompute graphs every recompute op)
-        plan = build_plan("tightllm", spec, get_hardware("h200"), Workload(8, 6, 2, 2),
+        # (at 2-byte elements the H200 preset's distributor recomputes 6 tokens of a 32-token prompt at 4 x 2, none
+        # at 8 tokens; TightLLM's graph_recompute graphs every recompute op)
+        plan = build_plan("tightllm", spec, get_hardware("h200"), Workload(32, 16, 4, 2),
                           {"percent": (0, 50, 0, 0) + act, "kv_solver": "exact", "hold_recompute": True,
                            "graph_recompute": True})
         assert plan.graph_attention == "written_rows"
