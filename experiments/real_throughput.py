@@ -465,7 +465,8 @@ def write_outputs(out: Path, journal: list[dict], prov: dict) -> dict:
             df.loc[i, ["predicted_decode_tok_s", "predicted_total_tok_s", "predicted_decode_h2d_bytes_per_s"]] = [
                 pr["decode_tok_s"], pr["total_tok_s"], pr["decode_h2d_bytes_per_s"]]
             df.loc[i, "predicted_policy"] = pr["policy"]
-    write_csv(df, out / "real_throughput.csv", prov)
+    # each decode step's time stays in runs.jsonl (a list per run; a CSV cell would hold it as text)
+    write_csv(df.drop(columns=["decode_step_ms"], errors="ignore"), out / "real_throughput.csv", prov)
     b = best(df)
     plot(b, out / "real_throughput.png")
     (out / "README.md").write_text(readme(df, b, prov, out))

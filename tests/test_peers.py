@@ -205,6 +205,9 @@ def test_accelerate_ref_runs_a_tiny_model_on_the_cpu(tiny_cfg):
         assert rec["batch"] == 2 and rec["decode_tok_s"] > 0 and rec["prefill_tok_s"] > 0
         assert rec["system"] == "accelerate-ref"
         assert rec["host_probe_cpu_attn_ms"] > 0 and rec["host_probe_copy_GB_s"] > 0  # the host as the run started
+        # each decode step's time, summing to the decode time the throughput is computed from
+        assert len(rec["decode_step_ms"]) == 3 and all(ms > 0 for ms in rec["decode_step_ms"])
+        assert sum(rec["decode_step_ms"]) / 1e3 == pytest.approx(rec["decode_s"], rel=0.05, abs=5e-3)
 
 
 def test_accelerate_ref_cut_run_projects_its_decode(tiny_cfg):

@@ -220,6 +220,17 @@ def prompts(batch: int, prompt_len: int, vocab: int, device):
     return ids.to(device), torch.ones_like(ids).to(device)
 
 
+ALLOCATOR_COUNTS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+
+
+def allocator_counts() -> dict:
+    """The CUDA caching allocator's cumulative counters of device calls and retries (``torch.cuda.memory_stats``)."""
+    import torch
+
+    ms = torch.cuda.memory_stats()
+    return {k: int(ms.get(k, 0)) for k in ALLOCATOR_COUNTS}
+
+
 def measure_generate(model, rec: dict, b: int, prompt_len: int, gen_len: int, vocab: int, warmup: bool,
                      cuda: bool, cut_gen_len: int | None = None) -> None:
     """transformers' ``generate`` of ``b`` seeded prompts, after an unmeasured two-token warm-up (its peak memory
@@ -238,7 +249,12 @@ def measure_generate(model, rec: dict, b: int, prompt_len: int, gen_len: int, vo
     ids, mask = prompts(b, prompt_len, vocab, dev)
     cut = cut_gen_len if cut_gen_len and cut_gen_len < gen_len else None
     steps: list[float] = []
+    before = allocator_counts() if cuda else {}
     prefill_s, decode_s, out = timed_generate(model, ids, mask, cut or gen_len, cuda, steps)
+    if cuda:  # the caching allocator's device calls during the measured generate: cudaMalloc / cudaFree (each free
+        # synchronises the device) when a run near its cap keeps freeing cached blocks to allocate new ones
+        rec.update({f"gen_{k}": v - before[k] for k, v in allocator_counts().items()})
+    rec["decode_step_ms"] = [round(s * 1e3, 3) for s in steps]  # each decode step, to tell a uniform step from stalls
     if out.shape[1] != prompt_len + (cut or gen_len):
         raise RuntimeError(f"generate returned {out.shape[1] - prompt_len} new tokens, asked for {cut or gen_len}")
     if cut:
