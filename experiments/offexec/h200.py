@@ -50,8 +50,12 @@ CONFIGS = {
     "flexgen_cpu_attn": ("flexgen", {"percent": TARGET_PERCENT, "cpu_attention": True}),
     # an experiment (run only when asked): TightLLM with each batch's N_r held over the run (one recompute shape)
     "tightllm_held": ("tightllm", {"percent": TARGET_PERCENT, "kv_solver": "exact", "hold_recompute": True}),
+    # held, and every recompute op a CUDA graph over the written rows (N_r's memory cap counting the graphs): the
+    # setting that issued 4-5 % of the run on H100s (results/offexec/graph_recompute_h100_f1940d7)
+    "tightllm_graph_recompute": ("tightllm", {"percent": TARGET_PERCENT, "kv_solver": "exact", "hold_recompute": True,
+                                              "graph_recompute": True}),
 }
-EXPERIMENTS = ("tightllm_held",)
+EXPERIMENTS = ("tightllm_held", "tightllm_graph_recompute")
 # (tightllm_calibrated is re-planned on its own run's measurement: a fit, kept out of the targets and of accuracy claims)
 TARGETS = {"flexgen_gpu_attn": {"decode_tok_s": 19.5, "link_bound_frac": 0.90}, "tightllm": {"decode_tok_s": 39.0},
            "all": {"issue_frac": 0.05}}

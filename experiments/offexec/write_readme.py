@@ -144,6 +144,7 @@ from the `offexec_h200.json` files below; do not edit by hand. Each sub-folder a
 the run's log. Configurations (`experiments/offexec/h200.py`): `flexgen_gpu_attn` FlexGen's schedule with attention
 on the GPU; `tightllm` TightLLM planned by offsim on the profile (KV distributor `exact`); `flexgen_cpu_attn`
 FlexGen's CPU delegation; `tightllm_held` TightLLM with each GPU batch's N_r held over the run (`hold_recompute`),
+`tightllm_graph_recompute` that, every recompute op a CUDA graph over the written rows (`graph_recompute`),
 `tightllm_held_split` (2026-12-04 only) the same plan with its recompute ops as two CUDA graphs around eager
 attention (`offexec run --split-recompute-graphs`, an experiment since removed). "GPU idle on the host" is the time GPU compute waited for the host to
 issue its next op (issue time that overlapped GPU work is not counted); "host issue" is all the issuing thread's time
