@@ -28,7 +28,7 @@ import json
 import sys
 import time
 
-from experiments.peers.common import (GiB, HOST_LIMIT_GIB, base_record, emit, env_offline, finish_record,
+from experiments.peers.common import (GiB, allocator_counts, HOST_LIMIT_GIB, base_record, emit, env_offline, finish_record,
                                       flexgen_metrics, link_bound, measure_h2d, measure_h2d_pageable, point_parser,
                                       record_failure, set_gpu_budget, versions)
 
@@ -218,17 +218,6 @@ def prompts(batch: int, prompt_len: int, vocab: int, device):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(4, vocab, (batch, prompt_len), generator=g)
     return ids.to(device), torch.ones_like(ids).to(device)
-
-
-ALLOCATOR_COUNTS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
-
-
-def allocator_counts() -> dict:
-    """The CUDA caching allocator's cumulative counters of device calls and retries (``torch.cuda.memory_stats``)."""
-    import torch
-
-    ms = torch.cuda.memory_stats()
-    return {k: int(ms.get(k, 0)) for k in ALLOCATOR_COUNTS}
 
 
 def measure_generate(model, rec: dict, b: int, prompt_len: int, gen_len: int, vocab: int, warmup: bool,

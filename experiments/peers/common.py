@@ -333,6 +333,18 @@ def record_failure(rec: dict, e: BaseException) -> None:
         rec.update(status="error", reason=f"{type(e).__name__}: {str(e)[:300]}")
 
 
+ALLOCATOR_COUNTS = ("num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free")
+
+
+def allocator_counts() -> dict:
+    """The CUDA caching allocator's cumulative counters (``torch.cuda.memory_stats``): retries after a failed
+    allocation, out-of-memory errors, device-wide synchronisations, and its cudaMalloc / cudaFree calls."""
+    import torch
+
+    ms = torch.cuda.memory_stats()
+    return {k: int(ms.get(k, 0)) for k in ALLOCATOR_COUNTS}
+
+
 def finish_record(rec: dict, t0: float, cuda: bool = True) -> dict:
     """The run's peaks and wall time, added to ``rec`` (returned)."""
     import torch
@@ -340,9 +352,7 @@ def finish_record(rec: dict, t0: float, cuda: bool = True) -> dict:
     rec["peak_gpu_bytes"] = int(torch.cuda.max_memory_reserved()) if cuda else 0
     if cuda:  # a run near its budget makes the caching allocator free and retry (each a device-wide sync): a peer
         # that slows at a larger budget's larger batch (DeepSpeed, Llama-2-13B 24 GiB) says here whether that is why
-        ms = torch.cuda.memory_stats()
-        rec.update({f"allocator_{k}": int(ms.get(k, 0)) for k in ("num_alloc_retries", "num_ooms",
-                                                                    "num_sync_all_streams")})
+        rec.update({f"allocator_{k}": v for k, v in allocator_counts().items()})
     rec["peak_host_bytes"] = peak_rss_bytes()
     rec["wall_s"] = time.perf_counter() - t0
     return rec
