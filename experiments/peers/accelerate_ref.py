@@ -28,9 +28,9 @@ import json
 import sys
 import time
 
-from experiments.peers.common import (GiB, allocator_counts, HOST_LIMIT_GIB, base_record, emit, env_offline, finish_record,
-                                      flexgen_metrics, link_bound, measure_h2d, measure_h2d_pageable, point_parser,
-                                      record_failure, set_gpu_budget, versions)
+from experiments.peers.common import (GiB, HOST_LIMIT_GIB, allocator_counts, base_record, emit, env_offline,
+                                      finish_record, flexgen_metrics, link_bound, measure_h2d, measure_h2d_pageable,
+                                      point_parser, record_failure, set_gpu_budget, versions)
 
 SYSTEM = "accelerate-ref"
 BATCHES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
