@@ -490,3 +490,26 @@ def test_graph_recompute_graphs_every_held_recompute_op_and_counts_its_memory():
     free = peak + 2 * T.kv_work_buffers_bytes(m, wl, lay) + fp.decode_graph_bytes(m, wl, 8)
     assert T.recompute_memory_cap(m, wl, lay, free, 512) >= 251
     assert T.recompute_memory_cap(m, wl, lay, free, 512, graph_all=True) < 251
+
+
+@pytest.mark.parametrize("prompt_len,gbs,nb,pct", [
+    (128, 64, 1, (20, 80, 0, 100, 100, 0)),  # refused by offexec's pre-check before the cap counted the embedding
+    (1984, 4, 4, (20, 80, 0, 100, 100, 0)),
+    (512, 16, 3, (0, 100, 0, 100, 100, 0)),
+])
+def test_graph_recompute_plans_pass_offexecs_gpu_precheck(prompt_len, gbs, nb, pct):
+    """The plan is the contract: a ``graph_recompute`` plan offsim builds for a 16 GiB GPU passes offexec's budget
+    arithmetic (``executor.gpu_need``). N_r's cap counts, beside the graphs, the recompute's embedding (eager: its
+    transient beyond its output) and one GPU batch's layer output beside the block's hidden states -- OPT-30B
+    128/32 at 64 x 1 needed 16.20 GiB by offexec's count when the cap left them out (N_r 116; now 100)."""
+    from offexec import model as M
+    from offexec.executor import bind, gpu_need
+
+    hw = get_hardware(str(__import__("pathlib").Path(__file__).resolve().parents[1]
+                          / "results/profiles/h200_offexec_v2.json"), gpu_mem_gb=16)
+    m, wl = get_model("opt-30b"), Workload(prompt_len, 32, gbs, nb)
+    plan = build_plan("tightllm", m, hw, wl, {"percent": pct, "kv_solver": "exact", "hold_recompute": True,
+                                              "graph_recompute": True})
+    assert plan.graph_max_q_tokens > 8  # recomputes, graphed
+    need = gpu_need(bind(plan, M.layer_layout(m)), plan)
+    assert sum(need.values()) <= hw.gpu_mem_bytes, {k: round(v / 2 ** 30, 3) for k, v in need.items()}
