@@ -513,3 +513,11 @@ def test_graph_recompute_plans_pass_offexecs_gpu_precheck(prompt_len, gbs, nb, p
     assert plan.graph_max_q_tokens > 8  # recomputes, graphed
     need = gpu_need(bind(plan, M.layer_layout(m)), plan)
     assert sum(need.values()) <= hw.gpu_mem_bytes, {k: round(v / 2 ** 30, 3) for k, v in need.items()}
+
+
+def test_precheck_sweep_quick_finds_every_plan_within_offexecs_count():
+    """``experiments.memory.precheck_sweep --quick``: each policy variant's plan for OPT-6.7B at 12 GiB built and
+    counted by offexec's pre-check, none over (exit status 0)."""
+    from experiments.memory import precheck_sweep
+
+    assert precheck_sweep.main(["--quick", "--models", "opt-6.7b", "--budgets", "12"]) == 0
