@@ -51,7 +51,7 @@ CONFIGS = {
     # an experiment (run only when asked): TightLLM with each batch's N_r held over the run (one recompute shape)
     "tightllm_held": ("tightllm", {"percent": TARGET_PERCENT, "kv_solver": "exact", "hold_recompute": True}),
     # held, and every recompute op a CUDA graph over the written rows (N_r's memory cap counting the graphs): the
-    # setting that issued 4-5 % of the run on H100s (results/offexec/graph_recompute_h100_f1940d7)
+    # setting that issued 4.0-4.8 % of the run in one H100 call (results/offexec/graph_recompute_h100_f1940d7)
     "tightllm_graph_recompute": ("tightllm", {"percent": TARGET_PERCENT, "kv_solver": "exact", "hold_recompute": True,
                                               "graph_recompute": True}),
 }
