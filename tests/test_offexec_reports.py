@@ -151,3 +151,26 @@ def test_write_readme_keeps_a_run_beyond_its_plans_budget_out_of_the_targets(tmp
     targets = text.split("## Issue 14's targets")[1].split("\n## ")[0]
     assert f"p512_g32 {r['config']} |" not in targets
     assert f"p512_g32 {d['runs'][1]['config']} |" in targets
+
+
+def test_h200_script_runs_end_to_end_on_the_cpu_and_its_readme_is_written(tmp_path):
+    """experiments.offexec.h200's device run, smoke-tested on a tiny model on the CPU (its `--device cpu` mode):
+    every configuration a session asks the GPU for plans, passes the pre-check, runs, records a trace and a
+    validation case, and write_readme makes the README from what it wrote -- so a device call does not fail on the
+    script itself."""
+    from experiments.offexec import h200 as H
+    out = tmp_path / "h200_smoke"
+    configs = ["tightllm", "tightllm_graph_recompute", "flexgen_gpu_attn"]
+    rc = H.main(["--device", "cpu", "--model", "opt-125m", "--budget-gb", "0.5", "--prompt-len", "32",
+                 "--gen-len", "4", "--gpu-batch-size", "2", "--num-gpu-batches", "2", "--out", str(out / "p32_g4"),
+                 "--configs", *configs])
+    assert rc == 0
+    d = json.loads((out / "p32_g4" / "offexec_h200.json").read_text())
+    runs = {r["config"]: r for r in d["runs"]}
+    assert sorted(runs) == sorted(configs) and not any("failed" in r for r in runs.values())
+    for name, r in runs.items():
+        assert r["measured"]["decode_tok_s"] > 0 and r["predicted"]["decode_tok_s"] > 0
+        assert (out / "p32_g4" / f"trace_{name}.csv.gz").exists() and (out / "p32_g4" / f"case_{name}.json").exists()
+    assert W.main([str(out)]) == 0
+    text = (out / "README.md").read_text()
+    assert all(f"| {c} |" in text for c in configs)
