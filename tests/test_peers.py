@@ -560,3 +560,27 @@ def test_a_journal_holds_one_gpus_runs(tmp_path, monkeypatch, capsys):
         rt.main(["--out", str(tmp_path), "--only", "deepspeed-ref", "--models", "opt-30b", "--prompts", "512",
                  "--gens", "32", "--budgets", "16"])
     assert jpath.read_text().count("\n") == 1  # nothing appended
+
+
+def test_control_table_sets_each_hand_made_run_beside_offsims_prediction(tmp_path, capsys):
+    """experiments.peers.control_table: the PEER_RESULT records of a folder's logs, by budget then batch, each with
+    its decode steps' spread, its allocator calls and offsim's prediction of the same run (static-zero-ref for
+    DeepSpeed); the README's generated block is rewritten, the prose around it kept."""
+    from experiments.peers import control_table as CT
+    base = {"system": "deepspeed-ref", "model": "llama-2-13b", "prompt_len": 512, "gen_len": 32, "status": "ok",
+            "prefill_tok_s": 17000.0, "peak_gpu_bytes": 20 * 2 ** 30}
+    for name, batch, budget, dec in (("b32_g24", 32, 24, 41.1), ("b24_g24", 24, 24, 36.0), ("b32_g32", 32, 32, 50.0)):
+        rec = dict(base, batch=batch, budget_gib=float(budget), decode_tok_s=dec, gpu_batch_size=batch,
+                   num_gpu_batches=1, decode_step_ms=[700.0 + i for i in range(31)], gen_num_device_alloc=5,
+                   gen_num_device_free=3, gen_num_alloc_retries=1)
+        (tmp_path / f"{name}.log").write_text("noise\n" + PREFIX + json.dumps(rec) + "\n")
+    (tmp_path / "README.md").write_text("# control\n\nprose kept\n")
+    assert CT.main([str(tmp_path), "--write"]) == 0
+    text = (tmp_path / "README.md").read_text()
+    rows = [ln for ln in text.splitlines() if ln.startswith("| b")]
+    assert [r.split(" | ")[0] for r in rows] == ["| b24_g24", "| b32_g24", "| b32_g32"]
+    assert "prose kept" in text and "| 715 (702–728) |" in rows[0] and "| 5 / 3 | 1 |" in rows[0]
+    # offsim's decode and its error against the record's own decode
+    cells = rows[1].split(" | ")
+    assert float(cells[8]) > 0 and abs(float(cells[9].rstrip("%")) / 100 - (float(cells[8]) / 41.1 - 1)) < 2e-3
+    assert CT.main([str(tmp_path / "none")]) == 2
