@@ -553,18 +553,21 @@ def readme(df, b, prov: dict, out: Path | None = None) -> str:
                   "report was written (nothing fitted to the run). Error = (predicted - measured) / measured.", "",
                   "| system | model | prompt | gen | budget GiB | batch | offsim policy | decode tok/s | offsim decode "
                   "| decode error | total tok/s | offsim total | total error | decode H2D GB/s | offsim "
-                  "| host probe ms (profile's) | pageable H2D GB/s at start (profile's) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| host probe ms (profile's) | host copy GB/s at start | pageable H2D GB/s at start (profile's) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for _, r in pred.iterrows():
             md, pd_ = float(r["decode_tok_s"]), float(r["predicted_decode_tok_s"])
             mt, pt = float(r["total_tok_s"]), float(r["predicted_total_tok_s"])
             # decode's host-to-GPU bytes over decode's time: the link's effective rate, measured and predicted
             mh = _rate_gbps(r.get("decode_h2d_bytes"), r.get("decode_s"))
             ph = _rate_gbps(r.get("predicted_decode_h2d_bytes_per_s"), 1.0)
+            # the host's state at the run's start: its CPU-attention probe, its memory-copy rate (a slow host
+            # slowed DeepSpeed's fetches: results/real_throughput/ds_control_h100_bb16235), its pageable copies
+            probe_ms, pageable = _host_state(r)
             lines.append(f"| {r['system']} | {r['model']} | {r['prompt_len']} | {r['gen_len']} | {r['budget_gib']:g} "
                          f"| {r['batch']} | {r['predicted_policy']} | {md:.2f} | {pd_:.2f} | {(pd_ - md) / md:+.1%} | "
                          f"{mt:.2f} | {pt:.2f} | {(pt - mt) / mt:+.1%} | {mh:.1f} | {ph:.1f} | "
-                         f"{' | '.join(_host_state(r))} |")
+                         f"{probe_ms} | {_fmt(r.get('host_probe_copy_GB_s'))} | {pageable} |")
         if (pred["predicted_policy"] == "flexgen-ref").any():
             lines += _flexgen_profile_notes(json.loads(Path(PEER_PROFILE).read_text()))
             lines += [""] + [_flexgen_attention_check(r) for _, r in pred.iterrows()
