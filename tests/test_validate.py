@@ -760,3 +760,43 @@ def test_validation_readme_sets_measured_coverage_cases_beside_their_registered_
     assert "1 of 3 coverage cases measured, median |total error| 10.0 %, max 10.0 %" in text
     assert "| a | 100.0 | 110.0 | +10.0% | +2.0% |" in text and "| b |" not in text
     assert W._preregistered(calib[calib["case"] == "x"]) == []  # none of them measured yet
+
+
+def test_regime_coverage_gaps_name_placements_held_out_at_longer_generations():
+    """The placement-regime coverage rule (``matrix.regime_coverage_gaps``): a policy variant and placement regime
+    (weights on the GPU or not; KV on the GPU, split or off it) whose longest held-out generation exceeds its longest
+    calibration one, or that has no calibration case, is a gap at that held-out length, across models; a policy
+    without a placement has no regime. The committed config, where there is one, puts every case in the calibration
+    set, each in a gap's regime at its generation, none a held-out workload, no tag repeated."""
+    from pathlib import Path
+
+    from experiments.validation.matrix import VARIANTS, placement_regime, regime_coverage_gaps
+
+    def case(m, p, pct, gen, split):
+        return {"tag": f"{m}_{p}_{gen}_{split}_{pct}", "model": m, "policy": p, "split": split,
+                "settings": {} if pct is None else {"percent": pct}, "workload": {"gen_len": gen}}
+
+    split_kv, stream = [100, 0, 90, 10, 100, 0], [20, 80, 0, 100, 100, 0]
+    assert placement_regime(case("a", "tightllm", split_kv, 8, "calib")) == "weights on GPU, KV split"
+    assert placement_regime(case("a", "tightllm", stream, 8, "calib")) == "weights offloaded, KV off GPU"
+    assert placement_regime(case("a", "selectn", None, 8, "calib")) is None
+    doc = {"cases": [case("a", "tightllm", split_kv, 32, "calib"), case("b", "tightllm", split_kv, 128, "heldout"),
+                     case("a", "tightllm", stream, 128, "calib"), case("b", "tightllm", stream, 64, "heldout"),
+                     case("a", "tightllm", [90, 10, 100, 0, 100, 0], 16, "heldout"),
+                     case("a", "selectn", None, 128, "heldout")]}
+    got = [(VARIANTS[v][0], reg, g) for v, reg, g in regime_coverage_gaps([doc])]
+    assert got == [("tightllm", "weights offloaded, KV on GPU", 16), ("tightllm", "weights on GPU, KV split", 128)]
+    val = Path(__file__).parent.parent / "results" / "validation"
+    if (val / "matrix_v2_regime_coverage_config.json").exists():
+        names = ("", "mixed_", "coverage_", "gencoverage_", "fresh_heldout_")
+        base = [json.loads((val / f"matrix_v2_{n}config.json").read_text()) for n in names]
+        cov = json.loads((val / "matrix_v2_regime_coverage_config.json").read_text())
+        gaps = {(VARIANTS[v][0], reg, g) for v, reg, g in regime_coverage_gaps(base)}
+        assert cov["cases"] and {c["split"] for c in cov["cases"]} == {"calib"}
+        assert all((c["policy"], placement_regime(c), c["workload"]["gen_len"]) in gaps for c in cov["cases"])
+        tags = [c["tag"] for d in base + [cov] for c in d["cases"]]
+        assert len(set(tags)) == len(tags) - 1  # v2's one repeated draw only
+        held = {(c["model"], c["policy"], c["workload"]["prompt_len"], c["workload"]["gen_len"])
+                for d in base for c in d["cases"] if c["split"] == "heldout"}
+        assert not any((c["model"], c["policy"], c["workload"]["prompt_len"], c["workload"]["gen_len"]) in held
+                       for c in cov["cases"])

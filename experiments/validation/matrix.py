@@ -27,6 +27,10 @@ resumable: a case whose file exists is skipped.
         --plan-only results/validation/matrix_v2_fresh_heldout_config.json --coverage-of \
         results/validation/matrix_v2_{,mixed_,coverage_,gencoverage_}config.json
                                                                 # ten new held-out cases, predictions registered first
+    python -m experiments.validation.matrix --v2-regime-coverage-seed 2026 --profile results/profiles/h200_offexec.json \
+        --plan-only results/validation/matrix_v2_regime_coverage_config.json --coverage-of \
+        results/validation/matrix_v2_{,mixed_,coverage_,gencoverage_,fresh_heldout_}config.json
+                                                                # calibration cases per placement regime at its held-out gen
     python -m experiments.validation.matrix --config results/validation/matrix_v2_config.json \
         --out results/validation --warmup --disk-dir DIR --commit C          # on the H200: h200_calib/, h200_heldout/
 
@@ -379,6 +383,88 @@ def plan_v2_gen_coverage(seed: int, configs: list[dict], profile: str, host_mem_
                    gaps=[[m, VARIANTS[v][0], VARIANTS[v][1], gen] for m, v, gen in gaps])
 
 
+def placement_regime(c: dict) -> str | None:
+    """A config case's placement regime, from its settings' FlexGen six numbers: whether the weights are all on the
+    GPU ('weights on GPU' / 'weights offloaded') and where the KV cache is ('KV on GPU', 'KV split' between the GPU
+    and the host or disk, 'KV off GPU'). None for policies without a placement (static-*, Select-N). The regime
+    says what a decode step moves and computes: a plan whose weights stay and whose KV is split (TightLLM then
+    recomputes part of a small offloaded share) runs a different step from one that streams its weights."""
+    p = c["settings"].get("percent")
+    if p is None:
+        return None
+    kv = "KV on GPU" if p[2] == 100 else "KV off GPU" if p[2] == 0 else "KV split"
+    return f"{'weights on GPU' if p[0] == 100 else 'weights offloaded'}, {kv}"
+
+
+def regime_coverage_gaps(configs: list[dict]) -> list[tuple[int, str, int]]:
+    """(index into VARIANTS, placement regime, generation length) of every policy variant and placement regime
+    (``placement_regime``) whose longest held-out generation is longer than its longest calibration one (or that
+    has no calibration case at all), at that held-out length: where the held-out set tests a kind of decode step,
+    at a decode length, the model was never developed on. Across models: a regime is the plan's shape, which the
+    draw then finds on whichever model and budget give it."""
+    longest: dict[tuple, dict] = {}
+    for doc in configs:
+        for c in doc["cases"]:
+            reg = placement_regime(c)
+            if reg is None:
+                continue
+            g = longest.setdefault((_variant(c), reg), {})
+            g[c["split"]] = max(g.get(c["split"], 0), int(c["workload"]["gen_len"]))
+    return sorted((v, reg, g["heldout"]) for (v, reg), g in longest.items()
+                  if g.get("heldout", 0) > g.get("calib", 0))
+
+
+V2_REGIME_CASES = 2  # calibration cases per regime gap, each on another model
+V2_REGIME_TRIES = 48  # draws per gap: the search, not the draw, decides the placement, so most draws miss the regime
+
+
+def plan_v2_regime_coverage(seed: int, configs: list[dict], profile: str, host_mem_gb: float) -> dict:
+    """Matrix v2's placement-regime coverage (issue 13): for each gap of ``regime_coverage_gaps``, up to
+    V2_REGIME_CASES calibration cases on different models whose searched placement falls in that regime, at that
+    generation length; budget, prompt and the disk tier drawn as v2 draws them (the models in a seeded order, up to
+    V2_REGIME_TRIES draws per gap; a draw that lands in another gap of the same variant and length still short of
+    cases counts there), never a held-out workload (model, variant, prompt, generation) at another budget.
+    Coverage, not error: the rule reads the configs alone (written 2026-12-05, after the held-out results were seen:
+    the README says so); the predictions are registered before any is measured (``experiments.validation.preregister``)."""
+    rng = random.Random(f"regime-coverage-{seed}")
+    gaps = regime_coverage_gaps(configs)
+    held = {_workload_of(c) for doc in configs for c in doc["cases"] if c["split"] == "heldout"}
+    taken = {c["tag"] for doc in configs for c in doc["cases"]}
+    used: dict[tuple, set] = {g: set() for g in gaps}  # gap -> the models of its cases
+    cases: list[dict] = []
+    for gap in gaps:
+        v, reg, gen = gap
+        policy, fixed = VARIANTS[v]
+        models = list(V2_MODELS)
+        rng.shuffle(models)
+        for i in range(V2_REGIME_TRIES):
+            free = [m for m in models if m not in used[gap]]
+            if len(used[gap]) >= V2_REGIME_CASES or not free:
+                break
+            mname = free[i % len(free)]
+            c = _v2_case(rng, mname, policy, fixed, profile, host_mem_gb, taken, gen)
+            if c is None:
+                continue
+            taken.add(c["tag"])
+            home = (v, placement_regime(c), gen)
+            if home not in used or len(used[home]) >= V2_REGIME_CASES or mname in used[home]:
+                print(f"  {c['tag']}: redrawn (placement {c['settings']['percent']}: {placement_regime(c)}, "
+                      f"not a regime still short of cases)", flush=True)
+                continue
+            if _workload_of(c) in held:
+                print(f"  {c['tag']}: redrawn (a held-out workload at another budget)", flush=True)
+                continue
+            c["split"] = "calib"
+            cases.append(c)
+            used[home].add(mname)
+    for (v, reg, gen), ms in used.items():
+        if len(ms) < V2_REGIME_CASES:
+            print(f"  {VARIANTS[v][0]} {VARIANTS[v][1]} {reg} gen {gen}: {len(ms)} of {V2_REGIME_CASES} cases",
+                  flush=True)
+    return _config(seed, profile, host_mem_gb, cases, "regime_coverage",
+                   gaps=[[VARIANTS[v][0], VARIANTS[v][1], reg, gen] for v, reg, gen in gaps])
+
+
 def case_settings(c: dict, kv_solver: str | None = None) -> dict:
     """A config case's settings as a run uses them: with ``kv_solver`` TightLLM's N_r by that solver ('exact': the
     ILP's N_r on its exact path, no cvxpy needed on the GPU machine)."""
@@ -661,6 +747,10 @@ def main() -> None:
     ap.add_argument("--v2-fresh-heldout-seed", type=int, default=None,
                     help="plan a fresh held-out draw with this seed: v2's draws, a few per model, every one held "
                          "out, none repeating a workload of --coverage-of")
+    ap.add_argument("--v2-regime-coverage-seed", type=int, default=None,
+                    help="plan the placement-regime coverage with this seed: calibration cases for each policy "
+                         "variant and placement regime (weights on the GPU or not, KV on the GPU, split or off) "
+                         "whose held-out cases in --coverage-of generate longer than its calibration cases")
     ap.add_argument("--coverage-of", nargs="+", default=["results/validation/matrix_v2_config.json",
                                                           "results/validation/matrix_v2_mixed_config.json"],
                     metavar="CONFIG", help="with --v2-coverage-seed / --v2-gen-coverage-seed: the configs whose "
@@ -679,7 +769,8 @@ def main() -> None:
     elif args.v2_mixed_seed is not None:
         doc = plan_v2_mixed(args.v2_mixed_seed, args.v2_mixed_cases, args.profile, args.host_mem_gb)
         cases = doc["cases"]
-    elif (args.v2_coverage_seed, args.v2_gen_coverage_seed, args.v2_fresh_heldout_seed) != (None, None, None):
+    elif (args.v2_coverage_seed, args.v2_gen_coverage_seed, args.v2_fresh_heldout_seed,
+          args.v2_regime_coverage_seed) != (None, None, None, None):
         configs = []
         for f in args.coverage_of:
             try:
@@ -690,6 +781,8 @@ def main() -> None:
             doc = plan_v2_coverage(args.v2_coverage_seed, configs, args.profile, args.host_mem_gb)
         elif args.v2_fresh_heldout_seed is not None:
             doc = plan_v2_fresh_heldout(args.v2_fresh_heldout_seed, configs, args.profile, args.host_mem_gb)
+        elif args.v2_regime_coverage_seed is not None:
+            doc = plan_v2_regime_coverage(args.v2_regime_coverage_seed, configs, args.profile, args.host_mem_gb)
         else:
             doc = plan_v2_gen_coverage(args.v2_gen_coverage_seed, configs, args.profile, args.host_mem_gb)
         cases = doc["cases"]

@@ -239,8 +239,12 @@ def _extension(name: str, split: str = "calib") -> tuple | None:
     doc = json.loads(path.read_text())
     measured = sum((VAL / f"h200_{split}" / f"{c['tag']}.case.json").exists() for c in doc["cases"])
     side = {False: " (GPU attention)", True: " (CPU attention)"}
-    gaps = ", ".join(f"{g[0]} {g[1]}{side.get(g[2].get('cpu_attention'), '')}"
-                     + (f" at gen {g[3]}" if len(g) > 3 else "") for g in doc.get("gaps", []))
+    if doc.get("regime_coverage"):  # gaps: (policy, fixed settings, placement regime, generation), across models
+        gaps = ", ".join(f"{g[0]}{side.get(g[1].get('cpu_attention'), '')} with {g[2]} at gen {g[3]}"
+                         for g in doc.get("gaps", []))
+    else:
+        gaps = ", ".join(f"{g[0]} {g[1]}{side.get(g[2].get('cpu_attention'), '')}"
+                         + (f" at gen {g[3]}" if len(g) > 3 else "") for g in doc.get("gaps", []))
     return doc, len(doc["cases"]), measured, gaps
 
 
@@ -284,6 +288,15 @@ EXTENSIONS = (
         "a few per model with the policy variants in turn, none repeating a workload of the configs above, all held "
         "out: the first held-out set has been reported beside every model change since it was measured, this one "
         "tests the model as it stood when its predictions were registered.")),
+    ("matrix_v2_regime_coverage_config.json", "regime_coverage", "placement-regime coverage", "calib",
+     lambda doc, n, gaps: (
+        f"Placement-regime coverage: `matrix_v2_regime_coverage_config.json` ({n} cases, seed {doc['seed']}, "
+        "`python -m experiments.validation.matrix --v2-regime-coverage-seed SEED --plan-only FILE --coverage-of "
+        "...`, written 2026-12-05 after the held-out results were seen) adds calibration cases for each policy "
+        "variant and placement regime (weights all on the GPU or not; the KV cache on the GPU, split, or off it) "
+        f"whose held-out cases generate longer than its calibration cases, at that length ({gaps}): across models, "
+        "the budget, prompt and disk tier drawn as v2 draws them until offsim's search lands in the regime, never a "
+        "held-out workload, by a rule on the configs alone; all go to the calibration set.")),
 )
 
 
