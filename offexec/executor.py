@@ -156,8 +156,8 @@ def op_transient_bytes(plan: Plan, prog: Program, graph_bytes: int = 0) -> int:
     best = {False: 0, True: 0}
     for decode, part, B, T, C in shapes:
         fpart = ("cpu_attn_layer" if whole else "cpu_attn_pre") if part == "pre_attn" else part
-        peak = fp.op_peak_bytes(m, fpart, B, T, C, kv_groups, masked=plan.workload.key_masked)
-        best[decode] = max(best[decode], peak - fp.op_output_bytes(m, part, B, T))
+        best[decode] = max(best[decode], fp.op_transient_bytes(m, fpart, B, T, C, kv_groups,
+                                                               masked=plan.workload.key_masked, output_part=part))
     return max(best[False] - graph_bytes, best[True], 0)
 
 
@@ -189,6 +189,12 @@ def gpu_need(prog: Program, plan: Plan) -> dict[str, int]:
                                  sends_hidden=any(b.fn == "send_hidden" for b in prog.bound),
                                  landing_tokens=prog.landing_tokens, graph_cpu_attention=cpu_attention,
                                  graph_homes=homes)
+
+
+def plan_gpu_need(plan: Plan) -> dict[str, int]:
+    """``gpu_need`` of ``plan`` bound to its model's layer layout: the pre-check's GPU bytes by purpose, by
+    arithmetic alone (what ``check_plan`` adds up before refusing a plan; for sweeps and tests of the contract)."""
+    return gpu_need(bind(plan, M.layer_layout(plan.model)), plan)
 
 
 def disk_need(plan: Plan, layout=None) -> int:

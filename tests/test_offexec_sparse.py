@@ -299,13 +299,12 @@ def test_sparse_plans_move_the_whole_kv_and_save_decode_attention():
                 assert op.nbytes == fp.stored_kv_bytes(spec, 2, op.hi - op.lo, op.head_hi - op.head_lo,
                                                        comp=compression_of(sparse))
     # the GPU bytes count top-k's temporaries (the plan's, the placement's and the executor's budget alike)
-    from offexec.executor import gpu_need
-    from offexec.program import bind
+    from offexec.executor import plan_gpu_need
 
     extra = fp.sparse_attention_bytes(spec, 2, wl.max_len, compression_of(sparse))
     assert extra > 0 and fp.sparse_attention_bytes(spec, 2, wl.max_len, compression_of(dense)) == 0
-    assert gpu_need(bind(sparse, M.layer_layout(spec)), sparse)["sparse attention"] == extra
-    assert "sparse attention" not in gpu_need(bind(dense, M.layer_layout(spec)), dense)
+    assert plan_gpu_need(sparse)["sparse attention"] == extra
+    assert "sparse attention" not in plan_gpu_need(dense)
     assert sparse.capacity == dense.capacity
     c = Compression(sparse_attention=0.1)
     assert cm.sparse_share(1, 100, c) == 0.1 and cm.sparse_share(5, 100, c) == 1.0 and cm.sparse_share(8, 8, c) == 1

@@ -461,12 +461,13 @@ def test_graph_recompute_graphs_every_held_recompute_op_and_counts_its_memory():
     plan is byte for byte what it was (the setting is not recorded, so older plans hash the same). Refused without
     hold_recompute. N_r's memory cap counts the graphs' static tensors beside the op's intermediates in their pool:
     on a GPU left no room for them, N_r falls. OPT-30B 512/8 16 x 3 on the H200 profile."""
-    from offexec import model as M
-    from offexec.executor import bind, gpu_need
+    from pathlib import Path
+
+    from offexec.executor import plan_gpu_need
     from offsim.core import footprint as fp
 
-    hw = get_hardware(str(__import__("pathlib").Path(__file__).resolve().parents[1]
-                          / "results/profiles/h200_offexec_v2.json"), gpu_mem_gb=16)
+    hw = get_hardware(str(Path(__file__).resolve().parents[1] / "results/profiles/h200_offexec_v2.json"),
+                      gpu_mem_gb=16)
     m, wl = get_model("opt-30b"), Workload(512, 8, 16, 3)
     st = {"percent": (20, 80, 0, 100, 100, 0), "kv_solver": "exact", "hold_recompute": True}
     held = build_plan("tightllm", m, hw, wl, st)
@@ -478,7 +479,7 @@ def test_graph_recompute_graphs_every_held_recompute_op_and_counts_its_memory():
     assert graphed.graph_attention == "written_rows" and graphed.settings["graph_recompute"] is True
     # the executor counts the graphs' pool in place of the recompute op's transients, which exist in the decode
     # phase only: the same total as the eager plan's, the prefill's transients the larger
-    need = {p.graph_attention: gpu_need(bind(p, M.layer_layout(m)), p) for p in (held, graphed)}
+    need = {p.graph_attention: plan_gpu_need(p) for p in (held, graphed)}
     pool = fp.graph_pool_bytes(m, wl, graphed.graph_max_q_tokens)
     assert need["written_rows"]["CUDA graphs"] >= pool + wl.num_gpu_batches * fp.hidden_bytes(m, 16, nr[0][0] + 1)
     assert sum(need["written_rows"].values()) <= 16 * 2**30
@@ -502,16 +503,17 @@ def test_graph_recompute_plans_pass_offexecs_gpu_precheck(prompt_len, gbs, nb, p
     arithmetic (``executor.gpu_need``). N_r's cap counts, beside the graphs, the recompute's embedding (eager: its
     transient beyond its output) and one GPU batch's layer output beside the block's hidden states -- OPT-30B
     128/32 at 64 x 1 needed 16.20 GiB by offexec's count when the cap left them out (N_r 116; now 100)."""
-    from offexec import model as M
-    from offexec.executor import bind, gpu_need
+    from pathlib import Path
 
-    hw = get_hardware(str(__import__("pathlib").Path(__file__).resolve().parents[1]
-                          / "results/profiles/h200_offexec_v2.json"), gpu_mem_gb=16)
+    from offexec.executor import plan_gpu_need
+
+    hw = get_hardware(str(Path(__file__).resolve().parents[1] / "results/profiles/h200_offexec_v2.json"),
+                      gpu_mem_gb=16)
     m, wl = get_model("opt-30b"), Workload(prompt_len, 32, gbs, nb)
     plan = build_plan("tightllm", m, hw, wl, {"percent": pct, "kv_solver": "exact", "hold_recompute": True,
                                               "graph_recompute": True})
     assert plan.graph_max_q_tokens > 8  # recomputes, graphed
-    need = gpu_need(bind(plan, M.layer_layout(m)), plan)
+    need = plan_gpu_need(plan)
     assert sum(need.values()) <= hw.gpu_mem_bytes, {k: round(v / 2 ** 30, 3) for k, v in need.items()}
 
 

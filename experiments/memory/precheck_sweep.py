@@ -32,10 +32,8 @@ PLACEMENTS = ((20, 80, 0, 100, 100, 0), (0, 100, 0, 100, 0, 100), (50, 50, 20, 8
 
 
 def main(argv=None) -> int:
-    from offexec import model as M
-    from offexec.executor import gpu_need
+    from offexec.executor import plan_gpu_need
     from offexec.memory import ExecError
-    from offexec.program import bind
 
     ap = argparser(__doc__)
     ap.add_argument("--hardware", default="results/profiles/h200_offexec_v2.json")
@@ -52,7 +50,7 @@ def main(argv=None) -> int:
         model = get_model(m)
         try:
             plan = build_plan(pol, model, hw, Workload(p, g, gbs, nb), {"percent": pct, **extra})
-            need = sum(gpu_need(bind(plan, M.layer_layout(model)), plan).values())
+            need = sum(plan_gpu_need(plan).values())
         except (OffsimError, ExecError):
             refused += 1
             continue

@@ -666,6 +666,16 @@ def op_output_bytes(model: ModelSpec, part: str, num_seqs: int, q_tokens: int) -
     return 0
 
 
+def op_transient_bytes(model: ModelSpec, part: str, num_seqs: int, q_tokens: int, ctx_tokens: int,
+                       kv_groups: int = 1, masked: bool = False, output_part: str | None = None) -> int:
+    """An eager op's bytes beyond the value it leaves: ``op_peak_bytes`` less ``op_output_bytes`` (the value is
+    counted among the run's activations, the rest is freed when the op ends). ``output_part``: the part whose output
+    is left where it differs from ``part`` (a CPU delegation's ``pre_attn``, whose peak is priced as
+    ``cpu_attn_layer`` / ``cpu_attn_pre``, leaves Q/K/V). Never below 0."""
+    peak = op_peak_bytes(model, part, num_seqs, q_tokens, ctx_tokens, kv_groups, masked=masked)
+    return max(peak - op_output_bytes(model, output_part or part, num_seqs, q_tokens), 0)
+
+
 def max_layer_peak_bytes(model: ModelSpec, wl: Workload, cpu_attention: bool = False, kv_groups: int = 1,
                          sublayer: bool = False) -> int:
     """The largest op peak of a block without recompute: a prefill layer over the prompt (T = C = prompt_len), a

@@ -245,14 +245,13 @@ def recompute_memory_cap(model: ModelSpec, wl: Workload, lay: Layout, free_gpu_b
         peak = fp.op_peak_bytes(model, "layer", gbs, n + 1, ctx_tokens + 1, groups, masked=wl.key_masked)
         if graph_all:  # the pool holds the op's intermediates (replayed, never eager): the larger of the two
             # Beside the graphs, as offexec's pre-check counts them (executor.gpu_need): the recompute's embedding,
-            # eager (its transient beyond its output: op_transient_bytes), and, with activations on the GPU, one
-            # GPU batch's layer output beside the block's hidden states (the values' peak, at the prefill's
-            # length or the recompute's, whichever is longer)
-            embed = fp.op_peak_bytes(model, "embed", gbs, n + 1, ctx_tokens + 1, groups) \
-                - fp.op_output_bytes(model, "embed", gbs, n + 1)
+            # eager (its transient beyond its output: footprint.op_transient_bytes), and, with activations on the
+            # GPU, one GPU batch's layer output beside the block's hidden states (the values' peak, at the
+            # prefill's length or the recompute's, whichever is longer)
+            embed = fp.op_transient_bytes(model, "embed", gbs, n + 1, ctx_tokens + 1, groups)
             out = fp.hidden_bytes(model, gbs, max(wl.prompt_len, n + 1)) if lay.hidden_home == "gpu" else 0
             return max(peak, fp.graph_pool_bytes(model, wl, n + 1)) + hin + bufs - graphs_1 \
-                + fp.graph_static_bytes(model, wl, n + 1, cpu_attention=False, homes=True) + max(embed, 0) + out
+                + fp.graph_static_bytes(model, wl, n + 1, cpu_attention=False, homes=True) + embed + out
         graphs = fp.decode_graph_bytes(model, wl, min(n + 1, GRAPH_MAX_Q_TOKENS)) - graphs_1
         return peak + hin + bufs + graphs
 
