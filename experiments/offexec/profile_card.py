@@ -86,7 +86,10 @@ def report(new_path: Path, ref_path: Path, model: str) -> str:
     from offsim.core.specs import get_model, layer_key
 
     new, ref = json.loads(new_path.read_text()), json.loads(ref_path.read_text())
-    gpu = lambda d: d.get("provenance", {}).get("measured", {}).get("gpu", d.get("name"))  # noqa: E731
+    def gpu(d):  # the card a profile was measured on: its 'measured' record, or a one-run profile's provenance
+        prov = d.get("provenance", {})
+        return prov.get("measured", prov).get("gpu", d.get("name"))
+
     layer = layer_key(get_model(model))
     lines = [f"| quantity | {gpu(new)} | {gpu(ref)} | ratio | unit |", "| --- | --- | --- | --- | --- |"]
     for name, x, y, unit in scalar_rows(new, ref):

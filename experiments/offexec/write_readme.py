@@ -34,8 +34,8 @@ def _runs(folder: Path) -> list[tuple[str, dict, dict]]:
 
 def _table(runs) -> str:
     head = ["config", "fit", "N_r", "prefill tok/s (offsim)", "decode tok/s (offsim)", "total tok/s (offsim)",
-            "decode error", "total error", "% of link bound", "host issue % of run", "GPU idle on the host",
-            "GPU peak GiB"]
+            "decode error", "total error", "% of link bound", "decode H2D GB/s (stream busy)", "host issue % of run",
+            "GPU idle on the host", "GPU peak GiB"]
     # the flow-control windows, where a run was given other than the plans' default (`h200 --run-ahead`)
     windows = any(r.get("run_ahead", list(RUN_AHEAD_OPS)) != list(RUN_AHEAD_OPS) for _, _, r in runs)
     if windows:
@@ -53,7 +53,7 @@ def _table(runs) -> str:
                      f"**{m['decode_tok_s']:.2f}** ({p['decode_tok_s']:.2f})",
                      f"{m['total_tok_s']:.2f} ({p['total_tok_s']:.2f})",
                      f"{e['decode_tok_s']:+.1%}", f"{e['total_tok_s']:+.1%}",
-                     f"{r['decode_link_bound_frac']:.1%}", f"{r['issue_frac']:.1%}",
+                     f"{r['decode_link_bound_frac']:.1%}", _h2d_cell(r), f"{r['issue_frac']:.1%}",
                      f"{r['host_bound_idle_frac']:.2%}" if r.get("host_bound_idle_frac") is not None else "",
                      f"{r['peak_gpu_reserved_bytes'] / GiB:.2f}"])
         if windows:
@@ -66,16 +66,38 @@ def _table(runs) -> str:
                      + ["| " + " | ".join(x) + " |" for x in rows])
 
 
-def _profile_gpu(hardware: str) -> str:
-    """The GPU a run's profile was measured on (its provenance's 'measured' record), '' where that is unknown."""
+def _profile(hardware: str) -> dict:
+    """The profile JSON a run was planned on, {} where it is a preset or not readable here."""
     path = Path(hardware)
     if not path.is_file():
-        return ""
+        return {}
     try:
-        meas = json.loads(path.read_text()).get("provenance", {}).get("measured", {})
+        return json.loads(path.read_text())
     except (OSError, ValueError):
+        return {}
+
+
+def _profile_gpu(hardware: str) -> str:
+    """The GPU a run's profile was measured on (its provenance's 'measured' record, or the provenance itself in a
+    profile written by one `offexec profile` run), '' where that is unknown."""
+    prov = _profile(hardware).get("provenance", {})
+    return str(prov.get("measured", prov).get("gpu", ""))
+
+
+def _profile_h2d(hardware: str) -> float | None:
+    """The profile's pinned host-to-GPU rate for its largest copy (B/s): what offsim priced the runs' copies at."""
+    curve = _profile(hardware).get("h2d_pinned")
+    return float(max(curve)[1]) if curve else None
+
+
+def _h2d_cell(r: dict) -> str:
+    """The rate decode's host-to-GPU copies moved their bytes at while they ran, and the share of decode the H2D
+    stream was busy: a run below its link bound with the stream busy throughout was held by the link itself (its
+    copies ran slower than the in-process probe), not by the executor."""
+    rate, busy = r.get("decode_h2d_achieved_bytes_per_s"), r.get("decode_h2d_stream_busy_frac")
+    if rate is None or busy is None:
         return ""
-    return str(meas.get("gpu", ""))
+    return f"{rate / 1e9:.1f} ({busy:.1%})"
 
 
 def _beyond_plan(r: dict) -> bool:
@@ -145,7 +167,9 @@ def write(folder: Path, before: Path | None = None) -> Path:
             f"torch {pv.get('torch')}; planned and predicted on `{d['hardware']}`. Pinned copies measured in the "
             f"same process: H2D {link.get('h2d_bytes_per_s', 0) / 1e9:.1f} GB/s, D2H "
             f"{link.get('d2h_bytes_per_s', 0) / 1e9:.1f} GB/s, H2D beside D2H "
-            f"{link.get('duplex_h2d_bytes_per_s', 0) / 1e9:.1f} GB/s.\n\n{_table(rs)}\n")
+            f"{link.get('duplex_h2d_bytes_per_s', 0) / 1e9:.1f} GB/s"
+            + (f"; the profile's pinned H2D (largest copy): {_profile_h2d(d['hardware']) / 1e9:.1f} GB/s"
+               if _profile_h2d(d["hardware"]) else "") + f".\n\n{_table(rs)}\n")
     prov = provenance()
     cmd = f"python -m experiments.offexec.write_readme {folder}" + (f" --before {before}" if before else "")
     gpus = sorted({str(d["provenance"].get("gpu")) for _, d, _ in runs})
@@ -173,7 +197,9 @@ FlexGen's CPU delegation; `tightllm_held` TightLLM with each GPU batch's N_r hel
 `tightllm_held_split` (2026-12-04 only) the same plan with its recompute ops as two CUDA graphs around eager
 attention (`offexec run --split-recompute-graphs`, an experiment since removed). "GPU idle on the host" is the time GPU compute waited for the host to
 issue its next op (issue time that overlapped GPU work is not counted); "host issue" is all the issuing thread's time
-in op handlers. A run marked FIT was planned on its own measurements, and a run given more GPU memory than its plan
+in op handlers. "Decode H2D GB/s" is the rate decode's host-to-GPU copies moved their bytes at while they ran, with
+the share of decode the H2D stream was busy: a run below its link bound whose stream was busy throughout was held by
+the link (its copies ran slower than the probe's), not by the executor. A run marked FIT was planned on its own measurements, and a run given more GPU memory than its plan
 (a run budget column, where there is one) ran beyond what offsim planned: neither is evidence for a target.{other}
 
 {chr(10).join(parts)}
