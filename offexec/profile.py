@@ -96,6 +96,69 @@ def profile_link(device, sizes: list[int], reps: int) -> dict:
 
 RELAY_SIZES = (1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28, 1 << 30)  # --relay-only: 1 MiB to 1 GiB
 
+# the link sweep: a pool of pinned host memory copied to the GPU chunk by chunk, every chunk once a pass, as a
+# run streams its weights (profile_link times one buffer again and again). On one H100 host (2026-12-06,
+# results/offexec/h100prof_fd0e0c5/) runs' decode copies moved 49.5 GB/s with the stream busy throughout while that
+# probe read 55.0: the sweep records what a pass over a large pool sees, beside it
+LINK_SWEEP_POOL_BYTES = 16 << 30
+LINK_SWEEP_CHUNK_BYTES = 256 << 20
+
+
+def h2d_sweep(host, device, chunk_bytes: int = LINK_SWEEP_CHUNK_BYTES, passes: int = 2) -> dict:
+    """Host-to-GPU bytes/s of whole passes over ``host`` (a flat uint8 tensor, pinned for a CUDA ``device``): each
+    pass copies every ``chunk_bytes`` chunk once, in order, into one device buffer on one stream, timed as a whole
+    (CUDA events; wall clock on the CPU). Returns the pool and chunk sizes, each pass's rate and the last pass's
+    (``h2d_sweep_bytes_per_s``: the first may include the pages' first mapping), and the rate of the first chunk
+    copied again and again as many times (``h2d_repeat_bytes_per_s``: what a one-buffer probe sees)."""
+    import torch
+
+    dev = torch.device(device)
+    chunk = int(min(chunk_bytes, host.numel()))
+    n = host.numel() // chunk
+    if n < 1 or passes < 1:
+        raise ValueError(f"the sweep needs a pool of at least one chunk and one pass, got {host.numel()} bytes, "
+                         f"{passes} passes")
+    cuda = dev.type == "cuda"
+
+    def timed(srcs, buf) -> float:
+        if cuda:
+            torch.cuda.synchronize(dev)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for src in srcs:
+                buf.copy_(src, non_blocking=True)
+            b.record()
+            b.synchronize()
+            return a.elapsed_time(b) / 1e3
+        t0 = time.perf_counter()
+        for src in srcs:
+            buf.copy_(src)
+        return time.perf_counter() - t0
+
+    chunks = [host[i * chunk:(i + 1) * chunk] for i in range(n)]
+    buf = torch.empty(chunk, dtype=torch.uint8, device=dev)
+    rates = [n * chunk / timed(chunks, buf) for _ in range(passes)]
+    repeat = n * chunk / timed([chunks[0]] * n, buf)
+    return {"pool_bytes": int(n * chunk), "chunk_bytes": chunk, "pass_bytes_per_s": [float(r) for r in rates],
+            "h2d_sweep_bytes_per_s": float(rates[-1]), "h2d_repeat_bytes_per_s": float(repeat)}
+
+
+def profile_link_sweep(device, pool_bytes: int = LINK_SWEEP_POOL_BYTES) -> dict:
+    """``h2d_sweep`` over a fresh pinned pool of ``pool_bytes`` (at most a quarter of the host's memory), touched
+    before timing; {} off CUDA (no link to sweep)."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return {}
+    pool = min(int(pool_bytes), host_memory_bytes() // 4)
+    host = torch.empty(pool, dtype=torch.uint8, pin_memory=True)
+    host.fill_(1)
+    try:
+        return h2d_sweep(host, dev)
+    finally:
+        del host
+
 
 def profile_relay(device, sizes, reps: int) -> dict:
     """Bytes/s of one copy by size between unpinned host memory and the GPU, staged through a pinned copy as
@@ -1402,7 +1465,8 @@ def run_profile(model: str = "opt-30b", device: str = "cuda", quick: bool = Fals
     multi = profile_multi_gpu() if dev.type == "cuda" else {}
     d.update(multi)  # several GPUs on this host: their peer link and whether the host feeds every link at once
     HardwareSpec.from_dict(d)  # the profile must load
-    d["provenance"] = provenance(gpu=gpu_name, model_shapes=model, quick=quick, quant_rates=qr,
+    sweep = profile_link_sweep(dev, (256 << 20) if quick else LINK_SWEEP_POOL_BYTES)
+    d["provenance"] = provenance(gpu=gpu_name, model_shapes=model, quick=quick, quant_rates=qr, link_sweep=sweep,
                                  gpus=torch.cuda.device_count() if dev.type == "cuda" else 0,
                                  peak_flops_source="datasheet" if key or peak_tflops else "best measured GEMM")
     return d
@@ -1483,6 +1547,13 @@ def add_profile_parser(sub) -> None:
                         "fixed CPU-attention op and host copy, CPU model, load), the state offsim validate sets each "
                         "measured case's own probe beside; a full profile and a CPU-attention measurement record "
                         "it themselves")
+    p.add_argument("--link-sweep-only", action="store_true",
+                   help="with --base: measure only the link sweep (provenance.link_sweep: a pinned pool of "
+                        "--sweep-pool-gb copied to the GPU in 256 MiB chunks, every chunk once a pass, as a run "
+                        "streams its weights, beside one chunk copied as often) and keep the rest of the base "
+                        "profile; offsim does not read it")
+    p.add_argument("--sweep-pool-gb", type=float, default=LINK_SWEEP_POOL_BYTES / (1 << 30), metavar="GiB",
+                   help="the link sweep's pinned pool (default: %(default)g; at most a quarter of host memory)")
     p.add_argument("--decode-only", action="store_true",
                    help="with --ops: measure only the decode ops' rows (replayed as CUDA graphs and eager, their "
                         "captures and issue times) at --op-batches, the runs at the short prompt alone; the prefill "
@@ -1732,7 +1803,7 @@ def cmd_profile(args) -> dict:
         if not args.base:
             raise OffsimError("--merge combines profiles measured from one base: give --base PROFILE too")
         if (args.ops or args.quant_only or args.multi_gpu_only or args.relay_only or args.host_probe_only
-                or args.disk_ops_only):
+                or args.disk_ops_only or args.link_sweep_only):
             raise OffsimError("--merge measures nothing: give it without --ops and the --*-only options")
         d = merge_profiles(read_json_object(args.base, "hardware profile"),
                            [(f, read_json_object(f, "hardware profile")) for f in args.merge])
@@ -1757,6 +1828,10 @@ def cmd_profile(args) -> dict:
     if args.disk_ops_only and not args.base:
         raise OffsimError("--disk-ops-only adds the disk tier's time per request to an existing profile: give --base "
                           "PROFILE too")
+    if args.link_sweep_only and not args.base:
+        raise OffsimError("--link-sweep-only records the link sweep in an existing profile: give --base PROFILE too")
+    if not args.sweep_pool_gb > 0:
+        raise OffsimError(f"--sweep-pool-gb must be a positive number of GiB, got {args.sweep_pool_gb}")
     if args.host_probe_only and not args.base:
         raise OffsimError("--host-probe-only records the host's state in an existing profile: give --base PROFILE "
                           "too")
@@ -1770,9 +1845,10 @@ def cmd_profile(args) -> dict:
         raise OffsimError("--decode-only re-measures the decode ops' rows of an existing profile: give --base PROFILE "
                           "and --ops MODELS too")
     if args.base and not (args.ops or args.quant_only or args.multi_gpu_only or args.relay_only
-                          or args.host_probe_only or args.disk_ops_only):
+                          or args.host_probe_only or args.disk_ops_only or args.link_sweep_only):
         raise OffsimError("--base adds op tables to an existing profile: give --ops MODELS (or --quant-only, "
-                          "--multi-gpu-only, --relay-only, --host-probe-only, --disk-ops-only) too")
+                          "--multi-gpu-only, --relay-only, --host-probe-only, --disk-ops-only, --link-sweep-only) "
+                          "too")
     try:
         batches = tuple(int(b) for b in args.op_batches.split(","))
     except ValueError:
@@ -1799,7 +1875,7 @@ def cmd_profile(args) -> dict:
                  or (models and not (args.attention_only or args.recompute_only or args.capture_only
                                      or args.cpu_attention_only or args.flexgen_only or args.decode_only
                                      or args.sustained_only)))
-    if models or args.quant_only or args.relay_only or args.multi_gpu_only or not args.base:
+    if models or args.quant_only or args.relay_only or args.multi_gpu_only or args.link_sweep_only or not args.base:
         from .memory import require_device
 
         require_device(args.device)  # one line, before anything is read or measured
@@ -1850,6 +1926,15 @@ def cmd_profile(args) -> dict:
         HardwareSpec.from_dict(d)
         d["provenance"] = {**d.get("provenance", {}), "disk_ops": provenance(directory=disk_dir,
                                                                            sizes=list(DISK_OP_SIZES))}
+    if args.link_sweep_only:
+        from offsim.core.provenance import provenance
+
+        from .memory import require_device
+
+        sweep = profile_link_sweep(require_device(args.device), int(args.sweep_pool_gb * (1 << 30)))
+        if not sweep:
+            raise OffsimError("--link-sweep-only times copies to a CUDA GPU: give --device cuda on a machine with one")
+        d["provenance"] = {**d.get("provenance", {}), "link_sweep": provenance(device=args.device, **sweep)}
     if args.multi_gpu_only:
         from offsim.core.provenance import provenance
         from offsim.core.specs import HardwareSpec

@@ -49,6 +49,30 @@ def test_profile_cpu_quick_roundtrip(tmp_path):
     d3 = json.loads(out3.read_text())
     assert d3["provenance"]["host_probe"]["date"] >= hp["date"] and d3["h2d_pinned"] == d["h2d_pinned"]
     assert main(["profile", "--device", "cpu", "--host-probe-only", "--out", str(out3)]) == 2  # no --base
+    # the link sweep: no link on the CPU (an empty record); --link-sweep-only needs a base and a CUDA GPU
+    assert d["provenance"]["link_sweep"] == {}
+    assert main(["profile", "--device", "cpu", "--link-sweep-only", "--out", str(out3)]) == 2  # no --base
+    assert main(["profile", "--device", "cpu", "--base", str(out), "--link-sweep-only", "--out", str(out3)]) == 2
+    assert main(["profile", "--device", "cpu", "--base", str(out), "--link-sweep-only", "--sweep-pool-gb", "0",
+                 "--out", str(out3)]) == 2
+
+
+def test_h2d_sweep_times_whole_passes_over_the_pool():
+    """offexec.profile.h2d_sweep: every whole chunk of the pool once a pass (the remainder left out), each pass's
+    rate, the last one as the sweep's, and one chunk copied as often as there are chunks."""
+    import torch
+
+    from offexec.profile import h2d_sweep
+
+    host = torch.ones(10 << 20, dtype=torch.uint8)
+    r = h2d_sweep(host, "cpu", chunk_bytes=4 << 20, passes=3)
+    assert r["chunk_bytes"] == 4 << 20 and r["pool_bytes"] == 8 << 20
+    assert len(r["pass_bytes_per_s"]) == 3 and r["h2d_sweep_bytes_per_s"] == r["pass_bytes_per_s"][-1] > 0
+    assert r["h2d_repeat_bytes_per_s"] > 0
+    whole = h2d_sweep(host, "cpu", chunk_bytes=64 << 20, passes=1)  # a chunk larger than the pool: the pool
+    assert whole["chunk_bytes"] == whole["pool_bytes"] == 10 << 20
+    with pytest.raises(ValueError, match="at least one chunk and one pass"):
+        h2d_sweep(host, "cpu", passes=0)
 
 
 def test_profile_disk_times_the_disk_tier_itself(tmp_path, monkeypatch):

@@ -33,6 +33,7 @@ import torch
 from experiments.common import finish, provenance
 from offexec.executor import check_plan, run_plan
 from offexec.memory import CUDA_SCHED, HostBuffer, set_cuda_sched
+from offexec.profile import h2d_sweep
 from offexec.weights import random_weights
 from offsim import POLICIES, Workload, build_plan, get_hardware, get_model, simulate
 from offsim.analysis.validate import case_from_trace, save_case
@@ -84,7 +85,8 @@ def recompute_tokens(plan) -> list[int]:
 
 
 def link_bandwidth(host: torch.Tensor, nbytes: int = GiB, reps: int = 5) -> dict:
-    """Pinned copies of ``nbytes``, each direction alone and both at once (bytes/s; median of ``reps``)."""
+    """Pinned copies of ``nbytes``, each direction alone and both at once (bytes/s; median of ``reps``), and the
+    host-to-GPU rate of a whole pass over ``host`` (``sweep_h2d_bytes_per_s``)."""
     dev = torch.device("cuda")
     flat = host.view(-1).view(torch.uint8)
     src, src2 = flat[:nbytes], flat[nbytes:2 * nbytes]
@@ -113,6 +115,9 @@ def link_bandwidth(host: torch.Tensor, nbytes: int = GiB, reps: int = 5) -> dict
         times = sorted(times[1:])
         out[f"{name}_bytes_per_s"] = nbytes / times[len(times) // 2]
     del gpu, back
+    # whole passes over the pinned host memory in 256 MiB chunks, as decode streams the weights (the probe above
+    # copies one GiB again and again; on one host the runs' copies ran 10 % below it: profile.h2d_sweep)
+    out["sweep_h2d_bytes_per_s"] = h2d_sweep(flat, dev)["h2d_sweep_bytes_per_s"]
     torch.cuda.empty_cache()
     return out
 

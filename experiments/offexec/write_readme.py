@@ -168,6 +168,8 @@ def write(folder: Path, before: Path | None = None) -> Path:
             f"same process: H2D {link.get('h2d_bytes_per_s', 0) / 1e9:.1f} GB/s, D2H "
             f"{link.get('d2h_bytes_per_s', 0) / 1e9:.1f} GB/s, H2D beside D2H "
             f"{link.get('duplex_h2d_bytes_per_s', 0) / 1e9:.1f} GB/s"
+            + (f", H2D over a whole pass of the pinned weights {link['sweep_h2d_bytes_per_s'] / 1e9:.1f} GB/s"
+               if link.get("sweep_h2d_bytes_per_s") else "")
             + (f"; the profile's pinned H2D (largest copy): {_profile_h2d(d['hardware']) / 1e9:.1f} GB/s"
                if _profile_h2d(d["hardware"]) else "") + f".\n\n{_table(rs)}\n")
     prov = provenance()
