@@ -144,14 +144,14 @@ def h2d_sweep(host, device, chunk_bytes: int = LINK_SWEEP_CHUNK_BYTES, passes: i
 
 
 def profile_link_sweep(device, pool_bytes: int = LINK_SWEEP_POOL_BYTES) -> dict:
-    """``h2d_sweep`` over a fresh pinned pool of ``pool_bytes`` (at most a quarter of the host's memory), touched
+    """``h2d_sweep`` over a fresh pinned pool of ``pool_bytes`` (at most half of the host's memory), touched
     before timing; {} off CUDA (no link to sweep)."""
     import torch
 
     dev = torch.device(device)
     if dev.type != "cuda":
         return {}
-    pool = min(int(pool_bytes), host_memory_bytes() // 4)
+    pool = min(int(pool_bytes), host_memory_bytes() // 2)
     host = torch.empty(pool, dtype=torch.uint8, pin_memory=True)
     host.fill_(1)
     try:
@@ -1553,7 +1553,7 @@ def add_profile_parser(sub) -> None:
                         "streams its weights, beside one chunk copied as often) and keep the rest of the base "
                         "profile; offsim does not read it")
     p.add_argument("--sweep-pool-gb", type=float, default=LINK_SWEEP_POOL_BYTES / (1 << 30), metavar="GiB",
-                   help="the link sweep's pinned pool (default: %(default)g; at most a quarter of host memory)")
+                   help="the link sweep's pinned pool (default: %(default)g; at most half of host memory)")
     p.add_argument("--decode-only", action="store_true",
                    help="with --ops: measure only the decode ops' rows (replayed as CUDA graphs and eager, their "
                         "captures and issue times) at --op-batches, the runs at the short prompt alone; the prefill "
