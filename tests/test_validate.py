@@ -41,6 +41,14 @@ def test_slower_link_shows_up_as_error(tmp_path):
     r = V.validate_case(V.load_case(_measured(tmp_path, link_scale=0.5)))
     assert r["err_total_tok_s"] > 0.2  # predicted (full-speed link) is faster than "measured"
     assert r["mape_h2d"] == pytest.approx(0.5, rel=0.05)  # every copy took twice as long: |1 - 2| / 2
+    assert r["h2d_decode_time_ratio"] == pytest.approx(2.0, rel=0.02)  # decode's copies, measured over predicted
+    _measured(tmp_path, name="same")
+    df = V.validate_dir(tmp_path)
+    assert df.set_index("case").loc["same", "h2d_decode_time_ratio"] == pytest.approx(1.0)
+    md = V.report_markdown(df, "t", "test", {})
+    x = f"{r['h2d_decode_time_ratio']:.2f}"
+    assert "decode H2D time / predicted |" in md and f"| {x} |" in md and "| 1.00 |" in md
+    assert f"2 cases copied in decode, 1 more than 5% away from the profile's price (ratio 1.00-{x})" in md
 
 
 def test_repeated_case_reports_its_spread(tmp_path):

@@ -147,6 +147,9 @@ HOST_STATE_SLACK = 0.15
 # a run whose issuing thread spent at least this share of it issuing ops is host-bound: its speed is the host's
 # (the report counts such cases apart)
 HOST_BOUND_ISSUE = 0.5
+# a case whose decode copies took this much longer or shorter than offsim priced them (``h2d_decode_time_ratio``
+# beyond 1 +- this) met a link other than the profile's, or a copy the cost model misprices
+LINK_STATE_SLACK = 0.05
 
 
 @functools.lru_cache(maxsize=None)
@@ -212,6 +215,13 @@ def validate_case(case: dict, hardware: str | None = None) -> dict:
     j = j[j["sum_s_meas"] > 0]
     for kind, g in j.groupby("kind"):
         out[f"mape_{kind}"] = float(np.mean(np.abs(g["sum_s_pred"] - g["sum_s_meas"]) / g["sum_s_meas"]))
+    # the link as the run found it: decode's host-to-GPU op time (steps after the prefill), measured over predicted.
+    # Above 1 the run's copies took longer than the profile prices them; on a link-bound run that is the decode
+    # error's share from the link's rate that day (results/offexec/h100prof_fd0e0c5/: 1.10 on a host whose copies
+    # moved 49.5 GB/s against its profile's 55.0)
+    dec = j[(j["kind"] == "h2d") & (j["step"] >= 1)]
+    pred_s = float(dec["sum_s_pred"].sum())
+    out["h2d_decode_time_ratio"] = float(dec["sum_s_meas"].sum()) / pred_s if pred_s > 0 else float("nan")
     ms = pd.DataFrame(case["steps"], columns=["step", "start_s", "end_s", "latency_s"])
     ps = pd.DataFrame(pred["steps"], columns=["step", "start_s", "end_s", "latency_s"])
     s = ms.merge(ps, on="step", suffixes=("_meas", "_pred"))
@@ -380,10 +390,20 @@ def report_markdown(df: pd.DataFrame, title: str, command: str, prov: dict) -> s
                   + (f"; the other {len(e_r)}, {e_r.median():.1%} (max {e_r.max():.1%})" if len(e_r) else "")
                   + ". A host-bound run's speed follows the host's state that day, which the profile cannot "
                   "know; the host probe column is that state (ms for one fixed CPU-attention op before the run)."]
+    link = bool("h2d_decode_time_ratio" in df and df["h2d_decode_time_ratio"].notna().any())
+    if link:
+        lr = df["h2d_decode_time_ratio"].dropna()
+        slow = lr[(lr - 1).abs() > LINK_STATE_SLACK]
+        lines += ["", f"Link (decode's host-to-GPU op time, measured over predicted): {len(lr)} cases copied in "
+                  f"decode, {len(slow)} more than {LINK_STATE_SLACK:.0%} away from the profile's price (ratio "
+                  f"{lr.min():.2f}-{lr.max():.2f}). Above 1 the run's copies ran slower than the profile says; on a "
+                  "link-bound run that share of the decode error is the link's rate that day, or the cost model's "
+                  "copy pricing."]
     extra = ([("measured spread", "measured_spread", "{:.1%}")] * spread
              + [("host probe / profile's", "host_probe_ratio", "{:.2f}")] * probe
              + [("host issue", "measured_issue_frac", "{:.0%}")] * issue
-             + [("host probe ms", "host_probe_ms", "{:.2f}")] * probe_ms)
+             + [("host probe ms", "host_probe_ms", "{:.2f}")] * probe_ms
+             + [("decode H2D time / predicted", "h2d_decode_time_ratio", "{:.2f}")] * link)
     lines += ["", "| case | plan | batch | measured total tok/s | predicted | total error | prefill error | "
               "decode error |" + "".join(f" {h} |" for h, _, _ in extra), "| --- " * (8 + len(extra)) + "|"]
     for _, r in df.assign(_a=errs).sort_values("_a", ascending=False).iterrows():
