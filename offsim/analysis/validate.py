@@ -350,6 +350,17 @@ def check_thresholds(df: pd.DataFrame) -> list[str]:
     return bad
 
 
+def _ratio_note(df: pd.DataFrame, col: str, slack: float, what: str, recorded: str, beyond: str,
+                why: str) -> list[str]:
+    """A report paragraph on a ratio column (the case's state over the profile's): how many cases recorded it, how
+    many lie beyond 1 +- ``slack``, its range; [] where no case recorded it."""
+    v = df[col].dropna() if col in df else pd.Series(dtype=float)
+    if not len(v):
+        return []
+    n = int(((v - 1).abs() > slack).sum())
+    return ["", f"{what}: {len(v)} cases {recorded}, {n} {beyond} (ratio {v.min():.2f}-{v.max():.2f}){why}"]
+
+
 def report_markdown(df: pd.DataFrame, title: str, command: str, prov: dict) -> str:
     """A README for ``validate --out``: every number in it computed here from ``df`` (the validation.csv beside it):
     the targets' verdict, errors by phase and by policy, and one row per case, worst first."""
@@ -370,14 +381,13 @@ def report_markdown(df: pd.DataFrame, title: str, command: str, prov: dict) -> s
     # cases measured K times (matrix.py --repeats): their own spread beside the errors; cases that recorded the
     # host's state (offexec.hostprobe) against a profile that did: how much slower their host ran the probe
     spread = bool("measured_spread" in df and df["measured_spread"].notna().any())
-    probe = bool("host_probe_ratio" in df and df["host_probe_ratio"].notna().any())
-    if probe:
-        hp = df["host_probe_ratio"].dropna()
-        off = hp[(hp - 1).abs() > HOST_STATE_SLACK]
-        lines += ["", f"Host probe (`offexec.hostprobe`, one fixed CPU-attention op timed before each run and when "
-                  f"the profile was measured): {len(hp)} cases recorded it, {len(off)} ran it more than "
-                  f"{HOST_STATE_SLACK:.0%} slower or faster than the profile's host (ratio "
-                  f"{hp.min():.2f}-{hp.max():.2f}); their errors include the machine's change of state."]
+    note = _ratio_note(df, "host_probe_ratio", HOST_STATE_SLACK,
+                       "Host probe (`offexec.hostprobe`, one fixed CPU-attention op timed before each run and when "
+                       "the profile was measured)", "recorded it",
+                       f"ran it more than {HOST_STATE_SLACK:.0%} slower or faster than the profile's host",
+                       "; their errors include the machine's change of state.")
+    probe = bool(note)
+    lines += note
     issue = bool("measured_issue_frac" in df and df["measured_issue_frac"].notna().any())
     probe_ms = not probe and bool("host_probe_ms" in df and df["host_probe_ms"].notna().any())
     if issue:
@@ -390,15 +400,13 @@ def report_markdown(df: pd.DataFrame, title: str, command: str, prov: dict) -> s
                   + (f"; the other {len(e_r)}, {e_r.median():.1%} (max {e_r.max():.1%})" if len(e_r) else "")
                   + ". A host-bound run's speed follows the host's state that day, which the profile cannot "
                   "know; the host probe column is that state (ms for one fixed CPU-attention op before the run)."]
-    link = bool("h2d_decode_time_ratio" in df and df["h2d_decode_time_ratio"].notna().any())
-    if link:
-        lr = df["h2d_decode_time_ratio"].dropna()
-        slow = lr[(lr - 1).abs() > LINK_STATE_SLACK]
-        lines += ["", f"Link (decode's host-to-GPU op time, measured over predicted): {len(lr)} cases copied in "
-                  f"decode, {len(slow)} more than {LINK_STATE_SLACK:.0%} away from the profile's price (ratio "
-                  f"{lr.min():.2f}-{lr.max():.2f}). Above 1 the run's copies ran slower than the profile says; on a "
-                  "link-bound run that share of the decode error is the link's rate that day, or the cost model's "
-                  "copy pricing."]
+    note = _ratio_note(df, "h2d_decode_time_ratio", LINK_STATE_SLACK,
+                       "Link (decode's host-to-GPU op time, measured over predicted)", "copied in decode",
+                       f"more than {LINK_STATE_SLACK:.0%} away from the profile's price",
+                       ". Above 1 the run's copies ran slower than the profile says; on a link-bound run that share "
+                       "of the decode error is the link's rate that day, or the cost model's copy pricing.")
+    link = bool(note)
+    lines += note
     extra = ([("measured spread", "measured_spread", "{:.1%}")] * spread
              + [("host probe / profile's", "host_probe_ratio", "{:.2f}")] * probe
              + [("host issue", "measured_issue_frac", "{:.0%}")] * issue
