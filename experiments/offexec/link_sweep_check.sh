@@ -2,7 +2,7 @@
 # Does the link sweep see what a run's copies see? On one H100 host (2026-12-06, results/offexec/h100prof_fd0e0c5/)
 # decode's host-to-GPU copies moved 49.4-50.3 GB/s with the H2D stream busy 99-100 % of decode, while the one-buffer
 # probes read 53.9-55.0 GB/s on that host (the profile's, and the run's own in-process probe), so offsim's prediction
-# missed by +9 to +11 %; on another H100 host the day before the copies ran at 54.2 GB/s and offsim was within 2.7 %.
+# missed by +9 to +11 %; on another H100 host three hours before, the copies ran at 54.2 GB/s and offsim was within 2.7 %.
 # This call measures, on one machine, in one go:
 #   1. `offexec profile --link-sweep-only` at pools of 16 and 64 GiB (provenance.link_sweep: each pass's rate over the
 #      pool, and one chunk copied as often) on the card's profile;
