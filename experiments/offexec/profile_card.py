@@ -16,19 +16,23 @@ import statistics
 from pathlib import Path
 
 from experiments.common import argparser, provenance
+from offsim.core.costmodel import interp
 
 GiB_BYTES = 1 << 30
 
 
 def _at(curve, x: float) -> float | None:
-    """``curve``'s value at ``x`` ([[x, y], ...]): the point itself, else linear between its neighbours, else None."""
-    if not curve:
-        return None
-    pts = sorted((float(a), float(b)) for a, b in curve)
-    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-        if x0 <= x <= x1:
-            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    return pts[-1][1] if x >= pts[-1][0] else None
+    """``curve``'s value at ``x`` as the cost model reads it (``costmodel.interp``); None where the profile has no
+    such curve."""
+    return interp(curve, x) if curve else None
+
+
+def measured_gpu(d: dict, default: str = "") -> str:
+    """The GPU a profile was measured on: its provenance's 'measured' record (a profile assembled from several
+    measurements, as profile v2), or the provenance itself (a profile written by one `offexec profile` run);
+    ``default`` where neither names one."""
+    prov = d.get("provenance", {})
+    return str(prov.get("measured", prov).get("gpu", default))
 
 
 def scalar_rows(new: dict, ref: dict) -> list[tuple[str, float | None, float | None, str]]:
@@ -86,9 +90,8 @@ def report(new_path: Path, ref_path: Path, model: str) -> str:
     from offsim.core.specs import get_model, layer_key
 
     new, ref = json.loads(new_path.read_text()), json.loads(ref_path.read_text())
-    def gpu(d):  # the card a profile was measured on: its 'measured' record, or a one-run profile's provenance
-        prov = d.get("provenance", {})
-        return prov.get("measured", prov).get("gpu", d.get("name"))
+    def gpu(d):  # (a profile that names no GPU: its name)
+        return measured_gpu(d, d.get("name", ""))
 
     layer = layer_key(get_model(model))
     lines = [f"| quantity | {gpu(new)} | {gpu(ref)} | ratio | unit |", "| --- | --- | --- | --- | --- |"]

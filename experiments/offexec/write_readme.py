@@ -9,10 +9,12 @@ this one's, run by run -- what a change to the executor did to the issuing threa
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
 from experiments.common import argparser, provenance
+from experiments.offexec.profile_card import measured_gpu
 from offsim.core.plan import RUN_AHEAD_OPS
 
 GiB = 2 ** 30
@@ -66,8 +68,10 @@ def _table(runs) -> str:
                      + ["| " + " | ".join(x) + " |" for x in rows])
 
 
+@functools.lru_cache(maxsize=None)
 def _profile(hardware: str) -> dict:
-    """The profile JSON a run was planned on, {} where it is a preset or not readable here."""
+    """The profile JSON a run was planned on, {} where it is a preset or not readable here (read once: every run of
+    a folder names it)."""
     path = Path(hardware)
     if not path.is_file():
         return {}
@@ -78,10 +82,8 @@ def _profile(hardware: str) -> dict:
 
 
 def _profile_gpu(hardware: str) -> str:
-    """The GPU a run's profile was measured on (its provenance's 'measured' record, or the provenance itself in a
-    profile written by one `offexec profile` run), '' where that is unknown."""
-    prov = _profile(hardware).get("provenance", {})
-    return str(prov.get("measured", prov).get("gpu", ""))
+    """The GPU a run's profile was measured on, '' where that is unknown."""
+    return measured_gpu(_profile(hardware))
 
 
 def _profile_h2d(hardware: str) -> float | None:
@@ -159,6 +161,7 @@ def write(folder: Path, before: Path | None = None) -> Path:
         rs = [x for x in runs if x[0] == sub]
         d = rs[0][1]
         wl, pv = d["workload"], d["provenance"]
+        h2d = _profile_h2d(d["hardware"])
         link = d.get("link", {})
         parts.append(
             f"### `{sub}`: {d['model']}, prompt {wl['prompt_len']}, gen {wl['gen_len']}, "
@@ -170,8 +173,8 @@ def write(folder: Path, before: Path | None = None) -> Path:
             f"{link.get('duplex_h2d_bytes_per_s', 0) / 1e9:.1f} GB/s"
             + (f", H2D over a whole pass of the pinned weights {link['sweep_h2d_bytes_per_s'] / 1e9:.1f} GB/s"
                if link.get("sweep_h2d_bytes_per_s") else "")
-            + (f"; the profile's pinned H2D (largest copy): {_profile_h2d(d['hardware']) / 1e9:.1f} GB/s"
-               if _profile_h2d(d["hardware"]) else "") + f".\n\n{_table(rs)}\n")
+            + (f"; the profile's pinned H2D (largest copy): {h2d / 1e9:.1f} GB/s" if h2d else "")
+            + f".\n\n{_table(rs)}\n")
     prov = provenance()
     cmd = f"python -m experiments.offexec.write_readme {folder}" + (f" --before {before}" if before else "")
     gpus = sorted({str(d["provenance"].get("gpu")) for _, d, _ in runs})
